@@ -1,0 +1,60 @@
+//! `CallbackList`: many callbacks run as one, in order, skipping chief-only ones on workers
+//! that are not the chief.
+
+use super::{Callback, FitInfo, Logs};
+use crate::{Model, Result};
+
+/// Callbacks run in order as one callback.
+#[derive(Default)]
+pub struct CallbackList {
+    callbacks: Vec<Box<dyn Callback>>,
+    is_chief: bool,
+}
+
+impl CallbackList {
+    /// Runs `callbacks`; chief-only ones run only when `is_chief`.
+    pub fn new(callbacks: Vec<Box<dyn Callback>>, is_chief: bool) -> Self {
+        Self {
+            callbacks,
+            is_chief,
+        }
+    }
+
+    /// Appends a callback.
+    pub fn push(&mut self, callback: Box<dyn Callback>) {
+        self.callbacks.push(callback);
+    }
+
+    fn each(&mut self, mut f: impl FnMut(&mut dyn Callback) -> Result<()>) -> Result<()> {
+        let is_chief = self.is_chief;
+        for cb in self
+            .callbacks
+            .iter_mut()
+            .filter(|cb| is_chief || !cb.chief_only())
+        {
+            f(cb.as_mut())?;
+        }
+        Ok(())
+    }
+}
+
+impl Callback for CallbackList {
+    fn on_train_begin(&mut self, info: &FitInfo, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_train_begin(info, model))
+    }
+    fn on_train_end(&mut self, logs: &Logs, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_train_end(logs, model))
+    }
+    fn on_epoch_begin(&mut self, epoch: usize, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_epoch_begin(epoch, model))
+    }
+    fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_epoch_end(epoch, logs, model))
+    }
+    fn on_train_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_train_batch_begin(batch, model))
+    }
+    fn on_train_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_train_batch_end(batch, logs, model))
+    }
+}

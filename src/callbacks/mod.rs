@@ -1,0 +1,129 @@
+//! Callbacks: everything observable about training (progress, history, checkpoints, CSV,
+//! plots, early stopping, learning-rate changes) hooks into `fit` through [`Callback`].
+//!
+//! A callback implements only the hooks it needs; the rest default to doing nothing. Hooks get
+//! the flat `name -> value` [`Logs`] (`loss`, `accuracy`, `val_loss`, `val_accuracy`, `lr`)
+//! and the [`Model`], through which they read and change the learning rate, save or restore
+//! weights, or stop training. Epochs are counted from 0, as in Keras.
+//!
+//! ```
+//! use kandle::callbacks::{Callback, Logs};
+//! use kandle::Model;
+//!
+//! /// Stops once training accuracy passes a threshold.
+//! struct StopAt(f64);
+//!
+//! impl Callback for StopAt {
+//!     fn on_epoch_end(&mut self, _epoch: usize, logs: &Logs, model: &mut Model) -> kandle::Result<()> {
+//!         if logs.get("accuracy").is_some_and(|a| a >= self.0) {
+//!             model.stop_training();
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//! ```
+
+mod callback_list;
+mod history;
+mod logs;
+mod progress;
+
+pub use callback_list::CallbackList;
+pub use history::History;
+pub use logs::Logs;
+pub use progress::{ProgressBar, Verbosity};
+
+use crate::{Model, Result};
+
+/// What `fit` tells callbacks when training begins.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitInfo {
+    /// The epoch training stops before (the `epochs` option).
+    pub epochs: usize,
+    /// The first epoch that runs (`initial_epoch`).
+    pub initial_epoch: usize,
+    /// Steps in each epoch.
+    pub steps_per_epoch: usize,
+    /// Training samples seen per epoch.
+    pub samples: usize,
+    /// Samples in each step across all replicas.
+    pub global_batch_size: usize,
+    /// Whether a validation set is evaluated after each epoch.
+    pub has_validation: bool,
+}
+
+/// A hook into training. Every method has a default that does nothing.
+pub trait Callback: Send {
+    /// Before the first epoch.
+    fn on_train_begin(&mut self, _info: &FitInfo, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After the last epoch, with the last epoch's logs.
+    fn on_train_end(&mut self, _logs: &Logs, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before each epoch.
+    fn on_epoch_begin(&mut self, _epoch: usize, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each epoch (and its validation), with the epoch's averages.
+    fn on_epoch_end(&mut self, _epoch: usize, _logs: &Logs, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before each training step.
+    fn on_train_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each training step, with the epoch's running averages so far and `batch_loss`.
+    fn on_train_batch_end(
+        &mut self,
+        _batch: usize,
+        _logs: &Logs,
+        _model: &mut Model,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether only the chief worker runs this callback (true for anything that draws or
+    /// writes files). Non-chief workers of a multi-worker run skip it.
+    fn chief_only(&self) -> bool {
+        false
+    }
+
+    /// The callback as a trait object, for `FitOptions::callbacks`.
+    fn boxed(self) -> Box<dyn Callback>
+    where
+        Self: Sized + 'static,
+    {
+        Box::new(self)
+    }
+}
+
+impl<C: Callback + ?Sized> Callback for Box<C> {
+    fn on_train_begin(&mut self, info: &FitInfo, model: &mut Model) -> Result<()> {
+        (**self).on_train_begin(info, model)
+    }
+    fn on_train_end(&mut self, logs: &Logs, model: &mut Model) -> Result<()> {
+        (**self).on_train_end(logs, model)
+    }
+    fn on_epoch_begin(&mut self, epoch: usize, model: &mut Model) -> Result<()> {
+        (**self).on_epoch_begin(epoch, model)
+    }
+    fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        (**self).on_epoch_end(epoch, logs, model)
+    }
+    fn on_train_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        (**self).on_train_batch_begin(batch, model)
+    }
+    fn on_train_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        (**self).on_train_batch_end(batch, logs, model)
+    }
+    fn chief_only(&self) -> bool {
+        (**self).chief_only()
+    }
+}

@@ -1,0 +1,151 @@
+//! Checkpoints: weights as safetensors, written atomically and loadable onto any device.
+//!
+//! A checkpoint holds every variable under its canonical name (`conv2d_1.weight`,
+//! `batch_normalization_1.running_mean`, ...), with no strategy prefix, so a file written under
+//! one strategy loads under any other. Writes go to a temporary file in the same directory,
+//! are synced, then renamed over the target: a crash mid-write never leaves a torn checkpoint.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::params::Weights;
+use crate::{Error, Result};
+
+/// Writes `weights` to `path` atomically (temporary file, fsync, rename).
+pub fn save(weights: &Weights, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let cpu: Vec<(String, Tensor)> = weights
+        .iter()
+        .map(|(k, v)| {
+            Ok((
+                k.clone(),
+                v.to_device(&Device::Cpu)?
+                    .to_dtype(DType::F32)?
+                    .contiguous()?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let bytes = serialize(&cpu).map_err(|reason| Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    write_atomically(path, &bytes)
+}
+
+fn serialize(tensors: &[(String, Tensor)]) -> std::result::Result<Vec<u8>, String> {
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .iter()
+        .map(|(k, t)| {
+            let values = t
+                .flatten_all()
+                .and_then(|f| f.to_vec1::<f32>())
+                .map_err(|e| e.to_string())?;
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            Ok((k.clone(), bytes, t.dims().to_vec()))
+        })
+        .collect::<std::result::Result<_, String>>()?;
+    let views = data
+        .iter()
+        .map(|(k, bytes, shape)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (k.as_str(), v))
+                .map_err(|e| e.to_string())
+        })
+        .collect::<std::result::Result<Vec<_>, String>>()?;
+    safetensors::serialize(views, None).map_err(|e| e.to_string())
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, then renames it.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create directory", &dir, e))?;
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| Error::invalid(format!("`{}` is not a file path", path.display())))?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io("cannot write", path, e)
+    })
+}
+
+/// Reads a checkpoint into CPU tensors.
+pub fn load(path: impl AsRef<Path>) -> Result<Weights> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| Error::io("cannot read checkpoint", path, e))?;
+    let corrupt = |reason: String| Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| corrupt(format!("not a valid safetensors file ({e})")))?;
+    let mut weights = Weights::new();
+    for (name, view) in st.tensors() {
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => DType::F32,
+            safetensors::Dtype::F64 => DType::F64,
+            safetensors::Dtype::F16 => DType::F16,
+            safetensors::Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(corrupt(format!(
+                    "tensor `{name}` has unsupported dtype {other:?}"
+                )))
+            }
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
+            .map_err(|e| corrupt(format!("tensor `{name}`: {e}")))?
+            .to_dtype(DType::F32)?;
+        weights.insert(name, t);
+    }
+    Ok(weights)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_corruption() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("kandle-ckpt-{}", std::process::id()));
+        let path = dir.join("w.safetensors");
+        let mut w = Weights::new();
+        w.insert(
+            "a.weight".into(),
+            Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?,
+        );
+        save(&w, &path)?;
+        let back = load(&path)?;
+        assert_eq!(
+            back["a.weight"].to_vec2::<f32>()?,
+            vec![vec![1., 2.], vec![3., 4.]]
+        );
+        let leftovers = std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(leftovers, 1, "no temporary file may remain");
+        let bytes = std::fs::read(&path).map_err(|e| Error::io("read", &path, e))?;
+        std::fs::write(&path, &bytes[..bytes.len() / 2])
+            .map_err(|e| Error::io("write", &path, e))?;
+        let err = load(&path).expect_err("truncated file").to_string();
+        assert!(err.contains("not a valid safetensors file"), "{err}");
+        let missing = load(dir.join("nope.safetensors"))
+            .expect_err("missing")
+            .to_string();
+        assert!(missing.contains("cannot read checkpoint"), "{missing}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}

@@ -1,0 +1,98 @@
+//! Data: the [`Dataset`] trait, datasets held in memory, the batching loader with a background
+//! prefetch thread, and the bundled digits dataset.
+//!
+//! A dataset hands out samples by index into caller-provided buffers, so batches are assembled
+//! without a per-sample allocation. Images are `f32` in `(channels, height, width)` order.
+//! Targets are either class indices (for the sparse losses) or dense values such as one-hot
+//! rows (for the categorical losses and regression).
+
+use crate::Result;
+
+/// What a dataset's targets are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Targets {
+    /// One class index per sample, in `0..num_classes`. Batched as a `u32` tensor `(batch,)`.
+    Classes(usize),
+    /// A dense `f32` value of this shape per sample (a one-hot row is `[num_classes]`).
+    /// Batched as `(batch, shape...)`.
+    Values(Vec<usize>),
+}
+
+impl Targets {
+    /// Floats per sample in the target buffer (1 for a class index).
+    pub fn width(&self) -> usize {
+        match self {
+            Targets::Classes(_) => 1,
+            Targets::Values(shape) => shape.iter().product(),
+        }
+    }
+}
+
+/// Samples addressed by index.
+pub trait Dataset: Send + Sync {
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// Whether there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The shape of one input sample, e.g. `[3, 32, 32]`.
+    fn sample_shape(&self) -> &[usize];
+
+    /// What the targets are.
+    fn targets(&self) -> Targets;
+
+    /// Writes sample `index` into `x` (`sample_shape` elements) and its target into `y`
+    /// (`targets().width()` elements; a class index is written as its `f32` value).
+    fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()>;
+
+    /// A name for error messages, e.g. `digits (train)`.
+    fn name(&self) -> &str {
+        "dataset"
+    }
+}
+
+impl<D: Dataset + ?Sized> Dataset for &D {
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+    fn sample_shape(&self) -> &[usize] {
+        (**self).sample_shape()
+    }
+    fn targets(&self) -> Targets {
+        (**self).targets()
+    }
+    fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
+        (**self).read(index, x, y)
+    }
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
+/// One batch, assembled on the CPU.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// Inputs, `(batch, sample_shape...)`, `f32`.
+    pub x: candle_core::Tensor,
+    /// Targets: `u32` `(batch,)` for class indices, `f32` `(batch, shape...)` for values.
+    pub y: candle_core::Tensor,
+}
+
+impl Batch {
+    /// Number of samples in the batch.
+    pub fn len(&self) -> usize {
+        self.x.dims().first().copied().unwrap_or(0)
+    }
+
+    /// Whether the batch holds no sample.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+mod loader;
+
+pub use loader::{split_tail, Loader, LoaderOptions};

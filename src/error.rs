@@ -1,0 +1,119 @@
+//! The crate's one error type.
+//!
+//! Every fallible function in `kandle` returns [`Result`]. Variants carry enough context to act
+//! on: a shape error names the layer and both shapes, an I/O error names the file, a checkpoint
+//! error names the tensors that did not match.
+
+use std::path::PathBuf;
+
+/// What went wrong.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor operation inside Candle failed.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// A layer received an input whose shape it cannot take.
+    #[error("layer `{layer}` expected input of shape {expected} but got {got}")]
+    Shape {
+        /// The layer's name.
+        layer: String,
+        /// What the layer accepts, e.g. `(batch, 3, H, W)`.
+        expected: String,
+        /// What it received.
+        got: String,
+    },
+
+    /// Inputs, labels or options that cannot be used together.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    /// A dataset with no samples where samples are needed.
+    #[error("dataset `{0}` is empty")]
+    EmptyDataset(String),
+
+    /// Reading or writing a file failed.
+    #[error("{action} `{path}`: {source}")]
+    Io {
+        /// What was being done, e.g. "cannot write checkpoint".
+        action: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+
+    /// A checkpoint that cannot be read or does not fit the model.
+    #[error("checkpoint `{path}`: {reason}")]
+    Checkpoint {
+        /// The checkpoint file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A dataset file that is missing, truncated or malformed.
+    #[error("dataset `{path}`: {reason}")]
+    Data {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A device that does not exist or cannot be used.
+    #[error("device: {0}")]
+    Device(String),
+
+    /// A replica or worker failed or stopped answering during a distributed step.
+    #[error("replica {replica}: {reason}")]
+    Replica {
+        /// Which replica or worker, e.g. `worker 1` or `replica 0 (cuda:0)`.
+        replica: String,
+        /// What happened.
+        reason: String,
+    },
+
+    /// The model was used before it was built or compiled.
+    #[error("model not ready: {0}")]
+    NotReady(String),
+
+    /// Drawing a plot failed.
+    #[error("plot `{path}`: {reason}")]
+    Plot {
+        /// The image file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// `Result` with kandle's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// An [`Error::InvalidInput`] from anything printable.
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidInput(msg.into())
+    }
+
+    /// An [`Error::Io`] for `path`.
+    pub fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Formats a shape with the batch dimension shown as `batch`, as in error messages.
+pub(crate) fn shape_with_batch(dims: &[usize]) -> String {
+    let inner: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    if inner.is_empty() {
+        "(batch,)".to_string()
+    } else {
+        format!("(batch, {})", inner.join(", "))
+    }
+}

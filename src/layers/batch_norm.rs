@@ -1,0 +1,225 @@
+//! `BatchNormalization` with Keras's defaults (momentum 0.99, epsilon 1e-3), over the channel
+//! axis of `(C, H, W)` images or the feature axis of `(F,)` vectors.
+//!
+//! In training it normalises with the batch's mean and (biased) variance and moves the running
+//! statistics: `moving = momentum * moving + (1 - momentum) * batch`. In inference, and always
+//! when the layer is frozen (Keras's rule for `trainable = false`), it uses the running
+//! statistics. The running statistics are non-trainable variables named `running_mean` and
+//! `running_var`; the scale and offset are `weight` and `bias`, as in PyTorch.
+
+use candle_core::{Tensor, Var};
+
+use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use crate::params::Init;
+use crate::Result;
+
+/// Batch normalisation.
+#[derive(Debug, Clone)]
+pub struct BatchNormalization {
+    momentum: f64,
+    epsilon: f64,
+    center: bool,
+    scale: bool,
+}
+
+impl Default for BatchNormalization {
+    fn default() -> Self {
+        Self {
+            momentum: 0.99,
+            epsilon: 1e-3,
+            center: true,
+            scale: true,
+        }
+    }
+}
+
+impl BatchNormalization {
+    /// Keras's defaults: momentum 0.99, epsilon 1e-3, with scale and offset.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How much of the old running statistics to keep at each step (Keras convention: 0.99).
+    pub fn momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Added to the variance before the square root.
+    pub fn epsilon(mut self, epsilon: f64) -> Self {
+        self.epsilon = epsilon;
+        self
+    }
+
+    /// Whether to learn an offset (`bias`).
+    pub fn center(mut self, center: bool) -> Self {
+        self.center = center;
+        self
+    }
+
+    /// Whether to learn a scale (`weight`).
+    pub fn scale(mut self, scale: bool) -> Self {
+        self.scale = scale;
+        self
+    }
+}
+
+impl LayerSpec for BatchNormalization {
+    fn kind(&self) -> &'static str {
+        "batch_normalization"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        if !(input_shape.len() == 1 || input_shape.len() == 3) {
+            return Err(shape_error(
+                ctx,
+                "(batch, features) or (batch, channels, height, width)",
+                input_shape,
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.momentum) || self.epsilon <= 0.0 {
+            return Err(crate::Error::invalid(format!(
+                "layer `{}`: momentum must be in [0, 1] and epsilon positive",
+                ctx.path()
+            )));
+        }
+        let channels = input_shape[0];
+        let weight = if self.scale {
+            Some(ctx.variable("weight", &[channels], Init::Ones)?)
+        } else {
+            None
+        };
+        let bias = if self.center {
+            Some(ctx.variable("bias", &[channels], Init::Zeros)?)
+        } else {
+            None
+        };
+        let running_mean = ctx.non_trainable_variable("running_mean", &[channels], Init::Zeros)?;
+        let running_var = ctx.non_trainable_variable("running_var", &[channels], Init::Ones)?;
+        let layer = BatchNormLayer {
+            weight: weight.map(|v| v.as_tensor().clone()),
+            bias: bias.map(|v| v.as_tensor().clone()),
+            running_mean,
+            running_var,
+            momentum: self.momentum,
+            epsilon: self.epsilon,
+            frozen: !ctx.trainable(),
+            rank: input_shape.len() + 1,
+        };
+        Ok(Built::leaf(layer, input_shape.to_vec()))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+struct BatchNormLayer {
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+    running_mean: Var,
+    running_var: Var,
+    momentum: f64,
+    epsilon: f64,
+    frozen: bool,
+    rank: usize,
+}
+
+impl BatchNormLayer {
+    /// Reshapes a per-channel vector so it broadcasts against the input.
+    fn per_channel(&self, v: &Tensor) -> Result<Tensor> {
+        let c = v.dim(0)?;
+        Ok(if self.rank == 4 {
+            v.reshape((1, c, 1, 1))?
+        } else {
+            v.reshape((1, c))?
+        })
+    }
+
+    /// Mean and biased variance per channel.
+    fn batch_stats(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let reduce: &[usize] = if self.rank == 4 { &[0, 2, 3] } else { &[0] };
+        let mean = x.mean_keepdim(reduce)?;
+        let centered = x.broadcast_sub(&mean)?;
+        let var = centered.sqr()?.mean_keepdim(reduce)?;
+        Ok((mean.flatten_all()?, var.flatten_all()?))
+    }
+
+    fn normalize(&self, x: &Tensor, mean: &Tensor, var: &Tensor) -> Result<Tensor> {
+        let inv_std = (var + self.epsilon)?.sqrt()?.recip()?;
+        let mut y = x
+            .broadcast_sub(&self.per_channel(mean)?)?
+            .broadcast_mul(&self.per_channel(&inv_std)?)?;
+        if let Some(w) = &self.weight {
+            y = y.broadcast_mul(&self.per_channel(w)?)?;
+        }
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(&self.per_channel(b)?)?;
+        }
+        Ok(y)
+    }
+}
+
+impl Layer for BatchNormLayer {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if !train || self.frozen {
+            let mean = self.running_mean.as_tensor().detach();
+            let var = self.running_var.as_tensor().detach();
+            return self.normalize(x, &mean, &var);
+        }
+        let (mean, var) = self.batch_stats(x)?;
+        let m = self.momentum;
+        let update = |moving: &Var, batch: &Tensor| -> Result<()> {
+            let next = ((moving.as_tensor().detach() * m)? + (batch.detach() * (1.0 - m))?)?;
+            Ok(moving.set(&next)?)
+        };
+        update(&self.running_mean, &mean)?;
+        update(&self.running_var, &var)?;
+        self.normalize(x, &mean, &var)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn normalises_per_channel_and_moves_statistics() -> Result<()> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let built = BatchNormalization::new().build(&mut ctx, &[2, 1, 2])?;
+        let store = ctx.into_store();
+        // channel 0: 1,3,5,7 (mean 4, var 5); channel 1: all 2 (mean 2, var 0)
+        let x = Tensor::new(
+            &[[[[1f32, 3.]], [[2., 2.]]], [[[5., 7.]], [[2., 2.]]]],
+            &Device::Cpu,
+        )?;
+        let y = built.layer.forward_t(&x, true)?;
+        let y0: Vec<f32> = y.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+        let s = (5f32 + 1e-3).sqrt();
+        for (got, want) in y0.iter().zip([-3. / s, -1. / s, 1. / s, 3. / s]) {
+            assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+        }
+        let mean = store
+            .get("running_mean")
+            .map(|p| p.var.as_tensor().to_vec1::<f32>())
+            .transpose()?;
+        let var = store
+            .get("running_var")
+            .map(|p| p.var.as_tensor().to_vec1::<f32>())
+            .transpose()?;
+        let mean = mean.unwrap_or_default();
+        let var = var.unwrap_or_default();
+        assert!(
+            (mean[0] - 0.04).abs() < 1e-6 && (mean[1] - 0.02).abs() < 1e-6,
+            "{mean:?}"
+        );
+        assert!(
+            (var[0] - (0.99 + 0.05)).abs() < 1e-6 && (var[1] - 0.99).abs() < 1e-6,
+            "{var:?}"
+        );
+        let (trainable, frozen) = store.count("");
+        assert_eq!((trainable, frozen), (4, 4));
+        Ok(())
+    }
+}

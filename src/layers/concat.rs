@@ -1,0 +1,118 @@
+//! `Concat`: parallel branches over the same input, joined on the channel axis. Inception and
+//! downsample modules are built from it.
+
+use candle_core::Tensor;
+
+use super::{BuildContext, Built, Layer, LayerSpec, SummaryRow};
+use crate::Result;
+
+/// Runs each branch on the same input and concatenates the outputs along channels (the first
+/// non-batch axis). All other axes must agree. Unnamed branches are called `branch_1`,
+/// `branch_2`, ...
+#[derive(Debug, Clone)]
+pub struct Concat {
+    branches: Vec<Box<dyn LayerSpec>>,
+}
+
+impl Concat {
+    /// Joins the given branches.
+    pub fn new<I, L>(branches: I) -> Self
+    where
+        I: IntoIterator<Item = L>,
+        L: LayerSpec,
+    {
+        Self {
+            branches: branches
+                .into_iter()
+                .map(|b| Box::new(b) as Box<dyn LayerSpec>)
+                .collect(),
+        }
+    }
+}
+
+impl LayerSpec for Concat {
+    fn kind(&self) -> &'static str {
+        "concat"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        if self.branches.is_empty() {
+            return Err(crate::Error::invalid(format!(
+                "layer `{}` has no branches",
+                ctx.path()
+            )));
+        }
+        let mut layers = Vec::with_capacity(self.branches.len());
+        let mut rows = Vec::with_capacity(self.branches.len());
+        let mut out: Option<Vec<usize>> = None;
+        for (i, spec) in self.branches.iter().enumerate() {
+            let name = spec
+                .name()
+                .map(str::to_string)
+                .unwrap_or_else(|| format!("branch_{}", i + 1));
+            let built = ctx.scoped(&name, |ctx| spec.build(ctx, input_shape))?;
+            let shape = built.output_shape.clone();
+            out = Some(match out {
+                None => shape.clone(),
+                Some(mut acc) => {
+                    if acc.len() != shape.len() || acc.is_empty() || acc[1..] != shape[1..] {
+                        return Err(crate::Error::Shape {
+                            layer: ctx.path(),
+                            expected: format!(
+                                "branches whose outputs agree on all but channels, but `{}` gives {}",
+                                self.branch_name(0),
+                                crate::error::shape_with_batch(&acc)
+                            ),
+                            got: format!("{} from `{name}`", crate::error::shape_with_batch(&shape)),
+                        });
+                    }
+                    acc[0] += shape[0];
+                    acc
+                }
+            });
+            let (trainable, non_trainable) = ctx.count_in(&name);
+            rows.push(SummaryRow {
+                name,
+                kind: spec.kind().to_string(),
+                output_shape: shape,
+                trainable,
+                non_trainable,
+                children: built.children,
+            });
+            layers.push(built.layer);
+        }
+        Ok(Built {
+            layer: Box::new(ConcatLayer { branches: layers }),
+            output_shape: out.unwrap_or_default(),
+            children: rows,
+        })
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+impl Concat {
+    fn branch_name(&self, i: usize) -> String {
+        self.branches[i]
+            .name()
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("branch_{}", i + 1))
+    }
+}
+
+struct ConcatLayer {
+    branches: Vec<Box<dyn Layer>>,
+}
+
+impl Layer for ConcatLayer {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let outs = self
+            .branches
+            .iter()
+            .map(|b| b.forward_t(x, train))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&outs, 1)?)
+    }
+}

@@ -1,0 +1,255 @@
+//! `Conv2D`: a 2-D convolution over `(channels, height, width)` inputs, with Keras's `same` and
+//! `valid` padding, strides and an optional bias.
+
+use candle_core::Tensor;
+
+use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use crate::params::Init;
+use crate::Result;
+
+/// How a convolution or pooling window treats the borders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Padding {
+    /// No padding: only full windows, output `floor((in - k) / s) + 1`.
+    #[default]
+    Valid,
+    /// Pad so that the output is `ceil(in / s)`, splitting the padding as TensorFlow does (the
+    /// extra row or column, if any, goes at the bottom/right).
+    Same,
+}
+
+impl Padding {
+    /// Output size and `(before, after)` padding along one axis.
+    pub(crate) fn resolve(
+        self,
+        input: usize,
+        kernel: usize,
+        stride: usize,
+    ) -> Option<(usize, usize, usize)> {
+        match self {
+            Padding::Valid => (input >= kernel).then(|| ((input - kernel) / stride + 1, 0, 0)),
+            Padding::Same => {
+                let out = input.div_ceil(stride);
+                let total = ((out - 1) * stride + kernel).saturating_sub(input);
+                (out > 0).then_some((out, total / 2, total - total / 2))
+            }
+        }
+    }
+}
+
+/// A 2-D convolution. Weights are `(filters, in_channels, kh, kw)`, initialised Glorot-uniform;
+/// the bias starts at zero.
+#[derive(Debug, Clone)]
+pub struct Conv2D {
+    filters: usize,
+    kernel: (usize, usize),
+    stride: (usize, usize),
+    padding: Padding,
+    use_bias: bool,
+}
+
+impl Conv2D {
+    /// `filters` output channels with a square `kernel_size` window, stride 1, `valid` padding
+    /// and a bias.
+    pub fn new(filters: usize, kernel_size: usize) -> Self {
+        Self {
+            filters,
+            kernel: (kernel_size, kernel_size),
+            stride: (1, 1),
+            padding: Padding::Valid,
+            use_bias: true,
+        }
+    }
+
+    /// A rectangular `(height, width)` window.
+    pub fn kernel(mut self, kh: usize, kw: usize) -> Self {
+        self.kernel = (kh, kw);
+        self
+    }
+
+    /// The same stride along both axes.
+    pub fn stride(mut self, stride: usize) -> Self {
+        self.stride = (stride, stride);
+        self
+    }
+
+    /// `(vertical, horizontal)` strides.
+    pub fn strides(mut self, sh: usize, sw: usize) -> Self {
+        self.stride = (sh, sw);
+        self
+    }
+
+    /// Border handling.
+    pub fn padding(mut self, padding: Padding) -> Self {
+        self.padding = padding;
+        self
+    }
+
+    /// Whether to add a bias (default true).
+    pub fn use_bias(mut self, use_bias: bool) -> Self {
+        self.use_bias = use_bias;
+        self
+    }
+}
+
+impl LayerSpec for Conv2D {
+    fn kind(&self) -> &'static str {
+        "conv2d"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let expected = "(batch, channels, height, width)";
+        let &[c, h, w] = input_shape else {
+            return Err(shape_error(ctx, expected, input_shape));
+        };
+        let (kh, kw) = self.kernel;
+        let (sh, sw) = self.stride;
+        if self.filters == 0 || kh == 0 || kw == 0 || sh == 0 || sw == 0 {
+            return Err(crate::Error::invalid(format!(
+                "layer `{}`: filters, kernel size and strides must be positive",
+                ctx.path()
+            )));
+        }
+        let (Some((oh, pt, pb)), Some((ow, pl, pr))) = (
+            self.padding.resolve(h, kh, sh),
+            self.padding.resolve(w, kw, sw),
+        ) else {
+            return Err(shape_error(
+                ctx,
+                &format!("(batch, channels, >={kh}, >={kw}) for a {kh}x{kw} valid convolution"),
+                input_shape,
+            ));
+        };
+        let fan_in = c * kh * kw;
+        let fan_out = self.filters * kh * kw;
+        let weight = ctx.variable(
+            "weight",
+            &[self.filters, c, kh, kw],
+            Init::GlorotUniform { fan_in, fan_out },
+        )?;
+        let bias = if self.use_bias {
+            Some(ctx.variable("bias", &[self.filters], Init::Zeros)?)
+        } else {
+            None
+        };
+        let layer = Conv2DLayer {
+            weight: weight.as_tensor().clone(),
+            bias: bias.map(|b| b.as_tensor().clone()),
+            stride: self.stride,
+            pad: (pt, pb, pl, pr),
+        };
+        Ok(Built::leaf(layer, vec![self.filters, oh, ow]))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+struct Conv2DLayer {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    stride: (usize, usize),
+    /// top, bottom, left, right
+    pad: (usize, usize, usize, usize),
+}
+
+impl Layer for Conv2DLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        let (pt, pb, pl, pr) = self.pad;
+        let y = if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
+            x.conv2d(&self.weight, pt, self.stride.0, 1, 1)?
+        } else {
+            let x = x.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
+            strided_conv(&x, &self.weight, self.stride)?
+        };
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
+            None => y,
+        })
+    }
+}
+
+/// A convolution without padding whose vertical and horizontal strides may differ.
+fn strided_conv(x: &Tensor, weight: &Tensor, (sh, sw): (usize, usize)) -> Result<Tensor> {
+    if sh == sw {
+        return Ok(x.conv2d(weight, 0, sh, 1, 1)?);
+    }
+    // Candle takes one stride for both axes: convolve densely, then subsample each axis.
+    let y = x.conv2d(weight, 0, 1, 1, 1)?;
+    Ok(subsample(&subsample(&y, 2, sh)?, 3, sw)?)
+}
+
+/// Keeps every `step`-th element along `dim`, starting from the first.
+pub(crate) fn subsample(x: &Tensor, dim: usize, step: usize) -> candle_core::Result<Tensor> {
+    if step == 1 {
+        return Ok(x.clone());
+    }
+    let len = x.dim(dim)?;
+    let out = len.div_ceil(step);
+    let padded = x.pad_with_zeros(dim, 0, out * step - len)?;
+    let mut dims = padded.dims().to_vec();
+    dims[dim] = out;
+    dims.insert(dim + 1, step);
+    padded
+        .reshape(dims)?
+        .narrow(dim + 1, 0, 1)?
+        .squeeze(dim + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn same_padding_matches_tensorflow_sizes() {
+        assert_eq!(Padding::Same.resolve(32, 3, 1), Some((32, 1, 1)));
+        assert_eq!(Padding::Same.resolve(32, 3, 2), Some((16, 0, 1)));
+        assert_eq!(Padding::Same.resolve(7, 2, 1), Some((7, 0, 1)));
+        assert_eq!(Padding::Valid.resolve(32, 3, 2), Some((15, 0, 0)));
+        assert_eq!(Padding::Valid.resolve(2, 3, 1), None);
+    }
+
+    #[test]
+    fn output_shape_and_values() -> Result<()> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let built = Conv2D::new(4, 3)
+            .stride(2)
+            .padding(Padding::Same)
+            .build(&mut ctx, &[2, 9, 8])?;
+        assert_eq!(built.output_shape, vec![4, 5, 4]);
+        let x = Tensor::ones((3, 2, 9, 8), DType::F32, &Device::Cpu)?;
+        assert_eq!(built.layer.forward_t(&x, true)?.dims(), &[3, 4, 5, 4]);
+
+        // A 1x1 convolution with unit weights sums channels.
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let built = Conv2D::new(1, 1).build(&mut ctx, &[2, 2, 2])?;
+        let store = ctx.into_store();
+        let w = store.get("weight").map(|p| p.var.clone());
+        w.as_ref()
+            .map(|w| w.set(&Tensor::ones((1, 2, 1, 1), DType::F32, &Device::Cpu)?))
+            .transpose()?;
+        let x = Tensor::arange(0f32, 8., &Device::Cpu)?.reshape((1, 2, 2, 2))?;
+        let y = built
+            .layer
+            .forward_t(&x, false)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        assert_eq!(y, vec![4., 6., 8., 10.]);
+        Ok(())
+    }
+
+    #[test]
+    fn mixed_strides() -> Result<()> {
+        let x = Tensor::arange(0f32, 30., &Device::Cpu)?.reshape((1, 1, 5, 6))?;
+        let w = Tensor::ones((1, 1, 1, 1), DType::F32, &Device::Cpu)?;
+        let y = strided_conv(&x, &w, (2, 3))?;
+        assert_eq!(y.dims(), &[1, 1, 3, 2]);
+        assert_eq!(
+            y.flatten_all()?.to_vec1::<f32>()?,
+            vec![0., 3., 12., 15., 24., 27.]
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,108 @@
+//! `Dropout`: in training, zeroes each element with probability `rate` and scales the rest by
+//! `1 / (1 - rate)`; in inference, the identity.
+//!
+//! Masks come from a generator seeded at build time, so a seeded run is repeatable on any
+//! device.
+
+use std::sync::Mutex;
+
+use candle_core::{Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::{BuildContext, Built, Layer, LayerSpec};
+use crate::Result;
+
+/// Inverted dropout.
+#[derive(Debug, Clone)]
+pub struct Dropout {
+    rate: f64,
+}
+
+impl Dropout {
+    /// Drops each element with probability `rate`, in `[0, 1)`.
+    pub fn new(rate: f64) -> Self {
+        Self { rate }
+    }
+}
+
+impl LayerSpec for Dropout {
+    fn kind(&self) -> &'static str {
+        "dropout"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        if !(0.0..1.0).contains(&self.rate) {
+            return Err(crate::Error::invalid(format!(
+                "layer `{}`: dropout rate must be in [0, 1), got {}",
+                ctx.path(),
+                self.rate
+            )));
+        }
+        let seed = ctx.rng().random();
+        let layer = DropoutLayer {
+            rate: self.rate,
+            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+        };
+        Ok(Built::leaf(layer, input_shape.to_vec()))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+struct DropoutLayer {
+    rate: f64,
+    rng: Mutex<StdRng>,
+}
+
+impl Layer for DropoutLayer {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if !train || self.rate == 0.0 {
+            return Ok(x.clone());
+        }
+        let keep = 1.0 - self.rate;
+        let scale = (1.0 / keep) as f32;
+        let mask: Vec<f32> = {
+            let mut rng = self
+                .rng
+                .lock()
+                .map_err(|_| crate::Error::invalid("dropout generator poisoned by a panic"))?;
+            (0..x.elem_count())
+                .map(|_| {
+                    if rng.random::<f64>() < keep {
+                        scale
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        };
+        let mask = Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
+            .to_dtype(x.dtype())?
+            .to_device(x.device())?;
+        Ok(x.mul(&mask)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+
+    #[test]
+    fn drops_about_rate_and_keeps_expectation() -> Result<()> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 3);
+        let built = Dropout::new(0.5).build(&mut ctx, &[1000])?;
+        let x = Tensor::ones((4, 1000), DType::F32, &Device::Cpu)?;
+        let y: Vec<f32> = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1()?;
+        let zeros = y.iter().filter(|v| **v == 0.0).count();
+        assert!((1800..2200).contains(&zeros), "{zeros}");
+        assert!(y.iter().all(|v| *v == 0.0 || *v == 2.0));
+        let z = built.layer.forward_t(&x, false)?;
+        assert_eq!(z.sum_all()?.to_scalar::<f32>()?, 4000.0);
+        assert!(Dropout::new(1.0).build(&mut ctx, &[3]).is_err());
+        Ok(())
+    }
+}

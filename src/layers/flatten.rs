@@ -1,0 +1,30 @@
+//! `Flatten`: reshapes `(batch, d1, d2, ...)` to `(batch, d1 * d2 * ...)`.
+
+use candle_core::Tensor;
+
+use super::{BuildContext, Built, Layer, LayerSpec};
+use crate::Result;
+
+/// Flattens everything but the batch axis.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Flatten;
+
+impl LayerSpec for Flatten {
+    fn kind(&self) -> &'static str {
+        "flatten"
+    }
+
+    fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        Ok(Built::leaf(Flatten, vec![input_shape.iter().product()]))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(Flatten)
+    }
+}
+
+impl Layer for Flatten {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        Ok(x.flatten_from(1)?)
+    }
+}

@@ -1,0 +1,170 @@
+//! Layers: recipes that are declared without input sizes and built lazily for an input shape.
+//!
+//! Two traits split what Keras keeps in one class:
+//! - a [`LayerSpec`] is the recipe (`Conv2D::new(32, 3)`): `Clone`, device-free, cheap;
+//! - building it with a [`BuildContext`] for an input shape creates its variables on a device
+//!   and returns a [`Layer`], the thing that runs `forward_t(x, train)`.
+//!
+//! Shapes exclude the batch dimension, as in Keras, and images are `(channels, height, width)`
+//! (Candle's NCHW layout). A strategy builds the same recipe once per replica, which is how
+//! replicas get identical, identically named variables.
+//!
+//! ```
+//! use kandle::layers::{Activation, Conv2D, Dense, Flatten, MaxPooling2D, Padding, Sequential};
+//!
+//! let net = Sequential::new()
+//!     .add(Conv2D::new(16, 3).padding(Padding::Same))
+//!     .add(Activation::Relu)
+//!     .add(MaxPooling2D::new(2))
+//!     .add(Flatten)
+//!     .add(Dense::new(10))
+//!     .add(Activation::Softmax);
+//! let summary = net.summary(&[1, 8, 8])?;
+//! assert_eq!(summary.trainable, 16 * 9 + 16 + 16 * 4 * 4 * 10 + 10);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+mod activation;
+mod batch_norm;
+mod candle_adapter;
+mod concat;
+mod conv2d;
+mod dense;
+mod dropout;
+mod flatten;
+mod pooling;
+mod sequential;
+mod summary;
+mod wrappers;
+
+pub(crate) use activation::log_softmax as activation_log_softmax;
+pub use activation::Activation;
+pub use batch_norm::BatchNormalization;
+pub use candle_adapter::CandleLayer;
+pub use concat::Concat;
+pub use conv2d::{Conv2D, Padding};
+pub use dense::Dense;
+pub use dropout::Dropout;
+pub use flatten::Flatten;
+pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
+pub use sequential::{Sequential, SequentialNet};
+pub use summary::{Summary, SummaryRow};
+pub use wrappers::{LayerSpecExt, Named, Trainable};
+
+use candle_core::Tensor;
+
+pub use crate::params::BuildContext;
+use crate::Result;
+
+/// A built layer: variables on a device and the computation that uses them.
+pub trait Layer: Send + Sync {
+    /// Runs the layer. `train` selects training behaviour (batch statistics, dropout).
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor>;
+
+    /// Runs the layer and, when its output is a softmax of some logits, also returns those
+    /// logits, so that cross-entropy can be computed stably from them. The default returns
+    /// `None` for the logits.
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        Ok((self.forward_t(x, train)?, None))
+    }
+}
+
+impl<L: Layer + ?Sized> Layer for Box<L> {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        (**self).forward_t(x, train)
+    }
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        (**self).forward_with_logits(x, train)
+    }
+}
+
+/// What building a recipe produces.
+pub struct Built {
+    /// The runnable layer.
+    pub layer: Box<dyn Layer>,
+    /// The output shape, without the batch dimension.
+    pub output_shape: Vec<usize>,
+    /// For composites: one row per direct child, for [`Summary`].
+    pub children: Vec<SummaryRow>,
+}
+
+impl Built {
+    /// A leaf layer with no children.
+    pub fn leaf(layer: impl Layer + 'static, output_shape: Vec<usize>) -> Self {
+        Self {
+            layer: Box::new(layer),
+            output_shape,
+            children: Vec::new(),
+        }
+    }
+}
+
+/// A layer recipe: declared without input sizes, built for an input shape.
+pub trait LayerSpec: Send + Sync + 'static {
+    /// The kind, used for automatic names (`conv2d` gives `conv2d_1`, `conv2d_2`, ...).
+    fn kind(&self) -> &'static str;
+
+    /// Creates the variables in `ctx` and returns the layer for inputs of `input_shape`
+    /// (without the batch dimension). A shape the layer cannot take is an [`crate::Error::Shape`]
+    /// naming `ctx.path()`.
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built>;
+
+    /// A boxed copy of the recipe.
+    fn clone_spec(&self) -> Box<dyn LayerSpec>;
+
+    /// The name given by the user, if any.
+    fn name(&self) -> Option<&str> {
+        None
+    }
+}
+
+impl Clone for Box<dyn LayerSpec> {
+    fn clone(&self) -> Self {
+        self.clone_spec()
+    }
+}
+
+impl std::fmt::Debug for dyn LayerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name().unwrap_or(self.kind()))
+    }
+}
+
+/// Builds a list of child recipes in scopes named after them (the user's name, or `kind_N`
+/// numbered per kind from 1), feeding each child's output shape to the next when `chain`.
+pub(crate) fn child_names(children: &[Box<dyn LayerSpec>]) -> Vec<String> {
+    let mut counts = std::collections::HashMap::<&str, usize>::new();
+    children
+        .iter()
+        .map(|c| match c.name() {
+            Some(n) => n.to_string(),
+            None => {
+                let n = counts.entry(c.kind()).or_insert(0);
+                *n += 1;
+                format!("{}_{}", c.kind(), n)
+            }
+        })
+        .collect()
+}
+
+/// The shape error for the layer being built in `ctx`.
+pub(crate) fn shape_error(ctx: &BuildContext, expected: &str, got: &[usize]) -> crate::Error {
+    crate::Error::Shape {
+        layer: ctx.path(),
+        expected: expected.to_string(),
+        got: crate::error::shape_with_batch(got),
+    }
+}
+
+/// Checks at run time that `x` is `(batch, expected...)`, naming `layer` otherwise.
+pub(crate) fn check_input(layer: &str, x: &Tensor, expected: &[usize]) -> Result<()> {
+    let dims = x.dims();
+    if dims.len() != expected.len() + 1 || &dims[1..] != expected {
+        return Err(crate::Error::Shape {
+            layer: layer.to_string(),
+            expected: crate::error::shape_with_batch(expected),
+            got: format!("{dims:?}"),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,334 @@
+//! Pooling: `MaxPooling2D`, `AveragePooling2D` and `GlobalAveragePooling2D`.
+//!
+//! When the window equals the stride and nothing is padded, Candle's own pooling ops run.
+//! Otherwise (MiniGoogLeNet's 3x3/stride-2 max pool, `same` padding) the pool is the element-wise
+//! maximum or sum of the `kh * kw` strided views of the input, which autograd differentiates on
+//! every device. `same` average pooling divides by the number of real (unpadded) elements, as
+//! TensorFlow does.
+
+use candle_core::{Device, Tensor};
+
+use super::conv2d::subsample;
+use super::{shape_error, BuildContext, Built, Layer, LayerSpec, Padding};
+use crate::Result;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolKind {
+    Max,
+    Average,
+}
+
+/// Window, stride and padding shared by the two pooling layers.
+#[derive(Debug, Clone, Copy)]
+struct Pool2D {
+    kind: PoolKind,
+    window: (usize, usize),
+    stride: Option<(usize, usize)>,
+    padding: Padding,
+}
+
+impl Pool2D {
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let &[c, h, w] = input_shape else {
+            return Err(shape_error(
+                ctx,
+                "(batch, channels, height, width)",
+                input_shape,
+            ));
+        };
+        let (kh, kw) = self.window;
+        let (sh, sw) = self.stride.unwrap_or(self.window);
+        if kh == 0 || kw == 0 || sh == 0 || sw == 0 {
+            return Err(crate::Error::invalid(format!(
+                "layer `{}`: pool size and strides must be positive",
+                ctx.path()
+            )));
+        }
+        let (Some((oh, pt, pb)), Some((ow, pl, pr))) = (
+            self.padding.resolve(h, kh, sh),
+            self.padding.resolve(w, kw, sw),
+        ) else {
+            return Err(shape_error(
+                ctx,
+                &format!("(batch, channels, >={kh}, >={kw}) for a {kh}x{kw} valid pool"),
+                input_shape,
+            ));
+        };
+        let geometry = Geometry {
+            window: (kh, kw),
+            stride: (sh, sw),
+            pad: (pt, pb, pl, pr),
+            out: (oh, ow),
+        };
+        // Same-padded average pools divide each window by its count of real elements.
+        let divisor = match self.kind {
+            PoolKind::Average if geometry.padded() => {
+                let ones = Tensor::ones((1, 1, h, w), candle_core::DType::F32, &Device::Cpu)?;
+                let counts = geometry.reduce(&ones, PoolKind::Average)?;
+                Some(counts.to_device(ctx.device())?)
+            }
+            _ => None,
+        };
+        let layer = PoolLayer {
+            kind: self.kind,
+            geometry,
+            divisor,
+        };
+        Ok(Built::leaf(layer, vec![c, oh, ow]))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    window: (usize, usize),
+    stride: (usize, usize),
+    /// top, bottom, left, right
+    pad: (usize, usize, usize, usize),
+    out: (usize, usize),
+}
+
+impl Geometry {
+    fn padded(&self) -> bool {
+        self.pad != (0, 0, 0, 0)
+    }
+
+    /// Max or sum over each window, by combining the strided views of the padded input.
+    fn reduce(&self, x: &Tensor, kind: PoolKind) -> Result<Tensor> {
+        let (pt, pb, pl, pr) = self.pad;
+        let x = if self.padded() {
+            let fill = match kind {
+                PoolKind::Max => f64::NEG_INFINITY,
+                PoolKind::Average => 0.0,
+            };
+            pad_with(&pad_with(x, 2, pt, pb, fill)?, 3, pl, pr, fill)?
+        } else {
+            x.clone()
+        };
+        let (kh, kw) = self.window;
+        let (sh, sw) = self.stride;
+        let (oh, ow) = self.out;
+        let mut acc: Option<Tensor> = None;
+        for i in 0..kh {
+            let rows = subsample(&x.narrow(2, i, sh * (oh - 1) + 1)?, 2, sh)?;
+            for j in 0..kw {
+                let view = subsample(&rows.narrow(3, j, sw * (ow - 1) + 1)?, 3, sw)?;
+                acc = Some(match (acc, kind) {
+                    (None, _) => view,
+                    (Some(a), PoolKind::Max) => a.maximum(&view)?,
+                    (Some(a), PoolKind::Average) => (a + view)?,
+                });
+            }
+        }
+        acc.ok_or_else(|| crate::Error::invalid("empty pooling window"))
+    }
+}
+
+/// Pads `dim` with `before` and `after` elements of `value`.
+fn pad_with(x: &Tensor, dim: usize, before: usize, after: usize, value: f64) -> Result<Tensor> {
+    if before == 0 && after == 0 {
+        return Ok(x.clone());
+    }
+    let block = |n: usize| -> Result<Tensor> {
+        let mut dims = x.dims().to_vec();
+        dims[dim] = n;
+        Ok(Tensor::full(value, dims, x.device())?.to_dtype(x.dtype())?)
+    };
+    let mut parts = Vec::with_capacity(3);
+    if before > 0 {
+        parts.push(block(before)?);
+    }
+    parts.push(x.clone());
+    if after > 0 {
+        parts.push(block(after)?);
+    }
+    Ok(Tensor::cat(&parts, dim)?)
+}
+
+struct PoolLayer {
+    kind: PoolKind,
+    geometry: Geometry,
+    divisor: Option<Tensor>,
+}
+
+impl Layer for PoolLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        let g = &self.geometry;
+        let native = g.window == g.stride && !g.padded();
+        let (kh, kw) = g.window;
+        Ok(match (self.kind, native) {
+            (PoolKind::Max, true) => x.max_pool2d((kh, kw))?,
+            (PoolKind::Average, true) => x.avg_pool2d((kh, kw))?,
+            (PoolKind::Max, false) => g.reduce(x, PoolKind::Max)?,
+            (PoolKind::Average, false) => {
+                let sum = g.reduce(x, PoolKind::Average)?;
+                match &self.divisor {
+                    Some(d) => sum.broadcast_div(&d.to_dtype(x.dtype())?)?,
+                    None => (sum / (kh * kw) as f64)?,
+                }
+            }
+        })
+    }
+}
+
+macro_rules! pooling_layer {
+    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone)]
+        pub struct $name(Pool2D);
+
+        impl $name {
+            /// A square `pool_size` window; the stride defaults to the window, padding to `valid`.
+            pub fn new(pool_size: usize) -> Self {
+                Self(Pool2D {
+                    kind: $kind,
+                    window: (pool_size, pool_size),
+                    stride: None,
+                    padding: Padding::Valid,
+                })
+            }
+
+            /// A rectangular `(height, width)` window.
+            pub fn window(mut self, kh: usize, kw: usize) -> Self {
+                self.0.window = (kh, kw);
+                self
+            }
+
+            /// The same stride along both axes.
+            pub fn stride(mut self, stride: usize) -> Self {
+                self.0.stride = Some((stride, stride));
+                self
+            }
+
+            /// `(vertical, horizontal)` strides.
+            pub fn strides(mut self, sh: usize, sw: usize) -> Self {
+                self.0.stride = Some((sh, sw));
+                self
+            }
+
+            /// Border handling.
+            pub fn padding(mut self, padding: Padding) -> Self {
+                self.0.padding = padding;
+                self
+            }
+        }
+
+        impl LayerSpec for $name {
+            fn kind(&self) -> &'static str {
+                $label
+            }
+
+            fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+                self.0.build(ctx, input_shape)
+            }
+
+            fn clone_spec(&self) -> Box<dyn LayerSpec> {
+                Box::new(self.clone())
+            }
+        }
+    };
+}
+
+pooling_layer!(
+    /// Maximum over each window.
+    MaxPooling2D,
+    PoolKind::Max,
+    "max_pooling2d"
+);
+pooling_layer!(
+    /// Mean over each window.
+    AveragePooling2D,
+    PoolKind::Average,
+    "average_pooling2d"
+);
+
+/// Mean over the spatial axes: `(batch, C, H, W)` to `(batch, C)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GlobalAveragePooling2D;
+
+impl LayerSpec for GlobalAveragePooling2D {
+    fn kind(&self) -> &'static str {
+        "global_average_pooling2d"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let &[c, _, _] = input_shape else {
+            return Err(shape_error(
+                ctx,
+                "(batch, channels, height, width)",
+                input_shape,
+            ));
+        };
+        Ok(Built::leaf(GlobalAveragePooling2D, vec![c]))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(*self)
+    }
+}
+
+impl Layer for GlobalAveragePooling2D {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        Ok(x.mean((2, 3))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn pool(spec: &dyn LayerSpec, x: &Tensor) -> Result<Tensor> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let dims = x.dims()[1..].to_vec();
+        let built = spec.build(&mut ctx, &dims)?;
+        assert_eq!(
+            built.output_shape,
+            built.layer.forward_t(x, true)?.dims()[1..].to_vec()
+        );
+        built.layer.forward_t(x, true)
+    }
+
+    #[test]
+    fn overlapping_max_pool_values_and_gradient() -> Result<()> {
+        let x = Var::new(
+            &[[[
+                [1f32, 2., 3., 4., 5.],
+                [6., 7., 8., 9., 10.],
+                [11., 12., 13., 14., 15.],
+                [16., 17., 18., 19., 20.],
+                [21., 22., 23., 24., 25.],
+            ]]],
+            &Device::Cpu,
+        )?;
+        let y = pool(&MaxPooling2D::new(3).stride(2), x.as_tensor())?;
+        assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, vec![13., 15., 23., 25.]);
+        let grads = y.sum_all()?.backward()?;
+        let g = grads
+            .get(x.as_tensor())
+            .map(|g| g.flatten_all()?.to_vec1::<f32>())
+            .transpose()?;
+        let mut want = vec![0f32; 25];
+        for i in [12, 14, 22, 24] {
+            want[i] = 1.0;
+        }
+        assert_eq!(g, Some(want));
+        Ok(())
+    }
+
+    #[test]
+    fn same_padding_pools() -> Result<()> {
+        let x = Tensor::arange(1f32, 10., &Device::Cpu)?.reshape((1, 1, 3, 3))?;
+        let m = pool(&MaxPooling2D::new(2).stride(2).padding(Padding::Same), &x)?;
+        assert_eq!(m.flatten_all()?.to_vec1::<f32>()?, vec![5., 6., 8., 9.]);
+        let a = pool(
+            &AveragePooling2D::new(2).stride(2).padding(Padding::Same),
+            &x,
+        )?;
+        assert_eq!(a.flatten_all()?.to_vec1::<f32>()?, vec![3., 4.5, 7.5, 9.]);
+        let native = pool(&AveragePooling2D::new(3), &x)?;
+        assert_eq!(native.flatten_all()?.to_vec1::<f32>()?, vec![5.]);
+        let g = pool(&GlobalAveragePooling2D, &x)?;
+        assert_eq!(g.dims(), &[1, 1]);
+        Ok(())
+    }
+}

@@ -1,0 +1,194 @@
+//! `Sequential`: a stack of layers, each feeding the next. It is the model recipe users build,
+//! and also a layer, so stacks nest (an inception branch is a `Sequential` inside a `Concat`).
+
+use candle_core::{Device, Tensor};
+
+use super::{check_input, child_names, BuildContext, Built, Layer, LayerSpec, Summary, SummaryRow};
+use crate::params::ParamStore;
+use crate::Result;
+
+/// A stack of layer recipes.
+#[derive(Debug, Clone, Default)]
+pub struct Sequential {
+    layers: Vec<Box<dyn LayerSpec>>,
+    input_shape: Option<Vec<usize>>,
+}
+
+impl Sequential {
+    /// An empty stack.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a layer (builder style).
+    pub fn add(mut self, layer: impl LayerSpec) -> Self {
+        self.push(layer);
+        self
+    }
+
+    /// Appends a layer.
+    pub fn push(&mut self, layer: impl LayerSpec) {
+        self.layers.push(Box::new(layer));
+    }
+
+    /// Declares the input shape (without the batch dimension), like `keras.Input(shape)`, so
+    /// the model can be built before it sees data.
+    pub fn input_shape(mut self, shape: &[usize]) -> Self {
+        self.input_shape = Some(shape.to_vec());
+        self
+    }
+
+    /// The declared input shape, if any.
+    pub fn declared_input_shape(&self) -> Option<&[usize]> {
+        self.input_shape.as_deref()
+    }
+
+    /// Number of layers in the stack (not counting nested ones).
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Whether the stack is empty.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Builds the stack as a whole network on `device`, with variables initialised from `seed`.
+    pub fn build_network(
+        &self,
+        device: &Device,
+        input_shape: &[usize],
+        seed: u64,
+    ) -> Result<(SequentialNet, ParamStore, Summary)> {
+        let mut ctx = BuildContext::new(device, seed);
+        let built = self.build_layers(&mut ctx, input_shape)?;
+        let store = ctx.into_store();
+        let (trainable, non_trainable) = store.count("");
+        let summary = Summary {
+            input_shape: input_shape.to_vec(),
+            rows: built.children,
+            trainable,
+            non_trainable,
+        };
+        Ok((built.net, store, summary))
+    }
+
+    /// The layer table for inputs of `input_shape`, built on the CPU.
+    pub fn summary(&self, input_shape: &[usize]) -> Result<Summary> {
+        Ok(self.build_network(&Device::Cpu, input_shape, 0)?.2)
+    }
+
+    fn build_layers(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<BuiltStack> {
+        let path = if ctx.path().is_empty() {
+            "model".to_string()
+        } else {
+            ctx.path()
+        };
+        if self.layers.is_empty() {
+            return Err(crate::Error::invalid(format!("`{path}` has no layers")));
+        }
+        let mut shape = input_shape.to_vec();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        let mut rows = Vec::with_capacity(self.layers.len());
+        for (spec, name) in self.layers.iter().zip(child_names(&self.layers)) {
+            let built = ctx.scoped(&name, |ctx| spec.build(ctx, &shape))?;
+            let full = if ctx.path().is_empty() {
+                name.clone()
+            } else {
+                format!("{}.{name}", ctx.path())
+            };
+            let (trainable, non_trainable) = ctx.count_in(&name);
+            rows.push(SummaryRow {
+                name: name.clone(),
+                kind: spec.kind().to_string(),
+                output_shape: built.output_shape.clone(),
+                trainable,
+                non_trainable,
+                children: built.children,
+            });
+            shape = built.output_shape;
+            layers.push((full, built.layer));
+        }
+        Ok(BuiltStack {
+            net: SequentialNet {
+                path,
+                input_shape: input_shape.to_vec(),
+                output_shape: shape,
+                layers,
+            },
+            children: rows,
+        })
+    }
+}
+
+struct BuiltStack {
+    net: SequentialNet,
+    children: Vec<SummaryRow>,
+}
+
+impl LayerSpec for Sequential {
+    fn kind(&self) -> &'static str {
+        "sequential"
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let stack = self.build_layers(ctx, input_shape)?;
+        Ok(Built {
+            output_shape: stack.net.output_shape.clone(),
+            layer: Box::new(stack.net),
+            children: stack.children,
+        })
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+/// A built [`Sequential`]: its layers, in order, with their full names.
+pub struct SequentialNet {
+    path: String,
+    input_shape: Vec<usize>,
+    output_shape: Vec<usize>,
+    layers: Vec<(String, Box<dyn Layer>)>,
+}
+
+impl SequentialNet {
+    /// The shape it was built for, without the batch dimension.
+    pub fn input_shape(&self) -> &[usize] {
+        &self.input_shape
+    }
+
+    /// The output shape, without the batch dimension.
+    pub fn output_shape(&self) -> &[usize] {
+        &self.output_shape
+    }
+
+    /// The full names of the layers, in order.
+    pub fn layer_names(&self) -> impl Iterator<Item = &str> {
+        self.layers.iter().map(|(n, _)| n.as_str())
+    }
+}
+
+impl Layer for SequentialNet {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        check_input(&self.path, x, &self.input_shape)?;
+        let mut h = x.clone();
+        for (_, layer) in &self.layers {
+            h = layer.forward_t(&h, train)?;
+        }
+        Ok(h)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        check_input(&self.path, x, &self.input_shape)?;
+        let Some(((_, last), init)) = self.layers.split_last() else {
+            return Ok((x.clone(), None));
+        };
+        let mut h = x.clone();
+        for (_, layer) in init {
+            h = layer.forward_t(&h, train)?;
+        }
+        last.forward_with_logits(&h, train)
+    }
+}

@@ -1,0 +1,101 @@
+//! Wrappers that change how a recipe is named or trained: `.named("stem")` and
+//! `.trainable(false)` (freezing, for transfer learning).
+
+use super::{BuildContext, Built, LayerSpec};
+use crate::Result;
+
+/// A recipe with a user-chosen name, which becomes its variables' prefix.
+#[derive(Debug, Clone)]
+pub struct Named<L> {
+    inner: L,
+    name: String,
+}
+
+impl<L: LayerSpec + Clone> LayerSpec for Named<L> {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        self.inner.build(ctx, input_shape)
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+
+    fn name(&self) -> Option<&str> {
+        Some(&self.name)
+    }
+}
+
+/// A recipe whose variables are trainable or frozen. Frozen variables are left out of the
+/// optimizer and count as non-trainable in the summary; a frozen `BatchNormalization` always
+/// uses its moving statistics, as in Keras.
+#[derive(Debug, Clone)]
+pub struct Trainable<L> {
+    inner: L,
+    trainable: bool,
+}
+
+impl<L: LayerSpec + Clone> LayerSpec for Trainable<L> {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        ctx.with_trainable(self.trainable, |ctx| self.inner.build(ctx, input_shape))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+
+    fn name(&self) -> Option<&str> {
+        self.inner.name()
+    }
+}
+
+/// Builder methods available on every recipe.
+pub trait LayerSpecExt: LayerSpec + Clone + Sized {
+    /// Names the layer; its variables become `<name>.weight` and so on.
+    fn named(self, name: impl Into<String>) -> Named<Self> {
+        Named {
+            inner: self,
+            name: name.into(),
+        }
+    }
+
+    /// Sets whether the layer's variables are trained (`false` freezes them).
+    fn trainable(self, trainable: bool) -> Trainable<Self> {
+        Trainable {
+            inner: self,
+            trainable,
+        }
+    }
+
+    /// The recipe as a trait object.
+    fn boxed(self) -> Box<dyn LayerSpec> {
+        Box::new(self)
+    }
+}
+
+impl<L: LayerSpec + Clone> LayerSpecExt for L {}
+
+impl LayerSpec for Box<dyn LayerSpec> {
+    fn kind(&self) -> &'static str {
+        (**self).kind()
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        (**self).build(ctx, input_shape)
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        (**self).clone_spec()
+    }
+
+    fn name(&self) -> Option<&str> {
+        (**self).name()
+    }
+}

@@ -1,0 +1,71 @@
+//! # kandle
+//!
+//! Keras-style training for [Candle](https://github.com/huggingface/candle): declare a
+//! [`Sequential`](layers::Sequential) of layers, [`compile`](layers::Sequential::compile) it
+//! with an optimizer, a loss, metrics and a [`Strategy`], then [`fit`](Model::fit),
+//! [`evaluate`](Model::evaluate) and [`predict`](Model::predict).
+//!
+//! How the pieces connect:
+//! - [`layers`]: recipes (`Conv2D`, `BatchNormalization`, `Dense`, `Concat`, ...) that are
+//!   declared without input sizes and built lazily for an input shape;
+//! - [`Strategy`]: where the variables live and how a training step runs across devices.
+//!   [`OneDeviceStrategy`] lives here; `kandle-strategies` adds Mirrored, CentralStorage and
+//!   MultiWorkerMirrored behind the same trait, so `fit` never changes;
+//! - [`Model`]: the compiled model, owning the epoch loop;
+//! - [`callbacks`]: progress, history, checkpoints, CSV, plots, early stopping, schedules;
+//! - [`data`]: datasets, the prefetching loader and the bundled digits set.
+//!
+//! ```
+//! use kandle::prelude::*;
+//!
+//! let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+//! let net = Sequential::new()
+//!     .add(Flatten)
+//!     .add(Dense::new(32))
+//!     .add(Activation::Relu)
+//!     .add(Dense::new(10))
+//!     .add(Activation::Softmax);
+//! let mut model = net.compile(
+//!     Adam::new(1e-2),
+//!     Loss::SparseCategoricalCrossentropy,
+//!     [Metric::Accuracy],
+//!     &OneDeviceStrategy::cpu(),
+//! )?;
+//! let history = model.fit(&train, FitOptions { epochs: 3, batch_size_per_replica: 32, ..Default::default() })?;
+//! assert_eq!(history.epochs, vec![0, 1, 2]);
+//! let logs = model.evaluate(&test, 64)?;
+//! assert!(logs.get("accuracy").unwrap_or(0.0) > 0.5);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+pub mod callbacks;
+pub mod checkpoint;
+pub mod data;
+pub mod devices;
+mod error;
+pub mod layers;
+pub mod losses;
+pub mod metrics;
+mod model;
+pub mod optimizers;
+pub mod params;
+pub mod replica;
+pub mod schedules;
+pub mod strategy;
+
+pub use error::{Error, Result};
+pub use losses::Loss;
+pub use metrics::Metric;
+pub use model::{FitOptions, Model};
+pub use strategy::{OneDeviceStrategy, Strategy};
+
+/// The names most programs need, in one import.
+pub mod prelude {
+    pub use crate::callbacks::{Callback, History, Logs};
+    pub use crate::data::{Dataset, Targets};
+    pub use crate::layers::{
+        Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense,
+        Dropout, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
+    };
+    pub use crate::{Error, FitOptions, Loss, Metric, Model, OneDeviceStrategy, Result, Strategy};
+}

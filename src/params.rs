@@ -1,0 +1,434 @@
+//! Named parameters: the variables a built network owns, their initialisers and their names.
+//!
+//! A network built from a recipe (see [`crate::layers`]) keeps every variable in a
+//! [`ParamStore`] under a stable, readable name such as `conv2d_1.weight` or
+//! `inception_2.branch_3x3.bn.running_mean`. The names depend only on the recipe, never on the
+//! device or the strategy, so a checkpoint written by one strategy loads under any other.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::{Error, Result};
+
+/// Weights by name: what checkpoints hold and what strategies copy between replicas.
+pub type Weights = BTreeMap<String, Tensor>;
+
+/// How a new variable is filled.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+    /// Every element set to the value.
+    Constant(f64),
+    /// Glorot (Xavier) uniform, Keras's default for kernels: `U(-l, l)` with
+    /// `l = sqrt(6 / (fan_in + fan_out))`.
+    GlorotUniform {
+        /// Inputs feeding one output unit (`in_channels * kh * kw` for a convolution).
+        fan_in: usize,
+        /// Outputs fed by one input unit (`out_channels * kh * kw` for a convolution).
+        fan_out: usize,
+    },
+    /// He (Kaiming) normal: `N(0, 2 / fan_in)`.
+    HeNormal {
+        /// Inputs feeding one output unit.
+        fan_in: usize,
+    },
+    /// Uniform on `[low, high)`.
+    Uniform {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound.
+        high: f64,
+    },
+}
+
+impl Init {
+    fn sample(&self, count: usize, rng: &mut StdRng) -> Vec<f32> {
+        match *self {
+            Init::Zeros => vec![0.0; count],
+            Init::Ones => vec![1.0; count],
+            Init::Constant(v) => vec![v as f32; count],
+            Init::GlorotUniform { fan_in, fan_out } => {
+                let limit = (6.0 / (fan_in + fan_out).max(1) as f64).sqrt();
+                uniform(count, -limit, limit, rng)
+            }
+            Init::Uniform { low, high } => uniform(count, low, high, rng),
+            Init::HeNormal { fan_in } => {
+                let std = (2.0 / fan_in.max(1) as f64).sqrt();
+                (0..count)
+                    .map(|_| (standard_normal(rng) * std) as f32)
+                    .collect()
+            }
+        }
+    }
+}
+
+fn uniform(count: usize, low: f64, high: f64, rng: &mut StdRng) -> Vec<f32> {
+    (0..count)
+        .map(|_| rng.random_range(low..high) as f32)
+        .collect()
+}
+
+/// Box-Muller: one standard normal sample.
+fn standard_normal(rng: &mut StdRng) -> f64 {
+    let u1: f64 = rng.random_range(f64::EPSILON..1.0);
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// One named variable.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// The full, stable name, e.g. `conv2d_1.weight`.
+    pub name: String,
+    /// The variable itself. Cloning a `Var` shares its storage.
+    pub var: Var,
+    /// Whether the optimizer updates it. Batch-norm moving statistics and the variables of
+    /// frozen layers are not trainable.
+    pub trainable: bool,
+}
+
+/// The variables of one built network, in creation order, addressed by name.
+#[derive(Debug, Clone, Default)]
+pub struct ParamStore {
+    params: Vec<Param>,
+    index: BTreeMap<String, usize>,
+}
+
+impl ParamStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a variable. Fails if the name is taken.
+    pub fn insert(&mut self, name: String, var: Var, trainable: bool) -> Result<()> {
+        if self.index.contains_key(&name) {
+            return Err(Error::invalid(format!(
+                "two variables are named `{name}`: give the layers distinct names"
+            )));
+        }
+        self.index.insert(name.clone(), self.params.len());
+        self.params.push(Param {
+            name,
+            var,
+            trainable,
+        });
+        Ok(())
+    }
+
+    /// All variables in creation order.
+    pub fn iter(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter()
+    }
+
+    /// The variable called `name`.
+    pub fn get(&self, name: &str) -> Option<&Param> {
+        self.index.get(name).map(|&i| &self.params[i])
+    }
+
+    /// Number of variables.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Whether the store holds no variable.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    /// The trainable variables, in creation order: what an optimizer updates.
+    pub fn trainable_vars(&self) -> Vec<Var> {
+        self.params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.var.clone())
+            .collect()
+    }
+
+    /// The variables that are not trainable (moving statistics, frozen layers).
+    pub fn non_trainable(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter().filter(|p| !p.trainable)
+    }
+
+    /// `(trainable, non_trainable)` element counts of the variables whose names start with
+    /// `prefix` (all of them for `""`).
+    pub fn count(&self, prefix: &str) -> (usize, usize) {
+        self.params
+            .iter()
+            .filter(|p| prefix.is_empty() || p.name.starts_with(prefix))
+            .fold((0, 0), |(t, n), p| {
+                let size = p.var.elem_count();
+                if p.trainable {
+                    (t + size, n)
+                } else {
+                    (t, n + size)
+                }
+            })
+    }
+
+    /// A detached copy of every variable's current value, by name, on its device.
+    pub fn weights(&self) -> Result<Weights> {
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.as_tensor().detach().copy()?)))
+            .collect()
+    }
+
+    /// Overwrites every variable with the tensor of the same name, moved to the variable's
+    /// device and dtype. `weights` must name exactly this store's variables, with the same
+    /// shapes; otherwise nothing is changed and the error lists every mismatch.
+    pub fn assign(&self, weights: &Weights) -> Result<()> {
+        self.check_compatible(weights)
+            .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
+        for p in &self.params {
+            let value = &weights[&p.name];
+            p.var
+                .set(&value.to_device(p.var.device())?.to_dtype(p.var.dtype())?)?;
+        }
+        Ok(())
+    }
+
+    /// Checks that `weights` holds exactly this store's names with the same shapes; the error
+    /// text lists missing, unexpected and mis-shaped tensors.
+    pub fn check_compatible(&self, weights: &Weights) -> std::result::Result<(), String> {
+        let missing: Vec<&str> = self
+            .params
+            .iter()
+            .filter(|p| !weights.contains_key(&p.name))
+            .map(|p| p.name.as_str())
+            .collect();
+        let unexpected: Vec<&str> = weights
+            .keys()
+            .filter(|k| !self.index.contains_key(*k))
+            .map(|k| k.as_str())
+            .collect();
+        let misshaped: Vec<String> = self
+            .params
+            .iter()
+            .filter_map(|p| {
+                let w = weights.get(&p.name)?;
+                (w.dims() != p.var.dims()).then(|| {
+                    format!(
+                        "`{}` is {:?} in the file but {:?} in the model",
+                        p.name,
+                        w.dims(),
+                        p.var.dims()
+                    )
+                })
+            })
+            .collect();
+        let mut problems = Vec::new();
+        if !missing.is_empty() {
+            problems.push(format!("missing {}", list(&missing)));
+        }
+        if !unexpected.is_empty() {
+            problems.push(format!("unexpected {}", list(&unexpected)));
+        }
+        problems.extend(misshaped);
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(problems.join("; "))
+        }
+    }
+}
+
+fn list(names: &[&str]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        s.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    s
+}
+
+/// Creates variables while a recipe is built: it knows the device, the name scope, whether the
+/// layer being built is trainable, and holds the seeded generator that makes initial values
+/// repeatable.
+#[derive(Debug)]
+pub struct BuildContext {
+    device: Device,
+    store: ParamStore,
+    rng: StdRng,
+    scope: Vec<String>,
+    trainable: bool,
+}
+
+impl BuildContext {
+    /// A context that creates variables on `device`, initialised from `seed`.
+    pub fn new(device: &Device, seed: u64) -> Self {
+        Self {
+            device: device.clone(),
+            store: ParamStore::new(),
+            rng: StdRng::seed_from_u64(seed),
+            scope: Vec::new(),
+            trainable: true,
+        }
+    }
+
+    /// The device variables are created on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Whether the layer being built is trainable (false inside a frozen layer).
+    pub fn trainable(&self) -> bool {
+        self.trainable
+    }
+
+    /// The full name of the current scope, e.g. `inception_2.branch_3x3`.
+    pub fn path(&self) -> String {
+        self.scope.join(".")
+    }
+
+    /// The generator for anything random a layer needs at build time (e.g. a dropout seed).
+    pub fn rng(&mut self) -> &mut StdRng {
+        &mut self.rng
+    }
+
+    /// Runs `f` inside the child scope `name`.
+    pub fn scoped<R>(&mut self, name: &str, f: impl FnOnce(&mut Self) -> R) -> R {
+        self.scope.push(name.to_string());
+        let out = f(self);
+        self.scope.pop();
+        out
+    }
+
+    /// Runs `f` with trainability set to `trainable && self.trainable()`.
+    pub fn with_trainable<R>(&mut self, trainable: bool, f: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = self.trainable;
+        self.trainable = saved && trainable;
+        let out = f(self);
+        self.trainable = saved;
+        out
+    }
+
+    /// Creates a variable named `<scope>.<name>`; it is trainable unless the layer is frozen.
+    pub fn variable(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Var> {
+        let trainable = self.trainable;
+        self.create(name, shape, init, trainable)
+    }
+
+    /// Creates a variable the optimizer never updates, such as a moving average.
+    pub fn non_trainable_variable(
+        &mut self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+    ) -> Result<Var> {
+        self.create(name, shape, init, false)
+    }
+
+    /// Adds an existing variable (e.g. one made by a wrapped candle module) under `<scope>.<name>`.
+    pub fn adopt(&mut self, name: &str, var: Var) -> Result<()> {
+        let full = self.full_name(name);
+        let trainable = self.trainable;
+        self.store.insert(full, var, trainable)
+    }
+
+    fn create(&mut self, name: &str, shape: &[usize], init: Init, trainable: bool) -> Result<Var> {
+        let count = shape.iter().product();
+        let values = init.sample(count, &mut self.rng);
+        let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .to_device(&self.device)?;
+        let var = Var::from_tensor(&tensor)?;
+        self.store
+            .insert(self.full_name(name), var.clone(), trainable)?;
+        Ok(var)
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        if self.scope.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.path())
+        }
+    }
+
+    /// `(trainable, non_trainable)` element counts of the variables under the child scope `name`.
+    pub fn count_in(&self, name: &str) -> (usize, usize) {
+        self.store.count(&format!("{}.", self.full_name(name)))
+    }
+
+    /// Ends the build and hands over the variables.
+    pub fn into_store(self) -> ParamStore {
+        self.store
+    }
+
+    /// The variables created so far.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_gives_same_values_and_names_are_scoped() -> Result<()> {
+        let build = |seed| -> Result<(String, Vec<f32>)> {
+            let mut ctx = BuildContext::new(&Device::Cpu, seed);
+            let var = ctx.scoped("dense_1", |ctx| {
+                ctx.variable(
+                    "weight",
+                    &[3, 4],
+                    Init::GlorotUniform {
+                        fan_in: 4,
+                        fan_out: 3,
+                    },
+                )
+            })?;
+            let store = ctx.into_store();
+            let name = store
+                .iter()
+                .next()
+                .map(|p| p.name.clone())
+                .unwrap_or_default();
+            Ok((name, var.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+        };
+        let (name, a) = build(7)?;
+        let (_, b) = build(7)?;
+        let (_, c) = build(8)?;
+        assert_eq!(name, "dense_1.weight");
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let limit = (6.0f32 / 7.0).sqrt();
+        assert!(a.iter().all(|v| v.abs() <= limit));
+        Ok(())
+    }
+
+    #[test]
+    fn assign_reports_every_mismatch_and_changes_nothing() -> Result<()> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        ctx.variable("a", &[2], Init::Zeros)?;
+        ctx.variable("b", &[3], Init::Zeros)?;
+        let store = ctx.into_store();
+        let mut w = Weights::new();
+        w.insert("a".into(), Tensor::ones(3, DType::F32, &Device::Cpu)?);
+        w.insert("c".into(), Tensor::ones(1, DType::F32, &Device::Cpu)?);
+        let err = store
+            .assign(&w)
+            .expect_err("mismatch must fail")
+            .to_string();
+        assert!(err.contains("missing `b`"), "{err}");
+        assert!(err.contains("unexpected `c`"), "{err}");
+        assert!(err.contains("`a` is [3]"), "{err}");
+        let a = store.get("a").map(|p| p.var.as_tensor().to_vec1::<f32>());
+        assert_eq!(a.transpose()?, Some(vec![0.0, 0.0]));
+        Ok(())
+    }
+}

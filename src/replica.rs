@@ -1,0 +1,207 @@
+//! `Replica`: one copy of the model on one device, and the training step written once.
+//!
+//! Every strategy is made of replicas. A replica builds the network from the recipe, owns its
+//! variables and its optimizer, and knows how to turn a batch into gradients and summed
+//! statistics ([`Replica::compute_gradients`]) and how to apply gradients
+//! ([`Replica::apply_gradients`]). Strategies decide where replicas live and how gradients are
+//! combined between those two calls.
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::layers::{Layer, Sequential, SequentialNet};
+use crate::metrics::Metric;
+use crate::optimizers::{Optimizer, OptimizerConfig};
+use crate::params::ParamStore;
+use crate::{Loss, Result};
+
+/// Everything needed to build a replica: the recipe, the input shape and the training setup.
+#[derive(Clone)]
+pub struct ModelSpec {
+    /// The network recipe.
+    pub network: Sequential,
+    /// Input shape without the batch dimension.
+    pub input_shape: Vec<usize>,
+    /// The optimizer recipe.
+    pub optimizer: Box<dyn OptimizerConfig>,
+    /// The loss.
+    pub loss: Loss,
+    /// Metrics reported besides the loss.
+    pub metrics: Vec<Metric>,
+    /// Seed for initial values (and dropout masks).
+    pub seed: u64,
+}
+
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSpec")
+            .field("input_shape", &self.input_shape)
+            .field("loss", &self.loss)
+            .field("metrics", &self.metrics)
+            .field("seed", &self.seed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelSpec {
+    /// Number of statistics a step reports: the loss, then one per metric.
+    pub fn num_stats(&self) -> usize {
+        1 + self.metrics.len()
+    }
+}
+
+/// The gradients of one replica's share of a step, and the statistics it summed.
+pub struct Gradients {
+    /// One detached gradient per trainable variable, in [`Replica::trainable_vars`] order.
+    pub grads: Vec<Tensor>,
+    /// `[loss_sum, metric_sum...]` over the replica's samples, an `f32` vector on its device.
+    pub stats: Tensor,
+    /// Samples the replica processed.
+    pub samples: usize,
+}
+
+/// One copy of the model on one device.
+pub struct Replica {
+    device: Device,
+    net: SequentialNet,
+    store: ParamStore,
+    trainable: Vec<Var>,
+    optimizer: Box<dyn Optimizer>,
+    loss: Loss,
+    metrics: Vec<Metric>,
+}
+
+impl Replica {
+    /// Builds the network on `device` with the spec's seed, and an optimizer over its
+    /// trainable variables.
+    pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
+        let (net, store, _) = spec
+            .network
+            .build_network(device, &spec.input_shape, spec.seed)?;
+        let trainable = store.trainable_vars();
+        let optimizer = spec.optimizer.build(trainable.clone())?;
+        Ok(Self {
+            device: device.clone(),
+            net,
+            store,
+            trainable,
+            optimizer,
+            loss: spec.loss,
+            metrics: spec.metrics.clone(),
+        })
+    }
+
+    /// The device this replica runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// All variables, by name.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// The variables the optimizer updates, in gradient order.
+    pub fn trainable_vars(&self) -> &[Var] {
+        &self.trainable
+    }
+
+    /// The built network.
+    pub fn network(&self) -> &SequentialNet {
+        &self.net
+    }
+
+    /// Forward and backward on `x`, `y` (already on this device). The objective is the sum of
+    /// per-sample losses divided by `global_samples`, the number of samples in the whole step
+    /// across all replicas, so that summing the replicas' gradients gives exactly the mean
+    /// gradient of the global batch, whatever the split.
+    pub fn compute_gradients(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        global_samples: usize,
+    ) -> Result<Gradients> {
+        let samples = x.dim(0)?;
+        if samples == 0 {
+            return self.zero_gradients();
+        }
+        let (output, logits) = self.net.forward_with_logits(x, true)?;
+        let per_sample = self.loss.per_sample(&output, logits.as_ref(), y)?;
+        let loss_sum = per_sample.sum_all()?;
+        let objective = (&loss_sum / global_samples.max(1) as f64)?;
+        let mut grad_store = objective.backward()?;
+        let grads = self
+            .trainable
+            .iter()
+            .map(|v| match grad_store.remove(v.as_tensor()) {
+                Some(g) => Ok(g.detach()),
+                None => Ok(v.as_tensor().zeros_like()?.detach()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stats = self.stats(&loss_sum, &output, y)?;
+        Ok(Gradients {
+            grads,
+            stats,
+            samples,
+        })
+    }
+
+    fn zero_gradients(&self) -> Result<Gradients> {
+        let grads = self
+            .trainable
+            .iter()
+            .map(|v| Ok(v.as_tensor().zeros_like()?))
+            .collect::<Result<Vec<_>>>()?;
+        let stats = Tensor::zeros(1 + self.metrics.len(), DType::F32, &self.device)?;
+        Ok(Gradients {
+            grads,
+            stats,
+            samples: 0,
+        })
+    }
+
+    fn stats(&self, loss_sum: &Tensor, output: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let mut parts = vec![loss_sum.detach().to_dtype(DType::F32)?.reshape(1)?];
+        for m in &self.metrics {
+            parts.push(m.batch_sum(output, y, self.loss)?.reshape(1)?);
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// Applies one optimizer step with these gradients (in [`Self::trainable_vars`] order).
+    pub fn apply_gradients(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        self.optimizer.step(grads, lr)
+    }
+
+    /// `[loss_sum, metric_sum...]` of `x`, `y` in inference mode, on this device.
+    pub fn evaluate(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        if x.dim(0)? == 0 {
+            return Ok(Tensor::zeros(
+                1 + self.metrics.len(),
+                DType::F32,
+                &self.device,
+            )?);
+        }
+        let (output, logits) = self.net.forward_with_logits(x, false)?;
+        let loss_sum = self
+            .loss
+            .per_sample(&output, logits.as_ref(), y)?
+            .sum_all()?;
+        self.stats(&loss_sum, &output, y)
+    }
+
+    /// The model's output for `x` in inference mode.
+    pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
+        self.net.forward_t(x, false)
+    }
+}
+
+/// A finite-ness probe over the statistics and gradients: one scalar that is finite exactly
+/// when all of them are, so a single host read decides whether a step may be applied.
+pub fn finite_probe(stats: &Tensor, grads: &[Tensor]) -> Result<Tensor> {
+    let mut total = stats.sum_all()?.to_dtype(DType::F32)?;
+    for g in grads {
+        total = (total + g.sum_all()?.to_dtype(DType::F32)?)?;
+    }
+    // 0 * x is NaN exactly when x is NaN or infinite.
+    Ok((total * 0.0)?)
+}

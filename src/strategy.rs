@@ -1,0 +1,122 @@
+//! The [`Strategy`] trait: where a model's variables live and how one training step runs.
+//!
+//! A strategy owns placement, replication, reduction and where the update happens. It never
+//! owns the epoch loop: `fit` is written once and drives any strategy through
+//! [`DistributedModel`]. [`OneDeviceStrategy`] lives here; Mirrored, CentralStorage and
+//! MultiWorkerMirrored live in `kandle-strategies` and implement the same two traits.
+//!
+//! Contract every implementation keeps:
+//! - **Equivalence**: for a model without per-replica batch statistics, a step at global batch
+//!   `B` gives the weights one device would get at batch `B` (replicas scale their loss by the
+//!   global sample count, see [`crate::replica::Replica::compute_gradients`]).
+//! - **Global statistics**: [`StepStats`] are summed over every replica and worker.
+//! - **No bad update**: a step whose loss or gradients are not finite is not applied
+//!   ([`StepStats::applied`] is false), so the last good weights survive.
+//! - **Canonical weights**: [`DistributedModel::weights`] uses the recipe's names, whatever the
+//!   strategy, so checkpoints move freely between strategies.
+
+mod one_device;
+
+pub use one_device::batch_to;
+
+pub use one_device::OneDeviceStrategy;
+
+use candle_core::Tensor;
+
+use crate::data::Batch;
+use crate::params::Weights;
+use crate::replica::ModelSpec;
+use crate::Result;
+
+/// This process's place among the workers of a multi-process job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// This worker's rank, from 0.
+    pub rank: usize,
+    /// Number of workers.
+    pub size: usize,
+}
+
+impl Default for WorkerInfo {
+    fn default() -> Self {
+        Self { rank: 0, size: 1 }
+    }
+}
+
+impl WorkerInfo {
+    /// Whether this worker is the chief (rank 0), the one that logs and writes files.
+    pub fn is_chief(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// The sums a step produced, over all replicas and workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepStats {
+    /// Samples in the step.
+    pub samples: usize,
+    /// `[loss_sum, metric_sum...]`: divide by `samples` for means.
+    pub sums: Vec<f64>,
+    /// Whether the update was applied (false when the loss or a gradient was not finite).
+    pub applied: bool,
+}
+
+/// How a model is placed and trained. Implementations are cheap handles (`Clone`).
+pub trait Strategy: Send + Sync {
+    /// A short name for logs, e.g. `one_device` or `mirrored`.
+    fn name(&self) -> &str;
+
+    /// Replicas that each process a slice of every global batch, across all workers.
+    fn num_replicas_in_sync(&self) -> usize;
+
+    /// Replicas in this process: the local share of the global batch is
+    /// `batch_size_per_replica * local_replicas()`.
+    fn local_replicas(&self) -> usize {
+        self.num_replicas_in_sync()
+    }
+
+    /// This process's rank among the workers (rank 0 of 1 for single-process strategies).
+    fn worker(&self) -> WorkerInfo {
+        WorkerInfo::default()
+    }
+
+    /// Builds the replicas of `spec`, all starting from the same weights.
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>>;
+}
+
+impl<S: Strategy + ?Sized> Strategy for std::sync::Arc<S> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn num_replicas_in_sync(&self) -> usize {
+        (**self).num_replicas_in_sync()
+    }
+    fn local_replicas(&self) -> usize {
+        (**self).local_replicas()
+    }
+    fn worker(&self) -> WorkerInfo {
+        (**self).worker()
+    }
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        (**self).distribute(spec)
+    }
+}
+
+/// A model placed by a strategy: runs steps and exposes the weights by canonical name.
+pub trait DistributedModel: Send {
+    /// One training step on this worker's part of a global batch (CPU tensors), at `lr`.
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats>;
+
+    /// Loss and metric sums of a batch in inference mode, over all workers.
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats>;
+
+    /// The model's outputs for `x` (CPU), returned on the CPU.
+    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor>;
+
+    /// The current weights by canonical name, on the CPU.
+    fn weights(&self) -> Result<Weights>;
+
+    /// Replaces all weights on every replica. Fails without changing anything when the names or
+    /// shapes do not match.
+    fn set_weights(&mut self, weights: &Weights) -> Result<()>;
+}

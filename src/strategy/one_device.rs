@@ -1,0 +1,119 @@
+//! `OneDeviceStrategy`: the whole model on one device, the reference every other strategy is
+//! tested against.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{DistributedModel, StepStats, Strategy};
+use crate::data::Batch;
+use crate::params::Weights;
+use crate::replica::{finite_probe, ModelSpec, Replica};
+use crate::Result;
+
+/// Trains on a single device.
+#[derive(Debug, Clone)]
+pub struct OneDeviceStrategy {
+    device: Device,
+}
+
+impl OneDeviceStrategy {
+    /// On `device`.
+    pub fn new(device: Device) -> Self {
+        Self { device }
+    }
+
+    /// On the CPU.
+    pub fn cpu() -> Self {
+        Self::new(Device::Cpu)
+    }
+
+    /// On CUDA device `index` (as numbered after `CUDA_VISIBLE_DEVICES`). Fails clearly when
+    /// the device does not exist or kandle was built without the `cuda` feature.
+    pub fn gpu(index: usize) -> Result<Self> {
+        Ok(Self::new(crate::devices::cuda(index)?))
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+impl Strategy for OneDeviceStrategy {
+    fn name(&self) -> &str {
+        "one_device"
+    }
+
+    fn num_replicas_in_sync(&self) -> usize {
+        1
+    }
+
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        Ok(Box::new(OneDeviceModel {
+            replica: Replica::new(spec, &self.device)?,
+        }))
+    }
+}
+
+struct OneDeviceModel {
+    replica: Replica,
+}
+
+/// Moves a batch's inputs and targets to `device`.
+pub fn batch_to(batch: &Batch, device: &Device) -> Result<(Tensor, Tensor)> {
+    Ok((batch.x.to_device(device)?, batch.y.to_device(device)?))
+}
+
+impl DistributedModel for OneDeviceModel {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let (x, y) = batch_to(batch, self.replica.device())?;
+        let g = self.replica.compute_gradients(&x, &y, batch.len())?;
+        let probe = finite_probe(&g.stats, &g.grads)?.reshape(1)?;
+        let host = Tensor::cat(&[&g.stats, &probe], 0)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        let (probe, sums) = host
+            .split_last()
+            .map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
+        let applied = probe.is_finite();
+        if applied {
+            self.replica.apply_gradients(&g.grads, lr)?;
+        }
+        Ok(StepStats {
+            samples: g.samples,
+            sums: sums.to_vec(),
+            applied,
+        })
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        let (x, y) = batch_to(batch, self.replica.device())?;
+        let sums = self
+            .replica
+            .evaluate(&x, &y)?
+            .to_dtype(DType::F64)?
+            .to_vec1()?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums,
+            applied: false,
+        })
+    }
+
+    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
+        let x = x.to_device(self.replica.device())?;
+        Ok(self.replica.predict(&x)?.to_device(&Device::Cpu)?)
+    }
+
+    fn weights(&self) -> Result<Weights> {
+        self.replica
+            .store()
+            .weights()?
+            .into_iter()
+            .map(|(k, v)| Ok((k, v.to_device(&Device::Cpu)?)))
+            .collect()
+    }
+
+    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        self.replica.store().assign(weights)
+    }
+}

@@ -54,7 +54,7 @@ pub mod replica;
 pub mod schedules;
 pub mod strategy;
 
-pub use error::{Error, Result};
+pub use error::{panic_message, Error, Result};
 pub use losses::Loss;
 pub use metrics::Metric;
 pub use model::{FitOptions, Model};

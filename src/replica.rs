@@ -59,6 +59,9 @@ pub struct Gradients {
     pub stats: Tensor,
     /// Samples the replica processed.
     pub samples: usize,
+    /// The moving statistics as they were before this forward pass, to undo its updates with
+    /// [`Replica::discard`] when the step is not applied.
+    pub statistics_before: Vec<Tensor>,
 }
 
 /// One copy of the model on one device.
@@ -67,6 +70,7 @@ pub struct Replica {
     net: SequentialNet,
     store: ParamStore,
     trainable: Vec<Var>,
+    statistics: Vec<Var>,
     optimizer: Box<dyn Optimizer>,
     loss: Loss,
     metrics: Vec<Metric>,
@@ -89,12 +93,14 @@ impl Replica {
         let device = ctx.device().clone();
         let (net, store, _) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
+        let statistics = store.statistics();
         let optimizer = spec.optimizer.build(trainable.clone())?;
         Ok(Self {
             device,
             net,
             store,
             trainable,
+            statistics,
             optimizer,
             loss: spec.loss,
             metrics: spec.metrics.clone(),
@@ -135,6 +141,7 @@ impl Replica {
         if samples == 0 {
             return self.zero_gradients();
         }
+        let statistics_before = self.statistics_snapshot()?;
         let (output, logits) = self.net.forward_with_logits(x, true)?;
         let per_sample = self.loss.per_sample(&output, logits.as_ref(), y)?;
         let loss_sum = per_sample.sum_all()?;
@@ -153,7 +160,29 @@ impl Replica {
             grads,
             stats,
             samples,
+            statistics_before,
         })
+    }
+
+    fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {
+        self.statistics
+            .iter()
+            .map(|v| Ok(v.as_tensor().detach().copy()?))
+            .collect()
+    }
+
+    /// Undoes the moving-statistic updates of the forward pass that produced `g`, for a step
+    /// that is not applied.
+    pub fn discard(&self, g: &Gradients) -> Result<()> {
+        for (var, before) in self.statistics.iter().zip(&g.statistics_before) {
+            var.set(before)?;
+        }
+        Ok(())
+    }
+
+    /// The moving statistics (batch-norm running means and variances), in creation order.
+    pub fn statistics(&self) -> &[Var] {
+        &self.statistics
     }
 
     fn zero_gradients(&self) -> Result<Gradients> {
@@ -167,6 +196,7 @@ impl Replica {
             grads,
             stats,
             samples: 0,
+            statistics_before: Vec::new(),
         })
     }
 

@@ -118,7 +118,7 @@ fn train<S: Strategy + Clone + 'static>(strategy: &S, data: &InMemoryDataset) ->
 #[test]
 fn second_strategy_matches_one_device() -> anyhow::Result<()> {
     let digits = kandle::data::digits::load()?;
-    let data = digits.subset((0..230).collect())?;
+    let data = digits.subset(&(0..230).collect::<Vec<_>>())?;
     let reference = train(&OneDeviceStrategy::cpu(), &data)?;
     let replicated = train(&TwoCpuReplicas, &data)?;
     assert_eq!(reference.keys().collect::<Vec<_>>(), replicated.keys().collect::<Vec<_>>());

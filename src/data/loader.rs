@@ -26,7 +26,6 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
-use std::any::Any;
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::thread::{Scope, ScopedJoinHandle};
 
@@ -261,11 +260,7 @@ impl<'d> Loader<'d> {
     fn shard_range(&self, m: usize) -> std::ops::Range<usize> {
         match self.options.shard {
             None => 0..m,
-            Some((index, count)) => {
-                let (base, extra) = (m / count, m % count);
-                let start = index * base + index.min(extra);
-                start..start + base + usize::from(index < extra)
-            }
+            Some((index, count)) => shard_range(m, index, count),
         }
     }
 
@@ -415,7 +410,7 @@ impl Iterator for Batches<'_> {
                 self.remaining = 0;
                 self.rx = None;
                 let reason = match self.producer.take().map(|h| h.join()) {
-                    Some(Err(payload)) => panic_message(payload.as_ref()),
+                    Some(Err(payload)) => crate::error::panic_message(payload.as_ref()),
                     _ => "it stopped early".to_string(),
                 };
                 Some(Err(Error::Data {
@@ -438,15 +433,6 @@ impl Drop for Batches<'_> {
     }
 }
 
-fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(no message)".to_string()
-    }
-}
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -816,4 +802,14 @@ mod tests {
             .collect();
         assert_eq!(seen.len(), 4);
     }
+}
+
+/// Part `index` of `count` near-equal consecutive parts of `0..m`: sizes differ by at most one
+/// and the first `m % count` parts get the extra sample. Used to shard a global batch across
+/// workers and across replicas.
+pub fn shard_range(m: usize, index: usize, count: usize) -> std::ops::Range<usize> {
+    let count = count.max(1);
+    let (base, extra) = (m / count, m % count);
+    let start = index * base + index.min(extra);
+    start..start + base + usize::from(index < extra)
 }

@@ -16,7 +16,7 @@ mod loader;
 mod subset;
 
 pub use in_memory::InMemoryDataset;
-pub use loader::{Batches, EpochIter, Loader, LoaderOptions};
+pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
 pub use subset::{split_tail, Subset};
 
 /// What a dataset's targets are.

@@ -20,7 +20,8 @@ impl Sequential {
         Self::default()
     }
 
-    /// Appends a layer (builder style).
+    /// Appends a layer (builder style), as Keras's `model.add`.
+    #[allow(clippy::should_implement_trait)]
     pub fn add(mut self, layer: impl LayerSpec) -> Self {
         self.push(layer);
         self

@@ -40,6 +40,7 @@
 
 pub mod callbacks;
 pub mod checkpoint;
+pub mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;

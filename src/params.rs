@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::cross_replica::ReplicaHandle;
 use crate::{Error, Result};
 
 /// Weights by name: what checkpoints hold and what strategies copy between replicas.
@@ -264,6 +265,7 @@ pub struct BuildContext {
     rng: StdRng,
     scope: Vec<String>,
     trainable: bool,
+    replica: Option<ReplicaHandle>,
 }
 
 impl BuildContext {
@@ -275,7 +277,20 @@ impl BuildContext {
             rng: StdRng::seed_from_u64(seed),
             scope: Vec::new(),
             trainable: true,
+            replica: None,
         }
+    }
+
+    /// Builds as one replica of a group whose batch normalisation uses global batch statistics
+    /// (`SyncBatchNorm`).
+    pub fn with_replica_group(mut self, handle: ReplicaHandle) -> Self {
+        self.replica = Some(handle);
+        self
+    }
+
+    /// The replica group, when batch statistics are synchronised across replicas.
+    pub fn replica_group(&self) -> Option<&ReplicaHandle> {
+        self.replica.as_ref()
     }
 
     /// The device variables are created on.

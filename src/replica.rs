@@ -8,7 +8,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::cross_replica::ReplicaHandle;
 use crate::layers::{Layer, Sequential, SequentialNet};
+use crate::params::BuildContext;
 use crate::metrics::Metric;
 use crate::optimizers::{Optimizer, OptimizerConfig};
 use crate::params::ParamStore;
@@ -74,13 +76,22 @@ impl Replica {
     /// Builds the network on `device` with the spec's seed, and an optimizer over its
     /// trainable variables.
     pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
-        let (net, store, _) = spec
-            .network
-            .build_network(device, &spec.input_shape, spec.seed)?;
+        Self::build(spec, BuildContext::new(device, spec.seed))
+    }
+
+    /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
+    /// global batch statistics.
+    pub fn in_group(spec: &ModelSpec, device: &Device, handle: ReplicaHandle) -> Result<Self> {
+        Self::build(spec, BuildContext::new(device, spec.seed).with_replica_group(handle))
+    }
+
+    fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
+        let device = ctx.device().clone();
+        let (net, store, _) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
         let optimizer = spec.optimizer.build(trainable.clone())?;
         Ok(Self {
-            device: device.clone(),
+            device,
             net,
             store,
             trainable,

@@ -26,11 +26,13 @@
 mod callback_list;
 mod history;
 mod logs;
+mod lr_scheduler;
 mod progress;
 
 pub use callback_list::CallbackList;
 pub use history::History;
 pub use logs::Logs;
+pub use lr_scheduler::LearningRateScheduler;
 pub use progress::{ProgressBar, Verbosity};
 
 use crate::{Model, Result};

@@ -51,7 +51,10 @@ impl std::fmt::Debug for ReplicaHandle {
 /// The sum of `x` over the group, differentiable. The exchange happens on the CPU, so it suits
 /// small tensors such as per-channel statistics.
 pub fn all_reduce_sum(x: &Tensor, handle: &ReplicaHandle) -> Result<Tensor> {
-    let cpu = x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.contiguous()?;
+    let cpu = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .contiguous()?;
     let summed = cpu.apply_op1(AllReduceSum(handle.clone()))?;
     Ok(summed.to_dtype(x.dtype())?.to_device(x.device())?)
 }
@@ -63,7 +66,11 @@ impl CustomOp1 for AllReduceSum {
         "cross-replica-sum"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (CpuStorage::F32(values), Some((start, end))) = (storage, layout.contiguous_offsets())
         else {
             candle_core::bail!("cross-replica sum takes a contiguous f32 tensor");
@@ -75,7 +82,12 @@ impl CustomOp1 for AllReduceSum {
         Ok((CpuStorage::F32(total), layout.shape().clone()))
     }
 
-    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
         // d(sum over replicas)/d(local) is the identity; each replica's output feeds every
         // replica's loss, so the local gradient is the sum of all replicas' output gradients.
         all_reduce_sum(grad_res, &self.0)

@@ -355,14 +355,22 @@ impl BuildContext {
         self.create(name, shape, init, trainable)
     }
 
-    /// Creates a variable the optimizer never updates, such as a moving average.
+    /// Creates a statistic the layer updates itself and the optimizer never touches, such as a
+    /// moving average.
     pub fn non_trainable_variable(
         &mut self,
         name: &str,
         shape: &[usize],
         init: Init,
     ) -> Result<Var> {
-        self.create(name, shape, init, false)
+        let var = self.new_var(shape, init)?;
+        self.store.insert_param(Param {
+            name: self.full_name(name),
+            var: var.clone(),
+            trainable: false,
+            statistic: true,
+        })?;
+        Ok(var)
     }
 
     /// Adds an existing variable (e.g. one made by a wrapped candle module) under `<scope>.<name>`.
@@ -373,15 +381,19 @@ impl BuildContext {
     }
 
     fn create(&mut self, name: &str, shape: &[usize], init: Init, trainable: bool) -> Result<Var> {
+        let var = self.new_var(shape, init)?;
+        self.store
+            .insert(self.full_name(name), var.clone(), trainable)?;
+        Ok(var)
+    }
+
+    fn new_var(&mut self, shape: &[usize], init: Init) -> Result<Var> {
         let count = shape.iter().product();
         let values = init.sample(count, &mut self.rng);
         let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?
             .to_dtype(DType::F32)?
             .to_device(&self.device)?;
-        let var = Var::from_tensor(&tensor)?;
-        self.store
-            .insert(self.full_name(name), var.clone(), trainable)?;
-        Ok(var)
+        Ok(Var::from_tensor(&tensor)?)
     }
 
     fn full_name(&self, name: &str) -> String {

@@ -10,9 +10,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::cross_replica::ReplicaHandle;
 use crate::layers::{Layer, Sequential, SequentialNet};
-use crate::params::BuildContext;
 use crate::metrics::Metric;
 use crate::optimizers::{Optimizer, OptimizerConfig};
+use crate::params::BuildContext;
 use crate::params::ParamStore;
 use crate::{Loss, Result};
 
@@ -86,7 +86,10 @@ impl Replica {
     /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
     /// global batch statistics.
     pub fn in_group(spec: &ModelSpec, device: &Device, handle: ReplicaHandle) -> Result<Self> {
-        Self::build(spec, BuildContext::new(device, spec.seed).with_replica_group(handle))
+        Self::build(
+            spec,
+            BuildContext::new(device, spec.seed).with_replica_group(handle),
+        )
     }
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {

@@ -28,8 +28,13 @@ impl Strategy for TwoCpuReplicas {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> kandle::Result<Box<dyn DistributedModel>> {
-        let replicas = vec![Replica::new(spec, &Device::Cpu)?, Replica::new(spec, &Device::Cpu)?];
-        replicas[1].store().assign(&replicas[0].store().weights()?)?;
+        let replicas = vec![
+            Replica::new(spec, &Device::Cpu)?,
+            Replica::new(spec, &Device::Cpu)?,
+        ];
+        replicas[1]
+            .store()
+            .assign(&replicas[0].store().weights()?)?;
         Ok(Box::new(TwoReplicaModel { replicas }))
     }
 }
@@ -38,7 +43,10 @@ fn halves(batch: &Batch) -> kandle::Result<[Batch; 2]> {
     let n = batch.len();
     let first = n.div_ceil(2);
     let part = |start: usize, len: usize| -> kandle::Result<Batch> {
-        Ok(Batch { x: batch.x.narrow(0, start, len)?, y: batch.y.narrow(0, start, len)? })
+        Ok(Batch {
+            x: batch.x.narrow(0, start, len)?,
+            y: batch.y.narrow(0, start, len)?,
+        })
     };
     Ok([part(0, first)?, part(first, n - first)?])
 }
@@ -58,20 +66,33 @@ impl DistributedModel for TwoReplicaModel {
             .map(|(a, b)| Ok((a + b)?))
             .collect::<kandle::Result<_>>()?;
         let stats = (&results[0].stats + &results[1].stats)?;
-        let applied = finite_probe(&stats, &grads)?.to_scalar::<f32>()?.is_finite();
+        let applied = finite_probe(&stats, &grads)?
+            .to_scalar::<f32>()?
+            .is_finite();
         if applied {
             for r in &mut self.replicas {
                 r.apply_gradients(&grads, lr)?;
             }
         }
         let sums = stats.to_dtype(DType::F64)?.to_vec1()?;
-        Ok(StepStats { samples: batch.len(), sums, applied })
+        Ok(StepStats {
+            samples: batch.len(),
+            sums,
+            applied,
+        })
     }
 
     fn test_step(&mut self, batch: &Batch) -> kandle::Result<StepStats> {
         let (x, y) = batch_to(batch, &Device::Cpu)?;
-        let sums = self.replicas[0].evaluate(&x, &y)?.to_dtype(DType::F64)?.to_vec1()?;
-        Ok(StepStats { samples: batch.len(), sums, applied: false })
+        let sums = self.replicas[0]
+            .evaluate(&x, &y)?
+            .to_dtype(DType::F64)?
+            .to_vec1()?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums,
+            applied: false,
+        })
     }
 
     fn predict_step(&mut self, x: &Tensor) -> kandle::Result<Tensor> {
@@ -90,7 +111,10 @@ impl DistributedModel for TwoReplicaModel {
     }
 }
 
-fn train<S: Strategy + Clone + 'static>(strategy: &S, data: &InMemoryDataset) -> anyhow::Result<Weights> {
+fn train<S: Strategy + Clone + 'static>(
+    strategy: &S,
+    data: &InMemoryDataset,
+) -> anyhow::Result<Weights> {
     let net = Sequential::new()
         .add(Conv2D::new(4, 3).padding(Padding::Same))
         .add(Activation::Relu)
@@ -98,7 +122,12 @@ fn train<S: Strategy + Clone + 'static>(strategy: &S, data: &InMemoryDataset) ->
         .add(Dense::new(10))
         .add(Activation::Softmax);
     let mut model = net
-        .compile(Sgd::new(0.05).momentum(0.9), Loss::SparseCategoricalCrossentropy, [Metric::Accuracy], strategy)?
+        .compile(
+            Sgd::new(0.05).momentum(0.9),
+            Loss::SparseCategoricalCrossentropy,
+            [Metric::Accuracy],
+            strategy,
+        )?
         .with_seed(3)?;
     // Batch 25 per replica-pair step: 50 global, so 230 samples end with a short batch of 30.
     let history = model.fit(
@@ -121,12 +150,19 @@ fn second_strategy_matches_one_device() -> anyhow::Result<()> {
     let data = digits.subset(&(0..230).collect::<Vec<_>>())?;
     let reference = train(&OneDeviceStrategy::cpu(), &data)?;
     let replicated = train(&TwoCpuReplicas, &data)?;
-    assert_eq!(reference.keys().collect::<Vec<_>>(), replicated.keys().collect::<Vec<_>>());
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        replicated.keys().collect::<Vec<_>>()
+    );
     for (name, want) in &reference {
         let got = &replicated[name];
         let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
-        assert!(diff / scale < 1e-5, "{name}: relative difference {}", diff / scale);
+        assert!(
+            diff / scale < 1e-5,
+            "{name}: relative difference {}",
+            diff / scale
+        );
     }
     Ok(())
 }

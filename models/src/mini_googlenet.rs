@@ -7,9 +7,21 @@ use kandle::layers::{
 };
 
 /// Conv2D (`filters`, `kx` x `ky`, `stride`, `padding`) → BatchNormalization → ReLU.
-pub fn conv_module(filters: usize, kx: usize, ky: usize, stride: usize, padding: Padding) -> Sequential {
+pub fn conv_module(
+    filters: usize,
+    kx: usize,
+    ky: usize,
+    stride: usize,
+    padding: Padding,
+) -> Sequential {
     Sequential::new()
-        .add(Conv2D::new(filters, kx).kernel(kx, ky).stride(stride).padding(padding).named("conv"))
+        .add(
+            Conv2D::new(filters, kx)
+                .kernel(kx, ky)
+                .stride(stride)
+                .padding(padding)
+                .named("conv"),
+        )
         .add(BatchNormalization::new().named("bn"))
         .add(Activation::Relu.named("relu"))
 }
@@ -27,7 +39,9 @@ pub fn inception_module(k1x1: usize, k3x3: usize) -> Concat {
 /// on channels with a 3x3 stride-2 max pool.
 pub fn downsample_module(filters: usize) -> Concat {
     Concat::new([
-        conv_module(filters, 3, 3, 2, Padding::Valid).named("branch_conv").boxed(),
+        conv_module(filters, 3, 3, 2, Padding::Valid)
+            .named("branch_conv")
+            .boxed(),
         MaxPooling2D::new(3).stride(2).named("branch_pool").boxed(),
     ])
 }
@@ -72,17 +86,27 @@ mod tests {
         let last = summary.rows.last().map(|r| r.output_shape.clone());
         assert_eq!(last, Some(vec![10]));
         let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
-        assert_eq!(&names[..4], ["stem", "inception_1", "inception_2", "downsample_1"]);
+        assert_eq!(
+            &names[..4],
+            ["stem", "inception_1", "inception_2", "downsample_1"]
+        );
         Ok(())
     }
 
     #[test]
     fn forward_shape_and_stable_names() -> kandle::Result<()> {
-        let (net, store, _) = mini_googlenet(10).build_network(&candle_core::Device::Cpu, &[3, 32, 32], 0)?;
-        let x = candle_core::Tensor::zeros((2, 3, 32, 32), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        let (net, store, _) =
+            mini_googlenet(10).build_network(&candle_core::Device::Cpu, &[3, 32, 32], 0)?;
+        let x = candle_core::Tensor::zeros(
+            (2, 3, 32, 32),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?;
         use kandle::layers::Layer;
         assert_eq!(net.forward_t(&x, false)?.dims(), &[2, 10]);
-        assert!(store.get("inception_2.branch_3x3.bn.running_mean").is_some());
+        assert!(store
+            .get("inception_2.branch_3x3.bn.running_mean")
+            .is_some());
         assert!(store.get("downsample_1.branch_conv.conv.weight").is_some());
         assert!(store.get("classifier.weight").is_some());
         Ok(())

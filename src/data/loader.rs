@@ -433,7 +433,6 @@ impl Drop for Batches<'_> {
     }
 }
 
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

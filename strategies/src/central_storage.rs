@@ -28,7 +28,9 @@ impl CentralStorageStrategy {
     /// Computes on `devices`, stores the variables on the CPU. Fails on an empty list.
     pub fn new(devices: Vec<Device>) -> Result<Self> {
         if devices.is_empty() {
-            return Err(Error::invalid("CentralStorageStrategy needs at least one compute device"));
+            return Err(Error::invalid(
+                "CentralStorageStrategy needs at least one compute device",
+            ));
         }
         Ok(Self {
             compute: devices,
@@ -43,7 +45,8 @@ impl CentralStorageStrategy {
         let gpus = kandle::devices::gpus()?;
         if gpus.is_empty() {
             return Err(Error::Device(
-                "CentralStorageStrategy::all_gpus found no GPU; use CentralStorageStrategy::cpu(n)".into(),
+                "CentralStorageStrategy::all_gpus found no GPU; use CentralStorageStrategy::cpu(n)"
+                    .into(),
             ));
         }
         Self::new(gpus)
@@ -116,7 +119,9 @@ impl DistributedModel for CentralModel {
             let grads = layout.grads.split(&total, 0)?;
             self.central.apply_gradients(&grads, lr)?;
             let replicas = self.set.len() as f64;
-            let sums_of_statistics = layout.statistics.split(&total, layout.statistics_offset())?;
+            let sums_of_statistics = layout
+                .statistics
+                .split(&total, layout.statistics_offset())?;
             for (var, sum) in self.central.statistics().iter().zip(sums_of_statistics) {
                 var.set(&(sum / replicas)?)?;
             }

@@ -32,10 +32,7 @@ impl CrossDeviceOps {
 }
 
 fn broadcast(total: &Tensor, devices: &[Device]) -> Result<Vec<Tensor>> {
-    devices
-        .iter()
-        .map(|d| Ok(total.to_device(d)?))
-        .collect()
+    devices.iter().map(|d| Ok(total.to_device(d)?)).collect()
 }
 
 fn reduce_to_one_device(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor>> {
@@ -88,7 +85,10 @@ mod tests {
                 .map(|i| Tensor::new(&[i as f32, 1.0], &Device::Cpu))
                 .collect::<candle_core::Result<_>>()?;
             let want = vec![(0..n).sum::<usize>() as f32, n as f32];
-            for ops in [CrossDeviceOps::ReductionToOneDevice, CrossDeviceOps::HierarchicalCopy] {
+            for ops in [
+                CrossDeviceOps::ReductionToOneDevice,
+                CrossDeviceOps::HierarchicalCopy,
+            ] {
                 let out = ops.all_reduce(buffers.clone(), &devices)?;
                 assert_eq!(out.len(), n);
                 for t in out {

@@ -55,7 +55,11 @@ impl FusedLayout {
         self.shapes
             .iter()
             .zip(&self.offsets)
-            .map(|(shape, &off)| Ok(buffer.narrow(0, start + off, shape.elem_count())?.reshape(shape)?))
+            .map(|(shape, &off)| {
+                Ok(buffer
+                    .narrow(0, start + off, shape.elem_count())?
+                    .reshape(shape)?)
+            })
             .collect()
     }
 }

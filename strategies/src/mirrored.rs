@@ -120,7 +120,12 @@ impl DistributedModel for MirroredModel {
         let outputs = self.set.compute(batch, batch.len(), None)?;
         let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = outputs
             .into_iter()
-            .map(|ReplicaOutput { fused, statistics_before }| (fused, statistics_before))
+            .map(
+                |ReplicaOutput {
+                     fused,
+                     statistics_before,
+                 }| (fused, statistics_before),
+            )
             .unzip();
         let reduced = self.ops.all_reduce(fused, &self.set.devices)?;
         let (sums, applied) = self.set.layout.read(&reduced[0])?;
@@ -128,20 +133,24 @@ impl DistributedModel for MirroredModel {
         let replicas = self.set.len() as f64;
         let average_statistics = !self.set.syncs_batch_norm();
         let inputs: Vec<(Tensor, Vec<Tensor>)> = reduced.into_iter().zip(before).collect();
-        self.set.pool.run(inputs, move |_, replica, (buffer, before)| {
-            if !applied {
-                return restore(replica.statistics(), &before);
-            }
-            let grads = layout.grads.split(&buffer, 0)?;
-            replica.apply_gradients(&grads, lr)?;
-            if average_statistics {
-                let means = layout.statistics.split(&buffer, layout.statistics_offset())?;
-                for (var, sum) in replica.statistics().iter().zip(means) {
-                    var.set(&(sum / replicas)?)?;
+        self.set
+            .pool
+            .run(inputs, move |_, replica, (buffer, before)| {
+                if !applied {
+                    return restore(replica.statistics(), &before);
                 }
-            }
-            Ok(())
-        })?;
+                let grads = layout.grads.split(&buffer, 0)?;
+                replica.apply_gradients(&grads, lr)?;
+                if average_statistics {
+                    let means = layout
+                        .statistics
+                        .split(&buffer, layout.statistics_offset())?;
+                    for (var, sum) in replica.statistics().iter().zip(means) {
+                        var.set(&(sum / replicas)?)?;
+                    }
+                }
+                Ok(())
+            })?;
         Ok(StepStats {
             samples: batch.len(),
             sums,

@@ -7,7 +7,8 @@ use kandle::{Error, Result};
 #[cfg(not(feature = "nccl"))]
 pub fn all_reduce(_buffers: Vec<Tensor>, _devices: &[Device]) -> Result<Vec<Tensor>> {
     Err(Error::Device(
-        "CrossDeviceOps::NcclAllReduce needs kandle-strategies built with the `nccl` feature".into(),
+        "CrossDeviceOps::NcclAllReduce needs kandle-strategies built with the `nccl` feature"
+            .into(),
     ))
 }
 

@@ -60,7 +60,9 @@ impl ReplicaGroup for Rendezvous {
     fn all_reduce_sum(&self, replica: usize, values: Vec<f32>) -> Result<Vec<f32>> {
         let mut s = self.lock()?;
         if !s.active.get(replica).copied().unwrap_or(false) {
-            return Err(Error::invalid(format!("replica {replica} is not active in this step")));
+            return Err(Error::invalid(format!(
+                "replica {replica} is not active in this step"
+            )));
         }
         if s.arrived == 0 {
             s.sum = values;
@@ -114,7 +116,9 @@ mod tests {
             .map(|i| {
                 let g = Arc::clone(&group);
                 std::thread::spawn(move || -> Result<Vec<Vec<f32>>> {
-                    (0..4).map(|round| g.all_reduce_sum(i, vec![i as f32, round as f32])).collect()
+                    (0..4)
+                        .map(|round| g.all_reduce_sum(i, vec![i as f32, round as f32]))
+                        .collect()
                 })
             })
             .collect();
@@ -125,7 +129,10 @@ mod tests {
             }
         }
         let lonely = Rendezvous::new(2, Duration::from_millis(50));
-        let err = lonely.all_reduce_sum(0, vec![1.0]).expect_err("must time out").to_string();
+        let err = lonely
+            .all_reduce_sum(0, vec![1.0])
+            .expect_err("must time out")
+            .to_string();
         assert!(err.contains("did not reach"), "{err}");
         Ok(())
     }

@@ -60,16 +60,6 @@ impl ReplicaPool {
         })
     }
 
-    /// Number of replicas.
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// Whether the pool has no replica.
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
     /// Runs `f(i, replica_i, input_i)` on every replica in parallel and returns the results in
     /// replica order. Fails with the first error, naming the replica, if a replica errs, panics
     /// or does not answer in time; after a panic or a time-out the pool refuses further work.
@@ -94,7 +84,10 @@ impl ReplicaPool {
                 let out = catch_unwind(AssertUnwindSafe(|| f(i, replica, input)));
                 let _ = tx.send((i, out));
             });
-            let sent = worker.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+            let sent = worker
+                .jobs
+                .as_ref()
+                .is_some_and(|jobs| jobs.send(job).is_ok());
             if !sent {
                 return Err(self.fail(i, "its thread has stopped".into()));
             }
@@ -118,10 +111,7 @@ impl ReplicaPool {
                     return Err(self.fail(i, format!("panicked: {msg}")));
                 }
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                    let silent = results
-                        .iter()
-                        .position(Option::is_none)
-                        .unwrap_or_default();
+                    let silent = results.iter().position(Option::is_none).unwrap_or_default();
                     let secs = self.timeout.as_secs_f64();
                     return Err(self.fail(silent, format!("did not answer within {secs:.0} s")));
                 }
@@ -142,7 +132,6 @@ impl ReplicaPool {
         }
     }
 }
-
 
 impl Drop for ReplicaPool {
     fn drop(&mut self) {

@@ -51,11 +51,14 @@ impl StepLayout {
     /// whether every gradient and statistic in it is finite.
     pub fn read(&self, reduced: &Tensor) -> Result<(Vec<f64>, bool)> {
         let stats = reduced.narrow(0, self.stats_offset(), self.num_stats)?;
-        let probe = kandle::replica::finite_probe(&stats, &[reduced.narrow(0, 0, self.grads.len())?])?;
+        let probe =
+            kandle::replica::finite_probe(&stats, &[reduced.narrow(0, 0, self.grads.len())?])?;
         let host = Tensor::cat(&[&stats, &probe.reshape(1)?], 0)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        let (probe, sums) = host.split_last().map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
+        let (probe, sums) = host
+            .split_last()
+            .map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
         Ok((sums.to_vec(), probe.is_finite()))
     }
 }
@@ -82,14 +85,22 @@ fn labels(devices: &[Device]) -> Vec<String> {
 impl ReplicaSet {
     /// Builds one replica of `spec` per device, all starting from the first replica's weights.
     /// With `sync_batch_norm`, batch normalisation uses statistics of the whole global batch.
-    pub fn new(spec: &ModelSpec, devices: &[Device], sync_batch_norm: bool, timeout: Duration) -> Result<Self> {
+    pub fn new(
+        spec: &ModelSpec,
+        devices: &[Device],
+        sync_batch_norm: bool,
+        timeout: Duration,
+    ) -> Result<Self> {
         let rendezvous = sync_batch_norm.then(|| Arc::new(Rendezvous::new(devices.len(), timeout)));
         let replicas = devices
             .iter()
             .enumerate()
             .map(|(i, d)| match &rendezvous {
                 Some(group) => {
-                    let handle = ReplicaHandle::new(Arc::clone(group) as Arc<dyn kandle::cross_replica::ReplicaGroup>, i);
+                    let handle = ReplicaHandle::new(
+                        Arc::clone(group) as Arc<dyn kandle::cross_replica::ReplicaGroup>,
+                        i,
+                    );
                     Replica::in_group(spec, d, handle)
                 }
                 None => Replica::new(spec, d),
@@ -101,9 +112,16 @@ impl ReplicaSet {
         }
         let stores: Vec<ParamStore> = replicas.iter().map(|r| r.store().clone()).collect();
         let layout = Arc::new(StepLayout {
-            grads: FusedLayout::from_shapes(replicas[0].trainable_vars().iter().map(|v| v.shape().clone())),
+            grads: FusedLayout::from_shapes(
+                replicas[0]
+                    .trainable_vars()
+                    .iter()
+                    .map(|v| v.shape().clone()),
+            ),
             num_stats: spec.num_stats(),
-            statistics: FusedLayout::from_shapes(replicas[0].statistics().iter().map(|v| v.shape().clone())),
+            statistics: FusedLayout::from_shapes(
+                replicas[0].statistics().iter().map(|v| v.shape().clone()),
+            ),
         });
         let pool = ReplicaPool::new(replicas, labels(devices), timeout)?;
         Ok(Self {
@@ -116,13 +134,8 @@ impl ReplicaSet {
     }
 
     /// Number of replicas.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.devices.len()
-    }
-
-    /// Whether there is no replica.
-    pub fn is_empty(&self) -> bool {
-        self.devices.is_empty()
     }
 
     /// Whether batch statistics are synchronised across replicas.
@@ -159,14 +172,19 @@ impl ReplicaSet {
             let active: Vec<bool> = parts.iter().map(|p| !p.is_empty()).collect();
             group.set_active(&active)?;
         }
-        let inputs: Vec<(Batch, Option<Tensor>)> = parts.into_iter().map(|p| (p, weights.clone())).collect();
+        let inputs: Vec<(Batch, Option<Tensor>)> =
+            parts.into_iter().map(|p| (p, weights.clone())).collect();
         self.pool.run(inputs, move |_, replica, (part, weights)| {
             if let Some(w) = weights {
                 load_fused(replica.store(), &w)?;
             }
             let (x, y) = kandle::strategy::batch_to(&part, replica.device())?;
             let g = replica.compute_gradients(&x, &y, global_samples)?;
-            let statistics: Vec<Tensor> = replica.statistics().iter().map(|v| v.as_tensor().clone()).collect();
+            let statistics: Vec<Tensor> = replica
+                .statistics()
+                .iter()
+                .map(|v| v.as_tensor().clone())
+                .collect();
             let mut parts: Vec<&Tensor> = g.grads.iter().collect();
             parts.push(&g.stats);
             parts.extend(statistics.iter());
@@ -182,7 +200,10 @@ impl ReplicaSet {
         let parts = self.split(batch)?;
         let sums = self.pool.run(parts, |_, replica, part| {
             let (x, y) = kandle::strategy::batch_to(&part, replica.device())?;
-            Ok(replica.evaluate(&x, &y)?.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+            Ok(replica
+                .evaluate(&x, &y)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?)
         })?;
         let mut total = vec![0.0; self.layout.num_stats];
         for s in sums {

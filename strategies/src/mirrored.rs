@@ -182,3 +182,64 @@ pub(crate) fn restore(vars: &[candle_core::Var], before: &[Tensor]) -> Result<()
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kandle::layers::{Activation, BatchNormalization, Conv2D, Dense, Flatten, Sequential};
+    use kandle::optimizers::Sgd;
+    use kandle::{Loss, Metric};
+
+    fn statistics_of(model: &MirroredModel) -> Result<Vec<Vec<f32>>> {
+        model
+            .set
+            .stores
+            .iter()
+            .map(|s| {
+                let parts = s
+                    .iter()
+                    .filter(|p| p.statistic)
+                    .map(|p| Ok(p.var.as_tensor().flatten_all()?.to_vec1::<f32>()?))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(parts.concat())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn per_replica_batch_norm_keeps_moving_statistics_identical() -> Result<()> {
+        let spec = ModelSpec {
+            network: Sequential::new()
+                .add(Conv2D::new(4, 3))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Flatten)
+                .add(Dense::new(10))
+                .add(Activation::Softmax),
+            input_shape: vec![1, 8, 8],
+            optimizer: Box::new(Sgd::new(0.1)),
+            loss: Loss::SparseCategoricalCrossentropy,
+            metrics: vec![Metric::Accuracy],
+            seed: 1,
+        };
+        let mut model = MirroredModel {
+            set: ReplicaSet::new(&spec, &vec![Device::Cpu; 3], false, DEFAULT_TIMEOUT)?,
+            ops: CrossDeviceOps::default(),
+        };
+        let data = kandle::data::digits::load()?;
+        let (x, y) = data.to_tensors()?;
+        for step in 0..3 {
+            // 20 samples over 3 replicas: parts of 7, 7 and 6 with different statistics.
+            let batch = Batch {
+                x: x.narrow(0, step * 20, 20)?,
+                y: y.narrow(0, step * 20, 20)?,
+            };
+            model.train_step(&batch, 0.1)?;
+            let stats = statistics_of(&model)?;
+            assert!(stats[0].iter().any(|v| *v != 0.0 && *v != 1.0));
+            assert_eq!(stats[0], stats[1], "step {step}");
+            assert_eq!(stats[0], stats[2], "step {step}");
+        }
+        Ok(())
+    }
+}

@@ -114,7 +114,8 @@ impl DistributedModel for CentralModel {
         }
         let total = total.ok_or_else(|| Error::invalid("no replica produced gradients"))?;
         let layout = &self.set.layout;
-        let (sums, applied) = layout.read(&total)?;
+        let reduced_stats = layout.read(&total)?;
+        let applied = reduced_stats.finite;
         if applied {
             let grads = layout.grads.split(&total, 0)?;
             self.central.apply_gradients(&grads, lr)?;
@@ -127,8 +128,8 @@ impl DistributedModel for CentralModel {
             }
         }
         Ok(StepStats {
-            samples: batch.len(),
-            sums,
+            samples: reduced_stats.samples,
+            sums: reduced_stats.sums,
             applied,
         })
     }

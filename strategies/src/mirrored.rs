@@ -128,7 +128,8 @@ impl DistributedModel for MirroredModel {
             )
             .unzip();
         let reduced = self.ops.all_reduce(fused, &self.set.devices)?;
-        let (sums, applied) = self.set.layout.read(&reduced[0])?;
+        let reduced_stats = self.set.layout.read(&reduced[0])?;
+        let applied = reduced_stats.finite;
         let layout = std::sync::Arc::clone(&self.set.layout);
         let replicas = self.set.len() as f64;
         let average_statistics = !self.set.syncs_batch_norm();
@@ -152,8 +153,8 @@ impl DistributedModel for MirroredModel {
                 Ok(())
             })?;
         Ok(StepStats {
-            samples: batch.len(),
-            sums,
+            samples: reduced_stats.samples,
+            sums: reduced_stats.sums,
             applied,
         })
     }

@@ -19,7 +19,8 @@ use crate::replica_pool::ReplicaPool;
 
 /// What a replica's share of a step produced.
 pub struct ReplicaOutput {
-    /// `[gradients..., loss and metric sums..., moving statistics...]` on the replica's device.
+    /// `[gradients..., loss and metric sums..., sample count, moving statistics...]` on the
+    /// replica's device.
     pub fused: Tensor,
     /// The moving statistics before the forward pass, to restore if the step is discarded.
     pub statistics_before: Vec<Tensor>,
@@ -30,7 +31,7 @@ pub struct ReplicaOutput {
 pub struct StepLayout {
     /// The trainable variables' gradients, first.
     pub grads: FusedLayout,
-    /// Number of loss and metric sums, next.
+    /// Number of loss and metric sums, next, followed by the sample count.
     pub num_stats: usize,
     /// The moving statistics, last.
     pub statistics: FusedLayout,
@@ -42,25 +43,43 @@ impl StepLayout {
         self.grads.len()
     }
 
-    /// Offset of the moving statistics.
-    pub fn statistics_offset(&self) -> usize {
+    /// Offset of the sample count.
+    pub fn samples_offset(&self) -> usize {
         self.grads.len() + self.num_stats
     }
 
-    /// Reads the summed statistics of a reduced buffer to the host with one transfer, and
-    /// whether every gradient and statistic in it is finite.
-    pub fn read(&self, reduced: &Tensor) -> Result<(Vec<f64>, bool)> {
-        let stats = reduced.narrow(0, self.stats_offset(), self.num_stats)?;
-        let probe =
-            kandle::replica::finite_probe(&stats, &[reduced.narrow(0, 0, self.grads.len())?])?;
+    /// Offset of the moving statistics.
+    pub fn statistics_offset(&self) -> usize {
+        self.samples_offset() + 1
+    }
+
+    /// Reads a reduced buffer's loss and metric sums and sample count to the host with one
+    /// transfer, and whether every gradient and sum in it is finite.
+    pub fn read(&self, reduced: &Tensor) -> Result<ReducedStats> {
+        let stats = reduced.narrow(0, self.stats_offset(), self.num_stats + 1)?;
+        let grads = reduced.narrow(0, 0, self.grads.len())?;
+        let probe = kandle::replica::finite_probe(&stats, &[grads])?;
         let host = Tensor::cat(&[&stats, &probe.reshape(1)?], 0)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        let (probe, sums) = host
-            .split_last()
-            .map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
-        Ok((sums.to_vec(), probe.is_finite()))
+        let finite = host.last().is_some_and(|p| p.is_finite());
+        Ok(ReducedStats {
+            sums: host[..self.num_stats].to_vec(),
+            samples: host[self.num_stats].round() as usize,
+            finite,
+        })
     }
+}
+
+/// What a reduced step buffer says, read on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReducedStats {
+    /// Loss and metric sums over every replica.
+    pub sums: Vec<f64>,
+    /// Samples over every replica.
+    pub samples: usize,
+    /// Whether every gradient and sum is finite.
+    pub finite: bool,
 }
 
 /// The replicas of one process.
@@ -185,8 +204,10 @@ impl ReplicaSet {
                 .iter()
                 .map(|v| v.as_tensor().clone())
                 .collect();
+            let samples = Tensor::new(&[g.samples as f32], replica.device())?;
             let mut parts: Vec<&Tensor> = g.grads.iter().collect();
             parts.push(&g.stats);
+            parts.push(&samples);
             parts.extend(statistics.iter());
             Ok(ReplicaOutput {
                 fused: fuse(&parts)?,

@@ -53,10 +53,22 @@ fn fit_with(fault: Fault) -> anyhow::Result<(kandle::Error, Duration)> {
         .add(FaultyOnReplica1(fault))
         .add(Dense::new(10))
         .add(Activation::Softmax);
-    let mut model = net.compile(Sgd::new(0.1), Loss::SparseCategoricalCrossentropy, [], &strategy)?;
+    let mut model = net.compile(
+        Sgd::new(0.1),
+        Loss::SparseCategoricalCrossentropy,
+        [],
+        &strategy,
+    )?;
     let start = Instant::now();
     let err = model
-        .fit(&data, FitOptions { batch_size_per_replica: 16, verbosity: Verbosity::Silent, ..Default::default() })
+        .fit(
+            &data,
+            FitOptions {
+                batch_size_per_replica: 16,
+                verbosity: Verbosity::Silent,
+                ..Default::default()
+            },
+        )
         .expect_err("a failing replica must fail the step");
     Ok((err, start.elapsed()))
 }
@@ -65,7 +77,10 @@ fn fit_with(fault: Fault) -> anyhow::Result<(kandle::Error, Duration)> {
 fn a_stalled_replica_fails_the_step_within_the_timeout() -> anyhow::Result<()> {
     let (err, elapsed) = fit_with(Fault::Stall)?;
     let msg = err.to_string();
-    assert!(msg.contains("replica 1 (cpu)") && msg.contains("did not answer within 2 s"), "{msg}");
+    assert!(
+        msg.contains("replica 1 (cpu)") && msg.contains("did not answer within 2 s"),
+        "{msg}"
+    );
     assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
     Ok(())
 }
@@ -74,6 +89,9 @@ fn a_stalled_replica_fails_the_step_within_the_timeout() -> anyhow::Result<()> {
 fn a_panicking_replica_is_named() -> anyhow::Result<()> {
     let (err, _) = fit_with(Fault::Panic)?;
     let msg = err.to_string();
-    assert!(msg.contains("replica 1 (cpu)") && msg.contains("simulated device failure"), "{msg}");
+    assert!(
+        msg.contains("replica 1 (cpu)") && msg.contains("simulated device failure"),
+        "{msg}"
+    );
     Ok(())
 }

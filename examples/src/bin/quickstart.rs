@@ -61,7 +61,9 @@ fn main() -> Result<()> {
                     .save_best_only(true)
                     .boxed(),
                 CsvLogger::new(csv).boxed(),
-                PlotHistory::new(&args.plot).title("Small CNN on digits").boxed(),
+                PlotHistory::new(&args.plot)
+                    .title("Small CNN on digits")
+                    .boxed(),
             ],
             ..Default::default()
         },
@@ -74,6 +76,13 @@ fn main() -> Result<()> {
         100.0 * logs.get("accuracy").unwrap_or(f64::NAN),
         history.epochs.len()
     );
-    println!("wrote {}, {} and {}", args.plot, args.checkpoint, std::path::Path::new(&args.plot).with_extension("csv").display());
+    println!(
+        "wrote {}, {} and {}",
+        args.plot,
+        args.checkpoint,
+        std::path::Path::new(&args.plot)
+            .with_extension("csv")
+            .display()
+    );
     Ok(())
 }

@@ -102,7 +102,8 @@ impl Callback for CsvLogger {
             None
         };
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create directory", dir, e))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io("cannot create directory", dir, e))?;
         }
         let mut options = OpenOptions::new();
         if self.append {

@@ -77,7 +77,10 @@ fn expand_epoch(path: &Path, epoch: usize) -> PathBuf {
     match path.to_str() {
         Some(s) if s.contains("{epoch") => {
             let number = format!("{:02}", epoch + 1);
-            PathBuf::from(s.replace("{epoch:02d}", &number).replace("{epoch}", &number))
+            PathBuf::from(
+                s.replace("{epoch:02d}", &number)
+                    .replace("{epoch}", &number),
+            )
         }
         _ => path.to_path_buf(),
     }
@@ -147,8 +150,8 @@ mod tests {
         assert_eq!(best.best(), Some(0.7));
 
         // A missing key with save_best_only skips the save and does not fail.
-        let mut missing = ModelCheckpoint::new(dir.path().join("missing.safetensors"))
-            .save_best_only(true);
+        let mut missing =
+            ModelCheckpoint::new(dir.path().join("missing.safetensors")).save_best_only(true);
         missing.on_epoch_end(0, &logs(&[("loss", 1.0)]), &mut model)?;
         assert!(!dir.path().join("missing.safetensors").exists());
 

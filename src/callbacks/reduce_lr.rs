@@ -181,7 +181,10 @@ mod tests {
             .min_lr(0.2)
             .verbose(false);
         assert!(!reduce.chief_only());
-        let got = rates(&mut reduce, &[1.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9])?;
+        let got = rates(
+            &mut reduce,
+            &[1.0, 0.5, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9, 0.9],
+        )?;
         assert_eq!(got, [1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.2, 0.2, 0.2]);
         Ok(())
     }

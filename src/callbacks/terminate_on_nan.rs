@@ -48,7 +48,11 @@ mod tests {
         let mut model = tiny_model()?;
         let mut cb = TerminateOnNaN;
         assert!(!cb.chief_only());
-        cb.on_train_batch_end(0, &logs(&[("loss", 0.5), ("accuracy", f64::NAN)]), &mut model)?;
+        cb.on_train_batch_end(
+            0,
+            &logs(&[("loss", 0.5), ("accuracy", f64::NAN)]),
+            &mut model,
+        )?;
         cb.on_train_batch_end(1, &Logs::new(), &mut model)?;
         assert!(!model.stop_requested());
         cb.on_train_batch_end(2, &logs(&[("loss", f64::NAN)]), &mut model)?;

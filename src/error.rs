@@ -117,3 +117,13 @@ pub(crate) fn shape_with_batch(dims: &[usize]) -> String {
         format!("(batch, {})", inner.join(", "))
     }
 }
+/// The message of a caught panic payload (`&str` or `String`), for error reports.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}

@@ -40,6 +40,7 @@
 
 pub mod callbacks;
 pub mod checkpoint;
+pub mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;
@@ -53,7 +54,7 @@ pub mod replica;
 pub mod schedules;
 pub mod strategy;
 
-pub use error::{Error, Result};
+pub use error::{panic_message, Error, Result};
 pub use losses::Loss;
 pub use metrics::Metric;
 pub use model::{FitOptions, Model};

@@ -52,7 +52,7 @@ impl Loss {
         )
     }
 
-    fn from_logits(self) -> bool {
+    fn takes_logits(self) -> bool {
         matches!(
             self,
             Loss::CategoricalCrossentropyFromLogits | Loss::SparseCategoricalCrossentropyFromLogits
@@ -76,7 +76,7 @@ impl Loss {
                     "{} takes class-index labels, but the targets are values of shape {shape:?}; \
                      use {} for one-hot targets",
                     self.name(),
-                    if self.from_logits() {
+                    if self.takes_logits() {
                         "Loss::CategoricalCrossentropyFromLogits"
                     } else {
                         "Loss::CategoricalCrossentropy"
@@ -112,7 +112,7 @@ impl Loss {
         y: &Tensor,
     ) -> Result<Tensor> {
         let log_probs = || -> Result<Tensor> {
-            match (self.from_logits(), logits) {
+            match (self.takes_logits(), logits) {
                 (true, _) => log_softmax(output),
                 (false, Some(logits)) => log_softmax(logits),
                 (false, None) => Ok(output.clamp(PROB_EPSILON, 1.0 - PROB_EPSILON)?.log()?),

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use crate::cross_replica::ReplicaHandle;
 use crate::{Error, Result};
 
 /// Weights by name: what checkpoints hold and what strategies copy between replicas.
@@ -92,6 +93,9 @@ pub struct Param {
     /// Whether the optimizer updates it. Batch-norm moving statistics and the variables of
     /// frozen layers are not trainable.
     pub trainable: bool,
+    /// Whether it is a statistic that the layer itself updates during training (a moving mean
+    /// or variance), which replicas must average to stay in agreement.
+    pub statistic: bool,
 }
 
 /// The variables of one built network, in creation order, addressed by name.
@@ -107,19 +111,26 @@ impl ParamStore {
         Self::default()
     }
 
-    /// Adds a variable. Fails if the name is taken.
+    /// Adds a trainable or frozen variable. Fails if the name is taken.
     pub fn insert(&mut self, name: String, var: Var, trainable: bool) -> Result<()> {
+        self.insert_param(Param {
+            name,
+            var,
+            trainable,
+            statistic: false,
+        })
+    }
+
+    /// Adds a variable. Fails if the name is taken.
+    pub fn insert_param(&mut self, param: Param) -> Result<()> {
+        let name = param.name.clone();
         if self.index.contains_key(&name) {
             return Err(Error::invalid(format!(
                 "two variables are named `{name}`: give the layers distinct names"
             )));
         }
-        self.index.insert(name.clone(), self.params.len());
-        self.params.push(Param {
-            name,
-            var,
-            trainable,
-        });
+        self.index.insert(name, self.params.len());
+        self.params.push(param);
         Ok(())
     }
 
@@ -155,6 +166,15 @@ impl ParamStore {
     /// The variables that are not trainable (moving statistics, frozen layers).
     pub fn non_trainable(&self) -> impl Iterator<Item = &Param> {
         self.params.iter().filter(|p| !p.trainable)
+    }
+
+    /// The moving statistics that layers update during training, in creation order.
+    pub fn statistics(&self) -> Vec<Var> {
+        self.params
+            .iter()
+            .filter(|p| p.statistic)
+            .map(|p| p.var.clone())
+            .collect()
     }
 
     /// `(trainable, non_trainable)` element counts of the variables whose names start with
@@ -264,6 +284,7 @@ pub struct BuildContext {
     rng: StdRng,
     scope: Vec<String>,
     trainable: bool,
+    replica: Option<ReplicaHandle>,
 }
 
 impl BuildContext {
@@ -275,7 +296,20 @@ impl BuildContext {
             rng: StdRng::seed_from_u64(seed),
             scope: Vec::new(),
             trainable: true,
+            replica: None,
         }
+    }
+
+    /// Builds as one replica of a group whose batch normalisation uses global batch statistics
+    /// (`SyncBatchNorm`).
+    pub fn with_replica_group(mut self, handle: ReplicaHandle) -> Self {
+        self.replica = Some(handle);
+        self
+    }
+
+    /// The replica group, when batch statistics are synchronised across replicas.
+    pub fn replica_group(&self) -> Option<&ReplicaHandle> {
+        self.replica.as_ref()
     }
 
     /// The device variables are created on.

@@ -8,7 +8,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::cross_replica::ReplicaHandle;
 use crate::layers::{Layer, Sequential, SequentialNet};
+use crate::params::BuildContext;
 use crate::metrics::Metric;
 use crate::optimizers::{Optimizer, OptimizerConfig};
 use crate::params::ParamStore;
@@ -57,6 +59,9 @@ pub struct Gradients {
     pub stats: Tensor,
     /// Samples the replica processed.
     pub samples: usize,
+    /// The moving statistics as they were before this forward pass, to undo its updates with
+    /// [`Replica::discard`] when the step is not applied.
+    pub statistics_before: Vec<Tensor>,
 }
 
 /// One copy of the model on one device.
@@ -65,6 +70,7 @@ pub struct Replica {
     net: SequentialNet,
     store: ParamStore,
     trainable: Vec<Var>,
+    statistics: Vec<Var>,
     optimizer: Box<dyn Optimizer>,
     loss: Loss,
     metrics: Vec<Metric>,
@@ -74,16 +80,27 @@ impl Replica {
     /// Builds the network on `device` with the spec's seed, and an optimizer over its
     /// trainable variables.
     pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
-        let (net, store, _) = spec
-            .network
-            .build_network(device, &spec.input_shape, spec.seed)?;
+        Self::build(spec, BuildContext::new(device, spec.seed))
+    }
+
+    /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
+    /// global batch statistics.
+    pub fn in_group(spec: &ModelSpec, device: &Device, handle: ReplicaHandle) -> Result<Self> {
+        Self::build(spec, BuildContext::new(device, spec.seed).with_replica_group(handle))
+    }
+
+    fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
+        let device = ctx.device().clone();
+        let (net, store, _) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
+        let statistics = store.statistics();
         let optimizer = spec.optimizer.build(trainable.clone())?;
         Ok(Self {
-            device: device.clone(),
+            device,
             net,
             store,
             trainable,
+            statistics,
             optimizer,
             loss: spec.loss,
             metrics: spec.metrics.clone(),
@@ -124,6 +141,7 @@ impl Replica {
         if samples == 0 {
             return self.zero_gradients();
         }
+        let statistics_before = self.statistics_snapshot()?;
         let (output, logits) = self.net.forward_with_logits(x, true)?;
         let per_sample = self.loss.per_sample(&output, logits.as_ref(), y)?;
         let loss_sum = per_sample.sum_all()?;
@@ -142,7 +160,29 @@ impl Replica {
             grads,
             stats,
             samples,
+            statistics_before,
         })
+    }
+
+    fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {
+        self.statistics
+            .iter()
+            .map(|v| Ok(v.as_tensor().detach().copy()?))
+            .collect()
+    }
+
+    /// Undoes the moving-statistic updates of the forward pass that produced `g`, for a step
+    /// that is not applied.
+    pub fn discard(&self, g: &Gradients) -> Result<()> {
+        for (var, before) in self.statistics.iter().zip(&g.statistics_before) {
+            var.set(before)?;
+        }
+        Ok(())
+    }
+
+    /// The moving statistics (batch-norm running means and variances), in creation order.
+    pub fn statistics(&self) -> &[Var] {
+        &self.statistics
     }
 
     fn zero_gradients(&self) -> Result<Gradients> {
@@ -156,6 +196,7 @@ impl Replica {
             grads,
             stats,
             samples: 0,
+            statistics_before: Vec::new(),
         })
     }
 

@@ -1,1 +1,1 @@
-//! placeholder
+//! Shared helpers for the example binaries.

@@ -6,7 +6,18 @@
 //! Targets are either class indices (for the sparse losses) or dense values such as one-hot
 //! rows (for the categorical losses and regression).
 
+use std::sync::Arc;
+
 use crate::Result;
+
+pub mod digits;
+mod in_memory;
+mod loader;
+mod subset;
+
+pub use in_memory::InMemoryDataset;
+pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
+pub use subset::{split_tail, Subset};
 
 /// What a dataset's targets are.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,21 +65,40 @@ pub trait Dataset: Send + Sync {
     }
 }
 
-impl<D: Dataset + ?Sized> Dataset for &D {
-    fn len(&self) -> usize {
-        (**self).len()
-    }
-    fn sample_shape(&self) -> &[usize] {
-        (**self).sample_shape()
-    }
-    fn targets(&self) -> Targets {
-        (**self).targets()
-    }
-    fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
-        (**self).read(index, x, y)
-    }
-    fn name(&self) -> &str {
-        (**self).name()
+/// Forwards every method, `len` and `is_empty` included, to the pointee.
+macro_rules! forward_dataset {
+    ($($ty:ty),*) => {$(
+        impl<D: Dataset + ?Sized> Dataset for $ty {
+            fn len(&self) -> usize {
+                (**self).len()
+            }
+            fn is_empty(&self) -> bool {
+                (**self).is_empty()
+            }
+            fn sample_shape(&self) -> &[usize] {
+                (**self).sample_shape()
+            }
+            fn targets(&self) -> Targets {
+                (**self).targets()
+            }
+            fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
+                (**self).read(index, x, y)
+            }
+            fn name(&self) -> &str {
+                (**self).name()
+            }
+        }
+    )*};
+}
+
+forward_dataset!(&D, Box<D>, Arc<D>);
+
+impl std::fmt::Debug for dyn Dataset + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dataset")
+            .field("name", &self.name())
+            .field("len", &self.len())
+            .finish_non_exhaustive()
     }
 }
 
@@ -92,7 +122,3 @@ impl Batch {
         self.len() == 0
     }
 }
-
-mod loader;
-
-pub use loader::{split_tail, Loader, LoaderOptions};

@@ -10,6 +10,7 @@
 use candle_core::{Tensor, Var};
 
 use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::params::Init;
 use crate::Result;
 
@@ -104,6 +105,7 @@ impl LayerSpec for BatchNormalization {
             momentum: self.momentum,
             epsilon: self.epsilon,
             frozen: !ctx.trainable(),
+            sync: ctx.replica_group().cloned(),
             rank: input_shape.len() + 1,
         };
         Ok(Built::leaf(layer, input_shape.to_vec()))
@@ -123,6 +125,8 @@ struct BatchNormLayer {
     epsilon: f64,
     frozen: bool,
     rank: usize,
+    /// Set under `SyncBatchNorm`: statistics are summed over the replica group.
+    sync: Option<ReplicaHandle>,
 }
 
 impl BatchNormLayer {
@@ -136,13 +140,38 @@ impl BatchNormLayer {
         })
     }
 
-    /// Mean and biased variance per channel.
+    fn reduce_dims(&self) -> &'static [usize] {
+        if self.rank == 4 {
+            &[0, 2, 3]
+        } else {
+            &[0]
+        }
+    }
+
+    /// Mean and biased variance per channel of this replica's batch.
     fn batch_stats(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        let reduce: &[usize] = if self.rank == 4 { &[0, 2, 3] } else { &[0] };
+        let reduce = self.reduce_dims();
         let mean = x.mean_keepdim(reduce)?;
         let centered = x.broadcast_sub(&mean)?;
         let var = centered.sqr()?.mean_keepdim(reduce)?;
         Ok((mean.flatten_all()?, var.flatten_all()?))
+    }
+
+    /// Mean and biased variance per channel over the whole replica group's batch, in two
+    /// differentiable rounds (sums with the count, then centred squares) for accuracy.
+    fn global_batch_stats(&self, x: &Tensor, group: &ReplicaHandle) -> Result<(Tensor, Tensor)> {
+        let reduce = self.reduce_dims();
+        let channels = x.dim(1)?;
+        let count = (x.elem_count() / channels.max(1)) as f64;
+        let count = Tensor::full(count, 1, x.device())?.to_dtype(x.dtype())?;
+        let sums = Tensor::cat(&[&x.sum_keepdim(reduce)?.flatten_all()?, &count], 0)?;
+        let sums = all_reduce_sum(&sums, group)?;
+        let total = sums.narrow(0, channels, 1)?;
+        let mean = sums.narrow(0, 0, channels)?.broadcast_div(&total)?;
+        let centered = x.broadcast_sub(&self.per_channel(&mean)?)?;
+        let squares = centered.sqr()?.sum_keepdim(reduce)?.flatten_all()?;
+        let var = all_reduce_sum(&squares, group)?.broadcast_div(&total)?;
+        Ok((mean, var))
     }
 
     fn normalize(&self, x: &Tensor, mean: &Tensor, var: &Tensor) -> Result<Tensor> {
@@ -167,7 +196,10 @@ impl Layer for BatchNormLayer {
             let var = self.running_var.as_tensor().detach();
             return self.normalize(x, &mean, &var);
         }
-        let (mean, var) = self.batch_stats(x)?;
+        let (mean, var) = match &self.sync {
+            Some(group) => self.global_batch_stats(x, group)?,
+            None => self.batch_stats(x)?,
+        };
         let m = self.momentum;
         let update = |moving: &Var, batch: &Tensor| -> Result<()> {
             let next = ((moving.as_tensor().detach() * m)? + (batch.detach() * (1.0 - m))?)?;

@@ -20,7 +20,8 @@ impl Sequential {
         Self::default()
     }
 
-    /// Appends a layer (builder style).
+    /// Appends a layer (builder style), as Keras's `model.add`.
+    #[allow(clippy::should_implement_trait)]
     pub fn add(mut self, layer: impl LayerSpec) -> Self {
         self.push(layer);
         self
@@ -60,7 +61,16 @@ impl Sequential {
         input_shape: &[usize],
         seed: u64,
     ) -> Result<(SequentialNet, ParamStore, Summary)> {
-        let mut ctx = BuildContext::new(device, seed);
+        self.build_in(BuildContext::new(device, seed), input_shape)
+    }
+
+    /// Builds the stack as a whole network in a prepared context (for example one that
+    /// synchronises batch statistics across replicas).
+    pub fn build_in(
+        &self,
+        mut ctx: BuildContext,
+        input_shape: &[usize],
+    ) -> Result<(SequentialNet, ParamStore, Summary)> {
         let built = self.build_layers(&mut ctx, input_shape)?;
         let store = ctx.into_store();
         let (trainable, non_trainable) = store.count("");

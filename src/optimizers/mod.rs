@@ -6,9 +6,15 @@
 //! without touching optimizer state. Update rules follow PyTorch's `torch.optim`, and the tests
 //! check them against values PyTorch computed.
 
+mod adam;
+mod sgd;
+
+pub use adam::{Adam, AdamW};
+pub use sgd::Sgd;
+
 use candle_core::{Tensor, Var};
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// An optimizer's hyper-parameters: builds the stateful [`Optimizer`] for a set of variables.
 pub trait OptimizerConfig: Send + Sync + 'static {
@@ -33,4 +39,66 @@ pub trait Optimizer: Send {
     /// Applies one update. `grads[i]` is the gradient of the i-th variable given to
     /// [`OptimizerConfig::build`]; gradients must be detached from the graph.
     fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()>;
+}
+
+/// Checks that `grads` pairs up with `params`: as many gradients as variables, each with its
+/// variable's shape and dtype. The error names the first offending index and both shapes.
+pub(crate) fn check_grads(optimizer: &str, params: &[Var], grads: &[Tensor]) -> Result<()> {
+    if grads.len() != params.len() {
+        return Err(Error::invalid(format!(
+            "{optimizer}: got {} gradients for {} variables",
+            grads.len(),
+            params.len()
+        )));
+    }
+    for (i, (param, grad)) in params.iter().zip(grads).enumerate() {
+        if grad.shape() != param.shape() {
+            return Err(Error::invalid(format!(
+                "{optimizer}: gradient {i} has shape {:?} but variable {i} has shape {:?}",
+                grad.dims(),
+                param.dims()
+            )));
+        }
+        if grad.dtype() != param.dtype() {
+            return Err(Error::invalid(format!(
+                "{optimizer}: gradient {i} has dtype {:?} but variable {i} has dtype {:?}",
+                grad.dtype(),
+                param.dtype()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a learning rate passed to [`Optimizer::step`]: finite and not negative.
+pub(crate) fn check_lr(optimizer: &str, lr: f64) -> Result<()> {
+    if lr.is_finite() && lr >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{optimizer}: learning rate must be finite and >= 0, got {lr}"
+        )))
+    }
+}
+
+/// Checks that a hyper-parameter lies in `[0, 1)`, as momentum and the betas must.
+pub(crate) fn check_unit(optimizer: &str, name: &str, value: f64) -> Result<()> {
+    if (0.0..1.0).contains(&value) {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{optimizer}: {name} must be in [0, 1), got {value}"
+        )))
+    }
+}
+
+/// Checks that a hyper-parameter is finite and not negative, as weight decay must be.
+pub(crate) fn check_non_negative(optimizer: &str, name: &str, value: f64) -> Result<()> {
+    if value.is_finite() && value >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{optimizer}: {name} must be finite and >= 0, got {value}"
+        )))
+    }
 }

@@ -77,6 +77,8 @@ impl DistributedModel for OneDeviceModel {
         let applied = probe.is_finite();
         if applied {
             self.replica.apply_gradients(&g.grads, lr)?;
+        } else {
+            self.replica.discard(&g)?;
         }
         Ok(StepStats {
             samples: g.samples,

@@ -1,0 +1,90 @@
+//! MiniGoogLeNet (Zhang et al., "Understanding deep learning requires rethinking
+//! generalization"), exactly as the Keras multi-GPU CIFAR-10 tutorial defines it.
+
+use kandle::layers::{
+    Activation, AveragePooling2D, BatchNormalization, Concat, Conv2D, Dense, Dropout, Flatten,
+    LayerSpecExt, MaxPooling2D, Padding, Sequential,
+};
+
+/// Conv2D (`filters`, `kx` x `ky`, `stride`, `padding`) → BatchNormalization → ReLU.
+pub fn conv_module(filters: usize, kx: usize, ky: usize, stride: usize, padding: Padding) -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(filters, kx).kernel(kx, ky).stride(stride).padding(padding).named("conv"))
+        .add(BatchNormalization::new().named("bn"))
+        .add(Activation::Relu.named("relu"))
+}
+
+/// Two branches joined on channels: a 1x1 conv module with `k1x1` filters and a 3x3 `same`
+/// conv module with `k3x3` filters.
+pub fn inception_module(k1x1: usize, k3x3: usize) -> Concat {
+    Concat::new([
+        conv_module(k1x1, 1, 1, 1, Padding::Same).named("branch_1x1"),
+        conv_module(k3x3, 3, 3, 1, Padding::Same).named("branch_3x3"),
+    ])
+}
+
+/// Halves the spatial size: a 3x3 stride-2 `valid` conv module with `filters` filters, joined
+/// on channels with a 3x3 stride-2 max pool.
+pub fn downsample_module(filters: usize) -> Concat {
+    Concat::new([
+        conv_module(filters, 3, 3, 2, Padding::Valid).named("branch_conv").boxed(),
+        MaxPooling2D::new(3).stride(2).named("branch_pool").boxed(),
+    ])
+}
+
+/// MiniGoogLeNet for 32x32 inputs with `classes` outputs (softmax): 1,656,250 parameters for
+/// 10 classes, 1,652,826 of them trainable.
+pub fn mini_googlenet(classes: usize) -> Sequential {
+    const STAGES: [(&[(usize, usize)], Option<usize>); 3] = [
+        (&[(32, 32), (32, 48)], Some(80)),
+        (&[(112, 48), (96, 64), (80, 80), (48, 96)], Some(96)),
+        (&[(176, 160), (176, 160)], None),
+    ];
+    let mut net = Sequential::new().add(conv_module(96, 3, 3, 1, Padding::Same).named("stem"));
+    let (mut inceptions, mut downsamples) = (0, 0);
+    for (modules, downsample) in STAGES {
+        for &(k1, k3) in modules {
+            inceptions += 1;
+            net.push(inception_module(k1, k3).named(format!("inception_{inceptions}")));
+        }
+        if let Some(k) = downsample {
+            downsamples += 1;
+            net.push(downsample_module(k).named(format!("downsample_{downsamples}")));
+        }
+    }
+    net.add(AveragePooling2D::new(7).named("avg_pool"))
+        .add(Dropout::new(0.5).named("dropout"))
+        .add(Flatten.named("flatten"))
+        .add(Dense::new(classes).named("classifier"))
+        .add(Activation::Softmax.named("softmax"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts_match_keras() -> kandle::Result<()> {
+        let summary = mini_googlenet(10).summary(&[3, 32, 32])?;
+        assert_eq!(summary.total(), 1_656_250);
+        assert_eq!(summary.trainable, 1_652_826);
+        assert_eq!(summary.non_trainable, 3_424);
+        let last = summary.rows.last().map(|r| r.output_shape.clone());
+        assert_eq!(last, Some(vec![10]));
+        let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(&names[..4], ["stem", "inception_1", "inception_2", "downsample_1"]);
+        Ok(())
+    }
+
+    #[test]
+    fn forward_shape_and_stable_names() -> kandle::Result<()> {
+        let (net, store, _) = mini_googlenet(10).build_network(&candle_core::Device::Cpu, &[3, 32, 32], 0)?;
+        let x = candle_core::Tensor::zeros((2, 3, 32, 32), candle_core::DType::F32, &candle_core::Device::Cpu)?;
+        use kandle::layers::Layer;
+        assert_eq!(net.forward_t(&x, false)?.dims(), &[2, 10]);
+        assert!(store.get("inception_2.branch_3x3.bn.running_mean").is_some());
+        assert!(store.get("downsample_1.branch_conv.conv.weight").is_some());
+        assert!(store.get("classifier.weight").is_some());
+        Ok(())
+    }
+}

@@ -1,0 +1,278 @@
+//! Adam and AdamW: adaptive moment estimation, with L2 or decoupled weight decay.
+//!
+//! [`Adam`] and [`AdamW`] are the recipes that `compile` stores; each builds a stateful
+//! optimizer holding the first and second moments of every variable. The update is PyTorch's
+//! `torch.optim.Adam` / `AdamW`: at step `t` (from 1), with gradient `g`, variable `p` and
+//! learning rate `lr`,
+//!
+//! ```text
+//! g = g + wd * p                       (Adam with weight decay: an L2 penalty)
+//! p = p * (1 - lr * wd)                (AdamW: decoupled weight decay)
+//! m = b1 * m + (1 - b1) * g
+//! v = b2 * v + (1 - b2) * g^2
+//! p = p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+//! ```
+//!
+//! The epsilon is added after the bias-corrected square root, as in PyTorch. Keras adds it to
+//! the uncorrected one, which differs only while `eps` is large against `sqrt(v)`. Defaults are
+//! Keras's: `eps = 1e-7`, and AdamW's weight decay 0.004.
+
+use candle_core::{Tensor, Var};
+
+use super::{check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig};
+use crate::{Error, Result};
+
+/// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
+/// `.weight_decay(wd)` added to the gradient (as `torch.optim.Adam` does).
+///
+/// Defaults: betas 0.9 and 0.999, epsilon 1e-7 (Keras's), no weight decay. Hyper-parameters
+/// are checked when the optimizer is built: the learning rate and weight decay must be finite
+/// and `>= 0`, the betas in `[0, 1)` and epsilon finite and `> 0`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Adam {
+    /// The initial learning rate.
+    pub learning_rate: f64,
+    /// Decay rate of the first moment (the running mean of gradients).
+    pub beta_1: f64,
+    /// Decay rate of the second moment (the running mean of squared gradients).
+    pub beta_2: f64,
+    /// Added to the denominator for numerical stability.
+    pub epsilon: f64,
+    /// L2 penalty: `weight_decay * p` is added to each gradient.
+    pub weight_decay: f64,
+}
+
+impl Default for Adam {
+    /// Keras's default: learning rate 0.001.
+    fn default() -> Self {
+        Self::new(1e-3)
+    }
+}
+
+impl Adam {
+    /// Adam with learning rate `lr` and Keras's other defaults.
+    pub fn new(lr: f64) -> Self {
+        Self {
+            learning_rate: lr,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Sets the decay rates of the first and second moments.
+    pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
+        self.beta_1 = beta_1;
+        self.beta_2 = beta_2;
+        self
+    }
+
+    /// Sets the epsilon added to the denominator.
+    pub fn epsilon(mut self, epsilon: f64) -> Self {
+        self.epsilon = epsilon;
+        self
+    }
+
+    /// Sets the L2 weight decay added to each gradient.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+}
+
+impl OptimizerConfig for Adam {
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+        let hyper = Hyper {
+            name: "Adam",
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            decoupled: false,
+        };
+        hyper.validate(self.learning_rate)?;
+        Ok(Box::new(AdamState::new(hyper, params)?))
+    }
+
+    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+        Box::new(*self)
+    }
+}
+
+/// AdamW: Adam with decoupled weight decay, `AdamW::new(1e-3).weight_decay(1e-2)`.
+///
+/// Before each Adam update, every variable is scaled by `1 - lr * weight_decay`, as in
+/// `torch.optim.AdamW`. Defaults: betas 0.9 and 0.999, epsilon 1e-7 and weight decay 0.004
+/// (Keras's). Hyper-parameters are checked when the optimizer is built, as for [`Adam`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamW {
+    /// The initial learning rate.
+    pub learning_rate: f64,
+    /// Decay rate of the first moment (the running mean of gradients).
+    pub beta_1: f64,
+    /// Decay rate of the second moment (the running mean of squared gradients).
+    pub beta_2: f64,
+    /// Added to the denominator for numerical stability.
+    pub epsilon: f64,
+    /// Decoupled weight decay: each step scales the variables by `1 - lr * weight_decay`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamW {
+    /// Keras's default: learning rate 0.001.
+    fn default() -> Self {
+        Self::new(1e-3)
+    }
+}
+
+impl AdamW {
+    /// AdamW with learning rate `lr` and Keras's other defaults (weight decay 0.004).
+    pub fn new(lr: f64) -> Self {
+        Self {
+            learning_rate: lr,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+            weight_decay: 0.004,
+        }
+    }
+
+    /// Sets the decay rates of the first and second moments.
+    pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
+        self.beta_1 = beta_1;
+        self.beta_2 = beta_2;
+        self
+    }
+
+    /// Sets the epsilon added to the denominator.
+    pub fn epsilon(mut self, epsilon: f64) -> Self {
+        self.epsilon = epsilon;
+        self
+    }
+
+    /// Sets the decoupled weight decay.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+}
+
+impl OptimizerConfig for AdamW {
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+        let hyper = Hyper {
+            name: "AdamW",
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            decoupled: true,
+        };
+        hyper.validate(self.learning_rate)?;
+        Ok(Box::new(AdamState::new(hyper, params)?))
+    }
+
+    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+        Box::new(*self)
+    }
+}
+
+/// The hyper-parameters both variants share, and which kind of weight decay applies.
+#[derive(Debug, Clone, Copy)]
+struct Hyper {
+    name: &'static str,
+    beta_1: f64,
+    beta_2: f64,
+    epsilon: f64,
+    weight_decay: f64,
+    /// AdamW's decoupled decay when true, Adam's L2 penalty when false.
+    decoupled: bool,
+}
+
+impl Hyper {
+    fn validate(&self, lr: f64) -> Result<()> {
+        check_lr(self.name, lr)?;
+        check_unit(self.name, "beta_1", self.beta_1)?;
+        check_unit(self.name, "beta_2", self.beta_2)?;
+        check_non_negative(self.name, "weight decay", self.weight_decay)?;
+        if !(self.epsilon.is_finite() && self.epsilon > 0.0) {
+            return Err(Error::invalid(format!(
+                "{}: epsilon must be finite and > 0, got {}",
+                self.name, self.epsilon
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Adam or AdamW bound to its variables, with their moments and the step count.
+struct AdamState {
+    hyper: Hyper,
+    params: Vec<Var>,
+    /// Detached first moments, one per variable.
+    m: Vec<Tensor>,
+    /// Detached second moments, one per variable.
+    v: Vec<Tensor>,
+    /// Steps taken so far.
+    t: u64,
+}
+
+impl AdamState {
+    fn new(hyper: Hyper, params: Vec<Var>) -> Result<Self> {
+        let m = params
+            .iter()
+            .map(|p| p.as_tensor().zeros_like())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let v = m.clone();
+        Ok(Self {
+            hyper,
+            params,
+            m,
+            v,
+            t: 0,
+        })
+    }
+}
+
+impl Optimizer for AdamState {
+    fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        let h = self.hyper;
+        check_grads(h.name, &self.params, grads)?;
+        check_lr(h.name, lr)?;
+        let t = self.t + 1;
+        // Written as torch does: `step_size = lr / bc1`, `denom = sqrt(v) / sqrt(bc2) + eps`.
+        let bias_correction_1 = 1.0 - h.beta_1.powf(t as f64);
+        let bias_correction_2 = 1.0 - h.beta_2.powf(t as f64);
+        let step_size = lr / bias_correction_1;
+        let inv_sqrt_bc2 = 1.0 / bias_correction_2.sqrt();
+        let params = self.params.iter().zip(grads);
+        for ((param, grad), (m, v)) in params.zip(self.m.iter_mut().zip(self.v.iter_mut())) {
+            let mut p = param.as_tensor().detach();
+            let mut g = grad.detach();
+            if h.weight_decay != 0.0 {
+                if h.decoupled {
+                    p = (p * (1.0 - lr * h.weight_decay))?;
+                } else {
+                    g = ((&p * h.weight_decay)? + g)?;
+                }
+            }
+            let next_m = ((&*m * h.beta_1)? + (&g * (1.0 - h.beta_1))?)?.detach();
+            let next_v = ((&*v * h.beta_2)? + (g.sqr()? * (1.0 - h.beta_2))?)?.detach();
+            let denom = next_v.sqrt()?.affine(inv_sqrt_bc2, h.epsilon)?;
+            let update = (next_m.div(&denom)? * step_size)?;
+            param.set(&(p - update)?.detach())?;
+            *m = next_m;
+            *v = next_v;
+        }
+        self.t = t;
+        Ok(())
+    }
+}

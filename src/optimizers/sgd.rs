@@ -1,0 +1,150 @@
+//! Stochastic gradient descent with optional momentum, Nesterov momentum and L2 weight decay.
+//!
+//! [`Sgd`] is the recipe that `compile` stores; [`OptimizerConfig::build`] turns it into a
+//! stateful optimizer holding one momentum buffer per variable. The update is PyTorch's
+//! `torch.optim.SGD` without dampening: with gradient `g`, variable `p`, weight decay `wd`,
+//! momentum `mu` and learning rate `lr`,
+//!
+//! ```text
+//! g   = g + wd * p
+//! buf = mu * buf + g          (on the first step, buf = g)
+//! g   = g + mu * buf          (Nesterov)   or   g = buf   (plain momentum)
+//! p   = p - lr * g
+//! ```
+//!
+//! Candle's own `SGD` has no momentum, hence this one.
+
+use candle_core::{Tensor, Var};
+
+use super::{check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig};
+use crate::{Error, Result};
+
+/// Stochastic gradient descent: `Sgd::new(0.01).momentum(0.9).nesterov(true)`.
+///
+/// Defaults: no momentum, no Nesterov, no weight decay, as in Keras and PyTorch.
+/// Hyper-parameters are checked when the optimizer is built: the learning rate must be finite
+/// and `>= 0`, momentum in `[0, 1)`, weight decay finite and `>= 0`, and Nesterov needs a
+/// momentum above 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sgd {
+    /// The initial learning rate.
+    pub learning_rate: f64,
+    /// The momentum factor `mu`; 0 disables momentum.
+    pub momentum: f64,
+    /// Whether to use Nesterov momentum.
+    pub nesterov: bool,
+    /// L2 penalty: `weight_decay * p` is added to each gradient.
+    pub weight_decay: f64,
+}
+
+impl Default for Sgd {
+    /// Keras's default: learning rate 0.01, no momentum.
+    fn default() -> Self {
+        Self::new(0.01)
+    }
+}
+
+impl Sgd {
+    /// Plain SGD with learning rate `lr`.
+    pub fn new(lr: f64) -> Self {
+        Self {
+            learning_rate: lr,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+
+    /// Sets the momentum factor (Keras and PyTorch commonly use 0.9).
+    pub fn momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Turns Nesterov momentum on or off. It needs a momentum above 0.
+    pub fn nesterov(mut self, nesterov: bool) -> Self {
+        self.nesterov = nesterov;
+        self
+    }
+
+    /// Sets the L2 weight decay added to each gradient.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        check_lr("SGD", self.learning_rate)?;
+        check_unit("SGD", "momentum", self.momentum)?;
+        check_non_negative("SGD", "weight decay", self.weight_decay)?;
+        if self.nesterov && self.momentum == 0.0 {
+            return Err(Error::invalid(
+                "SGD: Nesterov momentum needs a momentum above 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl OptimizerConfig for Sgd {
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+        self.validate()?;
+        let buffers = vec![None; params.len()];
+        Ok(Box::new(SgdState {
+            config: *self,
+            params,
+            buffers,
+        }))
+    }
+
+    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+        Box::new(*self)
+    }
+}
+
+/// SGD bound to its variables, with one momentum buffer per variable once stepped.
+struct SgdState {
+    config: Sgd,
+    params: Vec<Var>,
+    /// Detached momentum buffers; `None` before the first step or without momentum.
+    buffers: Vec<Option<Tensor>>,
+}
+
+impl Optimizer for SgdState {
+    fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
+        check_grads("SGD", &self.params, grads)?;
+        check_lr("SGD", lr)?;
+        let Sgd {
+            momentum: mu,
+            nesterov,
+            weight_decay: wd,
+            ..
+        } = self.config;
+        for ((param, grad), buffer) in self.params.iter().zip(grads).zip(&mut self.buffers) {
+            let p = param.as_tensor();
+            let mut g = grad.detach();
+            if wd != 0.0 {
+                g = ((p * wd)? + g)?.detach();
+            }
+            if mu != 0.0 {
+                let buf = match buffer.as_ref() {
+                    Some(buf) => ((buf * mu)? + &g)?.detach(),
+                    // A copy, as torch's `clone`: the caller may reuse the gradient's storage.
+                    None => g.copy()?,
+                };
+                g = if nesterov {
+                    ((&buf * mu)? + g)?
+                } else {
+                    buf.clone()
+                };
+                *buffer = Some(buf);
+            }
+            param.set(&(p - (g * lr)?)?.detach())?;
+        }
+        Ok(())
+    }
+}

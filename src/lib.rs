@@ -62,11 +62,13 @@ pub use strategy::{OneDeviceStrategy, Strategy};
 
 /// The names most programs need, in one import.
 pub mod prelude {
-    pub use crate::callbacks::{Callback, History, Logs};
+    pub use crate::callbacks::{Callback, History, LearningRateScheduler, Logs, Verbosity};
     pub use crate::data::{Dataset, Targets};
     pub use crate::layers::{
         Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense,
         Dropout, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
     };
+    pub use crate::optimizers::{Adam, AdamW, Sgd};
+    pub use crate::schedules::{CosineDecay, LinearWarmup, PolynomialDecay, Schedule, StepDecay};
     pub use crate::{Error, FitOptions, Loss, Metric, Model, OneDeviceStrategy, Result, Strategy};
 }

@@ -1,5 +1,42 @@
 //! # kandle-strategies
 //!
-//! Distribution strategies for kandle, implementing [`kandle::Strategy`]: the model is
-//! replicated across devices (and hosts), every replica takes a slice of each global batch,
-//! and gradients are reduced so that training matches one device at the same global batch.
+//! Distribution strategies for kandle. Each implements [`kandle::Strategy`], so switching is one
+//! line and `fit` never changes:
+//!
+//! - [`MirroredStrategy`]: a replica per device of this process, one thread each; the global
+//!   batch is split across replicas, gradients are summed as one fused buffer with the chosen
+//!   [`CrossDeviceOps`], and every replica applies the same update;
+//! - [`CentralStorageStrategy`]: variables and optimizer state live once on a central device;
+//!   replicas compute gradients that are summed and applied there.
+//!
+//! Every strategy trains as one device would at the same global batch (for models without
+//! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
+//! replicas, and writes checkpoints with the same names as one device.
+//!
+//! ```
+//! use kandle::prelude::*;
+//! use kandle_strategies::MirroredStrategy;
+//!
+//! let strategy = MirroredStrategy::cpu(2)?; // the one line that changes
+//! let net = Sequential::new().add(Flatten).add(Dense::new(10)).add(Activation::Softmax);
+//! let mut model = net.compile(Sgd::new(0.1), Loss::SparseCategoricalCrossentropy, [Metric::Accuracy], &strategy)?;
+//! let (train, _) = kandle::data::digits::load()?.train_test_split(0.9, 0)?;
+//! let history = model.fit(&train, FitOptions { batch_size_per_replica: 16, verbosity: Verbosity::Silent, ..Default::default() })?;
+//! assert_eq!(history.epochs, vec![0]);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+mod central_storage;
+mod cross_device_ops;
+mod fused;
+mod mirrored;
+mod nccl;
+mod rendezvous;
+mod replica_pool;
+mod replica_set;
+
+pub use central_storage::CentralStorageStrategy;
+pub use cross_device_ops::CrossDeviceOps;
+pub use fused::{fuse, FusedLayout};
+pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
+pub use rendezvous::Rendezvous;

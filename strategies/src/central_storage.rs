@@ -1,0 +1,155 @@
+//! `CentralStorageStrategy`: the variables and the optimizer state live once, on a central
+//! device (the CPU by default). Each step the variables are copied to the compute devices, the
+//! replicas compute gradients, the gradients are summed on the central device and the update
+//! is applied there.
+
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use kandle::data::Batch;
+use kandle::params::Weights;
+use kandle::replica::{ModelSpec, Replica};
+use kandle::strategy::{DistributedModel, StepStats, Strategy};
+use kandle::{Error, Result};
+
+use crate::mirrored::DEFAULT_TIMEOUT;
+use crate::replica_set::{cpu_weights, fuse_store, ReplicaSet};
+
+/// Data parallelism with the variables kept in one place.
+#[derive(Debug, Clone)]
+pub struct CentralStorageStrategy {
+    compute: Vec<Device>,
+    central: Device,
+    sync_batch_norm: bool,
+    timeout: Duration,
+}
+
+impl CentralStorageStrategy {
+    /// Computes on `devices`, stores the variables on the CPU. Fails on an empty list.
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        if devices.is_empty() {
+            return Err(Error::invalid("CentralStorageStrategy needs at least one compute device"));
+        }
+        Ok(Self {
+            compute: devices,
+            central: Device::Cpu,
+            sync_batch_norm: false,
+            timeout: DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// Computes on every visible GPU. Fails when there is none.
+    pub fn all_gpus() -> Result<Self> {
+        let gpus = kandle::devices::gpus()?;
+        if gpus.is_empty() {
+            return Err(Error::Device(
+                "CentralStorageStrategy::all_gpus found no GPU; use CentralStorageStrategy::cpu(n)".into(),
+            ));
+        }
+        Self::new(gpus)
+    }
+
+    /// `replicas` compute replicas on the CPU.
+    pub fn cpu(replicas: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; replicas])
+    }
+
+    /// Where the variables live (default: the CPU).
+    pub fn central_device(mut self, device: Device) -> Self {
+        self.central = device;
+        self
+    }
+
+    /// Batch normalisation with statistics of the whole global batch.
+    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
+        self.sync_batch_norm = sync;
+        self
+    }
+
+    /// How long a step waits for a replica before failing (default 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+}
+
+impl Strategy for CentralStorageStrategy {
+    fn name(&self) -> &str {
+        "central_storage"
+    }
+
+    fn num_replicas_in_sync(&self) -> usize {
+        self.compute.len()
+    }
+
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        let set = ReplicaSet::new(spec, &self.compute, self.sync_batch_norm, self.timeout)?;
+        let central = Replica::new(spec, &self.central)?;
+        central.store().assign(&set.weights()?)?;
+        Ok(Box::new(CentralModel { set, central }))
+    }
+}
+
+struct CentralModel {
+    set: ReplicaSet,
+    /// Holds the variables and the optimizer; it never runs a forward pass.
+    central: Replica,
+}
+
+impl DistributedModel for CentralModel {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let weights = fuse_store(self.central.store())?;
+        let outputs = self.set.compute(batch, batch.len(), Some(weights))?;
+        let device = self.central.device().clone();
+        let mut total: Option<Tensor> = None;
+        for out in &outputs {
+            let buffer = out.fused.to_device(&device)?;
+            total = Some(match total {
+                None => buffer,
+                Some(t) => (t + buffer)?,
+            });
+        }
+        let total = total.ok_or_else(|| Error::invalid("no replica produced gradients"))?;
+        let layout = &self.set.layout;
+        let (sums, applied) = layout.read(&total)?;
+        if applied {
+            let grads = layout.grads.split(&total, 0)?;
+            self.central.apply_gradients(&grads, lr)?;
+            let replicas = self.set.len() as f64;
+            let sums_of_statistics = layout.statistics.split(&total, layout.statistics_offset())?;
+            for (var, sum) in self.central.statistics().iter().zip(sums_of_statistics) {
+                var.set(&(sum / replicas)?)?;
+            }
+        }
+        Ok(StepStats {
+            samples: batch.len(),
+            sums,
+            applied,
+        })
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.sync_replicas()?;
+        self.set.evaluate(batch)
+    }
+
+    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.sync_replicas()?;
+        self.set.predict(x)
+    }
+
+    fn weights(&self) -> Result<Weights> {
+        cpu_weights(self.central.store())
+    }
+
+    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        self.central.store().assign(weights)
+    }
+}
+
+impl CentralModel {
+    /// Copies the central variables to the compute replicas, for inference.
+    fn sync_replicas(&self) -> Result<()> {
+        self.set.set_weights(&self.central.store().weights()?)
+    }
+}

@@ -1,0 +1,175 @@
+//! `MirroredStrategy`: a copy of the model on every device of this process, one thread per
+//! replica; each step the global batch is split across replicas, their gradients are summed
+//! as one fused buffer, and every replica applies the same update.
+
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use kandle::data::Batch;
+use kandle::params::Weights;
+use kandle::replica::ModelSpec;
+use kandle::strategy::{DistributedModel, StepStats, Strategy};
+use kandle::{Error, Result};
+
+use crate::cross_device_ops::CrossDeviceOps;
+use crate::replica_set::{ReplicaOutput, ReplicaSet};
+
+/// How long a step waits for a silent replica before failing, unless set otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Synchronous data parallelism over the devices of one process.
+///
+/// ```
+/// use kandle_strategies::{CrossDeviceOps, MirroredStrategy};
+/// use kandle::Strategy;
+///
+/// let strategy = MirroredStrategy::cpu(2)?.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
+/// assert_eq!(strategy.num_replicas_in_sync(), 2);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct MirroredStrategy {
+    devices: Vec<Device>,
+    ops: CrossDeviceOps,
+    sync_batch_norm: bool,
+    timeout: Duration,
+}
+
+impl MirroredStrategy {
+    /// One replica per device. Fails on an empty list.
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        if devices.is_empty() {
+            return Err(Error::invalid("MirroredStrategy needs at least one device"));
+        }
+        Ok(Self {
+            devices,
+            ops: CrossDeviceOps::default(),
+            sync_batch_norm: false,
+            timeout: DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there is
+    /// none or kandle was built without `cuda`.
+    pub fn all_gpus() -> Result<Self> {
+        let gpus = kandle::devices::gpus()?;
+        if gpus.is_empty() {
+            return Err(Error::Device(
+                "MirroredStrategy::all_gpus found no GPU (built without the `cuda` feature, or \
+                 CUDA_VISIBLE_DEVICES hides them); use MirroredStrategy::cpu(n) for CPU replicas"
+                    .into(),
+            ));
+        }
+        Self::new(gpus)
+    }
+
+    /// `replicas` replicas on the CPU.
+    pub fn cpu(replicas: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; replicas])
+    }
+
+    /// How replicas sum their gradients (default [`CrossDeviceOps::ReductionToOneDevice`]).
+    pub fn cross_device_ops(mut self, ops: CrossDeviceOps) -> Self {
+        self.ops = ops;
+        self
+    }
+
+    /// Batch normalisation with statistics of the whole global batch (`SyncBatchNorm`) instead of
+    /// each replica's part. Either way the moving statistics agree on every replica.
+    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
+        self.sync_batch_norm = sync;
+        self
+    }
+
+    /// How long a step waits for a replica before failing with an error naming it (default 60 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The replicas' devices.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+}
+
+impl Strategy for MirroredStrategy {
+    fn name(&self) -> &str {
+        "mirrored"
+    }
+
+    fn num_replicas_in_sync(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        Ok(Box::new(MirroredModel {
+            set: ReplicaSet::new(spec, &self.devices, self.sync_batch_norm, self.timeout)?,
+            ops: self.ops,
+        }))
+    }
+}
+
+struct MirroredModel {
+    set: ReplicaSet,
+    ops: CrossDeviceOps,
+}
+
+impl DistributedModel for MirroredModel {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let outputs = self.set.compute(batch, batch.len(), None)?;
+        let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = outputs
+            .into_iter()
+            .map(|ReplicaOutput { fused, statistics_before }| (fused, statistics_before))
+            .unzip();
+        let reduced = self.ops.all_reduce(fused, &self.set.devices)?;
+        let (sums, applied) = self.set.layout.read(&reduced[0])?;
+        let layout = std::sync::Arc::clone(&self.set.layout);
+        let replicas = self.set.len() as f64;
+        let average_statistics = !self.set.syncs_batch_norm();
+        let inputs: Vec<(Tensor, Vec<Tensor>)> = reduced.into_iter().zip(before).collect();
+        self.set.pool.run(inputs, move |_, replica, (buffer, before)| {
+            if !applied {
+                return restore(replica.statistics(), &before);
+            }
+            let grads = layout.grads.split(&buffer, 0)?;
+            replica.apply_gradients(&grads, lr)?;
+            if average_statistics {
+                let means = layout.statistics.split(&buffer, layout.statistics_offset())?;
+                for (var, sum) in replica.statistics().iter().zip(means) {
+                    var.set(&(sum / replicas)?)?;
+                }
+            }
+            Ok(())
+        })?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums,
+            applied,
+        })
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.set.evaluate(batch)
+    }
+
+    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.set.predict(x)
+    }
+
+    fn weights(&self) -> Result<Weights> {
+        self.set.weights()
+    }
+
+    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        self.set.set_weights(weights)
+    }
+}
+
+/// Puts moving statistics back to the values they had before a discarded step.
+pub(crate) fn restore(vars: &[candle_core::Var], before: &[Tensor]) -> Result<()> {
+    for (var, value) in vars.iter().zip(before) {
+        var.set(value)?;
+    }
+    Ok(())
+}

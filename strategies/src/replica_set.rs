@@ -1,0 +1,261 @@
+//! `ReplicaSet`: the replicas of one process, one thread each, and the phases of a data-parallel
+//! step that Mirrored and CentralStorage share: split the batch, compute fused gradients on
+//! every replica in parallel, read the reduced statistics once, evaluate and predict.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use kandle::cross_replica::ReplicaHandle;
+use kandle::data::{shard_range, Batch};
+use kandle::params::{ParamStore, Weights};
+use kandle::replica::{ModelSpec, Replica};
+use kandle::strategy::StepStats;
+use kandle::Result;
+
+use crate::fused::{fuse, FusedLayout};
+use crate::rendezvous::Rendezvous;
+use crate::replica_pool::ReplicaPool;
+
+/// What a replica's share of a step produced.
+pub struct ReplicaOutput {
+    /// `[gradients..., loss and metric sums..., moving statistics...]` on the replica's device.
+    pub fused: Tensor,
+    /// The moving statistics before the forward pass, to restore if the step is discarded.
+    pub statistics_before: Vec<Tensor>,
+}
+
+/// How a fused step buffer is laid out.
+#[derive(Debug, Clone)]
+pub struct StepLayout {
+    /// The trainable variables' gradients, first.
+    pub grads: FusedLayout,
+    /// Number of loss and metric sums, next.
+    pub num_stats: usize,
+    /// The moving statistics, last.
+    pub statistics: FusedLayout,
+}
+
+impl StepLayout {
+    /// Offset of the loss and metric sums.
+    pub fn stats_offset(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Offset of the moving statistics.
+    pub fn statistics_offset(&self) -> usize {
+        self.grads.len() + self.num_stats
+    }
+
+    /// Reads the summed statistics of a reduced buffer to the host with one transfer, and
+    /// whether every gradient and statistic in it is finite.
+    pub fn read(&self, reduced: &Tensor) -> Result<(Vec<f64>, bool)> {
+        let stats = reduced.narrow(0, self.stats_offset(), self.num_stats)?;
+        let probe = kandle::replica::finite_probe(&stats, &[reduced.narrow(0, 0, self.grads.len())?])?;
+        let host = Tensor::cat(&[&stats, &probe.reshape(1)?], 0)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        let (probe, sums) = host.split_last().map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
+        Ok((sums.to_vec(), probe.is_finite()))
+    }
+}
+
+/// The replicas of one process.
+pub struct ReplicaSet {
+    pub(crate) pool: ReplicaPool,
+    pub(crate) devices: Vec<Device>,
+    /// Handles on each replica's variables (sharing storage with the replica threads).
+    pub(crate) stores: Vec<ParamStore>,
+    pub(crate) layout: Arc<StepLayout>,
+    rendezvous: Option<Arc<Rendezvous>>,
+}
+
+/// Human-readable replica labels for errors: `replica 1 (cuda:1)`.
+fn labels(devices: &[Device]) -> Vec<String> {
+    devices
+        .iter()
+        .enumerate()
+        .map(|(i, d)| format!("replica {i} ({})", kandle::devices::label(d)))
+        .collect()
+}
+
+impl ReplicaSet {
+    /// Builds one replica of `spec` per device, all starting from the first replica's weights.
+    /// With `sync_batch_norm`, batch normalisation uses statistics of the whole global batch.
+    pub fn new(spec: &ModelSpec, devices: &[Device], sync_batch_norm: bool, timeout: Duration) -> Result<Self> {
+        let rendezvous = sync_batch_norm.then(|| Arc::new(Rendezvous::new(devices.len(), timeout)));
+        let replicas = devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match &rendezvous {
+                Some(group) => {
+                    let handle = ReplicaHandle::new(Arc::clone(group) as Arc<dyn kandle::cross_replica::ReplicaGroup>, i);
+                    Replica::in_group(spec, d, handle)
+                }
+                None => Replica::new(spec, d),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let first = replicas[0].store().weights()?;
+        for r in &replicas[1..] {
+            r.store().assign(&first)?;
+        }
+        let stores: Vec<ParamStore> = replicas.iter().map(|r| r.store().clone()).collect();
+        let layout = Arc::new(StepLayout {
+            grads: FusedLayout::from_shapes(replicas[0].trainable_vars().iter().map(|v| v.shape().clone())),
+            num_stats: spec.num_stats(),
+            statistics: FusedLayout::from_shapes(replicas[0].statistics().iter().map(|v| v.shape().clone())),
+        });
+        let pool = ReplicaPool::new(replicas, labels(devices), timeout)?;
+        Ok(Self {
+            pool,
+            devices: devices.to_vec(),
+            stores,
+            layout,
+            rendezvous,
+        })
+    }
+
+    /// Number of replicas.
+    pub fn len(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// Whether there is no replica.
+    pub fn is_empty(&self) -> bool {
+        self.devices.is_empty()
+    }
+
+    /// Whether batch statistics are synchronised across replicas.
+    pub fn syncs_batch_norm(&self) -> bool {
+        self.rendezvous.is_some()
+    }
+
+    /// Splits a batch into one near-equal part per replica (the first parts take the extra
+    /// samples of an uneven batch).
+    pub fn split(&self, batch: &Batch) -> Result<Vec<Batch>> {
+        let n = batch.len();
+        (0..self.len())
+            .map(|i| {
+                let r = shard_range(n, i, self.len());
+                Ok(Batch {
+                    x: batch.x.narrow(0, r.start, r.len())?,
+                    y: batch.y.narrow(0, r.start, r.len())?,
+                })
+            })
+            .collect()
+    }
+
+    /// Computes every replica's fused gradients for its part of `batch`, scaled for a global
+    /// step of `global_samples`. With `weights`, each replica first loads these values (a fused
+    /// buffer of all variables in store order), as CentralStorage does.
+    pub fn compute(
+        &mut self,
+        batch: &Batch,
+        global_samples: usize,
+        weights: Option<Tensor>,
+    ) -> Result<Vec<ReplicaOutput>> {
+        let parts = self.split(batch)?;
+        if let Some(group) = &self.rendezvous {
+            let active: Vec<bool> = parts.iter().map(|p| !p.is_empty()).collect();
+            group.set_active(&active)?;
+        }
+        let inputs: Vec<(Batch, Option<Tensor>)> = parts.into_iter().map(|p| (p, weights.clone())).collect();
+        self.pool.run(inputs, move |_, replica, (part, weights)| {
+            if let Some(w) = weights {
+                load_fused(replica.store(), &w)?;
+            }
+            let (x, y) = kandle::strategy::batch_to(&part, replica.device())?;
+            let g = replica.compute_gradients(&x, &y, global_samples)?;
+            let statistics: Vec<Tensor> = replica.statistics().iter().map(|v| v.as_tensor().clone()).collect();
+            let mut parts: Vec<&Tensor> = g.grads.iter().collect();
+            parts.push(&g.stats);
+            parts.extend(statistics.iter());
+            Ok(ReplicaOutput {
+                fused: fuse(&parts)?,
+                statistics_before: g.statistics_before,
+            })
+        })
+    }
+
+    /// Loss and metric sums of `batch` in inference mode, over all replicas.
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let parts = self.split(batch)?;
+        let sums = self.pool.run(parts, |_, replica, part| {
+            let (x, y) = kandle::strategy::batch_to(&part, replica.device())?;
+            Ok(replica.evaluate(&x, &y)?.to_dtype(DType::F64)?.to_vec1::<f64>()?)
+        })?;
+        let mut total = vec![0.0; self.layout.num_stats];
+        for s in sums {
+            for (t, v) in total.iter_mut().zip(s) {
+                *t += v;
+            }
+        }
+        Ok(StepStats {
+            samples: batch.len(),
+            sums: total,
+            applied: false,
+        })
+    }
+
+    /// Outputs for `x` (CPU), each replica predicting its part, gathered on the CPU.
+    pub fn predict(&mut self, x: &Tensor) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let parts = (0..self.len())
+            .map(|i| {
+                let r = shard_range(n, i, self.len());
+                Ok(x.narrow(0, r.start, r.len())?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let outputs = self.pool.run(parts, |_, replica, part| {
+            if part.dim(0)? == 0 {
+                return Ok(None);
+            }
+            let out = replica.predict(&part.to_device(replica.device())?)?;
+            Ok(Some(out.to_device(&Device::Cpu)?))
+        })?;
+        let outputs: Vec<Tensor> = outputs.into_iter().flatten().collect();
+        Ok(Tensor::cat(&outputs, 0)?)
+    }
+
+    /// The first replica's weights, on the CPU.
+    pub fn weights(&self) -> Result<Weights> {
+        cpu_weights(&self.stores[0])
+    }
+
+    /// Sets the weights of every replica; checks them against the model first, so a mismatch
+    /// changes nothing.
+    pub fn set_weights(&self, weights: &Weights) -> Result<()> {
+        self.stores[0]
+            .check_compatible(weights)
+            .map_err(|reason| kandle::Error::invalid(format!("cannot set weights: {reason}")))?;
+        for s in &self.stores {
+            s.assign(weights)?;
+        }
+        Ok(())
+    }
+}
+
+/// A store's weights moved to the CPU.
+pub fn cpu_weights(store: &ParamStore) -> Result<Weights> {
+    store
+        .weights()?
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_device(&Device::Cpu)?)))
+        .collect()
+}
+
+/// All of a store's variables, fused in store order.
+pub fn fuse_store(store: &ParamStore) -> Result<Tensor> {
+    let tensors: Vec<Tensor> = store.iter().map(|p| p.var.as_tensor().detach()).collect();
+    fuse(&tensors.iter().collect::<Vec<_>>())
+}
+
+/// Loads a buffer made by [`fuse_store`] (possibly on another device) into `store`.
+pub fn load_fused(store: &ParamStore, buffer: &Tensor) -> Result<()> {
+    let buffer = buffer.to_device(store.iter().next().map_or(&Device::Cpu, |p| p.var.device()))?;
+    let layout = FusedLayout::from_shapes(store.iter().map(|p| p.var.shape().clone()));
+    for (p, value) in store.iter().zip(layout.split(&buffer, 0)?) {
+        p.var.set(&value)?;
+    }
+    Ok(())
+}

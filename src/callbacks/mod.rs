@@ -24,16 +24,32 @@
 //! ```
 
 mod callback_list;
+mod csv_logger;
+mod early_stopping;
 mod history;
 mod logs;
 mod lr_scheduler;
+mod model_checkpoint;
+mod monitor;
+mod plot_history;
 mod progress;
+mod reduce_lr;
+mod terminate_on_nan;
+#[cfg(test)]
+mod test_support;
 
 pub use callback_list::CallbackList;
+pub use csv_logger::CsvLogger;
+pub use early_stopping::EarlyStopping;
 pub use history::History;
 pub use logs::Logs;
 pub use lr_scheduler::LearningRateScheduler;
+pub use model_checkpoint::ModelCheckpoint;
+pub use monitor::Mode;
+pub use plot_history::{plot_history, PlotHistory};
 pub use progress::{ProgressBar, Verbosity};
+pub use reduce_lr::ReduceLROnPlateau;
+pub use terminate_on_nan::TerminateOnNaN;
 
 use crate::{Model, Result};
 

@@ -419,7 +419,7 @@ impl Model {
                         step + 1
                     );
                 }
-                totals.add(&stats);
+                totals.add_training_step(&stats);
                 callbacks.on_train_batch_end(step, &totals.logs(), self)?;
                 if self.stop_training {
                     break;
@@ -492,6 +492,18 @@ impl Totals {
         self.samples += stats.samples;
         for (total, s) in self.sums.iter_mut().zip(&stats.sums) {
             *total += s;
+        }
+    }
+
+    /// Adds a training step. A step that could not be applied had a non-finite loss or
+    /// gradient; the epoch's loss reports it as NaN, so `TerminateOnNaN` sees it even when the
+    /// loss itself was finite (a NaN gradient behind a finite loss).
+    fn add_training_step(&mut self, stats: &StepStats) {
+        self.add(stats);
+        if !stats.applied && stats.samples > 0 {
+            if let Some(loss) = self.sums.first_mut() {
+                *loss = f64::NAN;
+            }
         }
     }
 

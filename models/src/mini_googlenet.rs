@@ -46,10 +46,13 @@ pub fn downsample_module(filters: usize) -> Concat {
     ])
 }
 
+/// A stage: its inception modules' `(k1x1, k3x3)` filters, then an optional downsample's filters.
+type Stage = (&'static [(usize, usize)], Option<usize>);
+
 /// MiniGoogLeNet for 32x32 inputs with `classes` outputs (softmax): 1,656,250 parameters for
 /// 10 classes, 1,652,826 of them trainable.
 pub fn mini_googlenet(classes: usize) -> Sequential {
-    const STAGES: [(&[(usize, usize)], Option<usize>); 3] = [
+    const STAGES: [Stage; 3] = [
         (&[(32, 32), (32, 48)], Some(80)),
         (&[(112, 48), (96, 64), (80, 80), (48, 96)], Some(96)),
         (&[(176, 160), (176, 160)], None),

@@ -433,6 +433,16 @@ impl Drop for Batches<'_> {
     }
 }
 
+/// Part `index` of `count` near-equal consecutive parts of `0..m`: sizes differ by at most one
+/// and the first `m % count` parts get the extra sample. Used to shard a global batch across
+/// workers and across replicas.
+pub fn shard_range(m: usize, index: usize, count: usize) -> std::ops::Range<usize> {
+    let count = count.max(1);
+    let (base, extra) = (m / count, m % count);
+    let start = index * base + index.min(extra);
+    start..start + base + usize::from(index < extra)
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -801,14 +811,4 @@ mod tests {
             .collect();
         assert_eq!(seen.len(), 4);
     }
-}
-
-/// Part `index` of `count` near-equal consecutive parts of `0..m`: sizes differ by at most one
-/// and the first `m % count` parts get the extra sample. Used to shard a global batch across
-/// workers and across replicas.
-pub fn shard_range(m: usize, index: usize, count: usize) -> std::ops::Range<usize> {
-    let count = count.max(1);
-    let (base, extra) = (m / count, m % count);
-    let start = index * base + index.min(extra);
-    start..start + base + usize::from(index < extra)
 }

@@ -55,6 +55,11 @@ pub mod schedules;
 pub mod strategy;
 
 pub use error::{panic_message, Error, Result};
+
+/// The README's code, compiled as a doc test so it stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 pub use losses::Loss;
 pub use metrics::Metric;
 pub use model::{FitOptions, Model};

@@ -14,7 +14,7 @@ use kandle::prelude::*;
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
 struct Args {
     /// Epochs to train.
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, default_value_t = 12)]
     epochs: usize,
     /// Samples per step.
     #[arg(long, default_value_t = 32)]

@@ -397,6 +397,19 @@ impl Model {
         Ok(history)
     }
 
+    /// Trains on input and target tensors, as Keras's `fit(x, y)`: `x` is `(n, ...)`; `y` holds
+    /// class indices (an integer tensor `(n,)`) or dense targets (a float tensor `(n, ...)`).
+    pub fn fit_tensors(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        options: FitOptions<'_>,
+    ) -> Result<History> {
+        let data =
+            crate::data::InMemoryDataset::new(x.clone(), y.clone())?.named("fit_tensors input");
+        self.fit(&data, options)
+    }
+
     fn train_epoch(
         &mut self,
         loader: &Loader<'_>,

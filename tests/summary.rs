@@ -89,3 +89,41 @@ fn frozen_layers_are_not_trained() -> anyhow::Result<()> {
     assert!(!same("dense_2.weight")?);
     Ok(())
 }
+
+#[test]
+fn candle_modules_train_inside_a_model_from_tensors() -> anyhow::Result<()> {
+    use candle_core::{Device, Tensor};
+    // y = 2 * x0 - x1, learned by a wrapped candle Linear.
+    let x = Tensor::randn(0f32, 1., (256, 2), &Device::Cpu)?;
+    let y = x.matmul(&Tensor::new(&[[2f32], [-1.]], &Device::Cpu)?)?;
+    let net =
+        Sequential::new().add(CandleLayer::new(|vb| candle_nn::linear(2, 1, vb)).named("linear"));
+    let mut model = net.compile(
+        Sgd::new(0.1),
+        Loss::MeanSquaredError,
+        [Metric::MeanAbsoluteError],
+        &OneDeviceStrategy::cpu(),
+    )?;
+    let history = model.fit_tensors(
+        &x,
+        &y,
+        FitOptions {
+            epochs: 30,
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    assert!(
+        history.last("loss").is_some_and(|l| l < 1e-4),
+        "{:?}",
+        history.series("loss")
+    );
+    let weights = model.get_weights()?;
+    let w = weights["linear.weight"].flatten_all()?.to_vec1::<f32>()?;
+    assert!(
+        (w[0] - 2.0).abs() < 1e-2 && (w[1] + 1.0).abs() < 1e-2,
+        "{w:?}"
+    );
+    assert_eq!(model.summary()?.trainable, 3);
+    Ok(())
+}

@@ -5,7 +5,7 @@
 use kandle::prelude::*;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
-const EPOCHS: usize = 8;
+const EPOCHS: usize = 12;
 const GLOBAL_BATCH: usize = 32;
 
 fn train<S: Strategy + Clone + 'static>(strategy: &S) -> anyhow::Result<(Model, f64)> {
@@ -23,12 +23,17 @@ fn train<S: Strategy + Clone + 'static>(strategy: &S) -> anyhow::Result<(Model, 
         FitOptions {
             epochs: EPOCHS,
             batch_size_per_replica: GLOBAL_BATCH / strategy.num_replicas_in_sync(),
+            callbacks: vec![LearningRateScheduler::new(CosineDecay::new(2e-3, EPOCHS)).boxed()],
             verbosity: Verbosity::Silent,
             ..Default::default()
         },
     )?;
     let accuracy = model.evaluate(&test, 64)?.get("accuracy").unwrap_or(0.0);
-    eprintln!("{}: test accuracy {accuracy:.4}", strategy.name());
+    eprintln!(
+        "{} x{}: test accuracy {accuracy:.4}",
+        strategy.name(),
+        strategy.num_replicas_in_sync()
+    );
     Ok((model, accuracy))
 }
 
@@ -79,23 +84,25 @@ fn checkpoints_move_between_strategies() -> anyhow::Result<()> {
     let mut one = compiled(&OneDeviceStrategy::cpu())?;
     one.build(&[1, 8, 8])?;
     one.load_weights(&path)?;
-    assert_eq!(
-        one.predict(&x, 50)?.flatten_all()?.to_vec1::<f32>()?,
-        expected
-    );
+    let got = one.predict(&x, 50)?.flatten_all()?.to_vec1::<f32>()?;
+    assert_close(&got, &expected, "one device")?;
 
     let mut central = compiled(&CentralStorageStrategy::cpu(3)?)?;
     central.build(&[1, 8, 8])?;
     central.load_weights(&path)?;
     let got = central.predict(&x, 64)?.flatten_all()?.to_vec1::<f32>()?;
+    assert_close(&got, &expected, "central storage")
+}
+
+/// Predictions agree to float rounding (replicas predict different slices, so matrix
+/// products run at other batch sizes).
+fn assert_close(got: &[f32], expected: &[f32], what: &str) -> anyhow::Result<()> {
+    assert_eq!(got.len(), expected.len(), "{what}");
     let worst = got
         .iter()
-        .zip(&expected)
+        .zip(expected)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    assert!(
-        worst < 1e-6,
-        "central storage predictions differ by {worst}"
-    );
+    assert!(worst < 1e-5, "{what}: predictions differ by up to {worst}");
     Ok(())
 }

@@ -22,168 +22,117 @@ use candle_core::{Tensor, Var};
 use super::{check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig};
 use crate::{Error, Result};
 
-/// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
-/// `.weight_decay(wd)` added to the gradient (as `torch.optim.Adam` does).
-///
-/// Defaults: betas 0.9 and 0.999, epsilon 1e-7 (Keras's), no weight decay. Hyper-parameters
-/// are checked when the optimizer is built: the learning rate and weight decay must be finite
-/// and `>= 0`, the betas in `[0, 1)` and epsilon finite and `> 0`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Adam {
-    /// The initial learning rate.
-    pub learning_rate: f64,
-    /// Decay rate of the first moment (the running mean of gradients).
-    pub beta_1: f64,
-    /// Decay rate of the second moment (the running mean of squared gradients).
-    pub beta_2: f64,
-    /// Added to the denominator for numerical stability.
-    pub epsilon: f64,
-    /// L2 penalty: `weight_decay * p` is added to each gradient.
-    pub weight_decay: f64,
-}
-
-impl Default for Adam {
-    /// Keras's default: learning rate 0.001.
-    fn default() -> Self {
-        Self::new(1e-3)
-    }
-}
-
-impl Adam {
-    /// Adam with learning rate `lr` and Keras's other defaults.
-    pub fn new(lr: f64) -> Self {
-        Self {
-            learning_rate: lr,
-            beta_1: 0.9,
-            beta_2: 0.999,
-            epsilon: 1e-7,
-            weight_decay: 0.0,
+/// Declares an Adam-family recipe: the struct, Keras's defaults, the builder methods and its
+/// `OptimizerConfig`, differing only in name, default weight decay and kind of decay.
+macro_rules! adam_variant {
+    (
+        $(#[$doc:meta])*
+        $name:ident, default_weight_decay = $wd:expr, decoupled = $decoupled:expr,
+        weight_decay_doc = $wd_doc:literal
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub struct $name {
+            /// The initial learning rate.
+            pub learning_rate: f64,
+            /// Decay rate of the first moment (the running mean of gradients).
+            pub beta_1: f64,
+            /// Decay rate of the second moment (the running mean of squared gradients).
+            pub beta_2: f64,
+            /// Added to the denominator for numerical stability.
+            pub epsilon: f64,
+            #[doc = $wd_doc]
+            pub weight_decay: f64,
         }
-    }
 
-    /// Sets the decay rates of the first and second moments.
-    pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
-        self.beta_1 = beta_1;
-        self.beta_2 = beta_2;
-        self
-    }
-
-    /// Sets the epsilon added to the denominator.
-    pub fn epsilon(mut self, epsilon: f64) -> Self {
-        self.epsilon = epsilon;
-        self
-    }
-
-    /// Sets the L2 weight decay added to each gradient.
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
-}
-
-impl OptimizerConfig for Adam {
-    fn learning_rate(&self) -> f64 {
-        self.learning_rate
-    }
-
-    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
-        let hyper = Hyper {
-            name: "Adam",
-            beta_1: self.beta_1,
-            beta_2: self.beta_2,
-            epsilon: self.epsilon,
-            weight_decay: self.weight_decay,
-            decoupled: false,
-        };
-        hyper.validate(self.learning_rate)?;
-        Ok(Box::new(AdamState::new(hyper, params)?))
-    }
-
-    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
-        Box::new(*self)
-    }
-}
-
-/// AdamW: Adam with decoupled weight decay, `AdamW::new(1e-3).weight_decay(1e-2)`.
-///
-/// Before each Adam update, every variable is scaled by `1 - lr * weight_decay`, as in
-/// `torch.optim.AdamW`. Defaults: betas 0.9 and 0.999, epsilon 1e-7 and weight decay 0.004
-/// (Keras's). Hyper-parameters are checked when the optimizer is built, as for [`Adam`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamW {
-    /// The initial learning rate.
-    pub learning_rate: f64,
-    /// Decay rate of the first moment (the running mean of gradients).
-    pub beta_1: f64,
-    /// Decay rate of the second moment (the running mean of squared gradients).
-    pub beta_2: f64,
-    /// Added to the denominator for numerical stability.
-    pub epsilon: f64,
-    /// Decoupled weight decay: each step scales the variables by `1 - lr * weight_decay`.
-    pub weight_decay: f64,
-}
-
-impl Default for AdamW {
-    /// Keras's default: learning rate 0.001.
-    fn default() -> Self {
-        Self::new(1e-3)
-    }
-}
-
-impl AdamW {
-    /// AdamW with learning rate `lr` and Keras's other defaults (weight decay 0.004).
-    pub fn new(lr: f64) -> Self {
-        Self {
-            learning_rate: lr,
-            beta_1: 0.9,
-            beta_2: 0.999,
-            epsilon: 1e-7,
-            weight_decay: 0.004,
+        impl Default for $name {
+            /// Keras's default: learning rate 0.001.
+            fn default() -> Self {
+                Self::new(1e-3)
+            }
         }
-    }
 
-    /// Sets the decay rates of the first and second moments.
-    pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
-        self.beta_1 = beta_1;
-        self.beta_2 = beta_2;
-        self
-    }
+        impl $name {
+            /// With learning rate `lr` and Keras's other defaults.
+            pub fn new(lr: f64) -> Self {
+                Self {
+                    learning_rate: lr,
+                    beta_1: 0.9,
+                    beta_2: 0.999,
+                    epsilon: 1e-7,
+                    weight_decay: $wd,
+                }
+            }
 
-    /// Sets the epsilon added to the denominator.
-    pub fn epsilon(mut self, epsilon: f64) -> Self {
-        self.epsilon = epsilon;
-        self
-    }
+            /// Sets the decay rates of the first and second moments.
+            pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
+                self.beta_1 = beta_1;
+                self.beta_2 = beta_2;
+                self
+            }
 
-    /// Sets the decoupled weight decay.
-    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-        self.weight_decay = weight_decay;
-        self
-    }
+            /// Sets the epsilon added to the denominator.
+            pub fn epsilon(mut self, epsilon: f64) -> Self {
+                self.epsilon = epsilon;
+                self
+            }
+
+            /// Sets the weight decay.
+            pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+                self.weight_decay = weight_decay;
+                self
+            }
+        }
+
+        impl OptimizerConfig for $name {
+            fn learning_rate(&self) -> f64 {
+                self.learning_rate
+            }
+
+            fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+                let hyper = Hyper {
+                    name: stringify!($name),
+                    beta_1: self.beta_1,
+                    beta_2: self.beta_2,
+                    epsilon: self.epsilon,
+                    weight_decay: self.weight_decay,
+                    decoupled: $decoupled,
+                };
+                hyper.validate(self.learning_rate)?;
+                Ok(Box::new(AdamState::new(hyper, params)?))
+            }
+
+            fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+                Box::new(*self)
+            }
+        }
+    };
 }
 
-impl OptimizerConfig for AdamW {
-    fn learning_rate(&self) -> f64 {
-        self.learning_rate
-    }
+adam_variant!(
+    /// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
+    /// `.weight_decay(wd)` added to the gradient (as `torch.optim.Adam` does).
+    ///
+    /// Defaults: betas 0.9 and 0.999, epsilon 1e-7 (Keras's), no weight decay. Hyper-parameters
+    /// are checked when the optimizer is built: the learning rate and weight decay must be finite
+    /// and `>= 0`, the betas in `[0, 1)` and epsilon finite and `> 0`.
+    Adam,
+    default_weight_decay = 0.0,
+    decoupled = false,
+    weight_decay_doc = "L2 penalty: `weight_decay * p` is added to each gradient."
+);
 
-    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
-        let hyper = Hyper {
-            name: "AdamW",
-            beta_1: self.beta_1,
-            beta_2: self.beta_2,
-            epsilon: self.epsilon,
-            weight_decay: self.weight_decay,
-            decoupled: true,
-        };
-        hyper.validate(self.learning_rate)?;
-        Ok(Box::new(AdamState::new(hyper, params)?))
-    }
-
-    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
-        Box::new(*self)
-    }
-}
+adam_variant!(
+    /// AdamW: Adam with decoupled weight decay, `AdamW::new(1e-3).weight_decay(1e-2)`.
+    ///
+    /// Before each Adam update, every variable is scaled by `1 - lr * weight_decay`, as in
+    /// `torch.optim.AdamW`. Defaults: betas 0.9 and 0.999, epsilon 1e-7 and weight decay 0.004
+    /// (Keras's). Hyper-parameters are checked when the optimizer is built, as for [`Adam`].
+    AdamW,
+    default_weight_decay = 0.004,
+    decoupled = true,
+    weight_decay_doc = "Decoupled weight decay: each step scales the variables by `1 - lr * weight_decay`."
+);
 
 /// The hyper-parameters both variants share, and which kind of weight decay applies.
 #[derive(Debug, Clone, Copy)]

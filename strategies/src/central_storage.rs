@@ -12,44 +12,30 @@ use kandle::replica::{ModelSpec, Replica};
 use kandle::strategy::{DistributedModel, StepStats, Strategy};
 use kandle::{Error, Result};
 
-use crate::mirrored::DEFAULT_TIMEOUT;
-use crate::replica_set::{cpu_weights, fuse_store, ReplicaSet};
+use crate::replica_set::{cpu_weights, fuse_store, LocalReplicas, ReplicaSet};
 
 /// Data parallelism with the variables kept in one place.
 #[derive(Debug, Clone)]
 pub struct CentralStorageStrategy {
-    compute: Vec<Device>,
+    local: LocalReplicas,
     central: Device,
-    sync_batch_norm: bool,
-    timeout: Duration,
 }
 
 impl CentralStorageStrategy {
     /// Computes on `devices`, stores the variables on the CPU. Fails on an empty list.
     pub fn new(devices: Vec<Device>) -> Result<Self> {
-        if devices.is_empty() {
-            return Err(Error::invalid(
-                "CentralStorageStrategy needs at least one compute device",
-            ));
-        }
         Ok(Self {
-            compute: devices,
+            local: LocalReplicas::new(devices, "CentralStorageStrategy")?,
             central: Device::Cpu,
-            sync_batch_norm: false,
-            timeout: DEFAULT_TIMEOUT,
         })
     }
 
     /// Computes on every visible GPU. Fails when there is none.
     pub fn all_gpus() -> Result<Self> {
-        let gpus = kandle::devices::gpus()?;
-        if gpus.is_empty() {
-            return Err(Error::Device(
-                "CentralStorageStrategy::all_gpus found no GPU; use CentralStorageStrategy::cpu(n)"
-                    .into(),
-            ));
-        }
-        Self::new(gpus)
+        Ok(Self {
+            local: LocalReplicas::all_gpus("CentralStorageStrategy")?,
+            central: Device::Cpu,
+        })
     }
 
     /// `replicas` compute replicas on the CPU.
@@ -65,13 +51,13 @@ impl CentralStorageStrategy {
 
     /// Batch normalisation with statistics of the whole global batch.
     pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-        self.sync_batch_norm = sync;
+        self.local.sync_batch_norm = sync;
         self
     }
 
     /// How long a step waits for a replica before failing (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.local.timeout = timeout;
         self
     }
 }
@@ -82,11 +68,11 @@ impl Strategy for CentralStorageStrategy {
     }
 
     fn num_replicas_in_sync(&self) -> usize {
-        self.compute.len()
+        self.local.devices.len()
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let set = ReplicaSet::new(spec, &self.compute, self.sync_batch_norm, self.timeout)?;
+        let set = self.local.build(spec)?;
         let central = Replica::new(spec, &self.central)?;
         central.store().assign(&set.weights()?)?;
         Ok(Box::new(CentralModel { set, central }))

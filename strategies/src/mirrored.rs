@@ -9,10 +9,10 @@ use kandle::data::Batch;
 use kandle::params::Weights;
 use kandle::replica::ModelSpec;
 use kandle::strategy::{DistributedModel, StepStats, Strategy};
-use kandle::{Error, Result};
+use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::replica_set::{ReplicaOutput, ReplicaSet};
+use crate::replica_set::{LocalReplicas, ReplicaOutput, ReplicaSet};
 
 /// How long a step waits for a silent replica before failing, unless set otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -29,38 +29,26 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// ```
 #[derive(Debug, Clone)]
 pub struct MirroredStrategy {
-    devices: Vec<Device>,
+    local: LocalReplicas,
     ops: CrossDeviceOps,
-    sync_batch_norm: bool,
-    timeout: Duration,
 }
 
 impl MirroredStrategy {
     /// One replica per device. Fails on an empty list.
     pub fn new(devices: Vec<Device>) -> Result<Self> {
-        if devices.is_empty() {
-            return Err(Error::invalid("MirroredStrategy needs at least one device"));
-        }
         Ok(Self {
-            devices,
+            local: LocalReplicas::new(devices, "MirroredStrategy")?,
             ops: CrossDeviceOps::default(),
-            sync_batch_norm: false,
-            timeout: DEFAULT_TIMEOUT,
         })
     }
 
     /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there is
     /// none or kandle was built without `cuda`.
     pub fn all_gpus() -> Result<Self> {
-        let gpus = kandle::devices::gpus()?;
-        if gpus.is_empty() {
-            return Err(Error::Device(
-                "MirroredStrategy::all_gpus found no GPU (built without the `cuda` feature, or \
-                 CUDA_VISIBLE_DEVICES hides them); use MirroredStrategy::cpu(n) for CPU replicas"
-                    .into(),
-            ));
-        }
-        Self::new(gpus)
+        Ok(Self {
+            local: LocalReplicas::all_gpus("MirroredStrategy")?,
+            ops: CrossDeviceOps::default(),
+        })
     }
 
     /// `replicas` replicas on the CPU.
@@ -77,19 +65,19 @@ impl MirroredStrategy {
     /// Batch normalisation with statistics of the whole global batch (`SyncBatchNorm`) instead of
     /// each replica's part. Either way the moving statistics agree on every replica.
     pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-        self.sync_batch_norm = sync;
+        self.local.sync_batch_norm = sync;
         self
     }
 
     /// How long a step waits for a replica before failing with an error naming it (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.local.timeout = timeout;
         self
     }
 
     /// The replicas' devices.
     pub fn devices(&self) -> &[Device] {
-        &self.devices
+        &self.local.devices
     }
 }
 
@@ -99,12 +87,12 @@ impl Strategy for MirroredStrategy {
     }
 
     fn num_replicas_in_sync(&self) -> usize {
-        self.devices.len()
+        self.local.devices.len()
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         Ok(Box::new(MirroredModel {
-            set: ReplicaSet::new(spec, &self.devices, self.sync_batch_norm, self.timeout)?,
+            set: self.local.build(spec)?,
             ops: self.ops,
         }))
     }

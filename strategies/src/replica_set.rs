@@ -71,6 +71,48 @@ impl StepLayout {
     }
 }
 
+/// The replicas a strategy runs in this process: their devices, whether batch norm uses the
+/// statistics of the whole global batch, and how long a step waits for a replica.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalReplicas {
+    pub(crate) devices: Vec<Device>,
+    pub(crate) sync_batch_norm: bool,
+    pub(crate) timeout: Duration,
+}
+
+impl LocalReplicas {
+    /// One replica per device; `strategy` names the caller in errors.
+    pub(crate) fn new(devices: Vec<Device>, strategy: &str) -> Result<Self> {
+        if devices.is_empty() {
+            return Err(kandle::Error::invalid(format!(
+                "{strategy} needs at least one device"
+            )));
+        }
+        Ok(Self {
+            devices,
+            sync_batch_norm: false,
+            timeout: crate::mirrored::DEFAULT_TIMEOUT,
+        })
+    }
+
+    /// One replica per visible GPU.
+    pub(crate) fn all_gpus(strategy: &str) -> Result<Self> {
+        let gpus = kandle::devices::gpus()?;
+        if gpus.is_empty() {
+            return Err(kandle::Error::Device(format!(
+                "{strategy}::all_gpus found no GPU (built without the `cuda` feature, or \
+                 CUDA_VISIBLE_DEVICES hides them); use {strategy}::cpu(n) for CPU replicas"
+            )));
+        }
+        Self::new(gpus, strategy)
+    }
+
+    /// Builds the replicas of `spec`.
+    pub(crate) fn build(&self, spec: &ModelSpec) -> Result<ReplicaSet> {
+        ReplicaSet::new(spec, &self.devices, self.sync_batch_norm, self.timeout)
+    }
+}
+
 /// What a reduced step buffer says, read on the host.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReducedStats {

@@ -3,39 +3,10 @@
 
 use candle_core::Tensor;
 
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use super::window::{subsample, Padding, Window};
+use super::{BuildContext, Built, Layer, LayerSpec};
 use crate::params::Init;
 use crate::Result;
-
-/// How a convolution or pooling window treats the borders.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Padding {
-    /// No padding: only full windows, output `floor((in - k) / s) + 1`.
-    #[default]
-    Valid,
-    /// Pad so that the output is `ceil(in / s)`, splitting the padding as TensorFlow does (the
-    /// extra row or column, if any, goes at the bottom/right).
-    Same,
-}
-
-impl Padding {
-    /// Output size and `(before, after)` padding along one axis.
-    pub(crate) fn resolve(
-        self,
-        input: usize,
-        kernel: usize,
-        stride: usize,
-    ) -> Option<(usize, usize, usize)> {
-        match self {
-            Padding::Valid => (input >= kernel).then(|| ((input - kernel) / stride + 1, 0, 0)),
-            Padding::Same => {
-                let out = input.div_ceil(stride);
-                let total = ((out - 1) * stride + kernel).saturating_sub(input);
-                (out > 0).then_some((out, total / 2, total - total / 2))
-            }
-        }
-    }
-}
 
 /// A 2-D convolution. Weights are `(filters, in_channels, kh, kw)`, initialised Glorot-uniform;
 /// the bias starts at zero.
@@ -98,28 +69,23 @@ impl LayerSpec for Conv2D {
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        let expected = "(batch, channels, height, width)";
-        let &[c, h, w] = input_shape else {
-            return Err(shape_error(ctx, expected, input_shape));
-        };
-        let (kh, kw) = self.kernel;
-        let (sh, sw) = self.stride;
-        if self.filters == 0 || kh == 0 || kw == 0 || sh == 0 || sw == 0 {
+        let c = input_shape.first().copied().unwrap_or(0);
+        if self.filters == 0 {
             return Err(crate::Error::invalid(format!(
-                "layer `{}`: filters, kernel size and strides must be positive",
+                "layer `{}`: filters must be positive",
                 ctx.path()
             )));
         }
-        let (Some((oh, pt, pb)), Some((ow, pl, pr))) = (
-            self.padding.resolve(h, kh, sh),
-            self.padding.resolve(w, kw, sw),
-        ) else {
-            return Err(shape_error(
-                ctx,
-                &format!("(batch, channels, >={kh}, >={kw}) for a {kh}x{kw} valid convolution"),
-                input_shape,
-            ));
-        };
+        let (kh, kw) = self.kernel;
+        let window = Window::resolve(
+            ctx,
+            input_shape,
+            self.kernel,
+            self.stride,
+            self.padding,
+            "convolution",
+        )?;
+        let (oh, ow) = window.out;
         let fan_in = c * kh * kw;
         let fan_out = self.filters * kh * kw;
         let weight = ctx.variable(
@@ -136,7 +102,7 @@ impl LayerSpec for Conv2D {
             weight: weight.as_tensor().clone(),
             bias: bias.map(|b| b.as_tensor().clone()),
             stride: self.stride,
-            pad: (pt, pb, pl, pr),
+            pad: window.pad,
         };
         Ok(Built::leaf(layer, vec![self.filters, oh, ow]))
     }
@@ -180,36 +146,10 @@ fn strided_conv(x: &Tensor, weight: &Tensor, (sh, sw): (usize, usize)) -> Result
     Ok(subsample(&subsample(&y, 2, sh)?, 3, sw)?)
 }
 
-/// Keeps every `step`-th element along `dim`, starting from the first.
-pub(crate) fn subsample(x: &Tensor, dim: usize, step: usize) -> candle_core::Result<Tensor> {
-    if step == 1 {
-        return Ok(x.clone());
-    }
-    let len = x.dim(dim)?;
-    let out = len.div_ceil(step);
-    let padded = x.pad_with_zeros(dim, 0, out * step - len)?;
-    let mut dims = padded.dims().to_vec();
-    dims[dim] = out;
-    dims.insert(dim + 1, step);
-    padded
-        .reshape(dims)?
-        .narrow(dim + 1, 0, 1)?
-        .squeeze(dim + 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{DType, Device};
-
-    #[test]
-    fn same_padding_matches_tensorflow_sizes() {
-        assert_eq!(Padding::Same.resolve(32, 3, 1), Some((32, 1, 1)));
-        assert_eq!(Padding::Same.resolve(32, 3, 2), Some((16, 0, 1)));
-        assert_eq!(Padding::Same.resolve(7, 2, 1), Some((7, 0, 1)));
-        assert_eq!(Padding::Valid.resolve(32, 3, 2), Some((15, 0, 0)));
-        assert_eq!(Padding::Valid.resolve(2, 3, 1), None);
-    }
 
     #[test]
     fn output_shape_and_values() -> Result<()> {

@@ -35,6 +35,7 @@ mod flatten;
 mod pooling;
 mod sequential;
 mod summary;
+mod window;
 mod wrappers;
 
 pub(crate) use activation::log_softmax as activation_log_softmax;
@@ -42,13 +43,14 @@ pub use activation::Activation;
 pub use batch_norm::BatchNormalization;
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;
-pub use conv2d::{Conv2D, Padding};
+pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
 pub use flatten::Flatten;
 pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
+pub use window::Padding;
 pub use wrappers::{LayerSpecExt, Named, Trainable};
 
 use candle_core::Tensor;

@@ -8,8 +8,8 @@
 
 use candle_core::{Device, Tensor};
 
-use super::conv2d::subsample;
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec, Padding};
+use super::window::{subsample, Padding, Window};
+use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
 use crate::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,35 +29,16 @@ struct Pool2D {
 
 impl Pool2D {
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        let &[c, h, w] = input_shape else {
-            return Err(shape_error(
-                ctx,
-                "(batch, channels, height, width)",
-                input_shape,
-            ));
-        };
-        let (kh, kw) = self.window;
-        let (sh, sw) = self.stride.unwrap_or(self.window);
-        if kh == 0 || kw == 0 || sh == 0 || sw == 0 {
-            return Err(crate::Error::invalid(format!(
-                "layer `{}`: pool size and strides must be positive",
-                ctx.path()
-            )));
-        }
-        let (Some((oh, pt, pb)), Some((ow, pl, pr))) = (
-            self.padding.resolve(h, kh, sh),
-            self.padding.resolve(w, kw, sw),
-        ) else {
-            return Err(shape_error(
-                ctx,
-                &format!("(batch, channels, >={kh}, >={kw}) for a {kh}x{kw} valid pool"),
-                input_shape,
-            ));
-        };
+        let c = input_shape.first().copied().unwrap_or(0);
+        let window = self.window;
+        let stride = self.stride.unwrap_or(self.window);
+        let Window { out: (oh, ow), pad } =
+            Window::resolve(ctx, input_shape, window, stride, self.padding, "pool")?;
+        let (h, w) = (input_shape[1], input_shape[2]);
         let geometry = Geometry {
-            window: (kh, kw),
-            stride: (sh, sw),
-            pad: (pt, pb, pl, pr),
+            window,
+            stride,
+            pad,
             out: (oh, ow),
         };
         // Same-padded average pools divide each window by its count of real elements.

@@ -5,7 +5,7 @@
 //! call MPI, one at a time. A mutex around the [`Universe`] enforces that, so the world is
 //! `Send + Sync` while the MPI handles themselves never leave the lock.
 //!
-//! Every collective is *guarded*: before it runs, the [`watchdog`](super::watchdog) makes sure
+//! Every collective is *guarded*: before it runs, the [`super::watchdog`] protocol makes sure
 //! that every worker has reached the same point, within the timeout, and names the one that has
 //! not. The collective itself is non-blocking and polled against the same deadline, so a worker
 //! that stops in the middle of it cannot hang the others either (see [`World::all_reduce_sum`]).
@@ -16,7 +16,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::environment::Universe;
@@ -170,8 +170,8 @@ impl World {
     ///
     /// The all-reduce itself is `MPI_Iallreduce`, polled against a second `timeout`. If it has
     /// not completed by then, a worker stopped in the middle of it: MPI cannot cancel a
-    /// collective or release its buffers, so the error is printed and the job is ended with
-    /// `MPI_Abort` rather than hanging.
+    /// collective or release its buffers, so the workers that stopped answering are named on
+    /// stderr and the job is ended with `MPI_Abort` rather than hanging.
     pub(crate) fn all_reduce_sum(
         &self,
         data: &mut Vec<f32>,
@@ -182,7 +182,7 @@ impl World {
             watchdog::rendezvous(comm, sequence, phase, timeout)?;
             scratch.clear();
             scratch.resize(data.len(), 0.0);
-            let deadline = Instant::now() + timeout;
+            let deadline = watchdog::collective_deadline(comm, timeout);
             mpi::request::scope(|scope| {
                 let request = comm.immediate_all_reduce_into(
                     scope,
@@ -190,8 +190,8 @@ impl World {
                     &mut scratch[..],
                     SystemOperation::sum(),
                 );
-                if let Err(_unfinished) = watchdog::complete(request, deadline) {
-                    abort_stalled(comm, phase, "all-reduce", timeout);
+                if let Err(_unfinished) = watchdog::complete(comm, request, deadline) {
+                    abort_stalled(comm, sequence, phase, "all-reduce");
                 }
             });
             std::mem::swap(data, scratch);
@@ -209,12 +209,12 @@ impl World {
     ) -> Result<()> {
         self.guarded(|comm, sequence, _| {
             watchdog::rendezvous(comm, sequence, phase, timeout)?;
-            let deadline = Instant::now() + timeout;
+            let deadline = watchdog::collective_deadline(comm, timeout);
             let chief = comm.process_at_rank(0);
             mpi::request::scope(|scope| {
                 let request = chief.immediate_broadcast_into(scope, data);
-                if let Err(_unfinished) = watchdog::complete(request, deadline) {
-                    abort_stalled(comm, phase, "broadcast", timeout);
+                if let Err(_unfinished) = watchdog::complete(comm, request, deadline) {
+                    abort_stalled(comm, sequence, phase, "broadcast");
                 }
             });
             Ok(())
@@ -228,12 +228,18 @@ impl World {
 }
 
 /// Ends the whole job: a collective started and did not complete, and MPI cannot take it back.
-fn abort_stalled(comm: &SimpleCommunicator, phase: Phase, what: &str, timeout: Duration) -> ! {
+/// Names the workers that no longer answer first.
+fn abort_stalled(comm: &SimpleCommunicator, sequence: u64, phase: Phase, what: &str) -> ! {
+    let silent = watchdog::unresponsive(comm, sequence);
+    let diagnosis = if silent.is_empty() {
+        "every worker still answers, so MPI itself is stuck".to_string()
+    } else {
+        format!("{} stopped answering during it", silent.join(", "))
+    };
     eprintln!(
-        "kandle: worker {}: the {what} of {phase} started but did not complete within {:.0} s \
-         (a worker stopped during it); MPI cannot cancel a collective, so the job is aborted",
+        "kandle: worker {}: the {what} of {phase} started but did not complete: {diagnosis}; \
+         MPI cannot cancel a collective, so the job is aborted",
         comm.rank(),
-        timeout.as_secs_f64()
     );
     comm.abort(ABORT_CODE)
 }

@@ -7,7 +7,9 @@
 //!   batch is split across replicas, gradients are summed as one fused buffer with the chosen
 //!   [`CrossDeviceOps`], and every replica applies the same update;
 //! - [`CentralStorageStrategy`]: variables and optimizer state live once on a central device;
-//!   replicas compute gradients that are summed and applied there.
+//!   replicas compute gradients that are summed and applied there;
+//! - `MultiWorkerMirroredStrategy` (the `mpi` feature): Mirrored inside each worker process
+//!   launched by `mpirun`, and one MPI all-reduce of the fused buffer across workers per step.
 //!
 //! Every strategy trains as one device would at the same global batch (for models without
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
@@ -30,6 +32,8 @@ mod central_storage;
 mod cross_device_ops;
 mod fused;
 mod mirrored;
+#[cfg(feature = "mpi")]
+mod multi_worker;
 mod nccl;
 mod rendezvous;
 mod replica_pool;
@@ -39,4 +43,6 @@ pub use central_storage::CentralStorageStrategy;
 pub use cross_device_ops::CrossDeviceOps;
 pub use fused::{fuse, FusedLayout};
 pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
+#[cfg(feature = "mpi")]
+pub use multi_worker::MultiWorkerMirroredStrategy;
 pub use rendezvous::Rendezvous;

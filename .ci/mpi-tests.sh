@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Multi-worker tests: builds kandle-strategies with the `mpi` feature and runs the tests that
+# launch `mpirun -n 2` (strategies/tests/multi_worker.rs), plus the feature's unit and doc tests.
+# Installs nothing: it needs Open MPI (`openmpi-bin`, `libopenmpi-dev`) and `libclang-dev`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CARGO_TERM_COLOR=never
+# Open MPI refuses to run as root without these (CI runs as root); harmless otherwise.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+if ! command -v mpirun >/dev/null; then
+    echo "mpirun not found: install openmpi-bin, libopenmpi-dev and libclang-dev" >&2
+    exit 1
+fi
+echo "== $(mpirun --version | head -n 1)"
+
+echo "== cargo test -p kandle-strategies --features mpi (unit tests and multi-worker tests)"
+# The multi-worker tests serialise their mpirun launches themselves; one test thread keeps the
+# timings they assert meaningful on a small machine.
+cargo test -p kandle-strategies --features mpi --lib --test multi_worker -- --test-threads=1
+
+echo "== cargo test --doc -p kandle-strategies --features mpi"
+cargo test --doc -p kandle-strategies --features mpi

@@ -1,0 +1,309 @@
+//! `kandle-mpi-check`: the worker program behind the multi-worker tests, run by `mpirun`
+//! (`strategies/tests/multi_worker.rs`, `.ci/mpi-tests.sh`).
+//!
+//! ```text
+//! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L] [--timeout-secs T]
+//!        <world | equivalence --out FILE | digits [--epochs E] [--min-accuracy A]
+//!         | train [--epochs E] [--stall-worker R --stall-after-steps K]>
+//! ```
+//!
+//! - `world` prints this worker's rank and the world size;
+//! - `equivalence` trains the BN-free CNN of `tests/equivalence.rs` for one epoch on 470 digits
+//!   at a global batch of 24, and the chief writes the weights to `FILE` (safetensors);
+//! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
+//!   across all workers, reaches `A` (default 0.97);
+//! - `train` trains and prints each step, so a test can kill a worker; with `--stall-worker R`,
+//!   worker `R` sleeps forever before step `K + 1`, and the others must fail naming it.
+//!
+//! Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
+//! with status 1, as any program using `MultiWorkerMirroredStrategy` should: after a failed
+//! step the MPI job cannot continue.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use kandle::callbacks::Callback;
+use kandle::prelude::*;
+use kandle_strategies::{CrossDeviceOps, MultiWorkerMirroredStrategy};
+
+/// Samples and global batch of the equivalence run: 19 full steps and a short one of 14.
+const EQUIVALENCE_SAMPLES: usize = 470;
+const EQUIVALENCE_GLOBAL_BATCH: usize = 24;
+
+#[derive(Debug, Default)]
+struct Args {
+    task: String,
+    expect_world_size: Option<usize>,
+    local_replicas: usize,
+    hierarchical: bool,
+    timeout_secs: Option<f64>,
+    out: Option<String>,
+    epochs: Option<usize>,
+    min_accuracy: f64,
+    stall_worker: Option<usize>,
+    stall_after_steps: usize,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        local_replicas: 1,
+        min_accuracy: 0.97,
+        ..Default::default()
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .ok_or_else(|| Error::invalid(format!("{name} needs a value")))
+        };
+        fn number<T: std::str::FromStr>(name: &str, v: String) -> Result<T> {
+            v.parse()
+                .map_err(|_| Error::invalid(format!("{name}: `{v}` is not a valid number")))
+        }
+        match arg.as_str() {
+            "--expect-world-size" => {
+                args.expect_world_size = Some(number(&arg, value(&arg)?)?);
+            }
+            "--local-replicas" => args.local_replicas = number(&arg, value(&arg)?)?,
+            "--hierarchical" => args.hierarchical = true,
+            "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
+            "--out" => args.out = Some(value(&arg)?),
+            "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
+            "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
+            "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
+            "--stall-after-steps" => args.stall_after_steps = number(&arg, value(&arg)?)?,
+            "-h" | "--help" => {
+                return Err(Error::invalid(
+                    "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
+                     [--timeout-secs T] <world | equivalence --out FILE | digits [--epochs E] \
+                     [--min-accuracy A] | train [--epochs E] [--stall-worker R \
+                     --stall-after-steps K]>",
+                ))
+            }
+            task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
+            other => return Err(Error::invalid(format!("unknown argument `{other}`"))),
+        }
+    }
+    if args.task.is_empty() {
+        return Err(Error::invalid(
+            "no task given: world, equivalence, digits or train",
+        ));
+    }
+    Ok(args)
+}
+
+/// The BN-free CNN of `tests/equivalence.rs` (keep the two identical).
+fn plain_cnn() -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(6, 3).padding(Padding::Same))
+        .add(Activation::Relu)
+        .add(MaxPooling2D::new(2))
+        .add(Flatten)
+        .add(Dense::new(16))
+        .add(Activation::Relu)
+        .add(Dense::new(10))
+        .add(Activation::Softmax)
+}
+
+/// A small CNN for the digits set.
+fn digits_cnn() -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(16, 3).padding(Padding::Same))
+        .add(Activation::Relu)
+        .add(Conv2D::new(32, 3).padding(Padding::Same))
+        .add(Activation::Relu)
+        .add(MaxPooling2D::new(2))
+        .add(Flatten)
+        .add(Dense::new(64))
+        .add(Activation::Relu)
+        .add(Dense::new(10))
+        .add(Activation::Softmax)
+}
+
+/// Prints every training step; on the stalling worker, sleeps forever before step `after + 1`.
+struct Steps {
+    label: String,
+    stall_after: Option<usize>,
+    done: usize,
+}
+
+impl Callback for Steps {
+    fn on_train_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
+        if self.stall_after == Some(self.done) {
+            println!("{} stalling before step {}", self.label, self.done + 1);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        Ok(())
+    }
+
+    fn on_train_batch_end(
+        &mut self,
+        _batch: usize,
+        _logs: &Logs,
+        _model: &mut Model,
+    ) -> Result<()> {
+        self.done += 1;
+        println!("{} finished step {}", self.label, self.done);
+        Ok(())
+    }
+}
+
+fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
+    let mut strategy =
+        MultiWorkerMirroredStrategy::from_env()?.local_replicas_cpu(args.local_replicas)?;
+    if args.hierarchical {
+        strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
+    }
+    if let Some(secs) = args.timeout_secs {
+        let timeout = Duration::try_from_secs_f64(secs)
+            .map_err(|e| Error::invalid(format!("--timeout-secs {secs}: {e}")))?;
+        strategy = strategy.timeout(timeout);
+    }
+    Ok(strategy)
+}
+
+/// Runs the task; an error message names the worker that reports it.
+fn run(args: &Args) -> std::result::Result<(), String> {
+    let strategy = strategy(args).map_err(|e| e.to_string())?;
+    let worker = strategy.worker();
+    let label = format!("worker {}/{}", worker.rank, worker.size);
+    println!("{label} pid {}", std::process::id());
+    let result = match args.expect_world_size {
+        Some(expected) if worker.size != expected => Err(Error::Device(format!(
+            "expected a world of {expected} workers but MPI reports {}: was this binary \
+             started by the mpirun of the MPI library it was built against?",
+            worker.size
+        ))),
+        _ => match args.task.as_str() {
+            "world" => Ok(()),
+            "equivalence" => equivalence(&strategy, args),
+            "digits" => digits(&strategy, args, &label),
+            "train" => train(&strategy, args, label.clone()),
+            other => Err(Error::invalid(format!("unknown task `{other}`"))),
+        },
+    };
+    result.map_err(|e| format!("{label}: {e}"))
+}
+
+fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
+    let out = args
+        .out
+        .as_ref()
+        .ok_or_else(|| Error::invalid("equivalence needs --out FILE"))?;
+    let replicas = strategy.num_replicas_in_sync();
+    if EQUIVALENCE_GLOBAL_BATCH % replicas != 0 {
+        return Err(Error::invalid(format!(
+            "{replicas} replicas do not divide the global batch of {EQUIVALENCE_GLOBAL_BATCH}"
+        )));
+    }
+    let data =
+        kandle::data::digits::load()?.subset(&(0..EQUIVALENCE_SAMPLES).collect::<Vec<_>>())?;
+    let mut model = plain_cnn()
+        .compile(
+            Sgd::new(0.05).momentum(0.9),
+            Loss::SparseCategoricalCrossentropy,
+            [Metric::Accuracy],
+            strategy,
+        )?
+        .with_seed(5)?;
+    let history = model.fit(
+        &data,
+        FitOptions {
+            epochs: 1,
+            batch_size_per_replica: EQUIVALENCE_GLOBAL_BATCH / replicas,
+            seed: Some(9),
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    if model.is_chief() {
+        println!("loss {:?}", history.last("loss"));
+    }
+    model.save_weights(out)
+}
+
+fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
+    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+    let mut model = digits_cnn()
+        .compile(
+            Adam::new(2e-3),
+            Loss::SparseCategoricalCrossentropy,
+            [Metric::Accuracy],
+            strategy,
+        )?
+        .with_seed(1)?;
+    let start = std::time::Instant::now();
+    model.fit(
+        &train,
+        FitOptions {
+            epochs: args.epochs.unwrap_or(15),
+            batch_size_per_replica: 16,
+            validation: Some(&test),
+            verbosity: Verbosity::EpochLines,
+            ..Default::default()
+        },
+    )?;
+    let logs = model.evaluate(&test, 64)?;
+    let accuracy = logs.get("accuracy").unwrap_or(0.0);
+    println!(
+        "{label} test accuracy {accuracy:.4} loss {:.4} after {:.1} s",
+        logs.get("loss").unwrap_or(f64::NAN),
+        start.elapsed().as_secs_f64()
+    );
+    if accuracy < args.min_accuracy {
+        return Err(Error::invalid(format!(
+            "test accuracy {accuracy:.4} is below {}",
+            args.min_accuracy
+        )));
+    }
+    Ok(())
+}
+
+fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> Result<()> {
+    let data = kandle::data::digits::load()?;
+    let mut model = digits_cnn().compile(
+        Sgd::new(0.05),
+        Loss::SparseCategoricalCrossentropy,
+        [Metric::Accuracy],
+        strategy,
+    )?;
+    let stall_after =
+        (args.stall_worker == Some(strategy.worker().rank)).then_some(args.stall_after_steps);
+    model.fit(
+        &data,
+        FitOptions {
+            epochs: args.epochs.unwrap_or(1000),
+            batch_size_per_replica: 8,
+            verbosity: Verbosity::Silent,
+            callbacks: vec![Steps {
+                label,
+                stall_after,
+                done: 0,
+            }
+            .boxed()],
+            ..Default::default()
+        },
+    )?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kandle-mpi-check: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    // `run` drops the strategy before returning; after a failed step that skips MPI_Finalize,
+    // so the process exits at once, and mpirun ends the other workers.
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kandle-mpi-check: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,447 @@
+//! Liveness across workers: before every collective, each worker proves it has reached the same
+//! point, so a worker that died or stalls is named within a bounded time instead of hanging
+//! everyone inside MPI.
+//!
+//! The protocol, for the `n`-th guarded operation of the process (every worker runs the same
+//! sequence):
+//! 1. every worker but the chief sends a *heartbeat* `[n, phase]` to the chief with a buffered
+//!    send (`MPI_Bsend`: it never waits for the receiver);
+//! 2. the chief polls (`MPI_Improbe` with short sleeps) for every worker's heartbeat until
+//!    `timeout` after it got there itself. A worker whose heartbeat is missing fails the chief
+//!    with `worker 1: did not reach training step 57 within 60 s`; one that reports another
+//!    phase (the workers disagree on the number of steps) fails it too;
+//! 3. then the chief sends *go* to every worker, or, on a failure, *abort* with the culprit's
+//!    rank to the workers that did report, so they fail with the same diagnosis;
+//! 4. a worker waits for the chief's answer for twice the timeout (the chief may itself spend one
+//!    timeout waiting for another worker); without one it fails naming `worker 0 (chief)`. On
+//!    *go* it sends *ready* and enters the collective;
+//! 5. the chief waits for every *ready*, with the same deadline, before it enters the collective
+//!    too. A worker that stopped while it waited for *go* (the longest wait of a fast worker) is
+//!    named here: `did not join its collective`.
+//!
+//! The collective itself is non-blocking and polled against a deadline by [`complete`], which
+//! also answers pings. A worker can still stop in the short window between *ready* and the end
+//! of the collective; then the collective cannot complete, and as MPI cannot cancel it, the
+//! worker whose deadline passes pings the others ([`unresponsive`]) and ends the job with
+//! `MPI_Abort` and a message naming those that did not answer.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use mpi::point_to_point::{Destination, Source};
+use mpi::request::{Request, Scope};
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use kandle::{Error, Result};
+
+/// Tag of a worker's heartbeat to the chief: `[operation, phase kind, step]`.
+const HEARTBEAT: i32 = 0x4b01;
+/// Tag of the chief's go-ahead: `[operation, 0, 0]`.
+const GO: i32 = 0x4b02;
+/// Tag of the chief's notice that a worker failed the rendezvous: `[operation, culprit, why]`.
+const ABORT: i32 = 0x4b03;
+/// Tag of a worker's last word before it enters the collective: `[operation, 0, 0]`.
+const READY: i32 = 0x4b04;
+/// Tags of the liveness check run when a collective does not complete: `[operation, 0, 0]`.
+const PING: i32 = 0x4b05;
+const PONG: i32 = 0x4b06;
+
+/// Why an abort was sent, in the notice's third word.
+const LATE: u64 = 1;
+const DISAGREES: u64 = 2;
+
+/// How long a worker whose collective did not complete waits for the others to answer a ping.
+const PING_WAIT: Duration = Duration::from_secs(2);
+
+/// Where a worker is when it reaches a guarded collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// The chief's weights being broadcast when a model is distributed.
+    Distribute,
+    /// Training step `n` of a model, from 1.
+    Train(u64),
+    /// Evaluation step `n` of a model, from 1.
+    Test(u64),
+}
+
+impl Phase {
+    fn encode(self) -> [u64; 2] {
+        match self {
+            Phase::Distribute => [0, 0],
+            Phase::Train(n) => [1, n],
+            Phase::Test(n) => [2, n],
+        }
+    }
+
+    fn decode(words: [u64; 2]) -> Option<Self> {
+        match words {
+            [0, _] => Some(Phase::Distribute),
+            [1, n] => Some(Phase::Train(n)),
+            [2, n] => Some(Phase::Test(n)),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Phase::Distribute => f.write_str("the initial weight broadcast"),
+            Phase::Train(n) => write!(f, "training step {n}"),
+            Phase::Test(n) => write!(f, "evaluation step {n}"),
+        }
+    }
+}
+
+/// Sleeps a little longer each time, from a yield to 2 ms, so waiting costs little CPU (the
+/// other workers may share the cores) and little latency.
+struct Backoff(u32);
+
+impl Backoff {
+    fn wait(&mut self) {
+        if self.0 < 8 {
+            std::thread::yield_now();
+        } else {
+            let micros = 50u64 << (self.0 - 8).min(5);
+            std::thread::sleep(Duration::from_micros(micros.min(2000)));
+        }
+        self.0 = self.0.saturating_add(1);
+    }
+}
+
+fn worker_label(rank: usize) -> String {
+    if rank == 0 {
+        "worker 0 (chief)".into()
+    } else {
+        format!("worker {rank}")
+    }
+}
+
+fn seconds(d: Duration) -> String {
+    format!("{:.0} s", d.as_secs_f64())
+}
+
+/// Blocks until every worker has reached operation `sequence` at `phase`, or fails naming the
+/// one that has not (see the module documentation).
+pub(crate) fn rendezvous(
+    comm: &SimpleCommunicator,
+    sequence: u64,
+    phase: Phase,
+    timeout: Duration,
+) -> Result<()> {
+    if comm.size() <= 1 {
+        return Ok(());
+    }
+    if comm.rank() == 0 {
+        chief_gathers(comm, sequence, phase, timeout)
+    } else {
+        worker_reports(comm, sequence, phase, timeout)
+    }
+}
+
+/// A worker that failed a gather: its rank, why (for the abort notice), and the error.
+type Failure = (i32, u64, Error);
+
+/// The chief collects one `tag` message from every worker until `timeout` passes. `check`
+/// judges each message; the first complaint, or the first worker still missing at the deadline,
+/// is the failure. Returns which workers answered.
+fn gather(
+    comm: &SimpleCommunicator,
+    tag: i32,
+    timeout: Duration,
+    missing: impl Fn(usize) -> Error,
+    check: impl Fn(i32, [u64; 3]) -> Option<Error>,
+) -> (Vec<bool>, Option<Failure>) {
+    let size = comm.size();
+    let deadline = Instant::now() + timeout;
+    let mut arrived = vec![false; size as usize];
+    arrived[0] = true;
+    let mut backoff = Backoff(0);
+    while arrived.iter().any(|a| !a) {
+        let mut progressed = false;
+        for rank in 1..size {
+            if arrived[rank as usize] {
+                continue;
+            }
+            let Some((message, _)) = comm
+                .process_at_rank(rank)
+                .immediate_matched_probe_with_tag(tag)
+            else {
+                continue;
+            };
+            let mut words = [0u64; 3];
+            message.matched_receive_into(&mut words[..]);
+            arrived[rank as usize] = true;
+            progressed = true;
+            if let Some(error) = check(rank, words) {
+                return (arrived, Some((rank, DISAGREES, error)));
+            }
+        }
+        if progressed {
+            continue;
+        }
+        if Instant::now() >= deadline {
+            let late = arrived.iter().position(|a| !a).unwrap_or(1);
+            return (arrived, Some((late as i32, LATE, missing(late))));
+        }
+        backoff.wait();
+    }
+    (arrived, None)
+}
+
+/// Names the workers after `first` that have not arrived either, for an error message.
+fn also_missing(arrived: &[bool], first: usize) -> String {
+    let others: Vec<String> = arrived
+        .iter()
+        .enumerate()
+        .skip(first + 1)
+        .filter(|(_, a)| !**a)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    if others.is_empty() {
+        String::new()
+    } else {
+        format!(" (nor did worker(s) {})", others.join(", "))
+    }
+}
+
+fn chief_gathers(
+    comm: &SimpleCommunicator,
+    sequence: u64,
+    phase: Phase,
+    timeout: Duration,
+) -> Result<()> {
+    let size = comm.size();
+    let wait = seconds(timeout);
+    let (arrived, failure) = gather(
+        comm,
+        HEARTBEAT,
+        timeout,
+        |late| Error::Replica {
+            replica: worker_label(late),
+            reason: format!("did not reach {phase} within {wait}"),
+        },
+        |rank, words| {
+            let theirs = Phase::decode([words[1], words[2]]);
+            (words[0] != sequence || theirs != Some(phase)).then(|| {
+                let at = theirs.map_or_else(|| "an unknown phase".to_string(), |p| p.to_string());
+                Error::Replica {
+                    replica: worker_label(rank as usize),
+                    reason: format!(
+                        "reached {at} (operation {}) while the chief is at {phase} \
+                         (operation {sequence}): the workers ran different steps",
+                        words[0]
+                    ),
+                }
+            })
+        },
+    );
+    if let Some((culprit, why, error)) = failure {
+        // Everyone who reported waits for an answer (a late culprit does not).
+        for rank in 1..size {
+            if arrived[rank as usize] {
+                comm.process_at_rank(rank)
+                    .buffered_send_with_tag(&[sequence, culprit as u64, why][..], ABORT);
+            }
+        }
+        return Err(match (error, why) {
+            (Error::Replica { replica, reason }, LATE) => Error::Replica {
+                replica,
+                reason: reason + &also_missing(&arrived, culprit as usize),
+            },
+            (error, _) => error,
+        });
+    }
+    for rank in 1..size {
+        comm.process_at_rank(rank)
+            .buffered_send_with_tag(&[sequence, 0, 0][..], GO);
+    }
+    // A worker that stopped while it waited for the go-ahead is caught here, before the chief
+    // commits to a collective that could not complete.
+    let (arrived, failure) = gather(
+        comm,
+        READY,
+        timeout,
+        |late| Error::Replica {
+            replica: worker_label(late),
+            reason: format!("reached {phase} but did not join its collective within {wait}"),
+        },
+        |rank, words| {
+            (words[0] != sequence).then(|| Error::Replica {
+                replica: worker_label(rank as usize),
+                reason: format!(
+                    "confirmed operation {} while the chief is at {phase} (operation {sequence})",
+                    words[0]
+                ),
+            })
+        },
+    );
+    match failure {
+        None => Ok(()),
+        Some((culprit, _, Error::Replica { replica, reason })) => Err(Error::Replica {
+            replica,
+            reason: reason + &also_missing(&arrived, culprit as usize),
+        }),
+        Some((_, _, error)) => Err(error),
+    }
+}
+
+fn worker_reports(
+    comm: &SimpleCommunicator,
+    sequence: u64,
+    phase: Phase,
+    timeout: Duration,
+) -> Result<()> {
+    let [kind, step] = phase.encode();
+    let chief = comm.process_at_rank(0);
+    chief.buffered_send_with_tag(&[sequence, kind, step][..], HEARTBEAT);
+    let patience = timeout * 2;
+    let deadline = Instant::now() + patience;
+    let mut backoff = Backoff(0);
+    loop {
+        if let Some((message, status)) = chief.immediate_matched_probe() {
+            let mut words = [0u64; 3];
+            message.matched_receive_into(&mut words[..]);
+            return match status.tag() {
+                GO if words[0] == sequence => {
+                    chief.buffered_send_with_tag(&[sequence, 0, 0][..], READY);
+                    Ok(())
+                }
+                ABORT => {
+                    let culprit = words[1] as usize;
+                    Err(Error::Replica {
+                        replica: worker_label(culprit),
+                        reason: if words[2] == LATE {
+                            format!(
+                                "did not reach {phase} within {} (reported by the chief)",
+                                seconds(timeout)
+                            )
+                        } else {
+                            format!(
+                                "was not at {phase} with the others: the workers ran different \
+                                 steps (reported by the chief)"
+                            )
+                        },
+                    })
+                }
+                tag => Err(Error::Replica {
+                    replica: worker_label(0),
+                    reason: format!(
+                        "sent message tag {tag:#x} for operation {} while this worker waits at \
+                         {phase} (operation {sequence})",
+                        words[0]
+                    ),
+                }),
+            };
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Replica {
+                replica: worker_label(0),
+                reason: format!(
+                    "did not reach {phase} within {} (twice the timeout, as the chief may wait \
+                     one timeout for another worker)",
+                    seconds(patience)
+                ),
+            });
+        }
+        backoff.wait();
+    }
+}
+
+/// How long this worker lets a started collective run: the timeout for the chief, which starts
+/// it last; twice that for the others, who may start it while the chief still waits up to a
+/// timeout for another worker to confirm.
+pub(crate) fn collective_deadline(comm: &SimpleCommunicator, timeout: Duration) -> Instant {
+    Instant::now()
+        + if comm.rank() == 0 {
+            timeout
+        } else {
+            timeout * 2
+        }
+}
+
+/// Polls a non-blocking collective until it completes or `deadline` passes, answering other
+/// workers' pings meanwhile. On time-out the request is handed back unfinished: MPI still owns
+/// its buffers, so the caller must end the job without dropping it (see [`unresponsive`] to
+/// name the culprit first).
+pub(crate) fn complete<'a, D: ?Sized, S: Scope<'a>>(
+    comm: &SimpleCommunicator,
+    mut request: Request<'a, D, S>,
+    deadline: Instant,
+) -> std::result::Result<(), Request<'a, D, S>> {
+    let mut backoff = Backoff(0);
+    loop {
+        match request.test() {
+            Ok(_) => return Ok(()),
+            Err(pending) => request = pending,
+        }
+        answer_pings(comm);
+        if Instant::now() >= deadline {
+            return Err(request);
+        }
+        backoff.wait();
+    }
+}
+
+/// Answers every ping waiting for this worker.
+fn answer_pings(comm: &SimpleCommunicator) {
+    while let Some((message, status)) = comm.any_process().immediate_matched_probe_with_tag(PING) {
+        let mut words = [0u64; 3];
+        message.matched_receive_into(&mut words[..]);
+        comm.process_at_rank(status.source_rank())
+            .buffered_send_with_tag(&words[..], PONG);
+    }
+}
+
+/// After a collective did not complete: pings every other worker and returns, as labels, those
+/// that do not answer within a couple of seconds (stopped, or dead without mpirun noticing).
+pub(crate) fn unresponsive(comm: &SimpleCommunicator, sequence: u64) -> Vec<String> {
+    let me = comm.rank();
+    let size = comm.size();
+    for rank in (0..size).filter(|&r| r != me) {
+        comm.process_at_rank(rank)
+            .buffered_send_with_tag(&[sequence, 0, 0][..], PING);
+    }
+    let mut answered: Vec<bool> = (0..size).map(|r| r == me).collect();
+    let deadline = Instant::now() + PING_WAIT;
+    let mut backoff = Backoff(0);
+    while answered.iter().any(|a| !a) && Instant::now() < deadline {
+        answer_pings(comm);
+        for rank in 0..size {
+            if answered[rank as usize] {
+                continue;
+            }
+            if let Some((message, _)) = comm
+                .process_at_rank(rank)
+                .immediate_matched_probe_with_tag(PONG)
+            {
+                let mut words = [0u64; 3];
+                message.matched_receive_into(&mut words[..]);
+                answered[rank as usize] = true;
+            }
+        }
+        backoff.wait();
+    }
+    answered
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| !**a)
+        .map(|(r, _)| worker_label(r))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_round_trip_and_read_well() {
+        for p in [Phase::Distribute, Phase::Train(57), Phase::Test(3)] {
+            assert_eq!(Phase::decode(p.encode()), Some(p));
+        }
+        assert_eq!(Phase::decode([9, 9]), None);
+        assert_eq!(Phase::Train(57).to_string(), "training step 57");
+        assert_eq!(worker_label(0), "worker 0 (chief)");
+        assert_eq!(worker_label(1), "worker 1");
+    }
+}

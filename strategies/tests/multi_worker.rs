@@ -1,0 +1,436 @@
+//! `MultiWorkerMirroredStrategy` across real processes: each test launches
+//! `mpirun -n 2 kandle-mpi-check ...` (the worker program in `src/bin/mpi_check.rs`) and checks
+//! what it did: the same weights as one device, the world size, a named error within the
+//! timeout when a worker stalls or dies, and real accuracy on digits.
+//!
+//! Needs Open MPI's `mpirun` on the `PATH` (`.ci/mpi-tests.sh` runs these). Every launch runs
+//! under a deadline and is killed past it, so a broken build can fail these tests but never
+//! hang them.
+
+#![cfg(feature = "mpi")]
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kandle::params::Weights;
+use kandle::prelude::*;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
+
+/// The launches share 2 cores: one at a time, so that timings mean something.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The longest any launch may take before it is killed and the test fails.
+const DEADLINE: Duration = Duration::from_secs(300);
+
+/// `mpirun -n <workers> kandle-mpi-check <args>`, with output captured.
+fn mpirun(workers: usize, args: &[&str]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["-n", &workers.to_string(), "--oversubscribe", WORKER])
+        .args(args)
+        // Allowed when CI runs as root; ignored otherwise.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// What a finished launch did.
+struct Outcome {
+    status: ExitStatus,
+    output: String,
+    elapsed: Duration,
+}
+
+/// Reads a child's stdout line by line on a thread (so a test can react to it) and its stderr
+/// whole, and waits for it with [`DEADLINE`].
+struct Launch {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stdout: Vec<String>,
+    stderr: std::thread::JoinHandle<String>,
+    start: Instant,
+}
+
+impl Launch {
+    fn start(mut cmd: Command) -> anyhow::Result<Self> {
+        let start = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start mpirun (is Open MPI installed?): {e}"))?;
+        let stdout = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
+        let mut stderr = child
+            .stderr
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout)
+                .lines()
+                .map_while(std::result::Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = stderr.read_to_string(&mut s);
+            s
+        });
+        Ok(Self {
+            child,
+            lines,
+            stdout: Vec::new(),
+            stderr,
+            start,
+        })
+    }
+
+    /// Waits for a stdout line satisfying `want` and returns it.
+    fn wait_for_line(&mut self, want: impl Fn(&str) -> bool) -> anyhow::Result<String> {
+        loop {
+            let left = DEADLINE.saturating_sub(self.start.elapsed());
+            let Ok(line) = self.lines.recv_timeout(left) else {
+                stop(&mut self.child);
+                anyhow::bail!("no such line; output so far:\n{}", self.stdout.join("\n"));
+            };
+            self.stdout.push(line.clone());
+            if want(&line) {
+                return Ok(line);
+            }
+        }
+    }
+
+    fn finish(mut self) -> anyhow::Result<Outcome> {
+        let status = loop {
+            if let Some(status) = self.child.try_wait()? {
+                break status;
+            }
+            if self.start.elapsed() > DEADLINE {
+                stop(&mut self.child);
+                anyhow::bail!("mpirun still running after {DEADLINE:?}: killed");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let elapsed = self.start.elapsed();
+        // The reader thread ends when mpirun's stdout closes.
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.stdout.push(line);
+        }
+        let stderr = self
+            .stderr
+            .join()
+            .map_err(|_| anyhow::anyhow!("stderr reader panicked"))?;
+        Ok(Outcome {
+            status,
+            output: format!("{}\n{stderr}", self.stdout.join("\n")),
+            elapsed,
+        })
+    }
+}
+
+/// Ends a launch that overran: SIGTERM first, so that mpirun takes its workers down with it,
+/// then SIGKILL.
+fn stop(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    for _ in 0..100 {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn run(cmd: Command) -> anyhow::Result<Outcome> {
+    Launch::start(cmd)?.finish()
+}
+
+fn lock() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---- equivalence ---------------------------------------------------------------------------
+
+/// The BN-free CNN of `equivalence.rs` and `src/bin/mpi_check.rs` (keep all three identical).
+fn plain_cnn() -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(6, 3).padding(Padding::Same))
+        .add(Activation::Relu)
+        .add(MaxPooling2D::new(2))
+        .add(Flatten)
+        .add(Dense::new(16))
+        .add(Activation::Relu)
+        .add(Dense::new(10))
+        .add(Activation::Softmax)
+}
+
+/// One epoch on 470 digits at a global batch of 24 (the last step short), as in
+/// `equivalence.rs` and the worker program's `equivalence` task.
+fn one_device_weights() -> anyhow::Result<Weights> {
+    let data = kandle::data::digits::load()?.subset(&(0..470).collect::<Vec<_>>())?;
+    let mut model = plain_cnn()
+        .compile(
+            Sgd::new(0.05).momentum(0.9),
+            Loss::SparseCategoricalCrossentropy,
+            [Metric::Accuracy],
+            &OneDeviceStrategy::cpu(),
+        )?
+        .with_seed(5)?;
+    model.fit(
+        &data,
+        FitOptions {
+            epochs: 1,
+            batch_size_per_replica: 24,
+            seed: Some(9),
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    Ok(model.get_weights()?)
+}
+
+fn assert_close(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        other.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, want) in reference {
+        let got = &other[name];
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+        assert!(
+            diff / scale < 1e-5,
+            "{what}: `{name}` differs by {diff} (scale {scale})"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn two_workers_train_as_one_device() -> anyhow::Result<()> {
+    let reference = one_device_weights()?;
+    let dir = tempfile::tempdir()?;
+    let _one = lock();
+    for (local, extra, what) in [
+        ("1", None, "2 workers x 1 replica"),
+        ("2", None, "2 workers x 2 replicas"),
+        (
+            "2",
+            Some("--hierarchical"),
+            "2 workers x 2 replicas, hierarchical copy",
+        ),
+    ] {
+        let out = dir
+            .path()
+            .join(format!("{}.safetensors", what.replace(' ', "_")));
+        let out_arg = out.to_string_lossy().to_string();
+        let mut args = vec!["--expect-world-size", "2", "--local-replicas", local];
+        args.extend(extra);
+        args.extend(["equivalence", "--out", &out_arg]);
+        let outcome = run(mpirun(2, &args))?;
+        assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
+        assert_close(&reference, &kandle::checkpoint::load(&out)?, what)?;
+    }
+    Ok(())
+}
+
+// ---- world size ----------------------------------------------------------------------------
+
+#[test]
+fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(2, &["--expect-world-size", "2", "world"]))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains("worker 0/2 pid") && outcome.output.contains("worker 1/2 pid"),
+        "{}",
+        outcome.output
+    );
+    // Started without mpirun (or by another MPI's), a worker is a world of one: it must say so.
+    let mut alone = Command::new(WORKER);
+    alone
+        .args(["--expect-world-size", "2", "world"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let outcome = run(alone)?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome
+            .output
+            .contains("expected a world of 2 workers but MPI reports 1"),
+        "{}",
+        outcome.output
+    );
+    Ok(())
+}
+
+// ---- a worker that stalls or dies ----------------------------------------------------------
+
+const TIMEOUT_SECS: u64 = 5;
+
+/// How long a failure may take to end the job: the timeout (twice, for a stalled chief), plus
+/// time for mpirun to start and tear down.
+fn bound(timeouts: u64) -> Duration {
+    Duration::from_secs(timeouts * TIMEOUT_SECS + 20)
+}
+
+#[test]
+fn a_stalled_worker_is_named_by_the_chief_within_the_timeout() -> anyhow::Result<()> {
+    let _one = lock();
+    let timeout = TIMEOUT_SECS.to_string();
+    let outcome = run(mpirun(
+        2,
+        &[
+            "--timeout-secs",
+            &timeout,
+            "train",
+            "--stall-worker",
+            "1",
+            "--stall-after-steps",
+            "3",
+        ],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    let want =
+        format!("worker 0/2: replica worker 1: did not reach training step 4 within {timeout} s");
+    assert!(outcome.output.contains(&want), "{}", outcome.output);
+    assert!(outcome.elapsed < bound(1), "took {:?}", outcome.elapsed);
+    Ok(())
+}
+
+#[test]
+fn a_stalled_chief_is_named_by_the_workers() -> anyhow::Result<()> {
+    let _one = lock();
+    let timeout = TIMEOUT_SECS.to_string();
+    let outcome = run(mpirun(
+        2,
+        &[
+            "--timeout-secs",
+            &timeout,
+            "train",
+            "--stall-worker",
+            "0",
+            "--stall-after-steps",
+            "2",
+        ],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome
+            .output
+            .contains("worker 1/2: replica worker 0 (chief): did not reach training step 3"),
+        "{}",
+        outcome.output
+    );
+    assert!(outcome.elapsed < bound(2), "took {:?}", outcome.elapsed);
+    Ok(())
+}
+
+/// Starts a long run, waits until worker 1 has finished 3 steps, sends it `signal`, and returns
+/// how the job ended.
+fn signal_worker_1(signal: &str) -> anyhow::Result<Outcome> {
+    let timeout = TIMEOUT_SECS.to_string();
+    let mut launch = Launch::start(mpirun(2, &["--timeout-secs", &timeout, "train"]))?;
+    let pid_line = launch.wait_for_line(|l| l.starts_with("worker 1/2 pid "))?;
+    let pid = pid_line
+        .rsplit(' ')
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no pid in `{pid_line}`"))?
+        .to_string();
+    launch.wait_for_line(|l| l == "worker 1/2 finished step 3")?;
+    let sent = Command::new("kill").args([signal, &pid]).status()?;
+    assert!(sent.success(), "kill {signal} {pid} failed");
+    launch.finish()
+}
+
+#[test]
+fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = signal_worker_1("-STOP")?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    // Where the signal lands decides who notices: the chief's rendezvous (before or after the
+    // go-ahead: an error returned from the step), or, in the short window inside the
+    // collective, the all-reduce's deadline (a ping, then MPI_Abort). All name worker 1.
+    let named = outcome.output.lines().any(|l| {
+        l.starts_with("kandle-mpi-check: worker 0/2: replica worker 1: did not reach training step")
+            || (l.starts_with(
+                "kandle-mpi-check: worker 0/2: replica worker 1: reached training step",
+            ) && l.contains("did not join its collective"))
+            || (l.starts_with("kandle: worker 0: the all-reduce of training step")
+                && l.contains("worker 1 stopped answering"))
+    });
+    assert!(named, "{}", outcome.output);
+    assert!(
+        outcome.elapsed < bound(1) + Duration::from_secs(10),
+        "took {:?}",
+        outcome.elapsed
+    );
+    Ok(())
+}
+
+#[test]
+fn a_killed_worker_ends_the_job() -> anyhow::Result<()> {
+    let _one = lock();
+    let start = Instant::now();
+    let outcome = signal_worker_1("-KILL")?;
+    // mpirun notices the death at once and ends the job, naming the rank.
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains("rank 1") && outcome.output.contains("signal 9"),
+        "{}",
+        outcome.output
+    );
+    assert!(
+        start.elapsed() < bound(1) + Duration::from_secs(10),
+        "took {:?}",
+        start.elapsed()
+    );
+    Ok(())
+}
+
+// ---- accuracy ------------------------------------------------------------------------------
+
+#[test]
+fn two_workers_learn_digits() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(
+        2,
+        &[
+            "--expect-world-size",
+            "2",
+            "digits",
+            "--min-accuracy",
+            "0.97",
+        ],
+    ))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    let line = outcome
+        .output
+        .lines()
+        .find(|l| l.starts_with("worker 0/2 test accuracy"))
+        .ok_or_else(|| anyhow::anyhow!("no accuracy line:\n{}", outcome.output))?;
+    let accuracy: f64 = line
+        .split_whitespace()
+        .nth(4)
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("cannot read `{line}`"))?;
+    assert!(accuracy >= 0.97, "{line}");
+    eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
+    Ok(())
+}

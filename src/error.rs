@@ -67,7 +67,7 @@ pub enum Error {
     Device(String),
 
     /// A replica or worker failed or stopped answering during a distributed step.
-    #[error("replica {replica}: {reason}")]
+    #[error("{replica}: {reason}")]
     Replica {
         /// Which replica or worker, e.g. `worker 1` or `replica 0 (cuda:0)`.
         replica: String,

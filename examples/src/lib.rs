@@ -1,1 +1,74 @@
-//! Shared helpers for the example binaries.
+//! Shared pieces of the example binaries: choosing a strategy and its devices from the command
+//! line, so every binary switches strategies the same way.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use clap::ValueEnum;
+use kandle::Strategy;
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+
+/// The strategies a binary can run under (`--strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StrategyKind {
+    /// One device.
+    OneDevice,
+    /// A replica per device, gradients all-reduced.
+    Mirrored,
+    /// Variables on the CPU, replicas compute gradients.
+    CentralStorage,
+    /// Mirrored inside each `mpirun` worker, all-reduced across workers (feature `mpi`).
+    MultiWorker,
+}
+
+/// The devices for `replicas` replicas: the first `replicas` GPUs when kandle was built with
+/// `cuda` and that many are visible, otherwise `replicas` CPU replicas.
+pub fn devices(replicas: usize) -> Result<Vec<Device>> {
+    if replicas == 0 {
+        bail!("at least one replica is needed");
+    }
+    let gpus = kandle::devices::gpus()?;
+    if gpus.len() >= replicas {
+        return Ok(gpus.into_iter().take(replicas).collect());
+    }
+    if cfg!(feature = "cuda") {
+        bail!(
+            "{replicas} GPU(s) requested but {} visible (CUDA_VISIBLE_DEVICES={})",
+            gpus.len(),
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+        );
+    }
+    Ok(vec![Device::Cpu; replicas])
+}
+
+/// Builds the chosen strategy over `replicas` devices (per worker, for multi-worker).
+pub fn build_strategy(kind: StrategyKind, replicas: usize) -> Result<Arc<dyn Strategy>> {
+    let devices = devices(replicas)?;
+    Ok(match kind {
+        StrategyKind::OneDevice => {
+            if replicas != 1 {
+                bail!("--strategy one-device runs one replica; use --gpus 1 or another strategy");
+            }
+            Arc::new(kandle::OneDeviceStrategy::new(devices[0].clone()))
+        }
+        StrategyKind::Mirrored => Arc::new(MirroredStrategy::new(devices)?),
+        StrategyKind::CentralStorage => Arc::new(CentralStorageStrategy::new(devices)?),
+        StrategyKind::MultiWorker => multi_worker(devices)?,
+    })
+}
+
+#[cfg(feature = "mpi")]
+fn multi_worker(devices: Vec<Device>) -> Result<Arc<dyn Strategy>> {
+    Ok(Arc::new(
+        kandle_strategies::MultiWorkerMirroredStrategy::from_env()?.local_devices(devices)?,
+    ))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn multi_worker(_devices: Vec<Device>) -> Result<Arc<dyn Strategy>> {
+    bail!(
+        "--strategy multi-worker needs the `mpi` feature: \
+         cargo build --release -p kandle-examples --features mpi, then mpirun -n W <binary>"
+    )
+}

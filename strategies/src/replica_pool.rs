@@ -71,7 +71,7 @@ impl ReplicaPool {
     {
         if let Some(reason) = &self.broken {
             return Err(Error::Replica {
-                replica: "pool".into(),
+                replica: "replicas".into(),
                 reason: format!("an earlier step failed ({reason}); rebuild the model"),
             });
         }

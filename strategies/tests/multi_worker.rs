@@ -307,8 +307,7 @@ fn a_stalled_worker_is_named_by_the_chief_within_the_timeout() -> anyhow::Result
         ],
     ))?;
     assert!(!outcome.status.success(), "{}", outcome.output);
-    let want =
-        format!("worker 0/2: replica worker 1: did not reach training step 4 within {timeout} s");
+    let want = format!("worker 0/2: worker 1: did not reach training step 4 within {timeout} s");
     assert!(outcome.output.contains(&want), "{}", outcome.output);
     assert!(outcome.elapsed < bound(1), "took {:?}", outcome.elapsed);
     Ok(())
@@ -334,7 +333,7 @@ fn a_stalled_chief_is_named_by_the_workers() -> anyhow::Result<()> {
     assert!(
         outcome
             .output
-            .contains("worker 1/2: replica worker 0 (chief): did not reach training step 3"),
+            .contains("worker 1/2: worker 0 (chief): did not reach training step 3"),
         "{}",
         outcome.output
     );
@@ -368,10 +367,9 @@ fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     // go-ahead: an error returned from the step), or, in the short window inside the
     // collective, the all-reduce's deadline (a ping, then MPI_Abort). All name worker 1.
     let named = outcome.output.lines().any(|l| {
-        l.starts_with("kandle-mpi-check: worker 0/2: replica worker 1: did not reach training step")
-            || (l.starts_with(
-                "kandle-mpi-check: worker 0/2: replica worker 1: reached training step",
-            ) && l.contains("did not join its collective"))
+        l.starts_with("kandle-mpi-check: worker 0/2: worker 1: did not reach training step")
+            || (l.starts_with("kandle-mpi-check: worker 0/2: worker 1: reached training step")
+                && l.contains("did not join its collective"))
             || (l.starts_with("kandle: worker 0: the all-reduce of training step")
                 && l.contains("worker 1 stopped answering"))
     });

@@ -5,13 +5,16 @@ use candle_core::Device;
 use crate::{Error, Result};
 
 /// CUDA device `index`. Indices follow `CUDA_VISIBLE_DEVICES`, as the CUDA driver numbers them.
+///
+/// Fails with [`Error::Device`] when kandle was built without the `cuda` feature, when the CUDA
+/// driver cannot be initialised, or when there is no GPU `index`.
 pub fn cuda(index: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
         return Err(Error::Device(format!(
             "cuda:{index} requested, but kandle was built without the `cuda` feature"
         )));
     }
-    let count = gpu_count();
+    let count = gpu_count()?;
     if index >= count {
         return Err(Error::Device(format!(
             "cuda:{index} does not exist: {count} GPU(s) visible{}",
@@ -22,21 +25,34 @@ pub fn cuda(index: usize) -> Result<Device> {
 }
 
 /// All visible CUDA GPUs (honouring `CUDA_VISIBLE_DEVICES`); empty without the `cuda` feature
-/// or without GPUs.
+/// or without GPUs. Fails as [`gpu_count`] does, or when a GPU cannot be opened.
 pub fn gpus() -> Result<Vec<Device>> {
-    (0..gpu_count()).map(cuda).collect()
+    (0..gpu_count()?).map(cuda).collect()
 }
 
-/// Number of visible CUDA GPUs (0 without the `cuda` feature).
-pub fn gpu_count() -> usize {
+/// Number of visible CUDA GPUs, as the CUDA driver counts them (honouring
+/// `CUDA_VISIBLE_DEVICES`): 0 without the `cuda` feature, or when the driver reports no device.
+///
+/// Fails with [`Error::Device`], naming the driver's reason, when the CUDA driver cannot be
+/// initialised (for example a driver older than the CUDA version kandle was built for). A
+/// missing driver library (`libcuda.so.1`) stops the process at load time, before this runs.
+pub fn gpu_count() -> Result<usize> {
     #[cfg(feature = "cuda")]
     {
-        // Opening devices until one fails counts them without a direct driver call.
-        (0..64).take_while(|&i| Device::new_cuda(i).is_ok()).count()
+        use candle_core::cuda_backend::cudarc::driver::{sys::CUresult, CudaContext};
+        // `device_count` runs `cuInit` first, so this also works before any device is opened.
+        match CudaContext::device_count() {
+            Ok(n) => Ok(usize::try_from(n).unwrap_or_default()),
+            Err(e) if e.0 == CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
+            Err(e) => Err(Error::Device(format!(
+                "cannot count CUDA GPUs: the CUDA driver failed to initialise: {e}{}",
+                visible_devices_note()
+            ))),
+        }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        0
+        Ok(0)
     }
 }
 
@@ -66,5 +82,21 @@ mod tests {
         let err = cuda(0).expect_err("no cuda in this build").to_string();
         assert!(err.contains("without the `cuda` feature"), "{err}");
         assert!(gpus().is_ok_and(|g| g.is_empty()));
+        assert!(gpu_count().is_ok_and(|n| n == 0));
+    }
+
+    /// Runs anywhere the binary loads: with GPUs, without (count 0), or with a driver that
+    /// cannot initialise (an error, never a panic).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn gpu_count_is_a_count_or_a_device_error() {
+        match gpu_count() {
+            Ok(n) => {
+                let err = cuda(n).expect_err("one past the last GPU").to_string();
+                assert!(err.contains("does not exist"), "{err}");
+            }
+            Err(Error::Device(reason)) => assert!(reason.contains("CUDA driver"), "{reason}"),
+            Err(other) => panic!("expected Error::Device, got {other}"),
+        }
     }
 }

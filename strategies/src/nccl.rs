@@ -1,4 +1,11 @@
 //! NCCL all-reduce between CUDA replicas of one process (the `nccl` feature).
+//!
+//! One thread drives every GPU: one NCCL communicator per device, created together with
+//! `ncclCommInitAll` the first time a set of devices reduces, and kept for the next steps. The
+//! per-device `all_reduce` calls sit between `ncclGroupStart` and `ncclGroupEnd`, as NCCL
+//! requires when one thread drives several ranks, and run on each device's candle stream, so they
+//! follow the replica's backward pass and precede whatever reads the result. Each replica gets
+//! the sum in a fresh tensor on its device; the input buffers are left untouched.
 
 use candle_core::{Device, Tensor};
 use kandle::{Error, Result};
@@ -12,7 +19,8 @@ pub fn all_reduce(_buffers: Vec<Tensor>, _devices: &[Device]) -> Result<Vec<Tens
     ))
 }
 
-/// Sums `buffers` with NCCL and returns the total on each device.
+/// Sums `buffers` (contiguous `f32`, one per replica, on distinct GPUs) with NCCL and returns
+/// the total on each device.
 #[cfg(feature = "nccl")]
 pub fn all_reduce(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor>> {
     imp::all_reduce(buffers, devices)
@@ -20,43 +28,176 @@ pub fn all_reduce(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor
 
 #[cfg(feature = "nccl")]
 mod imp {
-    use super::*;
+    use std::cell::RefCell;
+
     use candle_core::cuda_backend::cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
-    use candle_core::{backend::BackendStorage, Storage};
+    use candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t;
+    use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
+    use candle_core::op::BackpropOp;
+    use candle_core::{DType, Storage};
+
+    use super::*;
+
+    /// The communicators of one set of devices, rank `i` on `devices[i]`.
+    struct Communicators {
+        devices: Vec<DeviceId>,
+        comms: Vec<Comm>,
+    }
+
+    thread_local! {
+        // NCCL communicators are not `Send`, and one thread must drive all ranks of an
+        // `ncclCommInitAll` clique, so the cache is per thread. It holds the last device set
+        // only: a new set (another strategy, or fresh devices) replaces it.
+        static CACHE: RefCell<Option<Communicators>> = const { RefCell::new(None) };
+    }
+
+    fn nccl_error(what: &str, e: ncclResult_t) -> Error {
+        Error::Device(format!("NCCL {what} failed: {e:?}"))
+    }
+
+    impl Communicators {
+        fn new(devices: &[CudaDevice]) -> Result<Self> {
+            let streams = devices.iter().map(|d| d.cuda_stream()).collect();
+            let comms = Comm::from_devices(streams).map_err(|e| nccl_error("init", e.0))?;
+            Ok(Self {
+                devices: devices.iter().map(|d| d.id()).collect(),
+                comms,
+            })
+        }
+    }
 
     pub fn all_reduce(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor>> {
-        let streams = devices
-            .iter()
-            .map(|d| match d {
-                Device::Cuda(c) => Ok(c.cuda_stream()),
-                other => Err(Error::Device(format!(
-                    "NCCL all-reduce needs CUDA replicas, got {}",
-                    kandle::devices::label(other)
-                ))),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let comms = Comm::from_devices(streams)
-            .map_err(|e| Error::Device(format!("NCCL init failed: {e:?}")))?;
-        let outputs: Vec<Tensor> = buffers
-            .iter()
-            .map(|b| Ok(b.zeros_like()?))
-            .collect::<Result<_>>()?;
-        group_start().map_err(|e| Error::Device(format!("NCCL: {e:?}")))?;
-        for ((comm, input), output) in comms.iter().zip(&buffers).zip(&outputs) {
-            let (in_storage, _) = input.storage_and_layout();
-            let (out_storage, _) = output.storage_and_layout();
-            let (Storage::Cuda(src), Storage::Cuda(dst)) = (&*in_storage, &*out_storage) else {
-                return Err(Error::Device("NCCL all-reduce needs CUDA tensors".into()));
-            };
-            let src = src.as_cuda_slice::<f32>()?;
-            let dst = dst.as_cuda_slice::<f32>()?;
-            // cudarc takes the output mutably; the tensor was just created for this call.
-            let mut dst = dst.clone();
-            comm.all_reduce(src, &mut dst, &ReduceOp::Sum)
-                .map_err(|e| Error::Device(format!("NCCL all-reduce failed: {e:?}")))?;
-            let _ = in_storage.device();
+        if buffers.len() != devices.len() {
+            return Err(Error::invalid(format!(
+                "NCCL all-reduce got {} buffers for {} devices",
+                buffers.len(),
+                devices.len()
+            )));
         }
-        group_end().map_err(|e| Error::Device(format!("NCCL: {e:?}")))?;
-        Ok(outputs)
+        if buffers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cuda = cuda_devices(devices)?;
+        check_buffers(&buffers, devices)?;
+        let ids: Vec<DeviceId> = cuda.iter().map(|d| d.id()).collect();
+        let comms = match CACHE.with(|c| c.borrow_mut().take()) {
+            Some(cached) if cached.devices == ids => cached,
+            stale => {
+                drop(stale); // release the old communicators before creating new ones
+                Communicators::new(&cuda)?
+            }
+        };
+        let reduced = reduce(&buffers, &cuda, &comms.comms)?;
+        // Only communicators that just succeeded go back to the cache: after an NCCL error
+        // they are dropped, and the next call creates new ones.
+        CACHE.with(|c| *c.borrow_mut() = Some(comms));
+        Ok(reduced)
+    }
+
+    /// The CUDA devices behind `devices`, which must be distinct GPUs: NCCL cannot put two
+    /// ranks of one communicator on the same GPU.
+    fn cuda_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
+        let mut cuda = Vec::with_capacity(devices.len());
+        for (i, d) in devices.iter().enumerate() {
+            let Device::Cuda(c) = d else {
+                return Err(Error::Device(format!(
+                    "NCCL all-reduce needs CUDA replicas, got {}",
+                    kandle::devices::label(d)
+                )));
+            };
+            if devices[..i].iter().any(|e| e.location() == d.location()) {
+                return Err(Error::Device(format!(
+                    "NCCL all-reduce needs one replica per GPU, but {} holds several; use \
+                     CrossDeviceOps::ReductionToOneDevice or HierarchicalCopy for logical replicas",
+                    kandle::devices::label(d)
+                )));
+            }
+            cuda.push(c.clone());
+        }
+        Ok(cuda)
+    }
+
+    /// Every buffer is an `f32` tensor on its replica's device, all of the same length (NCCL
+    /// would hang or read out of bounds otherwise).
+    fn check_buffers(buffers: &[Tensor], devices: &[Device]) -> Result<()> {
+        let len = buffers[0].elem_count();
+        for (i, (b, d)) in buffers.iter().zip(devices).enumerate() {
+            if b.dtype() != DType::F32 {
+                return Err(Error::invalid(format!(
+                    "NCCL all-reduce sums f32 buffers, replica {i} sent {:?}",
+                    b.dtype()
+                )));
+            }
+            if b.elem_count() != len {
+                return Err(Error::invalid(format!(
+                    "NCCL all-reduce needs buffers of one length: replica 0 sent {len} values, \
+                     replica {i} sent {}",
+                    b.elem_count()
+                )));
+            }
+            if !b.device().same_device(d) {
+                return Err(Error::Device(format!(
+                    "NCCL all-reduce: replica {i}'s buffer is on {}, not on its replica's device",
+                    kandle::devices::label(b.device())
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// One grouped all-reduce: rank `i` sums `buffers[i]` into a fresh slice on `devices[i]`.
+    fn reduce(buffers: &[Tensor], devices: &[CudaDevice], comms: &[Comm]) -> Result<Vec<Tensor>> {
+        let contiguous: Vec<Tensor> = buffers
+            .iter()
+            .map(|b| Ok(b.contiguous()?))
+            .collect::<Result<_>>()?;
+        let mut outputs = devices
+            .iter()
+            .zip(&contiguous)
+            .map(|(d, b)| Ok(d.alloc_zeros::<f32>(b.elem_count())?))
+            .collect::<Result<Vec<_>>>()?;
+        {
+            let guards: Vec<_> = contiguous.iter().map(|b| b.storage_and_layout()).collect();
+            let mut inputs = Vec::with_capacity(guards.len());
+            for (storage, layout) in &guards {
+                let Storage::Cuda(storage) = &**storage else {
+                    return Err(Error::Device("NCCL all-reduce needs CUDA tensors".into()));
+                };
+                let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
+                    Error::Device("NCCL all-reduce needs contiguous buffers".into())
+                })?;
+                inputs.push(storage.as_cuda_slice::<f32>()?.slice(start..end));
+            }
+            // Each communicator runs on its device's only candle stream, so stream order puts the
+            // kernels that `group_end` launches after the backward pass, before any reader of the
+            // outputs, and before the stream-ordered frees of the inputs dropped on return.
+            group_start().map_err(|e| nccl_error("group start", e.0))?;
+            // Every rank must be enqueued before the group ends, so a failing call is reported
+            // only after `group_end`, which NCCL needs to leave its group state.
+            let mut enqueued = Ok(());
+            for ((comm, input), output) in comms.iter().zip(&inputs).zip(outputs.iter_mut()) {
+                if let Err(e) = comm.all_reduce(input, output, &ReduceOp::Sum) {
+                    enqueued = Err(nccl_error("all-reduce", e.0));
+                    break;
+                }
+            }
+            let ended = group_end().map_err(|e| nccl_error("group end", e.0));
+            enqueued?;
+            ended?;
+        }
+        Ok(outputs
+            .into_iter()
+            .zip(devices)
+            .zip(buffers)
+            .map(|((sum, device), b)| {
+                let storage = CudaStorage::wrap_cuda_slice(sum, device.clone());
+                Tensor::from_storage(
+                    Storage::Cuda(storage),
+                    b.shape().clone(),
+                    BackpropOp::none(),
+                    false,
+                )
+            })
+            .collect())
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 use crate::callbacks::{Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity};
-use crate::data::{Dataset, Loader, LoaderOptions};
+use crate::data::{Augment, Dataset, Loader, LoaderOptions};
 use crate::layers::{Sequential, Summary};
 use crate::metrics::Metric;
 use crate::optimizers::OptimizerConfig;
@@ -46,6 +46,12 @@ pub struct FitOptions<'a> {
     pub steps_per_epoch: Option<usize>,
     /// What to print. Default [`Verbosity::Auto`].
     pub verbosity: Verbosity,
+    /// A random transform of each training sample (e.g. [`RandomShiftFlip`]), applied in the
+    /// loader's parallel batch assembly, seeded per sample so runs repeat exactly. Validation
+    /// and evaluation data are never augmented. Default none.
+    ///
+    /// [`RandomShiftFlip`]: crate::data::RandomShiftFlip
+    pub augment: Option<Arc<dyn Augment>>,
 }
 
 impl Default for FitOptions<'_> {
@@ -62,6 +68,7 @@ impl Default for FitOptions<'_> {
             drop_remainder: false,
             steps_per_epoch: None,
             verbosity: Verbosity::Auto,
+            augment: None,
         }
     }
 }
@@ -299,6 +306,7 @@ impl Model {
         shuffle: bool,
         seed: u64,
         drop_remainder: bool,
+        augment: Option<Arc<dyn Augment>>,
     ) -> Result<Loader<'d>> {
         if batch_size_per_replica == 0 {
             return Err(Error::invalid("batch size must be positive, got 0"));
@@ -312,6 +320,7 @@ impl Model {
                 seed,
                 drop_remainder,
                 shard: (worker.size > 1).then_some((worker.rank, worker.size)),
+                augment,
                 ..LoaderOptions::default()
             },
         )
@@ -349,6 +358,7 @@ impl Model {
             options.shuffle,
             seed,
             options.drop_remainder,
+            options.augment.clone(),
         )?;
         let steps = loader
             .steps_per_epoch()
@@ -446,7 +456,7 @@ impl Model {
     /// Loss and metrics over `data` in inference mode.
     pub fn evaluate(&mut self, data: &dyn Dataset, batch_size_per_replica: usize) -> Result<Logs> {
         self.prepare_for(data)?;
-        let loader = self.loader(data, batch_size_per_replica, false, 0, false)?;
+        let loader = self.loader(data, batch_size_per_replica, false, 0, false, None)?;
         let mut totals = Totals::new(&self.metrics);
         let replicas = &mut self.built_mut()?.replicas;
         std::thread::scope(|scope| -> Result<()> {

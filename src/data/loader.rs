@@ -8,7 +8,9 @@
 //! one buffer for the inputs and one for the targets, sample by sample in parallel (rayon).
 //! [`Loader::spawn`] runs that work on a producer thread inside a [`std::thread::scope`] and
 //! hands the batches over through a bounded channel, so the next batches are ready while the
-//! training step runs.
+//! training step runs. An optional [`Augment`] transforms each sample right after it is read,
+//! inside the same parallel assembly, with a random generator seeded from the seed, the epoch
+//! and the sample's position in the epoch, so augmented batches repeat exactly.
 //!
 //! ```
 //! use kandle::data::{Dataset, InMemoryDataset, Loader, LoaderOptions, Targets};
@@ -27,6 +29,7 @@
 //! ```
 
 use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
 use std::thread::{Scope, ScopedJoinHandle};
 
 use candle_core::{Device, Tensor};
@@ -34,7 +37,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rayon::prelude::*;
 
-use super::{Batch, Dataset, Targets};
+use super::{Augment, Batch, Dataset, Targets};
 use crate::{Error, Result};
 
 /// How a [`Loader`] cuts an epoch into batches.
@@ -45,7 +48,7 @@ use crate::{Error, Result};
 /// let options = LoaderOptions { batch_size: 64, shuffle: true, seed: 42, ..Default::default() };
 /// assert_eq!(options.prefetch, 2);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct LoaderOptions {
     /// Samples per global batch (all shards together). Default 32, as in Keras.
     pub batch_size: usize,
@@ -64,7 +67,33 @@ pub struct LoaderOptions {
     /// `Some((index, count))`: this loader is worker `index` of `count` and yields only its
     /// part of each global batch. Default `None`.
     pub shard: Option<(usize, usize)>,
+    /// A random transform applied to each input sample after it is read, for training only
+    /// (e.g. [`RandomShiftFlip`](super::RandomShiftFlip)). Sample `p` of epoch `e` (its
+    /// position `p` in the epoch's order) gets a [`StdRng`](rand::rngs::StdRng) seeded from
+    /// (`seed`, `e`, `p`), so results do not depend on the threads, and a sharded worker
+    /// transforms its samples exactly as a single loader would. Default `None`.
+    pub augment: Option<Arc<dyn Augment>>,
 }
+
+/// Equal when every field is equal and both `augment`s are absent or the same object.
+impl PartialEq for LoaderOptions {
+    fn eq(&self, other: &Self) -> bool {
+        let same_augment = match (&self.augment, &other.augment) {
+            (None, None) => true,
+            (Some(a), Some(b)) => std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b)),
+            _ => false,
+        };
+        self.batch_size == other.batch_size
+            && self.shuffle == other.shuffle
+            && self.seed == other.seed
+            && self.drop_remainder == other.drop_remainder
+            && self.prefetch == other.prefetch
+            && self.shard == other.shard
+            && same_augment
+    }
+}
+
+impl Eq for LoaderOptions {}
 
 impl Default for LoaderOptions {
     fn default() -> Self {
@@ -75,6 +104,7 @@ impl Default for LoaderOptions {
             drop_remainder: false,
             prefetch: 2,
             shard: None,
+            augment: None,
         }
     }
 }
@@ -111,7 +141,8 @@ impl<'d> Loader<'d> {
     /// A loader over `dataset`.
     ///
     /// Errors for a `batch_size` of 0, an empty dataset ([`Error::EmptyDataset`], naming it), a
-    /// sample or target shape with no element, or a shard index not below a non-zero count.
+    /// sample or target shape with no element, a shard index not below a non-zero count, or an
+    /// [`augment`](LoaderOptions::augment) that rejects the sample shape.
     pub fn new(dataset: &'d dyn Dataset, options: LoaderOptions) -> Result<Self> {
         if options.batch_size == 0 {
             return Err(Error::invalid(format!(
@@ -140,6 +171,9 @@ impl<'d> Loader<'d> {
                  at least one element",
                 dataset.name()
             )));
+        }
+        if let Some(augment) = &options.augment {
+            augment.check_shape(&sample_shape)?;
         }
         Ok(Self {
             dataset,
@@ -198,6 +232,7 @@ impl<'d> Loader<'d> {
     pub fn iter(&self, epoch: usize) -> EpochIter<'_, 'd> {
         EpochIter {
             loader: self,
+            epoch,
             order: self.epoch_order(epoch),
             step: 0,
             steps: self.steps_per_epoch(),
@@ -264,24 +299,38 @@ impl<'d> Loader<'d> {
         }
     }
 
-    /// Batch `step` of the epoch with `order`.
-    fn batch(&self, order: &[usize], step: usize) -> Result<Batch> {
-        let global = &order[self.global_range(step)];
-        self.assemble(&global[self.shard_range(global.len())])
+    /// Batch `step` of epoch `epoch`, whose order is `order`.
+    fn batch(&self, epoch: usize, order: &[usize], step: usize) -> Result<Batch> {
+        let global = self.global_range(step);
+        let shard = self.shard_range(global.len());
+        let first = global.start + shard.start;
+        self.assemble(epoch, first, &order[first..global.start + shard.end])
     }
 
-    /// Reads the samples at `indices` into one batch.
-    fn assemble(&self, indices: &[usize]) -> Result<Batch> {
+    /// Reads the samples at `indices`, which sit at positions `first..` of epoch `epoch`'s
+    /// order, into one batch, augmenting each input if asked.
+    fn assemble(&self, epoch: usize, first: usize, indices: &[usize]) -> Result<Batch> {
         let m = indices.len();
         let mut x = vec![0f32; m * self.sample_len];
         let mut y = vec![0f32; m * self.width];
         // Give each rayon task at least ~16 KiB of input to copy.
         let min_len = (4096 / self.sample_len).max(1);
+        let augment_seed = mix_seed(self.options.seed ^ AUGMENT_STREAM, epoch as u64);
         x.par_chunks_mut(self.sample_len)
             .zip(y.par_chunks_mut(self.width))
             .zip(indices.par_iter())
+            .enumerate()
             .with_min_len(min_len)
-            .try_for_each(|((xs, ys), &i)| self.dataset.read(i, xs, ys))?;
+            .try_for_each(|(k, ((xs, ys), &i))| {
+                self.dataset.read(i, xs, ys)?;
+                if let Some(augment) = &self.options.augment {
+                    let position = (first + k) as u64;
+                    let mut rng =
+                        rand::rngs::StdRng::seed_from_u64(mix_seed(augment_seed, position));
+                    augment.apply(xs, &self.sample_shape, &mut rng);
+                }
+                Ok::<(), Error>(())
+            })?;
         let mut x_shape = Vec::with_capacity(self.sample_shape.len() + 1);
         x_shape.push(m);
         x_shape.extend_from_slice(&self.sample_shape);
@@ -314,6 +363,9 @@ impl<'d> Loader<'d> {
     }
 }
 
+/// Set apart the augmentation's random stream from the shuffle's, which uses the same seed.
+const AUGMENT_STREAM: u64 = 0x6175_676D_656E_7421;
+
 /// Mixes the user's seed with the epoch number (SplitMix64 finaliser), so that nearby seeds
 /// and epochs give unrelated orders.
 fn mix_seed(seed: u64, epoch: u64) -> u64 {
@@ -330,6 +382,7 @@ fn mix_seed(seed: u64, epoch: u64) -> u64 {
 #[derive(Debug)]
 pub struct EpochIter<'l, 'd> {
     loader: &'l Loader<'d>,
+    epoch: usize,
     order: Vec<usize>,
     step: usize,
     steps: usize,
@@ -342,7 +395,7 @@ impl Iterator for EpochIter<'_, '_> {
         if self.step >= self.steps {
             return None;
         }
-        let batch = self.loader.batch(&self.order, self.step);
+        let batch = self.loader.batch(self.epoch, &self.order, self.step);
         // An error ends the epoch.
         self.step = if batch.is_ok() {
             self.step + 1
@@ -782,6 +835,171 @@ mod tests {
         let loader = Loader::new(&BadLabel, options(2, false)).unwrap();
         let err = loader.iter(0).next().unwrap().unwrap_err().to_string();
         assert!(err.contains("sample 1") && err.contains("0..3"), "{err}");
+    }
+
+    /// `n` images `[1, 4, 4]`, image `i` holding `i * 16..(i + 1) * 16`, class `i % 3`.
+    fn images(n: usize) -> InMemoryDataset {
+        let x: Vec<f32> = (0..n * 16).map(|v| v as f32).collect();
+        let y: Vec<f32> = (0..n).map(|i| (i % 3) as f32).collect();
+        InMemoryDataset::from_vecs(x, &[1, 4, 4], y, Targets::Classes(3)).unwrap()
+    }
+
+    fn augmented(batch_size: usize, seed: u64) -> LoaderOptions {
+        LoaderOptions {
+            batch_size,
+            shuffle: true,
+            seed,
+            augment: Some(Arc::new(crate::data::RandomShiftFlip {
+                width_shift_range: 0.5,
+                height_shift_range: 0.5,
+                horizontal_flip: true,
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn xs(loader: &Loader, epoch: usize) -> Vec<Vec<f32>> {
+        loader
+            .iter(epoch)
+            .map(|b| {
+                b.unwrap()
+                    .x
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn augmented_batches_repeat_with_the_seed_and_differ_across_epochs() {
+        let ds = images(40);
+        let a = Loader::new(&ds, augmented(8, 3)).unwrap();
+        let b = Loader::new(&ds, augmented(8, 3)).unwrap();
+        assert_eq!(xs(&a, 0), xs(&b, 0));
+        assert_eq!(xs(&a, 5), xs(&b, 5));
+        let prefetched: Vec<Vec<f32>> = std::thread::scope(|s| {
+            a.spawn(s, 5)
+                .map(|b| {
+                    b.unwrap()
+                        .x
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                })
+                .collect()
+        });
+        assert_eq!(prefetched, xs(&a, 5));
+        assert_ne!(xs(&a, 0), xs(&a, 1));
+        let other = Loader::new(&ds, augmented(8, 4)).unwrap();
+        assert_ne!(xs(&a, 0), xs(&other, 0));
+        // The same epoch order without augmentation: augmentation changed the inputs, but
+        // each augmented image is a transform of the image the plain loader puts there.
+        let plain = Loader::new(
+            &ds,
+            LoaderOptions {
+                augment: None,
+                ..augmented(8, 3)
+            },
+        )
+        .unwrap();
+        let (aug, orig) = (xs(&a, 0).concat(), xs(&plain, 0).concat());
+        assert_ne!(aug, orig);
+        for (img_a, img_o) in aug.chunks(16).zip(orig.chunks(16)) {
+            let base = img_o[0];
+            assert!(img_a.iter().all(|&v| v >= base && v < base + 16.0));
+        }
+        // The batch size does not change which transform a sample gets.
+        let big = Loader::new(&ds, augmented(40, 3)).unwrap();
+        assert_eq!(xs(&big, 2).concat(), xs(&a, 2).concat());
+    }
+
+    #[test]
+    fn sharded_workers_augment_as_one_loader() {
+        let ds = images(30);
+        let whole = Loader::new(&ds, augmented(8, 9)).unwrap();
+        let parts: Vec<Vec<Vec<f32>>> = (0..3)
+            .map(|i| {
+                let options = LoaderOptions {
+                    shard: Some((i, 3)),
+                    ..augmented(8, 9)
+                };
+                xs(&Loader::new(&ds, options).unwrap(), 1)
+            })
+            .collect();
+        for (step, global) in xs(&whole, 1).into_iter().enumerate() {
+            let joined: Vec<f32> = parts.iter().flat_map(|p| p[step].clone()).collect();
+            assert_eq!(joined, global);
+        }
+    }
+
+    /// Counts its calls and the threads they ran on, sleeping a little in each.
+    #[derive(Default)]
+    struct Recorder {
+        calls: std::sync::atomic::AtomicUsize,
+        threads: std::sync::Mutex<BTreeSet<String>>,
+    }
+
+    impl Augment for Recorder {
+        fn apply(&self, _: &mut [f32], _: &[usize], _: &mut rand::rngs::StdRng) {
+            std::thread::sleep(Duration::from_millis(2));
+            let id = format!("{:?}", std::thread::current().id());
+            self.threads.lock().unwrap().insert(id);
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn augmentation_runs_in_parallel_ahead_of_the_consumer() {
+        // Images of 32×32, so that a batch is split across threads.
+        let ds = InMemoryDataset::from_vecs(
+            vec![0.0; 64 * 1024],
+            &[1, 32, 32],
+            vec![0.0; 64],
+            Targets::Classes(1),
+        )
+        .unwrap();
+        let recorder = Arc::new(Recorder::default());
+        let loader = Loader::new(
+            &ds,
+            LoaderOptions {
+                batch_size: 16,
+                prefetch: 2,
+                augment: Some(recorder.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let consumer = format!("{:?}", std::thread::current().id());
+        std::thread::scope(|s| {
+            let mut it = loader.spawn(s, 0);
+            assert!(it.next().unwrap().is_ok());
+            // While the consumer "trains", the producer augments the next batches.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while recorder.calls.load(std::sync::atomic::Ordering::SeqCst) < 48
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(recorder.calls.load(std::sync::atomic::Ordering::SeqCst) >= 48);
+            assert_eq!(it.count(), 3);
+        });
+        let threads = recorder.threads.lock().unwrap();
+        assert!(
+            !threads.contains(&consumer),
+            "augmented on the consumer thread"
+        );
+        let expected = rayon::current_num_threads().min(2);
+        assert!(threads.len() >= expected, "{} threads", threads.len());
+    }
+
+    #[test]
+    fn an_augment_that_rejects_the_shape_is_an_error() {
+        let ds = counting(4);
+        let err = Loader::new(&ds, augmented(2, 0)).unwrap_err().to_string();
+        assert!(err.contains("height, width"), "{err}");
     }
 
     #[test]

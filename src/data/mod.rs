@@ -1,5 +1,7 @@
 //! Data: the [`Dataset`] trait, datasets held in memory, the batching loader with a background
-//! prefetch thread, and the bundled digits dataset.
+//! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, and the CIFAR-10
+//! tutorial's pipeline: mean-image subtraction ([`MeanImage`]), one-hot targets and
+//! augmentation ([`RandomShiftFlip`], applied by the loader).
 //!
 //! A dataset hands out samples by index into caller-provided buffers, so batches are assembled
 //! without a per-sample allocation. Images are `f32` in `(channels, height, width)` order.
@@ -10,13 +12,21 @@ use std::sync::Arc;
 
 use crate::Result;
 
+mod augment;
+pub mod cifar10;
 pub mod digits;
+#[cfg(feature = "download")]
+mod download;
 mod in_memory;
 mod loader;
+mod mean_image;
 mod subset;
 
+pub use augment::{Augment, RandomShiftFlip};
+pub use cifar10::{Cifar10, Cifar10Dataset};
 pub use in_memory::InMemoryDataset;
 pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
+pub use mean_image::{MeanImage, MeanSubtracted};
 pub use subset::{split_tail, Subset};
 
 /// What a dataset's targets are.

@@ -1,0 +1,217 @@
+//! Measures the CIFAR-10 input pipeline of the MiniGoogLeNet tutorial and compares it with the
+//! rate at which a training step consumes images: the pipeline must never be the bottleneck
+//! (the goal is at least 10x the training rate).
+//!
+//! The pipeline is the tutorial's: 50,000 training images read from files in the official
+//! binary format, the training set's mean image subtracted, one-hot labels, a shuffle, random
+//! shifts of up to 10% with nearest fill and random horizontal flips, batches of 64 assembled in
+//! parallel and prefetched by a background thread. Without `--data-dir`, the files are a
+//! synthetic set of the real size written to a temporary directory.
+//!
+//! ```text
+//! cargo run --release -p kandle-examples --bin bench_input_pipeline
+//! cargo run --release -p kandle-examples --bin bench_input_pipeline -- --data-dir ~/data/cifar10
+//! ```
+//!
+//! It also times real MiniGoogLeNet training steps on the CPU fed by the same loader, and how
+//! long each step waited for its batch. These are measurements, never pass/fail tests.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use clap::Parser;
+use kandle::data::{
+    cifar10, Batch, Dataset, Loader, LoaderOptions, MeanImage, MeanSubtracted, RandomShiftFlip,
+};
+use kandle::prelude::*;
+use kandle::replica::ModelSpec;
+
+/// MiniGoogLeNet training throughput on this kind of CPU with PyTorch, measured elsewhere.
+const PYTORCH_CPU_IMAGES_PER_S: f64 = 125.0;
+/// MiniGoogLeNet training throughput on this kind of CPU with kandle, measured elsewhere.
+const KANDLE_CPU_IMAGES_PER_S: f64 = 12.0;
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmark the CIFAR-10 input pipeline against the training step")]
+struct Args {
+    /// A directory with the real CIFAR-10 binary files; default: a synthetic set of the same
+    /// size in a temporary directory.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Records per synthetic file (the real files hold 10,000).
+    #[arg(long, default_value_t = 10_000)]
+    records_per_file: usize,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Timed epochs of the loader per configuration.
+    #[arg(long, default_value_t = 2)]
+    epochs: usize,
+    /// Batches the prefetch thread may hold ready.
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
+    /// Timed MiniGoogLeNet training steps (after one warm-up step); 0 skips them.
+    #[arg(long, default_value_t = 3)]
+    train_steps: usize,
+}
+
+/// Removes the synthetic data when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `epochs` epochs through the prefetching loader, taking every batch; returns images/s.
+fn loader_rate(loader: &Loader, epochs: usize) -> Result<f64> {
+    let start = Instant::now();
+    let mut images = 0usize;
+    for epoch in 0..epochs {
+        std::thread::scope(|s| -> Result<()> {
+            for batch in loader.spawn(s, epoch) {
+                images += batch?.len();
+            }
+            Ok(())
+        })?;
+    }
+    Ok(images as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Trains MiniGoogLeNet on batches from `loader`: one warm-up step, then `steps` timed ones.
+/// Returns (images/s of the timed steps, mean time a timed step waited for its batch).
+fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
+    let spec = ModelSpec {
+        network: kandle_models::mini_googlenet(10),
+        input_shape: vec![3, 32, 32],
+        optimizer: Box::new(Sgd::new(1e-2).momentum(0.9)),
+        loss: Loss::CategoricalCrossentropy,
+        metrics: vec![Metric::Accuracy],
+        seed: 0,
+    };
+    let mut model = OneDeviceStrategy::cpu().distribute(&spec)?;
+    std::thread::scope(|s| -> Result<(f64, Duration)> {
+        let mut batches = loader.spawn(s, 0);
+        let mut next = |waited: &mut Duration| -> Result<Batch> {
+            let t = Instant::now();
+            let batch = batches
+                .next()
+                .ok_or_else(|| anyhow::anyhow!("the epoch ended before the timed steps"))??;
+            *waited += t.elapsed();
+            Ok(batch)
+        };
+        let mut ignored = Duration::ZERO;
+        model.train_step(&next(&mut ignored)?, 1e-2)?;
+        let (mut waited, mut images) = (Duration::ZERO, 0usize);
+        let start = Instant::now();
+        for _ in 0..steps {
+            let batch = next(&mut waited)?;
+            model.train_step(&batch, 1e-2)?;
+            images += batch.len();
+        }
+        let rate = images as f64 / start.elapsed().as_secs_f64();
+        Ok((rate, waited / steps as u32))
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // Other work on the machine skews every figure: say how busy it was.
+    if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {
+        let load: Vec<&str> = load.split_whitespace().take(3).collect();
+        println!(
+            "{cores} cores; load average before the run: {}",
+            load.join(" ")
+        );
+    }
+    let (dir, _cleanup) = match &args.data_dir {
+        Some(dir) => (dir.clone(), None),
+        None => {
+            let dir =
+                std::env::temp_dir().join(format!("kandle-bench-cifar-{}", std::process::id()));
+            let t = Instant::now();
+            cifar10::write_fixture(&dir, args.records_per_file, args.records_per_file / 5, 0)?;
+            println!(
+                "Wrote a synthetic CIFAR-10 set ({} training records) to `{}` in {:.1} s",
+                5 * args.records_per_file,
+                dir.display(),
+                t.elapsed().as_secs_f64()
+            );
+            (dir.clone(), Some(TempDir(dir)))
+        }
+    };
+
+    let t = Instant::now();
+    let data = cifar10::load(&dir)?.one_hot();
+    let load_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mean = MeanImage::compute(&data.train)?;
+    let mean_s = t.elapsed().as_secs_f64();
+    let train: MeanSubtracted<_> = mean.subtract_from(data.train)?;
+    println!(
+        "Loaded {} training images in {load_s:.2} s; mean image in {mean_s:.2} s",
+        train.len()
+    );
+    println!();
+
+    let base = LoaderOptions {
+        batch_size: args.batch_size,
+        shuffle: true,
+        seed: 0,
+        prefetch: args.prefetch,
+        ..Default::default()
+    };
+    let augmented = LoaderOptions {
+        augment: Some(Arc::new(RandomShiftFlip::default())),
+        ..base.clone()
+    };
+    let full = Loader::new(&train, augmented)?;
+    let no_augment = Loader::new(&train, base)?;
+
+    println!(
+        "## Input pipeline alone, batch {}, {} epochs",
+        args.batch_size, args.epochs
+    );
+    println!("| pipeline | images/s |");
+    println!("|---|---|");
+    let rate_plain = loader_rate(&no_augment, args.epochs)?;
+    println!("| mean subtraction, one-hot, shuffle, prefetch | {rate_plain:.0} |");
+    let rate = loader_rate(&full, args.epochs)?;
+    println!("| the same + shifts and flips (the tutorial's) | {rate:.0} |");
+    println!();
+
+    println!(
+        "## Against the training step (MiniGoogLeNet, batch {})",
+        args.batch_size
+    );
+    println!(
+        "Training consumes ~{PYTORCH_CPU_IMAGES_PER_S:.0} img/s (PyTorch CPU) / \
+         ~{KANDLE_CPU_IMAGES_PER_S:.0} img/s (kandle CPU today), reference figures measured \
+         elsewhere on this kind of machine."
+    );
+    println!(
+        "Pipeline / PyTorch CPU step: {:.0}x; pipeline / kandle CPU step: {:.0}x (goal: >= 10x)",
+        rate / PYTORCH_CPU_IMAGES_PER_S,
+        rate / KANDLE_CPU_IMAGES_PER_S
+    );
+    if args.train_steps > 0 {
+        let (train_rate, waited) = train_rate(&full, args.train_steps)?;
+        println!(
+            "Measured here: {} kandle MiniGoogLeNet steps on the CPU fed by this loader: \
+             {train_rate:.1} img/s; pipeline / measured step: {:.0}x",
+            args.train_steps,
+            rate / train_rate
+        );
+        println!(
+            "Each step waited {:.2} ms for its prefetched batch ({:.2}% of a {:.0} ms step).",
+            waited.as_secs_f64() * 1e3,
+            100.0 * waited.as_secs_f64() * train_rate / args.batch_size as f64,
+            1e3 * args.batch_size as f64 / train_rate
+        );
+    }
+    Ok(())
+}

@@ -207,7 +207,7 @@ fn main() -> Result<()> {
             rate / train_rate
         );
         println!(
-            "Each step waited {:.2} ms for its prefetched batch ({:.2}% of a {:.0} ms step).",
+            "Each step waited {:.2} ms for its prefetched batch ({:.4}% of a {:.0} ms step).",
             waited.as_secs_f64() * 1e3,
             100.0 * waited.as_secs_f64() * train_rate / args.batch_size as f64,
             1e3 * args.batch_size as f64 / train_rate

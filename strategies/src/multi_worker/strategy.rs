@@ -135,6 +135,24 @@ impl MultiWorkerMirroredStrategy {
     pub fn devices(&self) -> &[Device] {
         &self.devices
     }
+
+    /// Sums `buffer` element-wise over all workers, in place, by exactly the guarded path that
+    /// every training step takes with its fused buffer: the watchdog's heartbeat rendezvous
+    /// (every worker proves it reached this call, within the [timeout](Self::timeout)), then a
+    /// non-blocking `MPI_Iallreduce` polled against the same deadline. Every worker must call it,
+    /// with buffers of the same length, in the same order as its other collectives.
+    ///
+    /// It is there for measuring that path against a raw `MPI_Allreduce` (the
+    /// `bench_allreduce` example) and for custom reductions between steps. The buffer's
+    /// allocation is swapped with the receive buffer of the previous all-reduce, so repeated
+    /// calls with one length allocate nothing.
+    ///
+    /// Errors are those of a training step: a worker that does not arrive in time is named, and
+    /// the MPI world is unusable afterwards.
+    pub fn all_reduce_sum(&self, buffer: &mut Vec<f32>) -> Result<()> {
+        self.world
+            .all_reduce_sum(buffer, Phase::Direct, self.timeout)
+    }
 }
 
 impl Strategy for MultiWorkerMirroredStrategy {

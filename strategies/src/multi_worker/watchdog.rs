@@ -62,6 +62,10 @@ pub(crate) enum Phase {
     Train(u64),
     /// Evaluation step `n` of a model, from 1.
     Test(u64),
+    /// A direct call of
+    /// [`MultiWorkerMirroredStrategy::all_reduce_sum`](super::MultiWorkerMirroredStrategy::all_reduce_sum),
+    /// outside any model.
+    Direct,
 }
 
 impl Phase {
@@ -70,6 +74,7 @@ impl Phase {
             Phase::Distribute => [0, 0],
             Phase::Train(n) => [1, n],
             Phase::Test(n) => [2, n],
+            Phase::Direct => [3, 0],
         }
     }
 
@@ -78,6 +83,7 @@ impl Phase {
             [0, _] => Some(Phase::Distribute),
             [1, n] => Some(Phase::Train(n)),
             [2, n] => Some(Phase::Test(n)),
+            [3, _] => Some(Phase::Direct),
             _ => None,
         }
     }
@@ -89,21 +95,26 @@ impl fmt::Display for Phase {
             Phase::Distribute => f.write_str("the initial weight broadcast"),
             Phase::Train(n) => write!(f, "training step {n}"),
             Phase::Test(n) => write!(f, "evaluation step {n}"),
+            Phase::Direct => f.write_str("a direct all-reduce"),
         }
     }
 }
 
-/// Sleeps a little longer each time, from a yield to 2 ms, so waiting costs little CPU (the
-/// other workers may share the cores) and little latency.
+/// Yields for the first polls (each poll is an MPI call, which is also what moves a
+/// non-blocking collective forward), then sleeps a little longer each time, up to 1 ms, so a
+/// long wait costs little CPU (the other workers may share the cores).
 struct Backoff(u32);
+
+/// Polls that only yield before the first sleep.
+const YIELDING_POLLS: u32 = 2000;
 
 impl Backoff {
     fn wait(&mut self) {
-        if self.0 < 8 {
+        if self.0 < YIELDING_POLLS {
             std::thread::yield_now();
         } else {
-            let micros = 50u64 << (self.0 - 8).min(5);
-            std::thread::sleep(Duration::from_micros(micros.min(2000)));
+            let micros = 50u64 << (self.0 - YIELDING_POLLS).min(5);
+            std::thread::sleep(Duration::from_micros(micros.min(1000)));
         }
         self.0 = self.0.saturating_add(1);
     }
@@ -436,7 +447,12 @@ mod tests {
 
     #[test]
     fn phases_round_trip_and_read_well() {
-        for p in [Phase::Distribute, Phase::Train(57), Phase::Test(3)] {
+        for p in [
+            Phase::Distribute,
+            Phase::Train(57),
+            Phase::Test(3),
+            Phase::Direct,
+        ] {
             assert_eq!(Phase::decode(p.encode()), Some(p));
         }
         assert_eq!(Phase::decode([9, 9]), None);

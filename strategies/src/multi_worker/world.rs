@@ -180,7 +180,7 @@ impl World {
     ) -> Result<()> {
         self.guarded(|comm, sequence, scratch| {
             watchdog::rendezvous(comm, sequence, phase, timeout)?;
-            scratch.clear();
+            // The all-reduce overwrites every element: only a longer buffer needs new space.
             scratch.resize(data.len(), 0.0);
             let deadline = watchdog::collective_deadline(comm, timeout);
             mpi::request::scope(|scope| {

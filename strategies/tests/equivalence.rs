@@ -5,6 +5,9 @@ use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
+mod support;
+use support::assert_close;
+
 /// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
 const SAMPLES: usize = 470;
 const GLOBAL_BATCH: usize = 24;
@@ -58,24 +61,6 @@ fn train<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> anyhow
     )?;
     assert!(history.last("loss").is_some_and(f64::is_finite));
     Ok(model.get_weights()?)
-}
-
-fn assert_close(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
-    assert_eq!(
-        reference.keys().collect::<Vec<_>>(),
-        other.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (name, want) in reference {
-        let got = &other[name];
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
-        assert!(
-            diff / scale < 1e-5,
-            "{what}: `{name}` differs by {diff} (scale {scale})"
-        );
-    }
-    Ok(())
 }
 
 #[test]

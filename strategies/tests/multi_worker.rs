@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 use kandle::params::Weights;
 use kandle::prelude::*;
 
+mod support;
+use support::assert_close;
+
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
 /// The launches share 2 cores: one at a time, so that timings mean something.
@@ -201,24 +204,6 @@ fn one_device_weights() -> anyhow::Result<Weights> {
         },
     )?;
     Ok(model.get_weights()?)
-}
-
-fn assert_close(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
-    assert_eq!(
-        reference.keys().collect::<Vec<_>>(),
-        other.keys().collect::<Vec<_>>(),
-        "{what}"
-    );
-    for (name, want) in reference {
-        let got = &other[name];
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
-        assert!(
-            diff / scale < 1e-5,
-            "{what}: `{name}` differs by {diff} (scale {scale})"
-        );
-    }
-    Ok(())
 }
 
 #[test]

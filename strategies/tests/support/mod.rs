@@ -1,0 +1,23 @@
+//! What the strategy tests share: comparing trained weights with one device's.
+
+use kandle::params::Weights;
+
+/// Asserts that `other` has the same tensors as `reference`, each within 1e-5 of the
+/// reference's largest magnitude (at least 1e-2).
+pub fn assert_close(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        other.keys().collect::<Vec<_>>(),
+        "{what}"
+    );
+    for (name, want) in reference {
+        let got = &other[name];
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+        assert!(
+            diff / scale < 1e-5,
+            "{what}: `{name}` differs by {diff} (scale {scale})"
+        );
+    }
+    Ok(())
+}

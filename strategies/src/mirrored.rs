@@ -12,7 +12,7 @@ use kandle::strategy::{DistributedModel, StepStats, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::replica_set::{LocalReplicas, ReplicaOutput, ReplicaSet};
+use crate::replica_set::{LocalReplicas, ReplicaSet};
 
 /// How long a step waits for a silent replica before failing, unless set otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -105,17 +105,7 @@ struct MirroredModel {
 
 impl DistributedModel for MirroredModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let outputs = self.set.compute(batch, batch.len(), None)?;
-        let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = outputs
-            .into_iter()
-            .map(
-                |ReplicaOutput {
-                     fused,
-                     statistics_before,
-                 }| (fused, statistics_before),
-            )
-            .unzip();
-        let reduced = self.ops.all_reduce(fused, &self.set.devices)?;
+        let (reduced, before) = self.set.compute_reduced(batch, batch.len(), self.ops)?;
         let reduced_stats = self.set.layout.read(&reduced[0])?;
         let applied = reduced_stats.finite;
         let layout = std::sync::Arc::clone(&self.set.layout);

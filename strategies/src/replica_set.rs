@@ -13,6 +13,7 @@ use kandle::replica::{ModelSpec, Replica};
 use kandle::strategy::StepStats;
 use kandle::Result;
 
+use crate::cross_device_ops::CrossDeviceOps;
 use crate::fused::{fuse, FusedLayout};
 use crate::rendezvous::Rendezvous;
 use crate::replica_pool::ReplicaPool;
@@ -256,6 +257,22 @@ impl ReplicaSet {
                 statistics_before: g.statistics_before,
             })
         })
+    }
+
+    /// [`Self::compute`], then the sum of the replicas' fused buffers with `ops`: the total on
+    /// every replica's device, and each replica's moving statistics from before the step.
+    pub fn compute_reduced(
+        &mut self,
+        batch: &Batch,
+        global_samples: usize,
+        ops: CrossDeviceOps,
+    ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
+        let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = self
+            .compute(batch, global_samples, None)?
+            .into_iter()
+            .map(|out| (out.fused, out.statistics_before))
+            .unzip();
+        Ok((ops.all_reduce(fused, &self.devices)?, before))
     }
 
     /// Loss and metric sums of `batch` in inference mode, over all replicas.

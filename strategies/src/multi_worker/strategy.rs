@@ -15,7 +15,7 @@ use super::watchdog::Phase;
 use super::world::World;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::mirrored::{restore, DEFAULT_TIMEOUT};
-use crate::replica_set::{fuse_store, load_fused, ReplicaOutput, ReplicaSet};
+use crate::replica_set::{fuse_store, load_fused, ReplicaSet};
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -226,17 +226,7 @@ impl MultiWorkerModel {
         self.train_steps += 1;
         // Gradients of the loss *sum*: the global sample count is known only after the
         // all-reduce, which divides them.
-        let outputs = self.set.compute(batch, 1, None)?;
-        let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = outputs
-            .into_iter()
-            .map(
-                |ReplicaOutput {
-                     fused,
-                     statistics_before,
-                 }| (fused, statistics_before),
-            )
-            .unzip();
-        let local = self.ops.all_reduce(fused, &self.set.devices)?;
+        let (local, before) = self.set.compute_reduced(batch, 1, self.ops)?;
         let first = local
             .first()
             .ok_or_else(|| Error::invalid("a worker with no replica"))?;

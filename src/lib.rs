@@ -44,6 +44,7 @@ pub mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;
+pub mod kernels;
 pub mod layers;
 pub mod losses;
 pub mod metrics;

@@ -1,0 +1,1 @@
+//! Convolution as GEMM on the CPU: forward, backward-input and backward-weight.

@@ -1,0 +1,13 @@
+//! Fast CPU kernels for the layers' hot paths, as candle custom ops with their backward
+//! registered, so autograd uses them unchanged.
+//!
+//! Candle composes convolution backward, BatchNorm and overlapping pooling from many small
+//! generic ops; on the CPU that is an order of magnitude slower than a framework's dedicated
+//! kernels. The layers call these kernels whenever their tensors are `f32` on the CPU and fall
+//! back to candle's ops everywhere else (CUDA, other dtypes), so results agree across devices.
+//!
+//! Every kernel is tested against candle's reference ops, forward and gradients.
+
+pub mod batch_norm;
+pub mod conv2d;
+pub mod pooling;

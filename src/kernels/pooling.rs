@@ -1,0 +1,1 @@
+//! Max and average pooling on the CPU with dedicated backward passes.

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# CI: compile-check the GPU code (`--features cuda,nccl`) on a machine with no GPU and no driver,
-# so that it cannot rot. Needs only crates.io and PyPI (for the CUDA 13.0 toolchain wheels).
+# CI: compile-check the GPU code (`--features cuda,nccl`, then `cuda,nccl,mpi` for the NCCL path of
+# MultiWorkerMirroredStrategy) on a machine with no GPU and no driver, so that it cannot rot. Needs
+# crates.io and PyPI (for the CUDA 13.0 toolchain wheels), and for the second check Open MPI
+# (`libopenmpi-dev`) and `libclang-dev`, which .ci/run installs before it runs this script.
 #
 # Usage: .ci/cuda-check.sh
 #   KANDLE_CUDA_VENV   where the toolchain venv lives (default ~/.cache/kandle-cuda13). Keep it,
 #                      and the target dir below, cached between CI runs: a cold check spends most
 #                      of its time in nvcc compiling candle's kernels.
 #   CUDA_COMPUTE_CAP   compute capability the kernels are compiled for (default 80)
+#   CUDA_CHECK_MPI     set to 0 to skip the `cuda,nccl,mpi` check on a machine without Open MPI
 #   CUDA_CHECK_NVCC_FLAGS  extra nvcc flags, default '-Xcicc -O1 -Xptxas -O0': the kernels are
 #                      only compiled, never run, and little device optimisation makes nvcc about
 #                      3 times faster. Set it to '' to compile them as a release build would.
@@ -44,4 +47,16 @@ export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
 echo "== cargo clippy --features cuda,nccl (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
 cargo clippy --locked --all-targets -p kandle -p kandle-strategies -p kandle-examples \
   --features cuda,nccl -- -D warnings
+elapsed
+
+if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then
+  if ! command -v mpicc >/dev/null; then
+    echo "cuda-check: mpicc not found: install openmpi-bin, libopenmpi-dev and libclang-dev" \
+      "(.ci/run does), or set CUDA_CHECK_MPI=0 to skip the cuda,nccl,mpi check" >&2
+    exit 1
+  fi
+  echo "== cargo clippy --features cuda,nccl,mpi (NCCL across workers)"
+  cargo clippy --locked --all-targets -p kandle-strategies -p kandle-examples \
+    --features cuda,nccl,mpi -- -D warnings
+fi
 echo "== cuda check passed in $((SECONDS - t0)) s"

@@ -9,7 +9,8 @@
 //! - [`CentralStorageStrategy`]: variables and optimizer state live once on a central device;
 //!   replicas compute gradients that are summed and applied there;
 //! - `MultiWorkerMirroredStrategy` (the `mpi` feature): Mirrored inside each worker process
-//!   launched by `mpirun`, and one MPI all-reduce of the fused buffer across workers per step.
+//!   launched by `mpirun`, and one all-reduce of the fused buffer across workers per step: MPI
+//!   on the host, or NCCL on the GPUs with the `nccl` feature.
 //!
 //! Every strategy trains as one device would at the same global batch (for models without
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
@@ -44,5 +45,5 @@ pub use cross_device_ops::CrossDeviceOps;
 pub use fused::{fuse, FusedLayout};
 pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
-pub use multi_worker::MultiWorkerMirroredStrategy;
+pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy};
 pub use rendezvous::Rendezvous;

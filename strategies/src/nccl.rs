@@ -27,9 +27,13 @@ pub fn all_reduce(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor
 }
 
 #[cfg(feature = "nccl")]
+pub(crate) use imp::{check_buffers, cuda_devices, nccl_error, sum_into_new};
+
+#[cfg(feature = "nccl")]
 mod imp {
     use std::cell::RefCell;
 
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
     use candle_core::cuda_backend::cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
     use candle_core::cuda_backend::cudarc::nccl::sys::ncclResult_t;
     use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
@@ -51,7 +55,8 @@ mod imp {
         static CACHE: RefCell<Option<Communicators>> = const { RefCell::new(None) };
     }
 
-    fn nccl_error(what: &str, e: ncclResult_t) -> Error {
+    /// An NCCL failure as a kandle error.
+    pub(crate) fn nccl_error(what: &str, e: ncclResult_t) -> Error {
         Error::Device(format!("NCCL {what} failed: {e:?}"))
     }
 
@@ -96,7 +101,7 @@ mod imp {
 
     /// The CUDA devices behind `devices`, which must be distinct GPUs: NCCL cannot put two
     /// ranks of one communicator on the same GPU.
-    fn cuda_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
+    pub(crate) fn cuda_devices(devices: &[Device]) -> Result<Vec<CudaDevice>> {
         let mut cuda = Vec::with_capacity(devices.len());
         for (i, d) in devices.iter().enumerate() {
             let Device::Cuda(c) = d else {
@@ -119,7 +124,7 @@ mod imp {
 
     /// Every buffer is an `f32` tensor on its replica's device, all of the same length (NCCL
     /// would hang or read out of bounds otherwise).
-    fn check_buffers(buffers: &[Tensor], devices: &[Device]) -> Result<()> {
+    pub(crate) fn check_buffers(buffers: &[Tensor], devices: &[Device]) -> Result<()> {
         let len = buffers[0].elem_count();
         for (i, (b, d)) in buffers.iter().zip(devices).enumerate() {
             if b.dtype() != DType::F32 {
@@ -147,6 +152,36 @@ mod imp {
 
     /// One grouped all-reduce: rank `i` sums `buffers[i]` into a fresh slice on `devices[i]`.
     fn reduce(buffers: &[Tensor], devices: &[CudaDevice], comms: &[Comm]) -> Result<Vec<Tensor>> {
+        sum_into_new(buffers, devices, |inputs, outputs| {
+            // Each communicator runs on its device's only candle stream, so stream order puts the
+            // kernels that `group_end` launches after the backward pass, before any reader of the
+            // outputs, and before the stream-ordered frees of the inputs dropped on return.
+            group_start().map_err(|e| nccl_error("group start", e.0))?;
+            // Every rank must be enqueued before the group ends, so a failing call is reported
+            // only after `group_end`, which NCCL needs to leave its group state.
+            let mut enqueued = Ok(());
+            for ((comm, input), output) in comms.iter().zip(inputs).zip(outputs.iter_mut()) {
+                if let Err(e) = comm.all_reduce(input, output, &ReduceOp::Sum) {
+                    enqueued = Err(nccl_error("all-reduce", e.0));
+                    break;
+                }
+            }
+            let ended = group_end().map_err(|e| nccl_error("group end", e.0));
+            enqueued?;
+            ended?;
+            Ok(())
+        })
+    }
+
+    /// Gives `enqueue` a view of each contiguous `f32` buffer and a fresh slice of the same
+    /// length on its device, for a collective to sum into, and returns those slices as tensors
+    /// shaped as the buffers. `enqueue` only launches work on the devices' candle streams, so
+    /// whatever reads the results is ordered after it.
+    pub(crate) fn sum_into_new(
+        buffers: &[Tensor],
+        devices: &[CudaDevice],
+        enqueue: impl FnOnce(&[CudaView<'_, f32>], &mut [CudaSlice<f32>]) -> Result<()>,
+    ) -> Result<Vec<Tensor>> {
         let contiguous: Vec<Tensor> = buffers
             .iter()
             .map(|b| Ok(b.contiguous()?))
@@ -168,22 +203,7 @@ mod imp {
                 })?;
                 inputs.push(storage.as_cuda_slice::<f32>()?.slice(start..end));
             }
-            // Each communicator runs on its device's only candle stream, so stream order puts the
-            // kernels that `group_end` launches after the backward pass, before any reader of the
-            // outputs, and before the stream-ordered frees of the inputs dropped on return.
-            group_start().map_err(|e| nccl_error("group start", e.0))?;
-            // Every rank must be enqueued before the group ends, so a failing call is reported
-            // only after `group_end`, which NCCL needs to leave its group state.
-            let mut enqueued = Ok(());
-            for ((comm, input), output) in comms.iter().zip(&inputs).zip(outputs.iter_mut()) {
-                if let Err(e) = comm.all_reduce(input, output, &ReduceOp::Sum) {
-                    enqueued = Err(nccl_error("all-reduce", e.0));
-                    break;
-                }
-            }
-            let ended = group_end().map_err(|e| nccl_error("group end", e.0));
-            enqueued?;
-            ended?;
+            enqueue(&inputs, &mut outputs)?;
         }
         Ok(outputs
             .into_iter()

@@ -133,6 +133,11 @@ pub struct ReplicaSet {
     pub(crate) stores: Vec<ParamStore>,
     pub(crate) layout: Arc<StepLayout>,
     rendezvous: Option<Arc<Rendezvous>>,
+    /// Whether each replica's moving statistics enter its fused buffer multiplied by its sample
+    /// count. Under SyncBatchNorm every replica with samples holds the same statistics, so the
+    /// sum divided by the total sample count gives them back, and replicas without samples
+    /// (whose statistics did not move) drop out.
+    pub(crate) statistics_by_samples: bool,
 }
 
 /// Human-readable replica labels for errors: `replica 1 (cuda:1)`.
@@ -154,6 +159,17 @@ impl ReplicaSet {
         timeout: Duration,
     ) -> Result<Self> {
         let rendezvous = sync_batch_norm.then(|| Arc::new(Rendezvous::new(devices.len(), timeout)));
+        Self::with_rendezvous(spec, devices, rendezvous, timeout)
+    }
+
+    /// Like [`Self::new`], with batch normalisation synchronised through `rendezvous` when
+    /// given (which must have one member per device).
+    pub(crate) fn with_rendezvous(
+        spec: &ModelSpec,
+        devices: &[Device],
+        rendezvous: Option<Arc<Rendezvous>>,
+        timeout: Duration,
+    ) -> Result<Self> {
         let replicas = devices
             .iter()
             .enumerate()
@@ -192,6 +208,7 @@ impl ReplicaSet {
             stores,
             layout,
             rendezvous,
+            statistics_by_samples: false,
         })
     }
 
@@ -236,6 +253,7 @@ impl ReplicaSet {
         }
         let inputs: Vec<(Batch, Option<Tensor>)> =
             parts.into_iter().map(|p| (p, weights.clone())).collect();
+        let by_samples = self.statistics_by_samples;
         self.pool.run(inputs, move |_, replica, (part, weights)| {
             if let Some(w) = weights {
                 load_fused(replica.store(), &w)?;
@@ -245,8 +263,11 @@ impl ReplicaSet {
             let statistics: Vec<Tensor> = replica
                 .statistics()
                 .iter()
-                .map(|v| v.as_tensor().clone())
-                .collect();
+                .map(|v| match by_samples {
+                    true => Ok((v.as_tensor() * g.samples as f64)?),
+                    false => Ok(v.as_tensor().clone()),
+                })
+                .collect::<Result<_>>()?;
             let samples = Tensor::new(&[g.samples as f32], replica.device())?;
             let mut parts: Vec<&Tensor> = g.grads.iter().collect();
             parts.push(&g.stats);

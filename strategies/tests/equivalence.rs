@@ -7,59 +7,10 @@ use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy
 
 mod support;
 use support::assert_close;
-
-/// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
-const SAMPLES: usize = 470;
-const GLOBAL_BATCH: usize = 24;
-
-fn plain_cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(6, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(16))
-        .add(Activation::Relu)
-        .add(Dense::new(10))
-        .add(Activation::Softmax)
-}
-
-/// Biases directly before a batch norm have a zero gradient in exact arithmetic, so they only
-/// accumulate rounding noise; as usual, they are left out.
-fn bn_cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(6, 3).padding(Padding::Same).use_bias(false))
-        .add(BatchNormalization::new())
-        .add(Activation::Relu)
-        .add(Flatten)
-        .add(Dense::new(10).use_bias(false))
-        .add(BatchNormalization::new())
-        .add(Activation::Softmax)
-}
+use support::equivalence_run::{bn_cnn, plain_cnn, SAMPLES};
 
 fn train<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> anyhow::Result<Weights> {
-    let data = kandle::data::digits::load()?.subset(&(0..SAMPLES).collect::<Vec<_>>())?;
-    let replicas = strategy.num_replicas_in_sync();
-    assert_eq!(GLOBAL_BATCH % replicas, 0);
-    let mut model = net
-        .compile(
-            Sgd::new(0.05).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
-            strategy,
-        )?
-        .with_seed(5)?;
-    let history = model.fit(
-        &data,
-        FitOptions {
-            epochs: 1,
-            batch_size_per_replica: GLOBAL_BATCH / replicas,
-            seed: Some(9),
-            verbosity: Verbosity::Silent,
-            ..Default::default()
-        },
-    )?;
-    assert!(history.last("loss").is_some_and(f64::is_finite));
+    let model = support::equivalence_run::train(net, strategy, SAMPLES)?;
     Ok(model.get_weights()?)
 }
 

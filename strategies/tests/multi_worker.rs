@@ -1,7 +1,8 @@
 //! `MultiWorkerMirroredStrategy` across real processes: each test launches
 //! `mpirun -n 2 kandle-mpi-check ...` (the worker program in `src/bin/mpi_check.rs`) and checks
-//! what it did: the same weights as one device, the world size, a named error within the
-//! timeout when a worker stalls or dies, and real accuracy on digits.
+//! what it did: the same weights as one device (with SyncBatchNorm across workers too), the
+//! world size, clear errors when the workers disagree or NCCL cannot be used, a named error
+//! within the timeout when a worker stalls or dies, and real accuracy on digits.
 //!
 //! Needs Open MPI's `mpirun` on the `PATH` (`.ci/mpi-tests.sh` runs these). Every launch runs
 //! under a deadline and is killed past it, so a broken build can fail these tests but never
@@ -20,6 +21,7 @@ use kandle::prelude::*;
 
 mod support;
 use support::assert_close;
+use support::equivalence_run::{self, SAMPLES};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
@@ -168,68 +170,193 @@ fn lock() -> std::sync::MutexGuard<'static, ()> {
 
 // ---- equivalence ---------------------------------------------------------------------------
 
-/// The BN-free CNN of `equivalence.rs` and `src/bin/mpi_check.rs` (keep all three identical).
-fn plain_cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(6, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(16))
-        .add(Activation::Relu)
-        .add(Dense::new(10))
-        .add(Activation::Softmax)
+/// One device's weights after the equivalence run of `model` (`plain` or `bn`) on `samples`
+/// digits, as `equivalence.rs` and the worker program's `equivalence` task run it.
+fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Weights> {
+    let net = match model {
+        "bn" => equivalence_run::bn_cnn(),
+        _ => equivalence_run::plain_cnn(),
+    };
+    let model = equivalence_run::train(net, &OneDeviceStrategy::cpu(), samples)?;
+    Ok(model.get_weights()?)
 }
 
-/// One epoch on 470 digits at a global batch of 24 (the last step short), as in
-/// `equivalence.rs` and the worker program's `equivalence` task.
-fn one_device_weights() -> anyhow::Result<Weights> {
-    let data = kandle::data::digits::load()?.subset(&(0..470).collect::<Vec<_>>())?;
-    let mut model = plain_cnn()
-        .compile(
-            Sgd::new(0.05).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
-            &OneDeviceStrategy::cpu(),
-        )?
-        .with_seed(5)?;
-    model.fit(
-        &data,
-        FitOptions {
-            epochs: 1,
-            batch_size_per_replica: 24,
-            seed: Some(9),
-            verbosity: Verbosity::Silent,
-            ..Default::default()
-        },
-    )?;
-    Ok(model.get_weights()?)
+/// Runs the worker program's `equivalence` task under `mpirun -n 2` for each of `runs`
+/// (`(local replicas, extra arguments, what)`) and compares the chief's weights with
+/// `reference`.
+fn check_equivalence(
+    reference: &Weights,
+    common: &[&str],
+    runs: &[(&str, &[&str], &str)],
+) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let _one = lock();
+    for (local, extra, what) in runs {
+        let out = dir
+            .path()
+            .join(format!("{}.safetensors", what.replace([' ', ','], "_")));
+        let out_arg = out.to_string_lossy().to_string();
+        let mut args = vec!["--expect-world-size", "2", "--local-replicas", local];
+        args.extend(*extra);
+        args.extend(["equivalence", "--out", &out_arg]);
+        args.extend(common);
+        let outcome = run(mpirun(2, &args))?;
+        assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
+        assert_close(reference, &kandle::checkpoint::load(&out)?, what)?;
+    }
+    Ok(())
 }
 
 #[test]
 fn two_workers_train_as_one_device() -> anyhow::Result<()> {
-    let reference = one_device_weights()?;
+    let reference = one_device_weights("plain", SAMPLES)?;
+    check_equivalence(
+        &reference,
+        &[],
+        &[
+            ("1", &[], "2 workers x 1 replica"),
+            ("2", &[], "2 workers x 2 replicas"),
+            (
+                "2",
+                &["--hierarchical"],
+                "2 workers x 2 replicas, hierarchical copy",
+            ),
+        ],
+    )
+}
+
+/// SyncBatchNorm across workers: batch norm normalises with the statistics of the global batch
+/// (summed over the local replicas, then over the workers, forward and backward), so 2 workers
+/// train the BN model as one device does.
+#[test]
+fn sync_batch_norm_across_two_workers_trains_as_one_device() -> anyhow::Result<()> {
+    let reference = one_device_weights("bn", SAMPLES)?;
+    check_equivalence(
+        &reference,
+        &["--model", "bn"],
+        &[
+            (
+                "1",
+                &["--sync-batch-norm"],
+                "2 workers x 1 replica, sync bn",
+            ),
+            (
+                "2",
+                &["--sync-batch-norm"],
+                "2 workers x 2 replicas, sync bn",
+            ),
+        ],
+    )?;
+    // Without it, each replica normalises with its own part of the batch: not one device.
     let dir = tempfile::tempdir()?;
+    let out = dir.path().join("per_replica.safetensors");
+    let out_arg = out.to_string_lossy().to_string();
     let _one = lock();
-    for (local, extra, what) in [
-        ("1", None, "2 workers x 1 replica"),
-        ("2", None, "2 workers x 2 replicas"),
-        (
+    let outcome = run(mpirun(
+        2,
+        &["equivalence", "--out", &out_arg, "--model", "bn"],
+    ))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    let per_replica = kandle::checkpoint::load(&out)?;
+    let mut differs = 0f32;
+    for (name, want) in &reference {
+        let diff = (&per_replica[name] - want)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+        differs = differs.max(diff / scale);
+    }
+    assert!(
+        differs > 1e-3,
+        "per-replica batch norm differs by only {differs}"
+    );
+    Ok(())
+}
+
+/// 481 samples make the last global batch a single sample: worker 0's first replica has it,
+/// its second replica and all of worker 1 have none. Worker 1 joins the batch-norm exchanges
+/// with zeros shaped after its previous step, and the weights still match one device.
+#[test]
+fn sync_batch_norm_with_an_empty_worker_in_the_last_step() -> anyhow::Result<()> {
+    let samples = SAMPLES + 11;
+    let reference = one_device_weights("bn", samples)?;
+    let samples = samples.to_string();
+    check_equivalence(
+        &reference,
+        &["--model", "bn", "--samples", &samples],
+        &[(
             "2",
-            Some("--hierarchical"),
-            "2 workers x 2 replicas, hierarchical copy",
-        ),
-    ] {
-        let out = dir
-            .path()
-            .join(format!("{}.safetensors", what.replace(' ', "_")));
-        let out_arg = out.to_string_lossy().to_string();
-        let mut args = vec!["--expect-world-size", "2", "--local-replicas", local];
-        args.extend(extra);
-        args.extend(["equivalence", "--out", &out_arg]);
-        let outcome = run(mpirun(2, &args))?;
-        assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
-        assert_close(&reference, &kandle::checkpoint::load(&out)?, what)?;
+            &["--sync-batch-norm"],
+            "2 workers x 2 replicas, sync bn, a last batch of 1",
+        )],
+    )
+}
+
+// ---- workers that cannot work together -----------------------------------------------------
+
+#[test]
+fn workers_with_different_replica_counts_fail_alike() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(
+        2,
+        &[
+            "--replicas-on-worker",
+            "1",
+            "2",
+            "equivalence",
+            "--out",
+            "/nonexistent/never-written.safetensors",
+        ],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    for rank in 0..2 {
+        let want = format!("worker {rank}/2: worker 1: runs 2 local replica(s), a step buffer of");
+        assert!(
+            outcome.output.contains(&want),
+            "{want}:\n{}",
+            outcome.output
+        );
+    }
+    assert!(
+        outcome
+            .output
+            .contains("but the chief runs 1 local replica(s)"),
+        "{}",
+        outcome.output
+    );
+    Ok(())
+}
+
+#[test]
+fn nccl_on_cpu_replicas_is_a_clear_error() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(
+        2,
+        &[
+            "--communication",
+            "nccl",
+            "equivalence",
+            "--out",
+            "/nonexistent/never-written.safetensors",
+        ],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    let why = if cfg!(feature = "nccl") {
+        "NCCL all-reduce needs CUDA replicas, got cpu"
+    } else {
+        "kandle-strategies was built without the `nccl` feature"
+    };
+    for rank in 0..2 {
+        let line = outcome
+            .output
+            .lines()
+            .find(|l| l.starts_with(&format!("kandle-mpi-check: worker {rank}/2: ")))
+            .ok_or_else(|| anyhow::anyhow!("no error from worker {rank}:\n{}", outcome.output))?;
+        assert!(
+            line.contains("CommunicationImplementation::Nccl") && line.contains(why),
+            "{line}"
+        );
     }
     Ok(())
 }

@@ -2,20 +2,26 @@
 //! (`strategies/tests/multi_worker.rs`, `.ci/mpi-tests.sh`).
 //!
 //! ```text
-//! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L] [--timeout-secs T]
-//!        <world | equivalence --out FILE | digits [--epochs E] [--min-accuracy A]
+//! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
+//!        [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm]
+//!        [--communication auto|mpi|nccl] [--timeout-secs T]
+//!        <world | equivalence --out FILE [--model plain|bn] [--samples S]
+//!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K]>
 //! ```
 //!
 //! - `world` prints this worker's rank and the world size;
-//! - `equivalence` trains the BN-free CNN of `tests/equivalence.rs` for one epoch on 470 digits
-//!   at a global batch of 24, and the chief writes the weights to `FILE` (safetensors);
+//! - `equivalence` runs the equivalence run of the strategy tests (`tests/support/
+//!   equivalence_run.rs`, included here): the BN-free CNN (`plain`) or the CNN with batch norms
+//!   (`bn`), one epoch on the first `S` digits (default 470) at a global batch of 24; the chief
+//!   writes the weights to `FILE` (safetensors);
 //! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
 //!   across all workers, reaches `A` (default 0.97);
 //! - `train` trains and prints each step, so a test can kill a worker; with `--stall-worker R`,
 //!   worker `R` sleeps forever before step `K + 1`, and the others must fail naming it.
 //!
-//! Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
+//! `--replicas-on-worker R L` gives worker `R` `L` local replicas instead, to test that workers
+//! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
 //! with status 1, as any program using `MultiWorkerMirroredStrategy` should: after a failed
 //! step the MPI job cannot continue.
 
@@ -24,20 +30,24 @@ use std::time::Duration;
 
 use kandle::callbacks::Callback;
 use kandle::prelude::*;
-use kandle_strategies::{CrossDeviceOps, MultiWorkerMirroredStrategy};
+use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy};
 
-/// Samples and global batch of the equivalence run: 19 full steps and a short one of 14.
-const EQUIVALENCE_SAMPLES: usize = 470;
-const EQUIVALENCE_GLOBAL_BATCH: usize = 24;
+#[path = "../../tests/support/equivalence_run.rs"]
+mod equivalence_run;
 
 #[derive(Debug, Default)]
 struct Args {
     task: String,
     expect_world_size: Option<usize>,
     local_replicas: usize,
+    replicas_on_worker: Option<(usize, usize)>,
     hierarchical: bool,
+    sync_batch_norm: bool,
+    communication: CommunicationImplementation,
     timeout_secs: Option<f64>,
     out: Option<String>,
+    model: String,
+    samples: usize,
     epochs: Option<usize>,
     min_accuracy: f64,
     stall_worker: Option<usize>,
@@ -47,6 +57,8 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         local_replicas: 1,
+        model: "plain".into(),
+        samples: equivalence_run::SAMPLES,
         min_accuracy: 0.97,
         ..Default::default()
     };
@@ -65,7 +77,26 @@ fn parse_args() -> Result<Args> {
                 args.expect_world_size = Some(number(&arg, value(&arg)?)?);
             }
             "--local-replicas" => args.local_replicas = number(&arg, value(&arg)?)?,
+            "--replicas-on-worker" => {
+                let rank = number(&arg, value(&arg)?)?;
+                args.replicas_on_worker = Some((rank, number(&arg, value(&arg)?)?));
+            }
             "--hierarchical" => args.hierarchical = true,
+            "--sync-batch-norm" => args.sync_batch_norm = true,
+            "--communication" => {
+                args.communication = match value(&arg)?.as_str() {
+                    "auto" => CommunicationImplementation::Auto,
+                    "mpi" => CommunicationImplementation::Mpi,
+                    "nccl" => CommunicationImplementation::Nccl,
+                    other => {
+                        return Err(Error::invalid(format!(
+                            "--communication: `{other}` is not auto, mpi or nccl"
+                        )))
+                    }
+                }
+            }
+            "--model" => args.model = value(&arg)?,
+            "--samples" => args.samples = number(&arg, value(&arg)?)?,
             "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
             "--out" => args.out = Some(value(&arg)?),
             "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
@@ -75,7 +106,9 @@ fn parse_args() -> Result<Args> {
             "-h" | "--help" => {
                 return Err(Error::invalid(
                     "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
-                     [--timeout-secs T] <world | equivalence --out FILE | digits [--epochs E] \
+                     [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
+                     [--communication auto|mpi|nccl] [--timeout-secs T] <world | equivalence \
+                     --out FILE [--model plain|bn] [--samples S] | digits [--epochs E] \
                      [--min-accuracy A] | train [--epochs E] [--stall-worker R \
                      --stall-after-steps K]>",
                 ))
@@ -90,19 +123,6 @@ fn parse_args() -> Result<Args> {
         ));
     }
     Ok(args)
-}
-
-/// The BN-free CNN of `tests/equivalence.rs` (keep the two identical).
-fn plain_cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(6, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(16))
-        .add(Activation::Relu)
-        .add(Dense::new(10))
-        .add(Activation::Softmax)
 }
 
 /// A small CNN for the digits set.
@@ -151,8 +171,15 @@ impl Callback for Steps {
 }
 
 fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
-    let mut strategy =
-        MultiWorkerMirroredStrategy::from_env()?.local_replicas_cpu(args.local_replicas)?;
+    let strategy = MultiWorkerMirroredStrategy::from_env()?;
+    let local = match args.replicas_on_worker {
+        Some((rank, local)) if rank == strategy.worker().rank => local,
+        _ => args.local_replicas,
+    };
+    let mut strategy = strategy
+        .local_replicas_cpu(local)?
+        .sync_batch_norm(args.sync_batch_norm)
+        .communication(args.communication);
     if args.hierarchical {
         strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
     }
@@ -192,35 +219,16 @@ fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()
         .out
         .as_ref()
         .ok_or_else(|| Error::invalid("equivalence needs --out FILE"))?;
-    let replicas = strategy.num_replicas_in_sync();
-    if EQUIVALENCE_GLOBAL_BATCH % replicas != 0 {
-        return Err(Error::invalid(format!(
-            "{replicas} replicas do not divide the global batch of {EQUIVALENCE_GLOBAL_BATCH}"
-        )));
-    }
-    let data =
-        kandle::data::digits::load()?.subset(&(0..EQUIVALENCE_SAMPLES).collect::<Vec<_>>())?;
-    let mut model = plain_cnn()
-        .compile(
-            Sgd::new(0.05).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
-            strategy,
-        )?
-        .with_seed(5)?;
-    let history = model.fit(
-        &data,
-        FitOptions {
-            epochs: 1,
-            batch_size_per_replica: EQUIVALENCE_GLOBAL_BATCH / replicas,
-            seed: Some(9),
-            verbosity: Verbosity::Silent,
-            ..Default::default()
-        },
-    )?;
-    if model.is_chief() {
-        println!("loss {:?}", history.last("loss"));
-    }
+    let net = match args.model.as_str() {
+        "plain" => equivalence_run::plain_cnn(),
+        "bn" => equivalence_run::bn_cnn(),
+        other => {
+            return Err(Error::invalid(format!(
+                "--model: `{other}` is not plain or bn"
+            )))
+        }
+    };
+    let model = equivalence_run::train(net, strategy, args.samples)?;
     model.save_weights(out)
 }
 

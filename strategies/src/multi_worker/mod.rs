@@ -3,20 +3,29 @@
 //! Worker processes are launched by `mpirun -n W <binary>`; each runs the same program, reads
 //! its shard of every global batch, and trains a Mirrored set of local replicas. Per step, the
 //! local replicas' fused buffers `[gradients, loss and metric sums, sample count, moving
-//! statistics]` are summed in-process, then across workers with one `MPI_Allreduce` on the host.
+//! statistics]` are summed across every replica of every worker with one all-reduce: in process
+//! and then with `MPI_Allreduce` on the host, or all at once with NCCL on the GPUs.
 //!
 //! - [`world`]: MPI initialisation (once per process), rank and size, and the guarded
-//!   collectives (all-reduce and broadcast of `f32` buffers);
+//!   collectives (all-reduce, broadcast and gather, and a guard for NCCL's);
 //! - [`watchdog`]: the heartbeat protocol that makes a dead or stalled worker fail the others
 //!   within the timeout, with an error naming it;
-//! - [`strategy`]: the strategy and the model it distributes.
+//! - [`strategy`]: the strategy and the model it distributes;
+//! - [`communication`]: which library carries the fused buffer between workers;
+//! - `nccl` (feature `nccl`): the NCCL communicators that join every GPU of every worker, with
+//!   the unique id broadcast over MPI as Horovod does, and the guarded all-reduce over them;
+//! - [`sync_batch_norm`]: SyncBatchNorm's statistics summed across workers over MPI.
 //!
-//! CPU tensors cross processes through MPI. GPU tensors would go through NCCL with the unique
-//! id broadcast over MPI, as Horovod does; that path is not built yet, so CUDA replicas are
-//! copied to the host for the MPI all-reduce.
+//! CPU tensors cross processes through MPI on the host; GPU replicas in a build with `nccl` sum
+//! their buffers with one NCCL all-reduce on the GPUs, with no host staging.
 
+mod communication;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod strategy;
+mod sync_batch_norm;
 mod watchdog;
 mod world;
 
+pub use communication::CommunicationImplementation;
 pub use strategy::MultiWorkerMirroredStrategy;

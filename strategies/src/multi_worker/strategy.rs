@@ -1,5 +1,6 @@
 //! `MultiWorkerMirroredStrategy` and the model it distributes: Mirrored inside each worker
-//! process, then one guarded MPI all-reduce of the fused step buffer across workers.
+//! process, then one guarded all-reduce of the fused step buffer across workers, over MPI on the
+//! host or over NCCL on the GPUs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,28 +12,60 @@ use kandle::replica::ModelSpec;
 use kandle::strategy::{DistributedModel, StepStats, Strategy, WorkerInfo};
 use kandle::{Error, Result};
 
+use super::communication::CommunicationImplementation;
+#[cfg(feature = "nccl")]
+use super::nccl::Clique;
+use super::sync_batch_norm::CrossWorkerSum;
 use super::watchdog::Phase;
 use super::world::World;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::mirrored::{restore, DEFAULT_TIMEOUT};
-use crate::replica_set::{fuse_store, load_fused, ReplicaSet};
+use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
+use crate::replica_set::{fuse_store, load_fused, ReplicaSet, StepLayout};
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
 ///
 /// Rank, size and the chief (rank 0) come from `MPI_COMM_WORLD`. Each worker reads only its
-/// shard of every global batch; its local replicas compute gradients as
-/// [`MirroredStrategy`](crate::MirroredStrategy) does, the local sum crosses processes as one
-/// fused buffer in one `MPI_Allreduce`, and every replica of every worker applies the same
-/// update. A model trains as one device would at the same global batch (for models without
-/// batch statistics; with them, each replica normalises with its own part of the batch and the
-/// moving statistics are averaged over all replicas of all workers).
+/// shard of every global batch, and its local replicas compute gradients as
+/// [`MirroredStrategy`](crate::MirroredStrategy) does. The fused step buffer (gradients, loss
+/// and metric sums, sample count, moving statistics) then crosses workers in one all-reduce,
+/// and every replica of every worker applies the same update, so a model trains as one device
+/// would at the same global batch. Every worker must run the same model with as many local
+/// devices (checked when the model is distributed).
 ///
-/// A worker that dies or stalls makes the others fail within the [timeout](Self::timeout) with
-/// an error naming it ([`kandle::Error::Replica`], e.g. `worker 1: did not reach training step
-/// 57 within 60 s`). After such an error the MPI job cannot continue: return the error from
-/// `main` so that the process exits non-zero and `mpirun` ends the others. Dropping the strategy
-/// after a failure skips `MPI_Finalize`, so it never hangs.
+/// **Across workers**, [`communication`](Self::communication) picks the library:
+/// - MPI (CPU replicas, or a build without `nccl`): the local replicas' sum, reduced with the
+///   [`CrossDeviceOps`], is copied to the host and summed with one `MPI_Allreduce`;
+/// - NCCL (features `mpi` and `nccl`, every local device a distinct GPU): one NCCL all-reduce
+///   over every GPU of every worker sums the replicas' buffers on the GPUs, local and remote at
+///   once, with no host staging (worker `w` of `L` GPUs holds NCCL ranks `w * L ..`). The chief
+///   creates NCCL's unique id and broadcasts it through MPI. The initial weight broadcast and
+///   the evaluation sums still go through MPI, as do SyncBatchNorm's exchanges.
+///
+/// **Batch normalisation** uses each replica's part of the batch by default, and the moving
+/// statistics are averaged over every replica of every worker. With
+/// [`sync_batch_norm`](Self::sync_batch_norm), it normalises with the statistics of the whole
+/// global batch, and its backward pass sums their gradients the same way: the local replicas
+/// meet in process, and their total crosses workers with one small MPI all-reduce per exchange
+/// (two per batch-norm layer in the forward pass, and as many in the backward pass), on the
+/// host. The model then trains as one device would, batch norm included.
+///
+/// **Failures.** A worker that dies or stalls makes the others fail within the
+/// [timeout](Self::timeout) with an error naming it ([`kandle::Error::Replica`], e.g.
+/// `worker 1: did not reach training step 57 within 60 s`), before a collective starts or, if it
+/// stops inside one, when the collective's deadline passes: an MPI collective cannot be
+/// cancelled, so that ends the job with `MPI_Abort`, while NCCL's communicators are aborted and
+/// the step returns the error. After such an error the MPI job cannot continue: return the
+/// error from `main` so that the process exits non-zero and `mpirun` ends the others. Dropping
+/// the strategy after a failure skips `MPI_Finalize`, so it never hangs.
+///
+/// **Limits.** The NCCL path is compile-checked in CI but has no automated test on GPUs here;
+/// it needs NCCL 2.14 or newer (non-blocking communicators) and one replica per GPU. A GPU that
+/// hangs on its own (rather than waiting for a peer) is not recovered by aborting NCCL. Under
+/// SyncBatchNorm, a worker with no samples in a step (a short last batch with fewer samples than
+/// workers) joins the others' exchanges with zeros, shaped after its previous step, so such a
+/// batch cannot be the model's first step (use `drop_remainder`).
 ///
 /// ```no_run
 /// use kandle::prelude::*;
@@ -52,6 +85,8 @@ pub struct MultiWorkerMirroredStrategy {
     world: Arc<World>,
     devices: Vec<Device>,
     ops: CrossDeviceOps,
+    communication: CommunicationImplementation,
+    sync_batch_norm: bool,
     timeout: Duration,
 }
 
@@ -62,6 +97,8 @@ impl std::fmt::Debug for MultiWorkerMirroredStrategy {
             .field("size", &self.world.size())
             .field("devices", &self.devices)
             .field("ops", &self.ops)
+            .field("communication", &self.communication)
+            .field("sync_batch_norm", &self.sync_batch_norm)
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -81,6 +118,8 @@ impl MultiWorkerMirroredStrategy {
             world: World::get()?,
             devices: vec![Device::Cpu],
             ops: CrossDeviceOps::default(),
+            communication: CommunicationImplementation::default(),
+            sync_batch_norm: false,
             timeout: DEFAULT_TIMEOUT,
         })
     }
@@ -102,25 +141,29 @@ impl MultiWorkerMirroredStrategy {
         self.local_devices(vec![Device::Cpu; replicas])
     }
 
-    /// How the local replicas sum their gradients before the buffer crosses processes (default
-    /// [`CrossDeviceOps::ReductionToOneDevice`]).
+    /// How the local replicas sum their gradients before the buffer crosses processes over MPI
+    /// (default [`CrossDeviceOps::ReductionToOneDevice`]). The NCCL path sums local and remote
+    /// replicas in one all-reduce and does not use it.
     pub fn cross_device_ops(mut self, ops: CrossDeviceOps) -> Self {
         self.ops = ops;
         self
     }
 
-    /// Batch normalisation with statistics of the whole global batch. Not supported across
-    /// workers yet: `true` is an error (`false`, the default, keeps per-replica batch statistics
-    /// with moving statistics averaged over every replica of every worker).
-    pub fn sync_batch_norm(self, sync: bool) -> Result<Self> {
-        if sync {
-            return Err(Error::invalid(
-                "sync_batch_norm is not supported across workers yet (MultiWorkerMirroredStrategy \
-                 uses per-replica batch statistics, averaging the moving statistics over all \
-                 replicas); use MirroredStrategy for SyncBatchNorm within one process",
-            ));
-        }
-        Ok(self)
+    /// Which library carries the fused buffer between workers (default
+    /// [`CommunicationImplementation::Auto`]: NCCL for GPU replicas in a build with `nccl`, MPI
+    /// otherwise). [`CommunicationImplementation::Nccl`] where NCCL cannot be used makes
+    /// distributing a model fail with the reason.
+    pub fn communication(mut self, communication: CommunicationImplementation) -> Self {
+        self.communication = communication;
+        self
+    }
+
+    /// Batch normalisation with the statistics of the whole global batch, over every replica of
+    /// every worker (`SyncBatchNorm`), instead of each replica's part. Either way the moving
+    /// statistics agree on every replica.
+    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
+        self.sync_batch_norm = sync;
+        self
     }
 
     /// How long a worker waits for the others at each step before failing with an error that
@@ -176,7 +219,25 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let set = ReplicaSet::new(spec, &self.devices, false, self.timeout)?;
+        let nccl = self.communication.uses_nccl(&self.devices)?;
+        let cross_worker_bn = self
+            .sync_batch_norm
+            .then(|| Arc::new(CrossWorkerSum::new(Arc::clone(&self.world), self.timeout)));
+        let rendezvous = cross_worker_bn.as_ref().map(|sum| {
+            let outer = Arc::clone(sum) as Arc<dyn OuterSum>;
+            Arc::new(Rendezvous::new(self.devices.len(), self.timeout).with_outer(outer))
+        });
+        // A replica's share of a step then includes guarded exchanges across workers: it gets as
+        // long as the rendezvous, so that the watchdog's error, which names a late worker,
+        // arrives first.
+        let replica_timeout = match self.sync_batch_norm {
+            true => self.timeout * OUTER_PATIENCE,
+            false => self.timeout,
+        };
+        let mut set =
+            ReplicaSet::with_rendezvous(spec, &self.devices, rendezvous, replica_timeout)?;
+        set.statistics_by_samples = self.sync_batch_norm;
+        self.check_agreement(&set.layout, nccl)?;
         // Every worker built the same seeded model; the chief's weights make sure of it.
         let mut weights = host_vec(&fuse_store(&set.stores[0])?)?;
         self.world
@@ -186,10 +247,16 @@ impl Strategy for MultiWorkerMirroredStrategy {
         for store in &set.stores {
             load_fused(store, &weights)?;
         }
+        let transport = match nccl {
+            true => nccl_transport(&self.world, &self.devices, self.timeout)?,
+            false => Transport::Mpi,
+        };
         Ok(Box::new(MultiWorkerModel {
             world: Arc::clone(&self.world),
             set,
             ops: self.ops,
+            transport,
+            cross_worker_bn,
             timeout: self.timeout,
             replicas_in_sync: self.num_replicas_in_sync(),
             train_steps: 0,
@@ -199,17 +266,101 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 }
 
+impl MultiWorkerMirroredStrategy {
+    /// Fails, on every worker alike, unless every worker runs as many local replicas, the same
+    /// step buffer, the same library across workers and the same batch normalisation: otherwise
+    /// their collectives would not match.
+    fn check_agreement(&self, layout: &StepLayout, nccl: bool) -> Result<()> {
+        let step_len = layout.statistics_offset() + layout.statistics.len();
+        let mine = [
+            self.devices.len() as u64,
+            step_len as u64,
+            u64::from(nccl),
+            u64::from(self.sync_batch_norm),
+        ];
+        let all = self
+            .world
+            .all_gather(&mine, Phase::Distribute, self.timeout)?;
+        let chief = &all[..mine.len()];
+        let describe =
+            |w: &[u64]| {
+                format!(
+                "{} local replica(s), a step buffer of {} values, {} across workers and {} batch \
+                 norm",
+                w[0],
+                w[1],
+                if w[2] == 1 { "NCCL" } else { "MPI" },
+                if w[3] == 1 { "synchronised" } else { "per-replica" }
+            )
+            };
+        for (rank, theirs) in all.chunks(mine.len()).enumerate().skip(1) {
+            if theirs != chief {
+                return Err(Error::Replica {
+                    replica: format!("worker {rank}"),
+                    reason: format!(
+                        "runs {}, but the chief runs {}: every worker must run the same model \
+                         with as many local devices of the same kind",
+                        describe(theirs),
+                        describe(chief)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How the fused step buffer crosses workers.
+enum Transport {
+    /// The local replicas' sum is copied to the host and summed with MPI.
+    Mpi,
+    /// One NCCL all-reduce over every GPU of every worker.
+    #[cfg(feature = "nccl")]
+    Nccl(Clique),
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_transport(world: &World, devices: &[Device], timeout: Duration) -> Result<Transport> {
+    Ok(Transport::Nccl(Clique::new(world, devices, timeout)?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn nccl_transport(_world: &World, _devices: &[Device], _timeout: Duration) -> Result<Transport> {
+    Err(Error::Device(
+        "NCCL across workers needs kandle-strategies built with the `nccl` feature".into(),
+    ))
+}
+
 /// A model replicated on every local device of every worker.
 struct MultiWorkerModel {
     world: Arc<World>,
     set: ReplicaSet,
     ops: CrossDeviceOps,
+    transport: Transport,
+    /// SyncBatchNorm's sums across workers, when batch norm is synchronised.
+    cross_worker_bn: Option<Arc<CrossWorkerSum>>,
     timeout: Duration,
     replicas_in_sync: usize,
     train_steps: u64,
     test_steps: u64,
-    /// The fused step buffer on the host, reused every step.
+    /// The fused step buffer on the host (MPI), reused every step.
     host: Vec<f32>,
+}
+
+/// A step's buffer summed over every replica of every worker.
+enum Reduced {
+    /// In [`MultiWorkerModel::host`], not yet divided.
+    Host,
+    /// One sum per local replica, on its device, not yet divided.
+    #[cfg(feature = "nccl")]
+    Device(Vec<Tensor>),
+}
+
+/// What every worker reads from a reduced step buffer, and so decides alike.
+struct StepTotals {
+    samples: usize,
+    sums: Vec<f64>,
+    applied: bool,
 }
 
 impl MultiWorkerModel {
@@ -222,43 +373,119 @@ impl MultiWorkerModel {
         result
     }
 
-    fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        self.train_steps += 1;
+    /// What the moving statistics of the reduced buffer are divided by: the sample count under
+    /// SyncBatchNorm (each replica's statistics enter weighted by its samples), the number of
+    /// replicas otherwise.
+    fn statistics_divisor(&self, samples: usize) -> f32 {
+        match self.cross_worker_bn {
+            Some(_) => samples as f32,
+            None => self.replicas_in_sync as f32,
+        }
+    }
+
+    /// Computes this worker's gradients and sums the fused buffers of every replica of every
+    /// worker. Returns the sum and each local replica's moving statistics from before the step.
+    fn reduce(&mut self, batch: &Batch, step: u64) -> Result<(Reduced, Vec<Vec<Tensor>>)> {
+        if let Some(bn) = &self.cross_worker_bn {
+            bn.begin_step(step, !batch.is_empty())?;
+        }
         // Gradients of the loss *sum*: the global sample count is known only after the
         // all-reduce, which divides them.
-        let (local, before) = self.set.compute_reduced(batch, 1, self.ops)?;
-        let first = local
-            .first()
-            .ok_or_else(|| Error::invalid("a worker with no replica"))?;
-        copy_to_host(first, &mut self.host)?;
-        self.world
-            .all_reduce_sum(&mut self.host, Phase::Train(self.train_steps), self.timeout)?;
+        let phase = Phase::Train(step);
+        match &mut self.transport {
+            Transport::Mpi => {
+                let (local, before) = self.set.compute_reduced(batch, 1, self.ops)?;
+                stand_in(self.cross_worker_bn.as_deref(), batch)?;
+                let first = local
+                    .first()
+                    .ok_or_else(|| Error::invalid("a worker with no replica"))?;
+                copy_to_host(first, &mut self.host)?;
+                self.world
+                    .all_reduce_sum(&mut self.host, phase, self.timeout)?;
+                Ok((Reduced::Host, before))
+            }
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(clique) => {
+                let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = self
+                    .set
+                    .compute(batch, 1, None)?
+                    .into_iter()
+                    .map(|out| (out.fused, out.statistics_before))
+                    .unzip();
+                stand_in(self.cross_worker_bn.as_deref(), batch)?;
+                let reduced = self.world.guarded_external(phase, self.timeout, |vigil| {
+                    clique.all_reduce(&fused, vigil, phase)
+                })?;
+                Ok((Reduced::Device(reduced), before))
+            }
+        }
+    }
 
+    /// Reads the totals of the host buffer and, when the step is applied, divides it in place.
+    fn host_totals(&mut self) -> Result<(StepTotals, Tensor)> {
         let layout = Arc::clone(&self.set.layout);
+        let samples_at = layout.samples_offset();
+        let samples = self.host[samples_at].round().max(0.0) as usize;
+        let divisor = self.statistics_divisor(samples);
         let host = &mut self.host;
-        let samples = host[layout.samples_offset()].round().max(0.0) as usize;
-        let sums: Vec<f64> = host[layout.stats_offset()..layout.samples_offset()]
+        let sums = host[layout.stats_offset()..samples_at]
             .iter()
             .map(|&s| f64::from(s))
             .collect();
-        // Every worker holds the same reduced buffer, so all decide alike.
-        let applied = samples > 0
-            && host[..layout.samples_offset()]
-                .iter()
-                .all(|v| v.is_finite());
+        let applied = samples > 0 && host[..samples_at].iter().all(|v| v.is_finite());
         if applied {
             let n = samples as f32;
             for g in &mut host[..layout.grads.len()] {
                 *g /= n;
             }
-            let replicas = self.replicas_in_sync as f32;
             for s in &mut host[layout.statistics_offset()..] {
-                *s /= replicas;
+                *s /= divisor;
             }
         }
         let total = Tensor::from_slice(&host[..], host.len(), &Device::Cpu)?;
-        let inputs: Vec<(Tensor, Vec<Tensor>)> =
-            before.into_iter().map(|b| (total.clone(), b)).collect();
+        Ok((
+            StepTotals {
+                samples,
+                sums,
+                applied,
+            },
+            total,
+        ))
+    }
+
+    fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        self.train_steps += 1;
+        let (reduced, before) = self.reduce(batch, self.train_steps)?;
+        let layout = Arc::clone(&self.set.layout);
+        // Every worker holds the same reduced buffer, so all decide alike. `scales` divides a
+        // buffer that is not divided yet: gradients per sample, statistics per the divisor.
+        let (totals, buffers, scales): (StepTotals, Vec<Tensor>, Option<(f64, f64)>) = match reduced
+        {
+            Reduced::Host => {
+                let (totals, total) = self.host_totals()?;
+                let buffers = vec![total; before.len()];
+                (totals, buffers, None)
+            }
+            #[cfg(feature = "nccl")]
+            Reduced::Device(reduced) => {
+                let read = layout.read(&reduced[0])?;
+                let applied = read.finite && read.samples > 0;
+                let scales = applied.then(|| {
+                    (
+                        1.0 / read.samples as f64,
+                        1.0 / f64::from(self.statistics_divisor(read.samples)),
+                    )
+                });
+                let totals = StepTotals {
+                    samples: read.samples,
+                    sums: read.sums,
+                    applied,
+                };
+                (totals, reduced, scales)
+            }
+        };
+        let applied = totals.applied;
+        let inputs: Vec<(Tensor, Vec<Tensor>)> = buffers.into_iter().zip(before).collect();
         self.set
             .pool
             .run(inputs, move |_, replica, (buffer, before)| {
@@ -266,19 +493,23 @@ impl MultiWorkerModel {
                     return restore(replica.statistics(), &before);
                 }
                 let buffer = buffer.to_device(replica.device())?;
-                let grads = layout.grads.split(&buffer, 0)?;
-                replica.apply_gradients(&grads, lr)?;
-                let means = layout
-                    .statistics
-                    .split(&buffer, layout.statistics_offset())?;
+                let mut grads = buffer.narrow(0, 0, layout.grads.len())?;
+                let mut statistics =
+                    buffer.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
+                if let Some((per_sample, per_statistic)) = scales {
+                    grads = (grads * per_sample)?;
+                    statistics = (statistics * per_statistic)?;
+                }
+                replica.apply_gradients(&layout.grads.split(&grads, 0)?, lr)?;
+                let means = layout.statistics.split(&statistics, 0)?;
                 for (var, mean) in replica.statistics().iter().zip(means) {
                     var.set(&mean)?;
                 }
                 Ok(())
             })?;
         Ok(StepStats {
-            samples,
-            sums,
+            samples: totals.samples,
+            sums: totals.sums,
             applied,
         })
     }
@@ -324,6 +555,14 @@ impl DistributedModel for MultiWorkerModel {
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         self.set.set_weights(weights)
+    }
+}
+
+/// A worker without samples in this step joins the SyncBatchNorm exchanges that the others run.
+fn stand_in(bn: Option<&CrossWorkerSum>, batch: &Batch) -> Result<()> {
+    match bn {
+        Some(bn) if batch.is_empty() => bn.stand_in(),
+        _ => Ok(()),
     }
 }
 

@@ -19,11 +19,13 @@
 //!    too. A worker that stopped while it waited for *go* (the longest wait of a fast worker) is
 //!    named here: `did not join its collective`.
 //!
-//! The collective itself is non-blocking and polled against a deadline by [`complete`], which
-//! also answers pings. A worker can still stop in the short window between *ready* and the end
-//! of the collective; then the collective cannot complete, and as MPI cannot cancel it, the
-//! worker whose deadline passes pings the others ([`unresponsive`]) and ends the job with
-//! `MPI_Abort` and a message naming those that did not answer.
+//! The collective itself is non-blocking and watched by a [`Vigil`] against a deadline, answering
+//! pings meanwhile: an MPI request through [`complete`], an NCCL all-reduce on the GPU by
+//! polling its completion event and the communicators' asynchronous errors. A worker can still
+//! stop in the short window between *ready* and the end of the collective; then the collective
+//! cannot complete. The worker whose deadline passes pings the others ([`unresponsive`]) to name
+//! those that do not answer; as MPI cannot cancel a collective, an MPI one ends the job with
+//! `MPI_Abort`, while NCCL communicators are aborted and the step returns the error.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -56,10 +58,20 @@ const PING_WAIT: Duration = Duration::from_secs(2);
 /// Where a worker is when it reaches a guarded collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Phase {
-    /// The chief's weights being broadcast when a model is distributed.
+    /// The checks and the chief's weight broadcast when a model is distributed.
     Distribute,
+    /// The creation of the NCCL communicators that join every worker's GPUs.
+    NcclSetup,
     /// Training step `n` of a model, from 1.
     Train(u64),
+    /// Exchange `round` (from 1) of batch-norm statistics, or of their gradients, within
+    /// training step `step` (SyncBatchNorm across workers).
+    BatchNorm {
+        /// The training step, from 1.
+        step: u64,
+        /// The exchange within the step, from 1.
+        round: u32,
+    },
     /// Evaluation step `n` of a model, from 1.
     Test(u64),
     /// A direct call of
@@ -68,6 +80,9 @@ pub(crate) enum Phase {
     Direct,
 }
 
+/// Phase kinds in the first word of an encoded phase; a batch-norm round sits above the low byte.
+const KIND_BITS: u32 = 8;
+
 impl Phase {
     fn encode(self) -> [u64; 2] {
         match self {
@@ -75,15 +90,20 @@ impl Phase {
             Phase::Train(n) => [1, n],
             Phase::Test(n) => [2, n],
             Phase::Direct => [3, 0],
+            Phase::BatchNorm { step, round } => [4 | (u64::from(round) << KIND_BITS), step],
+            Phase::NcclSetup => [5, 0],
         }
     }
 
     fn decode(words: [u64; 2]) -> Option<Self> {
-        match words {
-            [0, _] => Some(Phase::Distribute),
-            [1, n] => Some(Phase::Train(n)),
-            [2, n] => Some(Phase::Test(n)),
-            [3, _] => Some(Phase::Direct),
+        let round = u32::try_from(words[0] >> KIND_BITS).ok()?;
+        match (words[0] & ((1 << KIND_BITS) - 1), words[1]) {
+            (0, _) => Some(Phase::Distribute),
+            (1, n) => Some(Phase::Train(n)),
+            (2, n) => Some(Phase::Test(n)),
+            (3, _) => Some(Phase::Direct),
+            (4, step) => Some(Phase::BatchNorm { step, round }),
+            (5, _) => Some(Phase::NcclSetup),
             _ => None,
         }
     }
@@ -92,8 +112,12 @@ impl Phase {
 impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Phase::Distribute => f.write_str("the initial weight broadcast"),
+            Phase::Distribute => f.write_str("the distribution of the model"),
+            Phase::NcclSetup => f.write_str("the NCCL setup"),
             Phase::Train(n) => write!(f, "training step {n}"),
+            Phase::BatchNorm { step, round } => {
+                write!(f, "batch-norm exchange {round} of training step {step}")
+            }
             Phase::Test(n) => write!(f, "evaluation step {n}"),
             Phase::Direct => f.write_str("a direct all-reduce"),
         }
@@ -359,38 +383,82 @@ fn worker_reports(
     }
 }
 
-/// How long this worker lets a started collective run: the timeout for the chief, which starts
-/// it last; twice that for the others, who may start it while the chief still waits up to a
-/// timeout for another worker to confirm.
-pub(crate) fn collective_deadline(comm: &SimpleCommunicator, timeout: Duration) -> Instant {
-    Instant::now()
-        + if comm.rank() == 0 {
+/// Watches a collective once it has started, whether MPI's or NCCL's: each [`wait`](Self::wait)
+/// answers the other workers' pings and sleeps a little, until the deadline. The deadline is the
+/// timeout for the chief, which starts a collective last, and twice that for the others, who may
+/// start it while the chief still waits up to a timeout for another worker to confirm.
+pub(crate) struct Vigil<'c> {
+    comm: &'c SimpleCommunicator,
+    sequence: u64,
+    deadline: Instant,
+    patience: Duration,
+    backoff: Backoff,
+}
+
+impl<'c> Vigil<'c> {
+    /// A vigil over operation `sequence`, started now.
+    pub(crate) fn new(comm: &'c SimpleCommunicator, sequence: u64, timeout: Duration) -> Self {
+        let patience = if comm.rank() == 0 {
             timeout
         } else {
             timeout * 2
+        };
+        Self {
+            comm,
+            sequence,
+            deadline: Instant::now() + patience,
+            patience,
+            backoff: Backoff(0),
         }
+    }
+
+    /// Answers pending pings and waits a little; `false` once the deadline has passed.
+    pub(crate) fn wait(&mut self) -> bool {
+        answer_pings(self.comm);
+        if Instant::now() >= self.deadline {
+            return false;
+        }
+        self.backoff.wait();
+        true
+    }
+
+    /// The communicator the vigil answers pings on.
+    pub(crate) fn communicator(&self) -> &'c SimpleCommunicator {
+        self.comm
+    }
+
+    /// How long the collective was given, for messages (`60 s`).
+    pub(crate) fn patience(&self) -> String {
+        seconds(self.patience)
+    }
+
+    /// After the deadline: the workers that do not answer a ping (see [`unresponsive`]), or a
+    /// sentence saying that every worker still answers.
+    pub(crate) fn diagnosis(&self) -> String {
+        let silent = unresponsive(self.comm, self.sequence);
+        if silent.is_empty() {
+            "every worker still answers, so the collective itself is stuck".to_string()
+        } else {
+            format!("{} stopped answering during it", silent.join(", "))
+        }
+    }
 }
 
-/// Polls a non-blocking collective until it completes or `deadline` passes, answering other
-/// workers' pings meanwhile. On time-out the request is handed back unfinished: MPI still owns
-/// its buffers, so the caller must end the job without dropping it (see [`unresponsive`] to
-/// name the culprit first).
+/// Polls a non-blocking MPI collective until it completes or the vigil ends. On time-out the
+/// request is handed back unfinished: MPI still owns its buffers, so the caller must end the job
+/// without dropping it (after naming the culprit with [`Vigil::diagnosis`]).
 pub(crate) fn complete<'a, D: ?Sized, S: Scope<'a>>(
-    comm: &SimpleCommunicator,
+    vigil: &mut Vigil<'_>,
     mut request: Request<'a, D, S>,
-    deadline: Instant,
 ) -> std::result::Result<(), Request<'a, D, S>> {
-    let mut backoff = Backoff(0);
     loop {
         match request.test() {
             Ok(_) => return Ok(()),
             Err(pending) => request = pending,
         }
-        answer_pings(comm);
-        if Instant::now() >= deadline {
+        if !vigil.wait() {
             return Err(request);
         }
-        backoff.wait();
     }
 }
 
@@ -406,7 +474,7 @@ fn answer_pings(comm: &SimpleCommunicator) {
 
 /// After a collective did not complete: pings every other worker and returns, as labels, those
 /// that do not answer within a couple of seconds (stopped, or dead without mpirun noticing).
-pub(crate) fn unresponsive(comm: &SimpleCommunicator, sequence: u64) -> Vec<String> {
+fn unresponsive(comm: &SimpleCommunicator, sequence: u64) -> Vec<String> {
     let me = comm.rank();
     let size = comm.size();
     for rank in (0..size).filter(|&r| r != me) {
@@ -449,7 +517,12 @@ mod tests {
     fn phases_round_trip_and_read_well() {
         for p in [
             Phase::Distribute,
+            Phase::NcclSetup,
             Phase::Train(57),
+            Phase::BatchNorm {
+                step: 57,
+                round: 300,
+            },
             Phase::Test(3),
             Phase::Direct,
         ] {
@@ -457,6 +530,10 @@ mod tests {
         }
         assert_eq!(Phase::decode([9, 9]), None);
         assert_eq!(Phase::Train(57).to_string(), "training step 57");
+        assert_eq!(
+            Phase::BatchNorm { step: 4, round: 2 }.to_string(),
+            "batch-norm exchange 2 of training step 4"
+        );
         assert_eq!(worker_label(0), "worker 0 (chief)");
         assert_eq!(worker_label(1), "worker 1");
     }

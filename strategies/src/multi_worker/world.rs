@@ -9,6 +9,8 @@
 //! that every worker has reached the same point, within the timeout, and names the one that has
 //! not. The collective itself is non-blocking and polled against the same deadline, so a worker
 //! that stops in the middle of it cannot hang the others either (see [`World::all_reduce_sum`]).
+//! Collectives outside MPI (NCCL's) are guarded the same way through
+//! `World::guarded_external`.
 //!
 //! When the last handle is dropped, MPI is finalised, unless a guarded operation failed: then the
 //! job is broken, `MPI_Finalize` could wait forever for a peer that will never come, so it is
@@ -19,13 +21,15 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
+use mpi::datatype::Equivalence;
 use mpi::environment::Universe;
+use mpi::request::{Request, Scope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use kandle::{Error, Result};
 
-use super::watchdog::{self, Phase};
+use super::watchdog::{self, Phase, Vigil};
 
 /// Bytes attached for buffered sends: the watchdog's small messages go out with `MPI_Bsend`,
 /// which never waits for the receiver.
@@ -182,7 +186,7 @@ impl World {
             watchdog::rendezvous(comm, sequence, phase, timeout)?;
             // The all-reduce overwrites every element: only a longer buffer needs new space.
             scratch.resize(data.len(), 0.0);
-            let deadline = watchdog::collective_deadline(comm, timeout);
+            let mut vigil = Vigil::new(comm, sequence, timeout);
             mpi::request::scope(|scope| {
                 let request = comm.immediate_all_reduce_into(
                     scope,
@@ -190,9 +194,7 @@ impl World {
                     &mut scratch[..],
                     SystemOperation::sum(),
                 );
-                if let Err(_unfinished) = watchdog::complete(comm, request, deadline) {
-                    abort_stalled(comm, sequence, phase, "all-reduce");
-                }
+                finish(&mut vigil, request, phase, "all-reduce");
             });
             std::mem::swap(data, scratch);
             Ok(())
@@ -201,23 +203,59 @@ impl World {
 
     /// Replaces `data` on every worker with the chief's, once every worker has reached `phase`.
     /// Like [`World::all_reduce_sum`], a broadcast that starts but cannot finish aborts the job.
-    pub(crate) fn broadcast_from_chief(
+    pub(crate) fn broadcast_from_chief<T: Equivalence>(
         &self,
-        data: &mut [f32],
+        data: &mut [T],
         phase: Phase,
         timeout: Duration,
     ) -> Result<()> {
         self.guarded(|comm, sequence, _| {
             watchdog::rendezvous(comm, sequence, phase, timeout)?;
-            let deadline = watchdog::collective_deadline(comm, timeout);
+            let mut vigil = Vigil::new(comm, sequence, timeout);
             let chief = comm.process_at_rank(0);
             mpi::request::scope(|scope| {
                 let request = chief.immediate_broadcast_into(scope, data);
-                if let Err(_unfinished) = watchdog::complete(comm, request, deadline) {
-                    abort_stalled(comm, sequence, phase, "broadcast");
-                }
+                finish(&mut vigil, request, phase, "broadcast");
             });
             Ok(())
+        })
+    }
+
+    /// Every worker's `values` (all of one length), in rank order, once every worker has reached
+    /// `phase`. Like [`World::all_reduce_sum`], a gather that starts but cannot finish aborts the
+    /// job.
+    pub(crate) fn all_gather(
+        &self,
+        values: &[u64],
+        phase: Phase,
+        timeout: Duration,
+    ) -> Result<Vec<u64>> {
+        self.guarded(|comm, sequence, _| {
+            watchdog::rendezvous(comm, sequence, phase, timeout)?;
+            let mut all = vec![0u64; values.len() * self.size];
+            let mut vigil = Vigil::new(comm, sequence, timeout);
+            mpi::request::scope(|scope| {
+                let request = comm.immediate_all_gather_into(scope, values, &mut all[..]);
+                finish(&mut vigil, request, phase, "gather");
+            });
+            Ok(all)
+        })
+    }
+
+    /// Runs a collective that does not go through MPI (NCCL's, on the GPU) as a guarded
+    /// operation: once every worker has reached `phase`, `collective` runs with a [`Vigil`] to
+    /// poll with, which answers the other workers' pings and ends at the collective's deadline.
+    /// An error from it marks the world broken, like any failed guarded operation.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn guarded_external<R>(
+        &self,
+        phase: Phase,
+        timeout: Duration,
+        collective: impl FnOnce(&mut Vigil<'_>) -> Result<R>,
+    ) -> Result<R> {
+        self.guarded(|comm, sequence, _| {
+            watchdog::rendezvous(comm, sequence, phase, timeout)?;
+            collective(&mut Vigil::new(comm, sequence, timeout))
         })
     }
 
@@ -227,21 +265,27 @@ impl World {
     }
 }
 
-/// Ends the whole job: a collective started and did not complete, and MPI cannot take it back.
-/// Names the workers that no longer answer first.
-fn abort_stalled(comm: &SimpleCommunicator, sequence: u64, phase: Phase, what: &str) -> ! {
-    let silent = watchdog::unresponsive(comm, sequence);
-    let diagnosis = if silent.is_empty() {
-        "every worker still answers, so MPI itself is stuck".to_string()
-    } else {
-        format!("{} stopped answering during it", silent.join(", "))
-    };
-    eprintln!(
-        "kandle: worker {}: the {what} of {phase} started but did not complete: {diagnosis}; \
-         MPI cannot cancel a collective, so the job is aborted",
-        comm.rank(),
-    );
-    comm.abort(ABORT_CODE)
+/// Waits for a started MPI collective; if it cannot complete, ends the whole job, since MPI can
+/// neither take it back nor release its buffers. Names the workers that no longer answer first.
+fn finish<'a, D: ?Sized, S: Scope<'a>>(
+    vigil: &mut Vigil<'_>,
+    request: Request<'a, D, S>,
+    phase: Phase,
+    what: &str,
+) {
+    if let Err(unfinished) = watchdog::complete(vigil, request) {
+        let diagnosis = vigil.diagnosis();
+        let comm = vigil.communicator();
+        eprintln!(
+            "kandle: worker {}: the {what} of {phase} started but did not complete within {}: \
+             {diagnosis}; MPI cannot cancel a collective, so the job is aborted",
+            comm.rank(),
+            vigil.patience(),
+        );
+        // MPI still owns the request's buffers; `MPI_Abort` never returns, so they stay valid.
+        std::mem::forget(unfinished);
+        comm.abort(ABORT_CODE)
+    }
 }
 
 impl Drop for World {

@@ -1,4 +1,9 @@
-//! What the strategy tests share: comparing trained weights with one device's.
+//! What the strategy tests share: the equivalence run, and comparing trained weights with one
+//! device's.
+
+// Each test crate uses its own part of the run.
+#[allow(dead_code)]
+pub mod equivalence_run;
 
 use kandle::params::Weights;
 

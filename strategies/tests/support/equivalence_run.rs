@@ -1,0 +1,79 @@
+//! The equivalence run that the strategy tests and the multi-worker program
+//! (`src/bin/mpi_check.rs`, which includes this file) share: the models, and one epoch on digits
+//! at a fixed global batch whose last step is short.
+//!
+//! It uses kandle alone, so that the worker program can include it too.
+
+use kandle::prelude::*;
+
+/// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
+pub const SAMPLES: usize = 470;
+/// The global batch of every equivalence run.
+pub const GLOBAL_BATCH: usize = 24;
+
+/// A CNN without batch statistics.
+pub fn plain_cnn() -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(6, 3).padding(Padding::Same))
+        .add(Activation::Relu)
+        .add(MaxPooling2D::new(2))
+        .add(Flatten)
+        .add(Dense::new(16))
+        .add(Activation::Relu)
+        .add(Dense::new(10))
+        .add(Activation::Softmax)
+}
+
+/// A CNN with two batch norms. Biases directly before a batch norm have a zero gradient in
+/// exact arithmetic, so they only accumulate rounding noise; as usual, they are left out.
+pub fn bn_cnn() -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(6, 3).padding(Padding::Same).use_bias(false))
+        .add(BatchNormalization::new())
+        .add(Activation::Relu)
+        .add(Flatten)
+        .add(Dense::new(10).use_bias(false))
+        .add(BatchNormalization::new())
+        .add(Activation::Softmax)
+}
+
+/// Trains `net` under `strategy` for one epoch on the first `samples` digits at a global batch
+/// of [`GLOBAL_BATCH`] (SGD with momentum, fixed seeds) and returns the model. Fails if the
+/// strategy's replicas do not divide the global batch, or the loss is not finite.
+pub fn train<S: Strategy + Clone + 'static>(
+    net: Sequential,
+    strategy: &S,
+    samples: usize,
+) -> kandle::Result<Model> {
+    let replicas = strategy.num_replicas_in_sync();
+    if GLOBAL_BATCH % replicas != 0 {
+        return Err(kandle::Error::invalid(format!(
+            "{replicas} replicas do not divide the global batch of {GLOBAL_BATCH}"
+        )));
+    }
+    let data = kandle::data::digits::load()?.subset(&(0..samples).collect::<Vec<_>>())?;
+    let mut model = net
+        .compile(
+            Sgd::new(0.05).momentum(0.9),
+            Loss::SparseCategoricalCrossentropy,
+            [Metric::Accuracy],
+            strategy,
+        )?
+        .with_seed(5)?;
+    let history = model.fit(
+        &data,
+        FitOptions {
+            epochs: 1,
+            batch_size_per_replica: GLOBAL_BATCH / replicas,
+            seed: Some(9),
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    match history.last("loss") {
+        Some(loss) if loss.is_finite() => Ok(model),
+        loss => Err(kandle::Error::invalid(format!(
+            "the equivalence run ended with loss {loss:?}"
+        ))),
+    }
+}

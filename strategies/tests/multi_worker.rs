@@ -295,64 +295,49 @@ fn sync_batch_norm_with_an_empty_worker_in_the_last_step() -> anyhow::Result<()>
 
 // ---- workers that cannot work together -----------------------------------------------------
 
-#[test]
-fn workers_with_different_replica_counts_fail_alike() -> anyhow::Result<()> {
+/// Launches the `equivalence` task with `options` before it, expects the job to fail, and
+/// returns each worker's error line (`kandle-mpi-check: worker R/2: ...`).
+fn failing_equivalence(options: &[&str]) -> anyhow::Result<[String; 2]> {
     let _one = lock();
-    let outcome = run(mpirun(
-        2,
-        &[
-            "--replicas-on-worker",
-            "1",
-            "2",
-            "equivalence",
-            "--out",
-            "/nonexistent/never-written.safetensors",
-        ],
-    ))?;
+    let mut args = options.to_vec();
+    args.extend([
+        "equivalence",
+        "--out",
+        "/nonexistent/never-written.safetensors",
+    ]);
+    let outcome = run(mpirun(2, &args))?;
     assert!(!outcome.status.success(), "{}", outcome.output);
-    for rank in 0..2 {
-        let want = format!("worker {rank}/2: worker 1: runs 2 local replica(s), a step buffer of");
-        assert!(
-            outcome.output.contains(&want),
-            "{want}:\n{}",
-            outcome.output
-        );
-    }
-    assert!(
+    let error = |rank: usize| {
         outcome
             .output
-            .contains("but the chief runs 1 local replica(s)"),
-        "{}",
-        outcome.output
-    );
+            .lines()
+            .find(|l| l.starts_with(&format!("kandle-mpi-check: worker {rank}/2: ")))
+            .map(str::to_string)
+            .ok_or_else(|| anyhow::anyhow!("no error from worker {rank}:\n{}", outcome.output))
+    };
+    Ok([error(0)?, error(1)?])
+}
+
+#[test]
+fn workers_with_different_replica_counts_fail_alike() -> anyhow::Result<()> {
+    for line in failing_equivalence(&["--replicas-on-worker", "1", "2"])? {
+        assert!(
+            line.contains(": worker 1: runs 2 local replica(s), a step buffer of")
+                && line.contains("but the chief runs 1 local replica(s)"),
+            "{line}"
+        );
+    }
     Ok(())
 }
 
 #[test]
 fn nccl_on_cpu_replicas_is_a_clear_error() -> anyhow::Result<()> {
-    let _one = lock();
-    let outcome = run(mpirun(
-        2,
-        &[
-            "--communication",
-            "nccl",
-            "equivalence",
-            "--out",
-            "/nonexistent/never-written.safetensors",
-        ],
-    ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
     let why = if cfg!(feature = "nccl") {
         "NCCL all-reduce needs CUDA replicas, got cpu"
     } else {
         "kandle-strategies was built without the `nccl` feature"
     };
-    for rank in 0..2 {
-        let line = outcome
-            .output
-            .lines()
-            .find(|l| l.starts_with(&format!("kandle-mpi-check: worker {rank}/2: ")))
-            .ok_or_else(|| anyhow::anyhow!("no error from worker {rank}:\n{}", outcome.output))?;
+    for line in failing_equivalence(&["--communication", "nccl"])? {
         assert!(
             line.contains("CommunicationImplementation::Nccl") && line.contains(why),
             "{line}"

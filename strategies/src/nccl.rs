@@ -26,7 +26,8 @@ pub fn all_reduce(buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor
     imp::all_reduce(buffers, devices)
 }
 
-#[cfg(feature = "nccl")]
+// For NCCL across workers (`multi_worker::nccl`).
+#[cfg(all(feature = "nccl", feature = "mpi"))]
 pub(crate) use imp::{check_buffers, cuda_devices, nccl_error, sum_into_new};
 
 #[cfg(feature = "nccl")]

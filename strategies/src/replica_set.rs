@@ -263,9 +263,12 @@ impl ReplicaSet {
             let statistics: Vec<Tensor> = replica
                 .statistics()
                 .iter()
-                .map(|v| match by_samples {
-                    true => Ok((v.as_tensor() * g.samples as f64)?),
-                    false => Ok(v.as_tensor().clone()),
+                .map(|v| {
+                    if by_samples {
+                        Ok((v.as_tensor() * g.samples as f64)?)
+                    } else {
+                        Ok(v.as_tensor().clone())
+                    }
                 })
                 .collect::<Result<_>>()?;
             let samples = Tensor::new(&[g.samples as f32], replica.device())?;

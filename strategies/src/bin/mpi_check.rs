@@ -297,11 +297,19 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
     Ok(())
 }
 
+/// Prints an error on stderr in one write, so that the lines of several workers, which `mpirun`
+/// forwards to one stream, do not interleave.
+fn report(error: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let line = format!("kandle-mpi-check: {error}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("kandle-mpi-check: {e}");
+            report(&e);
             return ExitCode::from(2);
         }
     };
@@ -310,7 +318,7 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kandle-mpi-check: {e}");
+            report(&e);
             ExitCode::FAILURE
         }
     }

@@ -230,9 +230,10 @@ impl Strategy for MultiWorkerMirroredStrategy {
         // A replica's share of a step then includes guarded exchanges across workers: it gets as
         // long as the rendezvous, so that the watchdog's error, which names a late worker,
         // arrives first.
-        let replica_timeout = match self.sync_batch_norm {
-            true => self.timeout * OUTER_PATIENCE,
-            false => self.timeout,
+        let replica_timeout = if self.sync_batch_norm {
+            self.timeout * OUTER_PATIENCE
+        } else {
+            self.timeout
         };
         let mut set =
             ReplicaSet::with_rendezvous(spec, &self.devices, rendezvous, replica_timeout)?;
@@ -247,9 +248,10 @@ impl Strategy for MultiWorkerMirroredStrategy {
         for store in &set.stores {
             load_fused(store, &weights)?;
         }
-        let transport = match nccl {
-            true => nccl_transport(&self.world, &self.devices, self.timeout)?,
-            false => Transport::Mpi,
+        let transport = if nccl {
+            nccl_transport(&self.world, &self.devices, self.timeout)?
+        } else {
+            Transport::Mpi
         };
         Ok(Box::new(MultiWorkerModel {
             world: Arc::clone(&self.world),
@@ -282,17 +284,6 @@ impl MultiWorkerMirroredStrategy {
             .world
             .all_gather(&mine, Phase::Distribute, self.timeout)?;
         let chief = &all[..mine.len()];
-        let describe =
-            |w: &[u64]| {
-                format!(
-                "{} local replica(s), a step buffer of {} values, {} across workers and {} batch \
-                 norm",
-                w[0],
-                w[1],
-                if w[2] == 1 { "NCCL" } else { "MPI" },
-                if w[3] == 1 { "synchronised" } else { "per-replica" }
-            )
-            };
         for (rank, theirs) in all.chunks(mine.len()).enumerate().skip(1) {
             if theirs != chief {
                 return Err(Error::Replica {
@@ -300,14 +291,29 @@ impl MultiWorkerMirroredStrategy {
                     reason: format!(
                         "runs {}, but the chief runs {}: every worker must run the same model \
                          with as many local devices of the same kind",
-                        describe(theirs),
-                        describe(chief)
+                        describe_worker(theirs),
+                        describe_worker(chief)
                     ),
                 });
             }
         }
         Ok(())
     }
+}
+
+/// A worker's `[local replicas, step buffer length, NCCL, SyncBatchNorm]`, for messages.
+fn describe_worker(w: &[u64]) -> String {
+    let across = if w[2] == 1 { "NCCL" } else { "MPI" };
+    let norm = if w[3] == 1 {
+        "synchronised"
+    } else {
+        "per-replica"
+    };
+    format!(
+        "{} local replica(s), a step buffer of {} values, {across} across workers and {norm} \
+         batch norm",
+        w[0], w[1]
+    )
 }
 
 /// How the fused step buffer crosses workers.
@@ -459,12 +465,11 @@ impl MultiWorkerModel {
         let layout = Arc::clone(&self.set.layout);
         // Every worker holds the same reduced buffer, so all decide alike. `scales` divides a
         // buffer that is not divided yet: gradients per sample, statistics per the divisor.
-        let (totals, buffers, scales): (StepTotals, Vec<Tensor>, Option<(f64, f64)>) = match reduced
-        {
+        let (totals, buffers, scales) = match reduced {
             Reduced::Host => {
                 let (totals, total) = self.host_totals()?;
                 let buffers = vec![total; before.len()];
-                (totals, buffers, None)
+                (totals, buffers, None::<(f64, f64)>)
             }
             #[cfg(feature = "nccl")]
             Reduced::Device(reduced) => {

@@ -1,1 +1,342 @@
 //! Convolution as GEMM on the CPU: forward, backward-input and backward-weight.
+//!
+//! [`conv2d`] correlates an `(N, C, H, W)` `f32` CPU tensor with an `(O, C, kh, kw)` kernel at
+//! any strides and `(top, bottom, left, right)` zero padding, as a candle custom op whose
+//! backward pass runs two more custom ops: [`conv2d_input_grad`] and [`conv2d_weight_grad`].
+//! Training through candle's autograd therefore uses these kernels in both directions; the
+//! gradient of an input that does not depend on a variable (the images fed to the first layer)
+//! is not computed at all.
+//!
+//! Each pass is a few GEMMs per tile of output rows over a row-shift expansion of the input
+//! (see `plan`), run by the `gemm` crate with the CPU's widest micro-kernels, and split over
+//! the images of the batch in the current rayon pool. The input gradient at stride `s` is `s^2`
+//! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on
+//! the zeros a dilated transposed convolution would multiply.
+//!
+//! The gradient ops are not themselves differentiable (no second derivatives).
+
+mod gemm;
+mod passes;
+mod plan;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+
+use crate::{Error, Result};
+use passes::Conv;
+
+const FORWARD: &str = "conv2d";
+const INPUT_GRAD: &str = "conv2d_input_grad";
+const WEIGHT_GRAD: &str = "conv2d_weight_grad";
+
+/// Strides and padding of a convolution: `(vertical, horizontal)` and
+/// `(top, bottom, left, right)`.
+type Window = ((usize, usize), (usize, usize, usize, usize));
+
+/// Whether [`conv2d`] can run on these tensors: both `f32` and on the CPU.
+pub fn supported(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu() && w.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
+}
+
+/// The correlation of `x (N, C, H, W)` with `w (O, C, kh, kw)`, both `f32` on the CPU, at
+/// strides `(sh, sw)` over `x` zero-padded by `(top, bottom, left, right)`: an
+/// `(N, O, (H + top + bottom - kh) / sh + 1, (W + left + right - kw) / sw + 1)` tensor, as
+/// candle's `conv2d` computes it. Differentiable in `x` and `w`.
+///
+/// Errors name the op and the shapes when they do not fit together, and say so when a tensor
+/// is not `f32` or not on the CPU.
+pub fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    check_tensors(FORWARD, &[("input", x), ("weight", w)])?;
+    forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    Ok(x.apply_op2(&w, Forward { stride, padding })?)
+}
+
+/// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
+/// kernel `w (O, C, kh, kw)`, the `(N, C, H, W)` gradient of an input of height and width
+/// `input_hw`. Not differentiable.
+pub fn conv2d_input_grad(
+    dy: &Tensor,
+    w: &Tensor,
+    input_hw: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    check_tensors(INPUT_GRAD, &[("output gradient", dy), ("weight", w)])?;
+    let op = InputGrad {
+        stride,
+        padding,
+        input_hw,
+    };
+    op.geometry(dy.dims(), w.dims()).map_err(Error::invalid)?;
+    Ok(dy.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?)
+}
+
+/// The gradient of [`conv2d`]'s kernel: from the input `x (N, C, H, W)` and the output gradient
+/// `dy (N, O, Ho, Wo)`, the `(O, C, kh, kw)` gradient summed over the batch, for a kernel of
+/// size `kernel_hw`. Not differentiable.
+pub fn conv2d_weight_grad(
+    x: &Tensor,
+    dy: &Tensor,
+    kernel_hw: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    check_tensors(WEIGHT_GRAD, &[("input", x), ("output gradient", dy)])?;
+    let op = WeightGrad {
+        stride,
+        padding,
+        kernel_hw,
+    };
+    op.geometry(x.dims(), dy.dims()).map_err(Error::invalid)?;
+    Ok(x.contiguous()?.apply_op2_no_bwd(&dy.contiguous()?, &op)?)
+}
+
+/// An error unless every tensor is `f32` on the CPU.
+fn check_tensors(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
+    for (what, t) in tensors {
+        if !t.device().is_cpu() || t.dtype() != DType::F32 {
+            return Err(Error::invalid(format!(
+                "{op}: the CPU kernel takes f32 tensors on the CPU, but the {what} {:?} is {:?} \
+                 on {:?}",
+                t.dims(),
+                t.dtype(),
+                t.device()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The four dimensions of `dims`, or an error naming `op` and the tensor.
+fn dims4(op: &str, what: &str, dims: &[usize]) -> std::result::Result<[usize; 4], String> {
+    <[usize; 4]>::try_from(dims)
+        .map_err(|_| format!("{op}: the {what} must have 4 dimensions, got shape {dims:?}"))
+}
+
+/// The convolution of an `x_dims` input with a `w_dims` kernel, or an error naming both shapes.
+fn forward_geometry(
+    x_dims: &[usize],
+    w_dims: &[usize],
+    (stride, padding): Window,
+) -> std::result::Result<Conv, String> {
+    let [n, c, h, w] = dims4(FORWARD, "input", x_dims)?;
+    let [o, wc, kh, kw] = dims4(FORWARD, "weight", w_dims)?;
+    if wc != c {
+        return Err(format!(
+            "{FORWARD}: the input {x_dims:?} has {c} channels but the weight {w_dims:?} \
+             expects {wc}"
+        ));
+    }
+    let (sh, sw) = stride;
+    let (pt, pb, pl, pr) = padding;
+    if [c, h, w, o, kh, kw, sh, sw].contains(&0) {
+        return Err(format!(
+            "{FORWARD}: input {x_dims:?}, weight {w_dims:?} and strides {stride:?} must have \
+             non-zero channels, sizes and strides"
+        ));
+    }
+    let (hp, wp) = (h + pt + pb, w + pl + pr);
+    if hp < kh || wp < kw {
+        return Err(format!(
+            "{FORWARD}: the input {x_dims:?} padded by {padding:?} is {hp}x{wp}, smaller than \
+             the weight {w_dims:?}'s {kh}x{kw} window"
+        ));
+    }
+    Ok(Conv {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        stride,
+        pad: padding,
+        ho: (hp - kh) / sh + 1,
+        wo: (wp - kw) / sw + 1,
+    })
+}
+
+/// An error unless the output gradient's shape `dy_dims` is the convolution's output.
+fn check_output(op: &str, conv: &Conv, dy_dims: &[usize]) -> std::result::Result<(), String> {
+    let expected = [conv.n, conv.o, conv.ho, conv.wo];
+    if dy_dims != expected {
+        return Err(format!(
+            "{op}: the output gradient {dy_dims:?} does not match the convolution's output \
+             {expected:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The contiguous `f32` data `layout` describes in `storage`, or an error naming `op`.
+fn f32_slice<'a>(
+    op: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
+        (CpuStorage::F32(_), None) => {
+            candle_core::bail!("{op}: expected a contiguous tensor, got {layout:?}")
+        }
+        (other, _) => candle_core::bail!("{op}: expected f32, got {:?}", other.dtype()),
+    }
+}
+
+/// The forward op; its backward runs [`InputGrad`] and [`WeightGrad`].
+struct Forward {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
+            .map_err(candle_core::Error::Msg)?;
+        let y = passes::forward(
+            &conv,
+            f32_slice(FORWARD, xs, xl)?,
+            f32_slice(FORWARD, ws, wl)?,
+        )?;
+        Ok((
+            CpuStorage::F32(y),
+            Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let dx = if x.track_op() {
+            let (_, _, h, wd) = x.dims4()?;
+            let op = InputGrad {
+                stride: self.stride,
+                padding: self.padding,
+                input_hw: (h, wd),
+            };
+            Some(dy.apply_op2_no_bwd(w, &op)?)
+        } else {
+            None
+        };
+        let dw = if w.track_op() {
+            let (_, _, kh, kw) = w.dims4()?;
+            let op = WeightGrad {
+                stride: self.stride,
+                padding: self.padding,
+                kernel_hw: (kh, kw),
+            };
+            Some(x.apply_op2_no_bwd(&dy, &op)?)
+        } else {
+            None
+        };
+        Ok((dx, dw))
+    }
+}
+
+/// The input gradient: `(dy, w)` to `dx`.
+struct InputGrad {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+    input_hw: (usize, usize),
+}
+
+impl InputGrad {
+    fn geometry(&self, dy_dims: &[usize], w_dims: &[usize]) -> std::result::Result<Conv, String> {
+        let [n, _, _, _] = dims4(INPUT_GRAD, "output gradient", dy_dims)?;
+        let [_, c, _, _] = dims4(INPUT_GRAD, "weight", w_dims)?;
+        let x_dims = [n, c, self.input_hw.0, self.input_hw.1];
+        let conv = forward_geometry(&x_dims, w_dims, (self.stride, self.padding))
+            .map_err(|e| e.replacen(FORWARD, INPUT_GRAD, 1))?;
+        check_output(INPUT_GRAD, &conv, dy_dims)?;
+        Ok(conv)
+    }
+}
+
+impl CustomOp2 for InputGrad {
+    fn name(&self) -> &'static str {
+        INPUT_GRAD
+    }
+
+    fn cpu_fwd(
+        &self,
+        dys: &CpuStorage,
+        dyl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let conv = self
+            .geometry(dyl.dims(), wl.dims())
+            .map_err(candle_core::Error::Msg)?;
+        let dy = f32_slice(INPUT_GRAD, dys, dyl)?;
+        let dx = passes::input_grad(&conv, dy, f32_slice(INPUT_GRAD, ws, wl)?)?;
+        Ok((
+            CpuStorage::F32(dx),
+            Shape::from((conv.n, conv.c, conv.h, conv.w)),
+        ))
+    }
+}
+
+/// The kernel gradient: `(x, dy)` to `dw`.
+struct WeightGrad {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+    kernel_hw: (usize, usize),
+}
+
+impl WeightGrad {
+    fn geometry(&self, x_dims: &[usize], dy_dims: &[usize]) -> std::result::Result<Conv, String> {
+        let [_, c, _, _] = dims4(WEIGHT_GRAD, "input", x_dims)?;
+        let [_, o, _, _] = dims4(WEIGHT_GRAD, "output gradient", dy_dims)?;
+        let w_dims = [o, c, self.kernel_hw.0, self.kernel_hw.1];
+        let conv = forward_geometry(x_dims, &w_dims, (self.stride, self.padding))
+            .map_err(|e| e.replacen(FORWARD, WEIGHT_GRAD, 1))?;
+        check_output(WEIGHT_GRAD, &conv, dy_dims)?;
+        Ok(conv)
+    }
+}
+
+impl CustomOp2 for WeightGrad {
+    fn name(&self) -> &'static str {
+        WEIGHT_GRAD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        dys: &CpuStorage,
+        dyl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let conv = self
+            .geometry(xl.dims(), dyl.dims())
+            .map_err(candle_core::Error::Msg)?;
+        let x = f32_slice(WEIGHT_GRAD, xs, xl)?;
+        let dw = passes::weight_grad(&conv, x, f32_slice(WEIGHT_GRAD, dys, dyl)?)?;
+        Ok((
+            CpuStorage::F32(dw),
+            Shape::from((conv.o, conv.c, conv.kh, conv.kw)),
+        ))
+    }
+}

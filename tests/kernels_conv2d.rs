@@ -1,0 +1,254 @@
+//! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
+//! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor, Var};
+use kandle::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+type Padding = (usize, usize, usize, usize);
+
+/// One convolution to check: input `(n, c, h, w)`, kernel `(o, kh, kw)`, strides, padding.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    stride: (usize, usize),
+    pad: Padding,
+}
+
+fn random(rng: &mut StdRng, dims: &[usize]) -> anyhow::Result<Tensor> {
+    let len = dims.iter().product();
+    let data: Vec<f32> = (0..len).map(|_| rng.random_range(-1f32..1f32)).collect();
+    Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
+}
+
+/// Every `step`-th index along `dim`, differentiably.
+fn subsample(x: &Tensor, dim: usize, step: usize) -> anyhow::Result<Tensor> {
+    let idx: Vec<u32> = (0..x.dim(dim)?).step_by(step).map(|i| i as u32).collect();
+    let idx = Tensor::new(idx, x.device())?;
+    Ok(x.index_select(&idx, dim)?)
+}
+
+/// Candle's stride-1 convolution of the explicitly zero-padded input, then every `sh`-th row
+/// and `sw`-th column. (Candle's own strided backward pass fails with a shape mismatch when the
+/// stride does not divide the padded size minus the kernel, so strides are taken this way.)
+fn reference(x: &Tensor, w: &Tensor, case: &Case) -> anyhow::Result<Tensor> {
+    let (pt, pb, pl, pr) = case.pad;
+    let x = x.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
+    let y = x.conv2d(w, 0, 1, 1, 1)?;
+    let (sh, sw) = case.stride;
+    subsample(&subsample(&y, 2, sh)?, 3, sw)
+}
+
+/// Largest absolute difference, relative to the largest reference magnitude (at least 1).
+fn rel_err(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+    assert_eq!(got.dims(), want.dims());
+    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    Ok(diff / scale)
+}
+
+/// Checks the forward pass and both gradients of `case` against candle.
+fn check(case: Case, seed: u64) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let x = Var::from_tensor(&random(&mut rng, &[case.n, case.c, case.h, case.w])?)?;
+    let w = Var::from_tensor(&random(&mut rng, &[case.o, case.c, case.kh, case.kw])?)?;
+
+    let want = reference(&x, &w, &case)?;
+    let got = conv2d(&x, &w, case.stride, case.pad)?;
+    let err = rel_err(&got, &want)?;
+    assert!(err < 1e-4, "{case:?}: forward error {err}");
+
+    // A random output gradient: d(sum(y * r))/dy = r.
+    let r = random(&mut rng, want.dims())?;
+    let want_grads = (want * &r)?
+        .sum_all()?
+        .backward()
+        .with_context(|| format!("{case:?}: candle's gradients"))?;
+    let got_grads = (got * &r)?
+        .sum_all()?
+        .backward()
+        .with_context(|| format!("{case:?}: the kernel's gradients"))?;
+    for (name, v) in [("input", &x), ("weight", &w)] {
+        let (Some(g), Some(e)) = (got_grads.get(v), want_grads.get(v)) else {
+            panic!("{case:?}: no {name} gradient");
+        };
+        let err = rel_err(g, e)?;
+        assert!(err < 1e-4, "{case:?}: {name} gradient error {err}");
+    }
+    Ok(())
+}
+
+fn case(
+    (n, c, h, w): (usize, usize, usize, usize),
+    (o, kh, kw): (usize, usize, usize),
+    stride: (usize, usize),
+    pad: Padding,
+) -> Case {
+    Case {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        stride,
+        pad,
+    }
+}
+
+#[test]
+fn chosen_shapes_match_candle() -> anyhow::Result<()> {
+    let cases = [
+        // 3x3 same, odd sizes.
+        case((2, 3, 7, 9), (4, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // Valid stride 2, batch 1, one channel.
+        case((1, 1, 8, 8), (2, 3, 3), (2, 2), (0, 0, 0, 0)),
+        // 1x1 stride 1: the GEMMs read the input directly.
+        case((3, 5, 9, 7), (6, 1, 1), (1, 1), (0, 0, 0, 0)),
+        // 1x1 stride 2: some stride phases of the input get no gradient.
+        case((2, 4, 8, 9), (3, 1, 1), (2, 2), (0, 0, 0, 0)),
+        // Rectangular kernel and strides, unequal padding (TensorFlow `same` with stride 2).
+        case((2, 4, 10, 11), (3, 2, 3), (2, 1), (0, 1, 1, 1)),
+        case((1, 3, 6, 5), (2, 5, 1), (1, 2), (2, 2, 0, 0)),
+        // MiniGoogLeNet's downsample at a smaller width: 3x3 stride 2 valid on 15x15.
+        case((2, 6, 15, 15), (5, 3, 3), (2, 2), (0, 0, 0, 0)),
+        // Stride 3 with uneven padding, and padding wider than the kernel.
+        case((2, 3, 9, 10), (4, 3, 3), (3, 3), (1, 2, 0, 1)),
+        case((1, 2, 4, 4), (3, 3, 3), (1, 1), (3, 3, 2, 4)),
+        // Kernel as large as the padded input: a single output position.
+        case((2, 3, 5, 4), (2, 5, 4), (1, 1), (0, 0, 0, 0)),
+        // Several row tiles per image (32x32), one of them the 1x1 direct path.
+        case((2, 16, 32, 32), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((3, 24, 32, 32), (5, 1, 1), (1, 1), (0, 0, 0, 0)),
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(c, i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn random_shapes_match_candle() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(2024);
+    for i in 0..40 {
+        let kh: usize = rng.random_range(1..=4);
+        let kw: usize = rng.random_range(1..=4);
+        let stride = (rng.random_range(1..=3), rng.random_range(1..=3));
+        let mut p = || rng.random_range(0..=2);
+        let pad = (p(), p(), p(), p());
+        let h = rng.random_range(kh.saturating_sub(pad.0 + pad.1).max(1)..=13);
+        let w = rng.random_range(kw.saturating_sub(pad.2 + pad.3).max(1)..=13);
+        let c = case(
+            (rng.random_range(1..=4), rng.random_range(1..=6), h, w),
+            (rng.random_range(1..=6), kh, kw),
+            stride,
+            pad,
+        );
+        check(c, 100 + i)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn one_thread_pool_and_non_contiguous_input() -> anyhow::Result<()> {
+    // Fewer images than threads splits the GEMMs instead; a one-thread pool runs serially.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+    pool.install(|| check(case((3, 4, 9, 9), (5, 3, 3), (2, 2), (1, 1, 1, 1)), 7))?;
+    check(case((1, 8, 20, 20), (4, 3, 3), (1, 1), (1, 1, 1, 1)), 8)?;
+
+    // A transposed view: the kernel makes it contiguous first.
+    let mut rng = StdRng::seed_from_u64(9);
+    let xt = random(&mut rng, &[2, 3, 6, 5])?;
+    let x = xt.transpose(2, 3)?;
+    assert!(!x.is_contiguous());
+    let w = random(&mut rng, &[4, 3, 3, 2])?;
+    let got = conv2d(&x, &w, (1, 1), (1, 1, 0, 1))?;
+    let want = reference(&x, &w, &case((2, 3, 5, 6), (4, 3, 2), (1, 1), (1, 1, 0, 1)))?;
+    assert!(rel_err(&got, &want)? < 1e-4);
+    Ok(())
+}
+
+#[test]
+fn gradient_ops_called_directly() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let c = case((2, 3, 9, 8), (4, 3, 3), (2, 2), (1, 1, 1, 1));
+    let x = Var::from_tensor(&random(&mut rng, &[c.n, c.c, c.h, c.w])?)?;
+    let w = Var::from_tensor(&random(&mut rng, &[c.o, c.c, c.kh, c.kw])?)?;
+    let y = reference(&x, &w, &c)?;
+    let dy = random(&mut rng, y.dims())?;
+    let grads = (y * &dy)?.sum_all()?.backward()?;
+    let dx = conv2d_input_grad(&dy, &w, (c.h, c.w), c.stride, c.pad)?;
+    let dw = conv2d_weight_grad(&x, &dy, (c.kh, c.kw), c.stride, c.pad)?;
+    let (Some(ex), Some(ew)) = (grads.get(&x), grads.get(&w)) else {
+        anyhow::bail!("candle returned no gradients");
+    };
+    assert!(rel_err(&dx, ex)? < 1e-4);
+    assert!(rel_err(&dw, ew)? < 1e-4);
+    Ok(())
+}
+
+#[test]
+fn input_without_variables_gets_no_gradient() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(12);
+    let x = random(&mut rng, &[2, 3, 6, 6])?;
+    let w = Var::from_tensor(&random(&mut rng, &[4, 3, 3, 3])?)?;
+    let grads = conv2d(&x, &w, (1, 1), (1, 1, 1, 1))?
+        .sum_all()?
+        .backward()?;
+    assert!(grads.get(&x).is_none());
+    assert!(grads.get(&w).is_some());
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
+    let x = Tensor::zeros((2, 3, 8, 8), DType::F32, &Device::Cpu)?;
+    let w = Tensor::zeros((4, 5, 3, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &w, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("conv2d") && err.contains("[2, 3, 8, 8]") && err.contains("[4, 5, 3, 3]"),
+        "{err}"
+    );
+
+    let big = Tensor::zeros((4, 3, 9, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &big, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains("smaller than")));
+
+    let x64 = x.to_dtype(DType::F64)?;
+    let w3 = Tensor::zeros((4, 3, 3, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x64, &w3, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains("f32")));
+
+    let flat = Tensor::zeros((3, 8, 8), DType::F32, &Device::Cpu)?;
+    assert!(conv2d(&flat, &w3, (1, 1), (0, 0, 0, 0)).is_err());
+    assert!(conv2d(&x, &w3, (0, 1), (0, 0, 0, 0)).is_err());
+
+    // The gradient ops check that the output gradient fits the convolution.
+    let dy = Tensor::zeros((2, 4, 5, 6), DType::F32, &Device::Cpu)?;
+    let err = conv2d_input_grad(&dy, &w3, (8, 8), (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("[2, 4, 5, 6]") && err.contains("[2, 4, 6, 6]"),
+        "{err}"
+    );
+    assert!(conv2d_weight_grad(&x, &dy, (3, 3), (1, 1), (0, 0, 0, 0)).is_err());
+    Ok(())
+}

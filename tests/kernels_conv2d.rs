@@ -126,8 +126,15 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((1, 2, 4, 4), (3, 3, 3), (1, 1), (3, 3, 2, 4)),
         // Kernel as large as the padded input: a single output position.
         case((2, 3, 5, 4), (2, 5, 4), (1, 1), (0, 0, 0, 0)),
+        // Deep inputs (channels x kernel width >= 64): one GEMM per kernel row and stride
+        // phase instead of a full im2col, also in the input gradient's phases.
+        case((2, 24, 9, 11), (32, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 40, 15, 15), (36, 3, 3), (2, 2), (0, 0, 0, 0)),
+        case((1, 33, 10, 9), (40, 3, 2), (2, 1), (1, 1, 0, 1)),
+        case((2, 70, 7, 7), (33, 3, 3), (1, 1), (1, 1, 1, 1)),
         // Several row tiles per image (32x32), one of them the 1x1 direct path.
         case((2, 16, 32, 32), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 32, 32, 32), (24, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((3, 24, 32, 32), (5, 1, 1), (1, 1), (0, 0, 0, 0)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
@@ -154,6 +161,25 @@ fn random_shapes_match_candle() -> anyhow::Result<()> {
             pad,
         );
         check(c, 100 + i)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn random_deep_shapes_match_candle() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(77);
+    for i in 0..12 {
+        let (kh, kw): (usize, usize) = (rng.random_range(1..=3), rng.random_range(2..=3));
+        let stride = (rng.random_range(1..=2), rng.random_range(1..=2));
+        let pad = (kh / 2, (kh - 1) / 2, kw / 2, (kw - 1) / 2);
+        let (h, w) = (rng.random_range(3..=12), rng.random_range(3..=12));
+        let c = case(
+            (rng.random_range(1..=3), rng.random_range(22..=48), h, w),
+            (rng.random_range(24..=48), kh, kw),
+            stride,
+            pad,
+        );
+        check(c, 200 + i)?;
     }
     Ok(())
 }
@@ -250,5 +276,103 @@ fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
         "{err}"
     );
     assert!(conv2d_weight_grad(&x, &dy, (3, 3), (1, 1), (0, 0, 0, 0)).is_err());
+    Ok(())
+}
+
+/// Median wall time of `f` over `reps` runs after one warm-up, in milliseconds.
+fn median_ms(reps: usize, mut f: impl FnMut() -> anyhow::Result<Tensor>) -> anyhow::Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        let y = f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(y);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+/// Times the three passes of every convolution of MiniGoogLeNet at batch 64 against candle's
+/// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
+/// `conv2d` for the kernel). Run with
+/// `cargo test --release -p kandle --test kernels_conv2d -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, run by hand in a release build"]
+fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
+    // (name, C, H, O, k, stride, padding): 3x3 `same` pads 1 on every side.
+    let same = (1, 1, 1, 1);
+    let none = (0, 0, 0, 0);
+    let shapes = [
+        ("stem 3x3", 3, 32, 96, 3, 1, same),
+        ("inc1 1x1", 96, 32, 32, 1, 1, none),
+        ("inc1 3x3", 96, 32, 32, 3, 1, same),
+        ("inc2 1x1", 64, 32, 32, 1, 1, none),
+        ("inc2 3x3", 64, 32, 48, 3, 1, same),
+        ("down1 3x3/2", 80, 32, 80, 3, 2, none),
+        ("inc3 1x1", 160, 15, 112, 1, 1, none),
+        ("inc3 3x3", 160, 15, 48, 3, 1, same),
+        ("inc4 1x1", 160, 15, 96, 1, 1, none),
+        ("inc4 3x3", 160, 15, 64, 3, 1, same),
+        ("inc5 1x1", 160, 15, 80, 1, 1, none),
+        ("inc5 3x3", 160, 15, 80, 3, 1, same),
+        ("inc6 1x1", 160, 15, 48, 1, 1, none),
+        ("inc6 3x3", 160, 15, 96, 3, 1, same),
+        ("down2 3x3/2", 144, 15, 96, 3, 2, none),
+        ("inc7 1x1", 240, 7, 176, 1, 1, none),
+        ("inc7 3x3", 240, 7, 160, 3, 1, same),
+        ("inc8 1x1", 336, 7, 176, 1, 1, none),
+        ("inc8 3x3", 336, 7, 160, 3, 1, same),
+    ];
+    let n = 64;
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut totals = [0f64; 6];
+    println!(
+        "{:<12} {:>22} | {:>22} | {:>22} | candle fwd/in/w ms",
+        "batch 64", "fwd ms (GFLOP/s)", "input grad ms (GFLOP/s)", "weight grad ms (GFLOP/s)"
+    );
+    for (name, c, h, o, k, s, pad) in shapes {
+        let x = random(&mut rng, &[n, c, h, h])?;
+        let w = random(&mut rng, &[o, c, k, k])?;
+        let y = conv2d(&x, &w, (s, s), pad)?;
+        let dy = random(&mut rng, y.dims())?;
+        let (_, _, ho, wo) = y.dims4()?;
+        let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
+        let p = pad.0;
+        let out_pad = h - ((ho - 1) * s + k - 2 * p);
+        let ours = [
+            median_ms(5, || Ok(conv2d(&x, &w, (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
+        ];
+        let candle = [
+            median_ms(3, || Ok(x.conv2d(&w, p, s, 1, 1)?))?,
+            median_ms(3, || Ok(dy.conv_transpose2d(&w, p, out_pad, s, 1)?))?,
+            median_ms(3, || {
+                let g = x
+                    .transpose(0, 1)?
+                    .conv2d(&dy.transpose(0, 1)?, p, 1, s, 1)?;
+                Ok(g.transpose(0, 1)?.contiguous()?)
+            })?,
+        ];
+        let cell = |ms: f64| format!("{ms:8.2} ({:6.1})", gflop / ms * 1e3);
+        println!(
+            "{name:<12} {:>22} | {:>22} | {:>22} | {:7.1} {:7.1} {:7.1}",
+            cell(ours[0]),
+            cell(ours[1]),
+            cell(ours[2]),
+            candle[0],
+            candle[1],
+            candle[2]
+        );
+        for (t, v) in totals.iter_mut().zip(ours.iter().chain(&candle)) {
+            *t += v;
+        }
+    }
+    println!(
+        "total ms: ours fwd {:.1}, input grad {:.1}, weight grad {:.1}; candle fwd {:.1}, \
+         input grad {:.1}, weight grad {:.1}",
+        totals[0], totals[1], totals[2], totals[3], totals[4], totals[5]
+    );
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::cell::Cell;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
-use super::plan::{pack_kernel, Plan, Source};
+use super::plan::Plan;
 
 /// The sizes of a convolution: input `(n, c, h, w)`, kernel `(o, c, kh, kw)`, strides, padding
 /// `(top, bottom, left, right)` and output `(ho, wo)`.
@@ -120,7 +120,46 @@ fn for_each_image(
     }
 }
 
-/// `out = correlate(x, kernel)` for one image, `kernel` packed by [`pack_kernel`] for `plan`.
+/// One GEMM of a tile: output rows `i0 .. i0 + rows`, GEMM `call` of the tile, and its
+/// expanded operand `(positions x depth)`, with unit stride along the positions.
+struct TileGemm<'a> {
+    i0: usize,
+    rows: usize,
+    call: usize,
+    operand: View<'a>,
+}
+
+/// Expands `x` one tile of output rows at a time and calls `f` for each GEMM of each tile.
+fn for_each_tile_gemm(
+    plan: &Plan,
+    x: &[f32],
+    expanded: &mut Vec<f32>,
+    mut f: impl FnMut(TileGemm<'_>) -> candle_core::Result<()>,
+) -> candle_core::Result<()> {
+    let tile = plan.tile_rows();
+    let buf = at_least(expanded, plan.expanded_len(tile));
+    for i0 in (0..plan.ho).step_by(tile) {
+        let rows = tile.min(plan.ho - i0);
+        let operand = plan.expand(x, i0, rows, buf);
+        let data: &[f32] = if operand.expanded { buf } else { x };
+        for call in 0..plan.calls() {
+            f(TileGemm {
+                i0,
+                rows,
+                call,
+                operand: View {
+                    data,
+                    offset: plan.call_offset(&operand, call),
+                    rs: 1,
+                    cs: operand.k_stride,
+                },
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// `out = correlate(x, kernel)` for one image, `kernel` packed by [`Plan::pack`].
 fn correlate_image(
     plan: &Plan,
     x: &[f32],
@@ -131,55 +170,37 @@ fn correlate_image(
 ) -> candle_core::Result<()> {
     let positions = plan.ho * plan.wo;
     let depth = plan.depth();
-    let tile = plan.tile_rows();
-    let buf = at_least(expanded, plan.expanded_len(tile));
-    for i0 in (0..plan.ho).step_by(tile) {
-        let rows = tile.min(plan.ho - i0);
-        let operand = plan.expand(x, i0, rows, buf);
-        let src: &[f32] = match operand.source {
-            Source::Input => x,
-            Source::Expanded => buf,
-        };
-        for ky in 0..plan.kh {
-            matmul(
-                Product {
-                    m: rows * plan.wo,
-                    n: plan.o,
-                    k: depth,
-                    accumulate: ky > 0,
-                    parallelism,
-                },
-                ViewMut {
-                    data: out,
-                    offset: i0 * plan.wo,
-                    rs: 1,
-                    cs: positions,
-                },
-                View {
-                    data: src,
-                    offset: operand.row_offset(ky, plan.sh, plan.wo),
-                    rs: 1,
-                    cs: operand.k_stride,
-                },
-                View {
-                    data: kernel,
-                    offset: ky * plan.o * depth,
-                    rs: 1,
-                    cs: depth,
-                },
-            )?;
-        }
-    }
-    Ok(())
+    for_each_tile_gemm(plan, x, expanded, |t| {
+        matmul(
+            Product {
+                m: t.rows * plan.wo,
+                n: plan.o,
+                k: depth,
+                accumulate: t.call > 0,
+                parallelism,
+            },
+            ViewMut {
+                data: out,
+                offset: t.i0 * plan.wo,
+                rs: 1,
+                cs: positions,
+            },
+            t.operand,
+            View {
+                data: kernel,
+                offset: t.call * plan.o * depth,
+                rs: 1,
+                cs: depth,
+            },
+        )
+    })
 }
 
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`.
 pub(crate) fn forward(conv: &Conv, x: &[f32], w: &[f32]) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
-    let kernel = pack_kernel((conv.o, c, kh, kw), |o, ci, ky, kx| {
-        w[((o * c + ci) * kh + ky) * kw + kx]
-    });
+    let kernel = plan.pack(|o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx]);
     let mut y = vec![0f32; conv.n * plan.output_len()];
     for_each_image(
         conv.n,
@@ -242,7 +263,7 @@ impl Conv {
                     ho: a1 - a0,
                     wo: b1 - b0,
                 };
-                let kernel = pack_kernel((c, o, khp, kwp), |ci, oi, u, v| {
+                let kernel = plan.pack(|ci, oi, u, v| {
                     let ky = ry + sh * (khp - 1 - u);
                     let kx = rx + sw * (kwp - 1 - v);
                     w[((oi * c + ci) * kh + ky) * kw + kx]
@@ -306,8 +327,7 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
 /// its own packed accumulator; the accumulators are added in a fixed order.
 pub(crate) fn weight_grad(conv: &Conv, x: &[f32], dy: &[f32]) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
-    let depth = plan.depth();
-    let packed_len = conv.kh * conv.o * depth;
+    let packed_len = plan.calls() * plan.o * plan.depth();
     let tasks = if split_images(conv.n) {
         rayon::current_num_threads().min(conv.n).max(1)
     } else {
@@ -336,26 +356,15 @@ pub(crate) fn weight_grad(conv: &Conv, x: &[f32], dy: &[f32]) -> candle_core::Re
     } else {
         vec![run(0)?]
     };
-    // Unpack [ky][o][c * kw + kx] into (o, c, kh, kw), adding the partial sums in order.
-    let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
-    let mut dw = vec![0f32; packed_len];
+    // Unpack into (o, c, kh, kw), adding the partial sums in order.
+    let mut dw = vec![0f32; conv.o * conv.c * conv.kh * conv.kw];
     for partial in &partials {
-        let mut values = partial.iter();
-        for ky in 0..kh {
-            for o in 0..conv.o {
-                for ci in 0..c {
-                    let row = ((o * c + ci) * kh + ky) * kw;
-                    for (d, v) in dw[row..row + kw].iter_mut().zip(&mut values) {
-                        *d += v;
-                    }
-                }
-            }
-        }
+        plan.unpack_add(partial, &mut dw);
     }
     Ok(dw)
 }
 
-/// Adds one image's kernel gradient to `acc`, packed as `[ky][o][c * kw + kx]`.
+/// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`.
 fn weight_grad_image(
     plan: &Plan,
     x: &[f32],
@@ -366,44 +375,32 @@ fn weight_grad_image(
 ) -> candle_core::Result<()> {
     let positions = plan.ho * plan.wo;
     let depth = plan.depth();
-    let tile = plan.tile_rows();
-    let buf = at_least(expanded, plan.expanded_len(tile));
-    for i0 in (0..plan.ho).step_by(tile) {
-        let rows = tile.min(plan.ho - i0);
-        let operand = plan.expand(x, i0, rows, buf);
-        let src: &[f32] = match operand.source {
-            Source::Input => x,
-            Source::Expanded => buf,
-        };
-        for ky in 0..plan.kh {
-            matmul(
-                Product {
-                    m: plan.o,
-                    n: depth,
-                    k: rows * plan.wo,
-                    accumulate: true,
-                    parallelism,
-                },
-                ViewMut {
-                    data: acc,
-                    offset: ky * plan.o * depth,
-                    rs: depth,
-                    cs: 1,
-                },
-                View {
-                    data: dy,
-                    offset: i0 * plan.wo,
-                    rs: positions,
-                    cs: 1,
-                },
-                View {
-                    data: src,
-                    offset: operand.row_offset(ky, plan.sh, plan.wo),
-                    rs: 1,
-                    cs: operand.k_stride,
-                },
-            )?;
-        }
-    }
-    Ok(())
+    for_each_tile_gemm(plan, x, expanded, |t| {
+        matmul(
+            Product {
+                m: plan.o,
+                n: depth,
+                k: t.rows * plan.wo,
+                accumulate: true,
+                parallelism,
+            },
+            // Output channels contiguous: gemm then packs `dy` once per call and reads the
+            // expansion in place, much faster for few output channels than the transposed
+            // layout.
+            ViewMut {
+                data: acc,
+                offset: t.call * plan.o * depth,
+                rs: 1,
+                cs: plan.o,
+            },
+            View {
+                data: dy,
+                offset: t.i0 * plan.wo,
+                rs: positions,
+                cs: 1,
+            },
+            // The operand read as (positions x depth).
+            t.operand,
+        )
+    })
 }

@@ -23,6 +23,10 @@ const TARGET_POSITIONS: usize = 256;
 /// The most `f32`s an expanded tile may take (512 KiB), halved until it fits.
 const TILE_BUDGET: usize = 128 * 1024;
 
+/// Below this GEMM depth (`c * kw`, e.g. a 3-channel input image), the kernel rows are folded
+/// into the expansion as well (a full im2col), so one deeper GEMM replaces `kh` shallow ones.
+const FOLD_BELOW_DEPTH: usize = 64;
+
 /// The geometry of one image's correlation (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Plan {
@@ -46,33 +50,22 @@ pub(crate) struct Plan {
     pub wo: usize,
 }
 
-/// Where a GEMM's expanded operand lives: in the input itself or in the scratch buffer.
+/// One tile's operand for the GEMMs: the input itself or the expansion in the scratch buffer,
+/// the stride between consecutive GEMM depth indices, and the elements per plane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Source {
-    Input,
-    Expanded,
-}
-
-/// One tile's expanded operand: its buffer, the stride between its `c * kw` GEMM rows
-/// (channels-and-columns), and the offset of kernel row 0.
-#[derive(Debug, Clone, Copy)]
 pub(crate) struct Operand {
-    pub source: Source,
+    /// Whether the GEMMs read the expansion (`true`) or the input directly.
+    pub expanded: bool,
+    /// Stride between consecutive GEMM depth indices.
     pub k_stride: usize,
+    /// Offset of output position 0 at call 0.
     pub base: usize,
     /// Elements per plane (offset of the next row phase).
     pub plane: usize,
 }
 
-impl Operand {
-    /// Offset of kernel row `ky`'s shifted plane, for a plan with vertical stride `sh`.
-    pub(crate) fn row_offset(&self, ky: usize, sh: usize, wo: usize) -> usize {
-        self.base + (ky % sh) * self.plane + (ky / sh) * wo
-    }
-}
-
 impl Plan {
-    /// Elements of one input image and of one output image.
+    /// Elements of one input image.
     pub(crate) fn input_len(&self) -> usize {
         self.c * self.h * self.w
     }
@@ -80,31 +73,6 @@ impl Plan {
     /// Elements of one output image.
     pub(crate) fn output_len(&self) -> usize {
         self.o * self.ho * self.wo
-    }
-
-    /// The GEMMs' inner dimension: channels times kernel columns.
-    pub(crate) fn depth(&self) -> usize {
-        self.c * self.kw
-    }
-
-    /// Row phases the expansion keeps: `sh`, or fewer when the kernel is shorter.
-    fn phases(&self) -> usize {
-        self.sh.min(self.kh)
-    }
-
-    /// Elements of one expansion plane for a tile of `rows` output rows.
-    fn plane_len(&self, rows: usize) -> usize {
-        (rows + (self.kh - 1) / self.sh) * self.wo
-    }
-
-    /// Elements of the expansion of a tile of `rows` output rows (0 when the GEMMs read the
-    /// input directly).
-    pub(crate) fn expanded_len(&self, rows: usize) -> usize {
-        if self.reads_input() {
-            0
-        } else {
-            self.depth() * self.phases() * self.plane_len(rows)
-        }
     }
 
     /// Whether the expansion would equal the input, so the GEMMs read it directly: one kernel
@@ -117,6 +85,55 @@ impl Plan {
             && self.left == 0
             && self.wo == self.w
             && self.ho + self.kh - 1 <= self.h
+    }
+
+    /// Whether the kernel rows are folded into the expansion (one GEMM per tile).
+    fn folded(&self) -> bool {
+        self.kh > 1 && self.c * self.kw < FOLD_BELOW_DEPTH && !self.reads_input()
+    }
+
+    /// GEMMs per tile: one per kernel row, or one when the rows are folded.
+    pub(crate) fn calls(&self) -> usize {
+        if self.folded() {
+            1
+        } else {
+            self.kh
+        }
+    }
+
+    /// Row phases per `(channel, kernel column)`: every kernel row when folded, else the
+    /// stride's phases the kernel reaches.
+    fn phases(&self) -> usize {
+        if self.folded() {
+            self.kh
+        } else {
+            self.sh.min(self.kh)
+        }
+    }
+
+    /// The GEMMs' inner dimension.
+    pub(crate) fn depth(&self) -> usize {
+        self.c * self.kw * if self.folded() { self.kh } else { 1 }
+    }
+
+    /// Elements of one expansion plane for a tile of `rows` output rows.
+    fn plane_len(&self, rows: usize) -> usize {
+        let extra = if self.folded() {
+            0
+        } else {
+            (self.kh - 1) / self.sh
+        };
+        (rows + extra) * self.wo
+    }
+
+    /// Elements of the expansion of a tile of `rows` output rows (0 when the GEMMs read the
+    /// input directly).
+    pub(crate) fn expanded_len(&self, rows: usize) -> usize {
+        if self.reads_input() {
+            0
+        } else {
+            self.c * self.kw * self.phases() * self.plane_len(rows)
+        }
     }
 
     /// Output rows per tile: about [`TARGET_POSITIONS`] positions within [`TILE_BUDGET`],
@@ -132,13 +149,61 @@ impl Plan {
         self.ho.div_ceil(tiles).max(1)
     }
 
+    /// Offset in the operand of output position 0 for GEMM `call` (a kernel row, unless
+    /// folded): kernel row `sh * u + r` reads phase `r` shifted down by `u` rows.
+    pub(crate) fn call_offset(&self, operand: &Operand, call: usize) -> usize {
+        if self.folded() {
+            operand.base
+        } else {
+            operand.base + (call % self.sh) * operand.plane + (call / self.sh) * self.wo
+        }
+    }
+
+    /// The kernel tap `(c, ky, kx)` that GEMM `call` multiplies at depth index `k`.
+    fn tap(&self, call: usize, k: usize) -> (usize, usize, usize) {
+        if self.folded() {
+            let (ck, ky) = (k / self.kh, k % self.kh);
+            (ck / self.kw, ky, ck % self.kw)
+        } else {
+            (k / self.kw, call, k % self.kw)
+        }
+    }
+
+    /// Packs a kernel for the GEMMs: `packed[call][o][k] = tap(o, c, ky, kx)` for the tap
+    /// `(c, ky, kx)` at depth `k` of `call`, where `tap` reads the source weights (so a caller
+    /// can transpose, flip or subsample them while packing).
+    pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32) -> Vec<f32> {
+        let depth = self.depth();
+        let mut packed = Vec::with_capacity(self.calls() * self.o * depth);
+        for call in 0..self.calls() {
+            for o in 0..self.o {
+                packed.extend((0..depth).map(|k| {
+                    let (c, ky, kx) = self.tap(call, k);
+                    tap(o, c, ky, kx)
+                }));
+            }
+        }
+        packed
+    }
+
+    /// Adds a kernel gradient packed as `[call][k][o]` to `dw`, laid out `(o, c, kh, kw)`.
+    pub(crate) fn unpack_add(&self, packed: &[f32], dw: &mut [f32]) {
+        let (depth, c, kh, kw) = (self.depth(), self.c, self.kh, self.kw);
+        for (i, column) in packed.chunks_exact(self.o).enumerate() {
+            let (ci, ky, kx) = self.tap(i / depth, i % depth);
+            for (o, v) in column.iter().enumerate() {
+                dw[((o * c + ci) * kh + ky) * kw + kx] += v;
+            }
+        }
+    }
+
     /// Writes the expansion of output rows `i0 .. i0 + rows` of image `x` into `buf` (at least
     /// [`Plan::expanded_len`] long) and describes it, or describes `x` itself when it can be
     /// read directly.
     pub(crate) fn expand(&self, x: &[f32], i0: usize, rows: usize, buf: &mut [f32]) -> Operand {
         if self.reads_input() {
             return Operand {
-                source: Source::Input,
+                expanded: false,
                 k_stride: self.h * self.w,
                 base: i0 * self.wo,
                 plane: self.h * self.w,
@@ -146,49 +211,91 @@ impl Plan {
         }
         let plane = self.plane_len(rows);
         let phases = self.phases();
-        let rows_in = rows + (self.kh - 1) / self.sh;
-        let (h, w, wo) = (self.h, self.w, self.wo);
-        for c in 0..self.c {
-            let xc = &x[c * h * w..(c + 1) * h * w];
-            for kx in 0..self.kw {
-                let shift = kx as isize - self.left;
-                let (j0, j1) = valid_range(shift, self.sw, w, wo);
-                for r in 0..phases {
-                    let start = ((c * self.kw + kx) * phases + r) * plane;
-                    let planes = &mut buf[start..start + rows_in * wo];
-                    for (y, row) in planes.chunks_exact_mut(wo).enumerate() {
-                        let yy = (self.sh * (i0 + y) + r) as isize - self.top;
-                        if yy < 0 || yy >= h as isize {
-                            row.fill(0.0);
-                            continue;
-                        }
-                        let src = &xc[yy as usize * w..(yy as usize + 1) * w];
-                        row[..j0].fill(0.0);
-                        row[j1..].fill(0.0);
-                        // First input column read, at output column j0.
-                        let x0 = (self.sw * j0) as isize + shift;
-                        if j1 > j0 {
-                            let x0 = x0 as usize;
-                            if self.sw == 1 {
-                                row[j0..j1].copy_from_slice(&src[x0..x0 + (j1 - j0)]);
-                            } else {
-                                for (d, s) in row[j0..j1]
-                                    .iter_mut()
-                                    .zip(src[x0..].iter().step_by(self.sw))
-                                {
-                                    *d = *s;
-                                }
-                            }
-                        }
-                    }
-                }
+        let hw = self.h * self.w;
+        for (g, planes) in buf[..self.expanded_len(rows)]
+            .chunks_exact_mut(phases * plane)
+            .enumerate()
+        {
+            let (c, kx) = (g / self.kw, g % self.kw);
+            let xc = &x[c * hw..(c + 1) * hw];
+            for (r, plane) in planes.chunks_exact_mut(plane).enumerate() {
+                self.expand_plane(xc, plane, (self.sh * i0 + r) as isize - self.top, kx);
             }
         }
         Operand {
-            source: Source::Expanded,
-            k_stride: phases * plane,
+            expanded: true,
+            // Folded, every plane is a depth index; otherwise a depth index spans its phases.
+            k_stride: if self.folded() { plane } else { phases * plane },
             base: 0,
             plane,
+        }
+    }
+
+    /// Fills one plane: row `y` holds input row `row0 + sh * y` of channel `xc`, read from
+    /// column `kx - left` at stride `sw`, zero outside the image.
+    fn expand_plane(&self, xc: &[f32], plane: &mut [f32], row0: isize, kx: usize) {
+        let (h, w, wo, sw) = (self.h, self.w, self.wo, self.sw);
+        let shift = kx as isize - self.left;
+        let (j0, j1) = valid_range(shift, sw, w, wo);
+        if self.sh == 1 && sw == 1 && wo == w {
+            // Consecutive rows of the plane are consecutive input rows, so the whole plane is
+            // the channel shifted by a constant: one copy, then zero what wrapped around the
+            // row ends or fell outside the image.
+            let start = row0 * w as isize + shift;
+            let lo = (-start).clamp(0, plane.len() as isize) as usize;
+            let hi = (hw_isize(h, w) - start).clamp(lo as isize, plane.len() as isize) as usize;
+            plane[..lo].fill(0.0);
+            let from = (start + lo as isize) as usize;
+            plane[lo..hi].copy_from_slice(&xc[from..from + (hi - lo)]);
+            plane[hi..].fill(0.0);
+            if j0 > 0 || j1 < wo {
+                for row in plane.chunks_exact_mut(wo) {
+                    row[..j0].fill(0.0);
+                    row[j1..].fill(0.0);
+                }
+            }
+            return;
+        }
+        for (y, row) in plane.chunks_exact_mut(wo).enumerate() {
+            let yy = row0 + (self.sh * y) as isize;
+            if yy < 0 || yy >= h as isize || j0 == j1 {
+                row.fill(0.0);
+                continue;
+            }
+            row[..j0].fill(0.0);
+            row[j1..].fill(0.0);
+            // The first input column read, at output column j0, lies inside the row.
+            let x0 = yy as usize * w + ((sw * j0) as isize + shift) as usize;
+            let n = j1 - j0;
+            let src = &xc[x0..x0 + sw * (n - 1) + 1];
+            gather(&mut row[j0..j1], src, sw);
+        }
+    }
+}
+
+/// `h * w` as a signed offset.
+fn hw_isize(h: usize, w: usize) -> isize {
+    (h * w) as isize
+}
+
+/// `dst[j] = src[stride * j]`, with `src` exactly `stride * (dst.len() - 1) + 1` long.
+fn gather(dst: &mut [f32], src: &[f32], stride: usize) {
+    match stride {
+        1 => dst.copy_from_slice(src),
+        2 => {
+            // A constant stride the compiler vectorises; the last element has no pair.
+            let (last, init) = dst.split_last_mut().unzip();
+            for (d, pair) in init.unwrap_or_default().iter_mut().zip(src.chunks_exact(2)) {
+                *d = pair[0];
+            }
+            if let (Some(d), Some(s)) = (last, src.last()) {
+                *d = *s;
+            }
+        }
+        _ => {
+            for (d, s) in dst.iter_mut().zip(src.iter().step_by(stride)) {
+                *d = *s;
+            }
         }
     }
 }
@@ -210,26 +317,6 @@ fn valid_range(shift: isize, stride: usize, w: usize, wo: usize) -> (usize, usiz
     (j0, j1.clamp(j0, wo))
 }
 
-/// Packs a kernel for the row-shift GEMMs: `packed[ky][o][c * kw + kx] = tap(o, c, ky, kx)`
-/// for an `(o, c, kh, kw)` kernel, where `tap` reads the source weights (so a caller can
-/// transpose, flip or subsample them while packing).
-pub(crate) fn pack_kernel(
-    (o, c, kh, kw): (usize, usize, usize, usize),
-    tap: impl Fn(usize, usize, usize, usize) -> f32,
-) -> Vec<f32> {
-    let mut packed = Vec::with_capacity(kh * o * c * kw);
-    for ky in 0..kh {
-        for oi in 0..o {
-            for ci in 0..c {
-                for kx in 0..kw {
-                    packed.push(tap(oi, ci, ky, kx));
-                }
-            }
-        }
-    }
-    packed
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,33 +334,54 @@ mod tests {
         assert_eq!(valid_range(-9, 1, 5, 3), (3, 3));
     }
 
-    #[test]
-    fn expansion_reads_shifted_rows() {
-        // One 3x3 channel, 3x3 kernel, padding 1: plane (kx = 0) for output rows 0..3.
-        let plan = Plan {
-            c: 1,
+    fn plan(c: usize, (kh, kw): (usize, usize), (sh, sw): (usize, usize)) -> Plan {
+        Plan {
+            c,
             h: 3,
             w: 3,
             o: 1,
-            kh: 3,
-            kw: 3,
-            sh: 1,
-            sw: 1,
+            kh,
+            kw,
+            sh,
+            sw,
             top: 1,
             left: 1,
             ho: 3,
             wo: 3,
-        };
+        }
+    }
+
+    #[test]
+    fn folded_expansion_is_im2col() {
+        // One 3x3 channel, 3x3 kernel, padding 1: shallow, so the kernel rows are folded.
+        let plan = plan(1, (3, 3), (1, 1));
+        assert!(plan.folded());
+        assert_eq!((plan.calls(), plan.depth()), (1, 9));
         let x: Vec<f32> = (1..=9).map(|v| v as f32).collect();
         let mut buf = vec![f32::NAN; plan.expanded_len(3)];
         let op = plan.expand(&x, 0, 3, &mut buf);
-        assert_eq!(op.k_stride, 15);
-        // Rows -1..4 of the padded image, column shifted right by one (kx = 0).
-        assert_eq!(
-            &buf[..15],
-            &[0., 0., 0., 0., 1., 2., 0., 4., 5., 0., 7., 8., 0., 0., 0.]
-        );
-        // Kernel row 2 starts two rows down.
-        assert_eq!(op.row_offset(2, 1, 3), 6);
+        assert_eq!((op.k_stride, plan.call_offset(&op, 0)), (9, 0));
+        // Tap (ky, kx) = (0, 0) reads rows -1..2, columns -1..2; tap (1, 0) rows 0..3.
+        assert_eq!(&buf[..9], &[0., 0., 0., 0., 1., 2., 0., 4., 5.]);
+        assert_eq!(&buf[9..18], &[0., 1., 2., 0., 4., 5., 0., 7., 8.]);
+        // The packed kernel follows the same (c, kx, ky) order.
+        let packed = plan.pack(|_, c, ky, kx| (100 * c + 10 * ky + kx) as f32);
+        assert_eq!(&packed[..4], &[0., 10., 20., 1.]);
+    }
+
+    #[test]
+    fn row_shifts_by_stride_phase() {
+        // Deep enough not to fold: kernel row ky = 2u + r reads phase r, u rows down.
+        let plan = plan(32, (3, 2), (2, 1));
+        assert!(!plan.folded());
+        assert_eq!((plan.calls(), plan.depth()), (3, 64));
+        let x = vec![1f32; plan.input_len()];
+        let mut buf = vec![f32::NAN; plan.expanded_len(2)];
+        let op = plan.expand(&x, 0, 2, &mut buf);
+        // Two phases of (2 + 1) rows of 3 per (channel, column).
+        assert_eq!((op.plane, op.k_stride), (9, 18));
+        let offsets: Vec<usize> = (0..3).map(|ky| plan.call_offset(&op, ky)).collect();
+        assert_eq!(offsets, vec![0, 9, 3]);
+        assert!(buf.iter().all(|v| v.is_finite()));
     }
 }

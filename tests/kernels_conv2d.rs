@@ -55,14 +55,20 @@ fn rel_err(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
     Ok(diff / scale)
 }
 
-/// Checks the forward pass and both gradients of `case` against candle.
+/// Checks the forward pass and the gradients of `case` against candle, with a bias when
+/// `seed` is even.
 fn check(case: Case, seed: u64) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(seed);
     let x = Var::from_tensor(&random(&mut rng, &[case.n, case.c, case.h, case.w])?)?;
     let w = Var::from_tensor(&random(&mut rng, &[case.o, case.c, case.kh, case.kw])?)?;
+    let b = Var::from_tensor(&random(&mut rng, &[case.o])?)?;
+    let bias = (seed % 2 == 0).then_some(b.as_tensor());
 
-    let want = reference(&x, &w, &case)?;
-    let got = conv2d(&x, &w, case.stride, case.pad)?;
+    let mut want = reference(&x, &w, &case)?;
+    if let Some(b) = bias {
+        want = want.broadcast_add(&b.reshape((1, case.o, 1, 1))?)?;
+    }
+    let got = conv2d(&x, &w, bias, case.stride, case.pad)?;
     let err = rel_err(&got, &want)?;
     assert!(err < 1e-4, "{case:?}: forward error {err}");
 
@@ -76,7 +82,9 @@ fn check(case: Case, seed: u64) -> anyhow::Result<()> {
         .sum_all()?
         .backward()
         .with_context(|| format!("{case:?}: the kernel's gradients"))?;
-    for (name, v) in [("input", &x), ("weight", &w)] {
+    let mut vars = vec![("input", x.as_tensor()), ("weight", w.as_tensor())];
+    vars.extend(bias.map(|b| ("bias", b)));
+    for (name, v) in vars {
         let (Some(g), Some(e)) = (got_grads.get(v), want_grads.get(v)) else {
             panic!("{case:?}: no {name} gradient");
         };
@@ -197,7 +205,7 @@ fn one_thread_pool_and_non_contiguous_input() -> anyhow::Result<()> {
     let x = xt.transpose(2, 3)?;
     assert!(!x.is_contiguous());
     let w = random(&mut rng, &[4, 3, 3, 2])?;
-    let got = conv2d(&x, &w, (1, 1), (1, 1, 0, 1))?;
+    let got = conv2d(&x, &w, None, (1, 1), (1, 1, 0, 1))?;
     let want = reference(&x, &w, &case((2, 3, 5, 6), (4, 3, 2), (1, 1), (1, 1, 0, 1)))?;
     assert!(rel_err(&got, &want)? < 1e-4);
     Ok(())
@@ -227,10 +235,12 @@ fn input_without_variables_gets_no_gradient() -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(12);
     let x = random(&mut rng, &[2, 3, 6, 6])?;
     let w = Var::from_tensor(&random(&mut rng, &[4, 3, 3, 3])?)?;
-    let grads = conv2d(&x, &w, (1, 1), (1, 1, 1, 1))?
+    let b = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+    let grads = conv2d(&x, &w, Some(&b), (1, 1), (1, 1, 1, 1))?
         .sum_all()?
         .backward()?;
     assert!(grads.get(&x).is_none());
+    assert!(grads.get(&b).is_none());
     assert!(grads.get(&w).is_some());
     Ok(())
 }
@@ -239,7 +249,7 @@ fn input_without_variables_gets_no_gradient() -> anyhow::Result<()> {
 fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
     let x = Tensor::zeros((2, 3, 8, 8), DType::F32, &Device::Cpu)?;
     let w = Tensor::zeros((4, 5, 3, 3), DType::F32, &Device::Cpu)?;
-    let err = conv2d(&x, &w, (1, 1), (0, 0, 0, 0))
+    let err = conv2d(&x, &w, None, (1, 1), (0, 0, 0, 0))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
@@ -249,21 +259,28 @@ fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
     );
 
     let big = Tensor::zeros((4, 3, 9, 3), DType::F32, &Device::Cpu)?;
-    let err = conv2d(&x, &big, (1, 1), (0, 0, 0, 0))
+    let err = conv2d(&x, &big, None, (1, 1), (0, 0, 0, 0))
         .err()
         .map(|e| e.to_string());
     assert!(err.is_some_and(|e| e.contains("smaller than")));
 
     let x64 = x.to_dtype(DType::F64)?;
     let w3 = Tensor::zeros((4, 3, 3, 3), DType::F32, &Device::Cpu)?;
-    let err = conv2d(&x64, &w3, (1, 1), (0, 0, 0, 0))
+    let err = conv2d(&x64, &w3, None, (1, 1), (0, 0, 0, 0))
         .err()
         .map(|e| e.to_string());
     assert!(err.is_some_and(|e| e.contains("f32")));
 
+    let b5 = Tensor::zeros(5, DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &w3, Some(&b5), (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("[5]") && err.contains("[4, 3, 3, 3]"), "{err}");
+
     let flat = Tensor::zeros((3, 8, 8), DType::F32, &Device::Cpu)?;
-    assert!(conv2d(&flat, &w3, (1, 1), (0, 0, 0, 0)).is_err());
-    assert!(conv2d(&x, &w3, (0, 1), (0, 0, 0, 0)).is_err());
+    assert!(conv2d(&flat, &w3, None, (1, 1), (0, 0, 0, 0)).is_err());
+    assert!(conv2d(&x, &w3, None, (0, 1), (0, 0, 0, 0)).is_err());
 
     // The gradient ops check that the output gradient fits the convolution.
     let dy = Tensor::zeros((2, 4, 5, 6), DType::F32, &Device::Cpu)?;
@@ -334,14 +351,14 @@ fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
     for (name, c, h, o, k, s, pad) in shapes {
         let x = random(&mut rng, &[n, c, h, h])?;
         let w = random(&mut rng, &[o, c, k, k])?;
-        let y = conv2d(&x, &w, (s, s), pad)?;
+        let y = conv2d(&x, &w, None, (s, s), pad)?;
         let dy = random(&mut rng, y.dims())?;
         let (_, _, ho, wo) = y.dims4()?;
         let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
         let p = pad.0;
         let out_pad = h - ((ho - 1) * s + k - 2 * p);
         let ours = [
-            median_ms(5, || Ok(conv2d(&x, &w, (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
             median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
             median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
         ];

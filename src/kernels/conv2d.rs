@@ -1,8 +1,9 @@
 //! Convolution as GEMM on the CPU: forward, backward-input and backward-weight.
 //!
 //! [`conv2d`] correlates an `(N, C, H, W)` `f32` CPU tensor with an `(O, C, kh, kw)` kernel at
-//! any strides and `(top, bottom, left, right)` zero padding, as a candle custom op whose
-//! backward pass runs two more custom ops: [`conv2d_input_grad`] and [`conv2d_weight_grad`].
+//! any strides and `(top, bottom, left, right)` zero padding, and adds an optional bias, as a
+//! candle custom op whose backward pass runs two more custom ops: [`conv2d_input_grad`] and
+//! [`conv2d_weight_grad`] (which also sums the bias gradient).
 //! Training through candle's autograd therefore uses these kernels in both directions; the
 //! gradient of an input that does not depend on a variable (the images fed to the first layer)
 //! is not computed at all.
@@ -20,7 +21,7 @@ mod passes;
 mod plan;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 use crate::{Error, Result};
 use passes::Conv;
@@ -38,23 +39,33 @@ pub fn supported(x: &Tensor, w: &Tensor) -> bool {
     x.device().is_cpu() && w.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
 }
 
-/// The correlation of `x (N, C, H, W)` with `w (O, C, kh, kw)`, both `f32` on the CPU, at
-/// strides `(sh, sw)` over `x` zero-padded by `(top, bottom, left, right)`: an
+/// The correlation of `x (N, C, H, W)` with `w (O, C, kh, kw)`, plus `bias (O,)` when given,
+/// all `f32` on the CPU, at strides `(sh, sw)` over `x` zero-padded by
+/// `(top, bottom, left, right)`: an
 /// `(N, O, (H + top + bottom - kh) / sh + 1, (W + left + right - kw) / sw + 1)` tensor, as
-/// candle's `conv2d` computes it. Differentiable in `x` and `w`.
+/// candle's `conv2d` (and a broadcast bias add) computes it. Differentiable in `x`, `w` and
+/// `bias`; the bias is added in the GEMMs' output and its gradient summed alongside the
+/// kernel's.
 ///
 /// Errors name the op and the shapes when they do not fit together, and say so when a tensor
 /// is not `f32` or not on the CPU.
 pub fn conv2d(
     x: &Tensor,
     w: &Tensor,
+    bias: Option<&Tensor>,
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
 ) -> Result<Tensor> {
     check_tensors(FORWARD, &[("input", x), ("weight", w)])?;
     forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
     let (x, w) = (x.contiguous()?, w.contiguous()?);
-    Ok(x.apply_op2(&w, Forward { stride, padding })?)
+    let op = Forward { stride, padding };
+    let Some(b) = bias else {
+        return Ok(x.apply_op2(&w, op)?);
+    };
+    check_tensors(FORWARD, &[("bias", b)])?;
+    check_bias(b.dims(), w.dims()).map_err(Error::invalid)?;
+    Ok(x.apply_op3(&w, &b.contiguous()?, op)?)
 }
 
 /// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
@@ -92,9 +103,21 @@ pub fn conv2d_weight_grad(
         stride,
         padding,
         kernel_hw,
+        with_bias: false,
     };
     op.geometry(x.dims(), dy.dims()).map_err(Error::invalid)?;
     Ok(x.contiguous()?.apply_op2_no_bwd(&dy.contiguous()?, &op)?)
+}
+
+/// An error unless the bias `b_dims` has one value per output channel of the weight `w_dims`.
+fn check_bias(b_dims: &[usize], w_dims: &[usize]) -> std::result::Result<(), String> {
+    match (b_dims, w_dims.first()) {
+        ([len], Some(o)) if len == o => Ok(()),
+        _ => Err(format!(
+            "{FORWARD}: the bias {b_dims:?} must have one value per output channel of the \
+             weight {w_dims:?}"
+        )),
+    }
 }
 
 /// An error unless every tensor is `f32` on the CPU.
@@ -190,10 +213,79 @@ fn f32_slice<'a>(
     }
 }
 
-/// The forward op; its backward runs [`InputGrad`] and [`WeightGrad`].
+/// The forward op, with (`CustomOp3`) or without (`CustomOp2`) a bias; its backward runs
+/// [`InputGrad`] and [`WeightGrad`].
 struct Forward {
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
+}
+
+impl Forward {
+    /// The forward pass on CPU storage, with the bias's storage when there is one.
+    fn run(
+        &self,
+        (xs, xl): (&CpuStorage, &Layout),
+        (ws, wl): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
+            .map_err(candle_core::Error::Msg)?;
+        let bias = match bias {
+            Some((bs, bl)) => {
+                check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
+                Some(f32_slice(FORWARD, bs, bl)?)
+            }
+            None => None,
+        };
+        let x = f32_slice(FORWARD, xs, xl)?;
+        let y = passes::forward(&conv, x, f32_slice(FORWARD, ws, wl)?, bias)?;
+        Ok((
+            CpuStorage::F32(y),
+            Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
+        ))
+    }
+
+    /// The gradients of the input, the kernel and (when `bias` is given) the bias, each only
+    /// when it depends on a variable.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let dy = dy.contiguous()?;
+        let dx = if x.track_op() {
+            let (_, _, h, wd) = x.dims4()?;
+            let op = InputGrad {
+                stride: self.stride,
+                padding: self.padding,
+                input_hw: (h, wd),
+            };
+            Some(dy.apply_op2_no_bwd(w, &op)?)
+        } else {
+            None
+        };
+        let want_bias = bias.is_some_and(Tensor::track_op);
+        if !w.track_op() && !want_bias {
+            return Ok([dx, None, None]);
+        }
+        let (o, c, kh, kw) = w.dims4()?;
+        let op = WeightGrad {
+            stride: self.stride,
+            padding: self.padding,
+            kernel_hw: (kh, kw),
+            with_bias: want_bias,
+        };
+        let grads = x.apply_op2_no_bwd(&dy, &op)?;
+        if !want_bias {
+            return Ok([dx, Some(grads), None]);
+        }
+        let len = o * c * kh * kw;
+        let dw = grads.narrow(0, 0, len)?.reshape((o, c, kh, kw))?;
+        let db = grads.narrow(0, len, o)?;
+        Ok([dx, w.track_op().then_some(dw), Some(db)])
+    }
 }
 
 impl CustomOp2 for Forward {
@@ -208,17 +300,7 @@ impl CustomOp2 for Forward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
-            .map_err(candle_core::Error::Msg)?;
-        let y = passes::forward(
-            &conv,
-            f32_slice(FORWARD, xs, xl)?,
-            f32_slice(FORWARD, ws, wl)?,
-        )?;
-        Ok((
-            CpuStorage::F32(y),
-            Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
-        ))
+        self.run((xs, xl), (ws, wl), None)
     }
 
     fn bwd(
@@ -228,30 +310,38 @@ impl CustomOp2 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let dy = dy.contiguous()?;
-        let dx = if x.track_op() {
-            let (_, _, h, wd) = x.dims4()?;
-            let op = InputGrad {
-                stride: self.stride,
-                padding: self.padding,
-                input_hw: (h, wd),
-            };
-            Some(dy.apply_op2_no_bwd(w, &op)?)
-        } else {
-            None
-        };
-        let dw = if w.track_op() {
-            let (_, _, kh, kw) = w.dims4()?;
-            let op = WeightGrad {
-                stride: self.stride,
-                padding: self.padding,
-                kernel_hw: (kh, kw),
-            };
-            Some(x.apply_op2_no_bwd(&dy, &op)?)
-        } else {
-            None
-        };
+        let [dx, dw, _] = self.grads(x, w, None, dy)?;
         Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for Forward {
+    fn name(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run((xs, xl), (ws, wl), Some((bs, bl)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, db] = self.grads(x, w, Some(b), dy)?;
+        Ok((dx, dw, db))
     }
 }
 
@@ -298,11 +388,13 @@ impl CustomOp2 for InputGrad {
     }
 }
 
-/// The kernel gradient: `(x, dy)` to `dw`.
+/// The kernel gradient: `(x, dy)` to `dw`, or to `dw` and the bias gradient flattened into
+/// one vector when `with_bias`.
 struct WeightGrad {
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
     kernel_hw: (usize, usize),
+    with_bias: bool,
 }
 
 impl WeightGrad {
@@ -333,10 +425,13 @@ impl CustomOp2 for WeightGrad {
             .geometry(xl.dims(), dyl.dims())
             .map_err(candle_core::Error::Msg)?;
         let x = f32_slice(WEIGHT_GRAD, xs, xl)?;
-        let dw = passes::weight_grad(&conv, x, f32_slice(WEIGHT_GRAD, dys, dyl)?)?;
-        Ok((
-            CpuStorage::F32(dw),
-            Shape::from((conv.o, conv.c, conv.kh, conv.kw)),
-        ))
+        let dy = f32_slice(WEIGHT_GRAD, dys, dyl)?;
+        let grads = passes::weight_grad(&conv, x, dy, self.with_bias)?;
+        let shape = if self.with_bias {
+            Shape::from(grads.len())
+        } else {
+            Shape::from((conv.o, conv.c, conv.kh, conv.kw))
+        };
+        Ok((CpuStorage::F32(grads), shape))
     }
 }

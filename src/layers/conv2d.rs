@@ -140,11 +140,11 @@ impl Conv2DLayer {
 
 impl Layer for Conv2DLayer {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        let y = if kernels::conv2d::supported(x, &self.weight) {
-            kernels::conv2d::conv2d(x, &self.weight, self.stride, self.pad)?
-        } else {
-            self.candle_conv(x)?
-        };
+        if kernels::conv2d::supported(x, &self.weight) {
+            let bias = self.bias.as_ref();
+            return kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad);
+        }
+        let y = self.candle_conv(x)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
             None => y,

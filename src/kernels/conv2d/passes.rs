@@ -159,11 +159,12 @@ fn for_each_tile_gemm(
     Ok(())
 }
 
-/// `out = correlate(x, kernel)` for one image, `kernel` packed by [`Plan::pack`].
+/// `out = correlate(x, kernel) + bias` for one image, `kernel` packed by [`Plan::pack`] and
+/// `bias` one value per output channel (none: zero).
 fn correlate_image(
     plan: &Plan,
     x: &[f32],
-    kernel: &[f32],
+    (kernel, bias): (&[f32], Option<&[f32]>),
     out: &mut [f32],
     expanded: &mut Vec<f32>,
     parallelism: Parallelism,
@@ -171,12 +172,19 @@ fn correlate_image(
     let positions = plan.ho * plan.wo;
     let depth = plan.depth();
     for_each_tile_gemm(plan, x, expanded, |t| {
+        let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
+        if let (Some(bias), 0) = (bias, t.call) {
+            // Start from the bias, so the tile's first GEMM adds to it.
+            for (plane, b) in out.chunks_exact_mut(positions).zip(bias) {
+                plane[tile.clone()].fill(*b);
+            }
+        }
         matmul(
             Product {
-                m: t.rows * plan.wo,
+                m: tile.len(),
                 n: plan.o,
                 k: depth,
-                accumulate: t.call > 0,
+                accumulate: t.call > 0 || bias.is_some(),
                 parallelism,
             },
             ViewMut {
@@ -196,8 +204,14 @@ fn correlate_image(
     })
 }
 
-/// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`.
-pub(crate) fn forward(conv: &Conv, x: &[f32], w: &[f32]) -> candle_core::Result<Vec<f32>> {
+/// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)`, `w (o, c, kh, kw)` and an
+/// optional bias `(o,)`.
+pub(crate) fn forward(
+    conv: &Conv,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
     let kernel = plan.pack(|o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx]);
@@ -206,7 +220,7 @@ pub(crate) fn forward(conv: &Conv, x: &[f32], w: &[f32]) -> candle_core::Result<
         conv.n,
         (x, plan.input_len()),
         (&mut y, plan.output_len()),
-        |x, y, s, par| correlate_image(&plan, x, &kernel, y, &mut s.expanded, par),
+        |x, y, s, par| correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par),
     )?;
     Ok(y)
 }
@@ -295,7 +309,7 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
             // One phase covering the whole image, in place (phases is never empty here: a
             // stride-1 convolution reads every input position).
             return phases.iter().try_for_each(|p| {
-                correlate_image(&p.plan, dy, &p.kernel, dx, &mut s.expanded, par)
+                correlate_image(&p.plan, dy, (&p.kernel, None), dx, &mut s.expanded, par)
             });
         }
         let (h, w) = (conv.h, conv.w);
@@ -306,7 +320,7 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
                 // No kernel tap lands on these positions: their gradient is zero.
                 z.fill(0.0);
             } else {
-                correlate_image(&p.plan, dy, &p.kernel, z, &mut s.expanded, par)?;
+                correlate_image(&p.plan, dy, (&p.kernel, None), z, &mut s.expanded, par)?;
             }
             for (ci, zc) in z.chunks_exact(ha * wb).enumerate() {
                 for (a, zr) in zc.chunks_exact(wb).enumerate() {
@@ -323,11 +337,18 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
 }
 
 /// The gradient of the kernel, `dw (o, c, kh, kw)`, from `x (n, c, h, w)` and
-/// `dy (n, o, ho, wo)`, summed over the images. Each task sums a contiguous run of images into
+/// `dy (n, o, ho, wo)`, summed over the images, followed by the bias gradient `(o,)` (the sums
+/// of `dy` per output channel) when `with_bias`. Each task sums a contiguous run of images into
 /// its own packed accumulator; the accumulators are added in a fixed order.
-pub(crate) fn weight_grad(conv: &Conv, x: &[f32], dy: &[f32]) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn weight_grad(
+    conv: &Conv,
+    x: &[f32],
+    dy: &[f32],
+    with_bias: bool,
+) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     let packed_len = plan.calls() * plan.o * plan.depth();
+    let acc_len = packed_len + if with_bias { plan.o } else { 0 };
     let tasks = if split_images(conv.n) {
         rayon::current_num_threads().min(conv.n).max(1)
     } else {
@@ -337,13 +358,17 @@ pub(crate) fn weight_grad(conv: &Conv, x: &[f32], dy: &[f32]) -> candle_core::Re
     let par = gemm_parallelism(conv.n);
     let (in_len, dy_len) = (plan.input_len(), plan.output_len());
     let run = |t: usize| -> candle_core::Result<Vec<f32>> {
-        let mut acc = vec![0f32; packed_len];
+        let mut acc = vec![0f32; acc_len];
+        let (packed, bias) = acc.split_at_mut(packed_len);
         let images = t * per_task..((t + 1) * per_task).min(conv.n);
         with_scratch(|s| {
             images.into_iter().try_for_each(|i| {
                 let xi = &x[i * in_len..(i + 1) * in_len];
                 let dyi = &dy[i * dy_len..(i + 1) * dy_len];
-                weight_grad_image(&plan, xi, dyi, &mut acc, &mut s.expanded, par)
+                if with_bias {
+                    add_channel_sums(dyi, bias);
+                }
+                weight_grad_image(&plan, xi, dyi, packed, &mut s.expanded, par)
             })
         })?;
         Ok(acc)
@@ -356,12 +381,36 @@ pub(crate) fn weight_grad(conv: &Conv, x: &[f32], dy: &[f32]) -> candle_core::Re
     } else {
         vec![run(0)?]
     };
-    // Unpack into (o, c, kh, kw), adding the partial sums in order.
-    let mut dw = vec![0f32; conv.o * conv.c * conv.kh * conv.kw];
-    for partial in &partials {
-        plan.unpack_add(partial, &mut dw);
+    // Add the partial sums in order, then unpack into (o, c, kh, kw) and the bias.
+    let mut partials = partials.into_iter();
+    let mut total = partials.next().unwrap_or_else(|| vec![0f32; acc_len]);
+    for partial in partials {
+        for (t, p) in total.iter_mut().zip(&partial) {
+            *t += p;
+        }
     }
+    let mut dw = vec![0f32; conv.o * conv.c * conv.kh * conv.kw];
+    plan.unpack(&total[..packed_len], &mut dw);
+    dw.extend_from_slice(&total[packed_len..]);
     Ok(dw)
+}
+
+/// Adds the sum of each of `sums.len()` equal planes of `dy` to `sums`, in lanes the compiler
+/// vectorises.
+fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
+    const LANES: usize = 16;
+    let plane = dy.len() / sums.len().max(1);
+    for (sum, row) in sums.iter_mut().zip(dy.chunks_exact(plane.max(1))) {
+        let mut lanes = [0f32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for chunk in chunks {
+            for (l, v) in lanes.iter_mut().zip(chunk) {
+                *l += v;
+            }
+        }
+        *sum += lanes.iter().sum::<f32>() + tail;
+    }
 }
 
 /// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`.

@@ -186,13 +186,13 @@ impl Plan {
         packed
     }
 
-    /// Adds a kernel gradient packed as `[call][k][o]` to `dw`, laid out `(o, c, kh, kw)`.
-    pub(crate) fn unpack_add(&self, packed: &[f32], dw: &mut [f32]) {
+    /// Writes a kernel gradient packed as `[call][k][o]` into `dw`, laid out `(o, c, kh, kw)`.
+    pub(crate) fn unpack(&self, packed: &[f32], dw: &mut [f32]) {
         let (depth, c, kh, kw) = (self.depth(), self.c, self.kh, self.kw);
         for (i, column) in packed.chunks_exact(self.o).enumerate() {
             let (ci, ky, kx) = self.tap(i / depth, i % depth);
             for (o, v) in column.iter().enumerate() {
-                dw[((o * c + ci) * kh + ky) * kw + kx] += v;
+                dw[((o * c + ci) * kh + ky) * kw + kx] = *v;
             }
         }
     }

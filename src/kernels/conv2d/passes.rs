@@ -58,6 +58,8 @@ struct Scratch {
     expanded: Vec<f32>,
     /// One stride phase of the input gradient.
     phase: Vec<f32>,
+    /// An output gradient image, positions-major.
+    transposed: Vec<f32>,
 }
 
 thread_local! {
@@ -368,7 +370,7 @@ pub(crate) fn weight_grad(
                 if with_bias {
                     add_channel_sums(dyi, bias);
                 }
-                weight_grad_image(&plan, xi, dyi, packed, &mut s.expanded, par)
+                weight_grad_image(&plan, xi, dyi, packed, s, par)
             })
         })?;
         Ok(acc)
@@ -419,11 +421,21 @@ fn weight_grad_image(
     x: &[f32],
     dy: &[f32],
     acc: &mut [f32],
-    expanded: &mut Vec<f32>,
+    scratch: &mut Scratch,
     parallelism: Parallelism,
 ) -> candle_core::Result<()> {
     let positions = plan.ho * plan.wo;
     let depth = plan.depth();
+    let Scratch {
+        expanded,
+        transposed,
+        ..
+    } = scratch;
+    // dy transposed once per image (output channels contiguous), so the GEMMs read it in place;
+    // left to gemm, it would be packed again for every call.
+    let dyt = at_least(transposed, dy.len());
+    transpose(dy, plan.o, positions, dyt);
+    let dyt = &*dyt;
     for_each_tile_gemm(plan, x, expanded, |t| {
         matmul(
             Product {
@@ -433,9 +445,6 @@ fn weight_grad_image(
                 accumulate: true,
                 parallelism,
             },
-            // Output channels contiguous: gemm then packs `dy` once per call and reads the
-            // expansion in place, much faster for few output channels than the transposed
-            // layout.
             ViewMut {
                 data: acc,
                 offset: t.call * plan.o * depth,
@@ -443,13 +452,31 @@ fn weight_grad_image(
                 cs: plan.o,
             },
             View {
-                data: dy,
-                offset: t.i0 * plan.wo,
-                rs: positions,
-                cs: 1,
+                data: dyt,
+                offset: t.i0 * plan.wo * plan.o,
+                rs: 1,
+                cs: plan.o,
             },
             // The operand read as (positions x depth).
             t.operand,
         )
     })
+}
+
+/// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`,
+/// in square blocks that stay in L1.
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    const BLOCK: usize = 16;
+    for r0 in (0..rows).step_by(BLOCK) {
+        let r1 = (r0 + BLOCK).min(rows);
+        for c0 in (0..cols).step_by(BLOCK) {
+            let c1 = (c0 + BLOCK).min(cols);
+            for c in c0..c1 {
+                let out = &mut dst[c * rows + r0..c * rows + r1];
+                for (r, d) in (r0..r1).zip(out) {
+                    *d = src[r * cols + c];
+                }
+            }
+        }
+    }
 }

@@ -18,7 +18,7 @@
 
 /// Output positions per tile the GEMMs aim for: enough rows for the micro-kernels to run at
 /// full speed, few enough that the expanded tile stays in L2.
-const TARGET_POSITIONS: usize = 256;
+const TARGET_POSITIONS: usize = 512;
 
 /// The most `f32`s an expanded tile may take (512 KiB), halved until it fits.
 const TILE_BUDGET: usize = 128 * 1024;

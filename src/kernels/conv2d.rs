@@ -78,14 +78,12 @@ pub fn conv2d_input_grad(
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
 ) -> Result<Tensor> {
-    check_tensors(INPUT_GRAD, &[("output gradient", dy), ("weight", w)])?;
     let op = InputGrad {
         stride,
         padding,
         input_hw,
     };
-    op.geometry(dy.dims(), w.dims()).map_err(Error::invalid)?;
-    Ok(dy.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &op)?)
+    apply_gradient_op(&op, ("output gradient", dy), ("weight", w))
 }
 
 /// The gradient of [`conv2d`]'s kernel: from the input `x (N, C, H, W)` and the output gradient
@@ -98,15 +96,47 @@ pub fn conv2d_weight_grad(
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
 ) -> Result<Tensor> {
-    check_tensors(WEIGHT_GRAD, &[("input", x), ("output gradient", dy)])?;
     let op = WeightGrad {
         stride,
         padding,
         kernel_hw,
         with_bias: false,
     };
-    op.geometry(x.dims(), dy.dims()).map_err(Error::invalid)?;
-    Ok(x.contiguous()?.apply_op2_no_bwd(&dy.contiguous()?, &op)?)
+    apply_gradient_op(&op, ("input", x), ("output gradient", dy))
+}
+
+/// A gradient op's two operands: their check against the convolution, and the computation.
+trait Operands {
+    /// The convolution, or an error naming the op and the shapes.
+    fn geometry(&self, a: &[usize], b: &[usize]) -> std::result::Result<Conv, String>;
+
+    /// The op's result and its shape, from its operands' data.
+    fn compute(&self, conv: &Conv, a: &[f32], b: &[f32]) -> candle_core::Result<(Vec<f32>, Shape)>;
+}
+
+/// A gradient op's forward on CPU storage: check, borrow the data, compute.
+fn cpu_gradient<Op: CustomOp2 + Operands>(
+    op: &Op,
+    (a, al): (&CpuStorage, &Layout),
+    (b, bl): (&CpuStorage, &Layout),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let conv = op
+        .geometry(al.dims(), bl.dims())
+        .map_err(candle_core::Error::Msg)?;
+    let (a, b) = (f32_slice(op.name(), a, al)?, f32_slice(op.name(), b, bl)?);
+    let (out, shape) = op.compute(&conv, a, b)?;
+    Ok((CpuStorage::F32(out), shape))
+}
+
+/// Checks the named operands `a` and `b` of a gradient op and applies it, without backward.
+fn apply_gradient_op<Op: CustomOp2 + Operands>(
+    op: &Op,
+    (a_name, a): (&str, &Tensor),
+    (b_name, b): (&str, &Tensor),
+) -> Result<Tensor> {
+    check_tensors(op.name(), &[(a_name, a), (b_name, b)])?;
+    op.geometry(a.dims(), b.dims()).map_err(Error::invalid)?;
+    Ok(a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, op)?)
 }
 
 /// An error unless the bias `b_dims` has one value per output channel of the weight `w_dims`.
@@ -352,7 +382,7 @@ struct InputGrad {
     input_hw: (usize, usize),
 }
 
-impl InputGrad {
+impl Operands for InputGrad {
     fn geometry(&self, dy_dims: &[usize], w_dims: &[usize]) -> std::result::Result<Conv, String> {
         let [n, _, _, _] = dims4(INPUT_GRAD, "output gradient", dy_dims)?;
         let [_, c, _, _] = dims4(INPUT_GRAD, "weight", w_dims)?;
@@ -361,6 +391,16 @@ impl InputGrad {
             .map_err(|e| e.replacen(FORWARD, INPUT_GRAD, 1))?;
         check_output(INPUT_GRAD, &conv, dy_dims)?;
         Ok(conv)
+    }
+
+    fn compute(
+        &self,
+        conv: &Conv,
+        dy: &[f32],
+        w: &[f32],
+    ) -> candle_core::Result<(Vec<f32>, Shape)> {
+        let dx = passes::input_grad(conv, dy, w)?;
+        Ok((dx, Shape::from((conv.n, conv.c, conv.h, conv.w))))
     }
 }
 
@@ -376,15 +416,7 @@ impl CustomOp2 for InputGrad {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let conv = self
-            .geometry(dyl.dims(), wl.dims())
-            .map_err(candle_core::Error::Msg)?;
-        let dy = f32_slice(INPUT_GRAD, dys, dyl)?;
-        let dx = passes::input_grad(&conv, dy, f32_slice(INPUT_GRAD, ws, wl)?)?;
-        Ok((
-            CpuStorage::F32(dx),
-            Shape::from((conv.n, conv.c, conv.h, conv.w)),
-        ))
+        cpu_gradient(self, (dys, dyl), (ws, wl))
     }
 }
 
@@ -397,7 +429,7 @@ struct WeightGrad {
     with_bias: bool,
 }
 
-impl WeightGrad {
+impl Operands for WeightGrad {
     fn geometry(&self, x_dims: &[usize], dy_dims: &[usize]) -> std::result::Result<Conv, String> {
         let [_, c, _, _] = dims4(WEIGHT_GRAD, "input", x_dims)?;
         let [_, o, _, _] = dims4(WEIGHT_GRAD, "output gradient", dy_dims)?;
@@ -406,6 +438,21 @@ impl WeightGrad {
             .map_err(|e| e.replacen(FORWARD, WEIGHT_GRAD, 1))?;
         check_output(WEIGHT_GRAD, &conv, dy_dims)?;
         Ok(conv)
+    }
+
+    fn compute(
+        &self,
+        conv: &Conv,
+        x: &[f32],
+        dy: &[f32],
+    ) -> candle_core::Result<(Vec<f32>, Shape)> {
+        let grads = passes::weight_grad(conv, x, dy, self.with_bias)?;
+        let shape = if self.with_bias {
+            Shape::from(grads.len())
+        } else {
+            Shape::from((conv.o, conv.c, conv.kh, conv.kw))
+        };
+        Ok((grads, shape))
     }
 }
 
@@ -421,17 +468,6 @@ impl CustomOp2 for WeightGrad {
         dys: &CpuStorage,
         dyl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let conv = self
-            .geometry(xl.dims(), dyl.dims())
-            .map_err(candle_core::Error::Msg)?;
-        let x = f32_slice(WEIGHT_GRAD, xs, xl)?;
-        let dy = f32_slice(WEIGHT_GRAD, dys, dyl)?;
-        let grads = passes::weight_grad(&conv, x, dy, self.with_bias)?;
-        let shape = if self.with_bias {
-            Shape::from(grads.len())
-        } else {
-            Shape::from((conv.o, conv.c, conv.kh, conv.kw))
-        };
-        Ok((CpuStorage::F32(grads), shape))
+        cpu_gradient(self, (xs, xl), (dys, dyl))
     }
 }

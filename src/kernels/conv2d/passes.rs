@@ -97,7 +97,7 @@ fn gemm_parallelism(images: usize) -> Parallelism {
     }
 }
 
-/// Calls `f(image, input, output, scratch, parallelism)` for each of the `n` images of `x`
+/// Calls `f(input, output, scratch, parallelism)` for each of the `n` images of `x`
 /// (`in_len` elements each) and `out` (`out_len` elements each), in parallel when there are
 /// enough images.
 fn for_each_image(
@@ -110,9 +110,10 @@ fn for_each_image(
     if out_len == 0 {
         return Ok(());
     }
-    let images = out.par_chunks_mut(out_len).zip(x.par_chunks(in_len.max(1)));
     if split_images(n) {
-        images.try_for_each(|(o, x)| with_scratch(|s| f(x, o, s, par)))
+        out.par_chunks_mut(out_len)
+            .zip(x.par_chunks(in_len.max(1)))
+            .try_for_each(|(o, x)| with_scratch(|s| f(x, o, s, par)))
     } else {
         with_scratch(|s| {
             out.chunks_mut(out_len)

@@ -384,18 +384,31 @@ pub(crate) fn weight_grad(
     } else {
         vec![run(0)?]
     };
-    // Add the partial sums in order, then unpack into (o, c, kh, kw) and the bias.
-    let mut partials = partials.into_iter();
-    let mut total = partials.next().unwrap_or_else(|| vec![0f32; acc_len]);
-    for partial in partials {
-        for (t, p) in total.iter_mut().zip(&partial) {
-            *t += p;
-        }
-    }
-    let mut dw = vec![0f32; conv.o * conv.c * conv.kh * conv.kw];
-    plan.unpack(&total[..packed_len], &mut dw);
-    dw.extend_from_slice(&total[packed_len..]);
+    let mut dw = vec![0f32; conv.o * plan.taps()];
+    unpack_sum(&plan, &partials, &mut dw);
+    dw.extend((packed_len..acc_len).map(|i| partials.iter().map(|p| p[i]).sum::<f32>()));
     Ok(dw)
+}
+
+/// Writes the sum of the packed `[call][depth][o]` kernel gradients `partials` (added in
+/// order) into `dw`, laid out `(o, c, kh, kw)`, a group of output channels per task so each
+/// task reads whole cache lines.
+fn unpack_sum(plan: &Plan, partials: &[Vec<f32>], dw: &mut [f32]) {
+    const GROUP: usize = 16;
+    let (o, taps, depth) = (plan.o, plan.taps(), plan.depth());
+    dw.par_chunks_mut(GROUP * taps)
+        .enumerate()
+        .for_each(|(g, block)| {
+            let o0 = g * GROUP;
+            let channels = block.len() / taps;
+            for i in 0..plan.calls() * depth {
+                let at = plan.unpacked_index(i / depth, i % depth);
+                for j in 0..channels {
+                    let sum: f32 = partials.iter().map(|p| p[i * o + o0 + j]).sum();
+                    block[j * taps + at] = sum;
+                }
+            }
+        });
 }
 
 /// Adds the sum of each of `sums.len()` equal planes of `dy` to `sums`, in lanes the compiler

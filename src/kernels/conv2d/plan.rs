@@ -186,15 +186,16 @@ impl Plan {
         packed
     }
 
-    /// Writes a kernel gradient packed as `[call][k][o]` into `dw`, laid out `(o, c, kh, kw)`.
-    pub(crate) fn unpack(&self, packed: &[f32], dw: &mut [f32]) {
-        let (depth, c, kh, kw) = (self.depth(), self.c, self.kh, self.kw);
-        for (i, column) in packed.chunks_exact(self.o).enumerate() {
-            let (ci, ky, kx) = self.tap(i / depth, i % depth);
-            for (o, v) in column.iter().enumerate() {
-                dw[((o * c + ci) * kh + ky) * kw + kx] = *v;
-            }
-        }
+    /// Kernel-gradient entries per output channel: `c * kh * kw`.
+    pub(crate) fn taps(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+
+    /// Where packed depth index `k` of GEMM `call` lands within one output channel's
+    /// `(c, kh, kw)` block of the kernel gradient.
+    pub(crate) fn unpacked_index(&self, call: usize, k: usize) -> usize {
+        let (c, ky, kx) = self.tap(call, k);
+        (c * self.kh + ky) * self.kw + kx
     }
 
     /// Writes the expansion of output rows `i0 .. i0 + rows` of image `x` into `buf` (at least

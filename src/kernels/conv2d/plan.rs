@@ -12,9 +12,11 @@
 //! position. So the correlation is `kh` GEMMs, one per kernel row, each
 //! `out (positions x o) += E_shifted (positions x c*kw) * W_ky (c*kw x o)`, with no wasted
 //! columns and a copy `kh` times smaller than im2col's. The expansion is built a few output
-//! rows at a time, a tile that stays in the core's L2 cache; when it would equal the input
-//! (1xN kernels at stride 1 without horizontal padding or vertical padding) the GEMMs read the
-//! input directly.
+//! rows at a time, a tile that stays in the core's L2 cache. When it would equal the input
+//! (kernels one column wide, at unit strides, without padding) the GEMMs read the input
+//! directly; when `c * kw` is too shallow for a GEMM to run well (the 3-channel images a first
+//! layer sees), the kernel rows are folded into the expansion too, a full im2col, and each
+//! tile takes one GEMM.
 
 /// Output positions per tile the GEMMs aim for: enough rows for the micro-kernels to run at
 /// full speed, few enough that the expanded tile stays in L2.

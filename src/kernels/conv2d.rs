@@ -1,1 +1,473 @@
 //! Convolution as GEMM on the CPU: forward, backward-input and backward-weight.
+//!
+//! [`conv2d`] correlates an `(N, C, H, W)` `f32` CPU tensor with an `(O, C, kh, kw)` kernel at
+//! any strides and `(top, bottom, left, right)` zero padding, and adds an optional bias, as a
+//! candle custom op whose backward pass runs two more custom ops: [`conv2d_input_grad`] and
+//! [`conv2d_weight_grad`] (which also sums the bias gradient).
+//! Training through candle's autograd therefore uses these kernels in both directions; the
+//! gradient of an input that does not depend on a variable (the images fed to the first layer)
+//! is not computed at all.
+//!
+//! Each pass is a few GEMMs per tile of output rows over a row-shift expansion of the input
+//! (see `plan`), run by the `gemm` crate with the CPU's widest micro-kernels, and split over
+//! the images of the batch in the current rayon pool. The input gradient at stride `s` is `s^2`
+//! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on
+//! the zeros a dilated transposed convolution would multiply.
+//!
+//! The gradient ops are not themselves differentiable (no second derivatives).
+
+mod gemm;
+mod passes;
+mod plan;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+use crate::{Error, Result};
+use passes::Conv;
+
+const FORWARD: &str = "conv2d";
+const INPUT_GRAD: &str = "conv2d_input_grad";
+const WEIGHT_GRAD: &str = "conv2d_weight_grad";
+
+/// Strides and padding of a convolution: `(vertical, horizontal)` and
+/// `(top, bottom, left, right)`.
+type Window = ((usize, usize), (usize, usize, usize, usize));
+
+/// Whether [`conv2d`] can run on these tensors: both `f32` and on the CPU.
+pub fn supported(x: &Tensor, w: &Tensor) -> bool {
+    x.device().is_cpu() && w.device().is_cpu() && x.dtype() == DType::F32 && w.dtype() == DType::F32
+}
+
+/// The correlation of `x (N, C, H, W)` with `w (O, C, kh, kw)`, plus `bias (O,)` when given,
+/// all `f32` on the CPU, at strides `(sh, sw)` over `x` zero-padded by
+/// `(top, bottom, left, right)`: an
+/// `(N, O, (H + top + bottom - kh) / sh + 1, (W + left + right - kw) / sw + 1)` tensor, as
+/// candle's `conv2d` (and a broadcast bias add) computes it. Differentiable in `x`, `w` and
+/// `bias`; the bias is added in the GEMMs' output and its gradient summed alongside the
+/// kernel's.
+///
+/// Errors name the op and the shapes when they do not fit together, and say so when a tensor
+/// is not `f32` or not on the CPU.
+pub fn conv2d(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    check_tensors(FORWARD, &[("input", x), ("weight", w)])?;
+    forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    let op = Forward { stride, padding };
+    let Some(b) = bias else {
+        return Ok(x.apply_op2(&w, op)?);
+    };
+    check_tensors(FORWARD, &[("bias", b)])?;
+    check_bias(b.dims(), w.dims()).map_err(Error::invalid)?;
+    Ok(x.apply_op3(&w, &b.contiguous()?, op)?)
+}
+
+/// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
+/// kernel `w (O, C, kh, kw)`, the `(N, C, H, W)` gradient of an input of height and width
+/// `input_hw`. Not differentiable.
+pub fn conv2d_input_grad(
+    dy: &Tensor,
+    w: &Tensor,
+    input_hw: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    let op = InputGrad {
+        stride,
+        padding,
+        input_hw,
+    };
+    apply_gradient_op(&op, ("output gradient", dy), ("weight", w))
+}
+
+/// The gradient of [`conv2d`]'s kernel: from the input `x (N, C, H, W)` and the output gradient
+/// `dy (N, O, Ho, Wo)`, the `(O, C, kh, kw)` gradient summed over the batch, for a kernel of
+/// size `kernel_hw`. Not differentiable.
+pub fn conv2d_weight_grad(
+    x: &Tensor,
+    dy: &Tensor,
+    kernel_hw: (usize, usize),
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    let op = WeightGrad {
+        stride,
+        padding,
+        kernel_hw,
+        with_bias: false,
+    };
+    apply_gradient_op(&op, ("input", x), ("output gradient", dy))
+}
+
+/// A gradient op's two operands: their check against the convolution, and the computation.
+trait Operands {
+    /// The convolution, or an error naming the op and the shapes.
+    fn geometry(&self, a: &[usize], b: &[usize]) -> std::result::Result<Conv, String>;
+
+    /// The op's result and its shape, from its operands' data.
+    fn compute(&self, conv: &Conv, a: &[f32], b: &[f32]) -> candle_core::Result<(Vec<f32>, Shape)>;
+}
+
+/// A gradient op's forward on CPU storage: check, borrow the data, compute.
+fn cpu_gradient<Op: CustomOp2 + Operands>(
+    op: &Op,
+    (a, al): (&CpuStorage, &Layout),
+    (b, bl): (&CpuStorage, &Layout),
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let conv = op
+        .geometry(al.dims(), bl.dims())
+        .map_err(candle_core::Error::Msg)?;
+    let (a, b) = (f32_slice(op.name(), a, al)?, f32_slice(op.name(), b, bl)?);
+    let (out, shape) = op.compute(&conv, a, b)?;
+    Ok((CpuStorage::F32(out), shape))
+}
+
+/// Checks the named operands `a` and `b` of a gradient op and applies it, without backward.
+fn apply_gradient_op<Op: CustomOp2 + Operands>(
+    op: &Op,
+    (a_name, a): (&str, &Tensor),
+    (b_name, b): (&str, &Tensor),
+) -> Result<Tensor> {
+    check_tensors(op.name(), &[(a_name, a), (b_name, b)])?;
+    op.geometry(a.dims(), b.dims()).map_err(Error::invalid)?;
+    Ok(a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, op)?)
+}
+
+/// An error unless the bias `b_dims` has one value per output channel of the weight `w_dims`.
+fn check_bias(b_dims: &[usize], w_dims: &[usize]) -> std::result::Result<(), String> {
+    match (b_dims, w_dims.first()) {
+        ([len], Some(o)) if len == o => Ok(()),
+        _ => Err(format!(
+            "{FORWARD}: the bias {b_dims:?} must have one value per output channel of the \
+             weight {w_dims:?}"
+        )),
+    }
+}
+
+/// An error unless every tensor is `f32` on the CPU.
+fn check_tensors(op: &str, tensors: &[(&str, &Tensor)]) -> Result<()> {
+    for (what, t) in tensors {
+        if !t.device().is_cpu() || t.dtype() != DType::F32 {
+            return Err(Error::invalid(format!(
+                "{op}: the CPU kernel takes f32 tensors on the CPU, but the {what} {:?} is {:?} \
+                 on {:?}",
+                t.dims(),
+                t.dtype(),
+                t.device()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The four dimensions of `dims`, or an error naming `op` and the tensor.
+fn dims4(op: &str, what: &str, dims: &[usize]) -> std::result::Result<[usize; 4], String> {
+    <[usize; 4]>::try_from(dims)
+        .map_err(|_| format!("{op}: the {what} must have 4 dimensions, got shape {dims:?}"))
+}
+
+/// The convolution of an `x_dims` input with a `w_dims` kernel, or an error naming both shapes.
+fn forward_geometry(
+    x_dims: &[usize],
+    w_dims: &[usize],
+    (stride, padding): Window,
+) -> std::result::Result<Conv, String> {
+    let [n, c, h, w] = dims4(FORWARD, "input", x_dims)?;
+    let [o, wc, kh, kw] = dims4(FORWARD, "weight", w_dims)?;
+    if wc != c {
+        return Err(format!(
+            "{FORWARD}: the input {x_dims:?} has {c} channels but the weight {w_dims:?} \
+             expects {wc}"
+        ));
+    }
+    let (sh, sw) = stride;
+    let (pt, pb, pl, pr) = padding;
+    if [c, h, w, o, kh, kw, sh, sw].contains(&0) {
+        return Err(format!(
+            "{FORWARD}: input {x_dims:?}, weight {w_dims:?} and strides {stride:?} must have \
+             non-zero channels, sizes and strides"
+        ));
+    }
+    let (hp, wp) = (h + pt + pb, w + pl + pr);
+    if hp < kh || wp < kw {
+        return Err(format!(
+            "{FORWARD}: the input {x_dims:?} padded by {padding:?} is {hp}x{wp}, smaller than \
+             the weight {w_dims:?}'s {kh}x{kw} window"
+        ));
+    }
+    Ok(Conv {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        stride,
+        pad: padding,
+        ho: (hp - kh) / sh + 1,
+        wo: (wp - kw) / sw + 1,
+    })
+}
+
+/// An error unless the output gradient's shape `dy_dims` is the convolution's output.
+fn check_output(op: &str, conv: &Conv, dy_dims: &[usize]) -> std::result::Result<(), String> {
+    let expected = [conv.n, conv.o, conv.ho, conv.wo];
+    if dy_dims != expected {
+        return Err(format!(
+            "{op}: the output gradient {dy_dims:?} does not match the convolution's output \
+             {expected:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The contiguous `f32` data `layout` describes in `storage`, or an error naming `op`.
+fn f32_slice<'a>(
+    op: &str,
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
+        (CpuStorage::F32(_), None) => {
+            candle_core::bail!("{op}: expected a contiguous tensor, got {layout:?}")
+        }
+        (other, _) => candle_core::bail!("{op}: expected f32, got {:?}", other.dtype()),
+    }
+}
+
+/// The forward op, with (`CustomOp3`) or without (`CustomOp2`) a bias; its backward runs
+/// [`InputGrad`] and [`WeightGrad`].
+struct Forward {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+}
+
+impl Forward {
+    /// The forward pass on CPU storage, with the bias's storage when there is one.
+    fn run(
+        &self,
+        (xs, xl): (&CpuStorage, &Layout),
+        (ws, wl): (&CpuStorage, &Layout),
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
+            .map_err(candle_core::Error::Msg)?;
+        let bias = match bias {
+            Some((bs, bl)) => {
+                check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
+                Some(f32_slice(FORWARD, bs, bl)?)
+            }
+            None => None,
+        };
+        let x = f32_slice(FORWARD, xs, xl)?;
+        let y = passes::forward(&conv, x, f32_slice(FORWARD, ws, wl)?, bias)?;
+        Ok((
+            CpuStorage::F32(y),
+            Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
+        ))
+    }
+
+    /// The gradients of the input, the kernel and (when `bias` is given) the bias, each only
+    /// when it depends on a variable.
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        dy: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let dy = dy.contiguous()?;
+        let dx = if x.track_op() {
+            let (_, _, h, wd) = x.dims4()?;
+            let op = InputGrad {
+                stride: self.stride,
+                padding: self.padding,
+                input_hw: (h, wd),
+            };
+            Some(dy.apply_op2_no_bwd(w, &op)?)
+        } else {
+            None
+        };
+        let want_bias = bias.is_some_and(Tensor::track_op);
+        if !w.track_op() && !want_bias {
+            return Ok([dx, None, None]);
+        }
+        let (o, c, kh, kw) = w.dims4()?;
+        let op = WeightGrad {
+            stride: self.stride,
+            padding: self.padding,
+            kernel_hw: (kh, kw),
+            with_bias: want_bias,
+        };
+        let grads = x.apply_op2_no_bwd(&dy, &op)?;
+        if !want_bias {
+            return Ok([dx, Some(grads), None]);
+        }
+        let len = o * c * kh * kw;
+        let dw = grads.narrow(0, 0, len)?.reshape((o, c, kh, kw))?;
+        let db = grads.narrow(0, len, o)?;
+        Ok([dx, w.track_op().then_some(dw), Some(db)])
+    }
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run((xs, xl), (ws, wl), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, _] = self.grads(x, w, None, dy)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for Forward {
+    fn name(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.run((xs, xl), (ws, wl), Some((bs, bl)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dx, dw, db] = self.grads(x, w, Some(b), dy)?;
+        Ok((dx, dw, db))
+    }
+}
+
+/// The input gradient: `(dy, w)` to `dx`.
+struct InputGrad {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+    input_hw: (usize, usize),
+}
+
+impl Operands for InputGrad {
+    fn geometry(&self, dy_dims: &[usize], w_dims: &[usize]) -> std::result::Result<Conv, String> {
+        let [n, _, _, _] = dims4(INPUT_GRAD, "output gradient", dy_dims)?;
+        let [_, c, _, _] = dims4(INPUT_GRAD, "weight", w_dims)?;
+        let x_dims = [n, c, self.input_hw.0, self.input_hw.1];
+        let conv = forward_geometry(&x_dims, w_dims, (self.stride, self.padding))
+            .map_err(|e| e.replacen(FORWARD, INPUT_GRAD, 1))?;
+        check_output(INPUT_GRAD, &conv, dy_dims)?;
+        Ok(conv)
+    }
+
+    fn compute(
+        &self,
+        conv: &Conv,
+        dy: &[f32],
+        w: &[f32],
+    ) -> candle_core::Result<(Vec<f32>, Shape)> {
+        let dx = passes::input_grad(conv, dy, w)?;
+        Ok((dx, Shape::from((conv.n, conv.c, conv.h, conv.w))))
+    }
+}
+
+impl CustomOp2 for InputGrad {
+    fn name(&self) -> &'static str {
+        INPUT_GRAD
+    }
+
+    fn cpu_fwd(
+        &self,
+        dys: &CpuStorage,
+        dyl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_gradient(self, (dys, dyl), (ws, wl))
+    }
+}
+
+/// The kernel gradient: `(x, dy)` to `dw`, or to `dw` and the bias gradient flattened into
+/// one vector when `with_bias`.
+struct WeightGrad {
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+    kernel_hw: (usize, usize),
+    with_bias: bool,
+}
+
+impl Operands for WeightGrad {
+    fn geometry(&self, x_dims: &[usize], dy_dims: &[usize]) -> std::result::Result<Conv, String> {
+        let [_, c, _, _] = dims4(WEIGHT_GRAD, "input", x_dims)?;
+        let [_, o, _, _] = dims4(WEIGHT_GRAD, "output gradient", dy_dims)?;
+        let w_dims = [o, c, self.kernel_hw.0, self.kernel_hw.1];
+        let conv = forward_geometry(x_dims, &w_dims, (self.stride, self.padding))
+            .map_err(|e| e.replacen(FORWARD, WEIGHT_GRAD, 1))?;
+        check_output(WEIGHT_GRAD, &conv, dy_dims)?;
+        Ok(conv)
+    }
+
+    fn compute(
+        &self,
+        conv: &Conv,
+        x: &[f32],
+        dy: &[f32],
+    ) -> candle_core::Result<(Vec<f32>, Shape)> {
+        let grads = passes::weight_grad(conv, x, dy, self.with_bias)?;
+        let shape = if self.with_bias {
+            Shape::from(grads.len())
+        } else {
+            Shape::from((conv.o, conv.c, conv.kh, conv.kw))
+        };
+        Ok((grads, shape))
+    }
+}
+
+impl CustomOp2 for WeightGrad {
+    fn name(&self) -> &'static str {
+        WEIGHT_GRAD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        dys: &CpuStorage,
+        dyl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        cpu_gradient(self, (xs, xl), (dys, dyl))
+    }
+}

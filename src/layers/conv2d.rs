@@ -1,10 +1,14 @@
 //! `Conv2D`: a 2-D convolution over `(channels, height, width)` inputs, with Keras's `same` and
 //! `valid` padding, strides and an optional bias.
+//!
+//! `f32` tensors on the CPU go through the GEMM kernel in [`crate::kernels::conv2d`]; other
+//! devices and types use candle's `conv2d`.
 
 use candle_core::Tensor;
 
 use super::window::{subsample, Padding, Window};
 use super::{BuildContext, Built, Layer, LayerSpec};
+use crate::kernels;
 use crate::params::Init;
 use crate::Result;
 
@@ -120,15 +124,27 @@ struct Conv2DLayer {
     pad: (usize, usize, usize, usize),
 }
 
-impl Layer for Conv2DLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+impl Conv2DLayer {
+    /// The convolution without bias through candle's own ops, for devices and types the CPU
+    /// kernel does not take.
+    fn candle_conv(&self, x: &Tensor) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
-        let y = if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
-            x.conv2d(&self.weight, pt, self.stride.0, 1, 1)?
+        if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
+            Ok(x.conv2d(&self.weight, pt, self.stride.0, 1, 1)?)
         } else {
             let x = x.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
-            strided_conv(&x, &self.weight, self.stride)?
-        };
+            strided_conv(&x, &self.weight, self.stride)
+        }
+    }
+}
+
+impl Layer for Conv2DLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        if kernels::conv2d::supported(x, &self.weight) {
+            let bias = self.bias.as_ref();
+            return kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad);
+        }
+        let y = self.candle_conv(x)?;
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
             None => y,
@@ -177,6 +193,29 @@ mod tests {
             .flatten_all()?
             .to_vec1::<f32>()?;
         assert_eq!(y, vec![4., 6., 8., 10.]);
+        Ok(())
+    }
+
+    #[test]
+    fn cpu_kernel_agrees_with_candle() -> Result<()> {
+        // Stride-2 `same` on 10x9: padding (0, 1, 1, 1), uneven vertically.
+        let mut ctx = BuildContext::new(&Device::Cpu, 3);
+        let spec = Conv2D::new(5, 3).stride(2).padding(Padding::Same);
+        let built = spec.build(&mut ctx, &[4, 10, 9])?;
+        let store = ctx.into_store();
+        let weight = store.get("weight").map(|p| p.var.as_tensor().clone());
+        let weight = weight.ok_or_else(|| crate::Error::invalid("no weight"))?;
+        let layer = Conv2DLayer {
+            weight,
+            bias: None,
+            stride: (2, 2),
+            pad: (0, 1, 1, 1),
+        };
+        let x = Tensor::randn(0f32, 1., (2, 4, 10, 9), &Device::Cpu)?;
+        let y = built.layer.forward_t(&x, true)?;
+        let want = layer.candle_conv(&x)?;
+        let diff = (y - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-4, "{diff}");
         Ok(())
     }
 

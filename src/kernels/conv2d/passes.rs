@@ -1,0 +1,496 @@
+//! The three convolution passes over a batch: the forward correlation, the gradient of the
+//! input and the gradient of the kernel, each as row-shift GEMMs (see [`super::plan`]).
+//!
+//! Work is split over images with rayon, sized by the *current* pool
+//! (`rayon::current_num_threads`), so a replica running in a smaller pool does not
+//! oversubscribe the machine; nothing here spawns threads. With fewer images than threads, the
+//! images run one after the other and each GEMM is split across the pool instead. Each thread
+//! keeps its expansion buffers between calls.
+
+use std::cell::Cell;
+
+use rayon::prelude::*;
+
+use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
+use super::plan::Plan;
+
+/// The sizes of a convolution: input `(n, c, h, w)`, kernel `(o, c, kh, kw)`, strides, padding
+/// `(top, bottom, left, right)` and output `(ho, wo)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Conv {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub o: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: (usize, usize),
+    pub pad: (usize, usize, usize, usize),
+    pub ho: usize,
+    pub wo: usize,
+}
+
+impl Conv {
+    /// The forward correlation of one image.
+    fn forward_plan(&self) -> Plan {
+        Plan {
+            c: self.c,
+            h: self.h,
+            w: self.w,
+            o: self.o,
+            kh: self.kh,
+            kw: self.kw,
+            sh: self.stride.0,
+            sw: self.stride.1,
+            top: self.pad.0 as isize,
+            left: self.pad.2 as isize,
+            ho: self.ho,
+            wo: self.wo,
+        }
+    }
+}
+
+/// Per-thread buffers, kept between calls so the hot path does not allocate.
+#[derive(Default)]
+struct Scratch {
+    /// The expanded input tile.
+    expanded: Vec<f32>,
+    /// One stride phase of the input gradient.
+    phase: Vec<f32>,
+    /// An output gradient image, positions-major.
+    transposed: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: Cell<Scratch> = Cell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's scratch buffers. They are taken out for the call, so a nested
+/// call (from a task rayon runs while this one waits) gets fresh buffers instead of aliasing.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    let mut scratch = SCRATCH.with(Cell::take);
+    let result = f(&mut scratch);
+    SCRATCH.with(|s| s.set(scratch));
+    result
+}
+
+/// A slice of `buf` at least `len` long, growing `buf` when needed.
+fn at_least(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
+}
+
+/// Whether `images` images keep the pool busy one per task; otherwise each GEMM is split.
+fn split_images(images: usize) -> bool {
+    images >= rayon::current_num_threads()
+}
+
+/// How a GEMM may split its work when the images are not split.
+fn gemm_parallelism(images: usize) -> Parallelism {
+    if split_images(images) {
+        Parallelism::None
+    } else {
+        Parallelism::Rayon(rayon::current_num_threads())
+    }
+}
+
+/// Calls `f(input, output, scratch, parallelism)` for each of the `n` images of `x`
+/// (`in_len` elements each) and `out` (`out_len` elements each), in parallel when there are
+/// enough images.
+fn for_each_image(
+    n: usize,
+    (x, in_len): (&[f32], usize),
+    (out, out_len): (&mut [f32], usize),
+    f: impl Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync,
+) -> candle_core::Result<()> {
+    let par = gemm_parallelism(n);
+    if out_len == 0 {
+        return Ok(());
+    }
+    if split_images(n) {
+        out.par_chunks_mut(out_len)
+            .zip(x.par_chunks(in_len.max(1)))
+            .try_for_each(|(o, x)| with_scratch(|s| f(x, o, s, par)))
+    } else {
+        with_scratch(|s| {
+            out.chunks_mut(out_len)
+                .zip(x.chunks(in_len.max(1)))
+                .try_for_each(|(o, x)| f(x, o, s, par))
+        })
+    }
+}
+
+/// One GEMM of a tile: output rows `i0 .. i0 + rows`, GEMM `call` of the tile, and its
+/// expanded operand `(positions x depth)`, with unit stride along the positions.
+struct TileGemm<'a> {
+    i0: usize,
+    rows: usize,
+    call: usize,
+    operand: View<'a>,
+}
+
+/// Expands `x` one tile of output rows at a time and calls `f` for each GEMM of each tile.
+fn for_each_tile_gemm(
+    plan: &Plan,
+    x: &[f32],
+    expanded: &mut Vec<f32>,
+    mut f: impl FnMut(TileGemm<'_>) -> candle_core::Result<()>,
+) -> candle_core::Result<()> {
+    let tile = plan.tile_rows();
+    let buf = at_least(expanded, plan.expanded_len(tile));
+    for i0 in (0..plan.ho).step_by(tile) {
+        let rows = tile.min(plan.ho - i0);
+        let operand = plan.expand(x, i0, rows, buf);
+        let data: &[f32] = if operand.expanded { buf } else { x };
+        for call in 0..plan.calls() {
+            f(TileGemm {
+                i0,
+                rows,
+                call,
+                operand: View {
+                    data,
+                    offset: plan.call_offset(&operand, call),
+                    rs: 1,
+                    cs: operand.k_stride,
+                },
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// `out = correlate(x, kernel) + bias` for one image, `kernel` packed by [`Plan::pack`] and
+/// `bias` one value per output channel (none: zero).
+fn correlate_image(
+    plan: &Plan,
+    x: &[f32],
+    (kernel, bias): (&[f32], Option<&[f32]>),
+    out: &mut [f32],
+    expanded: &mut Vec<f32>,
+    parallelism: Parallelism,
+) -> candle_core::Result<()> {
+    let positions = plan.ho * plan.wo;
+    let depth = plan.depth();
+    for_each_tile_gemm(plan, x, expanded, |t| {
+        let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
+        if let (Some(bias), 0) = (bias, t.call) {
+            // Start from the bias, so the tile's first GEMM adds to it.
+            for (plane, b) in out.chunks_exact_mut(positions).zip(bias) {
+                plane[tile.clone()].fill(*b);
+            }
+        }
+        matmul(
+            Product {
+                m: tile.len(),
+                n: plan.o,
+                k: depth,
+                accumulate: t.call > 0 || bias.is_some(),
+                parallelism,
+            },
+            ViewMut {
+                data: out,
+                offset: t.i0 * plan.wo,
+                rs: 1,
+                cs: positions,
+            },
+            t.operand,
+            View {
+                data: kernel,
+                offset: t.call * plan.o * depth,
+                rs: 1,
+                cs: depth,
+            },
+        )
+    })
+}
+
+/// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)`, `w (o, c, kh, kw)` and an
+/// optional bias `(o,)`.
+pub(crate) fn forward(
+    conv: &Conv,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+) -> candle_core::Result<Vec<f32>> {
+    let plan = conv.forward_plan();
+    let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
+    let kernel = plan.pack(|o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx]);
+    let mut y = vec![0f32; conv.n * plan.output_len()];
+    for_each_image(
+        conv.n,
+        (x, plan.input_len()),
+        (&mut y, plan.output_len()),
+        |x, y, s, par| correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par),
+    )?;
+    Ok(y)
+}
+
+/// One stride phase `(ry, rx)` of the input gradient: the padded-input positions
+/// `(sh * a + ry, sw * b + rx)` that fall inside the image, as a stride-1 correlation of the
+/// output gradient with the kernel taps `(ry + sh * u, rx + sw * v)`, flipped and transposed.
+struct Phase {
+    /// The correlation, over `dy`'s `o` channels into `c` channels.
+    plan: Plan,
+    /// Its packed kernel.
+    kernel: Vec<f32>,
+    /// First input row and column (unpadded) of the phase, and the steps between them.
+    y0: usize,
+    x0: usize,
+}
+
+/// The first index `a >= 0` with `s * a + r >= lo`, and one past the last with
+/// `s * a + r < hi`.
+fn phase_range(r: usize, s: usize, lo: usize, hi: usize) -> (usize, usize) {
+    let first = lo.saturating_sub(r).div_ceil(s);
+    let end = hi.saturating_sub(r).div_ceil(s);
+    (first, end.max(first))
+}
+
+impl Conv {
+    /// The stride phases of the input gradient that hold at least one input position.
+    fn phases(&self, w: &[f32]) -> Vec<Phase> {
+        let (sh, sw) = self.stride;
+        let (pt, _, pl, _) = self.pad;
+        let (o, c, kh, kw) = (self.o, self.c, self.kh, self.kw);
+        let mut phases = Vec::new();
+        for ry in 0..sh {
+            for rx in 0..sw {
+                let (a0, a1) = phase_range(ry, sh, pt, pt + self.h);
+                let (b0, b1) = phase_range(rx, sw, pl, pl + self.w);
+                if a1 == a0 || b1 == b0 {
+                    continue;
+                }
+                // Taps of this phase: ky = ry + sh * u for u < kh', likewise kx.
+                let khp = kh.saturating_sub(ry).div_ceil(sh);
+                let kwp = kw.saturating_sub(rx).div_ceil(sw);
+                let plan = Plan {
+                    c: o,
+                    h: self.ho,
+                    w: self.wo,
+                    o: c,
+                    kh: khp,
+                    kw: kwp,
+                    sh: 1,
+                    sw: 1,
+                    top: khp as isize - 1 - a0 as isize,
+                    left: kwp as isize - 1 - b0 as isize,
+                    ho: a1 - a0,
+                    wo: b1 - b0,
+                };
+                let kernel = plan.pack(|ci, oi, u, v| {
+                    let ky = ry + sh * (khp - 1 - u);
+                    let kx = rx + sw * (kwp - 1 - v);
+                    w[((oi * c + ci) * kh + ky) * kw + kx]
+                });
+                phases.push(Phase {
+                    plan,
+                    kernel,
+                    y0: sh * a0 + ry - pt,
+                    x0: sw * b0 + rx - pl,
+                });
+            }
+        }
+        phases
+    }
+}
+
+/// The gradient of the input, `dx (n, c, h, w)`, from `dy (n, o, ho, wo)` and `w`. At unit
+/// strides it is one correlation of `dy` with the flipped, transposed kernel; otherwise each
+/// stride phase is one, written into its strided positions of `dx`.
+pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Result<Vec<f32>> {
+    let phases = conv.phases(w);
+    let (sh, sw) = conv.stride;
+    let in_len = conv.c * conv.h * conv.w;
+    let mut dx = vec![0f32; conv.n * in_len];
+    let direct = sh == 1 && sw == 1;
+    let dy_len = conv.o * conv.ho * conv.wo;
+    for_each_image(conv.n, (dy, dy_len), (&mut dx, in_len), |dy, dx, s, par| {
+        if direct {
+            // One phase covering the whole image, in place (phases is never empty here: a
+            // stride-1 convolution reads every input position).
+            return phases.iter().try_for_each(|p| {
+                correlate_image(&p.plan, dy, (&p.kernel, None), dx, &mut s.expanded, par)
+            });
+        }
+        let (h, w) = (conv.h, conv.w);
+        for p in &phases {
+            let (ha, wb) = (p.plan.ho, p.plan.wo);
+            let z = at_least(&mut s.phase, p.plan.output_len());
+            if p.plan.kh == 0 || p.plan.kw == 0 {
+                // No kernel tap lands on these positions: their gradient is zero.
+                z.fill(0.0);
+            } else {
+                correlate_image(&p.plan, dy, (&p.kernel, None), z, &mut s.expanded, par)?;
+            }
+            for (ci, zc) in z.chunks_exact(ha * wb).enumerate() {
+                for (a, zr) in zc.chunks_exact(wb).enumerate() {
+                    let row = (ci * h + p.y0 + sh * a) * w + p.x0;
+                    for (b, v) in zr.iter().enumerate() {
+                        dx[row + sw * b] = *v;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(dx)
+}
+
+/// The gradient of the kernel, `dw (o, c, kh, kw)`, from `x (n, c, h, w)` and
+/// `dy (n, o, ho, wo)`, summed over the images, followed by the bias gradient `(o,)` (the sums
+/// of `dy` per output channel) when `with_bias`. Each task sums a contiguous run of images into
+/// its own packed accumulator; the accumulators are added in a fixed order.
+pub(crate) fn weight_grad(
+    conv: &Conv,
+    x: &[f32],
+    dy: &[f32],
+    with_bias: bool,
+) -> candle_core::Result<Vec<f32>> {
+    let plan = conv.forward_plan();
+    let packed_len = plan.calls() * plan.o * plan.depth();
+    let acc_len = packed_len + if with_bias { plan.o } else { 0 };
+    let tasks = if split_images(conv.n) {
+        rayon::current_num_threads().min(conv.n).max(1)
+    } else {
+        1
+    };
+    let per_task = conv.n.div_ceil(tasks).max(1);
+    let par = gemm_parallelism(conv.n);
+    let (in_len, dy_len) = (plan.input_len(), plan.output_len());
+    let run = |t: usize| -> candle_core::Result<Vec<f32>> {
+        let mut acc = vec![0f32; acc_len];
+        let (packed, bias) = acc.split_at_mut(packed_len);
+        let images = t * per_task..((t + 1) * per_task).min(conv.n);
+        with_scratch(|s| {
+            images.into_iter().try_for_each(|i| {
+                let xi = &x[i * in_len..(i + 1) * in_len];
+                let dyi = &dy[i * dy_len..(i + 1) * dy_len];
+                if with_bias {
+                    add_channel_sums(dyi, bias);
+                }
+                weight_grad_image(&plan, xi, dyi, packed, s, par)
+            })
+        })?;
+        Ok(acc)
+    };
+    let partials: Vec<Vec<f32>> = if tasks > 1 {
+        (0..tasks)
+            .into_par_iter()
+            .map(run)
+            .collect::<candle_core::Result<_>>()?
+    } else {
+        vec![run(0)?]
+    };
+    let mut dw = vec![0f32; conv.o * plan.taps()];
+    unpack_sum(&plan, &partials, &mut dw);
+    dw.extend((packed_len..acc_len).map(|i| partials.iter().map(|p| p[i]).sum::<f32>()));
+    Ok(dw)
+}
+
+/// Writes the sum of the packed `[call][depth][o]` kernel gradients `partials` (added in
+/// order) into `dw`, laid out `(o, c, kh, kw)`, a group of output channels per task so each
+/// task reads whole cache lines.
+fn unpack_sum(plan: &Plan, partials: &[Vec<f32>], dw: &mut [f32]) {
+    const GROUP: usize = 16;
+    let (o, taps, depth) = (plan.o, plan.taps(), plan.depth());
+    dw.par_chunks_mut(GROUP * taps)
+        .enumerate()
+        .for_each(|(g, block)| {
+            let o0 = g * GROUP;
+            let channels = block.len() / taps;
+            for i in 0..plan.calls() * depth {
+                let at = plan.unpacked_index(i / depth, i % depth);
+                for j in 0..channels {
+                    let sum: f32 = partials.iter().map(|p| p[i * o + o0 + j]).sum();
+                    block[j * taps + at] = sum;
+                }
+            }
+        });
+}
+
+/// Adds the sum of each of `sums.len()` equal planes of `dy` to `sums`, in lanes the compiler
+/// vectorises.
+fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
+    const LANES: usize = 16;
+    let plane = dy.len() / sums.len().max(1);
+    for (sum, row) in sums.iter_mut().zip(dy.chunks_exact(plane.max(1))) {
+        let mut lanes = [0f32; LANES];
+        let chunks = row.chunks_exact(LANES);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for chunk in chunks {
+            for (l, v) in lanes.iter_mut().zip(chunk) {
+                *l += v;
+            }
+        }
+        *sum += lanes.iter().sum::<f32>() + tail;
+    }
+}
+
+/// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`.
+fn weight_grad_image(
+    plan: &Plan,
+    x: &[f32],
+    dy: &[f32],
+    acc: &mut [f32],
+    scratch: &mut Scratch,
+    parallelism: Parallelism,
+) -> candle_core::Result<()> {
+    let positions = plan.ho * plan.wo;
+    let depth = plan.depth();
+    let Scratch {
+        expanded,
+        transposed,
+        ..
+    } = scratch;
+    // dy transposed once per image (output channels contiguous), so the GEMMs read it in place;
+    // left to gemm, it would be packed again for every call.
+    let dyt = at_least(transposed, dy.len());
+    transpose(dy, plan.o, positions, dyt);
+    let dyt = &*dyt;
+    for_each_tile_gemm(plan, x, expanded, |t| {
+        matmul(
+            Product {
+                m: plan.o,
+                n: depth,
+                k: t.rows * plan.wo,
+                accumulate: true,
+                parallelism,
+            },
+            ViewMut {
+                data: acc,
+                offset: t.call * plan.o * depth,
+                rs: 1,
+                cs: plan.o,
+            },
+            View {
+                data: dyt,
+                offset: t.i0 * plan.wo * plan.o,
+                rs: 1,
+                cs: plan.o,
+            },
+            // The operand read as (positions x depth).
+            t.operand,
+        )
+    })
+}
+
+/// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`,
+/// in square blocks that stay in L1.
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    const BLOCK: usize = 16;
+    for r0 in (0..rows).step_by(BLOCK) {
+        let r1 = (r0 + BLOCK).min(rows);
+        for c0 in (0..cols).step_by(BLOCK) {
+            let c1 = (c0 + BLOCK).min(cols);
+            for c in c0..c1 {
+                let out = &mut dst[c * rows + r0..c * rows + r1];
+                for (r, d) in (r0..r1).zip(out) {
+                    *d = src[r * cols + c];
+                }
+            }
+        }
+    }
+}

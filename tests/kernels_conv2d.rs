@@ -1,0 +1,395 @@
+//! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
+//! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
+
+use anyhow::Context;
+use candle_core::{DType, Device, Tensor, Var};
+use kandle::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+type Padding = (usize, usize, usize, usize);
+
+/// One convolution to check: input `(n, c, h, w)`, kernel `(o, kh, kw)`, strides, padding.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    stride: (usize, usize),
+    pad: Padding,
+}
+
+fn random(rng: &mut StdRng, dims: &[usize]) -> anyhow::Result<Tensor> {
+    let len = dims.iter().product();
+    let data: Vec<f32> = (0..len).map(|_| rng.random_range(-1f32..1f32)).collect();
+    Ok(Tensor::from_vec(data, dims, &Device::Cpu)?)
+}
+
+/// Every `step`-th index along `dim`, differentiably.
+fn subsample(x: &Tensor, dim: usize, step: usize) -> anyhow::Result<Tensor> {
+    let idx: Vec<u32> = (0..x.dim(dim)?).step_by(step).map(|i| i as u32).collect();
+    let idx = Tensor::new(idx, x.device())?;
+    Ok(x.index_select(&idx, dim)?)
+}
+
+/// Candle's stride-1 convolution of the explicitly zero-padded input, then every `sh`-th row
+/// and `sw`-th column. (Candle's own strided backward pass fails with a shape mismatch when the
+/// stride does not divide the padded size minus the kernel, so strides are taken this way.)
+fn reference(x: &Tensor, w: &Tensor, case: &Case) -> anyhow::Result<Tensor> {
+    let (pt, pb, pl, pr) = case.pad;
+    let x = x.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
+    let y = x.conv2d(w, 0, 1, 1, 1)?;
+    let (sh, sw) = case.stride;
+    subsample(&subsample(&y, 2, sh)?, 3, sw)
+}
+
+/// Largest absolute difference, relative to the largest reference magnitude (at least 1).
+fn rel_err(got: &Tensor, want: &Tensor) -> anyhow::Result<f32> {
+    assert_eq!(got.dims(), want.dims());
+    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    Ok(diff / scale)
+}
+
+/// Checks the forward pass and the gradients of `case` against candle, with a bias when
+/// `seed` is even.
+fn check(case: Case, seed: u64) -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let x = Var::from_tensor(&random(&mut rng, &[case.n, case.c, case.h, case.w])?)?;
+    let w = Var::from_tensor(&random(&mut rng, &[case.o, case.c, case.kh, case.kw])?)?;
+    let b = Var::from_tensor(&random(&mut rng, &[case.o])?)?;
+    let bias = (seed % 2 == 0).then_some(b.as_tensor());
+
+    let mut want = reference(&x, &w, &case)?;
+    if let Some(b) = bias {
+        want = want.broadcast_add(&b.reshape((1, case.o, 1, 1))?)?;
+    }
+    let got = conv2d(&x, &w, bias, case.stride, case.pad)?;
+    let err = rel_err(&got, &want)?;
+    assert!(err < 1e-4, "{case:?}: forward error {err}");
+
+    // A random output gradient: d(sum(y * r))/dy = r.
+    let r = random(&mut rng, want.dims())?;
+    let want_grads = (want * &r)?
+        .sum_all()?
+        .backward()
+        .with_context(|| format!("{case:?}: candle's gradients"))?;
+    let got_grads = (got * &r)?
+        .sum_all()?
+        .backward()
+        .with_context(|| format!("{case:?}: the kernel's gradients"))?;
+    let mut vars = vec![("input", x.as_tensor()), ("weight", w.as_tensor())];
+    vars.extend(bias.map(|b| ("bias", b)));
+    for (name, v) in vars {
+        let (Some(g), Some(e)) = (got_grads.get(v), want_grads.get(v)) else {
+            panic!("{case:?}: no {name} gradient");
+        };
+        let err = rel_err(g, e)?;
+        assert!(err < 1e-4, "{case:?}: {name} gradient error {err}");
+    }
+    Ok(())
+}
+
+fn case(
+    (n, c, h, w): (usize, usize, usize, usize),
+    (o, kh, kw): (usize, usize, usize),
+    stride: (usize, usize),
+    pad: Padding,
+) -> Case {
+    Case {
+        n,
+        c,
+        h,
+        w,
+        o,
+        kh,
+        kw,
+        stride,
+        pad,
+    }
+}
+
+#[test]
+fn chosen_shapes_match_candle() -> anyhow::Result<()> {
+    let cases = [
+        // 3x3 same, odd sizes.
+        case((2, 3, 7, 9), (4, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // Valid stride 2, batch 1, one channel.
+        case((1, 1, 8, 8), (2, 3, 3), (2, 2), (0, 0, 0, 0)),
+        // 1x1 stride 1: the GEMMs read the input directly.
+        case((3, 5, 9, 7), (6, 1, 1), (1, 1), (0, 0, 0, 0)),
+        // 1x1 stride 2: some stride phases of the input get no gradient.
+        case((2, 4, 8, 9), (3, 1, 1), (2, 2), (0, 0, 0, 0)),
+        // Rectangular kernel and strides, unequal padding (TensorFlow `same` with stride 2).
+        case((2, 4, 10, 11), (3, 2, 3), (2, 1), (0, 1, 1, 1)),
+        case((1, 3, 6, 5), (2, 5, 1), (1, 2), (2, 2, 0, 0)),
+        // MiniGoogLeNet's downsample at a smaller width: 3x3 stride 2 valid on 15x15.
+        case((2, 6, 15, 15), (5, 3, 3), (2, 2), (0, 0, 0, 0)),
+        // Stride 3 with uneven padding, and padding wider than the kernel.
+        case((2, 3, 9, 10), (4, 3, 3), (3, 3), (1, 2, 0, 1)),
+        case((1, 2, 4, 4), (3, 3, 3), (1, 1), (3, 3, 2, 4)),
+        // Kernel as large as the padded input: a single output position.
+        case((2, 3, 5, 4), (2, 5, 4), (1, 1), (0, 0, 0, 0)),
+        // Deep inputs (channels x kernel width >= 64): one GEMM per kernel row and stride
+        // phase instead of a full im2col, also in the input gradient's phases.
+        case((2, 24, 9, 11), (32, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 40, 15, 15), (36, 3, 3), (2, 2), (0, 0, 0, 0)),
+        case((1, 33, 10, 9), (40, 3, 2), (2, 1), (1, 1, 0, 1)),
+        case((2, 70, 7, 7), (33, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // Several row tiles per image (32x32), one of them the 1x1 direct path.
+        case((2, 16, 32, 32), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 32, 32, 32), (24, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((3, 24, 32, 32), (5, 1, 1), (1, 1), (0, 0, 0, 0)),
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(c, i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn random_shapes_match_candle() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(2024);
+    for i in 0..40 {
+        let kh: usize = rng.random_range(1..=4);
+        let kw: usize = rng.random_range(1..=4);
+        let stride = (rng.random_range(1..=3), rng.random_range(1..=3));
+        let mut p = || rng.random_range(0..=2);
+        let pad = (p(), p(), p(), p());
+        let h = rng.random_range(kh.saturating_sub(pad.0 + pad.1).max(1)..=13);
+        let w = rng.random_range(kw.saturating_sub(pad.2 + pad.3).max(1)..=13);
+        let c = case(
+            (rng.random_range(1..=4), rng.random_range(1..=6), h, w),
+            (rng.random_range(1..=6), kh, kw),
+            stride,
+            pad,
+        );
+        check(c, 100 + i)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn random_deep_shapes_match_candle() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(77);
+    for i in 0..12 {
+        let (kh, kw): (usize, usize) = (rng.random_range(1..=3), rng.random_range(2..=3));
+        let stride = (rng.random_range(1..=2), rng.random_range(1..=2));
+        let pad = (kh / 2, (kh - 1) / 2, kw / 2, (kw - 1) / 2);
+        let (h, w) = (rng.random_range(3..=12), rng.random_range(3..=12));
+        let c = case(
+            (rng.random_range(1..=3), rng.random_range(22..=48), h, w),
+            (rng.random_range(24..=48), kh, kw),
+            stride,
+            pad,
+        );
+        check(c, 200 + i)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn one_thread_pool_and_non_contiguous_input() -> anyhow::Result<()> {
+    // Fewer images than threads splits the GEMMs instead; a one-thread pool runs serially.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+    pool.install(|| check(case((3, 4, 9, 9), (5, 3, 3), (2, 2), (1, 1, 1, 1)), 7))?;
+    check(case((1, 8, 20, 20), (4, 3, 3), (1, 1), (1, 1, 1, 1)), 8)?;
+
+    // A transposed view: the kernel makes it contiguous first.
+    let mut rng = StdRng::seed_from_u64(9);
+    let xt = random(&mut rng, &[2, 3, 6, 5])?;
+    let x = xt.transpose(2, 3)?;
+    assert!(!x.is_contiguous());
+    let w = random(&mut rng, &[4, 3, 3, 2])?;
+    let got = conv2d(&x, &w, None, (1, 1), (1, 1, 0, 1))?;
+    let want = reference(&x, &w, &case((2, 3, 5, 6), (4, 3, 2), (1, 1), (1, 1, 0, 1)))?;
+    assert!(rel_err(&got, &want)? < 1e-4);
+    Ok(())
+}
+
+#[test]
+fn gradient_ops_called_directly() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(11);
+    let c = case((2, 3, 9, 8), (4, 3, 3), (2, 2), (1, 1, 1, 1));
+    let x = Var::from_tensor(&random(&mut rng, &[c.n, c.c, c.h, c.w])?)?;
+    let w = Var::from_tensor(&random(&mut rng, &[c.o, c.c, c.kh, c.kw])?)?;
+    let y = reference(&x, &w, &c)?;
+    let dy = random(&mut rng, y.dims())?;
+    let grads = (y * &dy)?.sum_all()?.backward()?;
+    let dx = conv2d_input_grad(&dy, &w, (c.h, c.w), c.stride, c.pad)?;
+    let dw = conv2d_weight_grad(&x, &dy, (c.kh, c.kw), c.stride, c.pad)?;
+    let (Some(ex), Some(ew)) = (grads.get(&x), grads.get(&w)) else {
+        anyhow::bail!("candle returned no gradients");
+    };
+    assert!(rel_err(&dx, ex)? < 1e-4);
+    assert!(rel_err(&dw, ew)? < 1e-4);
+    Ok(())
+}
+
+#[test]
+fn input_without_variables_gets_no_gradient() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(12);
+    let x = random(&mut rng, &[2, 3, 6, 6])?;
+    let w = Var::from_tensor(&random(&mut rng, &[4, 3, 3, 3])?)?;
+    let b = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+    let grads = conv2d(&x, &w, Some(&b), (1, 1), (1, 1, 1, 1))?
+        .sum_all()?
+        .backward()?;
+    assert!(grads.get(&x).is_none());
+    assert!(grads.get(&b).is_none());
+    assert!(grads.get(&w).is_some());
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
+    let x = Tensor::zeros((2, 3, 8, 8), DType::F32, &Device::Cpu)?;
+    let w = Tensor::zeros((4, 5, 3, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &w, None, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("conv2d") && err.contains("[2, 3, 8, 8]") && err.contains("[4, 5, 3, 3]"),
+        "{err}"
+    );
+
+    let big = Tensor::zeros((4, 3, 9, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &big, None, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains("smaller than")));
+
+    let x64 = x.to_dtype(DType::F64)?;
+    let w3 = Tensor::zeros((4, 3, 3, 3), DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x64, &w3, None, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string());
+    assert!(err.is_some_and(|e| e.contains("f32")));
+
+    let b5 = Tensor::zeros(5, DType::F32, &Device::Cpu)?;
+    let err = conv2d(&x, &w3, Some(&b5), (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("[5]") && err.contains("[4, 3, 3, 3]"), "{err}");
+
+    let flat = Tensor::zeros((3, 8, 8), DType::F32, &Device::Cpu)?;
+    assert!(conv2d(&flat, &w3, None, (1, 1), (0, 0, 0, 0)).is_err());
+    assert!(conv2d(&x, &w3, None, (0, 1), (0, 0, 0, 0)).is_err());
+
+    // The gradient ops check that the output gradient fits the convolution.
+    let dy = Tensor::zeros((2, 4, 5, 6), DType::F32, &Device::Cpu)?;
+    let err = conv2d_input_grad(&dy, &w3, (8, 8), (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.contains("[2, 4, 5, 6]") && err.contains("[2, 4, 6, 6]"),
+        "{err}"
+    );
+    assert!(conv2d_weight_grad(&x, &dy, (3, 3), (1, 1), (0, 0, 0, 0)).is_err());
+    Ok(())
+}
+
+/// Median wall time of `f` over `reps` runs after one warm-up, in milliseconds.
+fn median_ms(reps: usize, mut f: impl FnMut() -> anyhow::Result<Tensor>) -> anyhow::Result<f64> {
+    f()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        let y = f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        drop(y);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[reps / 2])
+}
+
+/// Times the three passes of every convolution of MiniGoogLeNet at batch 64 against candle's
+/// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
+/// `conv2d` for the kernel). Run with
+/// `cargo test --release -p kandle --test kernels_conv2d -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, run by hand in a release build"]
+fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
+    // (name, C, H, O, k, stride, padding): 3x3 `same` pads 1 on every side.
+    let same = (1, 1, 1, 1);
+    let none = (0, 0, 0, 0);
+    let shapes = [
+        ("stem 3x3", 3, 32, 96, 3, 1, same),
+        ("inc1 1x1", 96, 32, 32, 1, 1, none),
+        ("inc1 3x3", 96, 32, 32, 3, 1, same),
+        ("inc2 1x1", 64, 32, 32, 1, 1, none),
+        ("inc2 3x3", 64, 32, 48, 3, 1, same),
+        ("down1 3x3/2", 80, 32, 80, 3, 2, none),
+        ("inc3 1x1", 160, 15, 112, 1, 1, none),
+        ("inc3 3x3", 160, 15, 48, 3, 1, same),
+        ("inc4 1x1", 160, 15, 96, 1, 1, none),
+        ("inc4 3x3", 160, 15, 64, 3, 1, same),
+        ("inc5 1x1", 160, 15, 80, 1, 1, none),
+        ("inc5 3x3", 160, 15, 80, 3, 1, same),
+        ("inc6 1x1", 160, 15, 48, 1, 1, none),
+        ("inc6 3x3", 160, 15, 96, 3, 1, same),
+        ("down2 3x3/2", 144, 15, 96, 3, 2, none),
+        ("inc7 1x1", 240, 7, 176, 1, 1, none),
+        ("inc7 3x3", 240, 7, 160, 3, 1, same),
+        ("inc8 1x1", 336, 7, 176, 1, 1, none),
+        ("inc8 3x3", 336, 7, 160, 3, 1, same),
+    ];
+    let n = 64;
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut totals = [0f64; 6];
+    println!(
+        "{:<12} {:>22} | {:>22} | {:>22} | candle fwd/in/w ms",
+        "batch 64", "fwd ms (GFLOP/s)", "input grad ms (GFLOP/s)", "weight grad ms (GFLOP/s)"
+    );
+    for (name, c, h, o, k, s, pad) in shapes {
+        let x = random(&mut rng, &[n, c, h, h])?;
+        let w = random(&mut rng, &[o, c, k, k])?;
+        let y = conv2d(&x, &w, None, (s, s), pad)?;
+        let dy = random(&mut rng, y.dims())?;
+        let (_, _, ho, wo) = y.dims4()?;
+        let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
+        let p = pad.0;
+        let out_pad = h - ((ho - 1) * s + k - 2 * p);
+        let ours = [
+            median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
+        ];
+        let candle = [
+            median_ms(3, || Ok(x.conv2d(&w, p, s, 1, 1)?))?,
+            median_ms(3, || Ok(dy.conv_transpose2d(&w, p, out_pad, s, 1)?))?,
+            median_ms(3, || {
+                let g = x
+                    .transpose(0, 1)?
+                    .conv2d(&dy.transpose(0, 1)?, p, 1, s, 1)?;
+                Ok(g.transpose(0, 1)?.contiguous()?)
+            })?,
+        ];
+        let cell = |ms: f64| format!("{ms:8.2} ({:6.1})", gflop / ms * 1e3);
+        println!(
+            "{name:<12} {:>22} | {:>22} | {:>22} | {:7.1} {:7.1} {:7.1}",
+            cell(ours[0]),
+            cell(ours[1]),
+            cell(ours[2]),
+            candle[0],
+            candle[1],
+            candle[2]
+        );
+        for (t, v) in totals.iter_mut().zip(ours.iter().chain(&candle)) {
+            *t += v;
+        }
+    }
+    println!(
+        "total ms: ours fwd {:.1}, input grad {:.1}, weight grad {:.1}; candle fwd {:.1}, \
+         input grad {:.1}, weight grad {:.1}",
+        totals[0], totals[1], totals[2], totals[3], totals[4], totals[5]
+    );
+    Ok(())
+}

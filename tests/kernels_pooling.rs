@@ -1,0 +1,182 @@
+//! The pooling kernels against candle: the pooling layers on `f32` (the kernels) against the
+//! same layers on `f64` (the composed strided-view path), forward and gradients, over seeded
+//! random shapes with odd sizes, batch 1, one channel, strides 1 and 2, `same` and `valid`;
+//! against candle's own pooling ops where those apply; ties; and errors naming the op.
+
+mod kernel_support;
+
+use candle_core::{DType, Device, Tensor, Var};
+use kandle::kernels::pooling::{avg_pool2d, max_pool2d, PoolWindow};
+use kandle::layers::{
+    AveragePooling2D, BuildContext, GlobalAveragePooling2D, LayerSpec, MaxPooling2D, Padding,
+};
+use kernel_support::{assert_close, gradients, random_var, weighted_sum};
+
+/// `(input, window, strides, padding)`.
+type Case = (&'static [usize], (usize, usize), (usize, usize), Padding);
+
+const CASES: &[Case] = &[
+    (&[2, 3, 9, 11], (3, 3), (2, 2), Padding::Valid),
+    (&[1, 1, 8, 7], (3, 3), (2, 2), Padding::Same),
+    (&[3, 2, 5, 5], (2, 2), (1, 1), Padding::Same),
+    (&[1, 4, 6, 6], (3, 3), (1, 1), Padding::Same),
+    (&[2, 3, 8, 8], (2, 2), (2, 2), Padding::Valid),
+    (&[2, 3, 7, 9], (2, 2), (2, 2), Padding::Valid),
+    (&[2, 5, 7, 7], (7, 7), (7, 7), Padding::Valid),
+    (&[2, 2, 9, 8], (3, 3), (2, 2), Padding::Same),
+    (&[1, 1, 5, 6], (2, 3), (1, 2), Padding::Same),
+    (&[3, 1, 6, 5], (3, 3), (1, 1), Padding::Valid),
+    (&[1, 2, 4, 4], (4, 1), (1, 3), Padding::Valid),
+];
+
+/// Runs `spec` built for `x` in training mode; its output and the gradient of `x` under a
+/// seeded weighted sum.
+fn run(spec: &dyn LayerSpec, x: &Var, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    let built = spec.build(&mut ctx, &x.dims()[1..])?;
+    let y = built.layer.forward_t(x.as_tensor(), true)?;
+    anyhow::ensure!(y.dims()[1..] == built.output_shape[..], "output shape");
+    let grads = gradients(&weighted_sum(&y, seed)?, &[x.as_tensor()])?;
+    Ok((y, grads[0].clone()))
+}
+
+/// The kernel path (`f32`) against the composed path (the same layer on `f64`).
+fn check_layer(spec: &dyn LayerSpec, shape: &[usize], seed: u64) -> anyhow::Result<()> {
+    let x = random_var(shape, seed, 0.0)?;
+    let x64 = Var::from_tensor(&x.as_tensor().to_dtype(DType::F64)?)?;
+    let (y, dx) = run(spec, &x, seed + 1)?;
+    let (want_y, want_dx) = run(spec, &x64, seed + 1)?;
+    let what = format!("{} on {shape:?}", spec.kind());
+    assert_close(&format!("{what}: y"), &y, &want_y, 1e-6)?;
+    assert_close(&format!("{what}: dx"), &dx, &want_dx, 1e-6)?;
+    Ok(())
+}
+
+#[test]
+fn max_pooling_matches_the_composed_path() -> anyhow::Result<()> {
+    for (i, &(shape, (kh, kw), (sh, sw), padding)) in CASES.iter().enumerate() {
+        let spec = MaxPooling2D::new(kh)
+            .window(kh, kw)
+            .strides(sh, sw)
+            .padding(padding);
+        check_layer(&spec, shape, i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn average_pooling_matches_the_composed_path() -> anyhow::Result<()> {
+    for (i, &(shape, (kh, kw), (sh, sw), padding)) in CASES.iter().enumerate() {
+        let spec = AveragePooling2D::new(kh)
+            .window(kh, kw)
+            .strides(sh, sw)
+            .padding(padding);
+        check_layer(&spec, shape, 50 + i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn global_average_pooling_matches_the_mean() -> anyhow::Result<()> {
+    for (i, shape) in [[2, 3, 5, 7], [1, 1, 1, 1], [4, 6, 7, 7]]
+        .iter()
+        .enumerate()
+    {
+        check_layer(&GlobalAveragePooling2D, shape, 80 + i as u64)?;
+    }
+    Ok(())
+}
+
+/// Candle's own `max_pool2d`/`avg_pool2d` where their backward passes are right: a window equal
+/// to the stride over sizes it divides. (Candle 0.11's max-pool backward scales the gradient by
+/// one over the window size, so the max-pool gradient is checked against the mask of maxima.)
+#[test]
+fn kernels_match_candle_pooling_where_window_equals_stride() -> anyhow::Result<()> {
+    let window = PoolWindow {
+        window: (2, 2),
+        stride: (2, 2),
+        pad: (0, 0, 0, 0),
+    };
+    for (i, shape) in [[2, 3, 8, 8], [1, 1, 6, 4], [3, 2, 4, 6]]
+        .iter()
+        .enumerate()
+    {
+        let x = random_var(shape, 90 + i as u64, 0.0)?;
+        let (h, w) = (shape[2], shape[3]);
+
+        let y = avg_pool2d(x.as_tensor(), &window)?;
+        let want = x.avg_pool2d(2)?;
+        let dx = gradients(&weighted_sum(&y, 1)?, &[x.as_tensor()])?;
+        let want_dx = gradients(&weighted_sum(&want, 1)?, &[x.as_tensor()])?;
+        assert_close(&format!("avg y {shape:?}"), &y, &want, 1e-6)?;
+        assert_close(&format!("avg dx {shape:?}"), &dx[0], &want_dx[0], 1e-6)?;
+
+        let y = max_pool2d(x.as_tensor(), &window)?;
+        assert_close(&format!("max y {shape:?}"), &y, &x.max_pool2d(2)?, 0.0)?;
+        let dx = gradients(&weighted_sum(&y, 1)?, &[x.as_tensor()])?;
+        let is_max = x.eq(&y.upsample_nearest2d(h, w)?)?.to_dtype(DType::F32)?;
+        let dy = kernel_support::random(y.dims(), 1, 0.0)?;
+        let want_dx = (is_max * dy.upsample_nearest2d(h, w)?)?;
+        assert_close(&format!("max dx {shape:?}"), &dx[0], &want_dx, 1e-6)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn max_pool_ties_send_the_gradient_to_the_first_maximum() -> anyhow::Result<()> {
+    let x = Var::new(&[[[[1f32, 1., 1.], [1., 1., 1.]]]], &Device::Cpu)?;
+    let window = PoolWindow {
+        window: (2, 2),
+        stride: (1, 1),
+        pad: (0, 0, 0, 0),
+    };
+    let y = max_pool2d(x.as_tensor(), &window)?;
+    assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, vec![1., 1.]);
+    let grads = y.sum_all()?.backward()?;
+    let dx = grads
+        .get(x.as_tensor())
+        .ok_or_else(|| anyhow::anyhow!("no gradient"))?;
+    // Windows start at columns 0 and 1 of the top row.
+    assert_eq!(
+        dx.flatten_all()?.to_vec1::<f32>()?,
+        vec![1., 1., 0., 0., 0., 0.]
+    );
+    Ok(())
+}
+
+#[test]
+fn bad_windows_and_inputs_name_the_op_and_the_shape() -> anyhow::Result<()> {
+    let x = Tensor::zeros((1, 2, 2, 2), DType::F32, &Device::Cpu)?;
+    let window = PoolWindow {
+        window: (3, 3),
+        stride: (1, 1),
+        pad: (0, 0, 0, 0),
+    };
+    let err = max_pool2d(&x, &window)
+        .expect_err("3x3 window on 2x2")
+        .to_string();
+    assert!(
+        err.contains("max_pool2d") && err.contains("3x3") && err.contains("[1, 2, 2, 2]"),
+        "{err}"
+    );
+    let err = avg_pool2d(&x.flatten_from(2)?, &window)
+        .expect_err("three axes")
+        .to_string();
+    assert!(
+        err.contains("avg_pool2d") && err.contains("[1, 2, 4]"),
+        "{err}"
+    );
+    let zero_stride = PoolWindow {
+        stride: (0, 1),
+        window: (1, 1),
+        ..window
+    };
+    let err = avg_pool2d(&x, &zero_stride)
+        .expect_err("zero stride")
+        .to_string();
+    assert!(
+        err.contains("avg_pool2d") && err.contains("(0, 1)"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -10,7 +10,10 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use kandle::cross_replica::{ReplicaGroup, ReplicaHandle};
 use kandle::kernels::batch_norm::{batch_norm_train, channel_affine};
-use kandle::layers::{BatchNormalization, BuildContext, LayerSpec};
+use kandle::layers::{
+    Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
+    SequentialNet,
+};
 use kernel_support::{assert_close, gradients, random, random_var, weighted_sum};
 
 /// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
@@ -28,7 +31,8 @@ const CASES: &[(&[usize], f32)] = &[
 
 const EPSILON: f64 = 1e-3;
 
-/// Training batch normalisation composed from candle ops in `f64`: `(y, mean, var)`.
+/// Training batch normalisation composed from candle ops as the layer composes them (in `f64`
+/// for the checks, in `f32` for timing): `(y, mean, var)`.
 fn reference(
     x: &Tensor,
     w: &Tensor,
@@ -38,15 +42,19 @@ fn reference(
     let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
     let mut per_channel = vec![1; x.rank()];
     per_channel[1] = x.dim(1)?;
+    let per_channel = |v: &Tensor| v.reshape(per_channel.as_slice());
     let mean = x.mean_keepdim(reduce.as_slice())?;
     let centered = x.broadcast_sub(&mean)?;
     let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?;
-    let y = centered
-        .broadcast_div(&(&var + EPSILON)?.sqrt()?)?
-        .broadcast_mul(&w.reshape(per_channel.as_slice())?)?
-        .broadcast_add(&b.reshape(per_channel.as_slice())?)?;
+    let (mean, var) = (mean.flatten_all()?, var.flatten_all()?);
+    let inv_std = (&var + EPSILON)?.sqrt()?.recip()?;
+    let y = x
+        .broadcast_sub(&per_channel(&mean)?)?
+        .broadcast_mul(&per_channel(&inv_std)?)?
+        .broadcast_mul(&per_channel(w)?)?
+        .broadcast_add(&per_channel(b)?)?;
     let y = if relu { y.relu()? } else { y };
-    Ok((y, mean.flatten_all()?, var.flatten_all()?))
+    Ok((y, mean, var))
 }
 
 fn to_f64_var(v: &Var) -> anyhow::Result<Var> {
@@ -145,7 +153,7 @@ impl ReplicaGroup for Alone {
 }
 
 struct BuiltBn {
-    layer: Box<dyn kandle::layers::Layer>,
+    layer: Box<dyn Layer>,
     store: kandle::params::ParamStore,
 }
 
@@ -242,6 +250,81 @@ fn layer_fused_path_matches_composed_path_with_moving_statistics() -> anyhow::Re
     Ok(())
 }
 
+/// Builds `net` for `shape` (optionally as the only replica of a `SyncBatchNorm` group, which
+/// takes the composed path) with seeded random values for every BatchNorm variable.
+fn build_net(
+    net: &Sequential,
+    shape: &[usize],
+    composed: bool,
+) -> anyhow::Result<(SequentialNet, kandle::params::ParamStore)> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    if composed {
+        ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
+    }
+    let (net, store, _) = net.build_in(ctx, &shape[1..])?;
+    for (i, p) in store.iter().enumerate() {
+        let offset = if p.name.ends_with("var") { 1.5 } else { 0.0 };
+        p.var.set(&random(p.var.dims(), 300 + i as u64, offset)?)?;
+    }
+    Ok((net, store))
+}
+
+#[test]
+fn sequential_absorbs_relu_into_batch_norm_keeping_names_and_results() -> anyhow::Result<()> {
+    let shape = [3, 4, 5, 6];
+    let bn_relu = Sequential::new()
+        .add(BatchNormalization::new().named("bn"))
+        .add(Activation::Relu.named("relu"));
+    let bn_alone = Sequential::new().add(BatchNormalization::new().named("bn"));
+
+    let summary = bn_relu.summary(&shape[1..])?;
+    let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["bn", "relu"]);
+    assert_eq!((summary.trainable, summary.non_trainable), (8, 8));
+
+    let (fused, fused_store) = build_net(&bn_relu, &shape, false)?;
+    let (composed, composed_store) = build_net(&bn_relu, &shape, true)?;
+    let (plain, plain_store) = build_net(&bn_alone, &shape, false)?;
+    assert_eq!(fused.layer_names().collect::<Vec<_>>(), ["bn", "relu"]);
+
+    for train in [true, false] {
+        let x = random_var(&shape, 9, 0.3)?;
+        let mut results = Vec::new();
+        for (net, store, relu_after) in [
+            (&fused, &fused_store, false),
+            (&composed, &composed_store, false),
+            (&plain, &plain_store, true),
+        ] {
+            let y = net.forward_t(x.as_tensor(), train)?;
+            let y = if relu_after { y.relu()? } else { y };
+            let (w, b) = (param(store, "bn.weight")?, param(store, "bn.bias")?);
+            let grads = gradients(
+                &weighted_sum(&y, 11)?,
+                &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+            )?;
+            let stats = [
+                param(store, "bn.running_mean")?.as_tensor().clone(),
+                param(store, "bn.running_var")?.as_tensor().clone(),
+            ];
+            results.push((y, grads, stats));
+        }
+        for other in &results[1..] {
+            let what = |part: &str| format!("{part} (train {train})");
+            assert_close(&what("y"), &results[0].0, &other.0, 1e-5)?;
+            for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                .iter()
+                .zip(results[0].1.iter().zip(&other.1))
+            {
+                assert_close(&what(name), g, r, 1e-4)?;
+            }
+            for (g, r) in results[0].2.iter().zip(&other.2) {
+                assert_close(&what("moving statistics"), g, r, 1e-5)?;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_shapes_and_dtypes_name_the_op_and_both_shapes() -> anyhow::Result<()> {
     let x = random(&[2, 4, 5, 5], 0, 0.0)?;
@@ -280,5 +363,90 @@ fn bad_shapes_and_dtypes_name_the_op_and_both_shapes() -> anyhow::Result<()> {
         err.contains("batch_norm") && err.contains("[0, 4, 2, 2]"),
         "{err}"
     );
+    Ok(())
+}
+
+/// The `(C, H, W)` inputs of MiniGoogLeNet's 19 BatchNorm layers on 32x32 images.
+const MINI_GOOGLENET_BN: &[(usize, usize)] = &[
+    (96, 32),
+    (32, 32),
+    (32, 32),
+    (32, 32),
+    (48, 32),
+    (80, 15),
+    (112, 15),
+    (48, 15),
+    (96, 15),
+    (64, 15),
+    (80, 15),
+    (80, 15),
+    (48, 15),
+    (96, 15),
+    (96, 7),
+    (176, 7),
+    (160, 7),
+    (176, 7),
+    (160, 7),
+];
+
+/// Prints forward and backward times of the composed path and the kernels for MiniGoogLeNet's
+/// BatchNorm layers at batch 64, with and without the following ReLU. Run with
+/// `cargo test --release -p kandle --test kernels_batch_norm -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing; run on demand"]
+fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
+    use kernel_support::fwd_bwd_ms;
+    let reps = 5;
+    println!(
+        "{:>14} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15}",
+        "(C, H, W)",
+        "composed",
+        "kernel",
+        "composed+relu",
+        "kernel, relu",
+        "fused relu",
+        "identity"
+    );
+    let mut totals = [(0.0, 0.0); 6];
+    for (i, &(c, hw)) in MINI_GOOGLENET_BN.iter().enumerate() {
+        let shape = [64, c, hw, hw];
+        let x = random_var(&shape, i as u64, 0.0)?;
+        let w = random_var(&[c], 1, 1.0)?;
+        let b = random_var(&[c], 2, 0.0)?;
+        let composed = |relu: bool| {
+            let (w, b) = (&w, &b);
+            move |x: &Tensor| Ok(reference(x, w, b, relu)?.0)
+        };
+        let kernel = |relu_op: bool, fused: bool| {
+            let (w, b) = (&w, &b);
+            move |x: &Tensor| {
+                let y = batch_norm_train(x, Some(w), Some(b), EPSILON, fused)?.0;
+                Ok(if relu_op { y.relu()? } else { y })
+            }
+        };
+        let times = [
+            fwd_bwd_ms(reps, &x, composed(false))?,
+            fwd_bwd_ms(reps, &x, kernel(false, false))?,
+            fwd_bwd_ms(reps, &x, composed(true))?,
+            fwd_bwd_ms(reps, &x, kernel(true, false))?,
+            fwd_bwd_ms(reps, &x, kernel(false, true))?,
+            fwd_bwd_ms(reps, &x, |x| Ok(x.clone()))?,
+        ];
+        let cells: Vec<String> = times
+            .iter()
+            .map(|(f, b)| format!("{f:6.2} + {b:6.2}"))
+            .collect();
+        println!("{:>14} | {}", format!("{c}x{hw}x{hw}"), cells.join(" | "));
+        for (t, (f, b)) in totals.iter_mut().zip(times) {
+            t.0 += f;
+            t.1 += b;
+        }
+    }
+    let cells: Vec<String> = totals
+        .iter()
+        .map(|(f, b)| format!("{f:6.1} + {b:6.1}"))
+        .collect();
+    println!("{:>14} | {}", "network total", cells.join(" | "));
+    println!("(forward ms + backward ms, medians of {reps})");
     Ok(())
 }

@@ -180,3 +180,67 @@ fn bad_windows_and_inputs_name_the_op_and_the_shape() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Every `step`-th element along `dim` of `x`, by reshaping, as the layers' composed path
+/// subsamples.
+fn every(x: &Tensor, dim: usize, step: usize) -> candle_core::Result<Tensor> {
+    let out = x.dim(dim)?.div_ceil(step);
+    let x = x.pad_with_zeros(dim, 0, out * step - x.dim(dim)?)?;
+    let mut dims = x.dims().to_vec();
+    dims[dim] = out;
+    dims.insert(dim + 1, step);
+    x.reshape(dims)?.narrow(dim + 1, 0, 1)?.squeeze(dim + 1)
+}
+
+/// The composed path the layers take off the CPU, for an unpadded max pool: the element-wise
+/// maximum of the `kh * kw` strided views.
+fn max_of_views(x: &Tensor, k: usize, s: usize) -> anyhow::Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let (oh, ow) = ((h - k) / s + 1, (w - k) / s + 1);
+    let mut acc: Option<Tensor> = None;
+    for i in 0..k {
+        let rows = every(&x.narrow(2, i, s * (oh - 1) + 1)?, 2, s)?;
+        for j in 0..k {
+            let view = every(&rows.narrow(3, j, s * (ow - 1) + 1)?, 3, s)?;
+            acc = Some(match acc {
+                None => view,
+                Some(a) => a.maximum(&view)?,
+            });
+        }
+    }
+    acc.ok_or_else(|| anyhow::anyhow!("empty window"))
+}
+
+/// Prints forward and backward times of the composed paths and the kernels for MiniGoogLeNet's
+/// pools at batch 64. Run with
+/// `cargo test --release -p kandle --test kernels_pooling -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing; run on demand"]
+fn time_mini_googlenet_pooling() -> anyhow::Result<()> {
+    use kernel_support::fwd_bwd_ms;
+    let reps = 5;
+    let valid = |k: usize, s: usize| PoolWindow {
+        window: (k, k),
+        stride: (s, s),
+        pad: (0, 0, 0, 0),
+    };
+    println!("{:>28} | {:>15} | {:>15}", "pool", "composed", "kernel");
+    let row = |name: &str, old: (f64, f64), new: (f64, f64)| {
+        println!(
+            "{name:>28} | {:6.2} + {:6.2} | {:6.2} + {:6.2}",
+            old.0, old.1, new.0, new.1
+        )
+    };
+    for (i, &(c, hw)) in [(80, 32), (144, 15)].iter().enumerate() {
+        let x = random_var(&[64, c, hw, hw], i as u64, 0.0)?;
+        let old = fwd_bwd_ms(reps, &x, |x| max_of_views(x, 3, 2))?;
+        let new = fwd_bwd_ms(reps, &x, |x| Ok(max_pool2d(x, &valid(3, 2))?))?;
+        row(&format!("max 3x3/2 on 64x{c}x{hw}x{hw}"), old, new);
+    }
+    let x = random_var(&[64, 336, 7, 7], 3, 0.0)?;
+    let old = fwd_bwd_ms(reps, &x, |x| Ok(x.avg_pool2d(7)?))?;
+    let new = fwd_bwd_ms(reps, &x, |x| Ok(avg_pool2d(x, &valid(7, 7))?))?;
+    row("avg 7x7 on 64x336x7x7", old, new);
+    println!("(forward ms + backward ms, medians of {reps})");
+    Ok(())
+}

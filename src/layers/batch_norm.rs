@@ -10,7 +10,8 @@
 //! For `f32` tensors on the CPU the layer runs the fused kernels of
 //! [`crate::kernels::batch_norm`]: one op for training (statistics, normalisation and their
 //! backward pass) and a per-channel affine map for inference. Under `SyncBatchNorm`, and on
-//! other devices, it composes candle ops.
+//! other devices, it composes candle ops. A [`Sequential`](super::Sequential) lets the layer
+//! absorb a ReLU that follows it, which the kernels apply in the same pass.
 
 use candle_core::{Tensor, Var};
 
@@ -113,6 +114,7 @@ impl LayerSpec for BatchNormalization {
             frozen: !ctx.trainable(),
             sync: ctx.replica_group().cloned(),
             rank: input_shape.len() + 1,
+            relu: false,
         };
         Ok(Built::leaf(layer, input_shape.to_vec()))
     }
@@ -133,6 +135,8 @@ struct BatchNormLayer {
     rank: usize,
     /// Set under `SyncBatchNorm`: statistics are summed over the replica group.
     sync: Option<ReplicaHandle>,
+    /// Whether the ReLU that follows the layer is applied here (see [`Layer::fuse_relu`]).
+    relu: bool,
 }
 
 impl BatchNormLayer {
@@ -209,7 +213,7 @@ impl BatchNormLayer {
             Some(b) => (b + shift)?,
             None => shift,
         };
-        kernels::channel_affine(x, &scale, &shift, false)
+        kernels::channel_affine(x, &scale, &shift, self.relu)
     }
 
     /// Moves the running statistics towards this batch's.
@@ -227,31 +231,37 @@ impl BatchNormLayer {
 impl Layer for BatchNormLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let fused = kernels::supported(x);
-        if !train || self.frozen {
+        let y = if !train || self.frozen {
             if fused {
                 return self.affine_with_running_stats(x);
             }
             let mean = self.running_mean.as_tensor().detach();
             let var = self.running_var.as_tensor().detach();
-            return self.normalize(x, &mean, &var);
-        }
-        if fused && self.sync.is_none() {
+            self.normalize(x, &mean, &var)?
+        } else if fused && self.sync.is_none() {
             let (y, stats) = kernels::batch_norm_train(
                 x,
                 self.weight.as_ref(),
                 self.bias.as_ref(),
                 self.epsilon,
-                false,
+                self.relu,
             )?;
             self.update_moving(&stats.mean, &stats.var)?;
             return Ok(y);
-        }
-        let (mean, var) = match &self.sync {
-            Some(group) => self.global_batch_stats(x, group)?,
-            None => self.batch_stats(x)?,
+        } else {
+            let (mean, var) = match &self.sync {
+                Some(group) => self.global_batch_stats(x, group)?,
+                None => self.batch_stats(x)?,
+            };
+            self.update_moving(&mean, &var)?;
+            self.normalize(x, &mean, &var)?
         };
-        self.update_moving(&mean, &var)?;
-        self.normalize(x, &mean, &var)
+        Ok(if self.relu { y.relu()? } else { y })
+    }
+
+    fn fuse_relu(&mut self) -> bool {
+        self.relu = true;
+        true
     }
 }
 

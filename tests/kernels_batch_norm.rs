@@ -414,23 +414,23 @@ fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
         let w = random_var(&[c], 1, 1.0)?;
         let b = random_var(&[c], 2, 0.0)?;
         let composed = |relu: bool| {
-            let (w, b) = (&w, &b);
-            move |x: &Tensor| Ok(reference(x, w, b, relu)?.0)
+            let (x, w, b) = (&x, &w, &b);
+            move || Ok(reference(x, w, b, relu)?.0)
         };
         let kernel = |relu_op: bool, fused: bool| {
-            let (w, b) = (&w, &b);
-            move |x: &Tensor| {
+            let (x, w, b) = (&x, &w, &b);
+            move || {
                 let y = batch_norm_train(x, Some(w), Some(b), EPSILON, fused)?.0;
                 Ok(if relu_op { y.relu()? } else { y })
             }
         };
         let times = [
-            fwd_bwd_ms(reps, &x, composed(false))?,
-            fwd_bwd_ms(reps, &x, kernel(false, false))?,
-            fwd_bwd_ms(reps, &x, composed(true))?,
-            fwd_bwd_ms(reps, &x, kernel(true, false))?,
-            fwd_bwd_ms(reps, &x, kernel(false, true))?,
-            fwd_bwd_ms(reps, &x, |x| Ok(x.clone()))?,
+            fwd_bwd_ms(reps, composed(false))?,
+            fwd_bwd_ms(reps, kernel(false, false))?,
+            fwd_bwd_ms(reps, composed(true))?,
+            fwd_bwd_ms(reps, kernel(true, false))?,
+            fwd_bwd_ms(reps, kernel(false, true))?,
+            fwd_bwd_ms(reps, || Ok(x.as_tensor().clone()))?,
         ];
         let cells: Vec<String> = times
             .iter()

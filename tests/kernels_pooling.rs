@@ -145,6 +145,32 @@ fn max_pool_ties_send_the_gradient_to_the_first_maximum() -> anyhow::Result<()> 
 }
 
 #[test]
+fn max_pool_prefers_row_major_order_and_propagates_nan() -> anyhow::Result<()> {
+    // One 2x3 window: 5 appears at (0, 2) and (1, 0); row-major order puts (0, 2) first.
+    let x = Var::new(&[[[[1f32, 2., 5.], [5., 0., 3.]]]], &Device::Cpu)?;
+    let window = PoolWindow {
+        window: (2, 3),
+        stride: (1, 1),
+        pad: (0, 0, 0, 0),
+    };
+    let y = max_pool2d(x.as_tensor(), &window)?;
+    assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, vec![5.]);
+    let grads = y.sum_all()?.backward()?;
+    let dx = grads
+        .get(x.as_tensor())
+        .ok_or_else(|| anyhow::anyhow!("no gradient"))?;
+    assert_eq!(
+        dx.flatten_all()?.to_vec1::<f32>()?,
+        vec![0., 0., 1., 0., 0., 0.]
+    );
+
+    let x = Tensor::new(&[[[[1f32, f32::NAN, 5.], [5., 0., 3.]]]], &Device::Cpu)?;
+    let y = max_pool2d(&x, &window)?.flatten_all()?.to_vec1::<f32>()?;
+    assert!(y[0].is_nan(), "{y:?}");
+    Ok(())
+}
+
+#[test]
 fn bad_windows_and_inputs_name_the_op_and_the_shape() -> anyhow::Result<()> {
     let x = Tensor::zeros((1, 2, 2, 2), DType::F32, &Device::Cpu)?;
     let window = PoolWindow {
@@ -233,13 +259,13 @@ fn time_mini_googlenet_pooling() -> anyhow::Result<()> {
     };
     for (i, &(c, hw)) in [(80, 32), (144, 15)].iter().enumerate() {
         let x = random_var(&[64, c, hw, hw], i as u64, 0.0)?;
-        let old = fwd_bwd_ms(reps, &x, |x| max_of_views(x, 3, 2))?;
-        let new = fwd_bwd_ms(reps, &x, |x| Ok(max_pool2d(x, &valid(3, 2))?))?;
+        let old = fwd_bwd_ms(reps, || max_of_views(&x, 3, 2))?;
+        let new = fwd_bwd_ms(reps, || Ok(max_pool2d(&x, &valid(3, 2))?))?;
         row(&format!("max 3x3/2 on 64x{c}x{hw}x{hw}"), old, new);
     }
     let x = random_var(&[64, 336, 7, 7], 3, 0.0)?;
-    let old = fwd_bwd_ms(reps, &x, |x| Ok(x.avg_pool2d(7)?))?;
-    let new = fwd_bwd_ms(reps, &x, |x| Ok(avg_pool2d(x, &valid(7, 7))?))?;
+    let old = fwd_bwd_ms(reps, || Ok(x.avg_pool2d(7)?))?;
+    let new = fwd_bwd_ms(reps, || Ok(avg_pool2d(&x, &valid(7, 7))?))?;
     row("avg 7x7 on 64x336x7x7", old, new);
     println!("(forward ms + backward ms, medians of {reps})");
     Ok(())

@@ -1,9 +1,9 @@
 //! Fused BatchNorm on the CPU: one pass for the statistics, one for the normalisation.
 //!
 //! [`batch_norm_train`] normalises an `(N, C, ...)` `f32` tensor with its batch statistics and
-//! returns them, so the layer can move its running averages. The statistics are summed per
-//! `(image, channel)` plane in `f64`, shifted by the channel's first value, which keeps the
-//! variance accurate even when the mean is large. Its backward pass takes two passes: one for
+//! returns them, so the layer can move its running averages. The statistics are sums of the
+//! values shifted by the channel's first value, which keeps the variance accurate even when the
+//! mean is large, over short `f32` runs added in `f64`. Its backward pass takes two passes: one for
 //! the per-channel sums of `dy` and `dy * xhat` (the gradients of the offset and scale), one
 //! for `dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))`.
 //!
@@ -330,9 +330,10 @@ impl ChannelMap {
             let (a, b) = (self.scale[ch], self.shift[ch]);
             let xs = &x[i * s..(i + 1) * s];
             if relu {
-                out.iter_mut()
-                    .zip(xs)
-                    .for_each(|(o, &v)| *o = (v * a + b).max(0.0));
+                out.iter_mut().zip(xs).for_each(|(o, &v)| {
+                    let z = v * a + b;
+                    *o = if z < 0.0 { 0.0 } else { z };
+                });
             } else {
                 out.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * a + b);
             }
@@ -358,12 +359,10 @@ impl ChannelMap {
             if relu {
                 lane_sums(&x[range.clone()], &dy[range], |v, g| {
                     let g = masked::<true>(v, g, a, b);
-                    (g as f64, (g * (v - m)) as f64)
+                    (g, g * (v - m))
                 })
             } else {
-                lane_sums(&x[range.clone()], &dy[range], |v, g| {
-                    (g as f64, (g * (v - m)) as f64)
-                })
+                lane_sums(&x[range.clone()], &dy[range], |v, g| (g, g * (v - m)))
             }
         })
     }
@@ -410,14 +409,14 @@ fn masked<const RELU: bool>(v: f32, g: f32, a: f32, b: f32) -> f32 {
     }
 }
 
-/// Per-channel mean and biased variance of `n` images of `c` planes of `s` values, summed in
-/// `f64` around each channel's first value.
+/// Per-channel mean and biased variance of `n` images of `c` planes of `s` values, from sums
+/// around each channel's first value.
 fn statistics(x: &[f32], n: usize, c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
     let sums = channel_sums(n, c, |i, ch| {
         let shift = x[ch * s];
         let plane = &x[i * s..(i + 1) * s];
         lane_sums(plane, plane, |v, _| {
-            let d = v as f64 - shift as f64;
+            let d = v - shift;
             (d, d * d)
         })
     });

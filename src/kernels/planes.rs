@@ -13,7 +13,10 @@ use rayon::prelude::*;
 const TASKS_PER_THREAD: usize = 4;
 
 /// Lanes of the accumulators in [`lane_sums`], wide enough for the compiler to vectorise.
-const LANES: usize = 8;
+const LANES: usize = 16;
+
+/// Values [`lane_sums`] adds in `f32` (`BLOCK / LANES` per lane) before it moves to `f64`.
+const BLOCK: usize = 256;
 
 /// `(images, channels, plane size)` of an `(N, C, ...)` shape; the plane is the product of the
 /// dimensions after the channel axis (1 for `(N, C)`).
@@ -100,26 +103,54 @@ pub(crate) fn for_each_plane<T: Send>(
         .for_each(|(i, plane)| fill(i, i % c.max(1), plane));
 }
 
-/// The sums of `term(a[i], b[i])`'s two parts over equally long slices, accumulated in `f64`
-/// over several lanes so that the loop vectorises and long sums keep their precision.
-#[inline(always)]
-pub(crate) fn lane_sums(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> (f64, f64)) -> [f64; 2] {
-    let mut first = [0f64; LANES];
-    let mut second = [0f64; LANES];
-    let (a_body, a_tail) = a.split_at(a.len() / LANES * LANES);
-    let (b_body, b_tail) = b.split_at(a_body.len().min(b.len()));
-    for (ca, cb) in a_body.chunks_exact(LANES).zip(b_body.chunks_exact(LANES)) {
-        for k in 0..LANES {
-            let (p, q) = term(ca[k], cb[k]);
-            first[k] += p;
-            second[k] += q;
-        }
+/// Like [`for_each_plane`] for two outputs with `s` values per plane each: `fill` gets the
+/// plane's index and its slices of `a` and `b`.
+pub(crate) fn for_each_plane_pair<A: Send, B: Send>(
+    a: &mut [A],
+    b: &mut [B],
+    s: usize,
+    fill: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+) {
+    if s == 0 {
+        return;
     }
-    let mut sums = [first.iter().sum::<f64>(), second.iter().sum::<f64>()];
-    for (&x, &y) in a_tail.iter().zip(b_tail) {
-        let (p, q) = term(x, y);
-        sums[0] += p;
-        sums[1] += q;
+    let planes = a.len() / s;
+    a.par_chunks_mut(s)
+        .zip(b.par_chunks_mut(s))
+        .enumerate()
+        .with_min_len(min_len(planes))
+        .for_each(|(i, (pa, pb))| fill(i, pa, pb));
+}
+
+/// The sums of `term(a[i], b[i])`'s two parts over equally long slices. Blocks of
+/// [`BLOCK`] values are summed in `f32` over [`LANES`] lanes, so that the loop vectorises, and
+/// the block sums are added in `f64`, so that long sums keep their precision.
+#[inline(always)]
+pub(crate) fn lane_sums(a: &[f32], b: &[f32], term: impl Fn(f32, f32) -> (f32, f32)) -> [f64; 2] {
+    let len = a.len().min(b.len());
+    let (a, b) = (&a[..len], &b[..len]);
+    let mut sums = [0f64; 2];
+    for (ba, bb) in a.chunks(BLOCK).zip(b.chunks(BLOCK)) {
+        let mut first = [0f32; LANES];
+        let mut second = [0f32; LANES];
+        let body = ba.len() / LANES * LANES;
+        for (ca, cb) in ba[..body]
+            .chunks_exact(LANES)
+            .zip(bb[..body].chunks_exact(LANES))
+        {
+            for k in 0..LANES {
+                let (p, q) = term(ca[k], cb[k]);
+                first[k] += p;
+                second[k] += q;
+            }
+        }
+        for (&x, &y) in ba[body..].iter().zip(&bb[body..]) {
+            let (p, q) = term(x, y);
+            first[0] += p;
+            second[0] += q;
+        }
+        sums[0] += first.iter().map(|&v| v as f64).sum::<f64>();
+        sums[1] += second.iter().map(|&v| v as f64).sum::<f64>();
     }
     sums
 }
@@ -132,9 +163,12 @@ mod tests {
     fn lane_sums_cover_body_and_tail() {
         let a: Vec<f32> = (0..19).map(|i| i as f32).collect();
         let b = vec![2f32; 19];
-        let [s, p] = lane_sums(&a, &b, |x, y| (x as f64, (x * y) as f64));
+        let [s, p] = lane_sums(&a, &b, |x, y| (x, x * y));
         assert_eq!(s, 171.0);
         assert_eq!(p, 342.0);
+        // Many blocks: 1000 ones in f32 blocks, exact in f64.
+        let ones = vec![1f32; 1000];
+        assert_eq!(lane_sums(&ones, &ones, |x, y| (x, x + y)), [1000.0, 2000.0]);
     }
 
     #[test]

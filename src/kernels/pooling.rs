@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use super::planes::{f32_data, for_each_plane, with_f32};
+use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
 use crate::{Error, Result};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
@@ -58,6 +58,8 @@ pub fn avg_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
 /// Where every window lands on one `(H, W)` plane.
 #[derive(Debug, Clone)]
 struct Plan {
+    /// The window, strides and padding.
+    window: PoolWindow,
     /// Input height and width.
     input: (usize, usize),
     /// The real rows `[start, end)` of each output row's window.
@@ -84,6 +86,7 @@ impl Plan {
         let cols = spans(wd, kw, sw, pl, pr);
         match (rows, cols) {
             (Some(rows), Some(cols)) => Ok(Self {
+                window: *w,
                 input: (h, wd),
                 rows,
                 cols,
@@ -107,6 +110,65 @@ impl Plan {
 
     fn out_shape(&self, dims: &[usize]) -> Shape {
         Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()))
+    }
+
+    /// The maximum of each window of the plane `xp` into `y`, and its index in the plane into
+    /// `argmax`.
+    ///
+    /// For each output row it first takes the maximum of every column over the window's rows,
+    /// then splits those by column modulo the stride, so that the maximum over each window's
+    /// columns is a few passes over contiguous memory. Every loop vectorises.
+    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32]) {
+        let width = self.input.1;
+        let (_, _, left, right) = self.window.pad;
+        let (kw, sw) = (self.window.window.1, self.window.stride.1);
+        let ow = self.cols.len();
+        let padded = left + width + right;
+        let mut cols = Maxima::new(padded);
+        let mut phases: Vec<Maxima> = (0..sw).map(|_| Maxima::new(padded.div_ceil(sw))).collect();
+        let mut best = Maxima::new(ow);
+        let rows = self
+            .rows
+            .iter()
+            .zip(y.chunks_mut(ow).zip(argmax.chunks_mut(ow)));
+        for (&(r0, r1), (y_row, at_row)) in rows {
+            let real = &mut cols.slice_mut(left, width);
+            if r0 < r1 {
+                real.0.copy_from_slice(&xp[r0 * width..(r0 + 1) * width]);
+                let base = (r0 * width) as u32;
+                for (c, at) in real.1.iter_mut().enumerate() {
+                    *at = base + c as u32;
+                }
+            } else {
+                real.0.fill(f32::NEG_INFINITY);
+                real.1.fill(NO_ARGMAX);
+            }
+            for r in (r0 + 1)..r1 {
+                let row = &xp[r * width..(r + 1) * width];
+                let base = (r * width) as u32;
+                fold(real, &row[..width], |c| base + c as u32);
+            }
+            for (p, phase) in phases.iter_mut().enumerate() {
+                for (j, c) in (p..padded).step_by(sw).enumerate() {
+                    (phase.max[j], phase.at[j]) = (cols.max[c], cols.at[c]);
+                }
+            }
+            // Window `o` covers the padded columns `o * sw + k`, entry `o + k / sw` of phase
+            // `k % sw`.
+            let all = &mut best.slice_mut(0, ow);
+            for k in 0..kw {
+                let phase = &phases[k % sw];
+                let (max, at) = (&phase.max[k / sw..], &phase.at[k / sw..]);
+                if k == 0 {
+                    all.0.copy_from_slice(&max[..ow]);
+                    all.1.copy_from_slice(&at[..ow]);
+                } else {
+                    fold(all, &max[..ow], |o| at[o]);
+                }
+            }
+            y_row.copy_from_slice(all.0);
+            at_row.copy_from_slice(all.1);
+        }
     }
 
     /// Calls `visit(output index, rows, cols)` for every window of a plane.
@@ -165,25 +227,12 @@ impl CustomOp1 for MaxPool {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_data(MAX_OP, storage, layout)?;
         let plan = &self.plan;
-        let width = plan.input.1;
         let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
-        let mut best = vec![(f32::NEG_INFINITY, NO_ARGMAX); x.len() / in_len * out_len];
-        for_each_plane(&mut best, 1, out_len, |i, _, out| {
-            let xp = &x[i * in_len..(i + 1) * in_len];
-            plan.for_each_window(|o, (r0, r1), (c0, c1)| {
-                let (mut max, mut at) = (f32::NEG_INFINITY, NO_ARGMAX);
-                for r in r0..r1 {
-                    for (c, &v) in xp[r * width + c0..r * width + c1].iter().enumerate() {
-                        if at == NO_ARGMAX || v > max || (v.is_nan() && !max.is_nan()) {
-                            max = v;
-                            at = (r * width + c0 + c) as u32;
-                        }
-                    }
-                }
-                out[o] = (max, at);
-            });
+        let outputs = x.len() / in_len * out_len;
+        let (mut y, mut argmax) = (vec![0f32; outputs], vec![0u32; outputs]);
+        for_each_plane_pair(&mut y, &mut argmax, out_len, |i, yp, ap| {
+            plan.max_plane(&x[i * in_len..(i + 1) * in_len], yp, ap);
         });
-        let (y, argmax): (Vec<f32>, Vec<u32>) = best.into_iter().unzip();
         self.argmax
             .set(argmax)
             .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
@@ -210,6 +259,59 @@ impl CustomOp1 for MaxPool {
             Ok(dx)
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+/// Whether `v` should replace the running maximum `max`: it is larger, or a NaN where the
+/// maximum is not.
+#[inline(always)]
+fn beats(v: f32, max: f32) -> bool {
+    (v > max) | (v.is_nan() & !max.is_nan())
+}
+
+/// Running maxima and where they are in the plane (`NO_ARGMAX` for padding, which holds
+/// `-inf` and never wins).
+struct Maxima {
+    max: Vec<f32>,
+    at: Vec<u32>,
+}
+
+impl Maxima {
+    fn new(len: usize) -> Self {
+        Self {
+            max: vec![f32::NEG_INFINITY; len],
+            at: vec![NO_ARGMAX; len],
+        }
+    }
+
+    fn slice_mut(&mut self, start: usize, len: usize) -> (&mut [f32], &mut [u32]) {
+        (
+            &mut self.max[start..start + len],
+            &mut self.at[start..start + len],
+        )
+    }
+}
+
+/// Whether `(v, at)` should replace the running maximum `(max, max_at)`: it beats it, or ties
+/// with it at a smaller index (the first in row-major order).
+#[inline(always)]
+fn wins((v, at): (f32, u32), (max, max_at): (f32, u32)) -> bool {
+    beats(v, max) | ((v == max) & (at < max_at))
+}
+
+/// Folds `(values[i], index(i))` into each running maximum `i` of `dst`. The selects are
+/// bitwise, so the compiler keeps them branch-free (random data would defeat a branch
+/// predictor) and vectorises the loop.
+#[inline(always)]
+fn fold(dst: &mut (&mut [f32], &mut [u32]), values: &[f32], index: impl Fn(usize) -> u32) {
+    let n = dst.0.len().min(dst.1.len()).min(values.len());
+    let (max, at) = (&mut dst.0[..n], &mut dst.1[..n]);
+    for i in 0..n {
+        let (v, a) = (values[i], index(i));
+        let (m, ma) = (max[i], at[i]);
+        let take = 0u32.wrapping_sub(wins((v, a), (m, ma)) as u32);
+        max[i] = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
+        at[i] = (a & take) | (ma & !take);
     }
 }
 

@@ -122,50 +122,44 @@ fn kernels_match_candle_pooling_where_window_equals_stride() -> anyhow::Result<(
     Ok(())
 }
 
-#[test]
-fn max_pool_ties_send_the_gradient_to_the_first_maximum() -> anyhow::Result<()> {
-    let x = Var::new(&[[[[1f32, 1., 1.], [1., 1., 1.]]]], &Device::Cpu)?;
+/// The max pool of `x` with a `window` at stride 1, and the gradient of its sum.
+fn max_pool_and_gradient(x: &Tensor, window: (usize, usize)) -> anyhow::Result<(Tensor, Tensor)> {
+    let x = Var::from_tensor(x)?;
     let window = PoolWindow {
-        window: (2, 2),
+        window,
         stride: (1, 1),
         pad: (0, 0, 0, 0),
     };
     let y = max_pool2d(x.as_tensor(), &window)?;
-    assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, vec![1., 1.]);
     let grads = y.sum_all()?.backward()?;
     let dx = grads
         .get(x.as_tensor())
-        .ok_or_else(|| anyhow::anyhow!("no gradient"))?;
+        .ok_or_else(|| anyhow::anyhow!("no gradient"))?
+        .clone();
+    Ok((y.flatten_all()?, dx.flatten_all()?))
+}
+
+#[test]
+fn max_pool_ties_send_the_gradient_to_the_first_maximum() -> anyhow::Result<()> {
+    let x = Tensor::ones((1, 1, 2, 3), DType::F32, &Device::Cpu)?;
+    let (y, dx) = max_pool_and_gradient(&x, (2, 2))?;
+    assert_eq!(y.to_vec1::<f32>()?, vec![1., 1.]);
     // Windows start at columns 0 and 1 of the top row.
-    assert_eq!(
-        dx.flatten_all()?.to_vec1::<f32>()?,
-        vec![1., 1., 0., 0., 0., 0.]
-    );
+    assert_eq!(dx.to_vec1::<f32>()?, vec![1., 1., 0., 0., 0., 0.]);
+
+    // One 2x3 window: 5 appears at (0, 2) and (1, 0); row-major order puts (0, 2) first.
+    let x = Tensor::new(&[[[[1f32, 2., 5.], [5., 0., 3.]]]], &Device::Cpu)?;
+    let (y, dx) = max_pool_and_gradient(&x, (2, 3))?;
+    assert_eq!(y.to_vec1::<f32>()?, vec![5.]);
+    assert_eq!(dx.to_vec1::<f32>()?, vec![0., 0., 1., 0., 0., 0.]);
     Ok(())
 }
 
 #[test]
-fn max_pool_prefers_row_major_order_and_propagates_nan() -> anyhow::Result<()> {
-    // One 2x3 window: 5 appears at (0, 2) and (1, 0); row-major order puts (0, 2) first.
-    let x = Var::new(&[[[[1f32, 2., 5.], [5., 0., 3.]]]], &Device::Cpu)?;
-    let window = PoolWindow {
-        window: (2, 3),
-        stride: (1, 1),
-        pad: (0, 0, 0, 0),
-    };
-    let y = max_pool2d(x.as_tensor(), &window)?;
-    assert_eq!(y.flatten_all()?.to_vec1::<f32>()?, vec![5.]);
-    let grads = y.sum_all()?.backward()?;
-    let dx = grads
-        .get(x.as_tensor())
-        .ok_or_else(|| anyhow::anyhow!("no gradient"))?;
-    assert_eq!(
-        dx.flatten_all()?.to_vec1::<f32>()?,
-        vec![0., 0., 1., 0., 0., 0.]
-    );
-
+fn max_pool_propagates_nan() -> anyhow::Result<()> {
     let x = Tensor::new(&[[[[1f32, f32::NAN, 5.], [5., 0., 3.]]]], &Device::Cpu)?;
-    let y = max_pool2d(&x, &window)?.flatten_all()?.to_vec1::<f32>()?;
+    let (y, _) = max_pool_and_gradient(&x, (2, 3))?;
+    let y = y.to_vec1::<f32>()?;
     assert!(y[0].is_nan(), "{y:?}");
     Ok(())
 }

@@ -208,32 +208,25 @@ impl CustomOp3 for TrainOp {
         let weight = weight.to_vec1::<f32>()?;
         let (n, c, s) = nc_plane(x.dims());
         let count = (n * s) as f64;
-        let (dx, dweight, dbias) = with_f32(TRAIN_OP, x, |xs| {
-            with_f32(TRAIN_OP, grad, |dy| {
-                let sums = saved.map.grad_sums(xs, dy, c, s, &saved.mean, self.relu);
-                let mut lin = Linear::with_capacity(c);
-                let (mut dweight, mut dbias) = (Vec::with_capacity(c), Vec::with_capacity(c));
-                for (ch, &[sum_dy, sum_dy_centered]) in sums.iter().enumerate() {
-                    let invstd = saved.invstd[ch] as f64;
-                    let dy_xhat = sum_dy_centered * invstd;
-                    let k = weight[ch] as f64 * invstd;
-                    lin.dy.push(k as f32);
-                    lin.centered.push((-k * invstd * dy_xhat / count) as f32);
-                    lin.constant.push((-k * sum_dy / count) as f32);
-                    dweight.push(dy_xhat as f32);
-                    dbias.push(sum_dy as f32);
-                }
-                let dx = saved
-                    .map
-                    .grad_input(xs, dy, c, s, &saved.mean, &lin, self.relu);
-                Ok((dx, dweight, dbias))
-            })
-        })?;
-        Ok((
-            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
-            Some(Tensor::from_vec(dweight, c, x.device())?),
-            Some(Tensor::from_vec(dbias, c, x.device())?),
-        ))
+        channel_backward(TRAIN_OP, x, grad, |xs, dy| {
+            let sums = saved.map.grad_sums(xs, dy, c, s, &saved.mean, self.relu);
+            let mut lin = Linear::with_capacity(c);
+            let (mut dweight, mut dbias) = (Vec::with_capacity(c), Vec::with_capacity(c));
+            for (ch, &[sum_dy, sum_dy_centered]) in sums.iter().enumerate() {
+                let invstd = saved.invstd[ch] as f64;
+                let dy_xhat = sum_dy_centered * invstd;
+                let k = weight[ch] as f64 * invstd;
+                lin.dy.push(k as f32);
+                lin.centered.push((-k * invstd * dy_xhat / count) as f32);
+                lin.constant.push((-k * sum_dy / count) as f32);
+                dweight.push(dy_xhat as f32);
+                dbias.push(sum_dy as f32);
+            }
+            let dx = saved
+                .map
+                .grad_input(xs, dy, c, s, &saved.mean, &lin, self.relu);
+            (dx, dweight, dbias)
+        })
     }
 }
 
@@ -281,26 +274,36 @@ impl CustomOp3 for AffineOp {
         };
         let (_, c, s) = nc_plane(x.dims());
         let zeros = vec![0f32; c];
-        let (dx, dscale, dshift) = with_f32(AFFINE_OP, x, |xs| {
-            with_f32(AFFINE_OP, grad, |dy| {
-                let sums = map.grad_sums(xs, dy, c, s, &zeros, self.relu);
-                let lin = Linear {
-                    dy: map.scale.clone(),
-                    centered: zeros.clone(),
-                    constant: zeros.clone(),
-                };
-                let dx = map.grad_input(xs, dy, c, s, &zeros, &lin, self.relu);
-                let dscale = sums.iter().map(|v| v[1] as f32).collect::<Vec<_>>();
-                let dshift = sums.iter().map(|v| v[0] as f32).collect::<Vec<_>>();
-                Ok((dx, dscale, dshift))
-            })
-        })?;
-        Ok((
-            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
-            Some(Tensor::from_vec(dscale, c, x.device())?),
-            Some(Tensor::from_vec(dshift, c, x.device())?),
-        ))
+        channel_backward(AFFINE_OP, x, grad, |xs, dy| {
+            let sums = map.grad_sums(xs, dy, c, s, &zeros, self.relu);
+            let lin = Linear {
+                dy: map.scale.clone(),
+                centered: zeros.clone(),
+                constant: zeros.clone(),
+            };
+            let dx = map.grad_input(xs, dy, c, s, &zeros, &lin, self.relu);
+            let dscale = sums.iter().map(|v| v[1] as f32).collect();
+            let dshift = sums.iter().map(|v| v[0] as f32).collect();
+            (dx, dscale, dshift)
+        })
     }
+}
+
+/// Runs `backward` on the data of the input `x` and the output gradient, and returns the
+/// gradient of `x` and of two per-channel vectors as tensors.
+fn channel_backward(
+    op: &str,
+    x: &Tensor,
+    grad: &Tensor,
+    backward: impl FnOnce(&[f32], &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>),
+) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    let (dx, da, db) = with_f32(op, x, |xs| with_f32(op, grad, |dy| Ok(backward(xs, dy))))?;
+    let c = da.len();
+    Ok((
+        Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+        Some(Tensor::from_vec(da, c, x.device())?),
+        Some(Tensor::from_vec(db, c, x.device())?),
+    ))
 }
 
 /// Per-channel coefficients of the input gradient

@@ -11,3 +11,5 @@
 pub mod batch_norm;
 pub mod conv2d;
 pub mod pooling;
+
+mod planes;

@@ -1,1 +1,384 @@
 //! Max and average pooling on the CPU with dedicated backward passes.
+//!
+//! Both take an `(N, C, H, W)` `f32` tensor and any window, stride and zero-or-more padding on
+//! each side. Padding is never a candidate: a max pool takes the maximum of a window's real
+//! elements, and an average pool divides by their count (TensorFlow's `same` convention; with
+//! `valid` every window is full).
+//!
+//! The max pool records the position of each window's maximum while it runs, and its backward
+//! pass adds each output gradient to that one position. On ties the first maximum in row-major
+//! window order wins (as in PyTorch); a NaN in a window wins over numbers, so NaNs propagate.
+//! The average pool's backward pass spreads each output gradient evenly over its window.
+
+use std::sync::{Arc, OnceLock};
+
+use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
+use crate::{Error, Result};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
+const MAX_OP: &str = "max_pool2d";
+const AVG_OP: &str = "avg_pool2d";
+
+/// Marks an output whose window holds no real element (none can, with `same` or `valid`).
+const NO_ARGMAX: u32 = u32::MAX;
+
+/// A pooling window's size, strides and padding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolWindow {
+    /// `(height, width)` of the window.
+    pub window: (usize, usize),
+    /// `(vertical, horizontal)` strides.
+    pub stride: (usize, usize),
+    /// Padding: top, bottom, left, right.
+    pub pad: (usize, usize, usize, usize),
+}
+
+/// Whether the kernels here can run on `x`: an `f32` CPU tensor of shape `(N, C, H, W)`.
+pub fn supported(x: &Tensor) -> bool {
+    x.device().is_cpu() && x.dtype() == DType::F32 && x.rank() == 4
+}
+
+/// The maximum over each window of the `(N, C, H, W)` `f32` CPU tensor `x`, differentiable.
+pub fn max_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
+    let plan = Plan::new(MAX_OP, x, window)?;
+    let op = MaxPool {
+        plan,
+        argmax: Arc::new(OnceLock::new()),
+    };
+    Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+/// The mean over each window's real elements of the `(N, C, H, W)` `f32` CPU tensor `x`,
+/// differentiable.
+pub fn avg_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
+    let plan = Plan::new(AVG_OP, x, window)?;
+    Ok(x.contiguous()?.apply_op1(AvgPool { plan })?)
+}
+
+/// Where every window lands on one `(H, W)` plane.
+#[derive(Debug, Clone)]
+struct Plan {
+    /// The window, strides and padding.
+    window: PoolWindow,
+    /// Input height and width.
+    input: (usize, usize),
+    /// The real rows `[start, end)` of each output row's window.
+    rows: Vec<(usize, usize)>,
+    /// The real columns `[start, end)` of each output column's window.
+    cols: Vec<(usize, usize)>,
+}
+
+impl Plan {
+    fn new(op: &str, x: &Tensor, w: &PoolWindow) -> Result<Self> {
+        if !supported(x) {
+            return Err(Error::invalid(format!(
+                "{op}: expected an f32 CPU tensor of shape (N, C, H, W), got {:?} {:?} on {:?}",
+                x.dtype(),
+                x.dims(),
+                x.device()
+            )));
+        }
+        let (_, _, h, wd) = x.dims4()?;
+        let (kh, kw) = w.window;
+        let (sh, sw) = w.stride;
+        let (pt, pb, pl, pr) = w.pad;
+        let rows = spans(h, kh, sh, pt, pb);
+        let cols = spans(wd, kw, sw, pl, pr);
+        match (rows, cols) {
+            (Some(rows), Some(cols)) => Ok(Self {
+                window: *w,
+                input: (h, wd),
+                rows,
+                cols,
+            }),
+            _ => Err(Error::invalid(format!(
+                "{op}: a {kh}x{kw} window with strides ({sh}, {sw}) and padding {:?} does not fit \
+                 the input {:?}",
+                w.pad,
+                x.dims()
+            ))),
+        }
+    }
+
+    fn in_plane(&self) -> usize {
+        self.input.0 * self.input.1
+    }
+
+    fn out_plane(&self) -> usize {
+        self.rows.len() * self.cols.len()
+    }
+
+    fn out_shape(&self, dims: &[usize]) -> Shape {
+        Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()))
+    }
+
+    /// The maximum of each window of the plane `xp` into `y`, and its index in the plane into
+    /// `argmax`.
+    ///
+    /// For each output row it first takes the maximum of every column over the window's rows,
+    /// then splits those by column modulo the stride, so that the maximum over each window's
+    /// columns is a few passes over contiguous memory. Every loop vectorises.
+    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32]) {
+        let width = self.input.1;
+        let (_, _, left, right) = self.window.pad;
+        let (kw, sw) = (self.window.window.1, self.window.stride.1);
+        let ow = self.cols.len();
+        let padded = left + width + right;
+        let mut cols = Maxima::new(padded);
+        let mut phases: Vec<Maxima> = (0..sw).map(|_| Maxima::new(padded.div_ceil(sw))).collect();
+        let mut best = Maxima::new(ow);
+        let rows = self
+            .rows
+            .iter()
+            .zip(y.chunks_mut(ow).zip(argmax.chunks_mut(ow)));
+        for (&(r0, r1), (y_row, at_row)) in rows {
+            let real = &mut cols.slice_mut(left, width);
+            if r0 < r1 {
+                real.0.copy_from_slice(&xp[r0 * width..(r0 + 1) * width]);
+                let base = (r0 * width) as u32;
+                for (c, at) in real.1.iter_mut().enumerate() {
+                    *at = base + c as u32;
+                }
+            } else {
+                real.0.fill(f32::NEG_INFINITY);
+                real.1.fill(NO_ARGMAX);
+            }
+            for r in (r0 + 1)..r1 {
+                let row = &xp[r * width..(r + 1) * width];
+                let base = (r * width) as u32;
+                fold(real, &row[..width], |c| base + c as u32);
+            }
+            for (p, phase) in phases.iter_mut().enumerate() {
+                for (j, c) in (p..padded).step_by(sw).enumerate() {
+                    (phase.max[j], phase.at[j]) = (cols.max[c], cols.at[c]);
+                }
+            }
+            // Window `o` covers the padded columns `o * sw + k`, entry `o + k / sw` of phase
+            // `k % sw`.
+            let all = &mut best.slice_mut(0, ow);
+            for k in 0..kw {
+                let phase = &phases[k % sw];
+                let (max, at) = (&phase.max[k / sw..], &phase.at[k / sw..]);
+                if k == 0 {
+                    all.0.copy_from_slice(&max[..ow]);
+                    all.1.copy_from_slice(&at[..ow]);
+                } else {
+                    fold(all, &max[..ow], |o| at[o]);
+                }
+            }
+            y_row.copy_from_slice(all.0);
+            at_row.copy_from_slice(all.1);
+        }
+    }
+
+    /// Calls `visit(output index, rows, cols)` for every window of a plane.
+    #[inline(always)]
+    fn for_each_window(&self, mut visit: impl FnMut(usize, (usize, usize), (usize, usize))) {
+        let mut o = 0;
+        for &r in &self.rows {
+            for &c in &self.cols {
+                visit(o, r, c);
+                o += 1;
+            }
+        }
+    }
+}
+
+/// The real `[start, end)` span of each window along an axis of `input` elements, or `None`
+/// when not even one window fits.
+fn spans(
+    input: usize,
+    k: usize,
+    stride: usize,
+    before: usize,
+    after: usize,
+) -> Option<Vec<(usize, usize)>> {
+    let padded = input + before + after;
+    if k == 0 || stride == 0 || padded < k || input == 0 {
+        return None;
+    }
+    let out = (padded - k) / stride + 1;
+    Some(
+        (0..out)
+            .map(|o| {
+                let start = (o * stride).saturating_sub(before).min(input);
+                let end = (o * stride + k).saturating_sub(before).min(input);
+                (start, end)
+            })
+            .collect(),
+    )
+}
+
+struct MaxPool {
+    plan: Plan,
+    /// Per output, the index within its input plane of the window's maximum.
+    argmax: Arc<OnceLock<Vec<u32>>>,
+}
+
+impl CustomOp1 for MaxPool {
+    fn name(&self) -> &'static str {
+        MAX_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_data(MAX_OP, storage, layout)?;
+        let plan = &self.plan;
+        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let outputs = x.len() / in_len * out_len;
+        let (mut y, mut argmax) = (vec![0f32; outputs], vec![0u32; outputs]);
+        for_each_plane_pair(&mut y, &mut argmax, out_len, |i, yp, ap| {
+            plan.max_plane(&x[i * in_len..(i + 1) * in_len], yp, ap);
+        });
+        self.argmax
+            .set(argmax)
+            .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
+        Ok((CpuStorage::F32(y), plan.out_shape(layout.dims())))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let argmax = self
+            .argmax
+            .get()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{MAX_OP}: backward before forward")))?;
+        let plan = &self.plan;
+        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let dx = with_f32(MAX_OP, grad, |dy| {
+            let mut dx = vec![0f32; x.elem_count()];
+            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
+                let outputs = i * out_len..(i + 1) * out_len;
+                for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
+                    if at != NO_ARGMAX {
+                        dxp[at as usize] += g;
+                    }
+                }
+            });
+            Ok(dx)
+        })?;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}
+
+/// Whether `v` should replace the running maximum `max`: it is larger, or a NaN where the
+/// maximum is not.
+#[inline(always)]
+fn beats(v: f32, max: f32) -> bool {
+    (v > max) | (v.is_nan() & !max.is_nan())
+}
+
+/// Running maxima and where they are in the plane (`NO_ARGMAX` for padding, which holds
+/// `-inf` and never wins).
+struct Maxima {
+    max: Vec<f32>,
+    at: Vec<u32>,
+}
+
+impl Maxima {
+    fn new(len: usize) -> Self {
+        Self {
+            max: vec![f32::NEG_INFINITY; len],
+            at: vec![NO_ARGMAX; len],
+        }
+    }
+
+    fn slice_mut(&mut self, start: usize, len: usize) -> (&mut [f32], &mut [u32]) {
+        (
+            &mut self.max[start..start + len],
+            &mut self.at[start..start + len],
+        )
+    }
+}
+
+/// Whether `(v, at)` should replace the running maximum `(max, max_at)`: it beats it, or ties
+/// with it at a smaller index (the first in row-major order).
+#[inline(always)]
+fn wins((v, at): (f32, u32), (max, max_at): (f32, u32)) -> bool {
+    beats(v, max) | ((v == max) & (at < max_at))
+}
+
+/// Folds `(values[i], index(i))` into each running maximum `i` of `dst`. The selects are
+/// bitwise, so the compiler keeps them branch-free (random data would defeat a branch
+/// predictor) and vectorises the loop.
+#[inline(always)]
+fn fold(dst: &mut (&mut [f32], &mut [u32]), values: &[f32], index: impl Fn(usize) -> u32) {
+    let n = dst.0.len().min(dst.1.len()).min(values.len());
+    let (max, at) = (&mut dst.0[..n], &mut dst.1[..n]);
+    for i in 0..n {
+        let (v, a) = (values[i], index(i));
+        let (m, ma) = (max[i], at[i]);
+        let take = 0u32.wrapping_sub(wins((v, a), (m, ma)) as u32);
+        max[i] = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
+        at[i] = (a & take) | (ma & !take);
+    }
+}
+
+struct AvgPool {
+    plan: Plan,
+}
+
+impl AvgPool {
+    /// One over the number of real elements in each window of a plane.
+    fn inverse_counts(&self) -> Vec<f32> {
+        let mut inv = vec![0f32; self.plan.out_plane()];
+        self.plan.for_each_window(|o, (r0, r1), (c0, c1)| {
+            let count = (r1 - r0) * (c1 - c0);
+            inv[o] = if count == 0 { 0.0 } else { 1.0 / count as f32 };
+        });
+        inv
+    }
+}
+
+impl CustomOp1 for AvgPool {
+    fn name(&self) -> &'static str {
+        AVG_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = f32_data(AVG_OP, storage, layout)?;
+        let plan = &self.plan;
+        let width = plan.input.1;
+        let inv = self.inverse_counts();
+        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let mut y = vec![0f32; x.len() / in_len * out_len];
+        for_each_plane(&mut y, 1, out_len, |i, _, yp| {
+            let xp = &x[i * in_len..(i + 1) * in_len];
+            plan.for_each_window(|o, (r0, r1), (c0, c1)| {
+                let sum: f32 = (r0..r1)
+                    .map(|r| xp[r * width + c0..r * width + c1].iter().sum::<f32>())
+                    .sum();
+                yp[o] = sum * inv[o];
+            });
+        });
+        Ok((CpuStorage::F32(y), plan.out_shape(layout.dims())))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let plan = &self.plan;
+        let width = plan.input.1;
+        let inv = self.inverse_counts();
+        let dx = with_f32(AVG_OP, grad, |dy| {
+            let mut dx = vec![0f32; x.elem_count()];
+            let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
+                let g = &dy[i * out_len..(i + 1) * out_len];
+                plan.for_each_window(|o, (r0, r1), (c0, c1)| {
+                    let share = g[o] * inv[o];
+                    for r in r0..r1 {
+                        dxp[r * width + c0..r * width + c1]
+                            .iter_mut()
+                            .for_each(|d| *d += share);
+                    }
+                });
+            });
+            Ok(dx)
+        })?;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
+    }
+}

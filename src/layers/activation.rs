@@ -76,6 +76,10 @@ impl Layer for Activation {
         let logits = (*self == Activation::Softmax).then(|| x.clone());
         Ok((self.apply(x)?, logits))
     }
+
+    fn is_relu(&self) -> bool {
+        *self == Activation::Relu
+    }
 }
 
 /// Numerically stable `log(softmax(x))` over the last axis.

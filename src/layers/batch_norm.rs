@@ -6,11 +6,18 @@
 //! when the layer is frozen (Keras's rule for `trainable = false`), it uses the running
 //! statistics. The running statistics are non-trainable variables named `running_mean` and
 //! `running_var`; the scale and offset are `weight` and `bias`, as in PyTorch.
+//!
+//! For `f32` tensors on the CPU the layer runs the fused kernels of
+//! [`crate::kernels::batch_norm`]: one op for training (statistics, normalisation and their
+//! backward pass) and a per-channel affine map for inference. Under `SyncBatchNorm`, and on
+//! other devices, it composes candle ops. A [`Sequential`](super::Sequential) lets the layer
+//! absorb a ReLU that follows it, which the kernels apply in the same pass.
 
 use candle_core::{Tensor, Var};
 
 use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
+use crate::kernels::batch_norm as kernels;
 use crate::params::Init;
 use crate::Result;
 
@@ -107,6 +114,7 @@ impl LayerSpec for BatchNormalization {
             frozen: !ctx.trainable(),
             sync: ctx.replica_group().cloned(),
             rank: input_shape.len() + 1,
+            relu: false,
         };
         Ok(Built::leaf(layer, input_shape.to_vec()))
     }
@@ -127,6 +135,8 @@ struct BatchNormLayer {
     rank: usize,
     /// Set under `SyncBatchNorm`: statistics are summed over the replica group.
     sync: Option<ReplicaHandle>,
+    /// Whether the ReLU that follows the layer is applied here (see [`Layer::fuse_relu`]).
+    relu: bool,
 }
 
 impl BatchNormLayer {
@@ -187,27 +197,71 @@ impl BatchNormLayer {
         }
         Ok(y)
     }
-}
 
-impl Layer for BatchNormLayer {
-    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        if !train || self.frozen {
-            let mean = self.running_mean.as_tensor().detach();
-            let var = self.running_var.as_tensor().detach();
-            return self.normalize(x, &mean, &var);
-        }
-        let (mean, var) = match &self.sync {
-            Some(group) => self.global_batch_stats(x, group)?,
-            None => self.batch_stats(x)?,
+    /// Inference with the fused kernel: the running statistics folded into a per-channel
+    /// scale and shift, which stay differentiable in `weight` and `bias`.
+    fn affine_with_running_stats(&self, x: &Tensor) -> Result<Tensor> {
+        let mean = self.running_mean.as_tensor().detach();
+        let var = self.running_var.as_tensor().detach();
+        let inv_std = (var + self.epsilon)?.sqrt()?.recip()?;
+        let scale = match &self.weight {
+            Some(w) => (w * inv_std)?,
+            None => inv_std,
         };
+        let shift = (mean * &scale)?.neg()?;
+        let shift = match &self.bias {
+            Some(b) => (b + shift)?,
+            None => shift,
+        };
+        kernels::channel_affine(x, &scale, &shift, self.relu)
+    }
+
+    /// Moves the running statistics towards this batch's.
+    fn update_moving(&self, mean: &Tensor, var: &Tensor) -> Result<()> {
         let m = self.momentum;
         let update = |moving: &Var, batch: &Tensor| -> Result<()> {
             let next = ((moving.as_tensor().detach() * m)? + (batch.detach() * (1.0 - m))?)?;
             Ok(moving.set(&next)?)
         };
-        update(&self.running_mean, &mean)?;
-        update(&self.running_var, &var)?;
-        self.normalize(x, &mean, &var)
+        update(&self.running_mean, mean)?;
+        update(&self.running_var, var)
+    }
+}
+
+impl Layer for BatchNormLayer {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let fused = kernels::supported(x);
+        let y = if !train || self.frozen {
+            if fused {
+                return self.affine_with_running_stats(x);
+            }
+            let mean = self.running_mean.as_tensor().detach();
+            let var = self.running_var.as_tensor().detach();
+            self.normalize(x, &mean, &var)?
+        } else if fused && self.sync.is_none() {
+            let (y, stats) = kernels::batch_norm_train(
+                x,
+                self.weight.as_ref(),
+                self.bias.as_ref(),
+                self.epsilon,
+                self.relu,
+            )?;
+            self.update_moving(&stats.mean, &stats.var)?;
+            return Ok(y);
+        } else {
+            let (mean, var) = match &self.sync {
+                Some(group) => self.global_batch_stats(x, group)?,
+                None => self.batch_stats(x)?,
+            };
+            self.update_moving(&mean, &var)?;
+            self.normalize(x, &mean, &var)?
+        };
+        Ok(if self.relu { y.relu()? } else { y })
+    }
+
+    fn fuse_relu(&mut self) -> bool {
+        self.relu = true;
+        true
     }
 }
 

@@ -69,6 +69,17 @@ pub trait Layer: Send + Sync {
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
         Ok((self.forward_t(x, train)?, None))
     }
+
+    /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
+    fn is_relu(&self) -> bool {
+        false
+    }
+
+    /// Asks the layer to apply `max(y, 0)` to its own output from now on, because a ReLU
+    /// follows it; returns whether it will (the ReLU is then skipped). The default declines.
+    fn fuse_relu(&mut self) -> bool {
+        false
+    }
 }
 
 impl<L: Layer + ?Sized> Layer for Box<L> {
@@ -77,6 +88,12 @@ impl<L: Layer + ?Sized> Layer for Box<L> {
     }
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
         (**self).forward_with_logits(x, train)
+    }
+    fn is_relu(&self) -> bool {
+        (**self).is_relu()
+    }
+    fn fuse_relu(&mut self) -> bool {
+        (**self).fuse_relu()
     }
 }
 

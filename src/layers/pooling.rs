@@ -1,15 +1,18 @@
 //! Pooling: `MaxPooling2D`, `AveragePooling2D` and `GlobalAveragePooling2D`.
 //!
-//! When the window equals the stride and nothing is padded, Candle's own pooling ops run.
-//! Otherwise (MiniGoogLeNet's 3x3/stride-2 max pool, `same` padding) the pool is the element-wise
+//! When an average pool's windows tile the input exactly, Candle's own op runs. Otherwise (max
+//! pools, MiniGoogLeNet's 3x3/stride-2 max pool, `same` padding) the pool is the element-wise
 //! maximum or sum of the `kh * kw` strided views of the input, which autograd differentiates on
-//! every device. `same` average pooling divides by the number of real (unpadded) elements, as
-//! TensorFlow does.
+//! every device (Candle's own max-pool backward scales the gradient by one over the window
+//! size, and its average-pool backward misplaces it when the windows leave a remainder). `same` average pooling divides by the number of real (unpadded) elements, as
+//! TensorFlow does. For `f32` tensors on the CPU, all three run the dedicated kernels of
+//! [`crate::kernels::pooling`] instead, with the same results.
 
 use candle_core::{Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use crate::kernels::pooling::{self as kernels, PoolWindow};
 use crate::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +76,14 @@ impl Geometry {
         self.pad != (0, 0, 0, 0)
     }
 
+    fn kernel_window(&self) -> PoolWindow {
+        PoolWindow {
+            window: self.window,
+            stride: self.stride,
+            pad: self.pad,
+        }
+    }
+
     /// Max or sum over each window, by combining the strided views of the padded input.
     fn reduce(&self, x: &Tensor, kind: PoolKind) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
@@ -134,13 +145,22 @@ struct PoolLayer {
 impl Layer for PoolLayer {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         let g = &self.geometry;
-        let native = g.window == g.stride && !g.padded();
+        if kernels::supported(x) {
+            return match self.kind {
+                PoolKind::Max => kernels::max_pool2d(x, &g.kernel_window()),
+                PoolKind::Average => kernels::avg_pool2d(x, &g.kernel_window()),
+            };
+        }
+        // Candle's pooling backward is right only for an average over windows that tile the
+        // input exactly (its max-pool backward scales the gradient by one over the window size).
+        let (_, _, h, w) = x.dims4()?;
+        let native =
+            g.window == g.stride && !g.padded() && h % g.window.0 == 0 && w % g.window.1 == 0;
         let (kh, kw) = g.window;
-        Ok(match (self.kind, native) {
-            (PoolKind::Max, true) => x.max_pool2d((kh, kw))?,
-            (PoolKind::Average, true) => x.avg_pool2d((kh, kw))?,
-            (PoolKind::Max, false) => g.reduce(x, PoolKind::Max)?,
-            (PoolKind::Average, false) => {
+        Ok(match self.kind {
+            PoolKind::Average if native => x.avg_pool2d((kh, kw))?,
+            PoolKind::Max => g.reduce(x, PoolKind::Max)?,
+            PoolKind::Average => {
                 let sum = g.reduce(x, PoolKind::Average)?;
                 match &self.divisor {
                     Some(d) => sum.broadcast_div(&d.to_dtype(x.dtype())?)?,
@@ -249,6 +269,15 @@ impl LayerSpec for GlobalAveragePooling2D {
 
 impl Layer for GlobalAveragePooling2D {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        if kernels::supported(x) {
+            let (_, _, h, w) = x.dims4()?;
+            let window = PoolWindow {
+                window: (h, w),
+                stride: (h, w),
+                pad: (0, 0, 0, 0),
+            };
+            return Ok(kernels::avg_pool2d(x, &window)?.flatten_from(1)?);
+        }
         Ok(x.mean((2, 3))?)
     }
 }

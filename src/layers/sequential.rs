@@ -1,5 +1,8 @@
 //! `Sequential`: a stack of layers, each feeding the next. It is the model recipe users build,
 //! and also a layer, so stacks nest (an inception branch is a `Sequential` inside a `Concat`).
+//!
+//! When built, a layer followed by a ReLU may absorb it ([`Layer::fuse_relu`]): BatchNorm then
+//! Relu runs as one fused kernel. Names, variables and the summary are those of the recipe.
 
 use candle_core::{Device, Tensor};
 
@@ -119,6 +122,7 @@ impl Sequential {
             shape = built.output_shape;
             layers.push((full, built.layer));
         }
+        absorb_relus(&mut layers);
         Ok(BuiltStack {
             net: SequentialNet {
                 path,
@@ -128,6 +132,26 @@ impl Sequential {
             },
             children: rows,
         })
+    }
+}
+
+/// Lets each layer absorb the ReLU that follows it, when it can compute both in one pass
+/// (BatchNorm does). The ReLU keeps its place and name in the stack but passes its input on.
+fn absorb_relus(layers: &mut [(String, Box<dyn Layer>)]) {
+    for i in 1..layers.len() {
+        let (before, after) = layers.split_at_mut(i);
+        if after[0].1.is_relu() && before[i - 1].1.fuse_relu() {
+            after[0].1 = Box::new(Absorbed);
+        }
+    }
+}
+
+/// A layer whose work the previous layer does.
+struct Absorbed;
+
+impl Layer for Absorbed {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        Ok(x.clone())
     }
 }
 

@@ -1,0 +1,452 @@
+//! The fused BatchNorm kernels against candle's ops: forward values, batch statistics and
+//! gradients (through candle's autograd) on seeded random shapes; the layer's fused path against
+//! its composed one (the `SyncBatchNorm` code path over a single replica), moving statistics and
+//! inference included; and clear errors on bad shapes.
+
+mod kernel_support;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use kandle::cross_replica::{ReplicaGroup, ReplicaHandle};
+use kandle::kernels::batch_norm::{batch_norm_train, channel_affine};
+use kandle::layers::{
+    Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
+    SequentialNet,
+};
+use kernel_support::{assert_close, gradients, random, random_var, weighted_sum};
+
+/// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
+/// features, and a large mean that a naive one-pass variance would lose.
+const CASES: &[(&[usize], f32)] = &[
+    (&[2, 3, 5, 7], 0.0),
+    (&[1, 1, 4, 4], 0.5),
+    (&[4, 6, 3, 3], -2.0),
+    (&[3, 5, 1, 1], 0.0),
+    (&[1, 4, 1, 1], 0.0),
+    (&[7, 5], 1.0),
+    (&[2, 8, 9, 11], 50.0),
+    (&[5, 3, 7, 7], 0.0),
+];
+
+const EPSILON: f64 = 1e-3;
+
+/// Training batch normalisation composed from candle ops as the layer composes them (in `f64`
+/// for the checks, in `f32` for timing): `(y, mean, var)`.
+fn reference(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    relu: bool,
+) -> anyhow::Result<(Tensor, Tensor, Tensor)> {
+    let reduce: Vec<usize> = (0..x.rank()).filter(|&d| d != 1).collect();
+    let mut per_channel = vec![1; x.rank()];
+    per_channel[1] = x.dim(1)?;
+    let per_channel = |v: &Tensor| v.reshape(per_channel.as_slice());
+    let mean = x.mean_keepdim(reduce.as_slice())?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(reduce.as_slice())?;
+    let (mean, var) = (mean.flatten_all()?, var.flatten_all()?);
+    let inv_std = (&var + EPSILON)?.sqrt()?.recip()?;
+    let y = x
+        .broadcast_sub(&per_channel(&mean)?)?
+        .broadcast_mul(&per_channel(&inv_std)?)?
+        .broadcast_mul(&per_channel(w)?)?
+        .broadcast_add(&per_channel(b)?)?;
+    let y = if relu { y.relu()? } else { y };
+    Ok((y, mean, var))
+}
+
+fn to_f64_var(v: &Var) -> anyhow::Result<Var> {
+    Ok(Var::from_tensor(&v.as_tensor().to_dtype(DType::F64)?)?)
+}
+
+fn check_train(relu: bool) -> anyhow::Result<()> {
+    for (case, &(shape, offset)) in CASES.iter().enumerate() {
+        let seed = case as u64 * 10;
+        let c = shape[1];
+        let x = random_var(shape, seed, offset)?;
+        let w = random_var(&[c], seed + 1, 1.0)?;
+        let b = random_var(&[c], seed + 2, 0.0)?;
+        let (y, stats) = batch_norm_train(x.as_tensor(), Some(&w), Some(&b), EPSILON, relu)?;
+        let got = gradients(
+            &weighted_sum(&y, seed + 3)?,
+            &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+        )?;
+
+        let (x64, w64, b64) = (to_f64_var(&x)?, to_f64_var(&w)?, to_f64_var(&b)?);
+        let (y64, mean64, var64) = reference(&x64, &w64, &b64, relu)?;
+        let want = gradients(
+            &weighted_sum(&y64, seed + 3)?,
+            &[x64.as_tensor(), w64.as_tensor(), b64.as_tensor()],
+        )?;
+
+        let what = |part: &str| format!("{part} of {shape:?} (relu {relu})");
+        assert_close(&what("y"), &y, &y64, 1e-5)?;
+        assert_close(&what("mean"), &stats.mean, &mean64, 1e-6)?;
+        assert_close(&what("var"), &stats.var, &var64, 1e-5)?;
+        for (name, (g, r)) in ["dx", "dweight", "dbias"].iter().zip(got.iter().zip(&want)) {
+            assert_close(&what(name), g, r, 1e-4)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn training_forward_statistics_and_gradients_match_candle() -> anyhow::Result<()> {
+    check_train(false)
+}
+
+#[test]
+fn fused_relu_matches_batch_norm_then_relu() -> anyhow::Result<()> {
+    check_train(true)
+}
+
+#[test]
+fn without_weight_and_bias_the_offset_is_zero_and_the_scale_one() -> anyhow::Result<()> {
+    let x = random(&[3, 2, 4, 5], 1, 0.0)?;
+    let (y, _) = batch_norm_train(&x, None, None, EPSILON, false)?;
+    let ones = Tensor::ones(2, DType::F32, &Device::Cpu)?;
+    let zeros = ones.zeros_like()?;
+    let (want, _) = batch_norm_train(&x, Some(&ones), Some(&zeros), EPSILON, false)?;
+    assert_eq!(kernel_support::max_diff(&y, &want)?, 0.0);
+    Ok(())
+}
+
+#[test]
+fn channel_affine_matches_candle_ops_and_gradients() -> anyhow::Result<()> {
+    for relu in [false, true] {
+        for (case, &(shape, _)) in CASES.iter().enumerate() {
+            let seed = 100 + case as u64;
+            let mut per_channel = vec![1; shape.len()];
+            per_channel[1] = shape[1];
+            let x = random_var(shape, seed, 0.0)?;
+            let scale = random_var(&[shape[1]], seed + 1, 0.5)?;
+            let shift = random_var(&[shape[1]], seed + 2, 0.0)?;
+            let vars = [x.as_tensor(), scale.as_tensor(), shift.as_tensor()];
+
+            let y = channel_affine(&x, &scale, &shift, relu)?;
+            let got = gradients(&weighted_sum(&y, seed)?, &vars)?;
+            let want_y = x
+                .broadcast_mul(&scale.reshape(per_channel.as_slice())?)?
+                .broadcast_add(&shift.reshape(per_channel.as_slice())?)?;
+            let want_y = if relu { want_y.relu()? } else { want_y };
+            let want = gradients(&weighted_sum(&want_y, seed)?, &vars)?;
+
+            assert_close(&format!("affine y {shape:?}"), &y, &want_y, 1e-6)?;
+            for (name, (g, r)) in ["dx", "dscale", "dshift"].iter().zip(got.iter().zip(&want)) {
+                assert_close(&format!("affine {name} {shape:?} relu {relu}"), g, r, 1e-5)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A group of one replica: its sums are its own values, so `SyncBatchNorm` runs the composed
+/// path on exactly this replica's batch.
+struct Alone;
+
+impl ReplicaGroup for Alone {
+    fn all_reduce_sum(&self, _replica: usize, values: Vec<f32>) -> kandle::Result<Vec<f32>> {
+        Ok(values)
+    }
+}
+
+struct BuiltBn {
+    layer: Box<dyn Layer>,
+    store: kandle::params::ParamStore,
+}
+
+fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltBn> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    if composed {
+        ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
+    }
+    let built = BatchNormalization::new()
+        .momentum(0.9)
+        .build(&mut ctx, &shape[1..])?;
+    let store = ctx.into_store();
+    let c = shape[1];
+    for (name, offset, s) in [
+        ("weight", 1.0, 1),
+        ("bias", 0.0, 2),
+        ("running_mean", 0.0, 3),
+        ("running_var", 1.5, 4),
+    ] {
+        let p = store
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+        let value = random(&[c], seed + s, offset)?;
+        p.var.set(&value)?;
+    }
+    Ok(BuiltBn {
+        layer: built.layer,
+        store,
+    })
+}
+
+fn param(store: &kandle::params::ParamStore, name: &str) -> anyhow::Result<Var> {
+    Ok(store
+        .get(name)
+        .ok_or_else(|| anyhow::anyhow!("no {name}"))?
+        .var
+        .clone())
+}
+
+#[test]
+fn layer_fused_path_matches_composed_path_with_moving_statistics() -> anyhow::Result<()> {
+    for (case, &(shape, offset)) in CASES.iter().enumerate() {
+        if offset.abs() > 10.0 {
+            // The composed path sums in f32; it is the one that loses precision here.
+            continue;
+        }
+        let seed = 200 + 10 * case as u64;
+        let fused = build_bn(shape, false, seed)?;
+        let composed = build_bn(shape, true, seed)?;
+        for step in 0..2u64 {
+            let x = random_var(shape, seed + 5 + step, offset)?;
+            let mut outputs = Vec::new();
+            for bn in [&fused, &composed] {
+                let y = bn.layer.forward_t(x.as_tensor(), true)?;
+                let (w, b) = (param(&bn.store, "weight")?, param(&bn.store, "bias")?);
+                let grads = gradients(
+                    &weighted_sum(&y, seed + 7)?,
+                    &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+                )?;
+                outputs.push((y, grads));
+            }
+            let what = |part: &str| format!("{part} of {shape:?}, step {step}");
+            assert_close(&what("y"), &outputs[0].0, &outputs[1].0, 1e-5)?;
+            for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                .iter()
+                .zip(outputs[0].1.iter().zip(&outputs[1].1))
+            {
+                assert_close(&what(name), g, r, 1e-4)?;
+            }
+            for name in ["running_mean", "running_var"] {
+                let got = param(&fused.store, name)?;
+                let want = param(&composed.store, name)?;
+                assert_close(&what(name), got.as_tensor(), want.as_tensor(), 1e-5)?;
+            }
+        }
+        // Inference uses the moving statistics, differentiably in the input and parameters.
+        let x = random_var(shape, seed + 9, offset)?;
+        let mut outputs = Vec::new();
+        for bn in [&fused, &composed] {
+            let y = bn.layer.forward_t(x.as_tensor(), false)?;
+            let w = param(&bn.store, "weight")?;
+            let grads = gradients(&weighted_sum(&y, seed)?, &[x.as_tensor(), w.as_tensor()])?;
+            outputs.push((y, grads));
+        }
+        assert_close("inference y", &outputs[0].0, &outputs[1].0, 1e-5)?;
+        assert_close("inference dx", &outputs[0].1[0], &outputs[1].1[0], 1e-5)?;
+        assert_close(
+            "inference dweight",
+            &outputs[0].1[1],
+            &outputs[1].1[1],
+            1e-4,
+        )?;
+    }
+    Ok(())
+}
+
+/// Builds `net` for `shape` (optionally as the only replica of a `SyncBatchNorm` group, which
+/// takes the composed path) with seeded random values for every BatchNorm variable.
+fn build_net(
+    net: &Sequential,
+    shape: &[usize],
+    composed: bool,
+) -> anyhow::Result<(SequentialNet, kandle::params::ParamStore)> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    if composed {
+        ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
+    }
+    let (net, store, _) = net.build_in(ctx, &shape[1..])?;
+    for (i, p) in store.iter().enumerate() {
+        let offset = if p.name.ends_with("var") { 1.5 } else { 0.0 };
+        p.var.set(&random(p.var.dims(), 300 + i as u64, offset)?)?;
+    }
+    Ok((net, store))
+}
+
+#[test]
+fn sequential_absorbs_relu_into_batch_norm_keeping_names_and_results() -> anyhow::Result<()> {
+    let shape = [3, 4, 5, 6];
+    let bn_relu = Sequential::new()
+        .add(BatchNormalization::new().named("bn"))
+        .add(Activation::Relu.named("relu"));
+    let bn_alone = Sequential::new().add(BatchNormalization::new().named("bn"));
+
+    let summary = bn_relu.summary(&shape[1..])?;
+    let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["bn", "relu"]);
+    assert_eq!((summary.trainable, summary.non_trainable), (8, 8));
+
+    let (fused, fused_store) = build_net(&bn_relu, &shape, false)?;
+    let (composed, composed_store) = build_net(&bn_relu, &shape, true)?;
+    let (plain, plain_store) = build_net(&bn_alone, &shape, false)?;
+    assert_eq!(fused.layer_names().collect::<Vec<_>>(), ["bn", "relu"]);
+
+    for train in [true, false] {
+        let x = random_var(&shape, 9, 0.3)?;
+        let mut results = Vec::new();
+        for (net, store, relu_after) in [
+            (&fused, &fused_store, false),
+            (&composed, &composed_store, false),
+            (&plain, &plain_store, true),
+        ] {
+            let y = net.forward_t(x.as_tensor(), train)?;
+            let y = if relu_after { y.relu()? } else { y };
+            let (w, b) = (param(store, "bn.weight")?, param(store, "bn.bias")?);
+            let grads = gradients(
+                &weighted_sum(&y, 11)?,
+                &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+            )?;
+            let stats = [
+                param(store, "bn.running_mean")?.as_tensor().clone(),
+                param(store, "bn.running_var")?.as_tensor().clone(),
+            ];
+            results.push((y, grads, stats));
+        }
+        for other in &results[1..] {
+            let what = |part: &str| format!("{part} (train {train})");
+            assert_close(&what("y"), &results[0].0, &other.0, 1e-5)?;
+            for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                .iter()
+                .zip(results[0].1.iter().zip(&other.1))
+            {
+                assert_close(&what(name), g, r, 1e-4)?;
+            }
+            for (g, r) in results[0].2.iter().zip(&other.2) {
+                assert_close(&what("moving statistics"), g, r, 1e-5)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_shapes_and_dtypes_name_the_op_and_both_shapes() -> anyhow::Result<()> {
+    let x = random(&[2, 4, 5, 5], 0, 0.0)?;
+    let w = random(&[3], 1, 0.0)?;
+    let err = batch_norm_train(&x, Some(&w), None, EPSILON, false)
+        .expect_err("3 weights for 4 channels")
+        .to_string();
+    assert!(
+        err.contains("batch_norm") && err.contains("[3]") && err.contains("[2, 4, 5, 5]"),
+        "{err}"
+    );
+
+    let err = channel_affine(&x, &random(&[4], 2, 0.0)?, &w, false)
+        .expect_err("3 shifts for 4 channels")
+        .to_string();
+    assert!(
+        err.contains("channel_affine") && err.contains("shift") && err.contains("[3]"),
+        "{err}"
+    );
+
+    let err = batch_norm_train(&x.to_dtype(DType::F64)?, None, None, EPSILON, false)
+        .expect_err("f64 is not supported")
+        .to_string();
+    assert!(err.contains("batch_norm") && err.contains("F64"), "{err}");
+
+    let err = batch_norm_train(&random(&[4], 3, 0.0)?, None, None, EPSILON, false)
+        .expect_err("one axis")
+        .to_string();
+    assert!(err.contains("batch_norm") && err.contains("[4]"), "{err}");
+
+    let empty = Tensor::zeros((0, 4, 2, 2), DType::F32, &Device::Cpu)?;
+    let err = batch_norm_train(&empty, None, None, EPSILON, false)
+        .expect_err("no elements")
+        .to_string();
+    assert!(
+        err.contains("batch_norm") && err.contains("[0, 4, 2, 2]"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// The `(C, H, W)` inputs of MiniGoogLeNet's 19 BatchNorm layers on 32x32 images.
+const MINI_GOOGLENET_BN: &[(usize, usize)] = &[
+    (96, 32),
+    (32, 32),
+    (32, 32),
+    (32, 32),
+    (48, 32),
+    (80, 15),
+    (112, 15),
+    (48, 15),
+    (96, 15),
+    (64, 15),
+    (80, 15),
+    (80, 15),
+    (48, 15),
+    (96, 15),
+    (96, 7),
+    (176, 7),
+    (160, 7),
+    (176, 7),
+    (160, 7),
+];
+
+/// Prints forward and backward times of the composed path and the kernels for MiniGoogLeNet's
+/// BatchNorm layers at batch 64, with and without the following ReLU. Run with
+/// `cargo test --release -p kandle --test kernels_batch_norm -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing; run on demand"]
+fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
+    use kernel_support::fwd_bwd_ms;
+    let reps = 5;
+    println!(
+        "{:>14} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15}",
+        "(C, H, W)",
+        "composed",
+        "kernel",
+        "composed+relu",
+        "kernel, relu",
+        "fused relu",
+        "identity"
+    );
+    let mut totals = [(0.0, 0.0); 6];
+    for (i, &(c, hw)) in MINI_GOOGLENET_BN.iter().enumerate() {
+        let shape = [64, c, hw, hw];
+        let x = random_var(&shape, i as u64, 0.0)?;
+        let w = random_var(&[c], 1, 1.0)?;
+        let b = random_var(&[c], 2, 0.0)?;
+        let composed = |relu: bool| {
+            let (x, w, b) = (&x, &w, &b);
+            move || Ok(reference(x, w, b, relu)?.0)
+        };
+        let kernel = |relu_op: bool, fused: bool| {
+            let (x, w, b) = (&x, &w, &b);
+            move || {
+                let y = batch_norm_train(x, Some(w), Some(b), EPSILON, fused)?.0;
+                Ok(if relu_op { y.relu()? } else { y })
+            }
+        };
+        let times = [
+            fwd_bwd_ms(reps, composed(false))?,
+            fwd_bwd_ms(reps, kernel(false, false))?,
+            fwd_bwd_ms(reps, composed(true))?,
+            fwd_bwd_ms(reps, kernel(true, false))?,
+            fwd_bwd_ms(reps, kernel(false, true))?,
+            fwd_bwd_ms(reps, || Ok(x.as_tensor().clone()))?,
+        ];
+        let cells: Vec<String> = times
+            .iter()
+            .map(|(f, b)| format!("{f:6.2} + {b:6.2}"))
+            .collect();
+        println!("{:>14} | {}", format!("{c}x{hw}x{hw}"), cells.join(" | "));
+        for (t, (f, b)) in totals.iter_mut().zip(times) {
+            t.0 += f;
+            t.1 += b;
+        }
+    }
+    let cells: Vec<String> = totals
+        .iter()
+        .map(|(f, b)| format!("{f:6.1} + {b:6.1}"))
+        .collect();
+    println!("{:>14} | {}", "network total", cells.join(" | "));
+    println!("(forward ms + backward ms, medians of {reps})");
+    Ok(())
+}

@@ -103,13 +103,15 @@ pub(crate) fn for_each_plane<T: Send>(
         .for_each(|(i, plane)| fill(i, i % c.max(1), plane));
 }
 
-/// Like [`for_each_plane`] for two outputs with `s` values per plane each: `fill` gets the
-/// plane's index and its slices of `a` and `b`.
-pub(crate) fn for_each_plane_pair<A: Send, B: Send>(
+/// Like [`for_each_plane`] for two outputs with `s` values per plane each: `fill` gets a
+/// scratch value made by `init` (one per rayon task, reused across its planes), the plane's
+/// index and its slices of `a` and `b`.
+pub(crate) fn for_each_plane_pair<A: Send, B: Send, S>(
     a: &mut [A],
     b: &mut [B],
     s: usize,
-    fill: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+    init: impl Fn() -> S + Sync + Send,
+    fill: impl Fn(&mut S, usize, &mut [A], &mut [B]) + Sync + Send,
 ) {
     if s == 0 {
         return;
@@ -119,7 +121,7 @@ pub(crate) fn for_each_plane_pair<A: Send, B: Send>(
         .zip(b.par_chunks_mut(s))
         .enumerate()
         .with_min_len(min_len(planes))
-        .for_each(|(i, (pa, pb))| fill(i, pa, pb));
+        .for_each_init(init, |scratch, (i, (pa, pb))| fill(scratch, i, pa, pb));
 }
 
 /// The sums of `term(a[i], b[i])`'s two parts over equally long slices. Blocks of

@@ -12,9 +12,10 @@
 
 use std::sync::{Arc, OnceLock};
 
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
 use crate::{Error, Result};
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 const MAX_OP: &str = "max_pool2d";
 const AVG_OP: &str = "avg_pool2d";
@@ -79,6 +80,12 @@ impl Plan {
             )));
         }
         let (_, _, h, wd) = x.dims4()?;
+        if h * wd >= NO_ARGMAX as usize {
+            return Err(Error::invalid(format!(
+                "{op}: planes of {h}x{wd} are too large to index with 32 bits, in {:?}",
+                x.dims()
+            )));
+        }
         let (kh, kw) = w.window;
         let (sh, sw) = w.stride;
         let (pt, pb, pl, pr) = w.pad;
@@ -118,15 +125,13 @@ impl Plan {
     /// For each output row it first takes the maximum of every column over the window's rows,
     /// then splits those by column modulo the stride, so that the maximum over each window's
     /// columns is a few passes over contiguous memory. Every loop vectorises.
-    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32]) {
+    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32], scratch: &mut MaxScratch) {
         let width = self.input.1;
         let (_, _, left, right) = self.window.pad;
         let (kw, sw) = (self.window.window.1, self.window.stride.1);
         let ow = self.cols.len();
         let padded = left + width + right;
-        let mut cols = Maxima::new(padded);
-        let mut phases: Vec<Maxima> = (0..sw).map(|_| Maxima::new(padded.div_ceil(sw))).collect();
-        let mut best = Maxima::new(ow);
+        let MaxScratch { cols, phases, best } = scratch;
         let rows = self
             .rows
             .iter()
@@ -230,9 +235,16 @@ impl CustomOp1 for MaxPool {
         let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
         let outputs = x.len() / in_len * out_len;
         let (mut y, mut argmax) = (vec![0f32; outputs], vec![0u32; outputs]);
-        for_each_plane_pair(&mut y, &mut argmax, out_len, |i, yp, ap| {
-            plan.max_plane(&x[i * in_len..(i + 1) * in_len], yp, ap);
-        });
+        let scratch = || MaxScratch::new(plan);
+        for_each_plane_pair(
+            &mut y,
+            &mut argmax,
+            out_len,
+            scratch,
+            |scratch, i, yp, ap| {
+                plan.max_plane(&x[i * in_len..(i + 1) * in_len], yp, ap, scratch);
+            },
+        );
         self.argmax
             .set(argmax)
             .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
@@ -267,6 +279,28 @@ impl CustomOp1 for MaxPool {
 #[inline(always)]
 fn beats(v: f32, max: f32) -> bool {
     (v > max) | (v.is_nan() & !max.is_nan())
+}
+
+/// The buffers of [`Plan::max_plane`], made once per rayon task: the column maxima over the
+/// padded width (padding stays `-inf`), the same split by column modulo the stride, and the
+/// window maxima of one output row.
+struct MaxScratch {
+    cols: Maxima,
+    phases: Vec<Maxima>,
+    best: Maxima,
+}
+
+impl MaxScratch {
+    fn new(plan: &Plan) -> Self {
+        let (_, _, left, right) = plan.window.pad;
+        let padded = left + plan.input.1 + right;
+        let sw = plan.window.stride.1;
+        Self {
+            cols: Maxima::new(padded),
+            phases: (0..sw).map(|_| Maxima::new(padded.div_ceil(sw))).collect(),
+            best: Maxima::new(plan.cols.len()),
+        }
+    }
 }
 
 /// Running maxima and where they are in the plane (`NO_ARGMAX` for padding, which holds

@@ -1,5 +1,11 @@
 //! Shared pieces of the example binaries: choosing a strategy and its devices from the command
-//! line, so every binary switches strategies the same way.
+//! line, so every binary switches strategies the same way; measuring training throughput
+//! ([`throughput`]); and the scaling model and picture of the `scaling` binary
+//! ([`scaling_model`], [`scaling_plot`]).
+
+pub mod scaling_model;
+pub mod scaling_plot;
+pub mod throughput;
 
 use std::sync::Arc;
 
@@ -44,7 +50,16 @@ pub fn devices(replicas: usize) -> Result<Vec<Device>> {
 
 /// Builds the chosen strategy over `replicas` devices (per worker, for multi-worker).
 pub fn build_strategy(kind: StrategyKind, replicas: usize) -> Result<Arc<dyn Strategy>> {
-    let devices = devices(replicas)?;
+    build_strategy_on(kind, devices(replicas)?)
+}
+
+/// Builds the chosen strategy with one replica on each of `devices` (per worker, for
+/// multi-worker).
+pub fn build_strategy_on(kind: StrategyKind, devices: Vec<Device>) -> Result<Arc<dyn Strategy>> {
+    let replicas = devices.len();
+    if replicas == 0 {
+        bail!("at least one replica is needed");
+    }
     Ok(match kind {
         StrategyKind::OneDevice => {
             if replicas != 1 {

@@ -15,14 +15,15 @@
 //! this process (CPU replicas, or GPUs with `--gpus`); multi-worker runs N local replicas in each
 //! of the `mpirun` workers (built with the `mpi` feature), and is skipped otherwise. Under
 //! `mpirun` the chief measures the single-process strategies while the other workers wait.
-//! Every step goes through `Model::fit`; timings are medians of the timed steps, never pass/fail.
+//! Every step goes through `Model::fit`; timings are medians of the timed steps (and of
+//! `--rounds` interleaved rounds, for a machine whose load changes), never pass/fail.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use clap::Parser;
 use kandle::Strategy;
@@ -46,6 +47,10 @@ struct Args {
     /// Untimed steps before them.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Measure every configuration this many times, interleaved, and keep the median (for a
+    /// machine whose load changes during the run).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Replica counts to measure (per worker for multi-worker).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     replicas: Vec<usize>,
@@ -155,6 +160,38 @@ fn run(strategy: Arc<dyn Strategy>, workload: Workload, chief: bool) -> Result<M
     Ok(m)
 }
 
+/// Measures each of `configs` (a strategy and its replicas per worker) `args.rounds` times,
+/// interleaved (every configuration once, then again), so that a change in the machine's load
+/// reaches all of them alike, and keeps each one's median round.
+fn sweep(
+    configs: &[(StrategyKind, usize)],
+    args: &Args,
+    workload: Workload,
+    chief: bool,
+) -> Result<Vec<Measurement>> {
+    let mut rounds: Vec<Vec<Measurement>> = vec![Vec::new(); configs.len()];
+    for round in 0..args.rounds {
+        if chief && args.rounds > 1 {
+            println!("round {} of {}", round + 1, args.rounds);
+        }
+        for (samples, &(kind, n)) in rounds.iter_mut().zip(configs) {
+            let strategy = build_strategy_on(kind, replica_devices(n, args.gpus)?)?;
+            samples.push(run(strategy, workload, chief)?);
+        }
+    }
+    rounds
+        .into_iter()
+        .map(|mut samples| {
+            samples.sort_by(|a, b| a.step_seconds.total_cmp(&b.step_seconds));
+            let middle = samples.len() / 2;
+            samples
+                .into_iter()
+                .nth(middle)
+                .context("no round was measured")
+        })
+        .collect()
+}
+
 fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
     let workers = if args.strategies.contains(&StrategyKind::MultiWorker) {
         job::workers()?
@@ -164,29 +201,24 @@ fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
     let chief = workers.is_none_or(|(rank, _)| rank == 0);
     let mut rows = Vec::new();
     if chief {
-        let one = build_strategy_on(StrategyKind::OneDevice, replica_devices(1, args.gpus)?)?;
-        rows.push(run(one, workload, chief)?);
+        let mut configs = vec![(StrategyKind::OneDevice, 1)];
         for kind in [StrategyKind::Mirrored, StrategyKind::CentralStorage] {
-            if !args.strategies.contains(&kind) {
-                continue;
-            }
-            for &n in &args.replicas {
-                let strategy = build_strategy_on(kind, replica_devices(n, args.gpus)?)?;
-                rows.push(run(strategy, workload, chief)?);
+            if args.strategies.contains(&kind) {
+                configs.extend(args.replicas.iter().map(|&n| (kind, n)));
             }
         }
+        rows = sweep(&configs, args, workload, chief)?;
     }
     if let Some((_, size)) = workers {
         job::barrier()?;
-        for &n in &args.replicas {
-            let devices = replica_devices(n, args.gpus)?;
-            let strategy = build_strategy_on(StrategyKind::MultiWorker, devices)?;
-            let m = run(strategy, workload, chief)?;
-            if chief {
-                rows.push(m);
-            }
-        }
+        let configs: Vec<_> = args
+            .replicas
+            .iter()
+            .map(|&n| (StrategyKind::MultiWorker, n))
+            .collect();
+        let measured = sweep(&configs, args, workload, chief)?;
         if chief {
+            rows.extend(measured);
             println!(
                 "multi-worker: {size} workers x {:?} replicas",
                 args.replicas
@@ -196,6 +228,12 @@ fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
         println!("multi-worker: skipped ({})", job::SKIPPED);
     }
     Ok(rows)
+}
+
+/// The 1-minute load average, where the system reports one.
+fn load_average() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next().map(str::to_string)
 }
 
 /// The projected points of `model` at 1, 2, 4 and [`PROJECTED_REPLICAS`].
@@ -212,6 +250,10 @@ fn main() -> Result<()> {
     if args.replicas.is_empty() || args.replicas.contains(&0) {
         bail!("--replicas needs positive replica counts, e.g. 1,2,4");
     }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let load_before = load_average();
     let workload = Workload {
         batch_size_per_replica: args.batch_size_per_replica,
         warmup_steps: args.warmup,
@@ -226,6 +268,9 @@ fn main() -> Result<()> {
     let Some(baseline) = rows.first().cloned() else {
         return Ok(()); // a worker other than the chief: the chief reports
     };
+    if let (Some(before), Some(after)) = (load_before, load_average()) {
+        println!("load average (1 min): {before} before the measurements, {after} after");
+    }
     let bytes = gradient_bytes(baseline.trainable);
     let where_ = if args.gpus {
         "GPUs".to_string()

@@ -22,6 +22,7 @@ use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
@@ -51,6 +52,10 @@ struct Args {
     /// machine whose load changes during the run).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
+    /// How long a replica (or worker) may take to answer before the step fails, in seconds:
+    /// well above the strategies' 60 s, as a step of 4 replicas on a busy CPU can take longer.
+    #[arg(long, default_value_t = 600)]
+    replica_timeout_s: u64,
     /// Replica counts to measure (per worker for multi-worker).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     replicas: Vec<usize>,
@@ -85,7 +90,7 @@ struct Args {
     gpu_step_ms: Option<f64>,
 }
 
-/// This process's place in an `mpirun` job of more than one worker, if it is in one.
+/// This process's place in an `mpirun` job of more than one worker.
 #[cfg(feature = "mpi")]
 mod job {
     use std::time::Duration;
@@ -97,36 +102,70 @@ mod job {
     /// How long the other workers wait for the chief's single-process measurements.
     const CHIEF_ALONE: Duration = Duration::from_secs(3600);
 
-    /// `(rank, workers)` when launched by `mpirun` with two workers or more.
-    pub fn workers() -> Result<Option<(usize, usize)>> {
-        let info = MultiWorkerMirroredStrategy::from_env()?.worker();
-        Ok((info.size > 1).then_some((info.rank, info.size)))
+    /// Membership of the job; MPI stays initialised while it lives.
+    pub struct Job {
+        world: MultiWorkerMirroredStrategy,
     }
 
-    /// Waits until every worker gets here (a guarded one-element all-reduce).
-    pub fn barrier() -> Result<()> {
-        MultiWorkerMirroredStrategy::from_env()?
-            .timeout(CHIEF_ALONE)
-            .all_reduce_sum(&mut vec![0.0])?;
-        Ok(())
+    impl Job {
+        /// The job this process was launched in, when `mpirun` started two workers or more.
+        pub fn join() -> Result<Option<Job>> {
+            let world = MultiWorkerMirroredStrategy::from_env()?;
+            Ok((world.worker().size > 1).then_some(Job { world }))
+        }
+
+        /// This worker's rank.
+        pub fn rank(&self) -> usize {
+            self.world.worker().rank
+        }
+
+        /// The number of workers.
+        pub fn size(&self) -> usize {
+            self.world.worker().size
+        }
+
+        /// Waits until every worker gets here (a guarded one-element all-reduce).
+        pub fn barrier(&self) -> Result<()> {
+            self.world
+                .clone()
+                .timeout(CHIEF_ALONE)
+                .all_reduce_sum(&mut vec![0.0])?;
+            Ok(())
+        }
     }
 
     /// Why multi-worker is skipped in a job of one process.
     pub const SKIPPED: &str = "launched without `mpirun -n W` (W >= 2)";
 }
 
+/// Without the `mpi` feature there is never a job: `Job` has no values.
 #[cfg(not(feature = "mpi"))]
 mod job {
     use anyhow::Result;
 
-    /// Never in a multi-worker job without the `mpi` feature.
-    pub fn workers() -> Result<Option<(usize, usize)>> {
-        Ok(None)
-    }
+    /// Membership of an `mpirun` job, which this build cannot have.
+    pub enum Job {}
 
-    /// Nothing to wait for.
-    pub fn barrier() -> Result<()> {
-        Ok(())
+    impl Job {
+        /// Never in a job.
+        pub fn join() -> Result<Option<Job>> {
+            Ok(None)
+        }
+
+        /// This worker's rank.
+        pub fn rank(&self) -> usize {
+            match *self {}
+        }
+
+        /// The number of workers.
+        pub fn size(&self) -> usize {
+            match *self {}
+        }
+
+        /// Waits for every worker.
+        pub fn barrier(&self) -> Result<()> {
+            match *self {}
+        }
     }
 
     /// Why multi-worker is skipped.
@@ -175,7 +214,9 @@ fn sweep(
             println!("round {} of {}", round + 1, args.rounds);
         }
         for (samples, &(kind, n)) in rounds.iter_mut().zip(configs) {
-            let strategy = build_strategy_on(kind, replica_devices(n, args.gpus)?)?;
+            let devices = replica_devices(n, args.gpus)?;
+            let timeout = Duration::from_secs(args.replica_timeout_s);
+            let strategy = build_strategy_on(kind, devices, Some(timeout))?;
             samples.push(run(strategy, workload, chief)?);
         }
     }
@@ -193,12 +234,13 @@ fn sweep(
 }
 
 fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
-    let workers = if args.strategies.contains(&StrategyKind::MultiWorker) {
-        job::workers()?
+    // Kept for the whole sweep: MPI is finalised once no multi-worker strategy is left.
+    let job = if args.strategies.contains(&StrategyKind::MultiWorker) {
+        job::Job::join()?
     } else {
         None
     };
-    let chief = workers.is_none_or(|(rank, _)| rank == 0);
+    let chief = job.as_ref().is_none_or(|j| j.rank() == 0);
     let mut rows = Vec::new();
     if chief {
         let mut configs = vec![(StrategyKind::OneDevice, 1)];
@@ -209,8 +251,8 @@ fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
         }
         rows = sweep(&configs, args, workload, chief)?;
     }
-    if let Some((_, size)) = workers {
-        job::barrier()?;
+    if let Some(job) = &job {
+        job.barrier()?;
         let configs: Vec<_> = args
             .replicas
             .iter()
@@ -220,7 +262,8 @@ fn measure_all(args: &Args, workload: Workload) -> Result<Vec<Measurement>> {
         if chief {
             rows.extend(measured);
             println!(
-                "multi-worker: {size} workers x {:?} replicas",
+                "multi-worker: {} workers x {:?} replicas",
+                job.size(),
                 args.replicas
             );
         }
@@ -275,10 +318,11 @@ fn main() -> Result<()> {
     let where_ = if args.gpus {
         "GPUs".to_string()
     } else {
-        format!(
-            "CPU replicas sharing {} cores",
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        )
+        // Under `mpirun` each worker may be bound to fewer cores than the machine has.
+        match std::thread::available_parallelism().map_or(1, |n| n.get()) {
+            1 => "CPU replicas sharing 1 core".to_string(),
+            cores => format!("CPU replicas sharing {cores} cores"),
+        }
     };
 
     let mut csv = String::from("series,strategy,replicas,step_ms,images_per_s,efficiency\n");

@@ -1,7 +1,14 @@
 //! Shared pieces of the example binaries: choosing a strategy and its devices from the command
-//! line, so every binary switches strategies the same way.
+//! line, so every binary switches strategies the same way; measuring training throughput
+//! ([`throughput`]); and the scaling model and picture of the `scaling` binary
+//! ([`scaling_model`], [`scaling_plot`]).
+
+pub mod scaling_model;
+pub mod scaling_plot;
+pub mod throughput;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{bail, Result};
 use candle_core::Device;
@@ -44,7 +51,21 @@ pub fn devices(replicas: usize) -> Result<Vec<Device>> {
 
 /// Builds the chosen strategy over `replicas` devices (per worker, for multi-worker).
 pub fn build_strategy(kind: StrategyKind, replicas: usize) -> Result<Arc<dyn Strategy>> {
-    let devices = devices(replicas)?;
+    build_strategy_on(kind, devices(replicas)?, None)
+}
+
+/// Builds the chosen strategy with one replica on each of `devices` (per worker, for
+/// multi-worker). `timeout` replaces the strategy's default bound on how long a replica or
+/// worker may take to answer (60 s), for machines so loaded that a step can take longer.
+pub fn build_strategy_on(
+    kind: StrategyKind,
+    devices: Vec<Device>,
+    timeout: Option<Duration>,
+) -> Result<Arc<dyn Strategy>> {
+    let replicas = devices.len();
+    if replicas == 0 {
+        bail!("at least one replica is needed");
+    }
     Ok(match kind {
         StrategyKind::OneDevice => {
             if replicas != 1 {
@@ -52,21 +73,36 @@ pub fn build_strategy(kind: StrategyKind, replicas: usize) -> Result<Arc<dyn Str
             }
             Arc::new(kandle::OneDeviceStrategy::new(devices[0].clone()))
         }
-        StrategyKind::Mirrored => Arc::new(MirroredStrategy::new(devices)?),
-        StrategyKind::CentralStorage => Arc::new(CentralStorageStrategy::new(devices)?),
-        StrategyKind::MultiWorker => multi_worker(devices)?,
+        StrategyKind::Mirrored => {
+            let strategy = MirroredStrategy::new(devices)?;
+            Arc::new(match timeout {
+                Some(t) => strategy.timeout(t),
+                None => strategy,
+            })
+        }
+        StrategyKind::CentralStorage => {
+            let strategy = CentralStorageStrategy::new(devices)?;
+            Arc::new(match timeout {
+                Some(t) => strategy.timeout(t),
+                None => strategy,
+            })
+        }
+        StrategyKind::MultiWorker => multi_worker(devices, timeout)?,
     })
 }
 
 #[cfg(feature = "mpi")]
-fn multi_worker(devices: Vec<Device>) -> Result<Arc<dyn Strategy>> {
-    Ok(Arc::new(
-        kandle_strategies::MultiWorkerMirroredStrategy::from_env()?.local_devices(devices)?,
-    ))
+fn multi_worker(devices: Vec<Device>, timeout: Option<Duration>) -> Result<Arc<dyn Strategy>> {
+    let strategy =
+        kandle_strategies::MultiWorkerMirroredStrategy::from_env()?.local_devices(devices)?;
+    Ok(Arc::new(match timeout {
+        Some(t) => strategy.timeout(t),
+        None => strategy,
+    }))
 }
 
 #[cfg(not(feature = "mpi"))]
-fn multi_worker(_devices: Vec<Device>) -> Result<Arc<dyn Strategy>> {
+fn multi_worker(_devices: Vec<Device>, _timeout: Option<Duration>) -> Result<Arc<dyn Strategy>> {
     bail!(
         "--strategy multi-worker needs the `mpi` feature: \
          cargo build --release -p kandle-examples --features mpi, then mpirun -n W <binary>"

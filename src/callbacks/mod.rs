@@ -46,7 +46,7 @@ pub use logs::Logs;
 pub use lr_scheduler::LearningRateScheduler;
 pub use model_checkpoint::ModelCheckpoint;
 pub use monitor::Mode;
-pub use plot_history::{plot_history, PlotHistory};
+pub use plot_history::{plot_font, plot_history, PlotHistory};
 pub use progress::{ProgressBar, Verbosity};
 pub use reduce_lr::ReduceLROnPlateau;
 pub use terminate_on_nan::TerminateOnNaN;

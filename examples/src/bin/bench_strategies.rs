@@ -12,12 +12,13 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{Device, Tensor};
 use clap::{Parser, ValueEnum};
 use kandle::data::Batch;
 use kandle::prelude::*;
 use kandle::replica::ModelSpec;
+use kandle_examples::throughput::median;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -49,11 +50,6 @@ struct Args {
     reps: usize,
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 fn time<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
     f()?;
     let mut samples = Vec::with_capacity(reps);
@@ -62,7 +58,7 @@ fn time<F: FnMut() -> Result<()>>(reps: usize, mut f: F) -> Result<f64> {
         f()?;
         samples.push(start.elapsed().as_secs_f64());
     }
-    Ok(median(samples))
+    median(samples).context("at least one repetition is needed")
 }
 
 fn reduction_benchmark(args: &Args) -> Result<()> {

@@ -20,7 +20,7 @@ static FONT_BYTES: &[u8] = include_bytes!(concat!(
 ));
 
 /// Registers the bundled font as plotters' `sans-serif`, once per process.
-fn register_font() -> Result<(), String> {
+pub(super) fn register_font() -> Result<(), String> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
     REGISTERED
         .get_or_init(|| {
@@ -37,7 +37,8 @@ const VAL_COLOR: RGBColor = RGBColor(255, 127, 14);
 pub(super) const PANEL_WIDTH: u32 = 640;
 /// The picture's height, in pixels.
 pub(super) const HEIGHT: u32 = 480;
-const FONT: &str = "sans-serif";
+/// The family the bundled font is registered under.
+pub(super) const FONT: &str = "sans-serif";
 
 /// One panel: its caption, y-axis label, the keys drawn in it with their legend names, and the
 /// corner where its curves usually leave room for the legend.

@@ -50,6 +50,24 @@ pub fn plot_history(history: &History, path: impl AsRef<Path>, title: &str) -> R
     result.map_err(plot_err)
 }
 
+/// Registers the DejaVu Sans font bundled with kandle as plotters' `sans-serif` family (once
+/// per process) and returns that family name, so that other pictures drawn with plotters 0.3
+/// render their text on a machine without system fonts, as the training curves do.
+///
+/// ```
+/// let family = kandle::callbacks::plot_font()?;
+/// let style = plotters::style::TextStyle::from((family, 16));
+/// # let _ = style;
+/// # Ok::<(), kandle::Error>(())
+/// ```
+pub fn plot_font() -> Result<&'static str> {
+    draw::register_font().map_err(|reason| Error::Plot {
+        path: PathBuf::from("assets/fonts/DejaVuSans.ttf"),
+        reason,
+    })?;
+    Ok(draw::FONT)
+}
+
 /// Redraws the training curves to a PNG after every epoch, so an interrupted run still leaves
 /// a picture. Runs on the chief worker only.
 ///

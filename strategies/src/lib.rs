@@ -46,3 +46,4 @@ pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use multi_worker::MultiWorkerMirroredStrategy;
 pub use rendezvous::Rendezvous;
+pub use replica_pool::ReplicaThreads;

@@ -12,6 +12,7 @@ use kandle::replica::{ModelSpec, Replica};
 use kandle::strategy::{DistributedModel, StepStats, Strategy};
 use kandle::{Error, Result};
 
+use crate::replica_pool::ReplicaThreads;
 use crate::replica_set::{cpu_weights, fuse_store, LocalReplicas, ReplicaSet};
 
 /// Data parallelism with the variables kept in one place.
@@ -58,6 +59,14 @@ impl CentralStorageStrategy {
     /// How long a step waits for a replica before failing (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.local.timeout = timeout;
+        self
+    }
+
+    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`].
+    /// The default, [`ReplicaThreads::Auto`], divides the cores evenly among CPU replicas, so
+    /// replicas sharing the CPU do not oversubscribe it.
+    pub fn threads_per_replica(mut self, threads: impl Into<ReplicaThreads>) -> Self {
+        self.local.threads = threads.into();
         self
     }
 }

@@ -47,3 +47,4 @@ pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
 #[cfg(feature = "mpi")]
 pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy};
 pub use rendezvous::Rendezvous;
+pub use replica_pool::ReplicaThreads;

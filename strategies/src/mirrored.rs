@@ -12,6 +12,7 @@ use kandle::strategy::{DistributedModel, StepStats, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
+use crate::replica_pool::ReplicaThreads;
 use crate::replica_set::{LocalReplicas, ReplicaSet};
 
 /// How long a step waits for a silent replica before failing, unless set otherwise.
@@ -72,6 +73,14 @@ impl MirroredStrategy {
     /// How long a step waits for a replica before failing with an error naming it (default 60 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.local.timeout = timeout;
+        self
+    }
+
+    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`].
+    /// The default, [`ReplicaThreads::Auto`], divides the cores evenly among CPU replicas, so
+    /// replicas sharing the CPU do not oversubscribe it.
+    pub fn threads_per_replica(mut self, threads: impl Into<ReplicaThreads>) -> Self {
+        self.local.threads = threads.into();
         self
     }
 

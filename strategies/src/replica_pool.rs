@@ -1,6 +1,11 @@
 //! `ReplicaPool`: one thread per replica, each owning its replica, driven by jobs from the
 //! coordinating thread. A replica that panics, or does not answer within the timeout, ends the
 //! call with an error naming it; it never hangs the caller.
+//!
+//! Each replica's work runs inside its own rayon thread pool when it has a thread budget
+//! ([`ReplicaThreads`]), so replicas sharing the CPU do not each spread over every core: candle's
+//! parallel CPU ops, its matrix multiplications and kandle's kernels all size themselves by the
+//! rayon pool they run in.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -8,8 +13,64 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use candle_core::Device;
 use kandle::replica::Replica;
 use kandle::{Error, Result};
+
+/// How many threads each replica's CPU work may use.
+///
+/// Several replicas on one CPU each run their forward and backward passes at the same time. If
+/// every replica used all the cores, the cores would be oversubscribed and the replicas would
+/// slow each other down; a budget gives each replica its own rayon pool instead. Candle's
+/// element-wise ops use a separate fixed pool of `CANDLE_NUM_THREADS` threads (default: the
+/// cores), shared by all replicas, which no budget changes.
+///
+/// ```
+/// use kandle_strategies::{MirroredStrategy, ReplicaThreads};
+///
+/// let default = MirroredStrategy::cpu(2)?; // ReplicaThreads::Auto: cores / 2 threads each
+/// let one_each = MirroredStrategy::cpu(2)?.threads_per_replica(1);
+/// let shared = MirroredStrategy::cpu(2)?.threads_per_replica(ReplicaThreads::Shared);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplicaThreads {
+    /// The default: the threads of the rayon pool the model is built in (the global pool: the
+    /// machine's logical cores, or `RAYON_NUM_THREADS`) divided evenly among the CPU replicas,
+    /// at least one each. GPU replicas, whose work runs on their devices, share the global pool.
+    #[default]
+    Auto,
+    /// Exactly this many threads for every replica (at least 1).
+    Fixed(usize),
+    /// No budget: every replica uses rayon's global pool, as a single-device model does.
+    Shared,
+}
+
+impl From<usize> for ReplicaThreads {
+    fn from(threads: usize) -> Self {
+        ReplicaThreads::Fixed(threads)
+    }
+}
+
+impl ReplicaThreads {
+    /// The pool size of each replica on `devices`; `None` where a replica uses the global pool.
+    pub(crate) fn pool_sizes(self, devices: &[Device]) -> Result<Vec<Option<usize>>> {
+        Ok(match self {
+            ReplicaThreads::Shared => vec![None; devices.len()],
+            ReplicaThreads::Fixed(0) => {
+                return Err(Error::invalid(
+                    "threads_per_replica must be at least 1 (or ReplicaThreads::Shared)",
+                ))
+            }
+            ReplicaThreads::Fixed(n) => vec![Some(n); devices.len()],
+            ReplicaThreads::Auto => {
+                let on_cpu = devices.iter().filter(|d| d.is_cpu()).count().max(1);
+                let each = (rayon::current_num_threads() / on_cpu).max(1);
+                devices.iter().map(|d| d.is_cpu().then_some(each)).collect()
+            }
+        })
+    }
+}
 
 type Job = Box<dyn FnOnce(&mut Replica) + Send>;
 
@@ -28,24 +89,48 @@ pub struct ReplicaPool {
 
 impl ReplicaPool {
     /// Starts one thread per replica. `labels` name them in errors (e.g. `replica 1 (cuda:1)`).
-    pub fn new(replicas: Vec<Replica>, labels: Vec<String>, timeout: Duration) -> Result<Self> {
+    /// Replica `i` runs its work in a rayon pool of `threads[i]` threads of its own, or in the
+    /// global pool where that is `None`.
+    pub fn new(
+        replicas: Vec<Replica>,
+        labels: Vec<String>,
+        timeout: Duration,
+        threads: &[Option<usize>],
+    ) -> Result<Self> {
         let workers = replicas
             .into_iter()
             .zip(labels)
             .enumerate()
             .map(|(i, (mut replica, label))| {
+                let cannot_start = |what: &str, e: &dyn std::fmt::Display| Error::Replica {
+                    replica: label.clone(),
+                    reason: format!("cannot start its {what}: {e}"),
+                };
+                let pool = threads
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map(|n| {
+                        rayon::ThreadPoolBuilder::new()
+                            .num_threads(n)
+                            // The pool's threads carry the replica's name: they do its work.
+                            .thread_name(move |_| format!("kandle-replica-{i}"))
+                            .build()
+                    })
+                    .transpose()
+                    .map_err(|e| cannot_start("thread pool", &e))?;
                 let (tx, rx): (Sender<Job>, Receiver<Job>) = mpsc::channel();
                 let thread = std::thread::Builder::new()
                     .name(format!("kandle-replica-{i}"))
                     .spawn(move || {
                         while let Ok(job) = rx.recv() {
-                            job(&mut replica);
+                            match &pool {
+                                Some(pool) => pool.install(|| job(&mut replica)),
+                                None => job(&mut replica),
+                            }
                         }
                     })
-                    .map_err(|e| Error::Replica {
-                        replica: label.clone(),
-                        reason: format!("cannot start its thread: {e}"),
-                    })?;
+                    .map_err(|e| cannot_start("thread", &e))?;
                 Ok(Worker {
                     label,
                     jobs: Some(tx),
@@ -147,5 +232,63 @@ impl Drop for ReplicaPool {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kandle::layers::{Dense, Flatten, Sequential};
+    use kandle::optimizers::Sgd;
+    use kandle::replica::ModelSpec;
+    use kandle::Loss;
+
+    fn replicas(n: usize) -> Result<Vec<Replica>> {
+        let spec = ModelSpec {
+            network: Sequential::new().add(Flatten).add(Dense::new(2)),
+            input_shape: vec![3],
+            optimizer: Box::new(Sgd::new(0.1)),
+            loss: Loss::MeanSquaredError,
+            metrics: Vec::new(),
+            seed: 0,
+        };
+        (0..n).map(|_| Replica::new(&spec, &Device::Cpu)).collect()
+    }
+
+    fn pool_sizes_seen(threads: &[Option<usize>]) -> Result<Vec<usize>> {
+        let labels = (0..threads.len()).map(|i| format!("replica {i}")).collect();
+        let mut pool = ReplicaPool::new(
+            replicas(threads.len())?,
+            labels,
+            Duration::from_secs(30),
+            threads,
+        )?;
+        pool.run(vec![(); threads.len()], |_, _, ()| {
+            Ok(rayon::current_num_threads())
+        })
+    }
+
+    #[test]
+    fn each_replica_runs_in_a_pool_of_its_budget() -> Result<()> {
+        assert_eq!(pool_sizes_seen(&[Some(1), Some(3)])?, vec![1, 3]);
+        let global = rayon::current_num_threads();
+        assert_eq!(pool_sizes_seen(&[None, Some(2)])?, vec![global, 2]);
+        Ok(())
+    }
+
+    #[test]
+    fn budgets_divide_the_cores_among_cpu_replicas() -> Result<()> {
+        let cores = rayon::current_num_threads();
+        let cpu = vec![Device::Cpu; 2];
+        let half = (cores / 2).max(1);
+        assert_eq!(ReplicaThreads::Auto.pool_sizes(&cpu)?, vec![Some(half); 2]);
+        assert_eq!(ReplicaThreads::from(3).pool_sizes(&cpu)?, vec![Some(3); 2]);
+        assert_eq!(ReplicaThreads::Shared.pool_sizes(&cpu)?, vec![None; 2]);
+        let err = ReplicaThreads::Fixed(0)
+            .pool_sizes(&cpu)
+            .expect_err("zero threads must be refused")
+            .to_string();
+        assert!(err.contains("at least 1"), "{err}");
+        Ok(())
     }
 }

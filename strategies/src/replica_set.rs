@@ -16,7 +16,7 @@ use kandle::Result;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::fused::{fuse, FusedLayout};
 use crate::rendezvous::Rendezvous;
-use crate::replica_pool::ReplicaPool;
+use crate::replica_pool::{ReplicaPool, ReplicaThreads};
 
 /// What a replica's share of a step produced.
 pub struct ReplicaOutput {
@@ -73,12 +73,14 @@ impl StepLayout {
 }
 
 /// The replicas a strategy runs in this process: their devices, whether batch norm uses the
-/// statistics of the whole global batch, and how long a step waits for a replica.
+/// statistics of the whole global batch, how long a step waits for a replica, and how many
+/// threads each replica may use.
 #[derive(Debug, Clone)]
 pub(crate) struct LocalReplicas {
     pub(crate) devices: Vec<Device>,
     pub(crate) sync_batch_norm: bool,
     pub(crate) timeout: Duration,
+    pub(crate) threads: ReplicaThreads,
 }
 
 impl LocalReplicas {
@@ -93,6 +95,7 @@ impl LocalReplicas {
             devices,
             sync_batch_norm: false,
             timeout: crate::mirrored::DEFAULT_TIMEOUT,
+            threads: ReplicaThreads::default(),
         })
     }
 
@@ -110,7 +113,13 @@ impl LocalReplicas {
 
     /// Builds the replicas of `spec`.
     pub(crate) fn build(&self, spec: &ModelSpec) -> Result<ReplicaSet> {
-        ReplicaSet::new(spec, &self.devices, self.sync_batch_norm, self.timeout)
+        ReplicaSet::with_threads(
+            spec,
+            &self.devices,
+            self.sync_batch_norm,
+            self.timeout,
+            self.threads,
+        )
     }
 }
 
@@ -152,12 +161,33 @@ fn labels(devices: &[Device]) -> Vec<String> {
 impl ReplicaSet {
     /// Builds one replica of `spec` per device, all starting from the first replica's weights.
     /// With `sync_batch_norm`, batch normalisation uses statistics of the whole global batch.
+    /// Each replica gets the default thread budget ([`ReplicaThreads::Auto`]).
+    // The multi-worker strategy (feature `mpi`) builds its sets this way.
+    #[cfg_attr(not(any(feature = "mpi", test)), allow(dead_code))]
     pub fn new(
         spec: &ModelSpec,
         devices: &[Device],
         sync_batch_norm: bool,
         timeout: Duration,
     ) -> Result<Self> {
+        Self::with_threads(
+            spec,
+            devices,
+            sync_batch_norm,
+            timeout,
+            ReplicaThreads::default(),
+        )
+    }
+
+    /// [`Self::new`] with each replica's thread budget.
+    pub fn with_threads(
+        spec: &ModelSpec,
+        devices: &[Device],
+        sync_batch_norm: bool,
+        timeout: Duration,
+        threads: ReplicaThreads,
+    ) -> Result<Self> {
+        let pool_sizes = threads.pool_sizes(devices)?;
         let rendezvous = sync_batch_norm.then(|| Arc::new(Rendezvous::new(devices.len(), timeout)));
         Self::with_rendezvous(spec, devices, rendezvous, timeout)
     }
@@ -201,7 +231,7 @@ impl ReplicaSet {
                 replicas[0].statistics().iter().map(|v| v.shape().clone()),
             ),
         });
-        let pool = ReplicaPool::new(replicas, labels(devices), timeout)?;
+        let pool = ReplicaPool::new(replicas, labels(devices), timeout, &pool_sizes)?;
         Ok(Self {
             pool,
             devices: devices.to_vec(),

@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""PyTorch reference for kandle's `bench` binary.
+
+Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it (1,656,250
+parameters) on the CPU: a training step (forward, cross-entropy, backward, SGD with momentum 0.9)
+and inference, at the same batch and thread count as the kandle side. With `--ops`, it also
+times the individual ops listed in a JSON file (or `-` for stdin) written by `bench`: conv
+forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
+same way kandle's are (forward alone, then forward and backward with the input's gradient off and
+on, the passes taken as differences).
+
+Prints one JSON object on stdout; progress goes to stderr.
+
+    python3 bench/pytorch_minigooglenet.py --batch 64 --threads 2 --iters 10 --warmup 2
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+# This torch build warns at import when NumPy is absent; nothing here needs NumPy.
+warnings.filterwarnings("ignore", message=".*NumPy.*")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+KERAS_PARAMETERS = 1_656_250
+BN_EPS = 1e-3
+# Keras's momentum 0.99 keeps 99% of the moving average; PyTorch's momentum is the complement.
+BN_MOMENTUM = 0.01
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class ConvModule(nn.Sequential):
+    """Conv2D -> BatchNormalization -> ReLU, as the tutorial's conv_module."""
+
+    def __init__(self, cin, filters, k, stride, padding):
+        if padding == "same":
+            # Keras 'same' with stride 1 and an odd kernel pads k // 2 on every side.
+            assert stride == 1 and k % 2 == 1, "only stride-1, odd-kernel 'same' convs occur"
+            pad = k // 2
+        else:
+            pad = 0
+        super().__init__(
+            nn.Conv2d(cin, filters, k, stride=stride, padding=pad, bias=True),
+            nn.BatchNorm2d(filters, eps=BN_EPS, momentum=BN_MOMENTUM),
+            nn.ReLU(inplace=True),
+        )
+
+
+class Inception(nn.Module):
+    """A 1x1 and a 3x3 'same' conv module, concatenated on channels."""
+
+    def __init__(self, cin, k1x1, k3x3):
+        super().__init__()
+        self.branch_1x1 = ConvModule(cin, k1x1, 1, 1, "same")
+        self.branch_3x3 = ConvModule(cin, k3x3, 3, 1, "same")
+        self.out_channels = k1x1 + k3x3
+
+    def forward(self, x):
+        return torch.cat([self.branch_1x1(x), self.branch_3x3(x)], 1)
+
+
+class Downsample(nn.Module):
+    """A 3x3 stride-2 'valid' conv module and a 3x3/2 max pool, concatenated on channels."""
+
+    def __init__(self, cin, filters):
+        super().__init__()
+        self.branch_conv = ConvModule(cin, filters, 3, 2, "valid")
+        self.branch_pool = nn.MaxPool2d(3, stride=2)
+        self.out_channels = cin + filters
+
+    def forward(self, x):
+        return torch.cat([self.branch_conv(x), self.branch_pool(x)], 1)
+
+
+STAGES = [
+    ([(32, 32), (32, 48)], 80),
+    ([(112, 48), (96, 64), (80, 80), (48, 96)], 96),
+    ([(176, 160), (176, 160)], None),
+]
+
+
+class MiniGoogLeNet(nn.Module):
+    def __init__(self, classes=10):
+        super().__init__()
+        layers = [ConvModule(3, 96, 3, 1, "same")]
+        channels = 96
+        for modules, downsample in STAGES:
+            for k1, k3 in modules:
+                layers.append(Inception(channels, k1, k3))
+                channels = layers[-1].out_channels
+            if downsample is not None:
+                layers.append(Downsample(channels, downsample))
+                channels = layers[-1].out_channels
+        layers += [nn.AvgPool2d(7), nn.Dropout(0.5), nn.Flatten(), nn.Linear(channels, classes)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def parameter_counts(model):
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    statistics_ = sum(
+        m.running_mean.numel() + m.running_var.numel()
+        for m in model.modules()
+        if isinstance(m, nn.BatchNorm2d)
+    )
+    return trainable, statistics_
+
+
+def median_time(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def time_model(args):
+    torch.manual_seed(0)
+    model = MiniGoogLeNet(10)
+    trainable, moving = parameter_counts(model)
+    if trainable + moving != KERAS_PARAMETERS:
+        raise SystemExit(
+            f"PyTorch MiniGoogLeNet has {trainable + moving} parameters, "
+            f"Keras's has {KERAS_PARAMETERS}"
+        )
+    x = torch.randn(args.batch, 3, 32, 32)
+    y = torch.randint(0, 10, (args.batch,))
+    opt = torch.optim.SGD(model.parameters(), lr=5e-3, momentum=0.9)
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        correct = (out.argmax(1) == y).sum()
+        return loss.item(), correct.item()
+
+    def inference():
+        with torch.inference_mode():
+            return F.softmax(model(x), 1)
+
+    log(f"pytorch: training step, batch {args.batch}")
+    model.train()
+    train = median_time(train_step, args.warmup, args.iters)
+    log(f"pytorch: inference, batch {args.batch}")
+    model.eval()
+    infer = median_time(inference, args.warmup, args.iters)
+    return {
+        "trainable_parameters": trainable,
+        "non_trainable_parameters": moving,
+        "train_step_s": train,
+        "inference_s": infer,
+    }
+
+
+def passes(forward, make_inputs, params, warmup, iters, split=False):
+    """Forward alone, forward+backward with the inputs' gradients on and, with `split`, off.
+
+    `forward(inputs)` runs the op; `make_inputs(requires_grad)` gives its input tensors. The
+    upstream gradient is all ones, as in kandle's measurement. Returns the three medians
+    (the last is None without `split`).
+    """
+    plain = make_inputs(False)
+    tracked = make_inputs(True)
+    with torch.no_grad():
+        ones = torch.ones_like(forward(plain))
+
+    def backward(inputs):
+        for p in params:
+            p.grad = None
+        for t in inputs:
+            t.grad = None
+        forward(inputs).backward(ones)
+
+    fwd = median_time(lambda: forward(plain), warmup, iters)
+    with_input = median_time(lambda: backward(tracked), warmup, iters)
+    without_input = median_time(lambda: backward(plain), warmup, iters) if split else None
+    return fwd, with_input, without_input
+
+
+def time_op(op, batch, warmup, iters):
+    kind = op["kind"]
+    shape = [batch] + op["input"] if "input" in op else None
+
+    def one(requires_grad, dims=None):
+        return [torch.randn(*(dims or shape)).requires_grad_(requires_grad)]
+
+    if kind == "conv":
+        pt, pb, pl, pr = op["pad"]
+        sh, sw = op["stride"]
+        conv = nn.Conv2d(op["input"][0], op["filters"], tuple(op["kernel"]), stride=(sh, sw))
+        if pt == pb and pl == pr:
+            conv.padding = (pt, pl)
+            forward = lambda xs: conv(xs[0])  # noqa: E731
+        else:
+            forward = lambda xs: conv(F.pad(xs[0], (pl, pr, pt, pb)))  # noqa: E731
+        fwd, both, weight = passes(
+            forward, one, list(conv.parameters()), warmup, iters, split=True
+        )
+        return {"fwd": fwd, "bwd_weight": weight - fwd, "bwd_input": both - weight}
+    if kind == "batch_norm":
+        bn = nn.BatchNorm2d(op["input"][0], eps=BN_EPS, momentum=BN_MOMENTUM).train()
+        forward = lambda xs: bn(xs[0])  # noqa: E731
+        fwd, both, _ = passes(forward, one, list(bn.parameters()), warmup, iters)
+        return {"fwd": fwd, "bwd": both - fwd}
+    if kind in ("max_pool", "avg_pool"):
+        window, stride = tuple(op["window"]), tuple(op["stride"])
+        pool = F.max_pool2d if kind == "max_pool" else F.avg_pool2d
+        forward = lambda xs: pool(xs[0], window, stride)  # noqa: E731
+        fwd, both, _ = passes(forward, one, [], warmup, iters)
+        return {"fwd": fwd, "bwd": both - fwd}
+    if kind == "concat":
+        parts = [[batch] + p for p in op["parts"]]
+
+        def inputs(requires_grad):
+            return [torch.randn(*p).requires_grad_(requires_grad) for p in parts]
+
+        forward = lambda xs: torch.cat(xs, 1)  # noqa: E731
+        fwd, both, _ = passes(forward, inputs, [], warmup, iters)
+        return {"fwd": fwd, "bwd": both - fwd}
+    raise SystemExit(f"unknown op kind {kind!r}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--ops", help="JSON list of ops to time (a file, or - for stdin)")
+    parser.add_argument("--no-model", action="store_true", help="time only the ops")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    result = {
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "batch": args.batch,
+    }
+    if not args.no_model:
+        result["model"] = time_model(args)
+    if args.ops:
+        ops = json.load(sys.stdin if args.ops == "-" else open(args.ops))
+        timed = []
+        for op in ops:
+            log(f"pytorch: {op['name']}")
+            torch.manual_seed(0)
+            timed.append({"name": op["name"], **time_op(op, args.batch, args.warmup, args.iters)})
+        result["ops"] = timed
+    json.dump(result, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+//! kandle against PyTorch on this CPU, measured side by side in one run: MiniGoogLeNet's
+//! training step (forward, loss, backward, SGD update, as `fit` runs it) and inference as
+//! images/s, then every distinct op shape of the network (convolution forward, backward-input
+//! and backward-weight, batch norm, pooling, concatenation), and the convolutions' achieved
+//! GFLOP/s against the machine's fp32 peak. The PyTorch reference is
+//! `bench/pytorch_minigooglenet.py`, run as a subprocess with the same batch, threads and
+//! iterations. `--threads-study` adds two CPU replicas against one device, with and without a
+//! per-replica thread budget.
+//!
+//! ```text
+//! cargo run --release -p kandle-examples --bin bench
+//! cargo run --release -p kandle-examples --bin bench -- --no-ops --threads-study --json bench.json
+//! ```
+//!
+//! Timings are medians after warm-up runs; they are measurements, never pass/fail tests.
+
+mod inventory;
+mod kandle_ops;
+mod machine;
+mod model;
+mod passes;
+mod pytorch;
+mod report;
+mod threads_study;
+mod timing;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use kandle::OneDeviceStrategy;
+use serde_json::{json, Value};
+
+use crate::passes::Passes;
+use crate::report::{ms, ratio, OpTimes};
+use crate::timing::Timer;
+
+#[derive(Parser, Debug)]
+#[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU, side by side")]
+struct Args {
+    /// Images per batch.
+    #[arg(long, default_value_t = 64)]
+    batch: usize,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Untimed runs before each measurement.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Threads for kandle (rayon and candle's matmul) and PyTorch; default: candle's count (the
+    /// physical cores, or RAYON_NUM_THREADS).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Skip the PyTorch reference.
+    #[arg(long)]
+    no_pytorch: bool,
+    /// Only the per-op tables.
+    #[arg(long, conflicts_with_all = ["no_ops", "threads_study_only"])]
+    ops_only: bool,
+    /// Skip the per-op tables.
+    #[arg(long)]
+    no_ops: bool,
+    /// Add the study of two CPU replicas with and without a per-replica thread budget.
+    #[arg(long)]
+    threads_study: bool,
+    /// Only the threads study.
+    #[arg(long)]
+    threads_study_only: bool,
+    /// The machine's fp32 peak in GFLOP/s, instead of the estimate from its CPU features.
+    #[arg(long)]
+    peak_gflops: Option<f64>,
+    /// Also write the results to this JSON file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// The Python interpreter with torch.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The PyTorch reference script.
+    #[arg(long)]
+    pytorch_script: Option<PathBuf>,
+}
+
+/// Which sections run.
+struct Sections {
+    model: bool,
+    ops: bool,
+    threads_study: bool,
+}
+
+impl Args {
+    fn sections(&self) -> Sections {
+        if self.threads_study_only {
+            return Sections {
+                model: false,
+                ops: false,
+                threads_study: true,
+            };
+        }
+        Sections {
+            model: !self.ops_only,
+            ops: !self.no_ops,
+            threads_study: self.threads_study && !self.ops_only,
+        }
+    }
+}
+
+fn load_line() -> String {
+    machine::load_average().map_or("unknown".into(), |[a, b, c]| {
+        format!("{a:.2} {b:.2} {c:.2}")
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(n) = args.threads {
+        // Read once, when rayon's global pool and candle's thread count are first used.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+    }
+    let threads = candle_core::utils::get_num_threads();
+    let sections = args.sections();
+    let timer = Timer {
+        warmup: args.warmup,
+        iters: args.iters,
+    };
+    let peak = machine::peak(threads, args.peak_gflops);
+    let load_at_start = load_line();
+    println!("# kandle vs PyTorch: MiniGoogLeNet on the CPU");
+    println!();
+    println!(
+        "- machine: {}, {} logical cores; load average (1/5/15 min) at start: {load_at_start}",
+        machine::cpu_name(),
+        machine::cores()
+    );
+    println!(
+        "- threads: {threads} (kandle: rayon and candle's matmul; PyTorch: torch.set_num_threads)"
+    );
+    println!(
+        "- batch {}, fp32, random 3x32x32 inputs; {} warm-up runs, then the median of {}",
+        args.batch, args.warmup, args.iters
+    );
+    println!("- fp32 peak: {}", peak.how);
+    println!();
+
+    let ops = if sections.ops {
+        inventory::mini_googlenet_ops()?
+    } else {
+        Vec::new()
+    };
+    let mut kandle_model = None;
+    if sections.model {
+        let strategy = OneDeviceStrategy::cpu();
+        eprintln!("kandle: training step, batch {}", args.batch);
+        let train = model::train_step_time(&strategy, args.batch, timer)?;
+        eprintln!("kandle: inference, batch {}", args.batch);
+        let infer = model::inference_time(&strategy, args.batch, timer)?;
+        kandle_model = Some((train, infer));
+    }
+    let mut kandle_ops = Vec::with_capacity(ops.len());
+    for op in &ops {
+        eprintln!("kandle: {} {}", op.label(), op.shape());
+        kandle_ops.push(kandle_ops::time_op(op, args.batch, timer)?);
+    }
+    let torch = if args.no_pytorch || !(sections.model || sections.ops) {
+        None
+    } else {
+        reference(&args, threads, &sections, &ops)?
+    };
+
+    let mut out = json!({
+        "machine": {"cpu": machine::cpu_name(), "cores": machine::cores(),
+                    "load_average_at_start": load_at_start,
+                    "peak_gflops": peak.gflops, "peak": peak.how},
+        "threads": threads, "batch": args.batch, "warmup": args.warmup, "iters": args.iters,
+    });
+    if let Some((train, infer)) = kandle_model {
+        print_model(args.batch, train, infer, torch.as_ref());
+        out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
+    }
+    if let Some(t) = &torch {
+        out["pytorch"] = t.clone();
+    }
+    if sections.ops {
+        let rows = op_rows(&ops, &kandle_ops, torch.as_ref());
+        print_ops(
+            &rows,
+            args.batch,
+            peak.gflops,
+            kandle_model.map(|m| m.0),
+            torch.as_ref(),
+        );
+        out["ops"] = Value::Array(
+            rows.iter()
+                .map(|r| {
+                    json!({"layers": r.op.layers, "shape": r.op.shape(),
+                           "conv_flops_per_pass": 2 * r.op.conv_macs(args.batch),
+                           "kandle": r.kandle.to_json(),
+                           "pytorch": r.torch.map(|t| t.to_json())})
+                })
+                .collect(),
+        );
+    }
+    if sections.threads_study {
+        println!("## Two replicas on one CPU (MiniGoogLeNet training step)");
+        println!();
+        out["threads_study"] = threads_study::run(args.batch, timer)?;
+        println!();
+    }
+    let load_at_end = load_line();
+    println!("Load average (1/5/15 min) at the end: {load_at_end}");
+    out["machine"]["load_average_at_end"] = json!(load_at_end);
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        println!("Results written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The PyTorch reference's results, or `None` (with the reason printed) when torch is missing.
+fn reference(
+    args: &Args,
+    threads: usize,
+    sections: &Sections,
+    ops: &[inventory::OpShape],
+) -> Result<Option<Value>> {
+    if let Some(why) = pytorch::unavailable(&args.python) {
+        println!("PyTorch reference skipped: {why}.");
+        println!(
+            "Install the CPU build with `pip install torch --index-url \
+             https://download.pytorch.org/whl/cpu`, or pass --python, or --no-pytorch."
+        );
+        println!();
+        return Ok(None);
+    }
+    let script = args
+        .pytorch_script
+        .clone()
+        .unwrap_or_else(pytorch::default_script);
+    let request = pytorch::Request {
+        python: &args.python,
+        script: &script,
+        batch: args.batch,
+        threads,
+        warmup: args.warmup,
+        iters: args.iters,
+        model: sections.model,
+        ops: ops
+            .iter()
+            .enumerate()
+            .map(|(i, op)| op.to_json(&format!("op_{i}")))
+            .collect(),
+    };
+    Ok(Some(pytorch::run(&request)?))
+}
+
+fn print_model(batch: usize, train: f64, infer: f64, torch: Option<&Value>) {
+    let version = torch
+        .and_then(|t| t.get("torch_version"))
+        .and_then(Value::as_str)
+        .map_or("PyTorch".to_string(), |v| format!("PyTorch {v}"));
+    println!("## MiniGoogLeNet (1,656,250 parameters), batch {batch}");
+    println!();
+    println!("| | kandle images/s | {version} images/s | kandle / PyTorch |");
+    println!("|---|---|---|---|");
+    let rows = [
+        ("training step", train, &["model", "train_step_s"]),
+        ("inference", infer, &["model", "inference_s"]),
+    ];
+    for (name, k, path) in rows {
+        let t = torch.and_then(|t| pytorch::f64_at(t, path));
+        let images = |s: f64| batch as f64 / s;
+        println!(
+            "| {name} | {:.1} ({} ms) | {} | {} |",
+            images(k),
+            ms(Some(k)),
+            t.map_or("-".into(), |t| format!(
+                "{:.1} ({} ms)",
+                images(t),
+                ms(Some(t))
+            )),
+            ratio(t, Some(k)),
+        );
+    }
+    println!();
+}
+
+fn op_rows<'a>(
+    ops: &'a [inventory::OpShape],
+    kandle: &[Passes],
+    torch: Option<&Value>,
+) -> Vec<OpTimes<'a>> {
+    let torch_ops = torch
+        .and_then(|t| t.get("ops"))
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    ops.iter()
+        .zip(kandle)
+        .enumerate()
+        .map(|(i, (op, &kandle))| OpTimes {
+            op,
+            kandle,
+            torch: torch_ops.get(i).and_then(Passes::from_pytorch),
+        })
+        .collect()
+}
+
+fn print_ops(
+    rows: &[OpTimes<'_>],
+    batch: usize,
+    peak: Option<f64>,
+    kandle_step: Option<f64>,
+    torch: Option<&Value>,
+) {
+    println!("## Convolutions, batch {batch} (one row per distinct shape and pass)");
+    println!();
+    report::print_convs(rows, batch);
+    println!();
+    println!("## Convolutions per training step (each shape times its occurrences)");
+    println!();
+    report::print_conv_totals(rows, batch, peak);
+    println!();
+    println!(
+        "The first convolution's bwd-input is left out of the totals: training never needs the \
+         gradient of the images."
+    );
+    println!();
+    println!("## Batch norm, pooling and concatenation, batch {batch}");
+    println!();
+    report::print_others(rows);
+    println!();
+    let (k, t) = report::ops_per_step(rows);
+    let torch_step = torch.and_then(|t| pytorch::f64_at(t, &["model", "train_step_s"]));
+    if let Some(step) = kandle_step {
+        println!("## Where a training step goes");
+        println!();
+        println!("| | kandle ms | PyTorch ms |");
+        println!("|---|---|---|");
+        println!(
+            "| convolutions, batch norm, pooling, concatenation (the tables times occurrences) | {} | {} |",
+            ms(Some(k)),
+            ms(t)
+        );
+        println!(
+            "| the rest: ReLU, dropout, dense, loss, SGD, autograd bookkeeping | {} | {} |",
+            ms(Some(step - k)),
+            ms(torch_step.zip(t).map(|(s, t)| s - t))
+        );
+        println!(
+            "| measured training step | {} | {} |",
+            ms(Some(step)),
+            ms(torch_step)
+        );
+        println!();
+    }
+}

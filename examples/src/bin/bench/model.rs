@@ -1,0 +1,56 @@
+//! kandle's MiniGoogLeNet training step and inference, timed through the public API: a strategy
+//! distributes the compiled recipe, and each step is `DistributedModel::train_step`, the call
+//! `fit` makes for every batch (forward, loss, backward, the finite-ness check and the SGD update).
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use kandle::data::Batch;
+use kandle::optimizers::Sgd;
+use kandle::replica::ModelSpec;
+use kandle::{Loss, Metric, Strategy};
+
+use crate::timing::Timer;
+
+/// The tutorial's learning rate.
+const LR: f64 = 5e-3;
+
+/// MiniGoogLeNet for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9).
+pub fn spec() -> ModelSpec {
+    ModelSpec {
+        network: kandle_models::mini_googlenet(10),
+        input_shape: vec![3, 32, 32],
+        optimizer: Box::new(Sgd::new(LR).momentum(0.9)),
+        loss: Loss::SparseCategoricalCrossentropy,
+        metrics: vec![Metric::Accuracy],
+        seed: 0,
+    }
+}
+
+/// A batch of `n` CIFAR-shaped random images with labels.
+pub fn random_batch(n: usize) -> Result<Batch> {
+    let labels: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
+    Ok(Batch {
+        x: Tensor::randn(0f32, 1., (n, 3, 32, 32), &Device::Cpu)?,
+        y: Tensor::from_vec(labels, n, &Device::Cpu)?,
+    })
+}
+
+/// Median seconds of one training step at global batch `batch` under `strategy`.
+pub fn train_step_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> Result<f64> {
+    let mut model = strategy.distribute(&spec())?;
+    let batch = random_batch(batch)?;
+    timer.median(|| {
+        model.train_step(&batch, LR)?;
+        Ok(())
+    })
+}
+
+/// Median seconds of inference (the softmax outputs) on `batch` images under `strategy`.
+pub fn inference_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> Result<f64> {
+    let mut model = strategy.distribute(&spec())?;
+    let x = random_batch(batch)?.x;
+    timer.median(|| {
+        std::hint::black_box(model.predict_step(&x)?);
+        Ok(())
+    })
+}

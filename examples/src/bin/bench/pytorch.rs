@@ -1,0 +1,99 @@
+//! The PyTorch reference: `bench/pytorch_minigooglenet.py` run as a subprocess in the same run,
+//! with the same batch, thread count and iterations, and the ops to time passed on its stdin.
+//! It prints one JSON object, read here.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+/// The script beside the workspace.
+pub fn default_script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/pytorch_minigooglenet.py")
+}
+
+/// Why PyTorch cannot be used from `python`, if it cannot.
+pub fn unavailable(python: &str) -> Option<String> {
+    let out = Command::new(python)
+        .args(["-c", "import torch"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    match out {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let last = err.lines().last().unwrap_or("").to_string();
+            Some(format!("`{python} -c \"import torch\"` failed: {last}"))
+        }
+        Err(e) => Some(format!("cannot run `{python}`: {e}")),
+    }
+}
+
+/// What to ask the script for.
+pub struct Request<'a> {
+    /// The interpreter.
+    pub python: &'a str,
+    /// The script.
+    pub script: &'a Path,
+    /// Images per batch.
+    pub batch: usize,
+    /// Threads (`torch.set_num_threads`).
+    pub threads: usize,
+    /// Warm-up runs.
+    pub warmup: usize,
+    /// Timed runs.
+    pub iters: usize,
+    /// Time the model's training step and inference.
+    pub model: bool,
+    /// The ops to time, as the script reads them (empty for none).
+    pub ops: Vec<Value>,
+}
+
+/// Runs the script and parses its JSON.
+pub fn run(req: &Request<'_>) -> Result<Value> {
+    let mut cmd = Command::new(req.python);
+    cmd.arg(req.script)
+        .args(["--batch", &req.batch.to_string()])
+        .args(["--threads", &req.threads.to_string()])
+        .args(["--warmup", &req.warmup.to_string()])
+        .args(["--iters", &req.iters.to_string()]);
+    if !req.model {
+        cmd.arg("--no-model");
+    }
+    if !req.ops.is_empty() {
+        cmd.args(["--ops", "-"]);
+    }
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot run {} {}", req.python, req.script.display()))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        if !req.ops.is_empty() {
+            stdin.write_all(serde_json::to_string(&req.ops)?.as_bytes())?;
+        }
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "{} exited with {}",
+            req.script.display(),
+            out.status
+                .code()
+                .map_or("a signal".into(), |c| c.to_string())
+        );
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{'));
+    serde_json::from_str(line.unwrap_or(""))
+        .with_context(|| format!("{} printed no JSON result: {text:?}", req.script.display()))
+}
+
+/// A number in the script's output, e.g. `f64_at(&v, &["model", "train_step_s"])`.
+pub fn f64_at(v: &Value, path: &[&str]) -> Option<f64> {
+    path.iter().try_fold(v, |v, k| v.get(k))?.as_f64()
+}

@@ -1,0 +1,194 @@
+//! The per-op results printed as Markdown tables, kandle and PyTorch side by side, and the
+//! convolutions' achieved GFLOP/s against the machine's peak.
+
+use crate::inventory::{OpKind, OpShape};
+use crate::passes::{Pass, Passes, SplitSource};
+
+/// One op shape's timings.
+pub struct OpTimes<'a> {
+    /// The op.
+    pub op: &'a OpShape,
+    /// kandle's passes.
+    pub kandle: Passes,
+    /// PyTorch's passes, when the reference ran.
+    pub torch: Option<Passes>,
+}
+
+impl OpTimes<'_> {
+    fn is_conv(&self) -> bool {
+        matches!(self.op.kind, OpKind::Conv { .. })
+    }
+}
+
+/// Milliseconds, `-` when unknown, and `~0` for a pass timed as a difference that came out
+/// negative (below the noise of the two runs it is the difference of).
+pub fn ms(seconds: Option<f64>) -> String {
+    match seconds {
+        Some(s) if s < 0.0 => "~0".into(),
+        Some(s) => format!("{:.2}", s * 1e3),
+        None => "-".into(),
+    }
+}
+
+/// `a / b` to two places, or `-`.
+pub fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && a > 0.0 => format!("{:.2}", a / b),
+        _ => "-".into(),
+    }
+}
+
+fn gflops(flops: f64, seconds: Option<f64>) -> String {
+    match seconds {
+        Some(s) if s > 0.0 => format!("{:.1}", flops / s / 1e9),
+        _ => "-".into(),
+    }
+}
+
+/// One row per convolution and pass.
+pub fn print_convs(rows: &[OpTimes<'_>], batch: usize) {
+    println!(
+        "| layer | shape | x | pass | GFLOP | kandle ms | kandle GFLOP/s | PyTorch ms | \
+         PyTorch GFLOP/s | kandle / PyTorch time |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut candle_ops = false;
+    for r in rows.iter().filter(|r| r.is_conv()) {
+        let flops = 2.0 * r.op.conv_macs(batch) as f64;
+        for pass in [Pass::Fwd, Pass::BwdInput, Pass::BwdWeight] {
+            let k = r.kandle.get(pass);
+            let t = r.torch.and_then(|t| t.get(pass));
+            let mark = match r.kandle.split {
+                Some(s) if pass != Pass::Fwd && s.source == SplitSource::CandleOps => {
+                    candle_ops = true;
+                    " (c)"
+                }
+                _ => "",
+            };
+            println!(
+                "| {} | {} | {} | {} | {:.2} | {}{mark} | {} | {} | {} | {} |",
+                r.op.label(),
+                r.op.shape(),
+                r.op.count(),
+                pass.name(),
+                flops / 1e9,
+                ms(k),
+                gflops(flops, k),
+                ms(t),
+                gflops(flops, t),
+                ratio(k, t),
+            );
+        }
+    }
+    if candle_ops {
+        println!();
+        println!(
+            "(c): the layer's backward computes the input gradient even for a constant input, so \
+             its two gradients cannot be timed apart through it; they are timed as the candle ops \
+             candle's convolution backward runs (conv_transpose2d, and conv2d on transposed \
+             tensors)."
+        );
+    }
+}
+
+/// One row per other op and pass.
+pub fn print_others(rows: &[OpTimes<'_>]) {
+    println!("| layer | op | shape | x | pass | kandle ms | PyTorch ms | kandle / PyTorch time |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in rows.iter().filter(|r| !r.is_conv()) {
+        let name = match r.op.kind {
+            OpKind::BatchNorm => "batch norm",
+            OpKind::MaxPool { .. } => "max pool",
+            OpKind::AvgPool { .. } => "avg pool",
+            OpKind::Concat { .. } => "concat",
+            OpKind::Conv { .. } => "conv",
+        };
+        for pass in [Pass::Fwd, Pass::Bwd] {
+            let k = r.kandle.get(pass);
+            let t = r.torch.and_then(|t| t.get(pass));
+            println!(
+                "| {} | {name} | {} | {} | {} | {} | {} | {} |",
+                r.op.label(),
+                r.op.shape(),
+                r.op.count(),
+                pass.name(),
+                ms(k),
+                ms(t),
+                ratio(k, t),
+            );
+        }
+    }
+}
+
+/// Per-step sums over every convolution of the network (each shape times its occurrences),
+/// per pass, as GFLOP/s and the fraction of `peak`. The first convolution's input gradient is
+/// left out: training never needs it.
+pub fn print_conv_totals(rows: &[OpTimes<'_>], batch: usize, peak: Option<f64>) {
+    println!(
+        "| pass | GFLOP per step | kandle ms | kandle GFLOP/s | kandle % of peak | PyTorch ms | \
+         PyTorch GFLOP/s | PyTorch % of peak | kandle / PyTorch time |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let percent = |flops: f64, s: Option<f64>| match (peak, s) {
+        (Some(p), Some(s)) if s > 0.0 => format!("{:.1}", 100.0 * flops / s / 1e9 / p),
+        _ => "-".into(),
+    };
+    let mut all = (0.0, Some(0.0), Some(0.0));
+    for pass in [Pass::Fwd, Pass::BwdInput, Pass::BwdWeight] {
+        let (mut flops, mut k, mut t) = (0.0, Some(0.0), Some(0.0));
+        for r in rows.iter().filter(|r| r.is_conv()) {
+            if pass == Pass::BwdInput && r.op.on_network_input {
+                continue;
+            }
+            let n = r.op.count() as f64;
+            flops += n * 2.0 * r.op.conv_macs(batch) as f64;
+            k = k.zip(r.kandle.get(pass)).map(|(a, b)| a + n * b);
+            t = t
+                .zip(r.torch.and_then(|p| p.get(pass)))
+                .map(|(a, b)| a + n * b);
+        }
+        print_total_row(pass.name(), flops, k, t, &percent);
+        all = (
+            all.0 + flops,
+            all.1.zip(k).map(|(a, b)| a + b),
+            all.2.zip(t).map(|(a, b)| a + b),
+        );
+    }
+    print_total_row("all", all.0, all.1, all.2, &percent);
+}
+
+fn print_total_row(
+    name: &str,
+    flops: f64,
+    k: Option<f64>,
+    t: Option<f64>,
+    percent: &dyn Fn(f64, Option<f64>) -> String,
+) {
+    println!(
+        "| {name} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
+        flops / 1e9,
+        ms(k),
+        gflops(flops, k),
+        percent(flops, k),
+        ms(t),
+        gflops(flops, t),
+        percent(flops, t),
+        ratio(k, t),
+    );
+}
+
+/// The timed ops' share of a training step: every op shape's forward and backward times its
+/// occurrences, against the measured step. `(kandle, PyTorch)` sums in seconds.
+pub fn ops_per_step(rows: &[OpTimes<'_>]) -> (f64, Option<f64>) {
+    let mut k = 0.0;
+    let mut t = Some(0.0);
+    for r in rows {
+        let n = r.op.count() as f64;
+        let needed = !r.op.on_network_input;
+        k += n * r.kandle.in_training(needed);
+        t = t
+            .zip(r.torch.map(|p| p.in_training(needed)))
+            .map(|(a, b)| a + n * b);
+    }
+    (k, t)
+}

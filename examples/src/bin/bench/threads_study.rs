@@ -1,0 +1,67 @@
+//! Two replicas on one CPU: MiniGoogLeNet's training step under `MirroredStrategy::cpu(2)` and
+//! `CentralStorageStrategy::cpu(2)` against `OneDeviceStrategy::cpu()` at the same global batch,
+//! with the replicas sharing rayon's global pool (each spreads over every core, so together they
+//! oversubscribe it) and with the default per-replica thread budget (the cores divided between
+//! the replicas).
+
+use anyhow::Result;
+use kandle::{OneDeviceStrategy, Strategy};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaThreads};
+use serde_json::{json, Value};
+
+use crate::model::train_step_time;
+use crate::timing::Timer;
+
+/// Runs the study at global batch `batch` and prints its table; returns the rows for `--json`.
+pub fn run(batch: usize, timer: Timer) -> Result<Value> {
+    let budget = |t: ReplicaThreads| match t {
+        ReplicaThreads::Shared => "shared global pool".to_string(),
+        ReplicaThreads::Fixed(n) => format!("{n} each"),
+        ReplicaThreads::Auto => "default (cores / replicas each)".to_string(),
+    };
+    let mut configs: Vec<(String, String, Box<dyn Strategy>)> = vec![(
+        "one_device".into(),
+        "all cores".into(),
+        Box::new(OneDeviceStrategy::cpu()),
+    )];
+    for threads in [ReplicaThreads::Shared, ReplicaThreads::Auto] {
+        configs.push((
+            "mirrored x2".into(),
+            budget(threads),
+            Box::new(MirroredStrategy::cpu(2)?.threads_per_replica(threads)),
+        ));
+        configs.push((
+            "central_storage x2".into(),
+            budget(threads),
+            Box::new(CentralStorageStrategy::cpu(2)?.threads_per_replica(threads)),
+        ));
+    }
+    let mut rows = Vec::new();
+    let mut one_device = None;
+    for (name, threads, strategy) in configs {
+        eprintln!("kandle: threads study, {name}, {threads}");
+        let step = train_step_time(strategy.as_ref(), batch, timer)?;
+        let base = *one_device.get_or_insert(step);
+        rows.push((name, threads, step, base / step));
+    }
+    println!(
+        "| strategy | threads per replica | step ms (global batch {batch}) | images/s | \
+         speed vs one device |"
+    );
+    println!("|---|---|---|---|---|");
+    for (name, threads, step, speed) in &rows {
+        println!(
+            "| {name} | {threads} | {:.1} | {:.1} | {speed:.2} |",
+            step * 1e3,
+            batch as f64 / step
+        );
+    }
+    Ok(Value::Array(
+        rows.into_iter()
+            .map(|(strategy, threads, step, speed)| {
+                json!({"strategy": strategy, "threads_per_replica": threads,
+                       "step_s": step, "speed_vs_one_device": speed})
+            })
+            .collect(),
+    ))
+}

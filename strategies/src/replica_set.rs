@@ -187,19 +187,20 @@ impl ReplicaSet {
         timeout: Duration,
         threads: ReplicaThreads,
     ) -> Result<Self> {
-        let pool_sizes = threads.pool_sizes(devices)?;
         let rendezvous = sync_batch_norm.then(|| Arc::new(Rendezvous::new(devices.len(), timeout)));
-        Self::with_rendezvous(spec, devices, rendezvous, timeout)
+        Self::with_rendezvous(spec, devices, rendezvous, timeout, threads)
     }
 
-    /// Like [`Self::new`], with batch normalisation synchronised through `rendezvous` when
-    /// given (which must have one member per device).
+    /// Like [`Self::with_threads`], with batch normalisation synchronised through `rendezvous`
+    /// when given (which must have one member per device).
     pub(crate) fn with_rendezvous(
         spec: &ModelSpec,
         devices: &[Device],
         rendezvous: Option<Arc<Rendezvous>>,
         timeout: Duration,
+        threads: ReplicaThreads,
     ) -> Result<Self> {
+        let pool_sizes = threads.pool_sizes(devices)?;
         let replicas = devices
             .iter()
             .enumerate()

@@ -21,6 +21,7 @@ use super::world::World;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::mirrored::{restore, DEFAULT_TIMEOUT};
 use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
+use crate::replica_pool::ReplicaThreads;
 use crate::replica_set::{fuse_store, load_fused, ReplicaSet, StepLayout};
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
@@ -235,8 +236,13 @@ impl Strategy for MultiWorkerMirroredStrategy {
         } else {
             self.timeout
         };
-        let mut set =
-            ReplicaSet::with_rendezvous(spec, &self.devices, rendezvous, replica_timeout)?;
+        let mut set = ReplicaSet::with_rendezvous(
+            spec,
+            &self.devices,
+            rendezvous,
+            replica_timeout,
+            ReplicaThreads::default(),
+        )?;
         set.statistics_by_samples = self.sync_batch_norm;
         self.check_agreement(&set.layout, nccl)?;
         // Every worker built the same seeded model; the chief's weights make sure of it.

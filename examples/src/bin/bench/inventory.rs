@@ -10,9 +10,11 @@ use anyhow::{bail, Result};
 use kandle::layers::{Padding, SummaryRow};
 use serde_json::{json, Value};
 
-/// MiniGoogLeNet's stages, as in `kandle_models`: inception `(k1x1, k3x3)` filters, then an
-/// optional downsample's filters.
-const STAGES: [(&[(usize, usize)], Option<usize>); 3] = [
+/// A stage: its inception modules' `(k1x1, k3x3)` filters, then an optional downsample's filters.
+type Stage = (&'static [(usize, usize)], Option<usize>);
+
+/// MiniGoogLeNet's stages, as in `kandle_models`.
+const STAGES: [Stage; 3] = [
     (&[(32, 32), (32, 48)], Some(80)),
     (&[(112, 48), (96, 64), (80, 80), (48, 96)], Some(96)),
     (&[(176, 160), (176, 160)], None),

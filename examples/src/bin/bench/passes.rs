@@ -104,7 +104,7 @@ impl Passes {
     }
 
     /// For the `--json` file.
-    pub fn to_json(&self) -> Value {
+    pub fn to_json(self) -> Value {
         let mut v = json!({"fwd_s": self.fwd, "bwd_s": self.bwd});
         if let Some(s) = self.split {
             v["bwd_input_s"] = json!(s.input);

@@ -6,10 +6,13 @@
 //! kernels. The layers call these kernels whenever their tensors are `f32` on the CPU and fall
 //! back to candle's ops everywhere else (CUDA, other dtypes), so results agree across devices.
 //!
-//! Every kernel is tested against candle's reference ops, forward and gradients.
+//! Every kernel is tested against candle's reference ops, forward and gradients. The layers'
+//! recorded training forward ([`crate::layers::Recorded`]) keeps the ops it applies
+//! (`replay`) and calls their backward passes directly.
 
 pub mod batch_norm;
 pub mod conv2d;
 pub mod pooling;
 
 mod planes;
+pub(crate) mod replay;

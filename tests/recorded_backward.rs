@@ -69,9 +69,7 @@ fn spec(network: Sequential) -> ModelSpec {
 fn batch(n: usize, seed: u64) -> kandle::Result<(Tensor, Tensor)> {
     let dev = Device::Cpu;
     let x = Tensor::randn(0f32, 1., (n, 3, 11, 11), &dev)?;
-    let labels: Vec<u32> = (0..n as u32)
-        .map(|i| (i * 7 + seed as u32) % 5)
-        .collect();
+    let labels: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed as u32) % 5).collect();
     let y = candle_nn::encoding::one_hot(Tensor::new(labels, &dev)?, 5, 1f32, 0f32)?;
     Ok((x, y.to_dtype(DType::F32)?))
 }
@@ -142,7 +140,10 @@ fn training_reaches_the_same_weights() -> kandle::Result<()> {
             .get(name)
             .ok_or_else(|| kandle::Error::invalid(format!("no {name}")))?;
         let rel = relative_difference(a, b)?;
-        assert!(rel < 1e-4, "{name}: relative difference {rel} after 5 steps");
+        assert!(
+            rel < 1e-4,
+            "{name}: relative difference {rel} after 5 steps"
+        );
     }
     Ok(())
 }

@@ -478,17 +478,28 @@ fn weight_grad_image(
 }
 
 /// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`,
-/// in square blocks that stay in L1.
+/// a square block at a time: the block's rows are copied whole into a buffer in L1, then
+/// written out by columns. (Reading a column of `src` directly would touch rows `cols` apart,
+/// and at power-of-two widths all of them fall in the same cache set.)
 fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     const BLOCK: usize = 16;
+    let mut block = [[0f32; BLOCK]; BLOCK];
     for r0 in (0..rows).step_by(BLOCK) {
         let r1 = (r0 + BLOCK).min(rows);
         for c0 in (0..cols).step_by(BLOCK) {
-            let c1 = (c0 + BLOCK).min(cols);
-            for c in c0..c1 {
-                let out = &mut dst[c * rows + r0..c * rows + r1];
-                for (r, d) in (r0..r1).zip(out) {
-                    *d = src[r * cols + c];
+            let width = BLOCK.min(cols - c0);
+            for (r, row) in (r0..r1).zip(block.iter_mut()) {
+                let from = &src[r * cols + c0..r * cols + c0 + width];
+                match <&[f32; BLOCK]>::try_from(from) {
+                    // A fixed-size copy, inlined rather than a call to `memcpy`.
+                    Ok(full) => *row = *full,
+                    Err(_) => row[..width].copy_from_slice(from),
+                }
+            }
+            for c in 0..width {
+                let at = (c0 + c) * rows;
+                for (d, row) in dst[at + r0..at + r1].iter_mut().zip(&block) {
+                    *d = row[c];
                 }
             }
         }

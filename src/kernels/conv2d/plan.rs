@@ -18,6 +18,8 @@
 //! layer sees), the kernel rows are folded into the expansion too, a full im2col, and each
 //! tile takes one GEMM.
 
+use rayon::prelude::*;
+
 /// Output positions per tile the GEMMs aim for: enough rows for the micro-kernels to run at
 /// full speed, few enough that the expanded tile stays in L2.
 const TARGET_POSITIONS: usize = 512;
@@ -173,18 +175,39 @@ impl Plan {
 
     /// Packs a kernel for the GEMMs: `packed[call][o][k] = tap(o, c, ky, kx)` for the tap
     /// `(c, ky, kx)` at depth `k` of `call`, where `tap` reads the source weights (so a caller
-    /// can transpose, flip or subsample them while packing).
-    pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32) -> Vec<f32> {
+    /// can transpose, flip or subsample them while packing). The rows `(call, o)` are filled in
+    /// parallel, each in depth order.
+    pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync) -> Vec<f32> {
+        /// Rows per rayon task, so a small kernel is packed in one.
+        const MIN_ROWS: usize = 64;
         let depth = self.depth();
-        let mut packed = Vec::with_capacity(self.calls() * self.o * depth);
-        for call in 0..self.calls() {
-            for o in 0..self.o {
-                packed.extend((0..depth).map(|k| {
-                    let (c, ky, kx) = self.tap(call, k);
-                    tap(o, c, ky, kx)
-                }));
-            }
+        let mut packed = vec![0f32; self.calls() * self.o * depth];
+        if depth == 0 {
+            return packed;
         }
+        let folded = self.folded();
+        packed
+            .par_chunks_mut(depth)
+            .with_min_len(MIN_ROWS)
+            .enumerate()
+            .for_each(|(row, dst)| {
+                let (call, o) = (row / self.o, row % self.o);
+                // Depth order (see `tap`): channel, kernel column, then (folded) kernel row.
+                let mut k = 0;
+                for c in 0..self.c {
+                    for kx in 0..self.kw {
+                        if folded {
+                            for ky in 0..self.kh {
+                                dst[k] = tap(o, c, ky, kx);
+                                k += 1;
+                            }
+                        } else {
+                            dst[k] = tap(o, c, call, kx);
+                            k += 1;
+                        }
+                    }
+                }
+            });
         packed
     }
 

@@ -556,3 +556,40 @@ fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposes_whole_and_partial_blocks() {
+        for (rows, cols) in [(1, 1), (16, 16), (20, 37), (35, 16), (3, 50)] {
+            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose(&src, rows, cols, &mut dst);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        dst[c * rows + r],
+                        src[r * cols + c],
+                        "{rows}x{cols} at {r},{c}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn swaps_kernel_channel_axes() {
+        let (o, c, taps) = (35, 6, 9);
+        let w: Vec<f32> = (0..o * c * taps).map(|v| v as f32).collect();
+        let wt = transpose_channels(&w, o, c, taps);
+        for oi in 0..o {
+            for ci in 0..c {
+                for t in 0..taps {
+                    assert_eq!(wt[(ci * o + oi) * taps + t], w[(oi * c + ci) * taps + t]);
+                }
+            }
+        }
+    }
+}

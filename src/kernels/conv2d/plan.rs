@@ -410,4 +410,30 @@ mod tests {
         assert_eq!(offsets, vec![0, 9, 3]);
         assert!(buf.iter().all(|v| v.is_finite()));
     }
+
+    #[test]
+    fn packed_rows_follow_the_taps() {
+        // Folded and unfolded plans, with more rows than one packing task takes.
+        for plan in [plan(5, (3, 2), (1, 1)), plan(40, (3, 2), (2, 1))] {
+            let mut plan = plan;
+            plan.o = 70;
+            let code = |o: usize, c: usize, ky: usize, kx: usize| {
+                (((o * 100 + c) * 10 + ky) * 10 + kx) as f32
+            };
+            let packed = plan.pack(code);
+            let depth = plan.depth();
+            assert_eq!(packed.len(), plan.calls() * plan.o * depth);
+            for (row, values) in packed.chunks_exact(depth).enumerate() {
+                let (call, o) = (row / plan.o, row % plan.o);
+                for (k, v) in values.iter().enumerate() {
+                    let (c, ky, kx) = plan.tap(call, k);
+                    assert_eq!(
+                        *v,
+                        code(o, c, ky, kx),
+                        "{plan:?}: call {call}, o {o}, k {k}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -17,7 +17,10 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::planes::{channel_sums, f32_data, for_each_plane, lane_sums, nc_plane, with_f32};
+use super::planes::{
+    channel_planes, f32_data, for_each_plane, map_channels, nc_plane, with_f32, PairSums,
+};
+use super::simd::vectorized;
 use crate::{Error, Result};
 
 const TRAIN_OP: &str = "batch_norm";
@@ -142,6 +145,15 @@ struct ChannelMap {
     shift: Vec<f32>,
 }
 
+/// One channel's batch statistics and the affine map they make, in `f64`.
+struct ChannelNorm {
+    mean: f64,
+    var: f64,
+    invstd: f64,
+    scale: f64,
+    shift: f64,
+}
+
 struct TrainOp {
     epsilon: f64,
     relu: bool,
@@ -164,30 +176,41 @@ impl CustomOp3 for TrainOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_data(TRAIN_OP, sx, lx)?;
         let (weight, bias) = (f32_data(TRAIN_OP, sw, lw)?, f32_data(TRAIN_OP, sb, lb)?);
-        let (n, c, s) = nc_plane(lx.dims());
-        let (mean, var) = statistics(x, n, c, s);
-        let mut saved = Saved {
-            mean: Vec::with_capacity(c),
-            var: Vec::with_capacity(c),
-            invstd: Vec::with_capacity(c),
+        let (_, c, s) = nc_plane(lx.dims());
+        // Each channel's statistics, then its normalisation, in one task: the second pass
+        // reads the channel from the cache.
+        let mut y = vec![0f32; x.len()];
+        let norms = map_channels(&mut y, c, s, |ch, out| {
+            vectorized(
+                #[inline(always)]
+                || {
+                    let (mean, var) = statistics(x, c, s, ch);
+                    let invstd = 1.0 / (var + self.epsilon).sqrt();
+                    let scale = weight[ch] as f64 * invstd;
+                    let shift = bias[ch] as f64 - mean * scale;
+                    for (o, xs) in out.iter_mut().zip(channel_planes(x, c, s, ch)) {
+                        apply_plane(xs, o, scale as f32, shift as f32, self.relu);
+                    }
+                    ChannelNorm {
+                        mean,
+                        var,
+                        invstd,
+                        scale,
+                        shift,
+                    }
+                },
+            )
+        });
+        let narrow = |f: fn(&ChannelNorm) -> f64| norms.iter().map(|v| f(v) as f32).collect();
+        let saved = Saved {
+            mean: narrow(|v| v.mean),
+            var: narrow(|v| v.var),
+            invstd: narrow(|v| v.invstd),
             map: ChannelMap {
-                scale: Vec::with_capacity(c),
-                shift: Vec::with_capacity(c),
+                scale: narrow(|v| v.scale),
+                shift: narrow(|v| v.shift),
             },
         };
-        for ch in 0..c {
-            let invstd = 1.0 / (var[ch] + self.epsilon).sqrt();
-            let scale = weight[ch] as f64 * invstd;
-            saved.mean.push(mean[ch] as f32);
-            saved.var.push(var[ch] as f32);
-            saved.invstd.push(invstd as f32);
-            saved.map.scale.push(scale as f32);
-            saved
-                .map
-                .shift
-                .push((bias[ch] as f64 - mean[ch] * scale) as f32);
-        }
-        let y = saved.map.apply(x, c, s, self.relu);
         self.saved
             .set(saved)
             .map_err(|_| candle_core::Error::Msg(format!("{TRAIN_OP}: op applied twice")))?;
@@ -209,22 +232,28 @@ impl CustomOp3 for TrainOp {
         let (n, c, s) = nc_plane(x.dims());
         let count = (n * s) as f64;
         channel_backward(TRAIN_OP, x, grad, |xs, dy| {
-            let sums = saved.map.grad_sums(xs, dy, c, s, &saved.mean, self.relu);
-            let mut lin = Linear::with_capacity(c);
-            let (mut dweight, mut dbias) = (Vec::with_capacity(c), Vec::with_capacity(c));
-            for (ch, &[sum_dy, sum_dy_centered]) in sums.iter().enumerate() {
-                let invstd = saved.invstd[ch] as f64;
-                let dy_xhat = sum_dy_centered * invstd;
-                let k = weight[ch] as f64 * invstd;
-                lin.dy.push(k as f32);
-                lin.centered.push((-k * invstd * dy_xhat / count) as f32);
-                lin.constant.push((-k * sum_dy / count) as f32);
-                dweight.push(dy_xhat as f32);
-                dbias.push(sum_dy as f32);
-            }
-            let dx = saved
-                .map
-                .grad_input(xs, dy, c, s, &saved.mean, &lin, self.relu);
+            // dx = k * (dy' - mean(dy') - xhat * mean(dy' * xhat)) with k = weight * invstd,
+            // written as a map of dy' and x - mean.
+            let (dx, sums) = saved.map.backward(
+                Gradients { x: xs, dy, c, s },
+                &saved.mean,
+                self.relu,
+                |ch, [sum_dy, sum_dy_centered]| {
+                    let invstd = saved.invstd[ch] as f64;
+                    let k = weight[ch] as f64 * invstd;
+                    Linear {
+                        dy: k as f32,
+                        centered: (-k * invstd * invstd * sum_dy_centered / count) as f32,
+                        constant: (-k * sum_dy / count) as f32,
+                    }
+                },
+            );
+            let dweight = sums
+                .iter()
+                .zip(&saved.invstd)
+                .map(|(&[_, centered], &invstd)| (centered * invstd as f64) as f32)
+                .collect();
+            let dbias = sums.iter().map(|&[sum_dy, _]| sum_dy as f32).collect();
             (dx, dweight, dbias)
         })
     }
@@ -249,15 +278,16 @@ impl CustomOp3 for AffineOp {
         lb: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_data(AFFINE_OP, sx, lx)?;
-        let map = ChannelMap {
-            scale: f32_data(AFFINE_OP, sa, la)?.to_vec(),
-            shift: f32_data(AFFINE_OP, sb, lb)?.to_vec(),
-        };
+        let (scale, shift) = (f32_data(AFFINE_OP, sa, la)?, f32_data(AFFINE_OP, sb, lb)?);
         let (_, c, s) = nc_plane(lx.dims());
-        Ok((
-            CpuStorage::F32(map.apply(x, c, s, self.relu)),
-            lx.shape().clone(),
-        ))
+        let mut y = vec![0f32; x.len()];
+        for_each_plane(&mut y, c, s, |i, ch, out| {
+            vectorized(
+                #[inline(always)]
+                || apply_plane(&x[i * s..(i + 1) * s], out, scale[ch], shift[ch], self.relu),
+            );
+        });
+        Ok((CpuStorage::F32(y), lx.shape().clone()))
     }
 
     fn bwd(
@@ -275,13 +305,14 @@ impl CustomOp3 for AffineOp {
         let (_, c, s) = nc_plane(x.dims());
         let zeros = vec![0f32; c];
         channel_backward(AFFINE_OP, x, grad, |xs, dy| {
-            let sums = map.grad_sums(xs, dy, c, s, &zeros, self.relu);
-            let lin = Linear {
-                dy: map.scale.clone(),
-                centered: zeros.clone(),
-                constant: zeros.clone(),
-            };
-            let dx = map.grad_input(xs, dy, c, s, &zeros, &lin, self.relu);
+            let (dx, sums) =
+                map.backward(Gradients { x: xs, dy, c, s }, &zeros, self.relu, |ch, _| {
+                    Linear {
+                        dy: map.scale[ch],
+                        centered: 0.0,
+                        constant: 0.0,
+                    }
+                });
             let dscale = sums.iter().map(|v| v[1] as f32).collect();
             let dshift = sums.iter().map(|v| v[0] as f32).collect();
             (dx, dscale, dshift)
@@ -306,130 +337,130 @@ fn channel_backward(
     ))
 }
 
-/// Per-channel coefficients of the input gradient
-/// `dx = dy_coef * dy' + centered_coef * (x - center) + constant`, where `dy'` is the output
-/// gradient with the ReLU's mask applied.
-struct Linear {
-    dy: Vec<f32>,
-    centered: Vec<f32>,
-    constant: Vec<f32>,
+/// The input `x` of a backward pass, the output gradient `dy`, and their `c` channels of planes
+/// of `s` values.
+#[derive(Clone, Copy)]
+struct Gradients<'a> {
+    x: &'a [f32],
+    dy: &'a [f32],
+    c: usize,
+    s: usize,
 }
 
-impl Linear {
-    fn with_capacity(c: usize) -> Self {
-        Self {
-            dy: Vec::with_capacity(c),
-            centered: Vec::with_capacity(c),
-            constant: Vec::with_capacity(c),
-        }
-    }
+/// One channel's coefficients of the input gradient
+/// `dx = dy * dy' + centered * (x - center) + constant`, where `dy'` is the output gradient with
+/// the ReLU's mask applied.
+struct Linear {
+    dy: f32,
+    centered: f32,
+    constant: f32,
 }
 
 impl ChannelMap {
-    /// `x * scale + shift` per channel (then the ReLU), as a new buffer.
-    fn apply(&self, x: &[f32], c: usize, s: usize, relu: bool) -> Vec<f32> {
-        let mut y = vec![0f32; x.len()];
-        for_each_plane(&mut y, c, s, |i, ch, out| {
-            let (a, b) = (self.scale[ch], self.shift[ch]);
-            let xs = &x[i * s..(i + 1) * s];
-            if relu {
-                out.iter_mut().zip(xs).for_each(|(o, &v)| {
-                    let z = v * a + b;
-                    *o = if z < 0.0 { 0.0 } else { z };
-                });
-            } else {
-                out.iter_mut().zip(xs).for_each(|(o, &v)| *o = v * a + b);
-            }
-        });
-        y
-    }
-
-    /// Per channel, `[sum(dy'), sum(dy' * (x - center))]` in `f64`, where `dy'` is `dy` masked
-    /// by the ReLU (when `relu`) through this map's pre-activation.
-    fn grad_sums(
+    /// The backward pass through this map (and the ReLU when `relu`). For each channel, in one
+    /// task so that the second pass reads the channel from the cache: the sums
+    /// `[sum(dy'), sum(dy' * (x - center))]` in `f64`, where `dy'` is `dy` masked by the ReLU
+    /// through this map's pre-activation, then the input gradient with the coefficients that
+    /// `linear(channel, sums)` makes of them. Returns the input gradient and the sums.
+    fn backward(
         &self,
-        x: &[f32],
-        dy: &[f32],
-        c: usize,
-        s: usize,
+        g: Gradients<'_>,
         center: &[f32],
         relu: bool,
-    ) -> Vec<[f64; 2]> {
-        let n = x.len() / (c * s);
-        channel_sums(n, c, |i, ch| {
-            let (a, b, m) = (self.scale[ch], self.shift[ch], center[ch]);
-            let range = i * s..(i + 1) * s;
-            if relu {
-                lane_sums(&x[range.clone()], &dy[range], |v, g| {
-                    let g = masked::<true>(v, g, a, b);
-                    (g, g * (v - m))
-                })
-            } else {
-                lane_sums(&x[range.clone()], &dy[range], |v, g| (g, g * (v - m)))
-            }
-        })
+        linear: impl Fn(usize, [f64; 2]) -> Linear + Sync + Send,
+    ) -> (Vec<f32>, Vec<[f64; 2]>) {
+        let mut dx = vec![0f32; g.x.len()];
+        let sums = map_channels(&mut dx, g.c, g.s, |ch, out| {
+            vectorized(
+                #[inline(always)]
+                || {
+                    if relu {
+                        self.channel_backward::<true>(g, ch, center[ch], &linear, out)
+                    } else {
+                        self.channel_backward::<false>(g, ch, center[ch], &linear, out)
+                    }
+                },
+            )
+        });
+        (dx, sums)
     }
 
-    /// The input gradient `lin.dy * dy' + lin.centered * (x - center) + lin.constant`.
-    #[allow(clippy::too_many_arguments)]
-    fn grad_input(
+    /// [`ChannelMap::backward`] for the channel `ch`, whose planes of `dx` are `out`.
+    #[inline(always)]
+    fn channel_backward<const RELU: bool>(
         &self,
-        x: &[f32],
-        dy: &[f32],
-        c: usize,
-        s: usize,
-        center: &[f32],
-        lin: &Linear,
-        relu: bool,
-    ) -> Vec<f32> {
-        let mut dx = vec![0f32; x.len()];
-        for_each_plane(&mut dx, c, s, |i, ch, out| {
-            let (a, b, m) = (self.scale[ch], self.shift[ch], center[ch]);
-            let (k, p, q) = (lin.dy[ch], lin.centered[ch], lin.constant[ch]);
-            let range = i * s..(i + 1) * s;
-            let (xs, gs) = (&x[range.clone()], &dy[range]);
-            if relu {
-                for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
-                    *o = k * masked::<true>(v, g, a, b) + p * (v - m) + q;
-                }
-            } else {
-                for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
-                    *o = k * g + p * (v - m) + q;
-                }
+        g: Gradients<'_>,
+        ch: usize,
+        m: f32,
+        linear: &impl Fn(usize, [f64; 2]) -> Linear,
+        out: &mut [&mut [f32]],
+    ) -> [f64; 2] {
+        let (a, b) = (self.scale[ch], self.shift[ch]);
+        let planes = || channel_planes(g.x, g.c, g.s, ch).zip(channel_planes(g.dy, g.c, g.s, ch));
+        let mut sums = PairSums::default();
+        for (xs, gs) in planes() {
+            sums.add(xs, gs, |v, g| {
+                let g = masked::<RELU>(v, g, a, b);
+                (g, g * (v - m))
+            });
+        }
+        let sums = sums.total();
+        let Linear {
+            dy: k,
+            centered: p,
+            constant: q,
+        } = linear(ch, sums);
+        for (o, (xs, gs)) in out.iter_mut().zip(planes()) {
+            for ((o, &v), &g) in o.iter_mut().zip(xs).zip(gs) {
+                *o = k * masked::<RELU>(v, g, a, b) + p * (v - m) + q;
             }
+        }
+        sums
+    }
+}
+
+/// `out = x * a + b`, then the ReLU when `relu`.
+#[inline(always)]
+fn apply_plane(x: &[f32], out: &mut [f32], a: f32, b: f32, relu: bool) {
+    if relu {
+        out.iter_mut().zip(x).for_each(|(o, &v)| {
+            let z = v * a + b;
+            *o = if z < 0.0 { 0.0 } else { z };
         });
-        dx
+    } else {
+        out.iter_mut().zip(x).for_each(|(o, &v)| *o = v * a + b);
     }
 }
 
 /// `g` where the pre-activation `v * a + b` is `>= 0` (or NaN), else zero, when `RELU`.
 #[inline(always)]
 fn masked<const RELU: bool>(v: f32, g: f32, a: f32, b: f32) -> f32 {
-    if RELU && v * a + b < 0.0 {
-        0.0
+    if RELU {
+        // A bitwise select, which vectorises where a branch would not.
+        let keep = ((v * a + b < 0.0) as u32).wrapping_sub(1);
+        f32::from_bits(g.to_bits() & keep)
     } else {
         g
     }
 }
 
-/// Per-channel mean and biased variance of `n` images of `c` planes of `s` values, from sums
-/// around each channel's first value.
-fn statistics(x: &[f32], n: usize, c: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
-    let sums = channel_sums(n, c, |i, ch| {
-        let shift = x[ch * s];
-        let plane = &x[i * s..(i + 1) * s];
-        lane_sums(plane, plane, |v, _| {
+/// The mean and biased variance of the channel `ch` of `x` (`c` channels of planes of `s`
+/// values), from sums around the channel's first value.
+#[inline(always)]
+fn statistics(x: &[f32], c: usize, s: usize, ch: usize) -> (f64, f64) {
+    let shift = x[ch * s];
+    let mut sums = PairSums::default();
+    let mut count = 0;
+    for plane in channel_planes(x, c, s, ch) {
+        sums.add(plane, plane, |v, _| {
             let d = v - shift;
             (d, d * d)
-        })
-    });
-    let count = (n * s) as f64;
-    sums.iter()
-        .enumerate()
-        .map(|(ch, &[sum, squares])| {
-            let shifted_mean = sum / count;
-            let var = (squares / count - shifted_mean * shifted_mean).max(0.0);
-            (x[ch * s] as f64 + shifted_mean, var)
-        })
-        .unzip()
+        });
+        count += plane.len();
+    }
+    let [sum, squares] = sums.total();
+    let count = count as f64;
+    let shifted_mean = sum / count;
+    let var = (squares / count - shifted_mean * shifted_mean).max(0.0);
+    (shift as f64 + shifted_mean, var)
 }

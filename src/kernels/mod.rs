@@ -13,3 +13,4 @@ pub mod conv2d;
 pub mod pooling;
 
 mod planes;
+mod simd;

@@ -14,3 +14,4 @@ pub mod pooling;
 
 mod planes;
 mod simd;
+mod two_pass;

@@ -1,0 +1,131 @@
+//! Kernels that make two passes over each channel of an `(N, C, ...)` `f32` tensor: two sums
+//! over the channel, then an output value from each input value and the channel's sums.
+//! BatchNorm is made of them: its statistics then its normalisation, and in the backward pass
+//! the gradient sums then the input gradient.
+//!
+//! [`run`] walks small planes channel by channel, each channel in one task, so that the second
+//! pass finds the channel in the core's cache and memory is read once. Large planes are
+//! streamed instead, each pass in parallel over contiguous planes: a channel's large planes
+//! lie a whole number of pages apart, many of them on the same cache sets, so the cache would
+//! not keep them for the second pass, and long contiguous runs read faster from memory.
+
+use rayon::prelude::*;
+
+use super::planes::{channel_planes, for_each_plane, map_channels, min_len, PairSums};
+use super::simd::vectorized;
+
+/// Planes of this many bytes or more are streamed (a page: see the module's documentation).
+const LARGE_PLANE_BYTES: usize = 4096;
+
+/// A channel's values of every pass, in bytes, above which its planes are streamed: half a
+/// typical per-core L2 cache, so that the second pass still finds them there.
+const CHANNEL_CACHE_BYTES: usize = 512 * 1024;
+
+/// What [`run`] computes, for one channel at a time. The methods are called inside loops
+/// compiled for the CPU's vector width; implementations mark them `#[inline(always)]` so
+/// that their loops are compiled there too.
+pub(crate) trait ChannelKernel: Sync {
+    /// What the first pass makes of a channel's sums, which the second pass uses.
+    type Channel: Send + Sync;
+
+    /// Adds the terms of one plane of channel `ch` (the same plane of the two inputs) to `sums`.
+    fn sums(&self, ch: usize, a: &[f32], b: &[f32], sums: &mut PairSums);
+
+    /// Makes the sums of channel `ch` into what the second pass needs.
+    fn finish(&self, ch: usize, sums: [f64; 2]) -> Self::Channel;
+
+    /// Writes one plane of the output of channel `ch` from the same plane of the two inputs.
+    fn write(&self, ch: usize, channel: &Self::Channel, a: &[f32], b: &[f32], out: &mut [f32]);
+}
+
+/// Runs `kernel` over the inputs `a` and `b` and the output `out`, all of `c` channels of
+/// planes of `s` values, and returns what it made of each channel's sums.
+pub(crate) fn run<K: ChannelKernel>(
+    kernel: &K,
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    c: usize,
+    s: usize,
+) -> Vec<K::Channel> {
+    if c == 0 || s == 0 {
+        return Vec::new();
+    }
+    let n = out.len() / (c * s);
+    let planes = |data, ch| channel_planes(data, c, s, ch);
+    if !by_channel(n, c, s) {
+        return streamed(kernel, a, b, out, c, s);
+    }
+    map_channels(out, c, s, |ch, out| {
+        vectorized(
+            #[inline(always)]
+            || {
+                let mut sums = PairSums::default();
+                for (pa, pb) in planes(a, ch).zip(planes(b, ch)) {
+                    kernel.sums(ch, pa, pb, &mut sums);
+                }
+                let channel = kernel.finish(ch, sums.total());
+                for (o, (pa, pb)) in out.iter_mut().zip(planes(a, ch).zip(planes(b, ch))) {
+                    kernel.write(ch, &channel, pa, pb, o);
+                }
+                channel
+            },
+        )
+    })
+}
+
+/// Whether [`run`] walks channel by channel: the planes are small, a channel fits in the
+/// cache, and there are at least two channels per thread to share out.
+fn by_channel(n: usize, c: usize, s: usize) -> bool {
+    let plane_bytes = s * size_of::<f32>();
+    plane_bytes < LARGE_PLANE_BYTES
+        && 3 * n * plane_bytes <= CHANNEL_CACHE_BYTES
+        && c >= 2 * rayon::current_num_threads()
+}
+
+/// [`run`] for large planes: the sums of every plane in parallel, added per channel in image
+/// order, then every output plane in parallel.
+fn streamed<K: ChannelKernel>(
+    kernel: &K,
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    c: usize,
+    s: usize,
+) -> Vec<K::Channel> {
+    let planes = out.len() / s;
+    let per_plane: Vec<[f64; 2]> = (0..planes)
+        .into_par_iter()
+        .with_min_len(min_len(planes))
+        .map(|k| {
+            let range = k * s..(k + 1) * s;
+            vectorized(
+                #[inline(always)]
+                || {
+                    let mut sums = PairSums::default();
+                    kernel.sums(k % c, &a[range.clone()], &b[range.clone()], &mut sums);
+                    sums.total()
+                },
+            )
+        })
+        .collect();
+    let mut totals = vec![[0f64; 2]; c];
+    for (k, sums) in per_plane.iter().enumerate() {
+        for (t, v) in totals[k % c].iter_mut().zip(sums) {
+            *t += v;
+        }
+    }
+    let channels: Vec<K::Channel> = totals
+        .into_iter()
+        .enumerate()
+        .map(|(ch, sums)| kernel.finish(ch, sums))
+        .collect();
+    for_each_plane(out, c, s, |k, ch, o| {
+        let range = k * s..(k + 1) * s;
+        vectorized(
+            #[inline(always)]
+            || kernel.write(ch, &channels[ch], &a[range.clone()], &b[range.clone()], o),
+        );
+    });
+    channels
+}

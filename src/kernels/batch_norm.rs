@@ -17,7 +17,8 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::planes::{f32_data, for_each_plane, nc_plane, with_f32, PairSums};
+use super::output;
+use super::planes::{f32_data, nc_plane, with_f32, PairSums};
 use super::simd::vectorized;
 use super::two_pass::{self, ChannelKernel};
 use crate::{Error, Result};
@@ -151,6 +152,8 @@ struct ChannelNorm {
     invstd: f64,
     scale: f64,
     shift: f64,
+    /// `scale` and `shift` in `f32`, as the normalisation applies them.
+    map: (f32, f32),
 }
 
 struct TrainOp {
@@ -176,17 +179,11 @@ impl CustomOp3 for TrainOp {
         let x = f32_data(TRAIN_OP, sx, lx)?;
         let (weight, bias) = (f32_data(TRAIN_OP, sw, lw)?, f32_data(TRAIN_OP, sb, lb)?);
         let (n, c, s) = nc_plane(lx.dims());
-        let normalize = Normalize {
-            x,
-            s,
-            count: (n * s) as f64,
-            weight,
-            bias,
-            epsilon: self.epsilon,
-            relu: self.relu,
+        let (y, norms) = if self.relu {
+            Normalize::<true>::run(x, n, c, s, weight, bias, self.epsilon)
+        } else {
+            Normalize::<false>::run(x, n, c, s, weight, bias, self.epsilon)
         };
-        let mut y = vec![0f32; x.len()];
-        let norms = two_pass::run(&normalize, x, x, &mut y, c, s);
         let narrow = |f: fn(&ChannelNorm) -> f64| norms.iter().map(|v| f(v) as f32).collect();
         let saved = Saved {
             mean: narrow(|v| v.mean),
@@ -266,12 +263,18 @@ impl CustomOp3 for AffineOp {
         let x = f32_data(AFFINE_OP, sx, lx)?;
         let (scale, shift) = (f32_data(AFFINE_OP, sa, la)?, f32_data(AFFINE_OP, sb, lb)?);
         let (_, c, s) = nc_plane(lx.dims());
-        let mut y = vec![0f32; x.len()];
-        for_each_plane(&mut y, c, s, |i, ch, out| {
+        let y = output::by_plane(x.len(), c, s, |i, ch, plane| {
+            let (xs, a, b) = (&x[i * s..(i + 1) * s], scale[ch], shift[ch]);
             vectorized(
                 #[inline(always)]
-                || apply_plane(&x[i * s..(i + 1) * s], out, scale[ch], shift[ch], self.relu),
-            );
+                || {
+                    if self.relu {
+                        plane.zip_with(xs, xs, |v, _| affine::<true>(v, a, b))
+                    } else {
+                        plane.zip_with(xs, xs, |v, _| affine::<false>(v, a, b))
+                    }
+                },
+            )
         });
         Ok((CpuStorage::F32(y), lx.shape().clone()))
     }
@@ -336,6 +339,7 @@ struct Gradients<'a> {
 /// One channel's coefficients of the input gradient
 /// `dx = dy * dy' + centered * (x - center) + constant`, where `dy'` is the output gradient with
 /// the ReLU's mask applied.
+#[derive(Clone, Copy)]
 struct Linear {
     dy: f32,
     centered: f32,
@@ -355,29 +359,37 @@ impl ChannelMap {
         relu: bool,
         linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
     ) -> (Vec<f32>, Vec<[f64; 2]>) {
-        let mut dx = vec![0f32; g.x.len()];
-        let channels = if relu {
-            let kernel = Backward::<true, _> {
-                map: self,
-                center,
-                linear,
-            };
-            two_pass::run(&kernel, g.x, g.dy, &mut dx, g.c, g.s)
+        let (dx, channels) = if relu {
+            self.backward_with::<true>(g, center, linear)
         } else {
-            let kernel = Backward::<false, _> {
-                map: self,
-                center,
-                linear,
-            };
-            two_pass::run(&kernel, g.x, g.dy, &mut dx, g.c, g.s)
+            self.backward_with::<false>(g, center, linear)
         };
-        (dx, channels.into_iter().map(|(_, sums)| sums).collect())
+        (
+            dx,
+            channels.into_iter().map(|channel| channel.sums).collect(),
+        )
+    }
+
+    /// [`ChannelMap::backward`], with or without the ReLU.
+    fn backward_with<const RELU: bool>(
+        &self,
+        g: Gradients<'_>,
+        center: &[f32],
+        linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
+    ) -> (Vec<f32>, Vec<GradChannel>) {
+        let kernel = Backward::<RELU, _> {
+            map: self,
+            center,
+            linear,
+        };
+        two_pass::run(&kernel, g.x, g.dy, g.c, g.s)
     }
 }
 
-/// The training forward pass as a [`ChannelKernel`] over `x` (both inputs): each channel's
-/// mean and variance from sums around its first value, then `y = x * scale + shift`.
-struct Normalize<'a> {
+/// The training forward pass (then the ReLU when `RELU`) as a [`ChannelKernel`] over `x`
+/// (both inputs): each channel's mean and variance from sums around its first value, then
+/// `y = x * scale + shift`.
+struct Normalize<'a, const RELU: bool> {
     x: &'a [f32],
     s: usize,
     /// Values per channel.
@@ -385,10 +397,32 @@ struct Normalize<'a> {
     weight: &'a [f32],
     bias: &'a [f32],
     epsilon: f64,
-    relu: bool,
 }
 
-impl ChannelKernel for Normalize<'_> {
+impl<'a, const RELU: bool> Normalize<'a, RELU> {
+    /// Normalises the `n` images of `c` planes of `s` values of `x`.
+    fn run(
+        x: &'a [f32],
+        n: usize,
+        c: usize,
+        s: usize,
+        weight: &'a [f32],
+        bias: &'a [f32],
+        epsilon: f64,
+    ) -> (Vec<f32>, Vec<ChannelNorm>) {
+        let kernel = Self {
+            x,
+            s,
+            count: (n * s) as f64,
+            weight,
+            bias,
+            epsilon,
+        };
+        two_pass::run(&kernel, x, x, c, s)
+    }
+}
+
+impl<const RELU: bool> ChannelKernel for Normalize<'_, RELU> {
     type Channel = ChannelNorm;
 
     #[inline(always)]
@@ -406,18 +440,20 @@ impl ChannelKernel for Normalize<'_> {
         let mean = self.x[ch * self.s] as f64 + shifted_mean;
         let invstd = 1.0 / (var + self.epsilon).sqrt();
         let scale = self.weight[ch] as f64 * invstd;
+        let shift = self.bias[ch] as f64 - mean * scale;
         ChannelNorm {
             mean,
             var,
             invstd,
             scale,
-            shift: self.bias[ch] as f64 - mean * scale,
+            shift,
+            map: (scale as f32, shift as f32),
         }
     }
 
     #[inline(always)]
-    fn write(&self, _: usize, norm: &ChannelNorm, x: &[f32], _: &[f32], out: &mut [f32]) {
-        apply_plane(x, out, norm.scale as f32, norm.shift as f32, self.relu);
+    fn value(&self, norm: &ChannelNorm, x: f32, _: f32) -> f32 {
+        affine::<RELU>(x, norm.map.0, norm.map.1)
     }
 }
 
@@ -429,12 +465,22 @@ struct Backward<'a, const RELU: bool, L> {
     linear: L,
 }
 
+/// One channel's constants of [`Backward`]'s second pass, and its sums.
+struct GradChannel {
+    /// The forward map's scale and shift, which give the ReLU's mask.
+    a: f32,
+    b: f32,
+    /// The center of `x`.
+    m: f32,
+    lin: Linear,
+    sums: [f64; 2],
+}
+
 impl<const RELU: bool, L> ChannelKernel for Backward<'_, RELU, L>
 where
     L: Fn(usize, [f64; 2]) -> Linear + Sync,
 {
-    /// The input gradient's coefficients and the sums they came from.
-    type Channel = (Linear, [f64; 2]);
+    type Channel = GradChannel;
 
     #[inline(always)]
     fn sums(&self, ch: usize, x: &[f32], dy: &[f32], sums: &mut PairSums) {
@@ -447,38 +493,36 @@ where
         });
     }
 
-    fn finish(&self, ch: usize, sums: [f64; 2]) -> (Linear, [f64; 2]) {
-        ((self.linear)(ch, sums), sums)
+    fn finish(&self, ch: usize, sums: [f64; 2]) -> GradChannel {
+        GradChannel {
+            a: self.map.scale[ch],
+            b: self.map.shift[ch],
+            m: self.center[ch],
+            lin: (self.linear)(ch, sums),
+            sums,
+        }
     }
 
     #[inline(always)]
-    fn write(
-        &self,
-        ch: usize,
-        (lin, _): &(Linear, [f64; 2]),
-        x: &[f32],
-        dy: &[f32],
-        out: &mut [f32],
-    ) {
-        let (a, b, m) = (self.map.scale[ch], self.map.shift[ch], self.center[ch]);
-        let (k, p, q) = (lin.dy, lin.centered, lin.constant);
-        for ((o, &v), &g) in out.iter_mut().zip(x).zip(dy) {
-            let rest = p * (v - m) + q;
-            *o = select(relu_mask::<RELU>(v, a, b), rest + k * g, rest);
-        }
+    fn value(&self, ch: &GradChannel, v: f32, g: f32) -> f32 {
+        let Linear {
+            dy: k,
+            centered: p,
+            constant: q,
+        } = ch.lin;
+        let rest = p * (v - ch.m) + q;
+        select(relu_mask::<RELU>(v, ch.a, ch.b), rest + k * g, rest)
     }
 }
 
-/// `out = x * a + b`, then the ReLU when `relu`.
+/// `v * a + b`, then the ReLU when `RELU` (NaN stays NaN).
 #[inline(always)]
-fn apply_plane(x: &[f32], out: &mut [f32], a: f32, b: f32, relu: bool) {
-    if relu {
-        out.iter_mut().zip(x).for_each(|(o, &v)| {
-            let z = v * a + b;
-            *o = if z < 0.0 { 0.0 } else { z };
-        });
+fn affine<const RELU: bool>(v: f32, a: f32, b: f32) -> f32 {
+    let z = v * a + b;
+    if RELU && z < 0.0 {
+        0.0
     } else {
-        out.iter_mut().zip(x).for_each(|(o, &v)| *o = v * a + b);
+        z
     }
 }
 
@@ -501,4 +545,84 @@ fn relu_mask<const RELU: bool>(v: f32, a: f32, b: f32) -> u32 {
 #[inline(always)]
 fn select(mask: u32, on: f32, off: f32) -> f32 {
     f32::from_bits((on.to_bits() & mask) | (off.to_bits() & !mask))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::simd::Width;
+
+    /// Deterministic values in `[-2, 2)`.
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 8) as f32 / (1u32 << 22) as f32 - 2.0
+            })
+            .collect()
+    }
+
+    /// A channel's sums and output values (as bits) through `kernel`, compiled for `width`.
+    fn channel_bits<K: ChannelKernel>(
+        width: Width,
+        kernel: &K,
+        a: &[f32],
+        b: &[f32],
+        s: usize,
+        sums_of: impl Fn(&K::Channel) -> [f64; 2],
+    ) -> (Vec<u64>, Vec<u32>) {
+        width.run(
+            #[inline(always)]
+            || {
+                let mut sums = PairSums::default();
+                for (pa, pb) in a.chunks(s).zip(b.chunks(s)) {
+                    kernel.sums(0, pa, pb, &mut sums);
+                }
+                let channel = kernel.finish(0, sums.total());
+                let out = a.iter().zip(b);
+                let out = out.map(|(&x, &y)| kernel.value(&channel, x, y).to_bits());
+                let sums = sums_of(&channel).map(f64::to_bits).to_vec();
+                (sums, out.collect())
+            },
+        )
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_same_bits() {
+        // Three planes of 37 values: full lanes and a tail, a ReLU that masks about half.
+        let s = 37;
+        let (x, dy) = (values(3 * s, 1), values(3 * s, 2));
+        let map = ChannelMap {
+            scale: vec![0.7],
+            shift: vec![0.1],
+        };
+        let backward = Backward::<true, _> {
+            map: &map,
+            center: &[0.2],
+            linear: |_, [a, b]: [f64; 2]| Linear {
+                dy: 0.9,
+                centered: (a * 1e-3) as f32,
+                constant: (b * 1e-3) as f32,
+            },
+        };
+        let normalize = Normalize::<true> {
+            x: &x,
+            s,
+            count: (3 * s) as f64,
+            weight: &[1.5],
+            bias: &[-0.25],
+            epsilon: 1e-3,
+        };
+        let widths = Width::available();
+        let grad = |w| channel_bits(w, &backward, &x, &dy, s, |c| c.sums);
+        let norm = |w| channel_bits(w, &normalize, &x, &x, s, |c| [c.mean, c.var]);
+        let (grad0, norm0) = (grad(widths[0]), norm(widths[0]));
+        // The ReLU clamps some of the normalised values (and masks their gradients).
+        assert!(norm0.1.iter().any(|&v| v == 0) && norm0.1.iter().any(|&v| v != 0));
+        for &width in &widths[1..] {
+            assert_eq!(grad(width), grad0, "backward at {width:?}");
+            assert_eq!(norm(width), norm0, "normalisation at {width:?}");
+        }
+    }
 }

@@ -12,6 +12,7 @@ pub mod batch_norm;
 pub mod conv2d;
 pub mod pooling;
 
+mod output;
 mod planes;
 mod simd;
 mod two_pass;

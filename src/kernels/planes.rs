@@ -16,7 +16,7 @@ const TASKS_PER_THREAD: usize = 4;
 const LANES: usize = 16;
 
 /// Values [`PairSums`] adds in `f32` (about `BLOCK / LANES` per lane) before it moves to `f64`.
-const BLOCK: usize = 256;
+const BLOCK: usize = 512;
 
 /// `(images, channels, plane size)` of an `(N, C, ...)` shape; the plane is the product of the
 /// dimensions after the channel axis (1 for `(N, C)`).
@@ -124,9 +124,11 @@ pub(crate) struct PairSums {
     /// The two sums of the values past the last full set of lanes in each slice, kept apart
     /// from the lanes, whose loop then vectorises.
     tail: [f32; 2],
-    /// Values in the lanes and the tail since they were last moved to `total`.
+    /// Values in the lanes and the tail since they were last moved to `wide`.
     pending: usize,
-    total: [f64; 2],
+    /// The lanes and the tail (in the last lane) in `f64`: adding lane by lane, rather than
+    /// summing each block's lanes at once, keeps the additions independent and fast.
+    wide: [[f64; LANES]; 2],
 }
 
 impl Default for PairSums {
@@ -136,7 +138,7 @@ impl Default for PairSums {
             second: [0.0; LANES],
             tail: [0.0; 2],
             pending: 0,
-            total: [0.0; 2],
+            wide: [[0.0; LANES]; 2],
         }
     }
 }
@@ -175,23 +177,28 @@ impl PairSums {
         }
     }
 
-    /// Moves the lanes and the tail into the `f64` totals. Never inlined: inlined, its
-    /// conversions keep the compiler from vectorising the lanes' loop.
+    /// Moves the lanes and the tail into `wide`. Never inlined: inlined, its conversions keep
+    /// the compiler from vectorising the lanes' loop.
     #[inline(never)]
     fn flush(&mut self) {
-        let [t0, t1] = self.tail;
-        self.total[0] += self.first.iter().map(|&v| v as f64).sum::<f64>() + t0 as f64;
-        self.total[1] += self.second.iter().map(|&v| v as f64).sum::<f64>() + t1 as f64;
-        *self = Self {
-            total: self.total,
-            ..Self::default()
-        };
+        for (wide, (lanes, tail)) in self.wide.iter_mut().zip([
+            (&mut self.first, self.tail[0]),
+            (&mut self.second, self.tail[1]),
+        ]) {
+            for (w, v) in wide.iter_mut().zip(lanes.iter()) {
+                *w += *v as f64;
+            }
+            wide[LANES - 1] += tail as f64;
+            *lanes = [0.0; LANES];
+        }
+        self.tail = [0.0; 2];
+        self.pending = 0;
     }
 
     /// The two sums.
     pub(crate) fn total(mut self) -> [f64; 2] {
         self.flush();
-        self.total
+        self.wide.map(|lanes| lanes.iter().sum())
     }
 }
 
@@ -241,13 +248,14 @@ mod tests {
         let b = vec![2f32; 19];
         assert_eq!(pair_sums(&[(&a, &b)], |x, y| (x, x * y)), [171.0, 342.0]);
         // The same values in uneven slices, the second one longer than a block.
-        let long: Vec<f32> = (0..300).map(|i| i as f32).collect();
-        let twos = vec![2f32; 300];
+        let long: Vec<f32> = (0..BLOCK + 100).map(|i| i as f32).collect();
+        let twos = vec![2f32; BLOCK + 100];
         let [s, p] = pair_sums(
             &[(&a[..5], &b[..5]), (&long, &twos), (&a[5..], &b[5..])],
             |x, y| (x, x * y),
         );
-        assert_eq!(s, 171.0 + 44850.0);
+        let n = (BLOCK + 100) as f64;
+        assert_eq!(s, 171.0 + n * (n - 1.0) / 2.0);
         assert_eq!(p, 2.0 * s);
         // Many blocks: 1000 ones in f32 blocks, exact in f64.
         let ones = vec![1f32; 1000];

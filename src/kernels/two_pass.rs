@@ -11,7 +11,8 @@
 
 use rayon::prelude::*;
 
-use super::planes::{channel_planes, for_each_plane, map_channels, min_len, PairSums};
+use super::output;
+use super::planes::{channel_planes, min_len, PairSums};
 use super::simd::vectorized;
 
 /// Planes of this many bytes or more are streamed (a page: see the module's documentation).
@@ -34,29 +35,30 @@ pub(crate) trait ChannelKernel: Sync {
     /// Makes the sums of channel `ch` into what the second pass needs.
     fn finish(&self, ch: usize, sums: [f64; 2]) -> Self::Channel;
 
-    /// Writes one plane of the output of channel `ch` from the same plane of the two inputs.
-    fn write(&self, ch: usize, channel: &Self::Channel, a: &[f32], b: &[f32], out: &mut [f32]);
+    /// The output value at the input values `a` and `b` of a channel.
+    fn value(&self, channel: &Self::Channel, a: f32, b: f32) -> f32;
 }
 
-/// Runs `kernel` over the inputs `a` and `b` and the output `out`, all of `c` channels of
-/// planes of `s` values, and returns what it made of each channel's sums.
+/// Runs `kernel` over the inputs `a` and `b`, of `c` channels of planes of `s` values (the
+/// same length), and returns the output, as long, and what the kernel made of each channel's
+/// sums.
 pub(crate) fn run<K: ChannelKernel>(
     kernel: &K,
     a: &[f32],
     b: &[f32],
-    out: &mut [f32],
     c: usize,
     s: usize,
-) -> Vec<K::Channel> {
+) -> (Vec<f32>, Vec<K::Channel>) {
+    let len = a.len().min(b.len());
     if c == 0 || s == 0 {
-        return Vec::new();
+        return (vec![0f32; len], Vec::new());
     }
-    let n = out.len() / (c * s);
-    let planes = |data, ch| channel_planes(data, c, s, ch);
+    let n = len / (c * s);
     if !by_channel(n, c, s) {
-        return streamed(kernel, a, b, out, c, s);
+        return streamed(kernel, a, b, c, s);
     }
-    map_channels(out, c, s, |ch, out| {
+    let planes = |data, ch| channel_planes(data, c, s, ch);
+    output::by_channel(len, c, s, |ch, out| {
         vectorized(
             #[inline(always)]
             || {
@@ -65,10 +67,10 @@ pub(crate) fn run<K: ChannelKernel>(
                     kernel.sums(ch, pa, pb, &mut sums);
                 }
                 let channel = kernel.finish(ch, sums.total());
-                for (o, (pa, pb)) in out.iter_mut().zip(planes(a, ch).zip(planes(b, ch))) {
-                    kernel.write(ch, &channel, pa, pb, o);
-                }
-                channel
+                let written = out.zip_with(planes(a, ch), planes(b, ch), |x, y| {
+                    kernel.value(&channel, x, y)
+                });
+                (channel, written)
             },
         )
     })
@@ -89,11 +91,11 @@ fn streamed<K: ChannelKernel>(
     kernel: &K,
     a: &[f32],
     b: &[f32],
-    out: &mut [f32],
     c: usize,
     s: usize,
-) -> Vec<K::Channel> {
-    let planes = out.len() / s;
+) -> (Vec<f32>, Vec<K::Channel>) {
+    let len = a.len().min(b.len());
+    let planes = len / s;
     let per_plane: Vec<[f64; 2]> = (0..planes)
         .into_par_iter()
         .with_min_len(min_len(planes))
@@ -120,12 +122,16 @@ fn streamed<K: ChannelKernel>(
         .enumerate()
         .map(|(ch, sums)| kernel.finish(ch, sums))
         .collect();
-    for_each_plane(out, c, s, |k, ch, o| {
-        let range = k * s..(k + 1) * s;
+    let out = output::by_plane(len, c, s, |k, ch, plane| {
+        let (range, channel) = (k * s..(k + 1) * s, &channels[ch]);
         vectorized(
             #[inline(always)]
-            || kernel.write(ch, &channels[ch], &a[range.clone()], &b[range.clone()], o),
-        );
+            || {
+                plane.zip_with(&a[range.clone()], &b[range.clone()], |x, y| {
+                    kernel.value(channel, x, y)
+                })
+            },
+        )
     });
-    channels
+    (out, channels)
 }

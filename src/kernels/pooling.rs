@@ -14,6 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
 use crate::{Error, Result};
 
@@ -259,16 +260,22 @@ impl CustomOp1 for MaxPool {
         let plan = &self.plan;
         let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
         let dx = with_f32(MAX_OP, grad, |dy| {
-            let mut dx = vec![0f32; x.elem_count()];
-            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
-                let outputs = i * out_len..(i + 1) * out_len;
-                for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
-                    if at != NO_ARGMAX {
-                        dxp[at as usize] += g;
-                    }
-                }
-            });
-            Ok(dx)
+            // Each input plane is zeroed and takes its outputs' gradients while in the cache.
+            Ok(output::by_plane(
+                x.elem_count(),
+                1,
+                in_len,
+                |i, _, plane| {
+                    let outputs = i * out_len..(i + 1) * out_len;
+                    plane.filled(0.0, |dxp| {
+                        for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
+                            if at != NO_ARGMAX {
+                                dxp[at as usize] += g;
+                            }
+                        }
+                    })
+                },
+            ))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
@@ -398,20 +405,27 @@ impl CustomOp1 for AvgPool {
         let width = plan.input.1;
         let inv = self.inverse_counts();
         let dx = with_f32(AVG_OP, grad, |dy| {
-            let mut dx = vec![0f32; x.elem_count()];
             let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
-            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
-                let g = &dy[i * out_len..(i + 1) * out_len];
-                plan.for_each_window(|o, (r0, r1), (c0, c1)| {
-                    let share = g[o] * inv[o];
-                    for r in r0..r1 {
-                        dxp[r * width + c0..r * width + c1]
-                            .iter_mut()
-                            .for_each(|d| *d += share);
-                    }
-                });
-            });
-            Ok(dx)
+            // Each input plane is zeroed and takes its share of each window's gradient while
+            // in the cache.
+            Ok(output::by_plane(
+                x.elem_count(),
+                1,
+                in_len,
+                |i, _, plane| {
+                    let g = &dy[i * out_len..(i + 1) * out_len];
+                    plane.filled(0.0, |dxp| {
+                        plan.for_each_window(|o, (r0, r1), (c0, c1)| {
+                            let share = g[o] * inv[o];
+                            for r in r0..r1 {
+                                dxp[r * width + c0..r * width + c1]
+                                    .iter_mut()
+                                    .for_each(|d| *d += share);
+                            }
+                        });
+                    })
+                },
+            ))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }

@@ -13,7 +13,7 @@
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
-use super::planes::{for_each_plane, map_channels};
+use super::planes::{for_each_plane, map_channels, ChannelPlanesMut};
 
 /// One plane of a new output, not yet written.
 pub(crate) struct Plane<'p> {
@@ -82,7 +82,7 @@ pub(crate) fn by_plane(
 
 /// A channel's planes of a new output, not yet written: one per image, in image order.
 pub(crate) struct ChannelPlanes<'a, 'p> {
-    planes: &'a mut [&'p mut [MaybeUninit<f32>]],
+    planes: ChannelPlanesMut<'a, 'p, MaybeUninit<f32>>,
 }
 
 impl<'p> ChannelPlanes<'_, 'p> {
@@ -90,7 +90,7 @@ impl<'p> ChannelPlanes<'_, 'p> {
     /// where an input has run out of planes).
     #[inline(always)]
     pub(crate) fn zip_with<'i>(
-        self,
+        mut self,
         mut a: impl Iterator<Item = &'i [f32]>,
         mut b: impl Iterator<Item = &'i [f32]>,
         f: impl Fn(f32, f32) -> f32,

@@ -203,7 +203,7 @@ impl PairSums {
 }
 
 /// Runs `channel(ch, planes)` for every channel of the `(N, C, s)` buffer `out` in parallel and
-/// returns its results in channel order. `planes` holds the channel's `N` planes of `out`, in
+/// returns its results in channel order. `planes` gives the channel's `N` planes of `out`, in
 /// image order, so that a kernel can make several passes over one channel while its data is
 /// still in the core's cache. Channels are split into a few tasks per thread, never smaller than
 /// one channel, so small planes do not make tiny tasks.
@@ -211,23 +211,56 @@ pub(crate) fn map_channels<T: Send, R: Send>(
     out: &mut [T],
     c: usize,
     s: usize,
-    channel: impl Fn(usize, &mut [&mut [T]]) -> R + Sync + Send,
+    channel: impl Fn(usize, ChannelPlanesMut<'_, '_, T>) -> R + Sync + Send,
 ) -> Vec<R> {
     if c == 0 || s == 0 {
         return Vec::new();
     }
     let n = out.len() / (c * s);
-    let mut planes: Vec<&mut [T]> = Vec::with_capacity(n * c);
-    planes.resize_with(n * c, Default::default);
-    for (k, plane) in out.chunks_mut(s).enumerate() {
-        planes[(k % c) * n + k / c] = plane;
+    let tasks = c.min(rayon::current_num_threads() * TASKS_PER_THREAD);
+    // Task `t` takes the channels `first(t)..first(t + 1)`, and from each image the run of
+    // their planes: `n` runs per task, in image order.
+    let first = |t: usize| t * c / tasks;
+    let mut runs: Vec<&mut [T]> = Vec::with_capacity(n * tasks);
+    runs.resize_with(n * tasks, Default::default);
+    for (i, mut image) in out.chunks_exact_mut(c * s).enumerate() {
+        for t in 0..tasks {
+            let (run, rest) = image.split_at_mut((first(t + 1) - first(t)) * s);
+            runs[t * n + i] = run;
+            image = rest;
+        }
     }
-    planes
+    let per_task: Vec<Vec<R>> = runs
         .par_chunks_mut(n.max(1))
         .enumerate()
-        .with_min_len(min_len(c))
-        .map(|(ch, planes)| channel(ch, planes))
-        .collect()
+        .map(|(t, runs)| {
+            (first(t)..first(t + 1))
+                .map(|ch| {
+                    let start = (ch - first(t)) * s;
+                    channel(ch, ChannelPlanesMut { runs, start, s })
+                })
+                .collect()
+        })
+        .collect();
+    per_task.into_iter().flatten().collect()
+}
+
+/// The planes of one channel of a buffer, one per image: a window of `s` values at `start` in
+/// each of the runs of planes that [`map_channels`] cut from the images.
+pub(crate) struct ChannelPlanesMut<'a, 'b, T> {
+    runs: &'a mut [&'b mut [T]],
+    start: usize,
+    s: usize,
+}
+
+impl<'b, T> ChannelPlanesMut<'_, 'b, T> {
+    /// The channel's planes, in image order.
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut [T]> + use<'_, 'b, T> {
+        let (start, s) = (self.start, self.s);
+        self.runs
+            .iter_mut()
+            .map(move |run| &mut run[start..start + s])
+    }
 }
 
 #[cfg(test)]
@@ -267,16 +300,19 @@ mod tests {
 
     #[test]
     fn map_channels_hands_each_channel_its_planes_in_image_order() {
-        // 3 images x 2 channels x planes of 2: value = 10 * image + channel.
-        let mut out = vec![0u32; 12];
-        let firsts = map_channels(&mut out, 2, 2, |ch, planes| {
+        // 3 images x 5 channels x planes of 2: value = 10 * image + channel.
+        let mut out = vec![0u32; 30];
+        let counts = map_channels(&mut out, 5, 2, |ch, mut planes| {
+            let mut count = 0;
             for (i, plane) in planes.iter_mut().enumerate() {
                 plane.fill(10 * i as u32 + ch as u32);
+                count += 1;
             }
-            planes.len() * 100 + ch
+            count * 100 + ch
         });
-        assert_eq!(firsts, vec![300, 301]);
-        assert_eq!(out, vec![0, 0, 1, 1, 10, 10, 11, 11, 20, 20, 21, 21]);
+        assert_eq!(counts, vec![300, 301, 302, 303, 304]);
+        let want: Vec<u32> = (0..30).map(|k| 10 * (k / 10) + (k % 10) / 2).collect();
+        assert_eq!(out, want);
         let data: Vec<f32> = (0..12).map(|v| v as f32).collect();
         let planes: Vec<&[f32]> = channel_planes(&data, 2, 2, 1).collect();
         assert_eq!(planes, vec![&[2.0, 3.0][..], &[6.0, 7.0], &[10.0, 11.0]]);

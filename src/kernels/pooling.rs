@@ -108,6 +108,12 @@ impl Plan {
         }
     }
 
+    /// Whether one window covers the whole plane (global pooling).
+    fn is_global(&self) -> bool {
+        let (h, w) = self.input;
+        self.rows == [(0, h)] && self.cols == [(0, w)]
+    }
+
     fn in_plane(&self) -> usize {
         self.input.0 * self.input.1
     }
@@ -408,12 +414,17 @@ impl CustomOp1 for AvgPool {
             let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
             // Each input plane is zeroed and takes its share of each window's gradient while
             // in the cache.
+            let global = plan.is_global();
             Ok(output::by_plane(
                 x.elem_count(),
                 1,
                 in_len,
                 |i, _, plane| {
                     let g = &dy[i * out_len..(i + 1) * out_len];
+                    if global {
+                        // One window over the whole plane: every value takes the same share.
+                        return plane.filled(g[0] * inv[0], |_| {});
+                    }
                     plane.filled(0.0, |dxp| {
                         plan.for_each_window(|o, (r0, r1), (c0, c1)| {
                             let share = g[o] * inv[o];

@@ -7,6 +7,10 @@
 //! the per-channel sums of `dy` and `dy * xhat` (the gradients of the offset and scale), one
 //! for `dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))`.
 //!
+//! Both are [`ChannelKernel`]s: small planes are walked channel by channel, so that the second
+//! pass reads the channel from the cache, large ones streamed (see [`two_pass`]), with the
+//! loops compiled for the CPU's vector width.
+//!
 //! [`channel_affine`] is the inference form, `y = x * scale[c] + shift[c]` with the running
 //! statistics folded into `scale` and `shift`, differentiable in all three.
 //!
@@ -20,7 +24,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use super::output;
 use super::planes::{f32_data, nc_plane, with_f32, PairSums};
 use super::simd::vectorized;
-use super::two_pass::{self, ChannelKernel};
+use super::two_pass::{self, ChannelKernel, Inputs};
 use crate::{Error, Result};
 
 const TRAIN_OP: &str = "batch_norm";
@@ -218,7 +222,7 @@ impl CustomOp3 for TrainOp {
             // dx = k * (dy' - mean(dy') - xhat * mean(dy' * xhat)) with k = weight * invstd,
             // written as a map of dy' and x - mean.
             let (dx, sums) = saved.map.backward(
-                Gradients { x: xs, dy, c, s },
+                Inputs { a: xs, b: dy, c, s },
                 &saved.mean,
                 self.relu,
                 |ch, [sum_dy, sum_dy_centered]| {
@@ -295,7 +299,7 @@ impl CustomOp3 for AffineOp {
         let zeros = vec![0f32; c];
         channel_backward(AFFINE_OP, x, grad, |xs, dy| {
             let (dx, sums) =
-                map.backward(Gradients { x: xs, dy, c, s }, &zeros, self.relu, |ch, _| {
+                map.backward(Inputs { a: xs, b: dy, c, s }, &zeros, self.relu, |ch, _| {
                     Linear {
                         dy: map.scale[ch],
                         centered: 0.0,
@@ -326,16 +330,6 @@ fn channel_backward(
     ))
 }
 
-/// The input `x` of a backward pass, the output gradient `dy`, and their `c` channels of planes
-/// of `s` values.
-#[derive(Clone, Copy)]
-struct Gradients<'a> {
-    x: &'a [f32],
-    dy: &'a [f32],
-    c: usize,
-    s: usize,
-}
-
 /// One channel's coefficients of the input gradient
 /// `dx = dy * dy' + centered * (x - center) + constant`, where `dy'` is the output gradient with
 /// the ReLU's mask applied.
@@ -347,14 +341,15 @@ struct Linear {
 }
 
 impl ChannelMap {
-    /// The backward pass through this map (and the ReLU when `relu`). For each channel, in one
-    /// task so that the second pass reads the channel from the cache: the sums
+    /// The backward pass through this map (and the ReLU when `relu`) for the input `x` and the
+    /// output gradient `dy` (`g.a` and `g.b`): per channel, the sums
     /// `[sum(dy'), sum(dy' * (x - center))]` in `f64`, where `dy'` is `dy` masked by the ReLU
     /// through this map's pre-activation, then the input gradient with the coefficients that
-    /// `linear(channel, sums)` makes of them. Returns the input gradient and the sums.
+    /// `linear(channel, sums)` makes of them (a [`ChannelKernel`]). Returns the input gradient
+    /// and the sums.
     fn backward(
         &self,
-        g: Gradients<'_>,
+        g: Inputs<'_>,
         center: &[f32],
         relu: bool,
         linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
@@ -373,7 +368,7 @@ impl ChannelMap {
     /// [`ChannelMap::backward`], with or without the ReLU.
     fn backward_with<const RELU: bool>(
         &self,
-        g: Gradients<'_>,
+        g: Inputs<'_>,
         center: &[f32],
         linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
     ) -> (Vec<f32>, Vec<GradChannel>) {
@@ -382,7 +377,7 @@ impl ChannelMap {
             center,
             linear,
         };
-        two_pass::run(&kernel, g.x, g.dy, g.c, g.s)
+        two_pass::run(&kernel, g)
     }
 }
 
@@ -418,7 +413,7 @@ impl<'a, const RELU: bool> Normalize<'a, RELU> {
             bias,
             epsilon,
         };
-        two_pass::run(&kernel, x, x, c, s)
+        two_pass::run(&kernel, Inputs { a: x, b: x, c, s })
     }
 }
 

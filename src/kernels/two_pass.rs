@@ -39,23 +39,31 @@ pub(crate) trait ChannelKernel: Sync {
     fn value(&self, channel: &Self::Channel, a: f32, b: f32) -> f32;
 }
 
-/// Runs `kernel` over the inputs `a` and `b`, of `c` channels of planes of `s` values (the
-/// same length), and returns the output, as long, and what the kernel made of each channel's
-/// sums.
-pub(crate) fn run<K: ChannelKernel>(
-    kernel: &K,
-    a: &[f32],
-    b: &[f32],
-    c: usize,
-    s: usize,
-) -> (Vec<f32>, Vec<K::Channel>) {
+/// The two inputs of a [`ChannelKernel`], each of `c` channels of planes of `s` values (the
+/// same length).
+#[derive(Clone, Copy)]
+pub(crate) struct Inputs<'a> {
+    /// The first input (`x` in BatchNorm's passes).
+    pub a: &'a [f32],
+    /// The second input (`x` again in the forward pass, the output gradient in the backward).
+    pub b: &'a [f32],
+    /// Channels.
+    pub c: usize,
+    /// Values per plane.
+    pub s: usize,
+}
+
+/// Runs `kernel` over `inputs` and returns the output, as long as an input, and what the
+/// kernel made of each channel's sums.
+pub(crate) fn run<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>, Vec<K::Channel>) {
+    let Inputs { a, b, c, s } = inputs;
     let len = a.len().min(b.len());
     if c == 0 || s == 0 {
         return (vec![0f32; len], Vec::new());
     }
     let n = len / (c * s);
     if !by_channel(n, c, s) {
-        return streamed(kernel, a, b, c, s);
+        return streamed(kernel, inputs);
     }
     let planes = |data, ch| channel_planes(data, c, s, ch);
     output::by_channel(len, c, s, |ch, out| {
@@ -87,13 +95,8 @@ fn by_channel(n: usize, c: usize, s: usize) -> bool {
 
 /// [`run`] for large planes: the sums of every plane in parallel, added per channel in image
 /// order, then every output plane in parallel.
-fn streamed<K: ChannelKernel>(
-    kernel: &K,
-    a: &[f32],
-    b: &[f32],
-    c: usize,
-    s: usize,
-) -> (Vec<f32>, Vec<K::Channel>) {
+fn streamed<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>, Vec<K::Channel>) {
+    let Inputs { a, b, c, s } = inputs;
     let len = a.len().min(b.len());
     let planes = len / s;
     let per_plane: Vec<[f64; 2]> = (0..planes)

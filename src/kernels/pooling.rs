@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
+use super::simd::vectorized;
 use crate::{Error, Result};
 
 const MAX_OP: &str = "max_pool2d";
@@ -183,6 +184,27 @@ impl Plan {
         }
     }
 
+    /// The input gradient, `len` values: `add(i, plane)` adds the gradient of the outputs of
+    /// plane `i` to the zeroed input plane. The plane is a scratch buffer that stays in the
+    /// core's cache, then is copied out: writing the output once, rather than zeroing it in
+    /// memory and adding to it there, which waits on memory for every plane.
+    fn input_gradient(
+        &self,
+        len: usize,
+        add: impl Fn(usize, &mut [f32]) + Sync + Send,
+    ) -> Vec<f32> {
+        let in_len = self.in_plane();
+        let scratch = || vec![0f32; in_len];
+        output::by_plane_with(len, 1, in_len, scratch, |scratch, i, _, plane| {
+            scratch.fill(0.0);
+            add(i, scratch);
+            vectorized(
+                #[inline(always)]
+                || plane.copy_from(scratch),
+            )
+        })
+    }
+
     /// Calls `visit(output index, rows, cols)` for every window of a plane.
     #[inline(always)]
     fn for_each_window(&self, mut visit: impl FnMut(usize, (usize, usize), (usize, usize))) {
@@ -264,24 +286,16 @@ impl CustomOp1 for MaxPool {
             .get()
             .ok_or_else(|| candle_core::Error::Msg(format!("{MAX_OP}: backward before forward")))?;
         let plan = &self.plan;
-        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let out_len = plan.out_plane();
         let dx = with_f32(MAX_OP, grad, |dy| {
-            // Each input plane is zeroed and takes its outputs' gradients while in the cache.
-            Ok(output::by_plane(
-                x.elem_count(),
-                1,
-                in_len,
-                |i, _, plane| {
-                    let outputs = i * out_len..(i + 1) * out_len;
-                    plane.filled(0.0, |dxp| {
-                        for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
-                            if at != NO_ARGMAX {
-                                dxp[at as usize] += g;
-                            }
-                        }
-                    })
-                },
-            ))
+            Ok(plan.input_gradient(x.elem_count(), |i, dxp| {
+                let outputs = i * out_len..(i + 1) * out_len;
+                for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
+                    if at != NO_ARGMAX {
+                        dxp[at as usize] += g;
+                    }
+                }
+            }))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
@@ -411,32 +425,24 @@ impl CustomOp1 for AvgPool {
         let width = plan.input.1;
         let inv = self.inverse_counts();
         let dx = with_f32(AVG_OP, grad, |dy| {
-            let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
-            // Each input plane is zeroed and takes its share of each window's gradient while
-            // in the cache.
-            let global = plan.is_global();
-            Ok(output::by_plane(
-                x.elem_count(),
-                1,
-                in_len,
-                |i, _, plane| {
-                    let g = &dy[i * out_len..(i + 1) * out_len];
-                    if global {
-                        // One window over the whole plane: every value takes the same share.
-                        return plane.filled(g[0] * inv[0], |_| {});
+            let (len, in_len, out_len) = (x.elem_count(), plan.in_plane(), plan.out_plane());
+            if plan.is_global() {
+                // One window over the whole plane: every value takes the same share.
+                return Ok(output::by_plane(len, 1, in_len, |i, _, plane| {
+                    plane.filled(dy[i] * inv[0], |_| {})
+                }));
+            }
+            Ok(plan.input_gradient(len, |i, dxp| {
+                let g = &dy[i * out_len..(i + 1) * out_len];
+                plan.for_each_window(|o, (r0, r1), (c0, c1)| {
+                    let share = g[o] * inv[o];
+                    for r in r0..r1 {
+                        dxp[r * width + c0..r * width + c1]
+                            .iter_mut()
+                            .for_each(|d| *d += share);
                     }
-                    plane.filled(0.0, |dxp| {
-                        plan.for_each_window(|o, (r0, r1), (c0, c1)| {
-                            let share = g[o] * inv[o];
-                            for r in r0..r1 {
-                                dxp[r * width + c0..r * width + c1]
-                                    .iter_mut()
-                                    .for_each(|d| *d += share);
-                            }
-                        });
-                    })
-                },
-            ))
+                });
+            }))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }

@@ -17,7 +17,10 @@ use kandle::layers::{
 use kernel_support::{assert_close, gradients, random, random_var, weighted_sum};
 
 /// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
-/// features, and a large mean that a naive one-pass variance would lose.
+/// features, and a large mean that a naive one-pass variance would lose. The kernels walk
+/// small planes channel by channel when there are enough channels for the threads (the cases
+/// with 16 and 24 channels, on up to 8 threads) and stream large planes (of 4 KiB or more:
+/// 33x33 and 40x40); the plane sizes leave tails past the vector lanes.
 const CASES: &[(&[usize], f32)] = &[
     (&[2, 3, 5, 7], 0.0),
     (&[1, 1, 4, 4], 0.5),
@@ -27,6 +30,10 @@ const CASES: &[(&[usize], f32)] = &[
     (&[7, 5], 1.0),
     (&[2, 8, 9, 11], 50.0),
     (&[5, 3, 7, 7], 0.0),
+    (&[6, 16, 7, 7], 0.0),
+    (&[3, 24, 15, 15], 20.0),
+    (&[2, 5, 33, 33], -1.0),
+    (&[2, 3, 40, 40], 50.0),
 ];
 
 const EPSILON: f64 = 1e-3;

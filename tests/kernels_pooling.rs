@@ -27,6 +27,8 @@ const CASES: &[Case] = &[
     (&[1, 1, 5, 6], (2, 3), (1, 2), Padding::Same),
     (&[3, 1, 6, 5], (3, 3), (1, 1), Padding::Valid),
     (&[1, 2, 4, 4], (4, 1), (1, 3), Padding::Valid),
+    // MiniGoogLeNet's downsampling on a smaller batch: overlapping windows, many planes.
+    (&[3, 8, 15, 15], (3, 3), (2, 2), Padding::Valid),
 ];
 
 /// Runs `spec` built for `x` in training mode; its output and the gradient of `x` under a

@@ -14,5 +14,8 @@ pub mod batch_norm;
 pub mod conv2d;
 pub mod pooling;
 
+mod output;
 mod planes;
 pub(crate) mod replay;
+mod simd;
+mod two_pass;

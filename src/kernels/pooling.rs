@@ -14,8 +14,10 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
 use super::replay::Replay1;
+use super::simd::vectorized;
 use crate::{Error, Result};
 
 const MAX_OP: &str = "max_pool2d";
@@ -118,6 +120,12 @@ impl Plan {
         }
     }
 
+    /// Whether one window covers the whole plane (global pooling).
+    fn is_global(&self) -> bool {
+        let (h, w) = self.input;
+        self.rows == [(0, h)] && self.cols == [(0, w)]
+    }
+
     fn in_plane(&self) -> usize {
         self.input.0 * self.input.1
     }
@@ -185,6 +193,27 @@ impl Plan {
             y_row.copy_from_slice(all.0);
             at_row.copy_from_slice(all.1);
         }
+    }
+
+    /// The input gradient, `len` values: `add(i, plane)` adds the gradient of the outputs of
+    /// plane `i` to the zeroed input plane. The plane is a scratch buffer that stays in the
+    /// core's cache, then is copied out: writing the output once, rather than zeroing it in
+    /// memory and adding to it there, which waits on memory for every plane.
+    fn input_gradient(
+        &self,
+        len: usize,
+        add: impl Fn(usize, &mut [f32]) + Sync + Send,
+    ) -> Vec<f32> {
+        let in_len = self.in_plane();
+        let scratch = || vec![0f32; in_len];
+        output::by_plane_with(len, 1, in_len, scratch, |scratch, i, _, plane| {
+            scratch.fill(0.0);
+            add(i, scratch);
+            vectorized(
+                #[inline(always)]
+                || plane.copy_from(scratch),
+            )
+        })
     }
 
     /// Calls `visit(output index, rows, cols)` for every window of a plane.
@@ -268,18 +297,16 @@ impl CustomOp1 for MaxPool {
             .get()
             .ok_or_else(|| candle_core::Error::Msg(format!("{MAX_OP}: backward before forward")))?;
         let plan = &self.plan;
-        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let out_len = plan.out_plane();
         let dx = with_f32(MAX_OP, grad, |dy| {
-            let mut dx = vec![0f32; x.elem_count()];
-            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
+            Ok(plan.input_gradient(x.elem_count(), |i, dxp| {
                 let outputs = i * out_len..(i + 1) * out_len;
                 for (&g, &at) in dy[outputs.clone()].iter().zip(&argmax[outputs]) {
                     if at != NO_ARGMAX {
                         dxp[at as usize] += g;
                     }
                 }
-            });
-            Ok(dx)
+            }))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
@@ -409,9 +436,14 @@ impl CustomOp1 for AvgPool {
         let width = plan.input.1;
         let inv = self.inverse_counts();
         let dx = with_f32(AVG_OP, grad, |dy| {
-            let mut dx = vec![0f32; x.elem_count()];
-            let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
-            for_each_plane(&mut dx, 1, in_len, |i, _, dxp| {
+            let (len, in_len, out_len) = (x.elem_count(), plan.in_plane(), plan.out_plane());
+            if plan.is_global() {
+                // One window over the whole plane: every value takes the same share.
+                return Ok(output::by_plane(len, 1, in_len, |i, _, plane| {
+                    plane.filled(dy[i] * inv[0], |_| {})
+                }));
+            }
+            Ok(plan.input_gradient(len, |i, dxp| {
                 let g = &dy[i * out_len..(i + 1) * out_len];
                 plan.for_each_window(|o, (r0, r1), (c0, c1)| {
                     let share = g[o] * inv[o];
@@ -421,8 +453,7 @@ impl CustomOp1 for AvgPool {
                             .for_each(|d| *d += share);
                     }
                 });
-            });
-            Ok(dx)
+            }))
         })?;
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }

@@ -1,0 +1,149 @@
+//! New output buffers, written plane by plane in parallel without being zeroed first.
+//!
+//! A kernel's output is as large as its input; `vec![0.0; len]` would zero all of it in one
+//! more pass over memory (the allocator's `memset`) before the kernel writes it again, and
+//! zeroing each plane just before writing it still costs a pass of stores that wait for
+//! memory. Here the kernel writes each plane's values once, into uninitialised memory, through
+//! [`Plane`]: its methods write every value of the plane, and only they make the [`Written`]
+//! that the kernel must hand back for each plane. So every value is set before the buffer
+//! becomes a `Vec`, and no uninitialised memory is ever read.
+
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+
+use super::planes::{for_each_plane_with, map_channels, ChannelPlanesMut};
+
+/// One plane of a new output, not yet written.
+pub(crate) struct Plane<'p> {
+    slots: &'p mut [MaybeUninit<f32>],
+}
+
+/// Proof that a [`Plane`] of lifetime `'p` was written in full: only [`Plane`]'s methods make
+/// one, and `'p` is invariant, so a kernel cannot hand back one made for another plane.
+pub(crate) struct Written<'p>(PhantomData<fn(&'p ()) -> &'p ()>);
+
+impl<'p> Plane<'p> {
+    /// Writes `f(a[i], b[i])` to each value `i` of the plane and zero past the end of the
+    /// shorter input (there is none when the inputs are as long as the plane).
+    #[inline(always)]
+    pub(crate) fn zip_with(self, a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> Written<'p> {
+        let n = self.slots.len().min(a.len()).min(b.len());
+        let (head, rest) = self.slots.split_at_mut(n);
+        for ((o, &x), &y) in head.iter_mut().zip(&a[..n]).zip(&b[..n]) {
+            o.write(f(x, y));
+        }
+        for o in rest {
+            o.write(0.0);
+        }
+        Written(PhantomData)
+    }
+
+    /// Copies `values` into the plane (zero past their end).
+    #[inline(always)]
+    pub(crate) fn copy_from(self, values: &[f32]) -> Written<'p> {
+        self.zip_with(values, values, |v, _| v)
+    }
+
+    /// Sets every value of the plane to `value`, then lets `then` change them.
+    #[inline(always)]
+    pub(crate) fn filled(self, value: f32, then: impl FnOnce(&mut [f32])) -> Written<'p> {
+        for o in self.slots.iter_mut() {
+            o.write(value);
+        }
+        // SAFETY: every element was just written, and `MaybeUninit<f32>` has the layout of
+        // `f32`.
+        then(unsafe { &mut *(self.slots as *mut [MaybeUninit<f32>] as *mut [f32]) });
+        Written(PhantomData)
+    }
+}
+
+/// A new vector of `len` values, planes of `s`: `fill` gets each plane's index, its channel
+/// (of `c`; 1 when channels do not matter) and the plane to write, in parallel as in
+/// [`super::planes::for_each_plane`].
+pub(crate) fn by_plane(
+    len: usize,
+    c: usize,
+    s: usize,
+    fill: impl for<'p> Fn(usize, usize, Plane<'p>) -> Written<'p> + Sync + Send,
+) -> Vec<f32> {
+    by_plane_with(len, c, s, || (), |_, i, ch, plane| fill(i, ch, plane))
+}
+
+/// [`by_plane`], where `fill` also gets a scratch value made by `init` (one per rayon task,
+/// reused across its planes), as in [`for_each_plane_with`].
+pub(crate) fn by_plane_with<S>(
+    len: usize,
+    c: usize,
+    s: usize,
+    init: impl Fn() -> S + Sync + Send,
+    fill: impl for<'p> Fn(&mut S, usize, usize, Plane<'p>) -> Written<'p> + Sync + Send,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    let slots = &mut out.spare_capacity_mut()[..len];
+    let planes = len.checked_div(s).unwrap_or(0);
+    let (whole, rest) = slots.split_at_mut(planes * s);
+    for_each_plane_with(whole, c, s, init, |scratch, i, ch, slots| {
+        fill(scratch, i, ch, Plane { slots });
+    });
+    for o in rest {
+        o.write(0.0);
+    }
+    // SAFETY: `for_each_plane_with` hands each plane of `whole` to `fill`, which cannot return
+    // without the `Written` that only writing the whole plane makes (or unwinds, and this is
+    // not reached); the values past the last plane were set just above. So the first `len`
+    // values, within the capacity, are all initialised.
+    unsafe { out.set_len(len) };
+    out
+}
+
+/// A channel's planes of a new output, not yet written: one per image, in image order.
+pub(crate) struct ChannelPlanes<'a, 'p> {
+    planes: ChannelPlanesMut<'a, 'p, MaybeUninit<f32>>,
+}
+
+impl<'p> ChannelPlanes<'_, 'p> {
+    /// Writes each plane with [`Plane::zip_with`], from the next plane of each input (zero
+    /// where an input has run out of planes).
+    #[inline(always)]
+    pub(crate) fn zip_with<'i>(
+        mut self,
+        mut a: impl Iterator<Item = &'i [f32]>,
+        mut b: impl Iterator<Item = &'i [f32]>,
+        f: impl Fn(f32, f32) -> f32,
+    ) -> Written<'p> {
+        for slots in self.planes.iter_mut() {
+            let (pa, pb) = (a.next().unwrap_or(&[]), b.next().unwrap_or(&[]));
+            Plane { slots }.zip_with(pa, pb, &f);
+        }
+        Written(PhantomData)
+    }
+}
+
+/// A new vector of `len` values, `c` channels of planes of `s` values, and the results of
+/// `channel(ch, planes)` for each channel, in parallel as in [`map_channels`].
+pub(crate) fn by_channel<R: Send>(
+    len: usize,
+    c: usize,
+    s: usize,
+    channel: impl for<'a, 'p> Fn(usize, ChannelPlanes<'a, 'p>) -> (R, Written<'p>) + Sync + Send,
+) -> (Vec<f32>, Vec<R>) {
+    let mut out = Vec::with_capacity(len);
+    let slots = &mut out.spare_capacity_mut()[..len];
+    let block = c * s;
+    let images = len.checked_div(block).unwrap_or(0);
+    let (whole, rest) = slots.split_at_mut(images * block);
+    let results = map_channels(whole, c, s, |ch, planes| {
+        channel(ch, ChannelPlanes { planes }).0
+    });
+    for o in rest {
+        o.write(0.0);
+    }
+    // SAFETY: `map_channels` hands every plane of `whole` to exactly one channel's call, which
+    // cannot return without the `Written` that only writing all of its planes makes (or
+    // unwinds, and this is not reached); the values past the last image were set just above.
+    // So the first `len` values, within the capacity, are all initialised.
+    unsafe { out.set_len(len) };
+    (out, results)
+}

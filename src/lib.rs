@@ -38,6 +38,7 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+pub mod allocator;
 pub mod backprop;
 pub mod callbacks;
 pub mod checkpoint;

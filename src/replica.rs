@@ -96,6 +96,9 @@ impl Replica {
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
+        if device.is_cpu() {
+            crate::allocator::keep_freed_memory();
+        }
         let (net, store, _) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
         let statistics = store.statistics();

@@ -7,7 +7,8 @@ and inference, at the same batch and thread count as the kandle side. With `--op
 times the individual ops listed in a JSON file (or `-` for stdin) written by `bench`: conv
 forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
 same way kandle's are (forward alone, then forward and backward with the input's gradient off and
-on, the passes taken as differences).
+on, the passes taken as differences; the fastest of the timed runs, where whole steps report the
+median).
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -117,15 +118,25 @@ def parameter_counts(model):
     return trainable, statistics_
 
 
-def median_time(fn, warmup, iters):
+def samples(fn, warmup, iters):
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(iters):
+    times = []
+    for _ in range(max(iters, 1)):
         start = time.perf_counter()
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_time(fn, warmup, iters):
+    """Whole steps: the median."""
+    return statistics.median(samples(fn, warmup, iters))
+
+
+def fastest_time(fn, warmup, iters):
+    """Single ops: the fastest run (a preempted thread stalls a parallel op, adding time only)."""
+    return min(samples(fn, warmup, iters))
 
 
 def time_model(args):
@@ -172,7 +183,7 @@ def passes(forward, make_inputs, params, warmup, iters, split=False):
     """Forward alone, forward+backward with the inputs' gradients on and, with `split`, off.
 
     `forward(inputs)` runs the op; `make_inputs(requires_grad)` gives its input tensors. The
-    upstream gradient is all ones, as in kandle's measurement. Returns the three medians
+    upstream gradient is all ones, as in kandle's measurement. Returns the three times
     (the last is None without `split`).
     """
     plain = make_inputs(False)
@@ -187,9 +198,9 @@ def passes(forward, make_inputs, params, warmup, iters, split=False):
             t.grad = None
         forward(inputs).backward(ones)
 
-    fwd = median_time(lambda: forward(plain), warmup, iters)
-    with_input = median_time(lambda: backward(tracked), warmup, iters)
-    without_input = median_time(lambda: backward(plain), warmup, iters) if split else None
+    fwd = fastest_time(lambda: forward(plain), warmup, iters)
+    with_input = fastest_time(lambda: backward(tracked), warmup, iters)
+    without_input = fastest_time(lambda: backward(plain), warmup, iters) if split else None
     return fwd, with_input, without_input
 
 

@@ -38,6 +38,7 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+pub mod backprop;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod cross_replica;

@@ -8,8 +8,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::backprop::Backprop;
 use crate::cross_replica::ReplicaHandle;
-use crate::layers::{Layer, Sequential, SequentialNet};
+use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet};
 use crate::metrics::Metric;
 use crate::optimizers::{Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
@@ -74,6 +75,7 @@ pub struct Replica {
     optimizer: Box<dyn Optimizer>,
     loss: Loss,
     metrics: Vec<Metric>,
+    backprop: Backprop,
 }
 
 impl Replica {
@@ -107,7 +109,14 @@ impl Replica {
             optimizer,
             loss: spec.loss,
             metrics: spec.metrics.clone(),
+            backprop: Backprop::from_env(),
         })
+    }
+
+    /// Chooses how [`Self::compute_gradients`] differentiates (by default from
+    /// [`Backprop::from_env`]).
+    pub fn set_backprop(&mut self, backprop: Backprop) {
+        self.backprop = backprop;
     }
 
     /// The device this replica runs on.
@@ -145,19 +154,11 @@ impl Replica {
             return self.zero_gradients();
         }
         let statistics_before = self.statistics_snapshot()?;
-        let (output, logits) = self.net.forward_with_logits(x, true)?;
-        let per_sample = self.loss.per_sample(&output, logits.as_ref(), y)?;
-        let loss_sum = per_sample.sum_all()?;
-        let objective = (&loss_sum / global_samples.max(1) as f64)?;
-        let mut grad_store = objective.backward()?;
-        let grads = self
-            .trainable
-            .iter()
-            .map(|v| match grad_store.remove(v.as_tensor()) {
-                Some(g) => Ok(g.detach()),
-                None => Ok(v.as_tensor().zeros_like()?.detach()),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let (grads, loss_sum, output) = if self.backprop.recorded_on(&self.device) {
+            self.recorded_backward(x, y, global_samples)?
+        } else {
+            self.candle_backward(x, y, global_samples)?
+        };
         let stats = self.stats(&loss_sum, &output, y)?;
         Ok(Gradients {
             grads,
@@ -165,6 +166,77 @@ impl Replica {
             samples,
             statistics_before,
         })
+    }
+
+    /// The loss summed over the batch, and its objective: the sum over `global_samples`.
+    fn objective(
+        &self,
+        output: &Tensor,
+        logits: Option<&Tensor>,
+        y: &Tensor,
+        global_samples: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let loss_sum = self.loss.per_sample(output, logits, y)?.sum_all()?;
+        let objective = (&loss_sum / global_samples.max(1) as f64)?;
+        Ok((loss_sum, objective))
+    }
+
+    /// The gradients (in trainable order), the summed loss and the output, through candle's
+    /// autograd over the whole network.
+    fn candle_backward(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        global_samples: usize,
+    ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
+        let (output, logits) = self.net.forward_with_logits(x, true)?;
+        let (loss_sum, objective) = self.objective(&output, logits.as_ref(), y, global_samples)?;
+        let mut store = objective.backward()?;
+        let grads = self
+            .trainable
+            .iter()
+            .map(|v| match store.remove(v.as_tensor()) {
+                Some(g) => Ok(g.detach()),
+                None => Ok(v.as_tensor().zeros_like()?.detach()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((grads, loss_sum, output))
+    }
+
+    /// [`Self::candle_backward`] through the network's recorded backward pass: candle's
+    /// autograd differentiates only the loss, with respect to the network's output (or its
+    /// logits), and the layers' recorded passes take it from there.
+    fn recorded_backward(
+        &self,
+        x: &Tensor,
+        y: &Tensor,
+        global_samples: usize,
+    ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
+        let recorded = self.net.forward_recorded_with_logits(&x.detach())?;
+        let head = Var::from_tensor(recorded.logits.as_ref().unwrap_or(&recorded.output))?;
+        let (output, logits) = match recorded.logits {
+            Some(_) => (
+                Activation::Softmax.apply(head.as_tensor())?,
+                Some(head.as_tensor()),
+            ),
+            None => (head.as_tensor().clone(), None),
+        };
+        let (loss_sum, objective) = self.objective(&output, logits, y, global_samples)?;
+        let dhead = match objective.backward()?.remove(head.as_tensor()) {
+            Some(g) => g,
+            None => head.as_tensor().zeros_like()?,
+        };
+        let mut store = ParamGrads::new();
+        recorded.backward.backward(dhead, &mut store, false)?;
+        let grads = self
+            .trainable
+            .iter()
+            .map(|v| match store.take(v.as_tensor()) {
+                Some(g) => Ok(g),
+                None => Ok(v.as_tensor().zeros_like()?),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((grads, loss_sum, output.detach()))
     }
 
     fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {

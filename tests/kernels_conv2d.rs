@@ -144,6 +144,10 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((2, 16, 32, 32), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((2, 32, 32, 32), (24, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((3, 24, 32, 32), (5, 1, 1), (1, 1), (0, 0, 0, 0)),
+        // Output channels and positions that are not multiples of the 16-wide blocks the
+        // output gradient and the kernel are transposed in, at unit and double strides.
+        case((2, 3, 18, 21), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 20, 11, 13), (35, 3, 3), (2, 2), (1, 1, 1, 1)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

@@ -8,7 +8,8 @@
 //! `cifar-10-batches-bin/` subdirectory, as the official archive unpacks); [`load_or_download`]
 //! first fetches and verifies the official archive when the files are missing (cargo feature
 //! `download`, on by default). Without the files and without a download, the error says which
-//! files to put where.
+//! files to put where. [`save`] writes any set of 32×32 colour images in the same format, and
+//! [`write_fixture`] a small learnable one for tests.
 //!
 //! A [`Cifar10Dataset`] keeps the pixels as bytes (150 MB for the training set, against 600 MB
 //! as `f32`) and converts one sample at a time in [`read`](Dataset::read), inside the loader's
@@ -478,6 +479,52 @@ fn parse_records(
     Ok(())
 }
 
+/// Writes `data` into `dir` (created if needed) in the official binary format, so that
+/// [`load`]`(dir)` reads it back: the training set split over the five training files in
+/// order, as evenly as possible (the first `train.len() % 5` files hold one record more), and
+/// the test set in `test_batch.bin`. Each record is the label byte, then the 3,072 pixel
+/// bytes. Each file is written through a temporary file and renamed into place. The scale and
+/// one-hot setting of the datasets are not stored: the format holds bytes and labels only.
+///
+/// This turns any labelled set of 32×32 colour images into files that CIFAR-10 programs read.
+///
+/// Errors when the training set has fewer than 5 images or the test set none (the reader
+/// rejects empty files), or a file cannot be written ([`Error::Io`] naming it).
+pub fn save(dir: impl AsRef<Path>, data: &Cifar10) -> Result<()> {
+    let dir = dir.as_ref();
+    let (train, test) = (data.train.len(), data.test.len());
+    if train < TRAIN_FILES.len() || test == 0 {
+        return Err(Error::invalid(format!(
+            "saving a CIFAR-10 set needs at least one record per file: {} training images for \
+             the {} training files and one test image, got {train} and {test}",
+            TRAIN_FILES.len(),
+            TRAIN_FILES.len()
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
+    let files = TRAIN_FILES.len();
+    let mut start = 0;
+    for (k, file) in TRAIN_FILES.iter().enumerate() {
+        let end = start + train / files + usize::from(k < train % files);
+        write_records(&dir.join(file), &data.train, start..end)?;
+        start = end;
+    }
+    write_records(&dir.join(TEST_FILE), &data.test, 0..test)
+}
+
+/// Writes the records of images `range` of `data` to `path`, atomically.
+fn write_records(path: &Path, data: &Cifar10Dataset, range: std::ops::Range<usize>) -> Result<()> {
+    let mut bytes = Vec::with_capacity(range.len() * RECORD_LEN);
+    for (&label, image) in data.labels[range.clone()]
+        .iter()
+        .zip(data.pixels[range.start * IMAGE_LEN..range.end * IMAGE_LEN].chunks_exact(IMAGE_LEN))
+    {
+        bytes.push(label);
+        bytes.extend_from_slice(image);
+    }
+    crate::checkpoint::write_atomically(path, &bytes)
+}
+
 /// Writes a small CIFAR-10 set in the official binary format into `dir` (created if needed):
 /// the five training files with `train_per_batch` records each and `test_batch.bin` with
 /// `test_records`, directly in `dir`, so [`load`]`(dir)` reads them. For tests and benchmarks.
@@ -494,22 +541,19 @@ pub fn write_fixture(
     test_records: usize,
     seed: u64,
 ) -> Result<()> {
-    let dir = dir.as_ref();
     if train_per_batch == 0 || test_records == 0 {
         return Err(Error::invalid(format!(
             "a CIFAR-10 fixture needs at least one record per file, got {train_per_batch} per \
              training file and {test_records} test records"
         )));
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let counts = [train_per_batch; 5].into_iter().chain([test_records]);
-    for (file, n) in all_files().zip(counts) {
-        let mut bytes = vec![0u8; n * RECORD_LEN];
-        for record in bytes.chunks_exact_mut(RECORD_LEN) {
+    let mut images = |n: usize| {
+        let mut labels = Vec::with_capacity(n);
+        let mut pixels = vec![0u8; n * IMAGE_LEN];
+        for image in pixels.chunks_exact_mut(IMAGE_LEN) {
             let label: u8 = rng.random_range(0..NUM_CLASSES as u8);
-            record[0] = label;
-            let image = &mut record[1..];
+            labels.push(label);
             rng.fill_bytes(image);
             let plane = usize::from(label % 3) * 32 * 32;
             let rows = usize::from(label / 3) * 8 * 32;
@@ -520,11 +564,11 @@ pub fn write_fixture(
                 }
             }
         }
-        let path = dir.join(file);
-        std::fs::write(&path, &bytes)
-            .map_err(|e| Error::io("cannot write the CIFAR-10 fixture", &path, e))?;
-    }
-    Ok(())
+        Cifar10Dataset::new(pixels, labels)
+    };
+    let train = images(TRAIN_FILES.len() * train_per_batch)?;
+    let test = images(test_records)?;
+    save(dir, &Cifar10 { train, test })
 }
 
 /// The download and atomic install of the official archive.
@@ -655,6 +699,66 @@ mod tests {
             assert!(image[start..start + 256].iter().all(|&p| p >= 100));
         }
         assert!(counts.iter().all(|&c| c > 60), "{counts:?}");
+    }
+
+    #[test]
+    fn save_splits_the_training_set_and_load_reads_it_back() {
+        // Seven distinct images: the training files hold 2, 2, 1, 1, 1 records.
+        let image = |k: u8| -> Vec<u8> { (0..IMAGE_LEN).map(|i| (i % 251) as u8 ^ k).collect() };
+        let train = Cifar10Dataset::new(
+            (0..7).flat_map(|k| image(k * 30)).collect(),
+            vec![3, 1, 4, 1, 5, 9, 2],
+        )
+        .unwrap()
+        .one_hot();
+        let test = Cifar10Dataset::new(image(200), vec![6])
+            .unwrap()
+            .with_scale(0.5)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("made");
+        save(
+            &out,
+            &Cifar10 {
+                train: train.clone(),
+                test: test.clone(),
+            },
+        )
+        .unwrap();
+        let sizes: Vec<u64> = all_files()
+            .map(|f| std::fs::metadata(out.join(f)).unwrap().len())
+            .collect();
+        let records: Vec<u64> = [2, 2, 1, 1, 1, 1].into();
+        assert_eq!(
+            sizes,
+            records
+                .iter()
+                .map(|r| r * RECORD_LEN as u64)
+                .collect::<Vec<_>>()
+        );
+        let file3 = std::fs::read(out.join("data_batch_3.bin")).unwrap();
+        assert_eq!(file3[0], 5); // image 4 is the first of file 3
+        assert_eq!(&file3[1..], train.image(4).unwrap());
+        let back = load(&out).unwrap();
+        assert_eq!(back.train.labels(), train.labels());
+        assert_eq!(back.train.pixels(), train.pixels());
+        assert_eq!(back.test.labels(), &[6]);
+        assert_eq!(back.test.pixels(), test.pixels());
+        // Only bytes and labels are stored.
+        assert!(!back.train.is_one_hot() && back.test.scale() == 1.0);
+        // Too few images for six non-empty files: nothing is written.
+        let few = Cifar10 {
+            train: Cifar10Dataset::new(image(0).repeat(4), vec![0; 4]).unwrap(),
+            test: test.clone(),
+        };
+        let err = save(dir.path().join("few"), &few).unwrap_err().to_string();
+        assert!(err.contains("got 4 and 1"), "{err}");
+        assert!(!dir.path().join("few").exists());
+        let none = Cifar10 {
+            train,
+            test: Cifar10Dataset::new(Vec::new(), Vec::new()).unwrap(),
+        };
+        assert!(save(dir.path().join("none"), &none).is_err());
     }
 
     #[test]

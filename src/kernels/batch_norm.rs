@@ -23,6 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::output;
 use super::planes::{f32_data, nc_plane, with_f32, PairSums};
+use super::replay::Replay3;
 use super::simd::vectorized;
 use super::two_pass::{self, ChannelKernel, Inputs};
 use crate::{Error, Result};
@@ -55,6 +56,19 @@ pub fn batch_norm_train(
     epsilon: f64,
     relu: bool,
 ) -> Result<(Tensor, BatchStats)> {
+    let (replay, stats) = batch_norm_train_replay(x, weight, bias, epsilon, relu)?;
+    Ok((replay.output().clone(), stats))
+}
+
+/// [`batch_norm_train`], kept for calling its backward pass directly; the backward gives the
+/// gradients of `x`, the weight and the bias (of ones and zeros when those are missing).
+pub(crate) fn batch_norm_train_replay(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    epsilon: f64,
+    relu: bool,
+) -> Result<(Replay3, BatchStats)> {
     let c = check_input(TRAIN_OP, x)?;
     if epsilon.is_nan() || epsilon < 0.0 {
         return Err(Error::invalid(format!(
@@ -75,7 +89,7 @@ pub fn batch_norm_train(
         relu,
         saved: Arc::clone(&saved),
     };
-    let y = x.contiguous()?.apply_op3(&weight, &bias, op)?;
+    let replay = Replay3::apply((&x.contiguous()?, &weight, &bias), op)?;
     let saved: &Saved = saved
         .get()
         .ok_or_else(|| Error::invalid(format!("{TRAIN_OP}: forward pass did not run")))?;
@@ -83,7 +97,7 @@ pub fn batch_norm_train(
         mean: Tensor::from_slice(&saved.mean, c, x.device())?,
         var: Tensor::from_slice(&saved.var, c, x.device())?,
     };
-    Ok((y, stats))
+    Ok((replay, stats))
 }
 
 /// `y = x * scale[c] + shift[c]` over the channels of the `(N, C, ...)` `f32` CPU tensor `x`,

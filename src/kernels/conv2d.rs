@@ -105,6 +105,49 @@ pub fn conv2d_weight_grad(
     apply_gradient_op(&op, ("input", x), ("output gradient", dy))
 }
 
+/// The gradients of one [`conv2d`], from [`conv2d_backward`].
+#[derive(Debug, Clone)]
+pub struct Conv2dGrads {
+    /// The input's gradient `(N, C, H, W)`, when asked for.
+    pub input: Option<Tensor>,
+    /// The kernel's gradient `(O, C, kh, kw)`, summed over the batch.
+    pub weight: Tensor,
+    /// The bias's gradient `(O,)`, when asked for.
+    pub bias: Option<Tensor>,
+}
+
+/// All gradients of [`conv2d`] at once, from its input `x`, its kernel `w` and the output
+/// gradient `dy`: the kernel's always, the input's when `input_grad` and the bias's when
+/// `bias_grad` (summed in the same pass as the kernel's). Not differentiable.
+pub fn conv2d_backward(
+    x: &Tensor,
+    w: &Tensor,
+    dy: &Tensor,
+    (input_grad, bias_grad): (bool, bool),
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Conv2dGrads> {
+    check_tensors(
+        WEIGHT_GRAD,
+        &[("input", x), ("weight", w), ("output gradient", dy)],
+    )?;
+    let conv = forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
+    check_output(WEIGHT_GRAD, &conv, dy.dims()).map_err(Error::invalid)?;
+    let op = Forward { stride, padding };
+    let [input, weight, bias] = op.grads(
+        &x.contiguous()?,
+        &w.contiguous()?,
+        dy,
+        [input_grad, true, bias_grad],
+    )?;
+    let weight = weight.ok_or_else(|| Error::invalid(format!("{WEIGHT_GRAD}: no result")))?;
+    Ok(Conv2dGrads {
+        input,
+        weight,
+        bias,
+    })
+}
+
 /// A gradient op's two operands: their check against the convolution, and the computation.
 trait Operands {
     /// The convolution, or an error naming the op and the shapes.
@@ -275,17 +318,17 @@ impl Forward {
         ))
     }
 
-    /// The gradients of the input, the kernel and (when `bias` is given) the bias, each only
-    /// when it depends on a variable.
+    /// The gradients of the input, the kernel and the bias that `want` asks for, in that order.
     fn grads(
         &self,
         x: &Tensor,
         w: &Tensor,
-        bias: Option<&Tensor>,
         dy: &Tensor,
+        want: [bool; 3],
     ) -> candle_core::Result<[Option<Tensor>; 3]> {
+        let [want_input, want_weight, want_bias] = want;
         let dy = dy.contiguous()?;
-        let dx = if x.track_op() {
+        let dx = if want_input {
             let (_, _, h, wd) = x.dims4()?;
             let op = InputGrad {
                 stride: self.stride,
@@ -296,8 +339,7 @@ impl Forward {
         } else {
             None
         };
-        let want_bias = bias.is_some_and(Tensor::track_op);
-        if !w.track_op() && !want_bias {
+        if !want_weight && !want_bias {
             return Ok([dx, None, None]);
         }
         let (o, c, kh, kw) = w.dims4()?;
@@ -314,7 +356,7 @@ impl Forward {
         let len = o * c * kh * kw;
         let dw = grads.narrow(0, 0, len)?.reshape((o, c, kh, kw))?;
         let db = grads.narrow(0, len, o)?;
-        Ok([dx, w.track_op().then_some(dw), Some(db)])
+        Ok([dx, want_weight.then_some(dw), Some(db)])
     }
 }
 
@@ -340,7 +382,7 @@ impl CustomOp2 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, _] = self.grads(x, w, None, dy)?;
+        let [dx, dw, _] = self.grads(x, w, dy, [x.track_op(), w.track_op(), false])?;
         Ok((dx, dw))
     }
 }
@@ -370,7 +412,7 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, db] = self.grads(x, w, Some(b), dy)?;
+        let [dx, dw, db] = self.grads(x, w, dy, [x.track_op(), w.track_op(), b.track_op()])?;
         Ok((dx, dw, db))
     }
 }

@@ -6,7 +6,9 @@
 //! kernels. The layers call these kernels whenever their tensors are `f32` on the CPU and fall
 //! back to candle's ops everywhere else (CUDA, other dtypes), so results agree across devices.
 //!
-//! Every kernel is tested against candle's reference ops, forward and gradients.
+//! Every kernel is tested against candle's reference ops, forward and gradients. The layers'
+//! recorded training forward ([`crate::layers::Recorded`]) keeps the ops it applies
+//! (`replay`) and calls their backward passes directly.
 
 pub mod batch_norm;
 pub mod conv2d;
@@ -14,5 +16,6 @@ pub mod pooling;
 
 mod output;
 mod planes;
+pub(crate) mod replay;
 mod simd;
 mod two_pass;

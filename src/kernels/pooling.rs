@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
+use super::replay::Replay1;
 use crate::{Error, Result};
 
 const MAX_OP: &str = "max_pool2d";
@@ -42,19 +43,29 @@ pub fn supported(x: &Tensor) -> bool {
 
 /// The maximum over each window of the `(N, C, H, W)` `f32` CPU tensor `x`, differentiable.
 pub fn max_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
+    Ok(max_pool2d_replay(x, window)?.output().clone())
+}
+
+/// [`max_pool2d`], kept for calling its backward pass directly.
+pub(crate) fn max_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
     let plan = Plan::new(MAX_OP, x, window)?;
     let op = MaxPool {
         plan,
         argmax: Arc::new(OnceLock::new()),
     };
-    Ok(x.contiguous()?.apply_op1(op)?)
+    Ok(Replay1::apply(&x.contiguous()?, op)?)
 }
 
 /// The mean over each window's real elements of the `(N, C, H, W)` `f32` CPU tensor `x`,
 /// differentiable.
 pub fn avg_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
+    Ok(avg_pool2d_replay(x, window)?.output().clone())
+}
+
+/// [`avg_pool2d`], kept for calling its backward pass directly.
+pub(crate) fn avg_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
     let plan = Plan::new(AVG_OP, x, window)?;
-    Ok(x.contiguous()?.apply_op1(AvgPool { plan })?)
+    Ok(Replay1::apply(&x.contiguous()?, AvgPool { plan })?)
 }
 
 /// Where every window lands on one `(H, W)` plane.

@@ -2,7 +2,10 @@
 
 use candle_core::{Tensor, D};
 
-use super::{BuildContext, Built, Layer, LayerSpec};
+use super::{
+    identity, pass_through, record_with_candle, BuildContext, Built, Layer, LayerSpec, ParamGrads,
+    Recorded,
+};
 use crate::Result;
 
 /// A non-linearity applied to the whole input.
@@ -75,6 +78,39 @@ impl Layer for Activation {
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
         let logits = (*self == Activation::Softmax).then(|| x.clone());
         Ok((self.apply(x)?, logits))
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        match self {
+            Activation::Linear => Ok(identity(x)),
+            Activation::Relu => {
+                // Candle's ReLU passes the gradient where the input is >= 0; so does this.
+                let passes = x.ge(0.0)?.to_dtype(x.dtype())?;
+                Ok(Recorded::new(
+                    x.relu()?,
+                    move |dy: Tensor, _: &mut ParamGrads, input_grad: bool| {
+                        Ok(if input_grad {
+                            Some(dy.mul(&passes)?)
+                        } else {
+                            None
+                        })
+                    },
+                ))
+            }
+            _ => record_with_candle(self, x, false),
+        }
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        if *self != Activation::Softmax {
+            return self.forward_recorded(x);
+        }
+        // The backward pass takes the gradient of the logits, which pass through unchanged.
+        Ok(Recorded {
+            output: self.apply(x)?,
+            logits: Some(x.clone()),
+            backward: Box::new(pass_through),
+        })
     }
 
     fn is_relu(&self) -> bool {

@@ -15,7 +15,9 @@
 
 use candle_core::{Tensor, Var};
 
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use super::{
+    record_with_candle, shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+};
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm as kernels;
 use crate::params::Init;
@@ -257,6 +259,34 @@ impl Layer for BatchNormLayer {
             self.normalize(x, &mean, &var)?
         };
         Ok(if self.relu { y.relu()? } else { y })
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if !kernels::supported(x) || self.frozen || self.sync.is_some() {
+            return record_with_candle(self, x, false);
+        }
+        let (replay, stats) = kernels::batch_norm_train_replay(
+            x,
+            self.weight.as_ref().map(Tensor::detach).as_ref(),
+            self.bias.as_ref().map(Tensor::detach).as_ref(),
+            self.epsilon,
+            self.relu,
+        )?;
+        self.update_moving(&stats.mean, &stats.var)?;
+        let (weight, bias) = (self.weight.clone(), self.bias.clone());
+        let y = replay.output().clone();
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                let (dx, dweight, dbias) = replay.backward(&dy)?;
+                for (param, grad) in [(weight, dweight), (bias, dbias)] {
+                    if let (Some(param), Some(grad)) = (param, grad) {
+                        grads.add(&param, grad)?;
+                    }
+                }
+                Ok(dx.filter(|_| input_grad))
+            },
+        ))
     }
 
     fn fuse_relu(&mut self) -> bool {

@@ -3,7 +3,9 @@
 
 use candle_core::Tensor;
 
-use super::{BuildContext, Built, Layer, LayerSpec, SummaryRow};
+use super::{
+    missing_input_grad, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded, SummaryRow,
+};
 use crate::Result;
 
 /// Runs each branch on the same input and concatenates the outputs along channels (the first
@@ -82,7 +84,10 @@ impl LayerSpec for Concat {
             layers.push(built.layer);
         }
         Ok(Built {
-            layer: Box::new(ConcatLayer { branches: layers }),
+            layer: Box::new(ConcatLayer {
+                path: ctx.path(),
+                branches: layers,
+            }),
             output_shape: out.unwrap_or_default(),
             children: rows,
         })
@@ -103,6 +108,7 @@ impl Concat {
 }
 
 struct ConcatLayer {
+    path: String,
     branches: Vec<Box<dyn Layer>>,
 }
 
@@ -114,5 +120,41 @@ impl Layer for ConcatLayer {
             .map(|b| b.forward_t(x, train))
             .collect::<Result<Vec<_>>>()?;
         Ok(Tensor::cat(&outs, 1)?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        let mut outs = Vec::with_capacity(self.branches.len());
+        let mut branches = Vec::with_capacity(self.branches.len());
+        for branch in &self.branches {
+            let recorded = branch.forward_recorded(x)?;
+            branches.push((recorded.output.dim(1)?, recorded.backward));
+            outs.push(recorded.output);
+        }
+        let y = Tensor::cat(&outs, 1)?;
+        let path = self.path.clone();
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                // Each branch gets its channels of the gradient; the input's gradient is the
+                // sum of the branches'.
+                let mut dx: Option<Tensor> = None;
+                let mut offset = 0;
+                for (channels, backward) in branches {
+                    let part = dy.narrow(1, offset, channels)?.contiguous()?;
+                    offset += channels;
+                    let Some(d) = backward.backward(part, grads, input_grad)? else {
+                        continue;
+                    };
+                    dx = Some(match dx {
+                        None => d,
+                        Some(sum) => sum.add(&d)?,
+                    });
+                }
+                match dx {
+                    None if input_grad => Err(missing_input_grad(&path)),
+                    dx => Ok(dx),
+                }
+            },
+        ))
     }
 }

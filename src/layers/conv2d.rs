@@ -7,7 +7,7 @@
 use candle_core::Tensor;
 
 use super::window::{subsample, Padding, Window};
-use super::{BuildContext, Built, Layer, LayerSpec};
+use super::{record_with_candle, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::kernels;
 use crate::params::Init;
 use crate::Result;
@@ -149,6 +149,36 @@ impl Layer for Conv2DLayer {
             Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
             None => y,
         })
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if !kernels::conv2d::supported(x, &self.weight) {
+            return record_with_candle(self, x, false);
+        }
+        let weight = self.weight.detach();
+        let bias = self.bias.as_ref().map(Tensor::detach);
+        let y = kernels::conv2d::conv2d(x, &weight, bias.as_ref(), self.stride, self.pad)?;
+        let (x, params) = (x.clone(), (self.weight.clone(), self.bias.clone()));
+        let (stride, pad) = (self.stride, self.pad);
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                let g = kernels::conv2d::conv2d_backward(
+                    &x,
+                    &weight,
+                    &dy,
+                    (input_grad, bias.is_some()),
+                    stride,
+                    pad,
+                )?;
+                let (weight_var, bias_var) = params;
+                grads.add(&weight_var, g.weight)?;
+                if let (Some(b), Some(db)) = (bias_var, g.bias) {
+                    grads.add(&b, db)?;
+                }
+                Ok(g.input)
+            },
+        ))
     }
 }
 

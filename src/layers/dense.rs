@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use super::{shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::params::Init;
 use crate::Result;
 
@@ -79,12 +79,44 @@ struct DenseLayer {
     bias: Option<Tensor>,
 }
 
-impl Layer for DenseLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.t()?)?;
-        Ok(match &self.bias {
+impl DenseLayer {
+    /// `x W^T + b` with the given weight and bias.
+    fn affine(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let y = x.matmul(&weight.t()?)?;
+        Ok(match bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
+    }
+}
+
+impl Layer for DenseLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        Self::affine(x, &self.weight, self.bias.as_ref())
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        let weight = self.weight.detach();
+        let y = Self::affine(x, &weight, self.bias.as_ref().map(Tensor::detach).as_ref())?;
+        let (x, params) = (x.clone(), (self.weight.clone(), self.bias.clone()));
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                let (weight_var, bias_var) = params;
+                grads.add(&weight_var, dy.t()?.matmul(&x)?)?;
+                if let Some(b) = bias_var {
+                    grads.add(&b, dy.sum(0)?)?;
+                }
+                Ok(if input_grad {
+                    Some(dy.matmul(&weight)?)
+                } else {
+                    None
+                })
+            },
+        ))
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.forward_recorded(x)
     }
 }

@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{BuildContext, Built, Layer, LayerSpec};
+use super::{identity, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
 /// Inverted dropout.
@@ -57,11 +57,10 @@ struct DropoutLayer {
     rng: Mutex<StdRng>,
 }
 
-impl Layer for DropoutLayer {
-    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        if !train || self.rate == 0.0 {
-            return Ok(x.clone());
-        }
+impl DropoutLayer {
+    /// A fresh mask for `x`: `1 / (1 - rate)` where an element is kept, zero where it is
+    /// dropped.
+    fn mask(&self, x: &Tensor) -> Result<Tensor> {
         let keep = 1.0 - self.rate;
         let scale = (1.0 / keep) as f32;
         let mask: Vec<f32> = {
@@ -79,10 +78,36 @@ impl Layer for DropoutLayer {
                 })
                 .collect()
         };
-        let mask = Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
+        Ok(Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
             .to_dtype(x.dtype())?
-            .to_device(x.device())?;
-        Ok(x.mul(&mask)?)
+            .to_device(x.device())?)
+    }
+}
+
+impl Layer for DropoutLayer {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if !train || self.rate == 0.0 {
+            return Ok(x.clone());
+        }
+        Ok(x.mul(&self.mask(x)?)?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if self.rate == 0.0 {
+            return Ok(identity(x));
+        }
+        let mask = self.mask(x)?;
+        let y = x.mul(&mask)?;
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, _: &mut ParamGrads, input_grad: bool| {
+                Ok(if input_grad {
+                    Some(dy.mul(&mask)?)
+                } else {
+                    None
+                })
+            },
+        ))
     }
 }
 

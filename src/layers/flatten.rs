@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::{BuildContext, Built, Layer, LayerSpec};
+use super::{BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
 /// Flattens everything but the batch axis.
@@ -26,5 +26,23 @@ impl LayerSpec for Flatten {
 impl Layer for Flatten {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         Ok(x.flatten_from(1)?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        let shape = x.shape().clone();
+        Ok(Recorded::new(
+            x.flatten_from(1)?,
+            move |dy: Tensor, _: &mut ParamGrads, input_grad: bool| {
+                Ok(if input_grad {
+                    Some(dy.reshape(&shape)?)
+                } else {
+                    None
+                })
+            },
+        ))
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.forward_recorded(x)
     }
 }

@@ -33,6 +33,7 @@ mod dense;
 mod dropout;
 mod flatten;
 mod pooling;
+mod recorded;
 mod sequential;
 mod summary;
 mod window;
@@ -48,6 +49,8 @@ pub use dense::Dense;
 pub use dropout::Dropout;
 pub use flatten::Flatten;
 pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
+pub(crate) use recorded::{identity, missing_input_grad, pass_through};
+pub use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
@@ -70,6 +73,22 @@ pub trait Layer: Send + Sync {
         Ok((self.forward_t(x, train)?, None))
     }
 
+    /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]).
+    /// The output is `forward_t(x, true)`'s, without logits. The default runs this layer alone
+    /// under candle's autograd ([`record_with_candle`]); layers with CPU kernels record their
+    /// kernels' backward passes instead.
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        record_with_candle(self, x, false)
+    }
+
+    /// [`Self::forward_recorded`] for the last layer of a network, which may also return the
+    /// logits of a softmax output (as [`Self::forward_with_logits`] does); the backward pass
+    /// then takes the gradient of the logits. The default keeps the logits the layer gives
+    /// through candle's autograd.
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        record_with_candle(self, x, true)
+    }
+
     /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
     fn is_relu(&self) -> bool {
         false
@@ -88,6 +107,12 @@ impl<L: Layer + ?Sized> Layer for Box<L> {
     }
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
         (**self).forward_with_logits(x, train)
+    }
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        (**self).forward_recorded(x)
+    }
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        (**self).forward_recorded_with_logits(x)
     }
     fn is_relu(&self) -> bool {
         (**self).is_relu()

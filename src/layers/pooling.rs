@@ -11,8 +11,11 @@
 use candle_core::{Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec};
+use super::{
+    record_with_candle, shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+};
 use crate::kernels::pooling::{self as kernels, PoolWindow};
+use crate::kernels::replay::Replay1;
 use crate::Result;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,14 +145,46 @@ struct PoolLayer {
     divisor: Option<Tensor>,
 }
 
+impl PoolLayer {
+    /// The CPU kernel's pass, kept for calling its backward directly.
+    fn replay(&self, x: &Tensor) -> Result<Replay1> {
+        let window = self.geometry.kernel_window();
+        match self.kind {
+            PoolKind::Max => kernels::max_pool2d_replay(x, &window),
+            PoolKind::Average => kernels::avg_pool2d_replay(x, &window),
+        }
+    }
+}
+
+/// Records a kernel pass whose backward is the replayed op's; `output` is the op's output,
+/// possibly reshaped.
+fn record_replay(replay: Replay1, output: Tensor) -> Recorded {
+    Recorded::new(
+        output,
+        move |dy: Tensor, _: &mut ParamGrads, input_grad: bool| {
+            if !input_grad {
+                return Ok(None);
+            }
+            let dy = dy.reshape(replay.output().shape())?;
+            Ok(replay.backward(&dy)?)
+        },
+    )
+}
+
 impl Layer for PoolLayer {
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if !kernels::supported(x) {
+            return record_with_candle(self, x, false);
+        }
+        let replay = self.replay(x)?;
+        let y = replay.output().clone();
+        Ok(record_replay(replay, y))
+    }
+
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         let g = &self.geometry;
         if kernels::supported(x) {
-            return match self.kind {
-                PoolKind::Max => kernels::max_pool2d(x, &g.kernel_window()),
-                PoolKind::Average => kernels::avg_pool2d(x, &g.kernel_window()),
-            };
+            return Ok(self.replay(x)?.output().clone());
         }
         // Candle's pooling backward is right only for an average over windows that tile the
         // input exactly (its max-pool backward scales the gradient by one over the window size).
@@ -267,18 +302,31 @@ impl LayerSpec for GlobalAveragePooling2D {
     }
 }
 
+/// One window over each whole `(H, W)` plane of `x`.
+fn whole_plane(x: &Tensor) -> Result<PoolWindow> {
+    let (_, _, h, w) = x.dims4()?;
+    Ok(PoolWindow {
+        window: (h, w),
+        stride: (h, w),
+        pad: (0, 0, 0, 0),
+    })
+}
+
 impl Layer for GlobalAveragePooling2D {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         if kernels::supported(x) {
-            let (_, _, h, w) = x.dims4()?;
-            let window = PoolWindow {
-                window: (h, w),
-                stride: (h, w),
-                pad: (0, 0, 0, 0),
-            };
-            return Ok(kernels::avg_pool2d(x, &window)?.flatten_from(1)?);
+            return Ok(kernels::avg_pool2d(x, &whole_plane(x)?)?.flatten_from(1)?);
         }
         Ok(x.mean((2, 3))?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if !kernels::supported(x) {
+            return record_with_candle(self, x, false);
+        }
+        let replay = kernels::avg_pool2d_replay(x, &whole_plane(x)?)?;
+        let y = replay.output().flatten_from(1)?;
+        Ok(record_replay(replay, y))
     }
 }
 

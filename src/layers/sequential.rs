@@ -6,7 +6,10 @@
 
 use candle_core::{Device, Tensor};
 
-use super::{check_input, child_names, BuildContext, Built, Layer, LayerSpec, Summary, SummaryRow};
+use super::{
+    check_input, child_names, identity, missing_input_grad, BuildContext, Built, Layer, LayerSpec,
+    ParamGrads, Recorded, Summary, SummaryRow,
+};
 use crate::params::ParamStore;
 use crate::Result;
 
@@ -153,6 +156,14 @@ impl Layer for Absorbed {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         Ok(x.clone())
     }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        Ok(identity(x))
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        Ok(identity(x))
+    }
 }
 
 struct BuiltStack {
@@ -202,6 +213,43 @@ impl SequentialNet {
     pub fn layer_names(&self) -> impl Iterator<Item = &str> {
         self.layers.iter().map(|(n, _)| n.as_str())
     }
+
+    /// The recorded forward pass through every layer; with `with_logits`, the last layer may
+    /// give logits (see [`Layer::forward_recorded_with_logits`]).
+    fn record(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {
+        check_input(&self.path, x, &self.input_shape)?;
+        let last = self.layers.len().saturating_sub(1);
+        let mut h = x.clone();
+        let mut logits = None;
+        let mut steps = Vec::with_capacity(self.layers.len());
+        for (i, (name, layer)) in self.layers.iter().enumerate() {
+            let recorded = if with_logits && i == last {
+                layer.forward_recorded_with_logits(&h)?
+            } else {
+                layer.forward_recorded(&h)?
+            };
+            h = recorded.output;
+            logits = recorded.logits;
+            steps.push((name.clone(), recorded.backward));
+        }
+        let backward = move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+            let mut grad = dy;
+            for (i, (name, step)) in steps.into_iter().enumerate().rev() {
+                let wanted = input_grad || i > 0;
+                match step.backward(grad, grads, wanted)? {
+                    Some(dx) => grad = dx,
+                    None if !wanted => return Ok(None),
+                    None => return Err(missing_input_grad(&name)),
+                }
+            }
+            Ok(Some(grad))
+        };
+        Ok(Recorded {
+            output: h,
+            logits,
+            backward: Box::new(backward),
+        })
+    }
 }
 
 impl Layer for SequentialNet {
@@ -224,5 +272,13 @@ impl Layer for SequentialNet {
             h = layer.forward_t(&h, train)?;
         }
         last.forward_with_logits(&h, train)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        self.record(x, false)
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.record(x, true)
     }
 }

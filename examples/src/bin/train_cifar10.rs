@@ -7,6 +7,9 @@
 //! mpirun -n 2 target/release/train_cifar10 --strategy multi-worker --gpus 2   # built with --features mpi
 //! ```
 //!
+//! Any data in the CIFAR-10 binary format will do: `digits_as_cifar` writes the bundled digits
+//! set that way, for a run with no download (see `plots/README.md`).
+//!
 //! Defaults follow the tutorial: 70 epochs, SGD with learning rate 5e-3 and momentum 0.9, batch
 //! 64 per replica, `alpha = base_lr * (1 - epoch / epochs)^1`, per-pixel mean subtraction,
 //! one-hot labels, random shifts of up to 10% and horizontal flips, validation on the test set.
@@ -62,6 +65,9 @@ struct Args {
     /// Seed for the weights, shuffling and augmentation.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// The title of the training-curve plot (say what the data is when it is not CIFAR-10).
+    #[arg(long, default_value = "MiniGoogLeNet on CIFAR-10")]
+    title: String,
 }
 
 /// Records each epoch's wall time.
@@ -157,9 +163,7 @@ fn main() -> Result<()> {
             callbacks: vec![
                 LearningRateScheduler::new(schedule).boxed(),
                 CsvLogger::new(sibling(&args.output, "csv")).boxed(),
-                PlotHistory::new(&args.output)
-                    .title("MiniGoogLeNet on CIFAR-10")
-                    .boxed(),
+                PlotHistory::new(&args.output).title(&args.title).boxed(),
                 ModelCheckpoint::new(&checkpoint).boxed(),
                 timer.boxed(),
             ],

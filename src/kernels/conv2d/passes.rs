@@ -255,6 +255,8 @@ impl Conv {
         let (sh, sw) = self.stride;
         let (pt, _, pl, _) = self.pad;
         let (o, c, kh, kw) = (self.o, self.c, self.kh, self.kw);
+        // The kernel with its two channel axes swapped, so each packed row reads it in order.
+        let wt = transpose_channels(w, o, c, kh * kw);
         let mut phases = Vec::new();
         for ry in 0..sh {
             for rx in 0..sw {
@@ -283,7 +285,7 @@ impl Conv {
                 let kernel = plan.pack(|ci, oi, u, v| {
                     let ky = ry + sh * (khp - 1 - u);
                     let kx = rx + sw * (kwp - 1 - v);
-                    w[((oi * c + ci) * kh + ky) * kw + kx]
+                    wt[((ci * o + oi) * kh + ky) * kw + kx]
                 });
                 phases.push(Phase {
                     plan,
@@ -297,6 +299,24 @@ impl Conv {
     }
 }
 
+/// The `(c, o, taps)` kernel of an `(o, c, taps)` one: the channel axes swapped, a block of
+/// output channels at a time so that both sides are read and written in runs.
+fn transpose_channels(w: &[f32], o: usize, c: usize, taps: usize) -> Vec<f32> {
+    const BLOCK: usize = 16;
+    let mut wt = vec![0f32; w.len()];
+    for o0 in (0..o).step_by(BLOCK) {
+        let o1 = (o0 + BLOCK).min(o);
+        for ci in 0..c {
+            let out = &mut wt[(ci * o + o0) * taps..(ci * o + o1) * taps];
+            for (oi, dst) in (o0..o1).zip(out.chunks_exact_mut(taps)) {
+                let at = (oi * c + ci) * taps;
+                dst.copy_from_slice(&w[at..at + taps]);
+            }
+        }
+    }
+    wt
+}
+
 /// The gradient of the input, `dx (n, c, h, w)`, from `dy (n, o, ho, wo)` and `w`. At unit
 /// strides it is one correlation of `dy` with the flipped, transposed kernel; otherwise each
 /// stride phase is one, written into its strided positions of `dx`.
@@ -307,6 +327,24 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
     let mut dx = vec![0f32; conv.n * in_len];
     let direct = sh == 1 && sw == 1;
     let dy_len = conv.o * conv.ho * conv.wo;
+    // Where each phase's result starts in the phase buffer, and the runs of phases that share
+    // a row residue (consecutive, since the phases are ordered by row residue first).
+    let phase_offsets: Vec<usize> = phases
+        .iter()
+        .scan(0, |at, p| {
+            let start = *at;
+            *at += p.plan.output_len();
+            Some(start)
+        })
+        .collect();
+    let phase_total = phases.iter().map(|p| p.plan.output_len()).sum();
+    let mut row_groups: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, p) in phases.iter().enumerate() {
+        match row_groups.last_mut() {
+            Some(g) if phases[g.start].y0 == p.y0 => g.end = i + 1,
+            _ => row_groups.push(i..i + 1),
+        }
+    }
     for_each_image(conv.n, (dy, dy_len), (&mut dx, in_len), |dy, dx, s, par| {
         if direct {
             // One phase covering the whole image, in place (phases is never empty here: a
@@ -315,21 +353,34 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
                 correlate_image(&p.plan, dy, (&p.kernel, None), dx, &mut s.expanded, par)
             });
         }
-        let (h, w) = (conv.h, conv.w);
-        for p in &phases {
-            let (ha, wb) = (p.plan.ho, p.plan.wo);
-            let z = at_least(&mut s.phase, p.plan.output_len());
+        // Every phase into its own part of one buffer, then `dx` a row at a time, each row
+        // gathered from the phases of its row residue, so its cache lines are written at once.
+        let z = at_least(&mut s.phase, phase_total);
+        for (p, &at) in phases.iter().zip(&phase_offsets) {
+            let zp = &mut z[at..at + p.plan.output_len()];
             if p.plan.kh == 0 || p.plan.kw == 0 {
                 // No kernel tap lands on these positions: their gradient is zero.
-                z.fill(0.0);
+                zp.fill(0.0);
             } else {
-                correlate_image(&p.plan, dy, (&p.kernel, None), z, &mut s.expanded, par)?;
+                correlate_image(&p.plan, dy, (&p.kernel, None), zp, &mut s.expanded, par)?;
             }
-            for (ci, zc) in z.chunks_exact(ha * wb).enumerate() {
-                for (a, zr) in zc.chunks_exact(wb).enumerate() {
-                    let row = (ci * h + p.y0 + sh * a) * w + p.x0;
-                    for (b, v) in zr.iter().enumerate() {
-                        dx[row + sw * b] = *v;
+        }
+        let z = &*z;
+        let (h, w) = (conv.h, conv.w);
+        for (ci, dxc) in dx.chunks_exact_mut(h * w).enumerate() {
+            for group in row_groups.iter() {
+                let (first, rows) = (&phases[group.start], phases[group.start].plan.ho);
+                for a in 0..rows {
+                    let row = &mut dxc[(first.y0 + sh * a) * w..][..w];
+                    for (p, &at) in phases[group.clone()]
+                        .iter()
+                        .zip(&phase_offsets[group.clone()])
+                    {
+                        let wb = p.plan.wo;
+                        let zr = &z[at + (ci * rows + a) * wb..][..wb];
+                        for (b, v) in zr.iter().enumerate() {
+                            row[p.x0 + sw * b] = *v;
+                        }
                     }
                 }
             }
@@ -478,17 +529,65 @@ fn weight_grad_image(
 }
 
 /// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`,
-/// in square blocks that stay in L1.
+/// a square block at a time: the block's rows are copied whole into a buffer in L1, then
+/// written out by columns. (Reading a column of `src` directly would touch rows `cols` apart,
+/// and at power-of-two widths all of them fall in the same cache set.)
 fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
     const BLOCK: usize = 16;
+    let mut block = [[0f32; BLOCK]; BLOCK];
     for r0 in (0..rows).step_by(BLOCK) {
         let r1 = (r0 + BLOCK).min(rows);
         for c0 in (0..cols).step_by(BLOCK) {
-            let c1 = (c0 + BLOCK).min(cols);
-            for c in c0..c1 {
-                let out = &mut dst[c * rows + r0..c * rows + r1];
-                for (r, d) in (r0..r1).zip(out) {
-                    *d = src[r * cols + c];
+            let width = BLOCK.min(cols - c0);
+            for (r, row) in (r0..r1).zip(block.iter_mut()) {
+                let from = &src[r * cols + c0..r * cols + c0 + width];
+                match <&[f32; BLOCK]>::try_from(from) {
+                    // A fixed-size copy, inlined rather than a call to `memcpy`.
+                    Ok(full) => *row = *full,
+                    Err(_) => row[..width].copy_from_slice(from),
+                }
+            }
+            for c in 0..width {
+                let at = (c0 + c) * rows;
+                for (d, row) in dst[at + r0..at + r1].iter_mut().zip(&block) {
+                    *d = row[c];
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transposes_whole_and_partial_blocks() {
+        for (rows, cols) in [(1, 1), (16, 16), (20, 37), (35, 16), (3, 50)] {
+            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose(&src, rows, cols, &mut dst);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(
+                        dst[c * rows + r],
+                        src[r * cols + c],
+                        "{rows}x{cols} at {r},{c}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn swaps_kernel_channel_axes() {
+        let (o, c, taps) = (35, 6, 9);
+        let w: Vec<f32> = (0..o * c * taps).map(|v| v as f32).collect();
+        let wt = transpose_channels(&w, o, c, taps);
+        for oi in 0..o {
+            for ci in 0..c {
+                for t in 0..taps {
+                    assert_eq!(wt[(ci * o + oi) * taps + t], w[(oi * c + ci) * taps + t]);
                 }
             }
         }

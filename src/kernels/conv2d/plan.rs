@@ -18,6 +18,8 @@
 //! layer sees), the kernel rows are folded into the expansion too, a full im2col, and each
 //! tile takes one GEMM.
 
+use rayon::prelude::*;
+
 /// Output positions per tile the GEMMs aim for: enough rows for the micro-kernels to run at
 /// full speed, few enough that the expanded tile stays in L2.
 const TARGET_POSITIONS: usize = 512;
@@ -173,18 +175,39 @@ impl Plan {
 
     /// Packs a kernel for the GEMMs: `packed[call][o][k] = tap(o, c, ky, kx)` for the tap
     /// `(c, ky, kx)` at depth `k` of `call`, where `tap` reads the source weights (so a caller
-    /// can transpose, flip or subsample them while packing).
-    pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32) -> Vec<f32> {
+    /// can transpose, flip or subsample them while packing). The rows `(call, o)` are filled in
+    /// parallel, each in depth order.
+    pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync) -> Vec<f32> {
+        /// Rows per rayon task, so a small kernel is packed in one.
+        const MIN_ROWS: usize = 64;
         let depth = self.depth();
-        let mut packed = Vec::with_capacity(self.calls() * self.o * depth);
-        for call in 0..self.calls() {
-            for o in 0..self.o {
-                packed.extend((0..depth).map(|k| {
-                    let (c, ky, kx) = self.tap(call, k);
-                    tap(o, c, ky, kx)
-                }));
-            }
+        let mut packed = vec![0f32; self.calls() * self.o * depth];
+        if depth == 0 {
+            return packed;
         }
+        let folded = self.folded();
+        packed
+            .par_chunks_mut(depth)
+            .with_min_len(MIN_ROWS)
+            .enumerate()
+            .for_each(|(row, dst)| {
+                let (call, o) = (row / self.o, row % self.o);
+                // Depth order (see `tap`): channel, kernel column, then (folded) kernel row.
+                let mut k = 0;
+                for c in 0..self.c {
+                    for kx in 0..self.kw {
+                        if folded {
+                            for ky in 0..self.kh {
+                                dst[k] = tap(o, c, ky, kx);
+                                k += 1;
+                            }
+                        } else {
+                            dst[k] = tap(o, c, call, kx);
+                            k += 1;
+                        }
+                    }
+                }
+            });
         packed
     }
 
@@ -386,5 +409,31 @@ mod tests {
         let offsets: Vec<usize> = (0..3).map(|ky| plan.call_offset(&op, ky)).collect();
         assert_eq!(offsets, vec![0, 9, 3]);
         assert!(buf.iter().all(|v| v.is_finite()));
+    }
+
+    #[test]
+    fn packed_rows_follow_the_taps() {
+        // Folded and unfolded plans, with more rows than one packing task takes.
+        for plan in [plan(5, (3, 2), (1, 1)), plan(40, (3, 2), (2, 1))] {
+            let mut plan = plan;
+            plan.o = 70;
+            let code = |o: usize, c: usize, ky: usize, kx: usize| {
+                (((o * 100 + c) * 10 + ky) * 10 + kx) as f32
+            };
+            let packed = plan.pack(code);
+            let depth = plan.depth();
+            assert_eq!(packed.len(), plan.calls() * plan.o * depth);
+            for (row, values) in packed.chunks_exact(depth).enumerate() {
+                let (call, o) = (row / plan.o, row % plan.o);
+                for (k, v) in values.iter().enumerate() {
+                    let (c, ky, kx) = plan.tap(call, k);
+                    assert_eq!(
+                        *v,
+                        code(o, c, ky, kx),
+                        "{plan:?}: call {call}, o {o}, k {k}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -2,7 +2,8 @@
 //! a `BuildContext` and run with candle's autograd, exactly as inside the network, so whatever
 //! kernels the layers use are what is measured.
 //!
-//! Passes are separated by what autograd is asked for. The forward pass runs on inputs that are
+//! Each figure is the fastest of the timed runs. Passes are separated by what autograd is
+//! asked for. The forward pass runs on inputs that are
 //! not variables; forward and backward run with the inputs as variables (the layer's own
 //! parameters always are), the upstream gradient being all ones. The backward pass is the
 //! difference. For a convolution, a third run keeps the input a constant: its backward is the
@@ -109,14 +110,14 @@ fn concat_of(parts: &[[usize; 4]], tracked: bool) -> Result<Box<dyn Layer>> {
 }
 
 fn forward_time(layer: &dyn Layer, x: &Tensor, timer: Timer) -> Result<f64> {
-    timer.median(|| {
+    timer.fastest(|| {
         std::hint::black_box(layer.forward_t(x, true)?);
         Ok(())
     })
 }
 
 fn backward_time(layer: &dyn Layer, x: &Tensor, timer: Timer) -> Result<f64> {
-    timer.median(|| {
+    timer.fastest(|| {
         std::hint::black_box(layer.forward_t(x, true)?.backward()?);
         Ok(())
     })
@@ -157,11 +158,11 @@ fn conv_split(
     let grad = Tensor::ones((x.dim(0)?, f, oh, ow), DType::F32, &Device::Cpu)?;
     // As candle's backward for `conv2d` computes the two gradients.
     let out_padding = op.input[1] + 2 * pad - ((oh - 1) * stride + kernel);
-    let input = timer.median(|| {
+    let input = timer.fastest(|| {
         std::hint::black_box(grad.conv_transpose2d(&weight, pad, out_padding, stride, 1)?);
         Ok(())
     })?;
-    let weight = timer.median(|| {
+    let weight = timer.fastest(|| {
         let g = x
             .transpose(0, 1)?
             .conv2d(&grad.transpose(0, 1)?, pad, 1, stride, 1)?

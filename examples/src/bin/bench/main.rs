@@ -12,7 +12,8 @@
 //! cargo run --release -p kandle-examples --bin bench -- --no-ops --threads-study --json bench.json
 //! ```
 //!
-//! Timings are medians after warm-up runs; they are measurements, never pass/fail tests.
+//! Whole steps report the median of the timed runs, single ops the fastest (see `timing`); they
+//! are measurements, never pass/fail tests.
 
 mod inventory;
 mod kandle_ops;
@@ -28,6 +29,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use kandle::backprop::Backprop;
 use kandle::OneDeviceStrategy;
 use serde_json::{json, Value};
 
@@ -41,7 +43,7 @@ struct Args {
     /// Images per batch.
     #[arg(long, default_value_t = 64)]
     batch: usize,
-    /// Timed runs per measurement (the median is reported).
+    /// Timed runs per measurement (whole steps report the median, single ops the fastest).
     #[arg(long, default_value_t = 10)]
     iters: usize,
     /// Untimed runs before each measurement.
@@ -136,7 +138,8 @@ fn main() -> Result<()> {
         "- threads: {threads} (kandle: rayon and candle's matmul; PyTorch: torch.set_num_threads)"
     );
     println!(
-        "- batch {}, fp32, random 3x32x32 inputs; {} warm-up runs, then the median of {}",
+        "- batch {}, fp32, random 3x32x32 inputs; {} warm-up runs, then {} timed runs: the \
+         median for whole steps, the fastest for single ops",
         args.batch, args.warmup, args.iters
     );
     println!("- fp32 peak: {}", peak.how);
@@ -148,6 +151,7 @@ fn main() -> Result<()> {
         Vec::new()
     };
     let mut kandle_model = None;
+    let mut backward_paths = None;
     if sections.model {
         let strategy = OneDeviceStrategy::cpu();
         eprintln!("kandle: training step, batch {}", args.batch);
@@ -155,6 +159,10 @@ fn main() -> Result<()> {
         eprintln!("kandle: inference, batch {}", args.batch);
         let infer = model::inference_time(&strategy, args.batch, timer)?;
         kandle_model = Some((train, infer));
+        eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
+        let recorded = model::replica_step_time(Backprop::Auto, args.batch, timer)?;
+        let autograd = model::replica_step_time(Backprop::Candle, args.batch, timer)?;
+        backward_paths = Some((recorded, autograd));
     }
     let mut kandle_ops = Vec::with_capacity(ops.len());
     for op in &ops {
@@ -176,6 +184,11 @@ fn main() -> Result<()> {
     if let Some((train, infer)) = kandle_model {
         print_model(args.batch, train, infer, torch.as_ref());
         out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
+    }
+    if let Some((recorded, autograd)) = backward_paths {
+        print_backward_paths(args.batch, recorded, autograd);
+        out["kandle"]["replica_step_recorded_s"] = json!(recorded);
+        out["kandle"]["replica_step_candle_autograd_s"] = json!(autograd);
     }
     if let Some(t) = &torch {
         out["pytorch"] = t.clone();
@@ -203,7 +216,7 @@ fn main() -> Result<()> {
     if sections.threads_study {
         println!("## Two replicas on one CPU (MiniGoogLeNet training step)");
         println!();
-        out["threads_study"] = threads_study::run(args.batch, timer)?;
+        out["threads_study"] = threads_study::run(args.batch, threads, timer)?;
         println!();
     }
     let load_at_end = load_line();
@@ -252,6 +265,26 @@ fn reference(
             .collect(),
     };
     Ok(Some(pytorch::run(&request)?))
+}
+
+/// kandle's two ways to compute gradients, side by side.
+fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
+    println!("## kandle's backward pass: recorded layers vs candle's autograd, batch {batch}");
+    println!();
+    println!("| one replica's step (gradients + SGD) | ms | images/s |");
+    println!("|---|---|---|");
+    for (label, s) in [
+        ("recorded backward pass (the CPU default)", recorded),
+        ("candle's autograd (`KANDLE_BACKPROP=candle`)", autograd),
+    ] {
+        println!("| {label} | {:.2} | {:.1} |", s * 1e3, batch as f64 / s);
+    }
+    println!();
+    println!(
+        "The recorded pass takes {:.2}x the time of candle's autograd.",
+        recorded / autograd
+    );
+    println!();
 }
 
 fn print_model(batch: usize, train: f64, infer: f64, torch: Option<&Value>) {
@@ -330,28 +363,16 @@ fn print_ops(
     println!();
     report::print_others(rows);
     println!();
-    let (k, t) = report::ops_per_step(rows);
     let torch_step = torch.and_then(|t| pytorch::f64_at(t, &["model", "train_step_s"]));
-    if let Some(step) = kandle_step {
-        println!("## Where a training step goes");
-        println!();
-        println!("| | kandle ms | PyTorch ms |");
-        println!("|---|---|---|");
-        println!(
-            "| convolutions, batch norm, pooling, concatenation (the tables times occurrences) | {} | {} |",
-            ms(Some(k)),
-            ms(t)
-        );
-        println!(
-            "| the rest: ReLU, dropout, dense, loss, SGD, autograd bookkeeping | {} | {} |",
-            ms(Some(step - k)),
-            ms(torch_step.zip(t).map(|(s, t)| s - t))
-        );
-        println!(
-            "| measured training step | {} | {} |",
-            ms(Some(step)),
-            ms(torch_step)
-        );
-        println!();
-    }
+    println!("## Where a training step goes, by op family");
+    println!();
+    report::print_families(rows, kandle_step.map(|k| (k, torch_step)));
+    println!();
+    println!(
+        "Each op is timed alone and counted as often as it occurs. The rest of a step is ReLU, \
+         dropout, the dense layer, the loss, the SGD update and autograd's bookkeeping; an op \
+         timed alone can also cost more than inside the step (cold caches, its own upstream \
+         gradient)."
+    );
+    println!();
 }

@@ -4,9 +4,10 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
+use kandle::backprop::Backprop;
 use kandle::data::Batch;
 use kandle::optimizers::Sgd;
-use kandle::replica::ModelSpec;
+use kandle::replica::{ModelSpec, Replica};
 use kandle::{Loss, Metric, Strategy};
 
 use crate::timing::Timer;
@@ -41,6 +42,20 @@ pub fn train_step_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> R
     let batch = random_batch(batch)?;
     timer.median(|| {
         model.train_step(&batch, LR)?;
+        Ok(())
+    })
+}
+
+/// Median seconds of one replica's training step (gradients, then the SGD update) at batch
+/// `batch` on the CPU, its gradients computed by `backprop`: kandle's recorded backward pass
+/// against candle's autograd over the whole network.
+pub fn replica_step_time(backprop: Backprop, batch: usize, timer: Timer) -> Result<f64> {
+    let mut replica = Replica::new(&spec(), &Device::Cpu)?;
+    replica.set_backprop(backprop);
+    let batch = random_batch(batch)?;
+    timer.median(|| {
+        let g = replica.compute_gradients(&batch.x, &batch.y, batch.len())?;
+        replica.apply_gradients(&g.grads, LR)?;
         Ok(())
     })
 }

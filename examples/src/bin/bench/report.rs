@@ -96,13 +96,7 @@ pub fn print_others(rows: &[OpTimes<'_>]) {
     println!("| layer | op | shape | x | pass | kandle ms | PyTorch ms | kandle / PyTorch time |");
     println!("|---|---|---|---|---|---|---|---|");
     for r in rows.iter().filter(|r| !r.is_conv()) {
-        let name = match r.op.kind {
-            OpKind::BatchNorm => "batch norm",
-            OpKind::MaxPool { .. } => "max pool",
-            OpKind::AvgPool { .. } => "avg pool",
-            OpKind::Concat { .. } => "concat",
-            OpKind::Conv { .. } => "conv",
-        };
+        let name = OpFamily::of(&r.op.kind).name();
         for pass in [Pass::Fwd, Pass::Bwd] {
             let k = r.kandle.get(pass);
             let t = r.torch.and_then(|t| t.get(pass));
@@ -177,18 +171,100 @@ fn print_total_row(
     );
 }
 
-/// The timed ops' share of a training step: every op shape's forward and backward times its
-/// occurrences, against the measured step. `(kandle, PyTorch)` sums in seconds.
-pub fn ops_per_step(rows: &[OpTimes<'_>]) -> (f64, Option<f64>) {
-    let mut k = 0.0;
-    let mut t = Some(0.0);
-    for r in rows {
-        let n = r.op.count() as f64;
-        let needed = !r.op.on_network_input;
-        k += n * r.kandle.in_training(needed);
-        t = t
-            .zip(r.torch.map(|p| p.in_training(needed)))
-            .map(|(a, b)| a + n * b);
+/// Per training step, by op family: each shape's forward and backward times its occurrences
+/// (without the first convolution's input gradient where the op skips it), kandle and PyTorch,
+/// then all of them against the measured steps (`None` when the model was not timed).
+pub fn print_families(rows: &[OpTimes<'_>], steps: Option<(f64, Option<f64>)>) {
+    println!(
+        "| per training step | kandle fwd ms | kandle bwd ms | PyTorch fwd ms | PyTorch bwd ms | \
+         kandle / PyTorch time |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut total = (0.0, Some(0.0));
+    for family in OpFamily::ALL {
+        let (mut k, mut t) = ([0.0; 2], Some([0.0; 2]));
+        for r in rows.iter().filter(|r| OpFamily::of(&r.op.kind) == family) {
+            let n = r.op.count() as f64;
+            let needed = !r.op.on_network_input;
+            let split = |p: &Passes| [p.fwd, p.in_training(needed) - p.fwd];
+            let ks = split(&r.kandle);
+            k = [k[0] + n * ks[0], k[1] + n * ks[1]];
+            t = t
+                .zip(r.torch.as_ref().map(split))
+                .map(|(a, b)| [a[0] + n * b[0], a[1] + n * b[1]]);
+        }
+        println!(
+            "| {} | {} | {} | {} | {} | {} |",
+            family.name(),
+            ms(Some(k[0])),
+            ms(Some(k[1])),
+            ms(t.map(|t| t[0])),
+            ms(t.map(|t| t[1])),
+            ratio(Some(k[0] + k[1]), t.map(|t| t[0] + t[1])),
+        );
+        total = (
+            total.0 + k[0] + k[1],
+            total.1.zip(t).map(|(a, t)| a + t[0] + t[1]),
+        );
     }
-    (k, t)
+    let share = |ops: f64, step: Option<f64>| match step {
+        Some(step) => format!("{} ({:.0}% of the step)", ms(Some(ops)), 100.0 * ops / step),
+        None => ms(Some(ops)),
+    };
+    println!(
+        "| all of the above, fwd + bwd | {} | | {} | | {} |",
+        share(total.0, steps.map(|s| s.0)),
+        total
+            .1
+            .map_or("-".into(), |t| share(t, steps.and_then(|s| s.1))),
+        ratio(Some(total.0), total.1),
+    );
+    if let Some((k, t)) = steps {
+        println!(
+            "| measured training step | {} | | {} | | {} |",
+            ms(Some(k)),
+            ms(t),
+            ratio(Some(k), t)
+        );
+    }
+}
+
+/// The families of timed ops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpFamily {
+    Conv,
+    BatchNorm,
+    MaxPool,
+    AvgPool,
+    Concat,
+}
+
+impl OpFamily {
+    const ALL: [OpFamily; 5] = [
+        OpFamily::Conv,
+        OpFamily::BatchNorm,
+        OpFamily::MaxPool,
+        OpFamily::AvgPool,
+        OpFamily::Concat,
+    ];
+
+    fn of(kind: &OpKind) -> Self {
+        match kind {
+            OpKind::Conv { .. } => OpFamily::Conv,
+            OpKind::BatchNorm => OpFamily::BatchNorm,
+            OpKind::MaxPool { .. } => OpFamily::MaxPool,
+            OpKind::AvgPool { .. } => OpFamily::AvgPool,
+            OpKind::Concat { .. } => OpFamily::Concat,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            OpFamily::Conv => "convolutions",
+            OpFamily::BatchNorm => "batch norm",
+            OpFamily::MaxPool => "max pool",
+            OpFamily::AvgPool => "avg pool",
+            OpFamily::Concat => "concatenation",
+        }
+    }
 }

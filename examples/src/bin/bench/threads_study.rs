@@ -1,8 +1,8 @@
 //! Two replicas on one CPU: MiniGoogLeNet's training step under `MirroredStrategy::cpu(2)` and
 //! `CentralStorageStrategy::cpu(2)` against `OneDeviceStrategy::cpu()` at the same global batch,
-//! with the replicas sharing rayon's global pool (each spreads over every core, so together they
-//! oversubscribe it) and with the default per-replica thread budget (the cores divided between
-//! the replicas).
+//! with three thread budgets: none (both replicas queue their parallel work on rayon's global
+//! pool), a pool of all the cores for each replica (twice as many busy threads as cores), and
+//! the default (the cores divided between the replicas).
 
 use anyhow::Result;
 use kandle::{OneDeviceStrategy, Strategy};
@@ -12,11 +12,12 @@ use serde_json::{json, Value};
 use crate::model::train_step_time;
 use crate::timing::Timer;
 
-/// Runs the study at global batch `batch` and prints its table; returns the rows for `--json`.
-pub fn run(batch: usize, timer: Timer) -> Result<Value> {
+/// Runs the study at global batch `batch` on `cores` threads and prints its table; returns the
+/// rows for `--json`.
+pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
     let budget = |t: ReplicaThreads| match t {
         ReplicaThreads::Shared => "shared global pool".to_string(),
-        ReplicaThreads::Fixed(n) => format!("{n} each"),
+        ReplicaThreads::Fixed(n) => format!("a pool of {n} each"),
         ReplicaThreads::Auto => "default (cores / replicas each)".to_string(),
     };
     let mut configs: Vec<(String, String, Box<dyn Strategy>)> = vec![(
@@ -24,7 +25,12 @@ pub fn run(batch: usize, timer: Timer) -> Result<Value> {
         "all cores".into(),
         Box::new(OneDeviceStrategy::cpu()),
     )];
-    for threads in [ReplicaThreads::Shared, ReplicaThreads::Auto] {
+    let budgets = [
+        ReplicaThreads::Shared,
+        ReplicaThreads::Fixed(cores),
+        ReplicaThreads::Auto,
+    ];
+    for threads in budgets {
         configs.push((
             "mirrored x2".into(),
             budget(threads),

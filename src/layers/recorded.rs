@@ -1,0 +1,182 @@
+//! kandle's own backward pass: a training forward that records, layer by layer, how to compute
+//! its gradients, and the store those gradients land in.
+//!
+//! Candle's autograd accumulates every gradient into a freshly zeroed tensor (`zeros_like`, then
+//! `add`), even when a value has a single consumer, as every activation of a sequential network
+//! does. On the CPU those two extra passes over each activation, and the page faults of their
+//! fresh buffers, cost a training step more than a fifth of its time. A recorded forward instead
+//! hands each layer's output gradient straight to that layer's backward, adds only where a value
+//! really fans out (the branches of a [`Concat`](super::Concat)), and never computes the
+//! gradient of the images.
+//!
+//! Layers with a CPU kernel record their kernels' backward passes directly; any other layer
+//! gets [`record_with_candle`], which runs that one layer under candle's autograd, so every
+//! network can be trained this way and gives the same gradients.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+
+use candle_core::{Tensor, TensorId, Var};
+
+use super::Layer;
+use crate::Result;
+
+/// A layer's training forward pass: its output and how to run it backward.
+pub struct Recorded {
+    /// The output, detached from candle's graph.
+    pub output: Tensor,
+    /// When the output is a softmax, the logits it was computed from (detached). The backward
+    /// pass then takes the gradient of the logits rather than of the output, so a
+    /// cross-entropy can be differentiated stably from the logits.
+    pub logits: Option<Tensor>,
+    /// The backward pass.
+    pub backward: Box<dyn Backward>,
+}
+
+impl Recorded {
+    /// An output without logits.
+    pub fn new(output: Tensor, backward: impl Backward + 'static) -> Self {
+        Self {
+            output,
+            logits: None,
+            backward: Box::new(backward),
+        }
+    }
+}
+
+/// The backward pass of one recorded forward, run once.
+pub trait Backward {
+    /// From `dy`, the gradient of the loss with respect to the output (or to the logits, see
+    /// [`Recorded::logits`]), adds the gradients of the layer's variables to `grads` and, when
+    /// `input_grad`, returns the gradient with respect to the input (`None` otherwise).
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>>;
+}
+
+impl<F> Backward for F
+where
+    F: FnOnce(Tensor, &mut ParamGrads, bool) -> Result<Option<Tensor>>,
+{
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        (*self)(dy, grads, input_grad)
+    }
+}
+
+/// The gradients of the variables, by tensor id, summed over every use of each variable.
+#[derive(Debug, Default)]
+pub struct ParamGrads {
+    grads: HashMap<TensorId, Tensor>,
+}
+
+impl ParamGrads {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `grad` to the gradient of the variable whose tensor is `param`.
+    pub fn add(&mut self, param: &Tensor, grad: Tensor) -> Result<()> {
+        self.add_id(param.id(), grad)
+    }
+
+    fn add_id(&mut self, id: TensorId, grad: Tensor) -> Result<()> {
+        match self.grads.entry(id) {
+            Entry::Vacant(slot) => {
+                slot.insert(grad);
+            }
+            Entry::Occupied(mut slot) => {
+                let sum = slot.get().add(&grad)?;
+                slot.insert(sum);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes and returns the gradient of the variable whose tensor is `param`, if it got one.
+    pub fn take(&mut self, param: &Tensor) -> Option<Tensor> {
+        self.grads.remove(&param.id())
+    }
+
+    /// How many variables have a gradient.
+    pub fn len(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Whether no variable has a gradient.
+    pub fn is_empty(&self) -> bool {
+        self.grads.is_empty()
+    }
+}
+
+/// Records `layer` by running it alone under candle's autograd: the input becomes a variable,
+/// and the backward pass differentiates `sum(output * dy)` (or `sum(logits * dy)`), which
+/// gives the input's gradient and every variable's. With `with_logits`, the layer's
+/// [`Layer::forward_with_logits`] runs and its logits are kept; otherwise its
+/// [`Layer::forward_t`]. This is the default of [`Layer::forward_recorded`]; it costs a copy of
+/// the input, so layers with a CPU kernel record their own backward instead.
+pub fn record_with_candle<L: Layer + ?Sized>(
+    layer: &L,
+    x: &Tensor,
+    with_logits: bool,
+) -> Result<Recorded> {
+    let input = Var::from_tensor(x)?;
+    let (output, logits) = if with_logits {
+        layer.forward_with_logits(input.as_tensor(), true)?
+    } else {
+        (layer.forward_t(input.as_tensor(), true)?, None)
+    };
+    let differentiated = logits.clone().unwrap_or_else(|| output.clone());
+    let backward = move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+        let mut store = differentiated.mul(&dy)?.sum_all()?.backward()?;
+        let dx = store.remove(input.as_tensor());
+        let ids: Vec<TensorId> = store.get_ids().copied().collect();
+        for id in ids {
+            if let Some(g) = store.get_id(id) {
+                grads.add_id(id, g.clone())?;
+            }
+        }
+        if !input_grad {
+            return Ok(None);
+        }
+        Ok(Some(match dx {
+            Some(dx) => dx,
+            // The output does not depend on the input (a constant layer).
+            None => input.as_tensor().zeros_like()?,
+        }))
+    };
+    Ok(Recorded {
+        output: output.detach(),
+        logits: logits.map(|l| l.detach()),
+        backward: Box::new(backward),
+    })
+}
+
+/// A layer that passes its input through: the gradient passes through too.
+pub(crate) fn identity(x: &Tensor) -> Recorded {
+    Recorded::new(x.clone(), pass_through)
+}
+
+/// The backward pass of an identity.
+pub(crate) fn pass_through(
+    dy: Tensor,
+    _grads: &mut ParamGrads,
+    input_grad: bool,
+) -> Result<Option<Tensor>> {
+    Ok(input_grad.then_some(dy))
+}
+
+/// The error for a backward pass inside `layer` that gave no input gradient when asked for one.
+pub(crate) fn missing_input_grad(layer: &str) -> crate::Error {
+    crate::Error::invalid(format!(
+        "layer `{layer}`: its backward pass returned no input gradient"
+    ))
+}

@@ -1,0 +1,162 @@
+//! kandle's recorded backward pass gives the gradients candle's autograd gives, layer kind by
+//! layer kind: CPU kernels (convolution with and without bias, strides and padding, batch norm
+//! with an absorbed ReLU, max and average pooling, global average pooling), the concatenation
+//! of branches, dense, dropout, flatten, activations with their own backward (ReLU, linear), an
+//! activation that falls back to candle (sigmoid), a candle module, and the softmax head whose
+//! gradient is taken at the logits. Training with either path moves the batch-norm statistics
+//! the same way and reaches the same weights.
+
+use candle_core::{DType, Device, Tensor};
+use kandle::backprop::Backprop;
+use kandle::layers::{
+    Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense, Dropout,
+    Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
+};
+use kandle::optimizers::Sgd;
+use kandle::replica::{ModelSpec, Replica};
+use kandle::{Loss, Metric};
+
+fn conv_bn_relu(filters: usize, k: usize, stride: usize, padding: Padding) -> Sequential {
+    Sequential::new()
+        .add(Conv2D::new(filters, k).stride(stride).padding(padding))
+        .add(BatchNormalization::new())
+        .add(Activation::Relu)
+}
+
+/// A small network with every layer kind the recorded pass handles, in MiniGoogLeNet's shapes.
+fn network() -> Sequential {
+    Sequential::new()
+        .add(conv_bn_relu(6, 3, 1, Padding::Same))
+        .add(Concat::new([
+            conv_bn_relu(4, 1, 1, Padding::Same),
+            conv_bn_relu(5, 3, 1, Padding::Same),
+        ]))
+        .add(Concat::new([
+            Sequential::new().add(conv_bn_relu(4, 3, 2, Padding::Valid)),
+            Sequential::new().add(MaxPooling2D::new(3).stride(2)),
+        ]))
+        .add(Conv2D::new(6, 3).padding(Padding::Same).use_bias(false))
+        .add(Activation::Relu)
+        .add(AveragePooling2D::new(2).stride(1).padding(Padding::Same))
+        .add(Activation::Sigmoid)
+        .add(Concat::new([
+            Sequential::new()
+                .add(GlobalAveragePooling2D)
+                .add(Dense::new(7)),
+            Sequential::new()
+                .add(AveragePooling2D::new(5))
+                .add(Flatten)
+                .add(Dense::new(3)),
+        ]))
+        .add(Dropout::new(0.3))
+        .add(Activation::Linear)
+        .add(CandleLayer::new(|vb| candle_nn::linear(10, 8, vb)).named("candle_linear"))
+        .add(Dense::new(5))
+        .add(Activation::Softmax)
+}
+
+fn spec(network: Sequential) -> ModelSpec {
+    ModelSpec {
+        network,
+        input_shape: vec![3, 11, 11],
+        optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
+        loss: Loss::CategoricalCrossentropy,
+        metrics: vec![Metric::Accuracy],
+        seed: 7,
+    }
+}
+
+fn batch(n: usize, seed: u64) -> kandle::Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (n, 3, 11, 11), &dev)?;
+    let labels: Vec<u32> = (0..n as u32).map(|i| (i * 7 + seed as u32) % 5).collect();
+    let y = candle_nn::encoding::one_hot(Tensor::new(labels, &dev)?, 5, 1f32, 0f32)?;
+    Ok((x, y.to_dtype(DType::F32)?))
+}
+
+/// Two replicas with the same weights (the candle module draws its own initial values), one
+/// training with each backward pass.
+fn replicas() -> kandle::Result<(Replica, Replica)> {
+    let spec = spec(network());
+    let mut recorded = Replica::new(&spec, &Device::Cpu)?;
+    recorded.set_backprop(Backprop::Auto);
+    let mut candle = Replica::new(&spec, &Device::Cpu)?;
+    candle.set_backprop(Backprop::Candle);
+    candle.store().assign(&recorded.store().weights()?)?;
+    Ok((recorded, candle))
+}
+
+/// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
+fn relative_difference(a: &Tensor, b: &Tensor) -> kandle::Result<f32> {
+    let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+    Ok(diff / scale)
+}
+
+#[test]
+fn gradients_match_candle_autograd() -> kandle::Result<()> {
+    let (recorded, candle) = replicas()?;
+    let (x, y) = batch(6, 1)?;
+    let ours = recorded.compute_gradients(&x, &y, 8)?;
+    let theirs = candle.compute_gradients(&x, &y, 8)?;
+    assert_eq!(ours.grads.len(), theirs.grads.len());
+    assert_eq!(ours.grads.len(), recorded.trainable_vars().len());
+    let names: Vec<String> = recorded
+        .store()
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name.clone())
+        .collect();
+    for ((a, b), name) in ours.grads.iter().zip(&theirs.grads).zip(&names) {
+        assert_eq!(a.dims(), b.dims(), "{name}");
+        let norm = b.sqr()?.sum_all()?.to_scalar::<f32>()?;
+        assert!(norm > 0.0, "{name}: candle's gradient is zero");
+        let rel = relative_difference(a, b)?;
+        assert!(rel < 1e-4, "{name}: relative difference {rel}");
+    }
+    let stats = relative_difference(&ours.stats, &theirs.stats)?;
+    assert!(stats < 1e-5, "loss and accuracy sums differ by {stats}");
+    for (a, b) in recorded.statistics().iter().zip(candle.statistics()) {
+        let rel = relative_difference(a.as_tensor(), b.as_tensor())?;
+        assert!(rel < 1e-5, "moving statistics differ by {rel}");
+    }
+    Ok(())
+}
+
+#[test]
+fn training_reaches_the_same_weights() -> kandle::Result<()> {
+    let (mut recorded, mut candle) = replicas()?;
+    for step in 0..5 {
+        // A short last batch, as an epoch's remainder gives.
+        let (x, y) = batch(if step == 4 { 3 } else { 8 }, step)?;
+        for replica in [&mut recorded, &mut candle] {
+            let g = replica.compute_gradients(&x, &y, x.dim(0)?)?;
+            replica.apply_gradients(&g.grads, 0.05)?;
+        }
+    }
+    let (ours, theirs) = (recorded.store().weights()?, candle.store().weights()?);
+    for (name, a) in ours.iter() {
+        let b = theirs
+            .get(name)
+            .ok_or_else(|| kandle::Error::invalid(format!("no {name}")))?;
+        let rel = relative_difference(a, b)?;
+        assert!(
+            rel < 1e-4,
+            "{name}: relative difference {rel} after 5 steps"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn a_wrong_input_shape_names_the_network() -> kandle::Result<()> {
+    let (replica, _) = replicas()?;
+    let x = Tensor::zeros((2, 3, 10, 11), DType::F32, &Device::Cpu)?;
+    let y = Tensor::zeros((2, 5), DType::F32, &Device::Cpu)?;
+    let err = match replica.compute_gradients(&x, &y, 2) {
+        Ok(_) => panic!("a 10x11 input trained"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("model") && err.contains("11"), "{err}");
+    Ok(())
+}

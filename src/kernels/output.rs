@@ -13,7 +13,7 @@
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
-use super::planes::{for_each_plane_with, map_channels, ChannelPlanesMut};
+use super::planes::{for_each_plane, map_channels, ChannelPlanesMut};
 
 /// One plane of a new output, not yet written.
 pub(crate) struct Plane<'p> {
@@ -40,57 +40,36 @@ impl<'p> Plane<'p> {
         Written(PhantomData)
     }
 
-    /// Copies `values` into the plane (zero past their end).
+    /// Sets every value of the plane to `value`.
     #[inline(always)]
-    pub(crate) fn copy_from(self, values: &[f32]) -> Written<'p> {
-        self.zip_with(values, values, |v, _| v)
-    }
-
-    /// Sets every value of the plane to `value`, then lets `then` change them.
-    #[inline(always)]
-    pub(crate) fn filled(self, value: f32, then: impl FnOnce(&mut [f32])) -> Written<'p> {
+    pub(crate) fn filled(self, value: f32) -> Written<'p> {
         for o in self.slots.iter_mut() {
             o.write(value);
         }
-        // SAFETY: every element was just written, and `MaybeUninit<f32>` has the layout of
-        // `f32`.
-        then(unsafe { &mut *(self.slots as *mut [MaybeUninit<f32>] as *mut [f32]) });
         Written(PhantomData)
     }
 }
 
 /// A new vector of `len` values, planes of `s`: `fill` gets each plane's index, its channel
 /// (of `c`; 1 when channels do not matter) and the plane to write, in parallel as in
-/// [`super::planes::for_each_plane`].
+/// [`for_each_plane`].
 pub(crate) fn by_plane(
     len: usize,
     c: usize,
     s: usize,
     fill: impl for<'p> Fn(usize, usize, Plane<'p>) -> Written<'p> + Sync + Send,
 ) -> Vec<f32> {
-    by_plane_with(len, c, s, || (), |_, i, ch, plane| fill(i, ch, plane))
-}
-
-/// [`by_plane`], where `fill` also gets a scratch value made by `init` (one per rayon task,
-/// reused across its planes), as in [`for_each_plane_with`].
-pub(crate) fn by_plane_with<S>(
-    len: usize,
-    c: usize,
-    s: usize,
-    init: impl Fn() -> S + Sync + Send,
-    fill: impl for<'p> Fn(&mut S, usize, usize, Plane<'p>) -> Written<'p> + Sync + Send,
-) -> Vec<f32> {
     let mut out = Vec::with_capacity(len);
     let slots = &mut out.spare_capacity_mut()[..len];
     let planes = len.checked_div(s).unwrap_or(0);
     let (whole, rest) = slots.split_at_mut(planes * s);
-    for_each_plane_with(whole, c, s, init, |scratch, i, ch, slots| {
-        fill(scratch, i, ch, Plane { slots });
+    for_each_plane(whole, c, s, |i, ch, slots| {
+        fill(i, ch, Plane { slots });
     });
     for o in rest {
         o.write(0.0);
     }
-    // SAFETY: `for_each_plane_with` hands each plane of `whole` to `fill`, which cannot return
+    // SAFETY: `for_each_plane` hands each plane of `whole` to `fill`, which cannot return
     // without the `Written` that only writing the whole plane makes (or unwinds, and this is
     // not reached); the values past the last plane were set just above. So the first `len`
     // values, within the capacity, are all initialised.

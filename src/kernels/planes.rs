@@ -83,18 +83,6 @@ pub(crate) fn for_each_plane<T: Send>(
     s: usize,
     fill: impl Fn(usize, usize, &mut [T]) + Sync + Send,
 ) {
-    for_each_plane_with(out, c, s, || (), |_, i, ch, plane| fill(i, ch, plane));
-}
-
-/// [`for_each_plane`], where `fill` also gets a scratch value made by `init` (one per rayon
-/// task, reused across its planes).
-pub(crate) fn for_each_plane_with<T: Send, S>(
-    out: &mut [T],
-    c: usize,
-    s: usize,
-    init: impl Fn() -> S + Sync + Send,
-    fill: impl Fn(&mut S, usize, usize, &mut [T]) + Sync + Send,
-) {
     if s == 0 {
         return;
     }
@@ -102,9 +90,7 @@ pub(crate) fn for_each_plane_with<T: Send, S>(
     out.par_chunks_mut(s)
         .enumerate()
         .with_min_len(min_len(planes))
-        .for_each_init(init, |scratch, (i, plane)| {
-            fill(scratch, i, i % c.max(1), plane)
-        });
+        .for_each(|(i, plane)| fill(i, i % c.max(1), plane));
 }
 
 /// Like [`for_each_plane`] for two outputs with `s` values per plane each: `fill` gets a

@@ -14,7 +14,9 @@
 //! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on
 //! the zeros a dilated transposed convolution would multiply.
 //!
-//! The gradient ops are not themselves differentiable (no second derivatives).
+//! [`conv2d_backward`] returns all three gradients at once, for a caller that runs its own
+//! backward pass ([`crate::layers::Recorded`]). The gradient ops are not themselves
+//! differentiable (no second derivatives).
 
 mod gemm;
 mod passes;

@@ -7,8 +7,8 @@
 //! the per-channel sums of `dy` and `dy * xhat` (the gradients of the offset and scale), one
 //! for `dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))`.
 //!
-//! Both are [`ChannelKernel`]s: small planes are walked channel by channel, so that the second
-//! pass reads the channel from the cache, large ones streamed (see [`two_pass`]), with the
+//! Both are `ChannelKernel`s: small planes are walked channel by channel, so that the second
+//! pass reads the channel from the cache, large ones streamed (see `two_pass`), with the
 //! loops compiled for the CPU's vector width.
 //!
 //! [`channel_affine`] is the inference form, `y = x * scale[c] + shift[c]` with the running

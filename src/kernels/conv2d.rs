@@ -22,9 +22,9 @@ mod gemm;
 mod passes;
 mod plan;
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
+use super::planes::f32_data;
 use crate::{Error, Result};
 use passes::Conv;
 
@@ -168,7 +168,7 @@ fn cpu_gradient<Op: CustomOp2 + Operands>(
     let conv = op
         .geometry(al.dims(), bl.dims())
         .map_err(candle_core::Error::Msg)?;
-    let (a, b) = (f32_slice(op.name(), a, al)?, f32_slice(op.name(), b, bl)?);
+    let (a, b) = (f32_data(op.name(), a, al)?, f32_data(op.name(), b, bl)?);
     let (out, shape) = op.compute(&conv, a, b)?;
     Ok((CpuStorage::F32(out), shape))
 }
@@ -273,21 +273,6 @@ fn check_output(op: &str, conv: &Conv, dy_dims: &[usize]) -> std::result::Result
     Ok(())
 }
 
-/// The contiguous `f32` data `layout` describes in `storage`, or an error naming `op`.
-fn f32_slice<'a>(
-    op: &str,
-    storage: &'a CpuStorage,
-    layout: &Layout,
-) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
-        (CpuStorage::F32(_), None) => {
-            candle_core::bail!("{op}: expected a contiguous tensor, got {layout:?}")
-        }
-        (other, _) => candle_core::bail!("{op}: expected f32, got {:?}", other.dtype()),
-    }
-}
-
 /// The forward op, with (`CustomOp3`) or without (`CustomOp2`) a bias; its backward runs
 /// [`InputGrad`] and [`WeightGrad`].
 struct Forward {
@@ -308,12 +293,12 @@ impl Forward {
         let bias = match bias {
             Some((bs, bl)) => {
                 check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
-                Some(f32_slice(FORWARD, bs, bl)?)
+                Some(f32_data(FORWARD, bs, bl)?)
             }
             None => None,
         };
-        let x = f32_slice(FORWARD, xs, xl)?;
-        let y = passes::forward(&conv, x, f32_slice(FORWARD, ws, wl)?, bias)?;
+        let x = f32_data(FORWARD, xs, xl)?;
+        let y = passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, bias)?;
         Ok((
             CpuStorage::F32(y),
             Shape::from((conv.n, conv.o, conv.ho, conv.wo)),

@@ -27,8 +27,8 @@
 //!     .add(Activation::Softmax);
 //! let mut model = net.compile(
 //!     Adam::new(1e-2),
-//!     Loss::SparseCategoricalCrossentropy,
-//!     [Metric::Accuracy],
+//!     SparseCategoricalCrossentropy::new(),
+//!     [Accuracy],
 //!     &OneDeviceStrategy::cpu(),
 //! )?;
 //! let history = model.fit(&train, FitOptions { epochs: 3, batch_size_per_replica: 32, ..Default::default() })?;
@@ -38,34 +38,35 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
-pub mod allocator;
-pub mod backprop;
+mod allocator;
+mod backprop;
 pub mod callbacks;
 pub mod checkpoint;
-pub mod cross_replica;
+mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;
-pub mod kernels;
+mod kernels;
 pub mod layers;
 pub mod losses;
 pub mod metrics;
 mod model;
 pub mod optimizers;
 pub mod params;
-pub mod replica;
+mod replica;
 pub mod schedules;
 pub mod strategy;
 
-pub use error::{panic_message, Error, Result};
+pub use allocator::keep_freed_memory;
+pub use error::{Error, Result};
 
 /// The README's code, compiled as a doc test so it stays true.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 pub use losses::Loss;
-pub use metrics::Metric;
-pub use model::{FitOptions, Model};
+pub use metrics::{Metric, Metrics};
+pub use model::{EvaluateOptions, FitOptions, Model, PredictOptions};
 pub use strategy::{OneDeviceStrategy, Strategy};
 
 /// The names most programs need, in one import.
@@ -76,7 +77,15 @@ pub mod prelude {
         Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense,
         Dropout, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
     };
+    pub use crate::losses::{
+        BinaryCrossentropy, CategoricalCrossentropy, Huber, MeanSquaredError,
+        SparseCategoricalCrossentropy,
+    };
+    pub use crate::metrics::{Accuracy, BinaryAccuracy, TopKCategoricalAccuracy};
     pub use crate::optimizers::{Adam, AdamW, Sgd};
     pub use crate::schedules::{CosineDecay, LinearWarmup, PolynomialDecay, Schedule, StepDecay};
-    pub use crate::{Error, FitOptions, Loss, Metric, Model, OneDeviceStrategy, Result, Strategy};
+    pub use crate::{
+        Error, EvaluateOptions, FitOptions, Loss, Metric, Metrics, Model, OneDeviceStrategy,
+        PredictOptions, Result, Strategy,
+    };
 }

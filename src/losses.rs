@@ -1,10 +1,42 @@
-//! Losses: categorical and sparse categorical cross-entropy (from probabilities or logits) and
-//! mean squared error, computed per sample.
+//! Losses: the open [`Loss`] trait and Keras's built-ins, computed per sample.
+//!
+//! A loss maps `(y_true, y_pred)` to one value per sample; `fit` weights those values (by
+//! sample and class weights), sums them, and divides by the global batch's sample count, so a
+//! short last batch, or a batch split unevenly across replicas and workers, weighs exactly as
+//! many samples as it holds. Any type implementing [`Loss`] plugs into
+//! [`compile`](crate::layers::Sequential::compile), under every strategy.
 //!
 //! Cross-entropy from probabilities is numerically stable: when the model ends in a softmax,
-//! the loss is computed from the logits before it with `log_softmax` (as Keras does); otherwise
-//! probabilities are clipped to `[1e-7, 1 - 1e-7]`. Per-sample losses let a short last batch,
-//! or a batch split unevenly across replicas, be weighted by its true sample count.
+//! the built-in cross-entropies compute the loss from the logits before it with
+//! `log_softmax`, as Keras does ([`Loss::call_with_logits`]); otherwise probabilities are
+//! clipped to `[1e-7, 1 - 1e-7]`. `from_logits(true)` says the model outputs logits.
+//!
+//! A loss of your own needs only [`Loss::call`] and a name:
+//!
+//! ```
+//! use candle_core::{Tensor, D};
+//! use kandle::losses::Loss;
+//!
+//! /// Mean absolute error, per sample.
+//! #[derive(Debug)]
+//! struct MeanAbsolute;
+//!
+//! impl Loss for MeanAbsolute {
+//!     fn name(&self) -> &str {
+//!         "mean_absolute"
+//!     }
+//!     fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> kandle::Result<Tensor> {
+//!         Ok((y_pred - y_true)?.abs()?.mean(D::Minus1)?)
+//!     }
+//! }
+//!
+//! let y_pred = Tensor::new(&[[1f32, 3.], [0., 0.]], &candle_core::Device::Cpu)?;
+//! let y_true = Tensor::new(&[[0f32, 0.], [1., 1.]], &candle_core::Device::Cpu)?;
+//! assert_eq!(MeanAbsolute.call(&y_true, &y_pred)?.to_vec1::<f32>()?, [2.0, 1.0]);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+use std::fmt::Debug;
 
 use candle_core::{DType, Tensor, D};
 
@@ -12,127 +44,318 @@ use crate::data::Targets;
 use crate::layers::activation_log_softmax as log_softmax;
 use crate::{Error, Result};
 
-/// The objective minimised by `fit`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Loss {
-    /// Cross-entropy between one-hot (or soft) targets and predicted probabilities.
-    CategoricalCrossentropy,
-    /// Cross-entropy between one-hot (or soft) targets and logits.
-    CategoricalCrossentropyFromLogits,
-    /// Cross-entropy between class-index targets and predicted probabilities.
-    SparseCategoricalCrossentropy,
-    /// Cross-entropy between class-index targets and logits.
-    SparseCategoricalCrossentropyFromLogits,
-    /// Mean over features of the squared error.
-    MeanSquaredError,
+/// The objective `fit` minimises: one value per sample.
+pub trait Loss: Send + Sync + Debug {
+    /// The name in messages and summaries, e.g. `sparse_categorical_crossentropy`. The logs
+    /// always call the loss `loss`, as Keras does.
+    fn name(&self) -> &str;
+
+    /// The loss of each sample, `(batch,)`. `y_true` is `u32` class indices `(batch,)` for a
+    /// dataset of [`Targets::Classes`], `f32` `(batch, shape...)` for [`Targets::Values`];
+    /// `y_pred` is the model's output.
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor>;
+
+    /// [`Self::call`], given also the logits of the model's final softmax when it ends in one,
+    /// so that a cross-entropy can be computed stably from them. The default ignores them.
+    fn call_with_logits(
+        &self,
+        y_true: &Tensor,
+        y_pred: &Tensor,
+        _logits: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.call(y_true, y_pred)
+    }
+
+    /// Checks, before training, that a dataset's targets suit this loss and a model whose
+    /// output has `output_shape` (without the batch dimension). The default accepts anything.
+    fn check_targets(&self, _targets: &Targets, _output_shape: &[usize]) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl<L: Loss + ?Sized> Loss for Box<L> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        (**self).call(y_true, y_pred)
+    }
+    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
+        (**self).call_with_logits(y, p, logits)
+    }
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        (**self).check_targets(targets, output_shape)
+    }
+}
+
+impl<L: Loss + ?Sized> Loss for std::sync::Arc<L> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        (**self).call(y_true, y_pred)
+    }
+    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
+        (**self).call_with_logits(y, p, logits)
+    }
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        (**self).check_targets(targets, output_shape)
+    }
 }
 
 const PROB_EPSILON: f64 = 1e-7;
 
-impl Loss {
-    /// The name used in logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Loss::CategoricalCrossentropy | Loss::CategoricalCrossentropyFromLogits => {
-                "categorical_crossentropy"
-            }
-            Loss::SparseCategoricalCrossentropy | Loss::SparseCategoricalCrossentropyFromLogits => {
-                "sparse_categorical_crossentropy"
-            }
-            Loss::MeanSquaredError => "mean_squared_error",
-        }
+/// Log-probabilities of `y_pred`: from itself when it holds logits, from a final softmax's
+/// logits when there are some, else from the clipped probabilities.
+fn log_probabilities(y_pred: &Tensor, logits: Option<&Tensor>, from_logits: bool) -> Result<Tensor> {
+    match (from_logits, logits) {
+        (true, _) => log_softmax(y_pred),
+        (false, Some(logits)) => log_softmax(logits),
+        (false, None) => Ok(y_pred.clamp(PROB_EPSILON, 1.0 - PROB_EPSILON)?.log()?),
+    }
+}
+
+/// Targets of the same shape as the output, or an error saying what the loss needs.
+fn check_dense_targets(loss: &str, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+    let out = crate::error::shape_with_batch(output_shape);
+    match targets {
+        Targets::Classes(_) => Err(Error::invalid(format!(
+            "{loss} takes dense (e.g. one-hot) targets, but the labels are class indices; \
+             use SparseCategoricalCrossentropy or one-hot the labels"
+        ))),
+        Targets::Values(shape) if shape.as_slice() != output_shape => Err(Error::invalid(format!(
+            "{loss}: targets have shape {} but the model outputs {out}",
+            crate::error::shape_with_batch(shape)
+        ))),
+        Targets::Values(_) => Ok(()),
+    }
+}
+
+/// Cross-entropy between one-hot (or soft) targets and predicted class probabilities (or
+/// logits, with [`from_logits`](Self::from_logits)). Keras's `CategoricalCrossentropy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CategoricalCrossentropy {
+    from_logits: bool,
+}
+
+impl CategoricalCrossentropy {
+    /// From probabilities.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    /// Whether the loss takes class indices as targets.
-    pub fn is_sparse(self) -> bool {
-        matches!(
-            self,
-            Loss::SparseCategoricalCrossentropy | Loss::SparseCategoricalCrossentropyFromLogits
-        )
+    /// Whether the model outputs logits rather than probabilities (default false).
+    pub fn from_logits(mut self, from_logits: bool) -> Self {
+        self.from_logits = from_logits;
+        self
+    }
+}
+
+impl Loss for CategoricalCrossentropy {
+    fn name(&self) -> &str {
+        "categorical_crossentropy"
     }
 
-    fn takes_logits(self) -> bool {
-        matches!(
-            self,
-            Loss::CategoricalCrossentropyFromLogits | Loss::SparseCategoricalCrossentropyFromLogits
-        )
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        self.call_with_logits(y_true, y_pred, None)
     }
 
-    /// Checks that a dataset's targets suit this loss and a model with `output_shape`.
-    pub fn check_targets(self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
+        let log_p = log_probabilities(p, logits, self.from_logits)?;
+        Ok((log_p * y.to_dtype(p.dtype())?)?.sum(D::Minus1)?.neg()?)
+    }
+
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        check_dense_targets(self.name(), targets, output_shape)
+    }
+}
+
+/// Cross-entropy between class-index targets and predicted class probabilities (or logits,
+/// with [`from_logits`](Self::from_logits)). Keras's `SparseCategoricalCrossentropy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SparseCategoricalCrossentropy {
+    from_logits: bool,
+}
+
+impl SparseCategoricalCrossentropy {
+    /// From probabilities.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether the model outputs logits rather than probabilities (default false).
+    pub fn from_logits(mut self, from_logits: bool) -> Self {
+        self.from_logits = from_logits;
+        self
+    }
+}
+
+impl Loss for SparseCategoricalCrossentropy {
+    fn name(&self) -> &str {
+        "sparse_categorical_crossentropy"
+    }
+
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        self.call_with_logits(y_true, y_pred, None)
+    }
+
+    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
+        let idx = y.to_dtype(DType::U32)?.flatten_all()?.unsqueeze(1)?;
+        let log_p = log_probabilities(p, logits, self.from_logits)?;
+        Ok(log_p.gather(&idx, 1)?.squeeze(1)?.neg()?)
+    }
+
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
         let out = crate::error::shape_with_batch(output_shape);
-        match (self.is_sparse(), targets) {
-            (true, Targets::Classes(k)) => {
-                if output_shape.len() != 1 || output_shape[0] < *k {
-                    return Err(Error::invalid(format!(
-                        "labels have {k} classes but the model outputs {out}; \
-                         the last layer needs at least {k} units"
-                    )));
-                }
-            }
-            (true, Targets::Values(shape)) => {
-                return Err(Error::invalid(format!(
-                    "{} takes class-index labels, but the targets are values of shape {shape:?}; \
-                     use {} for one-hot targets",
-                    self.name(),
-                    if self.takes_logits() {
-                        "Loss::CategoricalCrossentropyFromLogits"
-                    } else {
-                        "Loss::CategoricalCrossentropy"
-                    }
+        match targets {
+            Targets::Classes(k) if output_shape.len() != 1 || output_shape[0] < *k => {
+                Err(Error::invalid(format!(
+                    "labels have {k} classes but the model outputs {out}; \
+                     the last layer needs at least {k} units"
                 )))
             }
-            (false, Targets::Classes(_)) => {
-                return Err(Error::invalid(format!(
-                    "{} takes dense (e.g. one-hot) targets, but the labels are class indices; \
-                     use Loss::SparseCategoricalCrossentropy or one-hot the labels",
-                    self.name()
-                )))
-            }
-            (false, Targets::Values(shape)) => {
-                if shape.as_slice() != output_shape {
-                    return Err(Error::invalid(format!(
-                        "targets have shape {} but the model outputs {out}",
-                        crate::error::shape_with_batch(shape)
-                    )));
-                }
-            }
+            Targets::Classes(_) => Ok(()),
+            Targets::Values(shape) => Err(Error::invalid(format!(
+                "{} takes class-index labels, but the targets are values of shape {shape:?}; \
+                 use CategoricalCrossentropy for one-hot targets",
+                self.name()
+            ))),
         }
-        Ok(())
+    }
+}
+
+/// Cross-entropy of independent yes/no outputs: targets in `[0, 1]`, predictions are
+/// probabilities (a sigmoid's output) or, with [`from_logits`](Self::from_logits), logits.
+/// The loss of a sample is the mean over its outputs. Keras's `BinaryCrossentropy`.
+///
+/// Class-index labels of two classes (`0`/`1`) work with a model of one output unit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BinaryCrossentropy {
+    from_logits: bool,
+}
+
+impl BinaryCrossentropy {
+    /// From probabilities.
+    pub fn new() -> Self {
+        Self::default()
     }
 
-    /// The loss of each sample, `(batch,)`. `output` is the model's output; `logits` the input
-    /// of its final softmax, when it ends in one. `y` is `u32` class indices for the sparse
-    /// losses, `f32` values otherwise.
-    pub fn per_sample(
-        self,
-        output: &Tensor,
-        logits: Option<&Tensor>,
-        y: &Tensor,
-    ) -> Result<Tensor> {
-        let log_probs = || -> Result<Tensor> {
-            match (self.takes_logits(), logits) {
-                (true, _) => log_softmax(output),
-                (false, Some(logits)) => log_softmax(logits),
-                (false, None) => Ok(output.clamp(PROB_EPSILON, 1.0 - PROB_EPSILON)?.log()?),
-            }
+    /// Whether the model outputs logits rather than probabilities (default false).
+    pub fn from_logits(mut self, from_logits: bool) -> Self {
+        self.from_logits = from_logits;
+        self
+    }
+}
+
+/// `y_true` as `f32` values shaped like `y_pred` (class indices become a column).
+fn as_values_like(y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+    let y = y_true.to_dtype(y_pred.dtype())?;
+    if y.dims() == y_pred.dims() {
+        return Ok(y);
+    }
+    Ok(y.reshape(y_pred.shape())?)
+}
+
+impl Loss for BinaryCrossentropy {
+    fn name(&self) -> &str {
+        "binary_crossentropy"
+    }
+
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        let z = as_values_like(y_true, y_pred)?;
+        let per_output = if self.from_logits {
+            // max(x, 0) - x z + log(1 + exp(-|x|)), stable for any x.
+            let x = y_pred;
+            let soft = (x.abs()?.neg()?.exp()? + 1.0)?.log()?;
+            ((x.relu()? - (x * &z)?)? + soft)?
+        } else {
+            let p = y_pred.clamp(PROB_EPSILON, 1.0 - PROB_EPSILON)?;
+            let one_minus_z = (z.ones_like()? - &z)?;
+            let one_minus_p = (p.ones_like()? - &p)?;
+            ((&z * p.log()?)? + (one_minus_z * one_minus_p.log()?)?)?.neg()?
         };
-        Ok(match self {
-            Loss::CategoricalCrossentropy | Loss::CategoricalCrossentropyFromLogits => {
-                (log_probs()? * y.to_dtype(output.dtype())?)?
-                    .sum(D::Minus1)?
-                    .neg()?
-            }
-            Loss::SparseCategoricalCrossentropy | Loss::SparseCategoricalCrossentropyFromLogits => {
-                let idx = y.to_dtype(DType::U32)?.unsqueeze(1)?;
-                log_probs()?.gather(&idx, 1)?.squeeze(1)?.neg()?
-            }
-            Loss::MeanSquaredError => {
-                let diff = (output - y.to_dtype(output.dtype())?)?;
-                diff.sqr()?.flatten_from(1)?.mean(1)?
-            }
-        })
+        Ok(per_output.flatten_from(1)?.mean(1)?)
+    }
+
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        match targets {
+            Targets::Classes(k) if *k <= 2 && output_shape == [1] => Ok(()),
+            Targets::Classes(k) => Err(Error::invalid(format!(
+                "binary_crossentropy takes 0/1 labels with a model of one output, but the labels \
+                 have {k} classes and the model outputs {}",
+                crate::error::shape_with_batch(output_shape)
+            ))),
+            values => check_dense_targets(self.name(), values, output_shape),
+        }
+    }
+}
+
+/// Mean over features of the squared error. Keras's `MeanSquaredError`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MeanSquaredError;
+
+impl Loss for MeanSquaredError {
+    fn name(&self) -> &str {
+        "mean_squared_error"
+    }
+
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        let diff = (y_pred - as_values_like(y_true, y_pred)?)?;
+        Ok(diff.sqr()?.flatten_from(1)?.mean(1)?)
+    }
+
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        check_dense_targets(self.name(), targets, output_shape)
+    }
+}
+
+/// Squared error near the target and absolute error beyond `delta`, averaged over features:
+/// `0.5 e^2` where `|e| <= delta`, `delta (|e| - 0.5 delta)` elsewhere. Keras's `Huber`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Huber {
+    delta: f64,
+}
+
+impl Default for Huber {
+    fn default() -> Self {
+        Self { delta: 1.0 }
+    }
+}
+
+impl Huber {
+    /// With `delta` 1, Keras's default.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Where the loss turns from quadratic to linear. It must be positive and finite.
+    pub fn delta(delta: f64) -> Result<Self> {
+        if !(delta.is_finite() && delta > 0.0) {
+            return Err(Error::invalid(format!(
+                "Huber's delta must be positive and finite, got {delta}"
+            )));
+        }
+        Ok(Self { delta })
+    }
+}
+
+impl Loss for Huber {
+    fn name(&self) -> &str {
+        "huber_loss"
+    }
+
+    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+        let abs = (y_pred - as_values_like(y_true, y_pred)?)?.abs()?;
+        // min(|e|, delta) splits the error into its quadratic and linear parts:
+        // 0.5 q^2 + delta (|e| - q) is the Huber loss for both branches.
+        let quadratic = abs.clamp(0.0, self.delta)?;
+        let linear = (&abs - &quadratic)?;
+        let loss = ((quadratic.sqr()? * 0.5)? + (linear * self.delta)?)?;
+        Ok(loss.flatten_from(1)?.mean(1)?)
+    }
+
+    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+        check_dense_targets(self.name(), targets, output_shape)
     }
 }
 
@@ -140,6 +363,10 @@ impl Loss {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    fn values(t: Tensor) -> Vec<f32> {
+        t.to_vec1::<f32>().expect("a vector")
+    }
 
     #[test]
     fn cross_entropy_values_agree_across_forms() -> Result<()> {
@@ -154,15 +381,17 @@ mod tests {
             .zip([0usize, 1])
             .map(|(r, c)| -(r[c] - r.iter().map(|v| v.exp()).sum::<f32>().ln()))
             .collect();
+        let sce = SparseCategoricalCrossentropy::new();
+        let cce = CategoricalCrossentropy::new();
         let cases = [
-            Loss::SparseCategoricalCrossentropyFromLogits.per_sample(&logits, None, &sparse)?,
-            Loss::SparseCategoricalCrossentropy.per_sample(&probs, None, &sparse)?,
-            Loss::SparseCategoricalCrossentropy.per_sample(&probs, Some(&logits), &sparse)?,
-            Loss::CategoricalCrossentropy.per_sample(&probs, Some(&logits), &onehot)?,
-            Loss::CategoricalCrossentropyFromLogits.per_sample(&logits, None, &onehot)?,
+            sce.from_logits(true).call(&sparse, &logits)?,
+            sce.call(&sparse, &probs)?,
+            sce.call_with_logits(&sparse, &probs, Some(&logits))?,
+            cce.call_with_logits(&onehot, &probs, Some(&logits))?,
+            cce.from_logits(true).call(&onehot, &logits)?,
         ];
         for got in cases {
-            let got = got.to_vec1::<f32>()?;
+            let got = values(got);
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() < 1e-5, "{got:?} vs {want:?}");
             }
@@ -176,10 +405,59 @@ mod tests {
         let logits = Tensor::new(&[[200f32, 0.]], &dev)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits)?;
         let y = Tensor::new(&[1u32], &dev)?;
-        let fused = Loss::SparseCategoricalCrossentropy.per_sample(&probs, Some(&logits), &y)?;
-        assert!((fused.to_vec1::<f32>()?[0] - 200.0).abs() < 1e-3);
-        let clipped = Loss::SparseCategoricalCrossentropy.per_sample(&probs, None, &y)?;
-        assert!(clipped.to_vec1::<f32>()?[0].is_finite());
+        let sce = SparseCategoricalCrossentropy::new();
+        let fused = sce.call_with_logits(&y, &probs, Some(&logits))?;
+        assert!((values(fused)[0] - 200.0).abs() < 1e-3);
+        assert!(values(sce.call(&y, &probs)?)[0].is_finite());
+        Ok(())
+    }
+
+    #[test]
+    fn binary_crossentropy_from_probabilities_and_logits() -> Result<()> {
+        let dev = Device::Cpu;
+        let logits = Tensor::new(&[[0.3f32, -2.0], [4.0, 0.0]], &dev)?;
+        let probs = candle_nn::ops::sigmoid(&logits)?;
+        let z = Tensor::new(&[[1f32, 0.], [0., 1.]], &dev)?;
+        let by_hand: Vec<f32> = [[(0.3f32, 1f32), (-2.0, 0.)], [(4.0, 0.), (0.0, 1.)]]
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .map(|&(x, z)| {
+                        let p = 1.0 / (1.0 + (-x).exp());
+                        -(z * p.ln() + (1.0 - z) * (1.0 - p).ln())
+                    })
+                    .sum::<f32>()
+                    / 2.0
+            })
+            .collect();
+        let from_p = values(BinaryCrossentropy::new().call(&z, &probs)?);
+        let from_x = values(BinaryCrossentropy::new().from_logits(true).call(&z, &logits)?);
+        for ((p, x), w) in from_p.iter().zip(&from_x).zip(&by_hand) {
+            assert!((p - w).abs() < 1e-5 && (x - w).abs() < 1e-5, "{p} {x} {w}");
+        }
+        // Far-out logits stay finite and exact.
+        let big = Tensor::new(&[[-100f32]], &dev)?;
+        let one = Tensor::new(&[[1f32]], &dev)?;
+        let l = values(BinaryCrossentropy::new().from_logits(true).call(&one, &big)?);
+        assert!((l[0] - 100.0).abs() < 1e-3, "{l:?}");
+        // 0/1 class labels with one output unit.
+        let labels = Tensor::new(&[1u32, 0], &dev)?;
+        let col = Tensor::new(&[[0.8f32], [0.1]], &dev)?;
+        let l = values(BinaryCrossentropy::new().call(&labels, &col)?);
+        assert!((l[0] + 0.8f32.ln()).abs() < 1e-6 && (l[1] + 0.9f32.ln()).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn huber_is_quadratic_then_linear() -> Result<()> {
+        let dev = Device::Cpu;
+        let y_pred = Tensor::new(&[[0.5f32, 3.0], [-2.0, 0.0]], &dev)?;
+        let y_true = Tensor::zeros((2, 2), DType::F32, &dev)?;
+        // delta 1: 0.5*0.25 = 0.125 and 1*(3-0.5) = 2.5 -> 1.3125; 1.5 and 0 -> 0.75.
+        assert_eq!(values(Huber::new().call(&y_true, &y_pred)?), [1.3125, 0.75]);
+        // delta 2: 0.125 and 2*(3-1) = 4 -> 2.0625; 0.5*4 = 2 and 0 -> 1.
+        assert_eq!(values(Huber::delta(2.0)?.call(&y_true, &y_pred)?), [2.0625, 1.0]);
+        assert!(Huber::delta(0.0).is_err() && Huber::delta(f64::NAN).is_err());
         Ok(())
     }
 
@@ -188,23 +466,19 @@ mod tests {
         let dev = Device::Cpu;
         let out = Tensor::new(&[[1f32, 2.], [0., 0.]], &dev)?;
         let y = Tensor::new(&[[0f32, 0.], [1., 1.]], &dev)?;
-        assert_eq!(
-            Loss::MeanSquaredError
-                .per_sample(&out, None, &y)?
-                .to_vec1::<f32>()?,
-            vec![2.5, 1.0]
-        );
-        assert!(Loss::SparseCategoricalCrossentropy
-            .check_targets(&Targets::Classes(10), &[10])
-            .is_ok());
-        let e = Loss::SparseCategoricalCrossentropy.check_targets(&Targets::Classes(12), &[10]);
+        assert_eq!(values(MeanSquaredError.call(&y, &out)?), [2.5, 1.0]);
+        let sce = SparseCategoricalCrossentropy::new();
+        assert!(sce.check_targets(&Targets::Classes(10), &[10]).is_ok());
+        let e = sce.check_targets(&Targets::Classes(12), &[10]);
         assert!(e.is_err_and(|e| e.to_string().contains("12 classes")));
-        assert!(Loss::CategoricalCrossentropy
-            .check_targets(&Targets::Classes(10), &[10])
-            .is_err());
-        assert!(Loss::MeanSquaredError
+        let cce = CategoricalCrossentropy::new();
+        assert!(cce.check_targets(&Targets::Classes(10), &[10]).is_err());
+        assert!(MeanSquaredError
             .check_targets(&Targets::Values(vec![3]), &[2])
             .is_err());
+        let bce = BinaryCrossentropy::new();
+        assert!(bce.check_targets(&Targets::Classes(2), &[1]).is_ok());
+        assert!(bce.check_targets(&Targets::Classes(3), &[1]).is_err());
         Ok(())
     }
 }

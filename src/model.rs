@@ -1,23 +1,30 @@
-//! `Model`: a compiled network. It owns the epoch loop (`fit`), `evaluate`, `predict`, and
-//! weight I/O; the strategy it was compiled with owns placement and the training step.
+//! `Model`: a compiled network. It owns the epoch loop (`fit`), `evaluate`, `predict`, their
+//! one-batch forms, and weight I/O; the strategy it was compiled with owns placement and the
+//! training step.
 //!
 //! `fit` stays short, as Keras's does: build the loader, wrap the callbacks, and for each epoch
-//! run `train_step` per batch, average the statistics, validate, and hand the logs to the
+//! run `train_step` per batch, reduce the statistics, validate, and hand the logs to the
 //! callbacks. Everything observable happens in callbacks.
+//!
+//! **Batch size** means the same everywhere: samples per replica per step. `fit`, `evaluate`
+//! and `predict` each run global batches of `batch_size_per_replica * num_replicas_in_sync()`
+//! samples (split across replicas and workers), so one number fits the model's memory on each
+//! device whatever the strategy.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::Tensor;
 
 use crate::callbacks::{Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity};
-use crate::data::{Augment, Dataset, Loader, LoaderOptions};
+use crate::data::{Augment, Batch, Dataset, Loader, LoaderOptions};
 use crate::layers::{Sequential, Summary};
-use crate::metrics::Metric;
+use crate::losses::Loss;
+use crate::metrics::Metrics;
 use crate::optimizers::OptimizerConfig;
 use crate::params::Weights;
-use crate::replica::ModelSpec;
-use crate::strategy::{DistributedModel, StepStats, Strategy, WorkerInfo};
-use crate::{Error, Loss, Result};
+use crate::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerInfo};
+use crate::{Error, Result};
 
 /// Options of [`Model::fit`], with Keras's defaults.
 pub struct FitOptions<'a> {
@@ -26,11 +33,15 @@ pub struct FitOptions<'a> {
     /// Samples per replica per step; the global batch is this times the number of replicas.
     /// Default 32.
     pub batch_size_per_replica: usize,
-    /// Data evaluated after each epoch, logged with a `val_` prefix.
+    /// Data evaluated after each epoch (every `validation_freq` epochs), logged with a `val_`
+    /// prefix.
     pub validation: Option<&'a dyn Dataset>,
     /// Fraction of the training data, taken from its end before shuffling, held out for
     /// validation instead of `validation`. Default 0.
     pub validation_split: f64,
+    /// Validate after every this many epochs (after epochs `f - 1`, `2f - 1`, ...; Keras's
+    /// integer `validation_freq`). Default 1.
+    pub validation_freq: usize,
     /// Shuffle the training data each epoch. Default true.
     pub shuffle: bool,
     /// Seed for shuffling; the model's seed when `None`.
@@ -52,6 +63,14 @@ pub struct FitOptions<'a> {
     ///
     /// [`RandomShiftFlip`]: crate::data::RandomShiftFlip
     pub augment: Option<Arc<dyn Augment>>,
+    /// One weight per training sample, in the dataset's order (Keras's `sample_weight`): each
+    /// sample's loss is multiplied by it. The loss stays divided by the number of samples, as
+    /// Keras's `sum_over_batch_size`. Default none.
+    pub sample_weight: Option<&'a [f32]>,
+    /// A weight per class (Keras's `class_weight`): each training sample's loss is multiplied
+    /// by its class's weight (classes not listed weigh 1). Works with class-index and one-hot
+    /// targets. Default none.
+    pub class_weight: Option<HashMap<usize, f32>>,
 }
 
 impl Default for FitOptions<'_> {
@@ -61,6 +80,7 @@ impl Default for FitOptions<'_> {
             batch_size_per_replica: 32,
             validation: None,
             validation_split: 0.0,
+            validation_freq: 1,
             shuffle: true,
             seed: None,
             callbacks: Vec::new(),
@@ -69,6 +89,63 @@ impl Default for FitOptions<'_> {
             steps_per_epoch: None,
             verbosity: Verbosity::Auto,
             augment: None,
+            sample_weight: None,
+            class_weight: None,
+        }
+    }
+}
+
+/// Options of [`Model::evaluate`]. A plain number converts into options with that batch size.
+pub struct EvaluateOptions<'a> {
+    /// Samples per replica per step, as in [`FitOptions`]. Default 32.
+    pub batch_size_per_replica: usize,
+    /// Callbacks; their `on_test_*` hooks run. Default none.
+    pub callbacks: Vec<Box<dyn Callback>>,
+    /// One weight per sample, in the dataset's order, for the loss. Default none.
+    pub sample_weight: Option<&'a [f32]>,
+}
+
+impl Default for EvaluateOptions<'_> {
+    fn default() -> Self {
+        Self {
+            batch_size_per_replica: 32,
+            callbacks: Vec::new(),
+            sample_weight: None,
+        }
+    }
+}
+
+impl From<usize> for EvaluateOptions<'_> {
+    fn from(batch_size_per_replica: usize) -> Self {
+        Self {
+            batch_size_per_replica,
+            ..Default::default()
+        }
+    }
+}
+
+/// Options of [`Model::predict`]. A plain number converts into options with that batch size.
+pub struct PredictOptions {
+    /// Samples per replica per step, as in [`FitOptions`]. Default 32.
+    pub batch_size_per_replica: usize,
+    /// Callbacks; their `on_predict_*` hooks run. Default none.
+    pub callbacks: Vec<Box<dyn Callback>>,
+}
+
+impl Default for PredictOptions {
+    fn default() -> Self {
+        Self {
+            batch_size_per_replica: 32,
+            callbacks: Vec::new(),
+        }
+    }
+}
+
+impl From<usize> for PredictOptions {
+    fn from(batch_size_per_replica: usize) -> Self {
+        Self {
+            batch_size_per_replica,
+            ..Default::default()
         }
     }
 }
@@ -77,7 +154,6 @@ impl Default for FitOptions<'_> {
 struct BuiltModel {
     input_shape: Vec<usize>,
     output_shape: Vec<usize>,
-    summary: Summary,
     replicas: Box<dyn DistributedModel>,
 }
 
@@ -85,8 +161,8 @@ struct BuiltModel {
 pub struct Model {
     network: Sequential,
     optimizer: Box<dyn OptimizerConfig>,
-    loss: Loss,
-    metrics: Vec<Metric>,
+    loss: Arc<dyn Loss>,
+    metrics: Metrics,
     strategy: Arc<dyn Strategy>,
     seed: u64,
     built: Option<BuiltModel>,
@@ -97,24 +173,42 @@ pub struct Model {
 impl Sequential {
     /// Compiles the network with an optimizer, a loss, metrics and a strategy. The model is
     /// built now if an input shape was declared, otherwise on first use.
-    pub fn compile<S, O, M>(
+    ///
+    /// `loss` is any [`Loss`] (Keras's built-ins live in [`crate::losses`]); `metrics` is an
+    /// array (`[Accuracy]`), a tuple of different metrics, `()`, or anything else that
+    /// converts into [`Metrics`].
+    pub fn compile<S, O, L, M>(
         self,
         optimizer: O,
-        loss: Loss,
+        loss: L,
         metrics: M,
         strategy: &S,
     ) -> Result<Model>
     where
         S: Strategy + Clone + 'static,
         O: OptimizerConfig,
-        M: IntoIterator<Item = Metric>,
+        L: Loss + 'static,
+        M: Into<Metrics>,
     {
         let learning_rate = optimizer.learning_rate();
+        let metrics = metrics.into();
+        let mut names = vec!["loss"];
+        for m in metrics.iter() {
+            let reserved = ["lr", "batch_loss"].contains(&m.name()) || m.name().starts_with("val_");
+            if reserved || names.contains(&m.name()) {
+                return Err(Error::invalid(format!(
+                    "metric name `{}` is taken or reserved: every metric needs its own log key, \
+                     not `loss`, `lr`, `batch_loss` or a `val_` prefix",
+                    m.name()
+                )));
+            }
+            names.push(m.name());
+        }
         let mut model = Model {
             network: self,
             optimizer: Box::new(optimizer),
-            loss,
-            metrics: metrics.into_iter().collect(),
+            loss: Arc::new(loss),
+            metrics,
             strategy: Arc::new(strategy.clone()),
             seed: 0,
             built: None,
@@ -152,25 +246,24 @@ impl Model {
                 got: crate::error::shape_with_batch(input_shape),
             });
         }
-        let summary = self.network.summary(input_shape)?;
-        let output_shape = summary
-            .rows
-            .last()
-            .map(|r| r.output_shape.clone())
-            .unwrap_or_default();
         let spec = ModelSpec {
             network: self.network.clone(),
             input_shape: input_shape.to_vec(),
             optimizer: self.optimizer.clone(),
-            loss: self.loss,
+            loss: Arc::clone(&self.loss),
             metrics: self.metrics.clone(),
             seed: self.seed,
         };
         let replicas = self.strategy.distribute(&spec)?;
+        let output_shape = replicas
+            .summary()
+            .rows
+            .last()
+            .map(|r| r.output_shape.clone())
+            .unwrap_or_default();
         self.built = Some(BuiltModel {
             input_shape: input_shape.to_vec(),
             output_shape,
-            summary,
             replicas,
         });
         Ok(())
@@ -198,8 +291,12 @@ impl Model {
             .ok_or_else(|| Error::NotReady("the model is not built".into()))
     }
 
-    /// Builds for `data`'s sample shape if needed, and checks that its targets fit the loss and
-    /// the model's output.
+    fn replicas(&mut self) -> Result<&mut dyn DistributedModel> {
+        Ok(self.built_mut()?.replicas.as_mut())
+    }
+
+    /// Builds for `data`'s sample shape if needed, and checks that its targets fit the loss,
+    /// the metrics and the model's output.
     fn prepare_for(&mut self, data: &dyn Dataset) -> Result<()> {
         if data.is_empty() {
             return Err(Error::EmptyDataset(data.name().to_string()));
@@ -214,12 +311,17 @@ impl Model {
             other => other,
         })?;
         let output_shape = self.built()?.output_shape.clone();
-        self.loss.check_targets(&data.targets(), &output_shape)
+        let targets = data.targets();
+        self.loss.check_targets(&targets, &output_shape)?;
+        for m in self.metrics.iter() {
+            m.check_targets(&targets, &output_shape)?;
+        }
+        Ok(())
     }
 
     /// The layer table: output shapes and trainable / non-trainable parameter counts.
     pub fn summary(&self) -> Result<&Summary> {
-        Ok(&self.built()?.summary)
+        Ok(self.built()?.replicas.summary())
     }
 
     /// The strategy's name and size, this worker's rank.
@@ -271,7 +373,7 @@ impl Model {
     /// Replaces every weight on every replica. Names and shapes must match exactly; otherwise
     /// nothing changes.
     pub fn set_weights(&mut self, weights: &Weights) -> Result<()> {
-        self.built_mut()?.replicas.set_weights(weights)
+        self.replicas()?.set_weights(weights)
     }
 
     /// Saves the weights as safetensors at `path`, atomically. Under multi-worker training only
@@ -303,10 +405,7 @@ impl Model {
         &self,
         data: &'d dyn Dataset,
         batch_size_per_replica: usize,
-        shuffle: bool,
-        seed: u64,
-        drop_remainder: bool,
-        augment: Option<Arc<dyn Augment>>,
+        options: LoaderOptions,
     ) -> Result<Loader<'d>> {
         if batch_size_per_replica == 0 {
             return Err(Error::invalid("batch size must be positive, got 0"));
@@ -316,12 +415,8 @@ impl Model {
             data,
             LoaderOptions {
                 batch_size: batch_size_per_replica * self.strategy.num_replicas_in_sync(),
-                shuffle,
-                seed,
-                drop_remainder,
                 shard: (worker.size > 1).then_some((worker.rank, worker.size)),
-                augment,
-                ..LoaderOptions::default()
+                ..options
             },
         )
     }
@@ -335,11 +430,13 @@ impl Model {
         }
         if options.validation_split > 0.0 {
             let (train, held_out) = crate::data::split_tail(data, options.validation_split)?;
+            let sample_weight = options.sample_weight.map(|w| &w[..w.len().min(train.len())]);
             return self.fit(
                 &train,
                 FitOptions {
                     validation: Some(&held_out),
                     validation_split: 0.0,
+                    sample_weight,
                     ..options
                 },
             );
@@ -347,18 +444,25 @@ impl Model {
         if options.steps_per_epoch == Some(0) {
             return Err(Error::invalid("steps_per_epoch must be positive"));
         }
+        if options.validation_freq == 0 {
+            return Err(Error::invalid("validation_freq must be positive"));
+        }
         self.prepare_for(data)?;
         if let Some(val) = options.validation {
             self.prepare_for(val)?;
         }
-        let seed = options.seed.unwrap_or(self.seed);
         let loader = self.loader(
             data,
             options.batch_size_per_replica,
-            options.shuffle,
-            seed,
-            options.drop_remainder,
-            options.augment.clone(),
+            LoaderOptions {
+                shuffle: options.shuffle,
+                seed: options.seed.unwrap_or(self.seed),
+                drop_remainder: options.drop_remainder,
+                augment: options.augment.clone(),
+                sample_weight: sample_weights(data, options.sample_weight)?,
+                class_weight: class_weights(data, options.class_weight.as_ref())?,
+                ..LoaderOptions::default()
+            },
         )?;
         let steps = loader
             .steps_per_epoch()
@@ -390,9 +494,14 @@ impl Model {
         for epoch in options.initial_epoch..options.epochs {
             callbacks.on_epoch_begin(epoch, self)?;
             logs = self.train_epoch(&loader, epoch, steps, &mut callbacks)?;
-            if let Some(val) = options.validation {
-                let val_logs = self.evaluate(val, options.batch_size_per_replica)?;
-                for (k, v) in &val_logs {
+            let validates = (epoch + 1) % options.validation_freq == 0;
+            if let Some(val) = options.validation.filter(|_| validates) {
+                let val_loader = self.loader(
+                    val,
+                    options.batch_size_per_replica,
+                    LoaderOptions::default(),
+                )?;
+                for (k, v) in &self.run_evaluation(&val_loader, &mut callbacks)? {
                     logs.set(format!("val_{k}"), v);
                 }
             }
@@ -433,17 +542,19 @@ impl Model {
                 let batch = batch?;
                 callbacks.on_train_batch_begin(step, self)?;
                 let lr = self.learning_rate;
-                let stats = self.built_mut()?.replicas.train_step(&batch, lr)?;
-                if !stats.applied && self.is_chief() {
-                    eprintln!(
-                        "warning: epoch {} step {}: the loss or a gradient is not finite; \
+                let stats = self.replicas()?.train_step(&batch, lr)?;
+                if !stats.applied && stats.samples > 0 && self.is_chief() {
+                    log::warn!(
+                        "epoch {} step {}: the loss or a gradient is not finite; \
                          the update was skipped",
                         epoch + 1,
                         step + 1
                     );
                 }
                 totals.add_training_step(&stats);
-                callbacks.on_train_batch_end(step, &totals.logs(), self)?;
+                let mut logs = totals.logs();
+                logs.set("batch_loss", batch_loss(&stats));
+                callbacks.on_train_batch_end(step, &logs, self)?;
                 if self.stop_training {
                     break;
                 }
@@ -453,60 +564,227 @@ impl Model {
         Ok(totals.logs())
     }
 
-    /// Loss and metrics over `data` in inference mode.
-    pub fn evaluate(&mut self, data: &dyn Dataset, batch_size_per_replica: usize) -> Result<Logs> {
+    /// Loss and metrics over `data` in inference mode. `options` is a batch size per replica,
+    /// or [`EvaluateOptions`] with callbacks and sample weights.
+    pub fn evaluate<'a>(
+        &mut self,
+        data: &dyn Dataset,
+        options: impl Into<EvaluateOptions<'a>>,
+    ) -> Result<Logs> {
+        let options = options.into();
         self.prepare_for(data)?;
-        let loader = self.loader(data, batch_size_per_replica, false, 0, false, None)?;
+        let loader = self.loader(
+            data,
+            options.batch_size_per_replica,
+            LoaderOptions {
+                sample_weight: sample_weights(data, options.sample_weight)?,
+                ..LoaderOptions::default()
+            },
+        )?;
+        let mut callbacks = CallbackList::new(options.callbacks, self.is_chief());
+        self.run_evaluation(&loader, &mut callbacks)
+    }
+
+    fn run_evaluation(
+        &mut self,
+        loader: &Loader<'_>,
+        callbacks: &mut CallbackList,
+    ) -> Result<Logs> {
         let mut totals = Totals::new(&self.metrics);
-        let replicas = &mut self.built_mut()?.replicas;
+        callbacks.on_test_begin(self)?;
         std::thread::scope(|scope| -> Result<()> {
-            for batch in loader.spawn(scope, 0) {
-                totals.add(&replicas.test_step(&batch?)?);
+            for (step, batch) in loader.spawn(scope, 0).enumerate() {
+                callbacks.on_test_batch_begin(step, self)?;
+                totals.add(&self.replicas()?.test_step(&batch?)?);
+                callbacks.on_test_batch_end(step, &totals.logs(), self)?;
             }
             Ok(())
         })?;
+        let logs = totals.logs();
+        callbacks.on_test_end(&logs, self)?;
+        Ok(logs)
+    }
+
+    /// The model's outputs for `x` (`(n, input_shape...)`, any device) on the CPU, computed in
+    /// global batches of `batch_size_per_replica * num_replicas_in_sync()` (each replica takes
+    /// its part). `options` is that batch size, or [`PredictOptions`] with callbacks. Under
+    /// multi-worker training each worker predicts all of `x` on its own replicas.
+    pub fn predict(&mut self, x: &Tensor, options: impl Into<PredictOptions>) -> Result<Tensor> {
+        let options = options.into();
+        if options.batch_size_per_replica == 0 {
+            return Err(Error::invalid("batch size must be positive, got 0"));
+        }
+        let n = self.prepare_inputs(x)?;
+        let x = x.to_dtype(candle_core::DType::F32)?;
+        let batch = options.batch_size_per_replica * self.strategy.local_replicas();
+        let mut callbacks = CallbackList::new(options.callbacks, self.is_chief());
+        callbacks.on_predict_begin(self)?;
+        let mut outputs = Vec::with_capacity(n.div_ceil(batch));
+        for (step, start) in (0..n).step_by(batch).enumerate() {
+            callbacks.on_predict_batch_begin(step, self)?;
+            let part = x.narrow(0, start, batch.min(n - start))?;
+            let out = self.replicas()?.predict_step(&part)?;
+            callbacks.on_predict_batch_end(step, &out, self)?;
+            outputs.push(out);
+        }
+        callbacks.on_predict_end(self)?;
+        Ok(Tensor::cat(&outputs, 0)?)
+    }
+
+    /// Checks that `x` has a batch dimension and samples, builds for its sample shape if
+    /// needed, and returns its sample count.
+    fn prepare_inputs(&mut self, x: &Tensor) -> Result<usize> {
+        let dims = x.dims();
+        let Some((&n, sample)) = dims.split_first() else {
+            return Err(Error::invalid("the inputs need a batch dimension"));
+        };
+        if n == 0 {
+            return Err(Error::EmptyDataset("the inputs".into()));
+        }
+        self.build(sample)?;
+        Ok(n)
+    }
+
+    /// One batch as `fit` would see it: checked against the loss, on the CPU, `f32` inputs.
+    fn one_batch(&mut self, x: &Tensor, y: &Tensor, sample_weight: Option<&Tensor>) -> Result<Batch> {
+        let n = self.prepare_inputs(x)?;
+        let data = crate::data::InMemoryDataset::new(x.clone(), y.clone())?.named("the batch");
+        let output_shape = self.built()?.output_shape.clone();
+        self.loss.check_targets(&data.targets(), &output_shape)?;
+        let (x, y) = data.to_tensors()?;
+        let batch = Batch::new(x, y);
+        Ok(match sample_weight {
+            Some(w) if w.dims() != [n] => {
+                return Err(Error::Shape {
+                    layer: "sample_weight".into(),
+                    expected: format!("({n},)"),
+                    got: format!("{:?}", w.dims()),
+                })
+            }
+            Some(w) => batch.with_weights(w.to_device(&candle_core::Device::Cpu)?.to_dtype(candle_core::DType::F32)?),
+            None => batch,
+        })
+    }
+
+    /// One training step on this batch, as Keras's `train_on_batch`: the whole batch is the
+    /// global batch (split across this process's replicas; under multi-worker training each
+    /// worker passes its own part). Returns the batch's loss and metrics. An update whose loss
+    /// or gradients are not finite is not applied, and the loss is then NaN.
+    pub fn train_on_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Logs> {
+        let batch = self.one_batch(x, y, sample_weight)?;
+        let lr = self.learning_rate;
+        let stats = self.replicas()?.train_step(&batch, lr)?;
+        let mut totals = Totals::new(&self.metrics);
+        totals.add_training_step(&stats);
         Ok(totals.logs())
     }
 
-    /// The model's outputs for `x` (`(n, input_shape...)`, any device), in batches of
-    /// `batch_size`, on the CPU.
-    pub fn predict(&mut self, x: &Tensor, batch_size: usize) -> Result<Tensor> {
-        if batch_size == 0 {
-            return Err(Error::invalid("batch size must be positive, got 0"));
-        }
-        let dims = x.dims();
-        let Some((&n, sample)) = dims.split_first() else {
-            return Err(Error::invalid("predict needs a batch dimension"));
-        };
-        if n == 0 {
-            return Err(Error::EmptyDataset("predict input".into()));
-        }
-        self.build(sample)?;
+    /// Loss and metrics of this batch in inference mode, as Keras's `test_on_batch`.
+    pub fn test_on_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Logs> {
+        let batch = self.one_batch(x, y, sample_weight)?;
+        let stats = self.replicas()?.test_step(&batch)?;
+        let mut totals = Totals::new(&self.metrics);
+        totals.add(&stats);
+        Ok(totals.logs())
+    }
+
+    /// The outputs for this batch in one step, as Keras's `predict_on_batch`.
+    pub fn predict_on_batch(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.prepare_inputs(x)?;
         let x = x.to_dtype(candle_core::DType::F32)?;
-        let replicas = &mut self.built_mut()?.replicas;
-        let outputs = (0..n)
-            .step_by(batch_size)
-            .map(|start| replicas.predict_step(&x.narrow(0, start, batch_size.min(n - start))?))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&outputs, 0)?)
+        self.replicas()?.predict_step(&x)
     }
 }
 
-/// Running sums of a pass over the data, turned into mean logs.
+/// `sample_weight` checked against `data`: one finite, non-negative weight per sample.
+fn sample_weights(data: &dyn Dataset, weights: Option<&[f32]>) -> Result<Option<Arc<[f32]>>> {
+    let Some(weights) = weights else {
+        return Ok(None);
+    };
+    if weights.len() != data.len() {
+        return Err(Error::invalid(format!(
+            "sample_weight has {} values but `{}` has {} samples",
+            weights.len(),
+            data.name(),
+            data.len()
+        )));
+    }
+    if let Some((i, w)) = weights
+        .iter()
+        .enumerate()
+        .find(|(_, w)| !(w.is_finite() && **w >= 0.0))
+    {
+        return Err(Error::invalid(format!(
+            "sample_weight[{i}] is {w}; weights must be finite and >= 0"
+        )));
+    }
+    Ok(Some(weights.into()))
+}
+
+/// `class_weight` as one weight per class index (1 for classes not listed), checked against
+/// `data`'s classes.
+fn class_weights(
+    data: &dyn Dataset,
+    weights: Option<&HashMap<usize, f32>>,
+) -> Result<Option<Arc<[f32]>>> {
+    let Some(weights) = weights else {
+        return Ok(None);
+    };
+    let classes = match data.targets() {
+        crate::data::Targets::Classes(k) => k,
+        crate::data::Targets::Values(shape) => shape.iter().product(),
+    };
+    let mut dense = vec![1f32; classes];
+    for (&class, &w) in weights {
+        if !(w.is_finite() && w >= 0.0) {
+            return Err(Error::invalid(format!(
+                "class_weight for class {class} is {w}; weights must be finite and >= 0"
+            )));
+        }
+        let slot = dense.get_mut(class).ok_or_else(|| {
+            Error::invalid(format!(
+                "class_weight names class {class}, but `{}` has {classes} classes",
+                data.name()
+            ))
+        })?;
+        *slot = w;
+    }
+    Ok(Some(dense.into()))
+}
+
+/// The loss of one step alone: NaN when the step was not applied (its loss or a gradient was
+/// not finite), so `TerminateOnNaN` sees it at once.
+fn batch_loss(stats: &StepStats) -> f64 {
+    match stats.sums.first() {
+        Some(_) if !stats.applied && stats.samples > 0 => f64::NAN,
+        Some(loss) => loss / stats.samples.max(1) as f64,
+        None => f64::NAN,
+    }
+}
+
+/// Running sums of a pass over the data, turned into logs: the mean loss and each metric's
+/// result from its summed state.
 struct Totals {
-    names: Vec<String>,
+    metrics: Metrics,
     samples: usize,
     sums: Vec<f64>,
 }
 
 impl Totals {
-    fn new(metrics: &[Metric]) -> Self {
-        let names: Vec<String> = std::iter::once("loss".to_string())
-            .chain(metrics.iter().map(|m| m.name()))
-            .collect();
+    fn new(metrics: &Metrics) -> Self {
         Self {
-            sums: vec![0.0; names.len()],
-            names,
+            sums: vec![0.0; 1 + metrics.state_size()],
+            metrics: metrics.clone(),
             samples: 0,
         }
     }
@@ -532,8 +810,9 @@ impl Totals {
 
     fn logs(&self) -> Logs {
         let mut logs = Logs::new();
-        for (name, sum) in self.names.iter().zip(&self.sums) {
-            logs.set(name.clone(), sum / self.samples.max(1) as f64);
+        logs.set("loss", self.sums[0] / self.samples.max(1) as f64);
+        for (name, value) in self.metrics.results(&self.sums[1..]) {
+            logs.set(name.to_string(), value);
         }
         logs
     }

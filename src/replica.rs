@@ -1,21 +1,27 @@
 //! `Replica`: one copy of the model on one device, and the training step written once.
 //!
 //! Every strategy is made of replicas. A replica builds the network from the recipe, owns its
-//! variables and its optimizer, and knows how to turn a batch into gradients and summed
-//! statistics ([`Replica::compute_gradients`]) and how to apply gradients
-//! ([`Replica::apply_gradients`]). Strategies decide where replicas live and how gradients are
-//! combined between those two calls.
+//! variables and its optimizer, turns its part of a batch into a step buffer
+//! ([`Replica::step_buffer`]) and runs the step's final phase on the buffers' sum
+//! ([`Replica::finish_step`]). Strategies decide only where replicas live and how their buffers
+//! are summed between those two calls (see [`crate::strategy::step`]).
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::backprop::Backprop;
 use crate::cross_replica::ReplicaHandle;
-use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet};
-use crate::metrics::Metric;
+use crate::data::Batch;
+use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet, Summary};
+use crate::losses::Loss;
+use crate::metrics::Metrics;
 use crate::optimizers::{Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
-use crate::{Loss, Result};
+use crate::strategy::fused::{fuse, FusedLayout};
+use crate::strategy::step::{StepLayout, StepTotals};
+use crate::Result;
 
 /// Everything needed to build a replica: the recipe, the input shape and the training setup.
 #[derive(Clone)]
@@ -27,9 +33,9 @@ pub struct ModelSpec {
     /// The optimizer recipe.
     pub optimizer: Box<dyn OptimizerConfig>,
     /// The loss.
-    pub loss: Loss,
+    pub loss: Arc<dyn Loss>,
     /// Metrics reported besides the loss.
-    pub metrics: Vec<Metric>,
+    pub metrics: Metrics,
     /// Seed for initial values (and dropout masks).
     pub seed: u64,
 }
@@ -46,22 +52,32 @@ impl std::fmt::Debug for ModelSpec {
 }
 
 impl ModelSpec {
-    /// Number of statistics a step reports: the loss, then one per metric.
+    /// Number of sums a step reports: the loss sum, then every metric's state.
     pub fn num_stats(&self) -> usize {
-        1 + self.metrics.len()
+        1 + self.metrics.state_size()
     }
 }
 
 /// The gradients of one replica's share of a step, and the statistics it summed.
 pub struct Gradients {
-    /// One detached gradient per trainable variable, in [`Replica::trainable_vars`] order.
+    /// One detached gradient of the (weighted) loss *sum* per trainable variable, in
+    /// [`Replica::trainable_vars`] order.
     pub grads: Vec<Tensor>,
-    /// `[loss_sum, metric_sum...]` over the replica's samples, an `f32` vector on its device.
+    /// `[loss_sum, metric states...]` over the replica's samples, an `f32` vector on its device.
     pub stats: Tensor,
     /// Samples the replica processed.
     pub samples: usize,
-    /// The moving statistics as they were before this forward pass, to undo its updates with
-    /// [`Replica::discard`] when the step is not applied.
+    /// The moving statistics as they were before this forward pass, to undo its updates when
+    /// the step is not applied.
+    pub statistics_before: Vec<Tensor>,
+}
+
+/// A replica's share of a step as one buffer laid out by [`StepLayout`], ready to be summed
+/// with the other replicas'.
+pub struct StepBuffer {
+    /// `[gradients..., sums..., sample count, statistics x samples...]` on the replica's device.
+    pub fused: Tensor,
+    /// The moving statistics before the forward pass, for [`Replica::finish_step`].
     pub statistics_before: Vec<Tensor>,
 }
 
@@ -73,8 +89,10 @@ pub struct Replica {
     trainable: Vec<Var>,
     statistics: Vec<Var>,
     optimizer: Box<dyn Optimizer>,
-    loss: Loss,
-    metrics: Vec<Metric>,
+    loss: Arc<dyn Loss>,
+    metrics: Metrics,
+    layout: Arc<StepLayout>,
+    summary: Summary,
     backprop: Backprop,
 }
 
@@ -96,13 +114,15 @@ impl Replica {
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
-        if device.is_cpu() {
-            crate::allocator::keep_freed_memory();
-        }
-        let (net, store, _) = spec.network.build_in(ctx, &spec.input_shape)?;
+        let (net, store, summary) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
         let statistics = store.statistics();
         let optimizer = spec.optimizer.build(trainable.clone())?;
+        let layout = Arc::new(StepLayout {
+            grads: FusedLayout::from_shapes(trainable.iter().map(|v| v.shape().clone())),
+            num_stats: spec.num_stats(),
+            statistics: FusedLayout::from_shapes(statistics.iter().map(|v| v.shape().clone())),
+        });
         Ok(Self {
             device,
             net,
@@ -110,8 +130,10 @@ impl Replica {
             trainable,
             statistics,
             optimizer,
-            loss: spec.loss,
+            loss: Arc::clone(&spec.loss),
             metrics: spec.metrics.clone(),
+            layout,
+            summary,
             backprop: Backprop::from_env(),
         })
     }
@@ -137,20 +159,34 @@ impl Replica {
         &self.trainable
     }
 
+    /// The moving statistics (batch-norm running means and variances), in creation order.
+    pub fn statistics(&self) -> &[Var] {
+        &self.statistics
+    }
+
+    /// The layer table of the built network.
+    pub fn summary(&self) -> &Summary {
+        &self.summary
+    }
+
     /// The built network.
     pub fn network(&self) -> &SequentialNet {
         &self.net
     }
 
-    /// Forward and backward on `x`, `y` (already on this device). The objective is the sum of
-    /// per-sample losses divided by `global_samples`, the number of samples in the whole step
-    /// across all replicas, so that summing the replicas' gradients gives exactly the mean
-    /// gradient of the global batch, whatever the split.
+    /// How this replica's step buffers are laid out (the same for every replica of a spec).
+    pub fn layout(&self) -> &Arc<StepLayout> {
+        &self.layout
+    }
+
+    /// Forward and backward on `x`, `y` (already on this device), each sample's loss weighted
+    /// by `weights` when given. The gradients are those of the weighted loss *sum*; the final
+    /// phase of the step divides them by the global batch's sample count.
     pub fn compute_gradients(
         &self,
         x: &Tensor,
         y: &Tensor,
-        global_samples: usize,
+        weights: Option<&Tensor>,
     ) -> Result<Gradients> {
         let samples = x.dim(0)?;
         if samples == 0 {
@@ -158,9 +194,9 @@ impl Replica {
         }
         let statistics_before = self.statistics_snapshot()?;
         let (grads, loss_sum, output) = if self.backprop.recorded_on(&self.device) {
-            self.recorded_backward(x, y, global_samples)?
+            self.recorded_backward(x, y, weights)?
         } else {
-            self.candle_backward(x, y, global_samples)?
+            self.candle_backward(x, y, weights)?
         };
         let stats = self.stats(&loss_sum, &output, y)?;
         Ok(Gradients {
@@ -171,17 +207,76 @@ impl Replica {
         })
     }
 
-    /// The loss summed over the batch, and its objective: the sum over `global_samples`.
-    fn objective(
+    /// This replica's share of a step on `part` (on the CPU): its gradients and sums, fused
+    /// into one buffer laid out by [`Self::layout`] that adds up with the other replicas'.
+    pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
+        let (x, y, w) = part.to_device(&self.device)?;
+        let g = self.compute_gradients(&x, &y, w.as_ref())?;
+        let samples = Tensor::new(&[g.samples as f32], &self.device)?;
+        let statistics = self
+            .statistics
+            .iter()
+            .map(|v| Ok((v.as_tensor() * g.samples as f64)?))
+            .collect::<Result<Vec<_>>>()?;
+        let mut parts: Vec<&Tensor> = g.grads.iter().collect();
+        parts.push(&g.stats);
+        parts.push(&samples);
+        parts.extend(statistics.iter());
+        Ok(StepBuffer {
+            fused: fuse(&parts)?,
+            statistics_before: g.statistics_before,
+        })
+    }
+
+    /// The final phase of a step, the same for every strategy: with `total`, the sum of every
+    /// replica's [`StepBuffer`] (on any device), and `totals`, what [`StepLayout::read`] read
+    /// from it. An applied step ([`StepTotals::applies`]) divides the gradients by the global
+    /// sample count, runs the optimizer at `lr`, and sets the moving statistics to their mean
+    /// weighted by sample count; a step that does not apply puts back `statistics_before`
+    /// (those of this replica's forward pass, or none for a replica that ran no forward pass).
+    pub fn finish_step(
+        &mut self,
+        total: &Tensor,
+        totals: &StepTotals,
+        statistics_before: &[Tensor],
+        lr: f64,
+    ) -> Result<()> {
+        if !totals.applies() {
+            for (var, before) in self.statistics.iter().zip(statistics_before) {
+                var.set(before)?;
+            }
+            return Ok(());
+        }
+        let per_sample = 1.0 / totals.samples as f64;
+        let total = total.to_device(&self.device)?;
+        let layout = Arc::clone(&self.layout);
+        let grads = (total.narrow(0, 0, layout.grads.len())? * per_sample)?;
+        self.optimizer.step(&layout.grads.split(&grads, 0)?, lr)?;
+        if !self.statistics.is_empty() {
+            let statistics = total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
+            let means = layout.statistics.split(&(statistics * per_sample)?, 0)?;
+            for (var, mean) in self.statistics.iter().zip(means) {
+                var.set(&mean)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The loss summed over the batch (each sample's loss weighted by `weights` when given);
+    /// it is also the objective that is differentiated.
+    fn loss_sum(
         &self,
         output: &Tensor,
         logits: Option<&Tensor>,
         y: &Tensor,
-        global_samples: usize,
-    ) -> Result<(Tensor, Tensor)> {
-        let loss_sum = self.loss.per_sample(output, logits, y)?.sum_all()?;
-        let objective = (&loss_sum / global_samples.max(1) as f64)?;
-        Ok((loss_sum, objective))
+        weights: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let per_sample = self.loss.call_with_logits(y, output, logits)?;
+        let per_sample = match weights {
+            Some(w) => (per_sample * w.to_dtype(output.dtype())?)?,
+            None => per_sample,
+        };
+        Ok(per_sample.sum_all()?)
     }
 
     /// The gradients (in trainable order), the summed loss and the output, through candle's
@@ -190,11 +285,11 @@ impl Replica {
         &self,
         x: &Tensor,
         y: &Tensor,
-        global_samples: usize,
+        weights: Option<&Tensor>,
     ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
         let (output, logits) = self.net.forward_with_logits(x, true)?;
-        let (loss_sum, objective) = self.objective(&output, logits.as_ref(), y, global_samples)?;
-        let mut store = objective.backward()?;
+        let loss_sum = self.loss_sum(&output, logits.as_ref(), y, weights)?;
+        let mut store = loss_sum.backward()?;
         let grads = self
             .trainable
             .iter()
@@ -213,7 +308,7 @@ impl Replica {
         &self,
         x: &Tensor,
         y: &Tensor,
-        global_samples: usize,
+        weights: Option<&Tensor>,
     ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
         let recorded = self.net.forward_recorded_with_logits(&x.detach())?;
         let head = Var::from_tensor(recorded.logits.as_ref().unwrap_or(&recorded.output))?;
@@ -224,8 +319,8 @@ impl Replica {
             ),
             None => (head.as_tensor().clone(), None),
         };
-        let (loss_sum, objective) = self.objective(&output, logits, y, global_samples)?;
-        let dhead = match objective.backward()?.remove(head.as_tensor()) {
+        let loss_sum = self.loss_sum(&output, logits, y, weights)?;
+        let dhead = match loss_sum.backward()?.remove(head.as_tensor()) {
             Some(g) => g,
             None => head.as_tensor().zeros_like()?,
         };
@@ -249,18 +344,12 @@ impl Replica {
             .collect()
     }
 
-    /// Undoes the moving-statistic updates of the forward pass that produced `g`, for a step
-    /// that is not applied.
-    pub fn discard(&self, g: &Gradients) -> Result<()> {
-        for (var, before) in self.statistics.iter().zip(&g.statistics_before) {
-            var.set(before)?;
-        }
-        Ok(())
-    }
-
-    /// The moving statistics (batch-norm running means and variances), in creation order.
-    pub fn statistics(&self) -> &[Var] {
-        &self.statistics
+    fn zero_stats(&self) -> Result<Tensor> {
+        Ok(Tensor::zeros(
+            self.layout.num_stats,
+            DType::F32,
+            &self.device,
+        )?)
     }
 
     fn zero_gradients(&self) -> Result<Gradients> {
@@ -269,58 +358,41 @@ impl Replica {
             .iter()
             .map(|v| Ok(v.as_tensor().zeros_like()?))
             .collect::<Result<Vec<_>>>()?;
-        let stats = Tensor::zeros(1 + self.metrics.len(), DType::F32, &self.device)?;
         Ok(Gradients {
             grads,
-            stats,
+            stats: self.zero_stats()?,
             samples: 0,
             statistics_before: Vec::new(),
         })
     }
 
+    /// `[loss_sum, metric states...]` as one `f32` vector.
     fn stats(&self, loss_sum: &Tensor, output: &Tensor, y: &Tensor) -> Result<Tensor> {
         let mut parts = vec![loss_sum.detach().to_dtype(DType::F32)?.reshape(1)?];
-        for m in &self.metrics {
-            parts.push(m.batch_sum(output, y, self.loss)?.reshape(1)?);
-        }
+        parts.extend(self.metrics.batch_states(y, output)?);
         Ok(Tensor::cat(&parts, 0)?)
     }
 
-    /// Applies one optimizer step with these gradients (in [`Self::trainable_vars`] order).
+    /// Applies one optimizer step with these gradients (in [`Self::trainable_vars`] order),
+    /// as they are.
     pub fn apply_gradients(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         self.optimizer.step(grads, lr)
     }
 
-    /// `[loss_sum, metric_sum...]` of `x`, `y` in inference mode, on this device.
-    pub fn evaluate(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        if x.dim(0)? == 0 {
-            return Ok(Tensor::zeros(
-                1 + self.metrics.len(),
-                DType::F32,
-                &self.device,
-            )?);
+    /// `[loss_sum, metric states...]` of `part` (on the CPU) in inference mode, on this
+    /// device.
+    pub fn evaluate(&self, part: &Batch) -> Result<Tensor> {
+        if part.is_empty() {
+            return self.zero_stats();
         }
-        let (output, logits) = self.net.forward_with_logits(x, false)?;
-        let loss_sum = self
-            .loss
-            .per_sample(&output, logits.as_ref(), y)?
-            .sum_all()?;
-        self.stats(&loss_sum, &output, y)
+        let (x, y, w) = part.to_device(&self.device)?;
+        let (output, logits) = self.net.forward_with_logits(&x, false)?;
+        let loss_sum = self.loss_sum(&output, logits.as_ref(), &y, w.as_ref())?;
+        self.stats(&loss_sum, &output, &y)
     }
 
     /// The model's output for `x` in inference mode.
     pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
         self.net.forward_t(x, false)
     }
-}
-
-/// A finite-ness probe over the statistics and gradients: one scalar that is finite exactly
-/// when all of them are, so a single host read decides whether a step may be applied.
-pub fn finite_probe(stats: &Tensor, grads: &[Tensor]) -> Result<Tensor> {
-    let mut total = stats.sum_all()?.to_dtype(DType::F32)?;
-    for g in grads {
-        total = (total + g.sum_all()?.to_dtype(DType::F32)?)?;
-    }
-    // 0 * x is NaN exactly when x is NaN or infinite.
-    Ok((total * 0.0)?)
 }

@@ -1,31 +1,50 @@
-//! The [`Strategy`] trait: where a model's variables live and how one training step runs.
+//! Distribution: the [`Strategy`] trait, [`OneDeviceStrategy`], and everything a strategy
+//! author needs, in one place.
 //!
 //! A strategy owns placement, replication, reduction and where the update happens. It never
 //! owns the epoch loop: `fit` is written once and drives any strategy through
-//! [`DistributedModel`]. [`OneDeviceStrategy`] lives here; Mirrored, CentralStorage and
-//! MultiWorkerMirrored live in `kandle-strategies` and implement the same two traits.
+//! [`DistributedModel`]. Mirrored, CentralStorage and MultiWorkerMirrored live in
+//! `kandle-strategies` and are built from the parts below.
+//!
+//! The parts of a strategy:
+//! - [`ModelSpec`] is what [`Strategy::distribute`] gets: the recipe, the input shape, the
+//!   optimizer, loss and metrics, the seed;
+//! - a [`Replica`] is one copy of the model on one device. Its part of a step becomes one
+//!   [`StepBuffer`] ([`Replica::step_buffer`]); the buffers of all replicas (and workers) are
+//!   summed by whatever means the strategy has; every replica that holds the variables then
+//!   runs the step's final phase on the total ([`Replica::finish_step`], see [`step`]), which
+//!   decides whether the step applies and how gradients and moving statistics are scaled, the
+//!   same for every strategy;
+//! - [`fused`] flattens many tensors into one buffer and back, so a step crosses devices and
+//!   processes in one transfer;
+//! - [`ReplicaGroup`] and [`ReplicaHandle`] let batch normalisation sum its statistics across
+//!   replicas inside the forward pass (`SyncBatchNorm`).
 //!
 //! Contract every implementation keeps:
 //! - **Equivalence**: for a model without per-replica batch statistics, a step at global batch
-//!   `B` gives the weights one device would get at batch `B` (replicas scale their loss by the
-//!   global sample count, see [`crate::replica::Replica::compute_gradients`]).
-//! - **Global statistics**: [`StepStats`] are summed over every replica and worker.
+//!   `B` gives the weights one device would get at batch `B`;
+//! - **Global statistics**: [`StepStats`] are summed over every replica and worker;
 //! - **No bad update**: a step whose loss or gradients are not finite is not applied
-//!   ([`StepStats::applied`] is false), so the last good weights survive.
+//!   ([`StepStats::applied`] is false), so the last good weights survive;
 //! - **Canonical weights**: [`DistributedModel::weights`] uses the recipe's names, whatever the
 //!   strategy, so checkpoints move freely between strategies.
 
+pub mod fused;
 mod one_device;
-
-pub use one_device::batch_to;
+pub mod step;
 
 pub use one_device::OneDeviceStrategy;
+
+pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
+pub use crate::error::panic_message;
+pub use crate::backprop::Backprop;
+pub use crate::replica::{Gradients, ModelSpec, Replica, StepBuffer};
 
 use candle_core::Tensor;
 
 use crate::data::Batch;
+use crate::layers::Summary;
 use crate::params::Weights;
-use crate::replica::ModelSpec;
 use crate::Result;
 
 /// This process's place among the workers of a multi-process job.
@@ -115,6 +134,9 @@ pub trait DistributedModel: Send {
 
     /// The current weights by canonical name, on the CPU.
     fn weights(&self) -> Result<Weights>;
+
+    /// The layer table of the network the strategy built (its replicas' common recipe).
+    fn summary(&self) -> &Summary;
 
     /// Replaces all weights on every replica. Fails without changing anything when the names or
     /// shapes do not match.

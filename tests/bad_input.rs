@@ -17,8 +17,8 @@ fn small_net() -> Sequential {
 fn compile(net: Sequential) -> kandle::Result<Model> {
     net.compile(
         Sgd::new(0.1),
-        Loss::SparseCategoricalCrossentropy,
-        [Metric::Accuracy],
+        SparseCategoricalCrossentropy::new(),
+        [Accuracy],
         &OneDeviceStrategy::cpu(),
     )
 }

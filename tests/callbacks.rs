@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::callbacks::{
     Callback, CsvLogger, EarlyStopping, Logs, ModelCheckpoint, PlotHistory, ReduceLROnPlateau,
     TerminateOnNaN, Verbosity,
@@ -14,7 +15,7 @@ use kandle::data::{digits, Dataset, InMemoryDataset};
 use kandle::layers::{Activation, Dense, Flatten, Sequential};
 use kandle::optimizers::{Adam, OptimizerConfig, Sgd};
 use kandle::params::Weights;
-use kandle::{FitOptions, Loss, Metric, Model, OneDeviceStrategy};
+use kandle::{FitOptions, Model, OneDeviceStrategy};
 
 /// A small MLP for the 8×8 digits. Every call builds the same initial weights.
 fn mlp(optimizer: impl OptimizerConfig) -> kandle::Result<Model> {
@@ -27,8 +28,8 @@ fn mlp(optimizer: impl OptimizerConfig) -> kandle::Result<Model> {
         .add(Activation::Softmax)
         .compile(
             optimizer,
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             &OneDeviceStrategy::cpu(),
         )
 }
@@ -43,8 +44,8 @@ fn linear(optimizer: impl OptimizerConfig) -> kandle::Result<Model> {
         .add(Activation::Softmax)
         .compile(
             optimizer,
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             &OneDeviceStrategy::cpu(),
         )
 }

@@ -1,12 +1,13 @@
 //! `LearningRateScheduler` inside `fit`: the schedule's rate is set before every epoch and
 //! recorded as `lr` in the history.
 
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::callbacks::{Callback, LearningRateScheduler, Verbosity};
 use kandle::data::{Dataset, Targets};
 use kandle::layers::{Activation, Dense, Sequential};
 use kandle::optimizers::Sgd;
 use kandle::schedules::PolynomialDecay;
-use kandle::{Error, FitOptions, Loss, Metric, Model, OneDeviceStrategy};
+use kandle::{Error, FitOptions, Model, OneDeviceStrategy};
 
 /// Eight points in the plane, class 1 when x + y > 0.
 struct Points;
@@ -48,8 +49,8 @@ fn tiny_model() -> kandle::Result<Model> {
         .add(Activation::Softmax)
         .compile(
             Sgd::new(0.5).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             &OneDeviceStrategy::cpu(),
         )
 }

@@ -7,14 +7,15 @@
 //! the same way and reaches the same weights.
 
 use candle_core::{DType, Device, Tensor};
-use kandle::backprop::Backprop;
 use kandle::layers::{
     Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense, Dropout,
     Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
 };
 use kandle::optimizers::Sgd;
-use kandle::replica::{ModelSpec, Replica};
-use kandle::{Loss, Metric};
+use kandle::data::Batch;
+use kandle::losses::CategoricalCrossentropy;
+use kandle::metrics::Accuracy;
+use kandle::strategy::{Backprop, ModelSpec, Replica};
 
 fn conv_bn_relu(filters: usize, k: usize, stride: usize, padding: Padding) -> Sequential {
     Sequential::new()
@@ -60,8 +61,8 @@ fn spec(network: Sequential) -> ModelSpec {
         network,
         input_shape: vec![3, 11, 11],
         optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
-        loss: Loss::CategoricalCrossentropy,
-        metrics: vec![Metric::Accuracy],
+        loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
+        metrics: [Accuracy].into(),
         seed: 7,
     }
 }
@@ -97,8 +98,8 @@ fn relative_difference(a: &Tensor, b: &Tensor) -> kandle::Result<f32> {
 fn gradients_match_candle_autograd() -> kandle::Result<()> {
     let (recorded, candle) = replicas()?;
     let (x, y) = batch(6, 1)?;
-    let ours = recorded.compute_gradients(&x, &y, 8)?;
-    let theirs = candle.compute_gradients(&x, &y, 8)?;
+    let ours = recorded.compute_gradients(&x, &y, None)?;
+    let theirs = candle.compute_gradients(&x, &y, None)?;
     assert_eq!(ours.grads.len(), theirs.grads.len());
     assert_eq!(ours.grads.len(), recorded.trainable_vars().len());
     let names: Vec<String> = recorded
@@ -129,9 +130,11 @@ fn training_reaches_the_same_weights() -> kandle::Result<()> {
     for step in 0..5 {
         // A short last batch, as an epoch's remainder gives.
         let (x, y) = batch(if step == 4 { 3 } else { 8 }, step)?;
+        let batch = Batch::new(x, y);
         for replica in [&mut recorded, &mut candle] {
-            let g = replica.compute_gradients(&x, &y, x.dim(0)?)?;
-            replica.apply_gradients(&g.grads, 0.05)?;
+            let step = replica.step_buffer(&batch)?;
+            let totals = replica.layout().read(&step.fused)?;
+            replica.finish_step(&step.fused, &totals, &step.statistics_before, 0.05)?;
         }
     }
     let (ours, theirs) = (recorded.store().weights()?, candle.store().weights()?);
@@ -153,7 +156,7 @@ fn a_wrong_input_shape_names_the_network() -> kandle::Result<()> {
     let (replica, _) = replicas()?;
     let x = Tensor::zeros((2, 3, 10, 11), DType::F32, &Device::Cpu)?;
     let y = Tensor::zeros((2, 5), DType::F32, &Device::Cpu)?;
-    let err = match replica.compute_gradients(&x, &y, 2) {
+    let err = match replica.compute_gradients(&x, &y, None) {
         Ok(_) => panic!("a 10x11 input trained"),
         Err(e) => e.to_string(),
     };

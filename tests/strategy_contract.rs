@@ -6,8 +6,8 @@ use candle_core::{DType, Device, Tensor};
 use kandle::data::{Batch, InMemoryDataset};
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle::replica::{finite_probe, ModelSpec, Replica};
-use kandle::strategy::{batch_to, DistributedModel, StepStats};
+use kandle::layers::Summary;
+use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats};
 
 /// Two replicas on the CPU; each takes half of every batch (the first gets the extra sample
 /// of an odd batch), the gradients are summed in process, and both apply the same update.
@@ -42,50 +42,28 @@ impl Strategy for TwoCpuReplicas {
 fn halves(batch: &Batch) -> kandle::Result<[Batch; 2]> {
     let n = batch.len();
     let first = n.div_ceil(2);
-    let part = |start: usize, len: usize| -> kandle::Result<Batch> {
-        Ok(Batch {
-            x: batch.x.narrow(0, start, len)?,
-            y: batch.y.narrow(0, start, len)?,
-        })
-    };
-    Ok([part(0, first)?, part(first, n - first)?])
+    Ok([batch.narrow(0, first)?, batch.narrow(first, n - first)?])
 }
 
 impl DistributedModel for TwoReplicaModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> kandle::Result<StepStats> {
+        // Each replica's step buffer; summing them is all a strategy decides.
         let parts = halves(batch)?;
-        let mut results = Vec::new();
+        let mut buffers = Vec::new();
         for (replica, part) in self.replicas.iter().zip(&parts) {
-            let (x, y) = batch_to(part, replica.device())?;
-            results.push(replica.compute_gradients(&x, &y, batch.len())?);
+            buffers.push(replica.step_buffer(part)?);
         }
-        let grads: Vec<Tensor> = results[0]
-            .grads
-            .iter()
-            .zip(&results[1].grads)
-            .map(|(a, b)| Ok((a + b)?))
-            .collect::<kandle::Result<_>>()?;
-        let stats = (&results[0].stats + &results[1].stats)?;
-        let applied = finite_probe(&stats, &grads)?
-            .to_scalar::<f32>()?
-            .is_finite();
-        if applied {
-            for r in &mut self.replicas {
-                r.apply_gradients(&grads, lr)?;
-            }
+        let total = (&buffers[0].fused + &buffers[1].fused)?;
+        let totals = self.replicas[0].layout().read(&total)?;
+        for (replica, buffer) in self.replicas.iter_mut().zip(&buffers) {
+            replica.finish_step(&total, &totals, &buffer.statistics_before, lr)?;
         }
-        let sums = stats.to_dtype(DType::F64)?.to_vec1()?;
-        Ok(StepStats {
-            samples: batch.len(),
-            sums,
-            applied,
-        })
+        Ok(totals.into_stats())
     }
 
     fn test_step(&mut self, batch: &Batch) -> kandle::Result<StepStats> {
-        let (x, y) = batch_to(batch, &Device::Cpu)?;
         let sums = self.replicas[0]
-            .evaluate(&x, &y)?
+            .evaluate(batch)?
             .to_dtype(DType::F64)?
             .to_vec1()?;
         Ok(StepStats {
@@ -93,6 +71,10 @@ impl DistributedModel for TwoReplicaModel {
             sums,
             applied: false,
         })
+    }
+
+    fn summary(&self) -> &Summary {
+        self.replicas[0].summary()
     }
 
     fn predict_step(&mut self, x: &Tensor) -> kandle::Result<Tensor> {
@@ -124,8 +106,8 @@ fn train<S: Strategy + Clone + 'static>(
     let mut model = net
         .compile(
             Sgd::new(0.05).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             strategy,
         )?
         .with_seed(3)?;

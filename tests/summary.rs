@@ -66,8 +66,8 @@ fn frozen_layers_are_not_trained() -> anyhow::Result<()> {
         .add(Activation::Softmax);
     let mut model = net.compile(
         Sgd::new(0.5),
-        Loss::SparseCategoricalCrossentropy,
-        [],
+        SparseCategoricalCrossentropy::new(),
+        (),
         &OneDeviceStrategy::cpu(),
     )?;
     let digits = kandle::data::digits::load()?;
@@ -100,8 +100,8 @@ fn candle_modules_train_inside_a_model_from_tensors() -> anyhow::Result<()> {
         Sequential::new().add(CandleLayer::new(|vb| candle_nn::linear(2, 1, vb)).named("linear"));
     let mut model = net.compile(
         Sgd::new(0.1),
-        Loss::MeanSquaredError,
-        [Metric::MeanAbsoluteError],
+        MeanSquaredError,
+        [kandle::metrics::MeanAbsoluteError],
         &OneDeviceStrategy::cpu(),
     )?;
     let history = model.fit_tensors(

@@ -125,8 +125,8 @@ pub fn measure(strategy: &Arc<dyn Strategy>, workload: Workload) -> Result<Measu
     let data = synthetic_cifar(global_batch * steps)?;
     let mut model = kandle_models::mini_googlenet(10).compile(
         Sgd::new(5e-3).momentum(0.9),
-        Loss::CategoricalCrossentropy,
-        [Metric::Accuracy],
+        CategoricalCrossentropy::new(),
+        [Accuracy],
         strategy,
     )?;
     model.build(&[3, 32, 32])?;

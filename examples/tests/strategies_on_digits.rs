@@ -13,8 +13,8 @@ fn train<S: Strategy + Clone + 'static>(strategy: &S) -> anyhow::Result<(Model, 
     let mut model = kandle_models::digits_cnn(10)
         .compile(
             Adam::new(2e-3),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             strategy,
         )?
         .with_seed(7)?;
@@ -57,8 +57,8 @@ fn each_strategy_reaches_97_percent() -> anyhow::Result<()> {
 fn compiled<S: Strategy + Clone + 'static>(strategy: &S) -> kandle::Result<Model> {
     kandle_models::digits_cnn(10).compile(
         Sgd::new(0.05),
-        Loss::SparseCategoricalCrossentropy,
-        [],
+        SparseCategoricalCrossentropy::new(),
+        (),
         strategy,
     )
 }

@@ -66,8 +66,8 @@ fn check_outputs(dir: &Path, strategy: &str, replicas: usize) -> anyhow::Result<
 
     let mut model = kandle_models::mini_googlenet(10).compile(
         Sgd::new(5e-3),
-        Loss::CategoricalCrossentropy,
-        [Metric::Accuracy],
+        CategoricalCrossentropy::new(),
+        [Accuracy],
         &OneDeviceStrategy::cpu(),
     )?;
     model.build(&[3, 32, 32])?;

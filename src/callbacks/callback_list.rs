@@ -57,4 +57,33 @@ impl Callback for CallbackList {
     fn on_train_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
         self.each(|cb| cb.on_train_batch_end(batch, logs, model))
     }
+    fn on_test_begin(&mut self, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_test_begin(model))
+    }
+    fn on_test_end(&mut self, logs: &Logs, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_test_end(logs, model))
+    }
+    fn on_test_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_test_batch_begin(batch, model))
+    }
+    fn on_test_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_test_batch_end(batch, logs, model))
+    }
+    fn on_predict_begin(&mut self, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_predict_begin(model))
+    }
+    fn on_predict_end(&mut self, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_predict_end(model))
+    }
+    fn on_predict_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        self.each(|cb| cb.on_predict_batch_begin(batch, model))
+    }
+    fn on_predict_batch_end(
+        &mut self,
+        batch: usize,
+        outputs: &candle_core::Tensor,
+        model: &mut Model,
+    ) -> Result<()> {
+        self.each(|cb| cb.on_predict_batch_end(batch, outputs, model))
+    }
 }

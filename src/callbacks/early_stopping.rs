@@ -164,13 +164,13 @@ impl Callback for EarlyStopping {
     fn on_train_end(&mut self, _logs: &Logs, model: &mut Model) -> Result<()> {
         let announce = self.verbose && model.is_chief();
         if let (Some(epoch), true) = (self.stopped_epoch, announce) {
-            eprintln!("Epoch {}: early stopping", epoch + 1);
+            log::info!("Epoch {}: early stopping", epoch + 1);
         }
         if let Some(weights) = self.best_weights.take() {
             // When the best epoch was the last, the model already holds its weights.
             if self.best_epoch != self.last_epoch {
                 if let (Some(best), true) = (self.best_epoch, announce) {
-                    eprintln!(
+                    log::info!(
                         "Restoring model weights from the end of the best epoch: {}.",
                         best + 1
                     );

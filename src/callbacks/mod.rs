@@ -97,11 +97,58 @@ pub trait Callback: Send {
         Ok(())
     }
 
-    /// After each training step, with the epoch's running averages so far and `batch_loss`.
+    /// After each training step, with the epoch's running averages so far and `batch_loss`,
+    /// the loss of this step alone (NaN when the step was not applied because a loss or
+    /// gradient was not finite).
     fn on_train_batch_end(
         &mut self,
         _batch: usize,
         _logs: &Logs,
+        _model: &mut Model,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before an evaluation: [`Model::evaluate`], or validation at the end of a `fit` epoch.
+    fn on_test_begin(&mut self, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After an evaluation, with its logs (without the `val_` prefix).
+    fn on_test_end(&mut self, _logs: &Logs, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before each evaluation step.
+    fn on_test_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each evaluation step, with the evaluation's running averages so far.
+    fn on_test_batch_end(&mut self, _batch: usize, _logs: &Logs, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before [`Model::predict`] runs.
+    fn on_predict_begin(&mut self, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After [`Model::predict`] has run.
+    fn on_predict_end(&mut self, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// Before each prediction step.
+    fn on_predict_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
+        Ok(())
+    }
+
+    /// After each prediction step, with that step's outputs (on the CPU).
+    fn on_predict_batch_end(
+        &mut self,
+        _batch: usize,
+        _outputs: &candle_core::Tensor,
         _model: &mut Model,
     ) -> Result<()> {
         Ok(())
@@ -140,6 +187,35 @@ impl<C: Callback + ?Sized> Callback for Box<C> {
     }
     fn on_train_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
         (**self).on_train_batch_end(batch, logs, model)
+    }
+    fn on_test_begin(&mut self, model: &mut Model) -> Result<()> {
+        (**self).on_test_begin(model)
+    }
+    fn on_test_end(&mut self, logs: &Logs, model: &mut Model) -> Result<()> {
+        (**self).on_test_end(logs, model)
+    }
+    fn on_test_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        (**self).on_test_batch_begin(batch, model)
+    }
+    fn on_test_batch_end(&mut self, batch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
+        (**self).on_test_batch_end(batch, logs, model)
+    }
+    fn on_predict_begin(&mut self, model: &mut Model) -> Result<()> {
+        (**self).on_predict_begin(model)
+    }
+    fn on_predict_end(&mut self, model: &mut Model) -> Result<()> {
+        (**self).on_predict_end(model)
+    }
+    fn on_predict_batch_begin(&mut self, batch: usize, model: &mut Model) -> Result<()> {
+        (**self).on_predict_batch_begin(batch, model)
+    }
+    fn on_predict_batch_end(
+        &mut self,
+        batch: usize,
+        outputs: &candle_core::Tensor,
+        model: &mut Model,
+    ) -> Result<()> {
+        (**self).on_predict_batch_end(batch, outputs, model)
     }
     fn chief_only(&self) -> bool {
         (**self).chief_only()

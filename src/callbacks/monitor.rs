@@ -9,7 +9,7 @@ use super::Logs;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
     /// Inferred from the key, as Keras does: higher is better for keys containing `acc`
-    /// (`accuracy`, `val_top_5_accuracy`), lower is better for everything else (`loss`, `mse`).
+    /// (`accuracy`, `val_top_k_categorical_accuracy`), lower is better for everything else (`loss`, `mean_squared_error`).
     #[default]
     Auto,
     /// Lower is better.
@@ -90,8 +90,8 @@ impl Monitor {
         if value.is_none() && !self.warned_missing {
             self.warned_missing = true;
             let available: Vec<&str> = logs.keys().collect();
-            eprintln!(
-                "warning: {who} monitors `{}`, which is not in the logs (available: {}); \
+            log::warn!(
+                "{who} monitors `{}`, which is not in the logs (available: {}); \
                  it is ignored",
                 self.key,
                 if available.is_empty() {

@@ -139,7 +139,7 @@ impl Callback for ReduceLROnPlateau {
                     let new_lr = (old_lr * self.factor).max(self.min_lr);
                     model.set_learning_rate(new_lr)?;
                     if self.verbose && model.is_chief() {
-                        eprintln!(
+                        log::info!(
                             "Epoch {}: ReduceLROnPlateau reducing learning rate to {new_lr:e}.",
                             epoch + 1
                         );

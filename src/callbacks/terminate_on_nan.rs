@@ -30,7 +30,7 @@ impl Callback for TerminateOnNaN {
             .any(|v| !v.is_finite());
         if invalid {
             if model.is_chief() {
-                eprintln!("Batch {batch}: invalid loss, terminating training");
+                log::warn!("Batch {batch}: invalid loss, terminating training");
             }
             model.stop_training();
         }

@@ -3,7 +3,9 @@
 use super::FitInfo;
 use crate::layers::{Activation, Dense, Sequential};
 use crate::optimizers::Sgd;
-use crate::{Loss, Metric, Model, OneDeviceStrategy, Result};
+use crate::losses::SparseCategoricalCrossentropy;
+use crate::metrics::Accuracy;
+use crate::{Model, OneDeviceStrategy, Result};
 
 /// A built 4 → 3 softmax classifier on the CPU with learning rate 0.1.
 pub(crate) fn tiny_model() -> Result<Model> {
@@ -13,8 +15,8 @@ pub(crate) fn tiny_model() -> Result<Model> {
         .add(Activation::Softmax)
         .compile(
             Sgd::new(0.1),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             &OneDeviceStrategy::cpu(),
         )
 }

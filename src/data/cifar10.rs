@@ -581,8 +581,8 @@ mod fetch {
     pub(super) fn install(dir: &Path, url: &str, md5: &str) -> Result<PathBuf> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
         let archive = TempPath::new_in(dir, "cifar-10-binary.tar.gz");
-        eprintln!(
-            "kandle: downloading CIFAR-10 (about 163 MB) from {url} into `{}`",
+        log::info!(
+            "downloading CIFAR-10 (about 163 MB) from {url} into `{}`",
             dir.display()
         );
         fetch_verified(url, md5, archive.path())?;

@@ -73,6 +73,12 @@ pub struct LoaderOptions {
     /// (`seed`, `e`, `p`), so results do not depend on the threads, and a sharded worker
     /// transforms its samples exactly as a single loader would. Default `None`.
     pub augment: Option<Arc<dyn Augment>>,
+    /// One weight per sample of the dataset, by index (Keras's `sample_weight`): batches then
+    /// carry each sample's weight in [`Batch::weights`]. Default `None`.
+    pub sample_weight: Option<Arc<[f32]>>,
+    /// One weight per class, by class index (Keras's `class_weight`): a sample's weight is
+    /// multiplied by its class's (the argmax of a one-hot target). Default `None`.
+    pub class_weight: Option<Arc<[f32]>>,
 }
 
 /// Equal when every field is equal and both `augment`s are absent or the same object.
@@ -89,6 +95,8 @@ impl PartialEq for LoaderOptions {
             && self.drop_remainder == other.drop_remainder
             && self.prefetch == other.prefetch
             && self.shard == other.shard
+            && self.sample_weight == other.sample_weight
+            && self.class_weight == other.class_weight
             && same_augment
     }
 }
@@ -105,6 +113,8 @@ impl Default for LoaderOptions {
             prefetch: 2,
             shard: None,
             augment: None,
+            sample_weight: None,
+            class_weight: None,
         }
     }
 }
@@ -335,6 +345,7 @@ impl<'d> Loader<'d> {
         x_shape.push(m);
         x_shape.extend_from_slice(&self.sample_shape);
         let x = Tensor::from_vec(x, x_shape, &Device::Cpu)?;
+        let weights = self.weights(indices, &y)?;
         let y = match &self.targets {
             Targets::Classes(k) => {
                 let mut labels = Vec::with_capacity(m);
@@ -359,7 +370,50 @@ impl<'d> Loader<'d> {
                 Tensor::from_vec(y, y_shape, &Device::Cpu)?
             }
         };
-        Ok(Batch { x, y })
+        Ok(Batch { x, y, weights })
+    }
+
+    /// The weights of the samples at `indices`, whose targets are `y` (as read), when sample or
+    /// class weights are set.
+    fn weights(&self, indices: &[usize], y: &[f32]) -> Result<Option<Tensor>> {
+        let (samples, classes) = (&self.options.sample_weight, &self.options.class_weight);
+        if samples.is_none() && classes.is_none() {
+            return Ok(None);
+        }
+        let weights = indices
+            .iter()
+            .zip(y.chunks(self.width.max(1)))
+            .map(|(&index, target)| {
+                let by_sample = match samples {
+                    Some(w) => *w.get(index).ok_or_else(|| {
+                        Error::invalid(format!(
+                            "sample_weight has {} values but `{}` has sample {index}",
+                            w.len(),
+                            self.dataset.name()
+                        ))
+                    })?,
+                    None => 1.0,
+                };
+                let by_class = match classes {
+                    Some(w) => w.get(class_of(target)).copied().unwrap_or(1.0),
+                    None => 1.0,
+                };
+                Ok(by_sample * by_class)
+            })
+            .collect::<Result<Vec<f32>>>()?;
+        Ok(Some(Tensor::from_vec(weights, indices.len(), &Device::Cpu)?))
+    }
+}
+
+/// A target's class: the index itself for a class-index target, the argmax of a one-hot row.
+fn class_of(target: &[f32]) -> usize {
+    match target {
+        [index] => index.max(0.0) as usize,
+        row => row
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
+            .0,
     }
 }
 

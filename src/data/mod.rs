@@ -119,9 +119,27 @@ pub struct Batch {
     pub x: candle_core::Tensor,
     /// Targets: `u32` `(batch,)` for class indices, `f32` `(batch, shape...)` for values.
     pub y: candle_core::Tensor,
+    /// Each sample's weight in the loss, `f32` `(batch,)` (sample weights times class weights),
+    /// or `None` when every sample weighs 1.
+    pub weights: Option<candle_core::Tensor>,
 }
 
 impl Batch {
+    /// A batch of unweighted samples.
+    pub fn new(x: candle_core::Tensor, y: candle_core::Tensor) -> Self {
+        Self {
+            x,
+            y,
+            weights: None,
+        }
+    }
+
+    /// The batch with each sample's loss weighted by `weights` (`(batch,)`).
+    pub fn with_weights(mut self, weights: candle_core::Tensor) -> Self {
+        self.weights = Some(weights);
+        self
+    }
+
     /// Number of samples in the batch.
     pub fn len(&self) -> usize {
         self.x.dims().first().copied().unwrap_or(0)
@@ -130,5 +148,33 @@ impl Batch {
     /// Whether the batch holds no sample.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Samples `start..start + len`.
+    pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            x: self.x.narrow(0, start, len)?,
+            y: self.y.narrow(0, start, len)?,
+            weights: match &self.weights {
+                Some(w) => Some(w.narrow(0, start, len)?),
+                None => None,
+            },
+        })
+    }
+
+    /// Inputs, targets and weights moved to `device`.
+    pub fn to_device(
+        &self,
+        device: &candle_core::Device,
+    ) -> Result<(
+        candle_core::Tensor,
+        candle_core::Tensor,
+        Option<candle_core::Tensor>,
+    )> {
+        let weights = match &self.weights {
+            Some(w) => Some(w.to_device(device)?),
+            None => None,
+        };
+        Ok((self.x.to_device(device)?, self.y.to_device(device)?, weights))
     }
 }

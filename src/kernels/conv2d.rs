@@ -73,6 +73,7 @@ pub fn conv2d(
 /// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
 /// kernel `w (O, C, kh, kw)`, the `(N, C, H, W)` gradient of an input of height and width
 /// `input_hw`. Not differentiable.
+#[cfg(test)]
 pub fn conv2d_input_grad(
     dy: &Tensor,
     w: &Tensor,
@@ -91,6 +92,7 @@ pub fn conv2d_input_grad(
 /// The gradient of [`conv2d`]'s kernel: from the input `x (N, C, H, W)` and the output gradient
 /// `dy (N, O, Ho, Wo)`, the `(O, C, kh, kw)` gradient summed over the batch, for a kernel of
 /// size `kernel_hw`. Not differentiable.
+#[cfg(test)]
 pub fn conv2d_weight_grad(
     x: &Tensor,
     dy: &Tensor,
@@ -174,6 +176,7 @@ fn cpu_gradient<Op: CustomOp2 + Operands>(
 }
 
 /// Checks the named operands `a` and `b` of a gradient op and applies it, without backward.
+#[cfg(test)]
 fn apply_gradient_op<Op: CustomOp2 + Operands>(
     op: &Op,
     (a_name, a): (&str, &Tensor),

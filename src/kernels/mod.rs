@@ -18,4 +18,6 @@ mod output;
 mod planes;
 pub(crate) mod replay;
 mod simd;
+#[cfg(test)]
+mod tests;
 mod two_pass;

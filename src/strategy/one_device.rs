@@ -3,10 +3,9 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{DistributedModel, StepStats, Strategy};
+use super::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use crate::data::Batch;
 use crate::params::Weights;
-use crate::replica::{finite_probe, ModelSpec, Replica};
 use crate::Result;
 
 /// Trains on a single device.
@@ -58,40 +57,19 @@ struct OneDeviceModel {
     replica: Replica,
 }
 
-/// Moves a batch's inputs and targets to `device`.
-pub fn batch_to(batch: &Batch, device: &Device) -> Result<(Tensor, Tensor)> {
-    Ok((batch.x.to_device(device)?, batch.y.to_device(device)?))
-}
-
 impl DistributedModel for OneDeviceModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let (x, y) = batch_to(batch, self.replica.device())?;
-        let g = self.replica.compute_gradients(&x, &y, batch.len())?;
-        let probe = finite_probe(&g.stats, &g.grads)?.reshape(1)?;
-        let host = Tensor::cat(&[&g.stats, &probe], 0)?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
-        let (probe, sums) = host
-            .split_last()
-            .map_or((f64::NAN, &[][..]), |(p, s)| (*p, s));
-        let applied = probe.is_finite();
-        if applied {
-            self.replica.apply_gradients(&g.grads, lr)?;
-        } else {
-            self.replica.discard(&g)?;
-        }
-        Ok(StepStats {
-            samples: g.samples,
-            sums: sums.to_vec(),
-            applied,
-        })
+        let step = self.replica.step_buffer(batch)?;
+        let totals = self.replica.layout().read(&step.fused)?;
+        self.replica
+            .finish_step(&step.fused, &totals, &step.statistics_before, lr)?;
+        Ok(totals.into_stats())
     }
 
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
-        let (x, y) = batch_to(batch, self.replica.device())?;
         let sums = self
             .replica
-            .evaluate(&x, &y)?
+            .evaluate(batch)?
             .to_dtype(DType::F64)?
             .to_vec1()?;
         Ok(StepStats {
@@ -104,6 +82,10 @@ impl DistributedModel for OneDeviceModel {
     fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
         let x = x.to_device(self.replica.device())?;
         Ok(self.replica.predict(&x)?.to_device(&Device::Cpu)?)
+    }
+
+    fn summary(&self) -> &crate::layers::Summary {
+        self.replica.summary()
     }
 
     fn weights(&self) -> Result<Weights> {

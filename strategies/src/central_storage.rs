@@ -1,19 +1,16 @@
 //! `CentralStorageStrategy`: the variables and the optimizer state live once, on a central
 //! device (the CPU by default). Each step the variables are copied to the compute devices, the
-//! replicas compute gradients, the gradients are summed on the central device and the update
-//! is applied there.
-
-use std::time::Duration;
+//! replicas compute their step buffers, the buffers are summed on the central device and the
+//! step's final phase runs there.
 
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
+use kandle::layers::Summary;
 use kandle::params::Weights;
-use kandle::replica::{ModelSpec, Replica};
-use kandle::strategy::{DistributedModel, StepStats, Strategy};
+use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use kandle::{Error, Result};
 
-use crate::replica_pool::ReplicaThreads;
-use crate::replica_set::{cpu_weights, fuse_store, LocalReplicas, ReplicaSet};
+use crate::replica_set::{cpu_weights, fuse_store, replica_builders, unzip, LocalReplicas, ReplicaSet};
 
 /// Data parallelism with the variables kept in one place.
 #[derive(Debug, Clone)]
@@ -50,25 +47,7 @@ impl CentralStorageStrategy {
         self
     }
 
-    /// Batch normalisation with statistics of the whole global batch.
-    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-        self.local.sync_batch_norm = sync;
-        self
-    }
-
-    /// How long a step waits for a replica before failing (default 60 s).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.local.timeout = timeout;
-        self
-    }
-
-    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`].
-    /// The default, [`ReplicaThreads::Auto`], divides the cores evenly among CPU replicas, so
-    /// replicas sharing the CPU do not oversubscribe it.
-    pub fn threads_per_replica(mut self, threads: impl Into<ReplicaThreads>) -> Self {
-        self.local.threads = threads.into();
-        self
-    }
+    replica_builders!();
 }
 
 impl Strategy for CentralStorageStrategy {
@@ -97,36 +76,22 @@ struct CentralModel {
 impl DistributedModel for CentralModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         let weights = fuse_store(self.central.store())?;
-        let outputs = self.set.compute(batch, batch.len(), Some(weights))?;
+        let (buffers, _) = unzip(self.set.compute(batch, Some(weights))?);
         let device = self.central.device().clone();
         let mut total: Option<Tensor> = None;
-        for out in &outputs {
-            let buffer = out.fused.to_device(&device)?;
+        for buffer in buffers {
+            let buffer = buffer.to_device(&device)?;
             total = Some(match total {
                 None => buffer,
                 Some(t) => (t + buffer)?,
             });
         }
         let total = total.ok_or_else(|| Error::invalid("no replica produced gradients"))?;
-        let layout = &self.set.layout;
-        let reduced_stats = layout.read(&total)?;
-        let applied = reduced_stats.finite;
-        if applied {
-            let grads = layout.grads.split(&total, 0)?;
-            self.central.apply_gradients(&grads, lr)?;
-            let replicas = self.set.len() as f64;
-            let sums_of_statistics = layout
-                .statistics
-                .split(&total, layout.statistics_offset())?;
-            for (var, sum) in self.central.statistics().iter().zip(sums_of_statistics) {
-                var.set(&(sum / replicas)?)?;
-            }
-        }
-        Ok(StepStats {
-            samples: reduced_stats.samples,
-            sums: reduced_stats.sums,
-            applied,
-        })
+        let totals = self.set.layout.read(&total)?;
+        // The central replica ran no forward pass, so a discarded step has nothing to restore;
+        // the compute replicas load the central variables again before the next step.
+        self.central.finish_step(&total, &totals, &[], lr)?;
+        Ok(totals.into_stats())
     }
 
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
@@ -141,6 +106,10 @@ impl DistributedModel for CentralModel {
 
     fn weights(&self) -> Result<Weights> {
         cpu_weights(self.central.store())
+    }
+
+    fn summary(&self) -> &Summary {
+        self.central.summary()
     }
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {

@@ -22,7 +22,7 @@
 //!
 //! let strategy = MirroredStrategy::cpu(2)?; // the one line that changes
 //! let net = Sequential::new().add(Flatten).add(Dense::new(10)).add(Activation::Softmax);
-//! let mut model = net.compile(Sgd::new(0.1), Loss::SparseCategoricalCrossentropy, [Metric::Accuracy], &strategy)?;
+//! let mut model = net.compile(Sgd::new(0.1), SparseCategoricalCrossentropy::new(), [Accuracy], &strategy)?;
 //! let (train, _) = kandle::data::digits::load()?.train_test_split(0.9, 0)?;
 //! let history = model.fit(&train, FitOptions { batch_size_per_replica: 16, verbosity: Verbosity::Silent, ..Default::default() })?;
 //! assert_eq!(history.epochs, vec![0]);
@@ -31,7 +31,6 @@
 
 mod central_storage;
 mod cross_device_ops;
-mod fused;
 mod mirrored;
 #[cfg(feature = "mpi")]
 mod multi_worker;
@@ -42,9 +41,7 @@ mod replica_set;
 
 pub use central_storage::CentralStorageStrategy;
 pub use cross_device_ops::CrossDeviceOps;
-pub use fused::{fuse, FusedLayout};
-pub use mirrored::{MirroredStrategy, DEFAULT_TIMEOUT};
+pub use mirrored::MirroredStrategy;
 #[cfg(feature = "mpi")]
 pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy};
-pub use rendezvous::Rendezvous;
 pub use replica_pool::ReplicaThreads;

@@ -1,22 +1,16 @@
 //! `MirroredStrategy`: a copy of the model on every device of this process, one thread per
-//! replica; each step the global batch is split across replicas, their gradients are summed
-//! as one fused buffer, and every replica applies the same update.
-
-use std::time::Duration;
+//! replica; each step the global batch is split across replicas, their step buffers are summed
+//! as one fused buffer, and every replica runs the same final phase on the sum.
 
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
+use kandle::layers::Summary;
 use kandle::params::Weights;
-use kandle::replica::ModelSpec;
-use kandle::strategy::{DistributedModel, StepStats, Strategy};
+use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::replica_pool::ReplicaThreads;
-use crate::replica_set::{LocalReplicas, ReplicaSet};
-
-/// How long a step waits for a silent replica before failing, unless set otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+use crate::replica_set::{replica_builders, LocalReplicas, ReplicaSet};
 
 /// Synchronous data parallelism over the devices of one process.
 ///
@@ -57,32 +51,13 @@ impl MirroredStrategy {
         Self::new(vec![Device::Cpu; replicas])
     }
 
-    /// How replicas sum their gradients (default [`CrossDeviceOps::ReductionToOneDevice`]).
+    /// How replicas sum their step buffers (default [`CrossDeviceOps::ReductionToOneDevice`]).
     pub fn cross_device_ops(mut self, ops: CrossDeviceOps) -> Self {
         self.ops = ops;
         self
     }
 
-    /// Batch normalisation with statistics of the whole global batch (`SyncBatchNorm`) instead of
-    /// each replica's part. Either way the moving statistics agree on every replica.
-    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-        self.local.sync_batch_norm = sync;
-        self
-    }
-
-    /// How long a step waits for a replica before failing with an error naming it (default 60 s).
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.local.timeout = timeout;
-        self
-    }
-
-    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`].
-    /// The default, [`ReplicaThreads::Auto`], divides the cores evenly among CPU replicas, so
-    /// replicas sharing the CPU do not oversubscribe it.
-    pub fn threads_per_replica(mut self, threads: impl Into<ReplicaThreads>) -> Self {
-        self.local.threads = threads.into();
-        self
-    }
+    replica_builders!();
 
     /// The replicas' devices.
     pub fn devices(&self) -> &[Device] {
@@ -114,36 +89,9 @@ struct MirroredModel {
 
 impl DistributedModel for MirroredModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let (reduced, before) = self.set.compute_reduced(batch, batch.len(), self.ops)?;
-        let reduced_stats = self.set.layout.read(&reduced[0])?;
-        let applied = reduced_stats.finite;
-        let layout = std::sync::Arc::clone(&self.set.layout);
-        let replicas = self.set.len() as f64;
-        let average_statistics = !self.set.syncs_batch_norm();
-        let inputs: Vec<(Tensor, Vec<Tensor>)> = reduced.into_iter().zip(before).collect();
-        self.set
-            .pool
-            .run(inputs, move |_, replica, (buffer, before)| {
-                if !applied {
-                    return restore(replica.statistics(), &before);
-                }
-                let grads = layout.grads.split(&buffer, 0)?;
-                replica.apply_gradients(&grads, lr)?;
-                if average_statistics {
-                    let means = layout
-                        .statistics
-                        .split(&buffer, layout.statistics_offset())?;
-                    for (var, sum) in replica.statistics().iter().zip(means) {
-                        var.set(&(sum / replicas)?)?;
-                    }
-                }
-                Ok(())
-            })?;
-        Ok(StepStats {
-            samples: reduced_stats.samples,
-            sums: reduced_stats.sums,
-            applied,
-        })
+        let (reduced, before) = self.set.compute_reduced(batch, self.ops)?;
+        let totals = self.set.layout.read(&reduced[0])?;
+        self.set.finish(reduced, &totals, before, lr)
     }
 
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
@@ -158,17 +106,13 @@ impl DistributedModel for MirroredModel {
         self.set.weights()
     }
 
+    fn summary(&self) -> &Summary {
+        self.set.summary()
+    }
+
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         self.set.set_weights(weights)
     }
-}
-
-/// Puts moving statistics back to the values they had before a discarded step.
-pub(crate) fn restore(vars: &[candle_core::Var], before: &[Tensor]) -> Result<()> {
-    for (var, value) in vars.iter().zip(before) {
-        var.set(value)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -176,7 +120,8 @@ mod tests {
     use super::*;
     use kandle::layers::{Activation, BatchNormalization, Conv2D, Dense, Flatten, Sequential};
     use kandle::optimizers::Sgd;
-    use kandle::{Loss, Metric};
+    use kandle::losses::SparseCategoricalCrossentropy;
+    use kandle::metrics::Accuracy;
 
     fn statistics_of(model: &MirroredModel) -> Result<Vec<Vec<f32>>> {
         model
@@ -206,22 +151,19 @@ mod tests {
                 .add(Activation::Softmax),
             input_shape: vec![1, 8, 8],
             optimizer: Box::new(Sgd::new(0.1)),
-            loss: Loss::SparseCategoricalCrossentropy,
-            metrics: vec![Metric::Accuracy],
+            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+            metrics: [Accuracy].into(),
             seed: 1,
         };
         let mut model = MirroredModel {
-            set: ReplicaSet::new(&spec, &vec![Device::Cpu; 3], false, DEFAULT_TIMEOUT)?,
+            set: LocalReplicas::new(vec![Device::Cpu; 3], "test")?.build(&spec)?,
             ops: CrossDeviceOps::default(),
         };
         let data = kandle::data::digits::load()?;
         let (x, y) = data.to_tensors()?;
         for step in 0..3 {
             // 20 samples over 3 replicas: parts of 7, 7 and 6 with different statistics.
-            let batch = Batch {
-                x: x.narrow(0, step * 20, 20)?,
-                y: y.narrow(0, step * 20, 20)?,
-            };
+            let batch = Batch::new(x.narrow(0, step * 20, 20)?, y.narrow(0, step * 20, 20)?);
             model.train_step(&batch, 0.1)?;
             let stats = statistics_of(&model)?;
             assert!(stats[0].iter().any(|v| *v != 0.0 && *v != 1.0));

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use kandle::cross_replica::ReplicaGroup;
+use kandle::strategy::ReplicaGroup;
 use kandle::{Error, Result};
 
 /// A sum beyond this process, run once per round on the process's total by the last local

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
-use kandle::replica::Replica;
+use kandle::strategy::Replica;
 use kandle::{Error, Result};
 
 /// How many threads each replica's CPU work may use.
@@ -192,7 +192,7 @@ impl ReplicaPool {
                     });
                 }
                 Ok((i, Err(panic))) => {
-                    let msg = kandle::panic_message(panic.as_ref());
+                    let msg = kandle::strategy::panic_message(panic.as_ref());
                     return Err(self.fail(i, format!("panicked: {msg}")));
                 }
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
@@ -240,16 +240,16 @@ mod tests {
     use super::*;
     use kandle::layers::{Dense, Flatten, Sequential};
     use kandle::optimizers::Sgd;
-    use kandle::replica::ModelSpec;
-    use kandle::Loss;
+    use kandle::strategy::ModelSpec;
+    use kandle::losses::MeanSquaredError;
 
     fn replicas(n: usize) -> Result<Vec<Replica>> {
         let spec = ModelSpec {
             network: Sequential::new().add(Flatten).add(Dense::new(2)),
             input_shape: vec![3],
             optimizer: Box::new(Sgd::new(0.1)),
-            loss: Loss::MeanSquaredError,
-            metrics: Vec::new(),
+            loss: std::sync::Arc::new(MeanSquaredError),
+            metrics: ().into(),
             seed: 0,
         };
         (0..n).map(|_| Replica::new(&spec, &Device::Cpu)).collect()

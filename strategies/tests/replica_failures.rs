@@ -55,8 +55,8 @@ fn fit_with(fault: Fault) -> anyhow::Result<(kandle::Error, Duration)> {
         .add(Activation::Softmax);
     let mut model = net.compile(
         Sgd::new(0.1),
-        Loss::SparseCategoricalCrossentropy,
-        [],
+        SparseCategoricalCrossentropy::new(),
+        (),
         &strategy,
     )?;
     let start = Instant::now();

@@ -32,8 +32,8 @@ fn pool_sizes_during_fit<S: Strategy + Clone + 'static>(
         .add(Activation::Softmax);
     let mut model = net.compile(
         Sgd::new(0.1),
-        Loss::SparseCategoricalCrossentropy,
-        [Metric::Accuracy],
+        SparseCategoricalCrossentropy::new(),
+        [Accuracy],
         strategy,
     )?;
     let (train, _) = kandle::data::digits::load()?.train_test_split(0.9, 0)?;
@@ -83,8 +83,8 @@ fn a_zero_budget_is_refused() -> kandle::Result<()> {
         .input_shape(&[4])
         .compile(
             Sgd::new(0.1),
-            Loss::MeanSquaredError,
-            [],
+            MeanSquaredError,
+            (),
             &MirroredStrategy::cpu(2)?.threads_per_replica(0),
         )
         .err()

@@ -26,7 +26,7 @@ use kandle::data::{
     cifar10, Batch, Dataset, Loader, LoaderOptions, MeanImage, MeanSubtracted, RandomShiftFlip,
 };
 use kandle::prelude::*;
-use kandle::replica::ModelSpec;
+use kandle::strategy::ModelSpec;
 
 /// MiniGoogLeNet training throughput on this kind of CPU with PyTorch, measured elsewhere.
 const PYTORCH_CPU_IMAGES_PER_S: f64 = 125.0;
@@ -88,8 +88,8 @@ fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
         network: kandle_models::mini_googlenet(10),
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(1e-2).momentum(0.9)),
-        loss: Loss::CategoricalCrossentropy,
-        metrics: vec![Metric::Accuracy],
+        loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
+        metrics: [Accuracy].into(),
         seed: 0,
     };
     let mut model = OneDeviceStrategy::cpu().distribute(&spec)?;

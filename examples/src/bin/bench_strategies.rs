@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use clap::{Parser, ValueEnum};
 use kandle::data::Batch;
 use kandle::prelude::*;
-use kandle::replica::ModelSpec;
+use kandle::strategy::ModelSpec;
 use kandle_examples::throughput::median;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
@@ -119,8 +119,8 @@ fn spec(args: &Args) -> ModelSpec {
         network,
         input_shape,
         optimizer: Box::new(Sgd::new(1e-3).momentum(0.9)),
-        loss: Loss::SparseCategoricalCrossentropy,
-        metrics: vec![Metric::Accuracy],
+        loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+        metrics: [Accuracy].into(),
         seed: 0,
     }
 }
@@ -132,10 +132,10 @@ fn step_time(strategy: &dyn Strategy, args: &Args) -> Result<f64> {
     let mut dims = vec![n];
     dims.extend(&spec.input_shape);
     let labels: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
-    let batch = Batch {
-        x: Tensor::randn(0f32, 1., dims, &Device::Cpu)?,
-        y: Tensor::from_vec(labels, n, &Device::Cpu)?,
-    };
+    let batch = Batch::new(
+        Tensor::randn(0f32, 1., dims, &Device::Cpu)?,
+        Tensor::from_vec(labels, n, &Device::Cpu)?,
+    );
     time(args.steps, || {
         model.train_step(&batch, 1e-3)?;
         Ok(())

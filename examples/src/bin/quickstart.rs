@@ -48,8 +48,8 @@ fn main() -> Result<()> {
     let mut model = kandle_models::digits_cnn(10)
         .compile(
             Adam::new(args.lr),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             &build_strategy(args.strategy, args.replicas)?,
         )?
         .with_seed(args.seed)?;

@@ -132,8 +132,8 @@ fn main() -> Result<()> {
     let mut model = kandle_models::mini_googlenet(10)
         .compile(
             Sgd::new(lr).momentum(0.9),
-            Loss::CategoricalCrossentropy,
-            [Metric::Accuracy],
+            CategoricalCrossentropy::new(),
+            [Accuracy],
             &strategy,
         )?
         .with_seed(args.seed)?;

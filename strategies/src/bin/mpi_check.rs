@@ -237,8 +237,8 @@ fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> R
     let mut model = digits_cnn()
         .compile(
             Adam::new(2e-3),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             strategy,
         )?
         .with_seed(1)?;
@@ -273,8 +273,8 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
     let data = kandle::data::digits::load()?;
     let mut model = digits_cnn().compile(
         Sgd::new(0.05),
-        Loss::SparseCategoricalCrossentropy,
-        [Metric::Accuracy],
+        SparseCategoricalCrossentropy::new(),
+        [Accuracy],
         strategy,
     )?;
     let stall_after =

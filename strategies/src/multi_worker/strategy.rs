@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use candle_core::{Device, Storage, Tensor};
 use kandle::data::Batch;
+use kandle::layers::Summary;
 use kandle::params::Weights;
-use kandle::replica::ModelSpec;
-use kandle::strategy::{DistributedModel, StepStats, Strategy, WorkerInfo};
+use kandle::strategy::step::StepLayout;
+use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerInfo};
 use kandle::{Error, Result};
 
 use super::communication::CommunicationImplementation;
@@ -19,10 +20,10 @@ use super::sync_batch_norm::CrossWorkerSum;
 use super::watchdog::Phase;
 use super::world::World;
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::mirrored::{restore, DEFAULT_TIMEOUT};
 use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
-use crate::replica_pool::ReplicaThreads;
-use crate::replica_set::{fuse_store, load_fused, ReplicaSet, StepLayout};
+#[cfg(feature = "nccl")]
+use crate::replica_set::unzip;
+use crate::replica_set::{fuse_store, load_fused, replica_builders, LocalReplicas, ReplicaSet};
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -75,7 +76,7 @@ use crate::replica_set::{fuse_store, load_fused, ReplicaSet, StepLayout};
 /// // mpirun -n 2 ./train
 /// let strategy = MultiWorkerMirroredStrategy::from_env()?; // the one line that changes
 /// let net = Sequential::new().add(Flatten).add(Dense::new(10)).add(Activation::Softmax);
-/// let mut model = net.compile(Sgd::new(0.1), Loss::SparseCategoricalCrossentropy, [Metric::Accuracy], &strategy)?;
+/// let mut model = net.compile(Sgd::new(0.1), SparseCategoricalCrossentropy::new(), [Accuracy], &strategy)?;
 /// let data = kandle::data::digits::load()?;
 /// model.fit(&data, FitOptions { batch_size_per_replica: 16, ..Default::default() })?;
 /// model.save_weights("digits.safetensors")?; // the chief writes
@@ -84,11 +85,9 @@ use crate::replica_set::{fuse_store, load_fused, ReplicaSet, StepLayout};
 #[derive(Clone)]
 pub struct MultiWorkerMirroredStrategy {
     world: Arc<World>,
-    devices: Vec<Device>,
+    local: LocalReplicas,
     ops: CrossDeviceOps,
     communication: CommunicationImplementation,
-    sync_batch_norm: bool,
-    timeout: Duration,
 }
 
 impl std::fmt::Debug for MultiWorkerMirroredStrategy {
@@ -96,11 +95,9 @@ impl std::fmt::Debug for MultiWorkerMirroredStrategy {
         f.debug_struct("MultiWorkerMirroredStrategy")
             .field("rank", &self.world.rank())
             .field("size", &self.world.size())
-            .field("devices", &self.devices)
+            .field("local", &self.local)
             .field("ops", &self.ops)
             .field("communication", &self.communication)
-            .field("sync_batch_norm", &self.sync_batch_norm)
-            .field("timeout", &self.timeout)
             .finish()
     }
 }
@@ -117,23 +114,20 @@ impl MultiWorkerMirroredStrategy {
     pub fn from_env() -> Result<Self> {
         Ok(Self {
             world: World::get()?,
-            devices: vec![Device::Cpu],
+            local: LocalReplicas::new(vec![Device::Cpu], NAME)?,
             ops: CrossDeviceOps::default(),
             communication: CommunicationImplementation::default(),
-            sync_batch_norm: false,
-            timeout: DEFAULT_TIMEOUT,
         })
     }
 
     /// One replica per device in this worker (Mirrored inside the worker). Fails on an empty
     /// list.
     pub fn local_devices(mut self, devices: Vec<Device>) -> Result<Self> {
-        if devices.is_empty() {
-            return Err(Error::invalid(
-                "MultiWorkerMirroredStrategy needs at least one local device",
-            ));
-        }
-        self.devices = devices;
+        let local = LocalReplicas::new(devices, NAME)?;
+        self.local = LocalReplicas {
+            devices: local.devices,
+            ..self.local
+        };
         Ok(self)
     }
 
@@ -159,25 +153,11 @@ impl MultiWorkerMirroredStrategy {
         self
     }
 
-    /// Batch normalisation with the statistics of the whole global batch, over every replica of
-    /// every worker (`SyncBatchNorm`), instead of each replica's part. Either way the moving
-    /// statistics agree on every replica.
-    pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-        self.sync_batch_norm = sync;
-        self
-    }
-
-    /// How long a worker waits for the others at each step before failing with an error that
-    /// names the missing one (default 60 s). It bounds how far apart workers may drift,
-    /// including chief-only work between steps such as writing checkpoints and plots.
-    pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
+    replica_builders!();
 
     /// This worker's local devices.
     pub fn devices(&self) -> &[Device] {
-        &self.devices
+        &self.local.devices
     }
 
     /// Sums `buffer` element-wise over all workers, in place, by exactly the guarded path that
@@ -195,9 +175,12 @@ impl MultiWorkerMirroredStrategy {
     /// the MPI world is unusable afterwards.
     pub fn all_reduce_sum(&self, buffer: &mut Vec<f32>) -> Result<()> {
         self.world
-            .all_reduce_sum(buffer, Phase::Direct, self.timeout)
+            .all_reduce_sum(buffer, Phase::Direct, self.local.timeout)
     }
 }
+
+/// The strategy's name in messages.
+const NAME: &str = "MultiWorkerMirroredStrategy";
 
 impl Strategy for MultiWorkerMirroredStrategy {
     fn name(&self) -> &str {
@@ -205,11 +188,11 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 
     fn num_replicas_in_sync(&self) -> usize {
-        self.world.size() * self.devices.len()
+        self.world.size() * self.local.devices.len()
     }
 
     fn local_replicas(&self) -> usize {
-        self.devices.len()
+        self.local.devices.len()
     }
 
     fn worker(&self) -> WorkerInfo {
@@ -220,42 +203,37 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let nccl = self.communication.uses_nccl(&self.devices)?;
+        let (devices, timeout) = (&self.local.devices, self.local.timeout);
+        let nccl = self.communication.uses_nccl(devices)?;
         let cross_worker_bn = self
+            .local
             .sync_batch_norm
-            .then(|| Arc::new(CrossWorkerSum::new(Arc::clone(&self.world), self.timeout)));
+            .then(|| Arc::new(CrossWorkerSum::new(Arc::clone(&self.world), timeout)));
         let rendezvous = cross_worker_bn.as_ref().map(|sum| {
             let outer = Arc::clone(sum) as Arc<dyn OuterSum>;
-            Arc::new(Rendezvous::new(self.devices.len(), self.timeout).with_outer(outer))
+            Arc::new(Rendezvous::new(devices.len(), timeout).with_outer(outer))
         });
         // A replica's share of a step then includes guarded exchanges across workers: it gets as
         // long as the rendezvous, so that the watchdog's error, which names a late worker,
         // arrives first.
-        let replica_timeout = if self.sync_batch_norm {
-            self.timeout * OUTER_PATIENCE
+        let replica_timeout = if cross_worker_bn.is_some() {
+            timeout * OUTER_PATIENCE
         } else {
-            self.timeout
+            timeout
         };
-        let mut set = ReplicaSet::with_rendezvous(
-            spec,
-            &self.devices,
-            rendezvous,
-            replica_timeout,
-            ReplicaThreads::default(),
-        )?;
-        set.statistics_by_samples = self.sync_batch_norm;
+        let set = self.local.build_with(spec, rendezvous, replica_timeout)?;
         self.check_agreement(&set.layout, nccl)?;
         // Every worker built the same seeded model; the chief's weights make sure of it.
         let mut weights = host_vec(&fuse_store(&set.stores[0])?)?;
         self.world
-            .broadcast_from_chief(&mut weights, Phase::Distribute, self.timeout)?;
+            .broadcast_from_chief(&mut weights, Phase::Distribute, timeout)?;
         let len = weights.len();
         let weights = Tensor::from_vec(weights, len, &Device::Cpu)?;
         for store in &set.stores {
             load_fused(store, &weights)?;
         }
         let transport = if nccl {
-            nccl_transport(&self.world, &self.devices, self.timeout)?
+            nccl_transport(&self.world, devices, timeout)?
         } else {
             Transport::Mpi
         };
@@ -265,8 +243,7 @@ impl Strategy for MultiWorkerMirroredStrategy {
             ops: self.ops,
             transport,
             cross_worker_bn,
-            timeout: self.timeout,
-            replicas_in_sync: self.num_replicas_in_sync(),
+            timeout,
             train_steps: 0,
             test_steps: 0,
             host: Vec::new(),
@@ -279,16 +256,15 @@ impl MultiWorkerMirroredStrategy {
     /// step buffer, the same library across workers and the same batch normalisation: otherwise
     /// their collectives would not match.
     fn check_agreement(&self, layout: &StepLayout, nccl: bool) -> Result<()> {
-        let step_len = layout.statistics_offset() + layout.statistics.len();
         let mine = [
-            self.devices.len() as u64,
-            step_len as u64,
+            self.local.devices.len() as u64,
+            layout.len() as u64,
             u64::from(nccl),
-            u64::from(self.sync_batch_norm),
+            u64::from(self.local.sync_batch_norm),
         ];
         let all = self
             .world
-            .all_gather(&mine, Phase::Distribute, self.timeout)?;
+            .all_gather(&mine, Phase::Distribute, self.local.timeout)?;
         let chief = &all[..mine.len()];
         for (rank, theirs) in all.chunks(mine.len()).enumerate().skip(1) {
             if theirs != chief {
@@ -352,27 +328,10 @@ struct MultiWorkerModel {
     /// SyncBatchNorm's sums across workers, when batch norm is synchronised.
     cross_worker_bn: Option<Arc<CrossWorkerSum>>,
     timeout: Duration,
-    replicas_in_sync: usize,
     train_steps: u64,
     test_steps: u64,
     /// The fused step buffer on the host (MPI), reused every step.
     host: Vec<f32>,
-}
-
-/// A step's buffer summed over every replica of every worker.
-enum Reduced {
-    /// In [`MultiWorkerModel::host`], not yet divided.
-    Host,
-    /// One sum per local replica, on its device, not yet divided.
-    #[cfg(feature = "nccl")]
-    Device(Vec<Tensor>),
-}
-
-/// What every worker reads from a reduced step buffer, and so decides alike.
-struct StepTotals {
-    samples: usize,
-    sums: Vec<f64>,
-    applied: bool,
 }
 
 impl MultiWorkerModel {
@@ -385,28 +344,17 @@ impl MultiWorkerModel {
         result
     }
 
-    /// What the moving statistics of the reduced buffer are divided by: the sample count under
-    /// SyncBatchNorm (each replica's statistics enter weighted by its samples), the number of
-    /// replicas otherwise.
-    fn statistics_divisor(&self, samples: usize) -> f32 {
-        match self.cross_worker_bn {
-            Some(_) => samples as f32,
-            None => self.replicas_in_sync as f32,
-        }
-    }
-
-    /// Computes this worker's gradients and sums the fused buffers of every replica of every
-    /// worker. Returns the sum and each local replica's moving statistics from before the step.
-    fn reduce(&mut self, batch: &Batch, step: u64) -> Result<(Reduced, Vec<Vec<Tensor>>)> {
+    /// Computes this worker's step buffers and sums the buffers of every replica of every
+    /// worker. Returns the sum for each local replica (on the host or on its device) and each
+    /// local replica's moving statistics from before the step.
+    fn reduce(&mut self, batch: &Batch, step: u64) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
         if let Some(bn) = &self.cross_worker_bn {
             bn.begin_step(step, !batch.is_empty())?;
         }
-        // Gradients of the loss *sum*: the global sample count is known only after the
-        // all-reduce, which divides them.
         let phase = Phase::Train(step);
         match &mut self.transport {
             Transport::Mpi => {
-                let (local, before) = self.set.compute_reduced(batch, 1, self.ops)?;
+                let (local, before) = self.set.compute_reduced(batch, self.ops)?;
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
                 let first = local
                     .first()
@@ -414,115 +362,27 @@ impl MultiWorkerModel {
                 copy_to_host(first, &mut self.host)?;
                 self.world
                     .all_reduce_sum(&mut self.host, phase, self.timeout)?;
-                Ok((Reduced::Host, before))
+                let total = Tensor::from_slice(&self.host, self.host.len(), &Device::Cpu)?;
+                Ok((vec![total; before.len()], before))
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(clique) => {
-                let (fused, before): (Vec<Tensor>, Vec<Vec<Tensor>>) = self
-                    .set
-                    .compute(batch, 1, None)?
-                    .into_iter()
-                    .map(|out| (out.fused, out.statistics_before))
-                    .unzip();
+                let (fused, before) = unzip(self.set.compute(batch, None)?);
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
                 let reduced = self.world.guarded_external(phase, self.timeout, |vigil| {
                     clique.all_reduce(&fused, vigil, phase)
                 })?;
-                Ok((Reduced::Device(reduced), before))
+                Ok((reduced, before))
             }
         }
-    }
-
-    /// Reads the totals of the host buffer and, when the step is applied, divides it in place.
-    fn host_totals(&mut self) -> Result<(StepTotals, Tensor)> {
-        let layout = Arc::clone(&self.set.layout);
-        let samples_at = layout.samples_offset();
-        let samples = self.host[samples_at].round().max(0.0) as usize;
-        let divisor = self.statistics_divisor(samples);
-        let host = &mut self.host;
-        let sums = host[layout.stats_offset()..samples_at]
-            .iter()
-            .map(|&s| f64::from(s))
-            .collect();
-        let applied = samples > 0 && host[..samples_at].iter().all(|v| v.is_finite());
-        if applied {
-            let n = samples as f32;
-            for g in &mut host[..layout.grads.len()] {
-                *g /= n;
-            }
-            for s in &mut host[layout.statistics_offset()..] {
-                *s /= divisor;
-            }
-        }
-        let total = Tensor::from_slice(&host[..], host.len(), &Device::Cpu)?;
-        Ok((
-            StepTotals {
-                samples,
-                sums,
-                applied,
-            },
-            total,
-        ))
     }
 
     fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         self.train_steps += 1;
-        let (reduced, before) = self.reduce(batch, self.train_steps)?;
-        let layout = Arc::clone(&self.set.layout);
-        // Every worker holds the same reduced buffer, so all decide alike. `scales` divides a
-        // buffer that is not divided yet: gradients per sample, statistics per the divisor.
-        let (totals, buffers, scales) = match reduced {
-            Reduced::Host => {
-                let (totals, total) = self.host_totals()?;
-                let buffers = vec![total; before.len()];
-                (totals, buffers, None::<(f64, f64)>)
-            }
-            #[cfg(feature = "nccl")]
-            Reduced::Device(reduced) => {
-                let read = layout.read(&reduced[0])?;
-                let applied = read.finite && read.samples > 0;
-                let scales = applied.then(|| {
-                    (
-                        1.0 / read.samples as f64,
-                        1.0 / f64::from(self.statistics_divisor(read.samples)),
-                    )
-                });
-                let totals = StepTotals {
-                    samples: read.samples,
-                    sums: read.sums,
-                    applied,
-                };
-                (totals, reduced, scales)
-            }
-        };
-        let applied = totals.applied;
-        let inputs: Vec<(Tensor, Vec<Tensor>)> = buffers.into_iter().zip(before).collect();
-        self.set
-            .pool
-            .run(inputs, move |_, replica, (buffer, before)| {
-                if !applied {
-                    return restore(replica.statistics(), &before);
-                }
-                let buffer = buffer.to_device(replica.device())?;
-                let mut grads = buffer.narrow(0, 0, layout.grads.len())?;
-                let mut statistics =
-                    buffer.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
-                if let Some((per_sample, per_statistic)) = scales {
-                    grads = (grads * per_sample)?;
-                    statistics = (statistics * per_statistic)?;
-                }
-                replica.apply_gradients(&layout.grads.split(&grads, 0)?, lr)?;
-                let means = layout.statistics.split(&statistics, 0)?;
-                for (var, mean) in replica.statistics().iter().zip(means) {
-                    var.set(&mean)?;
-                }
-                Ok(())
-            })?;
-        Ok(StepStats {
-            samples: totals.samples,
-            sums: totals.sums,
-            applied,
-        })
+        let (totals, before) = self.reduce(batch, self.train_steps)?;
+        // Every worker holds the same sum, so all decide alike.
+        let read = self.set.layout.read(&totals[0])?;
+        self.set.finish(totals, &read, before, lr)
     }
 
     fn test(&mut self, batch: &Batch) -> Result<StepStats> {
@@ -562,6 +422,10 @@ impl DistributedModel for MultiWorkerModel {
 
     fn weights(&self) -> Result<Weights> {
         self.set.weights()
+    }
+
+    fn summary(&self) -> &Summary {
+        self.set.summary()
     }
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {

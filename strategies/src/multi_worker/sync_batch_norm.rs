@@ -1,9 +1,9 @@
 //! SyncBatchNorm across workers: [`CrossWorkerSum`], the [`OuterSum`] that the strategy installs
-//! into each worker's in-process [`Rendezvous`](crate::Rendezvous).
+//! into each worker's in-process `Rendezvous`.
 //!
 //! Batch normalisation sums its per-channel statistics (sums with the sample count, then
 //! centred squares) over the replica group in the forward pass, and the gradients of those sums
-//! in the backward pass (`kandle::cross_replica`). Inside a worker the local replicas meet in the
+//! in the backward pass (`kandle::strategy::ReplicaGroup`). Inside a worker the local replicas meet in the
 //! rendezvous; the last to arrive hands the worker's total to [`CrossWorkerSum`], which sums it
 //! over the workers with one guarded MPI all-reduce on the host, so every replica of every worker
 //! normalises with the statistics of the whole global batch. The exchanges are small (a few

@@ -276,8 +276,8 @@ fn finish<'a, D: ?Sized, S: Scope<'a>>(
     if let Err(unfinished) = watchdog::complete(vigil, request) {
         let diagnosis = vigil.diagnosis();
         let comm = vigil.communicator();
-        eprintln!(
-            "kandle: worker {}: the {what} of {phase} started but did not complete within {}: \
+        log::error!(
+            "worker {}: the {what} of {phase} started but did not complete within {}: \
              {diagnosis}; MPI cannot cancel a collective, so the job is aborted",
             comm.rank(),
             vigil.patience(),

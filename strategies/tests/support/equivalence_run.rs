@@ -55,8 +55,8 @@ pub fn train<S: Strategy + Clone + 'static>(
     let mut model = net
         .compile(
             Sgd::new(0.05).momentum(0.9),
-            Loss::SparseCategoricalCrossentropy,
-            [Metric::Accuracy],
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
             strategy,
         )?
         .with_seed(5)?;

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kandle::backprop::Backprop;
+use kandle::strategy::Backprop;
 use kandle::OneDeviceStrategy;
 use serde_json::{json, Value};
 

@@ -4,11 +4,12 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use kandle::backprop::Backprop;
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
+use kandle::strategy::Backprop;
 use kandle::data::Batch;
 use kandle::optimizers::Sgd;
-use kandle::replica::{ModelSpec, Replica};
-use kandle::{Loss, Metric, Strategy};
+use kandle::strategy::{ModelSpec, Replica};
+use kandle::Strategy;
 
 use crate::timing::Timer;
 
@@ -21,8 +22,8 @@ pub fn spec() -> ModelSpec {
         network: kandle_models::mini_googlenet(10),
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(LR).momentum(0.9)),
-        loss: Loss::SparseCategoricalCrossentropy,
-        metrics: vec![Metric::Accuracy],
+        loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+        metrics: [Accuracy].into(),
         seed: 0,
     }
 }
@@ -30,10 +31,10 @@ pub fn spec() -> ModelSpec {
 /// A batch of `n` CIFAR-shaped random images with labels.
 pub fn random_batch(n: usize) -> Result<Batch> {
     let labels: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
-    Ok(Batch {
-        x: Tensor::randn(0f32, 1., (n, 3, 32, 32), &Device::Cpu)?,
-        y: Tensor::from_vec(labels, n, &Device::Cpu)?,
-    })
+    Ok(Batch::new(
+        Tensor::randn(0f32, 1., (n, 3, 32, 32), &Device::Cpu)?,
+        Tensor::from_vec(labels, n, &Device::Cpu)?,
+    ))
 }
 
 /// Median seconds of one training step at global batch `batch` under `strategy`.
@@ -54,8 +55,9 @@ pub fn replica_step_time(backprop: Backprop, batch: usize, timer: Timer) -> Resu
     replica.set_backprop(backprop);
     let batch = random_batch(batch)?;
     timer.median(|| {
-        let g = replica.compute_gradients(&batch.x, &batch.y, batch.len())?;
-        replica.apply_gradients(&g.grads, LR)?;
+        let step = replica.step_buffer(&batch)?;
+        let totals = replica.layout().read(&step.fused)?;
+        replica.finish_step(&step.fused, &totals, &step.statistics_before, LR)?;
         Ok(())
     })
 }

@@ -3,18 +3,18 @@
 //! its composed one (the `SyncBatchNorm` code path over a single replica), moving statistics and
 //! inference included; and clear errors on bad shapes.
 
-mod kernel_support;
+
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use kandle::cross_replica::{ReplicaGroup, ReplicaHandle};
-use kandle::kernels::batch_norm::{batch_norm_train, channel_affine};
-use kandle::layers::{
+use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
+use crate::kernels::batch_norm::{batch_norm_train, channel_affine};
+use crate::layers::{
     Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
     SequentialNet,
 };
-use kernel_support::{assert_close, gradients, random, random_var, weighted_sum};
+use super::support::{assert_close, gradients, random, random_var, weighted_sum};
 
 /// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
 /// features, and a large mean that a naive one-pass variance would lose. The kernels walk
@@ -116,7 +116,7 @@ fn without_weight_and_bias_the_offset_is_zero_and_the_scale_one() -> anyhow::Res
     let ones = Tensor::ones(2, DType::F32, &Device::Cpu)?;
     let zeros = ones.zeros_like()?;
     let (want, _) = batch_norm_train(&x, Some(&ones), Some(&zeros), EPSILON, false)?;
-    assert_eq!(kernel_support::max_diff(&y, &want)?, 0.0);
+    assert_eq!(super::support::max_diff(&y, &want)?, 0.0);
     Ok(())
 }
 
@@ -154,14 +154,14 @@ fn channel_affine_matches_candle_ops_and_gradients() -> anyhow::Result<()> {
 struct Alone;
 
 impl ReplicaGroup for Alone {
-    fn all_reduce_sum(&self, _replica: usize, values: Vec<f32>) -> kandle::Result<Vec<f32>> {
+    fn all_reduce_sum(&self, _replica: usize, values: Vec<f32>) -> crate::Result<Vec<f32>> {
         Ok(values)
     }
 }
 
 struct BuiltBn {
     layer: Box<dyn Layer>,
-    store: kandle::params::ParamStore,
+    store: crate::params::ParamStore,
 }
 
 fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltBn> {
@@ -192,7 +192,7 @@ fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltB
     })
 }
 
-fn param(store: &kandle::params::ParamStore, name: &str) -> anyhow::Result<Var> {
+fn param(store: &crate::params::ParamStore, name: &str) -> anyhow::Result<Var> {
     Ok(store
         .get(name)
         .ok_or_else(|| anyhow::anyhow!("no {name}"))?
@@ -263,7 +263,7 @@ fn build_net(
     net: &Sequential,
     shape: &[usize],
     composed: bool,
-) -> anyhow::Result<(SequentialNet, kandle::params::ParamStore)> {
+) -> anyhow::Result<(SequentialNet, crate::params::ParamStore)> {
     let mut ctx = BuildContext::new(&Device::Cpu, 0);
     if composed {
         ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
@@ -402,7 +402,7 @@ const MINI_GOOGLENET_BN: &[(usize, usize)] = &[
 #[test]
 #[ignore = "timing; run on demand"]
 fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
-    use kernel_support::fwd_bwd_ms;
+    use super::support::fwd_bwd_ms;
     let reps = 5;
     println!(
         "{:>14} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15}",

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
-use kandle::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
+use crate::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -3,7 +3,7 @@
 //! tensor (Horovod's "tensor fusion").
 
 use candle_core::{DType, Shape, Tensor};
-use kandle::Result;
+use crate::Result;
 
 /// Where each tensor sits in a fused buffer.
 #[derive(Debug, Clone, PartialEq)]

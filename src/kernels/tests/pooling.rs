@@ -3,14 +3,14 @@
 //! random shapes with odd sizes, batch 1, one channel, strides 1 and 2, `same` and `valid`;
 //! against candle's own pooling ops where those apply; ties; and errors naming the op.
 
-mod kernel_support;
+
 
 use candle_core::{DType, Device, Tensor, Var};
-use kandle::kernels::pooling::{avg_pool2d, max_pool2d, PoolWindow};
-use kandle::layers::{
+use crate::kernels::pooling::{avg_pool2d, max_pool2d, PoolWindow};
+use crate::layers::{
     AveragePooling2D, BuildContext, GlobalAveragePooling2D, LayerSpec, MaxPooling2D, Padding,
 };
-use kernel_support::{assert_close, gradients, random_var, weighted_sum};
+use super::support::{assert_close, gradients, random_var, weighted_sum};
 
 /// `(input, window, strides, padding)`.
 type Case = (&'static [usize], (usize, usize), (usize, usize), Padding);
@@ -117,7 +117,7 @@ fn kernels_match_candle_pooling_where_window_equals_stride() -> anyhow::Result<(
         assert_close(&format!("max y {shape:?}"), &y, &x.max_pool2d(2)?, 0.0)?;
         let dx = gradients(&weighted_sum(&y, 1)?, &[x.as_tensor()])?;
         let is_max = x.eq(&y.upsample_nearest2d(h, w)?)?.to_dtype(DType::F32)?;
-        let dy = kernel_support::random(y.dims(), 1, 0.0)?;
+        let dy = super::support::random(y.dims(), 1, 0.0)?;
         let want_dx = (is_max * dy.upsample_nearest2d(h, w)?)?;
         assert_close(&format!("max dx {shape:?}"), &dx[0], &want_dx, 1e-6)?;
     }
@@ -239,7 +239,7 @@ fn max_of_views(x: &Tensor, k: usize, s: usize) -> anyhow::Result<Tensor> {
 #[test]
 #[ignore = "timing; run on demand"]
 fn time_mini_googlenet_pooling() -> anyhow::Result<()> {
-    use kernel_support::fwd_bwd_ms;
+    use super::support::fwd_bwd_ms;
     let reps = 5;
     let valid = |k: usize, s: usize| PoolWindow {
         window: (k, k),

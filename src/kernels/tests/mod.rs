@@ -1,0 +1,7 @@
+//! The CPU kernels against candle's own ops and autograd: forward values and gradients over
+//! seeded random shapes, for every kernel and both vector widths this CPU has.
+
+mod batch_norm;
+mod conv2d;
+mod pooling;
+mod support;

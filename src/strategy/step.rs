@@ -1,0 +1,118 @@
+//! The training step's buffer and its final phase, written once for every strategy.
+//!
+//! Each replica turns its part of a global batch into one **step buffer**
+//! ([`Replica::step_buffer`](super::Replica::step_buffer)): the gradients of its loss *sum*,
+//! its loss and metric sums, its sample count, and its moving statistics multiplied by that
+//! count. Buffers add up: a strategy sums them across replicas, devices and workers however it
+//! likes (that is all a strategy decides), and every replica that holds the variables then runs
+//! the **final phase** on the total ([`Replica::finish_step`](super::Replica::finish_step)):
+//!
+//! 1. [`StepLayout::read`] reads the sums, the sample count and a finite-ness probe to the host
+//!    in one transfer;
+//! 2. the step applies only when it has samples and every value is finite
+//!    ([`StepTotals::applies`]); otherwise the replica puts back the moving statistics its
+//!    forward pass changed, and the last good weights survive;
+//! 3. an applied step divides the gradients by the global sample count (the mean gradient of
+//!    the global batch, whatever the split) and sets the moving statistics to their mean
+//!    weighted by sample count (a replica without samples drops out), then runs the optimizer.
+
+use candle_core::{DType, Tensor};
+
+use super::fused::FusedLayout;
+use super::StepStats;
+use crate::Result;
+
+/// How a step buffer is laid out: `[gradients..., sums..., sample count, statistics...]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLayout {
+    /// The trainable variables' gradients, first.
+    pub grads: FusedLayout,
+    /// Number of loss and metric sums, next, followed by the sample count.
+    pub num_stats: usize,
+    /// The moving statistics (each multiplied by the sample count), last.
+    pub statistics: FusedLayout,
+}
+
+impl StepLayout {
+    /// Offset of the loss and metric sums.
+    pub fn stats_offset(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Offset of the sample count.
+    pub fn samples_offset(&self) -> usize {
+        self.grads.len() + self.num_stats
+    }
+
+    /// Offset of the moving statistics.
+    pub fn statistics_offset(&self) -> usize {
+        self.samples_offset() + 1
+    }
+
+    /// The buffer's length.
+    pub fn len(&self) -> usize {
+        self.statistics_offset() + self.statistics.len()
+    }
+
+    /// Whether the buffer is empty (it never is: it holds at least the sample count).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Reads a (summed) step buffer's loss and metric sums and its sample count to the host
+    /// with one transfer, and whether every gradient and sum in it is finite.
+    pub fn read(&self, buffer: &Tensor) -> Result<StepTotals> {
+        let stats = buffer.narrow(0, self.stats_offset(), self.num_stats + 1)?;
+        let grads = buffer.narrow(0, 0, self.grads.len())?;
+        let probe = finite_probe(&stats, &[grads])?;
+        let host = Tensor::cat(&[&stats, &probe.reshape(1)?], 0)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        let finite = host.last().is_some_and(|p| p.is_finite());
+        Ok(StepTotals {
+            sums: host[..self.num_stats].to_vec(),
+            samples: host[self.num_stats].round().max(0.0) as usize,
+            finite,
+        })
+    }
+}
+
+/// What a summed step buffer says, read on the host; every replica and worker reads the same
+/// and so decides alike.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepTotals {
+    /// Loss and metric sums over the global batch.
+    pub sums: Vec<f64>,
+    /// Samples in the global batch.
+    pub samples: usize,
+    /// Whether every gradient and sum is finite.
+    pub finite: bool,
+}
+
+impl StepTotals {
+    /// Whether the update is applied: the step had samples and nothing in it is NaN or
+    /// infinite.
+    pub fn applies(&self) -> bool {
+        self.finite && self.samples > 0
+    }
+
+    /// The step's statistics for `fit`.
+    pub fn into_stats(self) -> StepStats {
+        StepStats {
+            applied: self.applies(),
+            samples: self.samples,
+            sums: self.sums,
+        }
+    }
+}
+
+/// A finite-ness probe over the statistics and gradients: one scalar that is finite exactly
+/// when all of them are, so a single host read decides whether a step may be applied.
+pub(crate) fn finite_probe(stats: &Tensor, grads: &[Tensor]) -> Result<Tensor> {
+    let mut total = stats.sum_all()?.to_dtype(DType::F32)?;
+    for g in grads {
+        total = (total + g.sum_all()?.to_dtype(DType::F32)?)?;
+    }
+    // 0 * x is NaN exactly when x is NaN or infinite.
+    Ok((total * 0.0)?)
+}

@@ -16,6 +16,20 @@ use clap::ValueEnum;
 use kandle::Strategy;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
+/// What every example binary does first, since a library leaves both to the program: install a
+/// logger for kandle's diagnostics (the `log` facade: warnings about skipped steps, early
+/// stopping, learning-rate changes; `RUST_LOG` sets the level, `info` by default), and tune the
+/// C allocator for training on the CPU ([`kandle::keep_freed_memory`]).
+pub fn init() {
+    let env = env_logger::Env::default().default_filter_or("info");
+    // A second call (a test calling two binaries' code) keeps the first logger.
+    let _ = env_logger::Builder::from_env(env)
+        .format_timestamp(None)
+        .format_target(false)
+        .try_init();
+    kandle::keep_freed_memory();
+}
+
 /// The strategies a binary can run under (`--strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StrategyKind {

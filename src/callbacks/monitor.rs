@@ -8,8 +8,9 @@ use super::Logs;
 /// Which direction of the monitored quantity is an improvement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Mode {
-    /// Inferred from the key, as Keras does: higher is better for keys containing `acc`
-    /// (`accuracy`, `val_top_k_categorical_accuracy`), lower is better for everything else (`loss`, `mean_squared_error`).
+    /// Inferred from the key, as Keras does: higher is better for keys containing `acc`, `auc`,
+    /// `f1`, `precision` or `recall` (`accuracy`, `val_macro_f1`), lower is better for
+    /// everything else (`loss`, `mean_squared_error`).
     #[default]
     Auto,
     /// Lower is better.
@@ -22,7 +23,9 @@ impl Mode {
     /// Whether higher values of `key` are better under this mode.
     pub fn maximizes(self, key: &str) -> bool {
         match self {
-            Mode::Auto => key.contains("acc"),
+            Mode::Auto => ["acc", "auc", "f1", "precision", "recall"]
+                .iter()
+                .any(|k| key.contains(k)),
             Mode::Min => false,
             Mode::Max => true,
         }

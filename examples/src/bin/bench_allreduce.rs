@@ -222,6 +222,7 @@ fn size_label(len: usize) -> String {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     if args.reps == 0 {
         bail!("--reps must be at least 1");
     }

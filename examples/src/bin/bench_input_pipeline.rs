@@ -119,6 +119,7 @@ fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // Other work on the machine skews every figure: say how busy it was.
     if let Ok(load) = std::fs::read_to_string("/proc/loadavg") {

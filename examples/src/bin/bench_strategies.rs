@@ -183,6 +183,7 @@ fn step_benchmark(args: &Args) -> Result<()> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     reduction_benchmark(&args)?;
     step_benchmark(&args)
 }

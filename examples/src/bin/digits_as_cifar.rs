@@ -68,6 +68,7 @@ fn as_cifar(set: &InMemoryDataset) -> Result<Cifar10Dataset> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     let (train, test) = digits::load()?.train_test_split(args.test_fraction, args.seed)?;
     let data = Cifar10 {
         train: as_cifar(&train)?,

@@ -44,6 +44,7 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
     let mut model = kandle_models::digits_cnn(10)
         .compile(

@@ -290,6 +290,7 @@ fn projection(model: &ScalingModel, overlap: Overlap) -> Vec<(usize, f64)> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     if args.replicas.is_empty() || args.replicas.contains(&0) {
         bail!("--replicas needs positive replica counts, e.g. 1,2,4");
     }

@@ -102,6 +102,7 @@ fn sibling(output: &Path, extension: &str) -> PathBuf {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     let started = Instant::now();
     let data = if args.download {
         cifar10::load_or_download(&args.data_dir)

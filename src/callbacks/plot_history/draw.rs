@@ -43,49 +43,66 @@ pub(super) const FONT: &str = "sans-serif";
 /// One panel: its caption, y-axis label, the keys drawn in it with their legend names, and the
 /// corner where its curves usually leave room for the legend.
 struct Panel {
-    caption: &'static str,
-    y_label: &'static str,
-    series: [(&'static str, &'static str, RGBColor); 2],
+    caption: String,
+    y_label: String,
+    series: [(String, String, RGBColor); 2],
     legend: SeriesLabelPosition,
 }
 
-const LOSS: Panel = Panel {
-    caption: "Loss",
-    y_label: "loss",
-    series: [
-        ("loss", "train loss", TRAIN_COLOR),
-        ("val_loss", "val loss", VAL_COLOR),
-    ],
-    legend: SeriesLabelPosition::UpperRight,
-};
+impl Panel {
+    /// The panel of log key `key` and its `val_` twin. Curves that fall (a loss, an error) keep
+    /// the legend in the upper right, the others in the lower right.
+    fn of(key: &str) -> Self {
+        let caption = key
+            .split('_')
+            .enumerate()
+            .map(|(i, w)| match (i, w.chars().next()) {
+                (0, Some(c)) => c.to_uppercase().chain(w.chars().skip(1)).collect(),
+                _ => w.to_string(),
+            })
+            .collect::<Vec<String>>()
+            .join(" ");
+        let legend = if crate::callbacks::Mode::Auto.maximizes(key) {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        };
+        Self {
+            caption,
+            y_label: key.to_string(),
+            series: [
+                (key.to_string(), format!("train {key}"), TRAIN_COLOR),
+                (format!("val_{key}"), format!("val {key}"), VAL_COLOR),
+            ],
+            legend,
+        }
+    }
+}
 
-const ACCURACY: Panel = Panel {
-    caption: "Accuracy",
-    y_label: "accuracy",
-    series: [
-        ("accuracy", "train accuracy", TRAIN_COLOR),
-        ("val_accuracy", "val accuracy", VAL_COLOR),
-    ],
-    legend: SeriesLabelPosition::LowerRight,
-};
-
-/// Draws `history` into the PNG `file`: the loss panel, and the accuracy panel when the
-/// history has `accuracy` or `val_accuracy`.
-pub(super) fn render(history: &History, file: &Path, title: &str) -> Result<(), String> {
+/// Draws `history` into the PNG `file`: the loss panel, then one panel for each of `metrics`
+/// that the history has (under its own key or with a `val_` prefix).
+pub(super) fn render(
+    history: &History,
+    file: &Path,
+    title: &str,
+    metrics: &[String],
+) -> Result<(), String> {
     register_font()?;
-    let has_accuracy = ["accuracy", "val_accuracy"]
-        .iter()
-        .any(|k| history.logs.iter().any(|l| l.get(k).is_some()));
-    let panels: &[&Panel] = if has_accuracy {
-        &[&LOSS, &ACCURACY]
-    } else {
-        &[&LOSS]
+    let has = |key: &str| {
+        let val = format!("val_{key}");
+        history
+            .logs
+            .iter()
+            .any(|l| l.get(key).is_some() || l.get(&val).is_some())
     };
-    draw(history, file, title, panels)
+    let panels: Vec<Panel> = std::iter::once(Panel::of("loss"))
+        .chain(metrics.iter().filter(|m| has(m)).map(|m| Panel::of(m)))
+        .collect();
+    draw(history, file, title, &panels)
 }
 
 /// Renders the figure into the PNG `file`.
-fn draw(history: &History, file: &Path, title: &str, panels: &[&Panel]) -> Result<(), String> {
+fn draw(history: &History, file: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
     let width = PANEL_WIDTH * panels.len() as u32;
     let root = BitMapBackend::new(file, (width, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| e.to_string())?;
@@ -133,7 +150,7 @@ fn draw_panel(
     let lines: Vec<_> = panel
         .series
         .iter()
-        .map(|(key, name, color)| (segments(history, key), *name, *color))
+        .map(|(key, name, color)| (segments(history, key), name.as_str(), *color))
         .filter(|(runs, _, _)| !runs.is_empty())
         .collect();
     let points = lines.iter().flat_map(|(runs, _, _)| runs.iter().flatten());
@@ -150,7 +167,7 @@ fn draw_panel(
     let y_format = move |y: &f64| format!("{y:.decimals$}");
 
     let mut chart = ChartBuilder::on(area)
-        .caption(panel.caption, (FONT, 20))
+        .caption(&panel.caption, (FONT, 20))
         .margin(12)
         .x_label_area_size(45)
         .y_label_area_size(65)
@@ -166,7 +183,7 @@ fn draw_panel(
     chart
         .configure_mesh()
         .x_desc("epoch")
-        .y_desc(panel.y_label)
+        .y_desc(&panel.y_label)
         .x_labels((x_max as usize).clamp(2, 12))
         .x_label_formatter(&whole_epochs)
         .y_label_formatter(&y_format)

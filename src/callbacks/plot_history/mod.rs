@@ -1,8 +1,9 @@
 //! `PlotHistory` and [`plot_history`]: training curves drawn to a PNG with plotters.
 //!
-//! The picture has the title on top and two panels side by side: loss (`loss`, `val_loss`)
-//! and accuracy (`accuracy`, `val_accuracy`) against the epoch, numbered from 1. Without an
-//! accuracy key only the loss panel is drawn. NaN and infinite values are left out of the
+//! The picture has the title on top and panels side by side: loss (`loss`, `val_loss`), then
+//! one per metric (by default `accuracy` and `val_accuracy`; any log key with
+//! [`PlotHistory::metrics`]) against the epoch, numbered from 1. A metric the history does not
+//! have gets no panel. NaN and infinite values are left out of the
 //! lines. Text uses the DejaVu Sans font bundled in the crate, so drawing works on a headless
 //! machine with no system fonts. The file is written atomically: drawn to a hidden temporary
 //! file in the same directory, then renamed over the target.
@@ -27,7 +28,12 @@ use crate::{Error, Model, Result};
 /// # }
 /// ```
 pub fn plot_history(history: &History, path: impl AsRef<Path>, title: &str) -> Result<()> {
-    let path = path.as_ref();
+    plot_metrics(history, path.as_ref(), title, &["accuracy".to_string()])
+}
+
+/// [`plot_history`] with a panel for each of `metrics` (log keys, drawn with their `val_`
+/// twins) after the loss.
+fn plot_metrics(history: &History, path: &Path, title: &str, metrics: &[String]) -> Result<()> {
     let plot_err = |reason: String| Error::Plot {
         path: path.to_path_buf(),
         reason,
@@ -42,7 +48,7 @@ pub fn plot_history(history: &History, path: impl AsRef<Path>, title: &str) -> R
     std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create directory", &dir, e))?;
     let tmp = dir.join(format!(".{}.tmp.png", file_name.to_string_lossy()));
 
-    let drawn = draw::render(history, &tmp, title);
+    let drawn = draw::render(history, &tmp, title, metrics);
     let result = drawn.and_then(|()| std::fs::rename(&tmp, path).map_err(|e| e.to_string()));
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -80,6 +86,7 @@ pub fn plot_font() -> Result<&'static str> {
 pub struct PlotHistory {
     path: PathBuf,
     title: String,
+    metrics: Vec<String>,
     history: History,
 }
 
@@ -89,6 +96,7 @@ impl PlotHistory {
         Self {
             path: path.into(),
             title: "Training history".into(),
+            metrics: vec!["accuracy".into()],
             history: History::new(),
         }
     }
@@ -96,6 +104,13 @@ impl PlotHistory {
     /// The title drawn above the panels.
     pub fn title(mut self, title: impl Into<String>) -> Self {
         self.title = title.into();
+        self
+    }
+
+    /// The metrics drawn after the loss, one panel each with its `val_` twin (default
+    /// `["accuracy"]`), e.g. `.metrics(["accuracy", "macro_f1"])`.
+    pub fn metrics<S: Into<String>>(mut self, metrics: impl IntoIterator<Item = S>) -> Self {
+        self.metrics = metrics.into_iter().map(Into::into).collect();
         self
     }
 
@@ -113,7 +128,7 @@ impl Callback for PlotHistory {
 
     fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
         self.history.on_epoch_end(epoch, logs, model)?;
-        plot_history(&self.history, &self.path, &self.title)
+        plot_metrics(&self.history, &self.path, &self.title, &self.metrics)
     }
 
     fn chief_only(&self) -> bool {

@@ -305,7 +305,29 @@ fn report(error: &dyn std::fmt::Display) {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
+/// kandle's diagnostics (the `log` facade) on stderr, where the tests read them.
+struct StderrLogger;
+
+impl log::Log for StderrLogger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.level() <= log::Level::Info
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            eprintln!("[{}] {}", record.level(), record.args());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+static LOGGER: StderrLogger = StderrLogger;
+
 fn main() -> ExitCode {
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(log::LevelFilter::Info);
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

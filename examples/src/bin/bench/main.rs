@@ -114,6 +114,7 @@ fn load_line() -> String {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    kandle_examples::init();
     if let Some(n) = args.threads {
         // Read once, when rayon's global pool and candle's thread count are first used.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());

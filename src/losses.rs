@@ -107,7 +107,11 @@ const PROB_EPSILON: f64 = 1e-7;
 
 /// Log-probabilities of `y_pred`: from itself when it holds logits, from a final softmax's
 /// logits when there are some, else from the clipped probabilities.
-fn log_probabilities(y_pred: &Tensor, logits: Option<&Tensor>, from_logits: bool) -> Result<Tensor> {
+fn log_probabilities(
+    y_pred: &Tensor,
+    logits: Option<&Tensor>,
+    from_logits: bool,
+) -> Result<Tensor> {
     match (from_logits, logits) {
         (true, _) => log_softmax(y_pred),
         (false, Some(logits)) => log_softmax(logits),
@@ -431,14 +435,22 @@ mod tests {
             })
             .collect();
         let from_p = values(BinaryCrossentropy::new().call(&z, &probs)?);
-        let from_x = values(BinaryCrossentropy::new().from_logits(true).call(&z, &logits)?);
+        let from_x = values(
+            BinaryCrossentropy::new()
+                .from_logits(true)
+                .call(&z, &logits)?,
+        );
         for ((p, x), w) in from_p.iter().zip(&from_x).zip(&by_hand) {
             assert!((p - w).abs() < 1e-5 && (x - w).abs() < 1e-5, "{p} {x} {w}");
         }
         // Far-out logits stay finite and exact.
         let big = Tensor::new(&[[-100f32]], &dev)?;
         let one = Tensor::new(&[[1f32]], &dev)?;
-        let l = values(BinaryCrossentropy::new().from_logits(true).call(&one, &big)?);
+        let l = values(
+            BinaryCrossentropy::new()
+                .from_logits(true)
+                .call(&one, &big)?,
+        );
         assert!((l[0] - 100.0).abs() < 1e-3, "{l:?}");
         // 0/1 class labels with one output unit.
         let labels = Tensor::new(&[1u32, 0], &dev)?;
@@ -456,7 +468,10 @@ mod tests {
         // delta 1: 0.5*0.25 = 0.125 and 1*(3-0.5) = 2.5 -> 1.3125; 1.5 and 0 -> 0.75.
         assert_eq!(values(Huber::new().call(&y_true, &y_pred)?), [1.3125, 0.75]);
         // delta 2: 0.125 and 2*(3-1) = 4 -> 2.0625; 0.5*4 = 2 and 0 -> 1.
-        assert_eq!(values(Huber::delta(2.0)?.call(&y_true, &y_pred)?), [2.0625, 1.0]);
+        assert_eq!(
+            values(Huber::delta(2.0)?.call(&y_true, &y_pred)?),
+            [2.0625, 1.0]
+        );
         assert!(Huber::delta(0.0).is_err() && Huber::delta(f64::NAN).is_err());
         Ok(())
     }

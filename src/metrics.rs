@@ -256,7 +256,11 @@ fn binary_hits(y_true: &Tensor, y_pred: &Tensor, threshold: f64) -> Result<Tenso
     let z = y_true.to_dtype(DType::F32)?.reshape(y_pred.shape())?;
     let predicted = y_pred.gt(threshold)?.to_dtype(DType::F32)?;
     let truth = z.gt(0.5)?.to_dtype(DType::F32)?;
-    Ok(predicted.eq(&truth)?.to_dtype(DType::F32)?.flatten_from(1)?.mean(1)?)
+    Ok(predicted
+        .eq(&truth)?
+        .to_dtype(DType::F32)?
+        .flatten_from(1)?
+        .mean(1)?)
 }
 
 /// Fraction of samples whose highest output is the true class, with class-index and one-hot
@@ -437,7 +441,10 @@ mod tests {
         let onehot = Tensor::new(&[[0f32, 1., 0.], [0., 0., 1.], [1., 0., 0.]], &dev)?;
         assert_eq!(value(&Accuracy, &sparse, &out)?, 1.0 / 3.0);
         assert_eq!(value(&Accuracy, &onehot, &out)?, 1.0 / 3.0);
-        assert_eq!(value(&TopKCategoricalAccuracy::new(2), &sparse, &out)?, 2.0 / 3.0);
+        assert_eq!(
+            value(&TopKCategoricalAccuracy::new(2), &sparse, &out)?,
+            2.0 / 3.0
+        );
         assert_eq!(value(&TopKCategoricalAccuracy::new(3), &sparse, &out)?, 1.0);
         Ok(())
     }
@@ -449,7 +456,10 @@ mod tests {
         let labels = Tensor::new(&[1u32, 1, 0, 0], &dev)?;
         assert_eq!(value(&BinaryAccuracy::new(), &labels, &out)?, 0.5);
         assert_eq!(value(&Accuracy, &labels, &out)?, 0.5);
-        assert_eq!(value(&BinaryAccuracy::new().threshold(0.05), &labels, &out)?, 0.5);
+        assert_eq!(
+            value(&BinaryAccuracy::new().threshold(0.05), &labels, &out)?,
+            0.5
+        );
         let two = Tensor::new(&[[0.9f32, 0.2], [0.1, 0.7]], &dev)?;
         let z = Tensor::new(&[[1f32, 1.], [0., 1.]], &dev)?;
         assert_eq!(value(&BinaryAccuracy::new(), &z, &two)?, 0.75);

@@ -430,7 +430,9 @@ impl Model {
         }
         if options.validation_split > 0.0 {
             let (train, held_out) = crate::data::split_tail(data, options.validation_split)?;
-            let sample_weight = options.sample_weight.map(|w| &w[..w.len().min(train.len())]);
+            let sample_weight = options
+                .sample_weight
+                .map(|w| &w[..w.len().min(train.len())]);
             return self.fit(
                 &train,
                 FitOptions {
@@ -646,7 +648,12 @@ impl Model {
     }
 
     /// One batch as `fit` would see it: checked against the loss, on the CPU, `f32` inputs.
-    fn one_batch(&mut self, x: &Tensor, y: &Tensor, sample_weight: Option<&Tensor>) -> Result<Batch> {
+    fn one_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Batch> {
         let n = self.prepare_inputs(x)?;
         let data = crate::data::InMemoryDataset::new(x.clone(), y.clone())?.named("the batch");
         let output_shape = self.built()?.output_shape.clone();
@@ -661,7 +668,10 @@ impl Model {
                     got: format!("{:?}", w.dims()),
                 })
             }
-            Some(w) => batch.with_weights(w.to_device(&candle_core::Device::Cpu)?.to_dtype(candle_core::DType::F32)?),
+            Some(w) => batch.with_weights(
+                w.to_device(&candle_core::Device::Cpu)?
+                    .to_dtype(candle_core::DType::F32)?,
+            ),
             None => batch,
         })
     }

@@ -253,7 +253,8 @@ impl Replica {
         let grads = (total.narrow(0, 0, layout.grads.len())? * per_sample)?;
         self.optimizer.step(&layout.grads.split(&grads, 0)?, lr)?;
         if !self.statistics.is_empty() {
-            let statistics = total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
+            let statistics =
+                total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
             let means = layout.statistics.split(&(statistics * per_sample)?, 0)?;
             for (var, mean) in self.statistics.iter().zip(means) {
                 var.set(&mean)?;

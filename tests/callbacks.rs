@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Context, Result};
 use candle_core::Tensor;
-use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::callbacks::{
     Callback, CsvLogger, EarlyStopping, Logs, ModelCheckpoint, PlotHistory, ReduceLROnPlateau,
     TerminateOnNaN, Verbosity,
@@ -15,6 +14,7 @@ use kandle::data::{digits, Dataset, InMemoryDataset};
 use kandle::layers::{Activation, Dense, Flatten, Sequential};
 use kandle::optimizers::{Adam, OptimizerConfig, Sgd};
 use kandle::params::Weights;
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::{FitOptions, Model, OneDeviceStrategy};
 
 /// A small MLP for the 8×8 digits. Every call builds the same initial weights.

@@ -1,11 +1,11 @@
 //! `LearningRateScheduler` inside `fit`: the schedule's rate is set before every epoch and
 //! recorded as `lr` in the history.
 
-use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::callbacks::{Callback, LearningRateScheduler, Verbosity};
 use kandle::data::{Dataset, Targets};
 use kandle::layers::{Activation, Dense, Sequential};
 use kandle::optimizers::Sgd;
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::schedules::PolynomialDecay;
 use kandle::{Error, FitOptions, Model, OneDeviceStrategy};
 

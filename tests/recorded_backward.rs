@@ -7,14 +7,14 @@
 //! the same way and reaches the same weights.
 
 use candle_core::{DType, Device, Tensor};
+use kandle::data::Batch;
 use kandle::layers::{
     Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense, Dropout,
     Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
 };
-use kandle::optimizers::Sgd;
-use kandle::data::Batch;
 use kandle::losses::CategoricalCrossentropy;
 use kandle::metrics::Accuracy;
+use kandle::optimizers::Sgd;
 use kandle::strategy::{Backprop, ModelSpec, Replica};
 
 fn conv_bn_relu(filters: usize, k: usize, stride: usize, padding: Padding) -> Sequential {

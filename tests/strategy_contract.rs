@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use kandle::data::{Batch, InMemoryDataset};
+use kandle::layers::Summary;
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle::layers::Summary;
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats};
 
 /// Two replicas on the CPU; each takes half of every batch (the first gets the extra sample

@@ -2,9 +2,9 @@
 
 use super::FitInfo;
 use crate::layers::{Activation, Dense, Sequential};
-use crate::optimizers::Sgd;
 use crate::losses::SparseCategoricalCrossentropy;
 use crate::metrics::Accuracy;
+use crate::optimizers::Sgd;
 use crate::{Model, OneDeviceStrategy, Result};
 
 /// A built 4 → 3 softmax classifier on the CPU with learning rate 0.1.

@@ -401,7 +401,11 @@ impl<'d> Loader<'d> {
                 Ok(by_sample * by_class)
             })
             .collect::<Result<Vec<f32>>>()?;
-        Ok(Some(Tensor::from_vec(weights, indices.len(), &Device::Cpu)?))
+        Ok(Some(Tensor::from_vec(
+            weights,
+            indices.len(),
+            &Device::Cpu,
+        )?))
     }
 }
 
@@ -409,11 +413,18 @@ impl<'d> Loader<'d> {
 fn class_of(target: &[f32]) -> usize {
     match target {
         [index] => index.max(0.0) as usize,
-        row => row
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best })
-            .0,
+        row => {
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
+                    if v > best.1 {
+                        (i, v)
+                    } else {
+                        best
+                    }
+                })
+                .0
+        }
     }
 }
 

@@ -175,6 +175,10 @@ impl Batch {
             Some(w) => Some(w.to_device(device)?),
             None => None,
         };
-        Ok((self.x.to_device(device)?, self.y.to_device(device)?, weights))
+        Ok((
+            self.x.to_device(device)?,
+            self.y.to_device(device)?,
+            weights,
+        ))
     }
 }

@@ -2,8 +2,8 @@
 //! crosses devices (or processes) with one transfer or one collective call instead of one per
 //! tensor (Horovod's "tensor fusion").
 
-use candle_core::{DType, Shape, Tensor};
 use crate::Result;
+use candle_core::{DType, Shape, Tensor};
 
 /// Where each tensor sits in a fused buffer.
 #[derive(Debug, Clone, PartialEq)]

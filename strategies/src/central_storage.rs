@@ -10,7 +10,9 @@ use kandle::params::Weights;
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use kandle::{Error, Result};
 
-use crate::replica_set::{cpu_weights, fuse_store, replica_builders, unzip, LocalReplicas, ReplicaSet};
+use crate::replica_set::{
+    cpu_weights, fuse_store, local_constructors, replica_builders, unzip, LocalReplicas, ReplicaSet,
+};
 
 /// Data parallelism with the variables kept in one place.
 #[derive(Debug, Clone)]
@@ -20,25 +22,14 @@ pub struct CentralStorageStrategy {
 }
 
 impl CentralStorageStrategy {
-    /// Computes on `devices`, stores the variables on the CPU. Fails on an empty list.
-    pub fn new(devices: Vec<Device>) -> Result<Self> {
-        Ok(Self {
-            local: LocalReplicas::new(devices, "CentralStorageStrategy")?,
-            central: Device::Cpu,
-        })
-    }
+    local_constructors!("CentralStorageStrategy");
 
-    /// Computes on every visible GPU. Fails when there is none.
-    pub fn all_gpus() -> Result<Self> {
-        Ok(Self {
-            local: LocalReplicas::all_gpus("CentralStorageStrategy")?,
+    /// The variables on the CPU until [`Self::central_device`] says otherwise.
+    fn with_local(local: LocalReplicas) -> Self {
+        Self {
+            local,
             central: Device::Cpu,
-        })
-    }
-
-    /// `replicas` compute replicas on the CPU.
-    pub fn cpu(replicas: usize) -> Result<Self> {
-        Self::new(vec![Device::Cpu; replicas])
+        }
     }
 
     /// Where the variables live (default: the CPU).

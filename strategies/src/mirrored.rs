@@ -2,15 +2,15 @@
 //! replica; each step the global batch is split across replicas, their step buffers are summed
 //! as one fused buffer, and every replica runs the same final phase on the sum.
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use kandle::data::Batch;
-use kandle::layers::Summary;
-use kandle::params::Weights;
 use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::replica_set::{replica_builders, LocalReplicas, ReplicaSet};
+use crate::replica_set::{
+    local_constructors, replica_builders, replica_set_queries, LocalReplicas, ReplicaSet,
+};
 
 /// Synchronous data parallelism over the devices of one process.
 ///
@@ -29,26 +29,13 @@ pub struct MirroredStrategy {
 }
 
 impl MirroredStrategy {
-    /// One replica per device. Fails on an empty list.
-    pub fn new(devices: Vec<Device>) -> Result<Self> {
-        Ok(Self {
-            local: LocalReplicas::new(devices, "MirroredStrategy")?,
-            ops: CrossDeviceOps::default(),
-        })
-    }
+    local_constructors!("MirroredStrategy");
 
-    /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there is
-    /// none or kandle was built without `cuda`.
-    pub fn all_gpus() -> Result<Self> {
-        Ok(Self {
-            local: LocalReplicas::all_gpus("MirroredStrategy")?,
+    fn with_local(local: LocalReplicas) -> Self {
+        Self {
+            local,
             ops: CrossDeviceOps::default(),
-        })
-    }
-
-    /// `replicas` replicas on the CPU.
-    pub fn cpu(replicas: usize) -> Result<Self> {
-        Self::new(vec![Device::Cpu; replicas])
+        }
     }
 
     /// How replicas sum their step buffers (default [`CrossDeviceOps::ReductionToOneDevice`]).
@@ -98,30 +85,16 @@ impl DistributedModel for MirroredModel {
         self.set.evaluate(batch)
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.set.predict(x)
-    }
-
-    fn weights(&self) -> Result<Weights> {
-        self.set.weights()
-    }
-
-    fn summary(&self) -> &Summary {
-        self.set.summary()
-    }
-
-    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
-        self.set.set_weights(weights)
-    }
+    replica_set_queries!();
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use kandle::layers::{Activation, BatchNormalization, Conv2D, Dense, Flatten, Sequential};
-    use kandle::optimizers::Sgd;
     use kandle::losses::SparseCategoricalCrossentropy;
     use kandle::metrics::Accuracy;
+    use kandle::optimizers::Sgd;
 
     fn statistics_of(model: &MirroredModel) -> Result<Vec<Vec<f32>>> {
         model

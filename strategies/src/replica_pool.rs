@@ -239,9 +239,9 @@ impl Drop for ReplicaPool {
 mod tests {
     use super::*;
     use kandle::layers::{Dense, Flatten, Sequential};
+    use kandle::losses::MeanSquaredError;
     use kandle::optimizers::Sgd;
     use kandle::strategy::ModelSpec;
-    use kandle::losses::MeanSquaredError;
 
     fn replicas(n: usize) -> Result<Vec<Replica>> {
         let spec = ModelSpec {

@@ -56,16 +56,63 @@ macro_rules! replica_builders {
         /// [`ReplicaThreads`](crate::ReplicaThreads). The default,
         /// [`ReplicaThreads::Auto`](crate::ReplicaThreads::Auto), divides the cores evenly among
         /// this process's CPU replicas, so replicas sharing the CPU do not oversubscribe it.
-        pub fn threads_per_replica(
-            mut self,
-            threads: impl Into<crate::ReplicaThreads>,
-        ) -> Self {
+        pub fn threads_per_replica(mut self, threads: impl Into<crate::ReplicaThreads>) -> Self {
             self.local.threads = threads.into();
             self
         }
     };
 }
 pub(crate) use replica_builders;
+
+/// The constructors of a strategy that runs one process's replicas, on a struct with a
+/// `fn with_local(local: LocalReplicas) -> Self`; `$name` names the strategy in errors.
+macro_rules! local_constructors {
+    ($name:literal) => {
+        /// One replica per device. Fails on an empty list.
+        pub fn new(devices: Vec<candle_core::Device>) -> kandle::Result<Self> {
+            Ok(Self::with_local(crate::replica_set::LocalReplicas::new(
+                devices, $name,
+            )?))
+        }
+
+        /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there
+        /// is none or kandle was built without `cuda`.
+        pub fn all_gpus() -> kandle::Result<Self> {
+            Ok(Self::with_local(
+                crate::replica_set::LocalReplicas::all_gpus($name)?,
+            ))
+        }
+
+        /// `replicas` replicas on the CPU.
+        pub fn cpu(replicas: usize) -> kandle::Result<Self> {
+            Self::new(vec![candle_core::Device::Cpu; replicas])
+        }
+    };
+}
+pub(crate) use local_constructors;
+
+/// The [`DistributedModel`](kandle::strategy::DistributedModel) methods of a model whose
+/// replicas all hold the variables, in a `set: ReplicaSet` field.
+macro_rules! replica_set_queries {
+    () => {
+        fn predict_step(&mut self, x: &candle_core::Tensor) -> kandle::Result<candle_core::Tensor> {
+            self.set.predict(x)
+        }
+
+        fn weights(&self) -> kandle::Result<kandle::params::Weights> {
+            self.set.weights()
+        }
+
+        fn summary(&self) -> &kandle::layers::Summary {
+            self.set.summary()
+        }
+
+        fn set_weights(&mut self, weights: &kandle::params::Weights) -> kandle::Result<()> {
+            self.set.set_weights(weights)
+        }
+    };
+}
+pub(crate) use replica_set_queries;
 
 impl LocalReplicas {
     /// One replica per device; `strategy` names the caller in errors.

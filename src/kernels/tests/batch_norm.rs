@@ -3,18 +3,16 @@
 //! its composed one (the `SyncBatchNorm` code path over a single replica), moving statistics and
 //! inference included; and clear errors on bad shapes.
 
-
-
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, Var};
+use super::support::{assert_close, gradients, random, random_var, weighted_sum};
 use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 use crate::kernels::batch_norm::{batch_norm_train, channel_affine};
 use crate::layers::{
     Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
     SequentialNet,
 };
-use super::support::{assert_close, gradients, random, random_var, weighted_sum};
+use candle_core::{DType, Device, Tensor, Var};
 
 /// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
 /// features, and a large mean that a naive one-pass variance would lose. The kernels walk

@@ -1,9 +1,9 @@
 //! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
 //! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
 
+use crate::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
-use crate::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -3,14 +3,12 @@
 //! random shapes with odd sizes, batch 1, one channel, strides 1 and 2, `same` and `valid`;
 //! against candle's own pooling ops where those apply; ties; and errors naming the op.
 
-
-
-use candle_core::{DType, Device, Tensor, Var};
+use super::support::{assert_close, gradients, random_var, weighted_sum};
 use crate::kernels::pooling::{avg_pool2d, max_pool2d, PoolWindow};
 use crate::layers::{
     AveragePooling2D, BuildContext, GlobalAveragePooling2D, LayerSpec, MaxPooling2D, Padding,
 };
-use super::support::{assert_close, gradients, random_var, weighted_sum};
+use candle_core::{DType, Device, Tensor, Var};
 
 /// `(input, window, strides, padding)`.
 type Case = (&'static [usize], (usize, usize), (usize, usize), Padding);

@@ -7,8 +7,6 @@ use std::time::Duration;
 
 use candle_core::{Device, Storage, Tensor};
 use kandle::data::Batch;
-use kandle::layers::Summary;
-use kandle::params::Weights;
 use kandle::strategy::step::StepLayout;
 use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerInfo};
 use kandle::{Error, Result};
@@ -23,7 +21,9 @@ use crate::cross_device_ops::CrossDeviceOps;
 use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
 #[cfg(feature = "nccl")]
 use crate::replica_set::unzip;
-use crate::replica_set::{fuse_store, load_fused, replica_builders, LocalReplicas, ReplicaSet};
+use crate::replica_set::{
+    fuse_store, load_fused, replica_builders, replica_set_queries, LocalReplicas, ReplicaSet,
+};
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -416,21 +416,7 @@ impl DistributedModel for MultiWorkerModel {
         self.check(result)
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.set.predict(x)
-    }
-
-    fn weights(&self) -> Result<Weights> {
-        self.set.weights()
-    }
-
-    fn summary(&self) -> &Summary {
-        self.set.summary()
-    }
-
-    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
-        self.set.set_weights(weights)
-    }
+    replica_set_queries!();
 }
 
 /// A worker without samples in this step joins the SyncBatchNorm exchanges that the others run.

@@ -4,10 +4,10 @@
 
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
-use kandle::strategy::Backprop;
 use kandle::data::Batch;
 use kandle::optimizers::Sgd;
+use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
+use kandle::strategy::Backprop;
 use kandle::strategy::{ModelSpec, Replica};
 use kandle::Strategy;
 

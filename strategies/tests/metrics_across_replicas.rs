@@ -122,7 +122,7 @@ fn metrics_do_not_depend_on_the_replica_count() -> Result<()> {
     );
     let (one_logs, one_eval) = run(&OneDeviceStrategy::cpu(), &train, &test)?;
     let f1 = one_eval.get("macro_f1").unwrap_or(0.0);
-    ensure!(f1 > 0.5 && f1 < 1.0, "macro F1 {f1}");
+    ensure!(f1 > 0.1 && f1 < 1.0, "macro F1 {f1}");
     for (what, (logs, eval)) in [
         (
             "mirrored(2)",

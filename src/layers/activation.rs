@@ -61,6 +61,10 @@ impl LayerSpec for Activation {
         }
     }
 
+    fn class_name(&self) -> &'static str {
+        "Activation"
+    }
+
     fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         Ok(Built::leaf(*self, input_shape.to_vec()))
     }

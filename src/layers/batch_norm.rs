@@ -79,6 +79,10 @@ impl LayerSpec for BatchNormalization {
         "batch_normalization"
     }
 
+    fn class_name(&self) -> &'static str {
+        "BatchNormalization"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         if !(input_shape.len() == 1 || input_shape.len() == 3) {
             return Err(shape_error(

@@ -72,6 +72,10 @@ impl LayerSpec for Conv2D {
         "conv2d"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Conv2D"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         let c = input_shape.first().copied().unwrap_or(0);
         if self.filters == 0 {

@@ -35,6 +35,10 @@ impl LayerSpec for Dense {
         "dense"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Dense"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         let &[features] = input_shape else {
             return Err(shape_error(

@@ -207,7 +207,7 @@ impl Layer for PoolLayer {
 }
 
 macro_rules! pooling_layer {
-    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal) => {
+    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal, $class:literal) => {
         $(#[$doc])*
         #[derive(Debug, Clone)]
         pub struct $name(Pool2D);
@@ -253,6 +253,10 @@ macro_rules! pooling_layer {
                 $label
             }
 
+            fn class_name(&self) -> &'static str {
+                $class
+            }
+
             fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
                 self.0.build(ctx, input_shape)
             }
@@ -268,13 +272,15 @@ pooling_layer!(
     /// Maximum over each window.
     MaxPooling2D,
     PoolKind::Max,
-    "max_pooling2d"
+    "max_pooling2d",
+    "MaxPooling2D"
 );
 pooling_layer!(
     /// Mean over each window.
     AveragePooling2D,
     PoolKind::Average,
-    "average_pooling2d"
+    "average_pooling2d",
+    "AveragePooling2D"
 );
 
 /// Mean over the spatial axes: `(batch, C, H, W)` to `(batch, C)`.
@@ -284,6 +290,10 @@ pub struct GlobalAveragePooling2D;
 impl LayerSpec for GlobalAveragePooling2D {
     fn kind(&self) -> &'static str {
         "global_average_pooling2d"
+    }
+
+    fn class_name(&self) -> &'static str {
+        "GlobalAveragePooling2D"
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {

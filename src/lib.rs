@@ -42,6 +42,7 @@ pub mod allocator;
 pub mod backprop;
 pub mod callbacks;
 pub mod checkpoint;
+mod compute_path;
 pub mod cross_replica;
 pub mod data;
 pub mod devices;
@@ -57,6 +58,7 @@ pub mod replica;
 pub mod schedules;
 pub mod strategy;
 
+pub use compute_path::ComputePath;
 pub use error::{panic_message, Error, Result};
 
 /// The README's code, compiled as a doc test so it stays true.

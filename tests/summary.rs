@@ -182,6 +182,36 @@ fn user_layers_get_their_type_name() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `Dense(..).activation(..)` and `Conv2D(..).activation(..)` take one row and add no
+/// variable, as in Keras.
+#[test]
+fn layers_with_an_activation_take_one_row() -> anyhow::Result<()> {
+    let fused = Sequential::new()
+        .add(Conv2D::new(4, 3).activation(Activation::Relu))
+        .add(Flatten)
+        .add(Dense::new(5).activation(Activation::Softmax));
+    let separate = Sequential::new()
+        .add(Conv2D::new(4, 3))
+        .add(Activation::Relu)
+        .add(Flatten)
+        .add(Dense::new(5))
+        .add(Activation::Softmax);
+    let (a, b) = (fused.summary(&[2, 5, 5])?, separate.summary(&[2, 5, 5])?);
+    let names: Vec<&str> = a.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, vec!["conv2d_1", "flatten_1", "dense_1"]);
+    assert_eq!(
+        (a.trainable, a.non_trainable),
+        (b.trainable, b.non_trainable)
+    );
+    let device = candle_core::Device::Cpu;
+    let names = |net: &Sequential| -> anyhow::Result<Vec<String>> {
+        let store = net.build_network(&device, &[2, 5, 5], 0)?.1;
+        Ok(store.iter().map(|p| p.name.clone()).collect())
+    };
+    assert_eq!(names(&fused)?, names(&separate)?);
+    Ok(())
+}
+
 #[test]
 fn frozen_layers_are_not_trained() -> anyhow::Result<()> {
     let net = Sequential::new()

@@ -19,3 +19,12 @@ mod planes;
 pub(crate) mod replay;
 mod simd;
 mod two_pass;
+
+/// How many times, in this process, kandle's kernels have read a tensor's data: the count grows
+/// with every kernel run, forward or backward, on any thread. Tests read it to check that a
+/// network built for [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) runs no
+/// kernel. A diagnostic, not part of the stable API.
+#[doc(hidden)]
+pub fn data_reads() -> usize {
+    planes::data_reads()
+}

@@ -9,6 +9,11 @@
 //! (Candle's NCHW layout). A strategy builds the same recipe once per replica, which is how
 //! replicas get identical, identically named variables.
 //!
+//! Layers with a CPU kernel (convolution, batch normalisation, pooling) call it for `f32` CPU
+//! tensors and compose candle's device-generic ops otherwise; a layer built in a context for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) never calls a kernel, so
+//! the CPU runs the ops a GPU runs.
+//!
 //! ```
 //! use kandle::layers::{Activation, Conv2D, Dense, Flatten, MaxPooling2D, Padding, Sequential};
 //!

@@ -6,7 +6,8 @@
 //! every device (Candle's own max-pool backward scales the gradient by one over the window
 //! size, and its average-pool backward misplaces it when the windows leave a remainder). `same` average pooling divides by the number of real (unpadded) elements, as
 //! TensorFlow does. For `f32` tensors on the CPU, all three run the dedicated kernels of
-//! [`crate::kernels::pooling`] instead, with the same results.
+//! [`crate::kernels::pooling`] instead, with the same results, unless they are built for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric).
 
 use candle_core::{Device, Tensor};
 
@@ -60,6 +61,7 @@ impl Pool2D {
             kind: self.kind,
             geometry,
             divisor,
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::leaf(layer, vec![c, oh, ow]))
     }
@@ -143,9 +145,16 @@ struct PoolLayer {
     kind: PoolKind,
     geometry: Geometry,
     divisor: Option<Tensor>,
+    /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
 }
 
 impl PoolLayer {
+    /// Whether the CPU kernels pool `x`.
+    fn kernel_takes(&self, x: &Tensor) -> bool {
+        self.kernels && kernels::supported(x)
+    }
+
     /// The CPU kernel's pass, kept for calling its backward directly.
     fn replay(&self, x: &Tensor) -> Result<Replay1> {
         let window = self.geometry.kernel_window();
@@ -173,7 +182,7 @@ fn record_replay(replay: Replay1, output: Tensor) -> Recorded {
 
 impl Layer for PoolLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::supported(x) {
+        if !self.kernel_takes(x) {
             return record_with_candle(self, x, false);
         }
         let replay = self.replay(x)?;
@@ -183,7 +192,7 @@ impl Layer for PoolLayer {
 
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         let g = &self.geometry;
-        if kernels::supported(x) {
+        if self.kernel_takes(x) {
             return Ok(self.replay(x)?.output().clone());
         }
         // Candle's pooling backward is right only for an average over windows that tile the
@@ -304,7 +313,10 @@ impl LayerSpec for GlobalAveragePooling2D {
                 input_shape,
             ));
         };
-        Ok(Built::leaf(GlobalAveragePooling2D, vec![c]))
+        let layer = GlobalPoolLayer {
+            kernels: ctx.compute_path().uses_kernels(),
+        };
+        Ok(Built::leaf(layer, vec![c]))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -322,16 +334,33 @@ fn whole_plane(x: &Tensor) -> Result<PoolWindow> {
     })
 }
 
+/// A built [`GlobalAveragePooling2D`].
+struct GlobalPoolLayer {
+    /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
+}
+
+/// The recipe used directly as a layer, without building it, takes the default path.
 impl Layer for GlobalAveragePooling2D {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        GlobalPoolLayer { kernels: true }.forward_t(x, train)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        GlobalPoolLayer { kernels: true }.forward_recorded(x)
+    }
+}
+
+impl Layer for GlobalPoolLayer {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        if kernels::supported(x) {
+        if self.kernels && kernels::supported(x) {
             return Ok(kernels::avg_pool2d(x, &whole_plane(x)?)?.flatten_from(1)?);
         }
         Ok(x.mean((2, 3))?)
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::supported(x) {
+        if !self.kernels || !kernels::supported(x) {
             return record_with_candle(self, x, false);
         }
         let replay = kernels::avg_pool2d_replay(x, &whole_plane(x)?)?;

@@ -39,9 +39,9 @@
 //! ```
 
 mod allocator;
-mod backprop;
 pub mod callbacks;
 pub mod checkpoint;
+mod compute_path;
 mod cross_replica;
 pub mod data;
 pub mod devices;
@@ -58,6 +58,7 @@ pub mod schedules;
 pub mod strategy;
 
 pub use allocator::keep_freed_memory;
+pub use compute_path::ComputePath;
 pub use error::{Error, Result};
 
 /// The README's code, compiled as a doc test so it stays true.

@@ -24,7 +24,7 @@ use crate::metrics::Metrics;
 use crate::optimizers::OptimizerConfig;
 use crate::params::Weights;
 use crate::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerInfo};
-use crate::{Error, Result};
+use crate::{ComputePath, Error, Result};
 
 /// Options of [`Model::fit`], with Keras's defaults.
 pub struct FitOptions<'a> {
@@ -165,6 +165,7 @@ pub struct Model {
     metrics: Metrics,
     strategy: Arc<dyn Strategy>,
     seed: u64,
+    compute_path: ComputePath,
     built: Option<BuiltModel>,
     learning_rate: f64,
     stop_training: bool,
@@ -211,6 +212,7 @@ impl Sequential {
             metrics,
             strategy: Arc::new(strategy.clone()),
             seed: 0,
+            compute_path: ComputePath::from_env(),
             built: None,
             learning_rate,
             stop_training: false,
@@ -230,6 +232,22 @@ impl Model {
             self.build(&shape)?;
         }
         Ok(self)
+    }
+
+    /// Chooses the code the model runs (default: [`ComputePath::from_env`], so
+    /// [`ComputePath::Auto`] unless `KANDLE_COMPUTE` says otherwise) and rebuilds the model if
+    /// it was built. [`ComputePath::DeviceGeneric`] runs on the CPU the candle ops a GPU runs.
+    pub fn with_compute_path(mut self, path: ComputePath) -> Result<Self> {
+        self.compute_path = path;
+        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
+            self.build(&shape)?;
+        }
+        Ok(self)
+    }
+
+    /// The code the model runs.
+    pub fn compute_path(&self) -> ComputePath {
+        self.compute_path
     }
 
     /// Builds the model for inputs of `input_shape` (without the batch dimension) on the
@@ -253,6 +271,7 @@ impl Model {
             loss: Arc::clone(&self.loss),
             metrics: self.metrics.clone(),
             seed: self.seed,
+            compute_path: self.compute_path,
         };
         let replicas = self.strategy.distribute(&spec)?;
         let output_shape = replicas

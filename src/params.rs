@@ -12,7 +12,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::cross_replica::ReplicaHandle;
-use crate::{Error, Result};
+use crate::{ComputePath, Error, Result};
 
 /// Weights by name: what checkpoints hold and what strategies copy between replicas.
 pub type Weights = BTreeMap<String, Tensor>;
@@ -275,8 +275,8 @@ fn list(names: &[&str]) -> String {
 }
 
 /// Creates variables while a recipe is built: it knows the device, the name scope, whether the
-/// layer being built is trainable, and holds the seeded generator that makes initial values
-/// repeatable.
+/// layer being built is trainable, the [`ComputePath`] the layers take, and holds the seeded
+/// generator that makes initial values repeatable.
 #[derive(Debug)]
 pub struct BuildContext {
     device: Device,
@@ -285,6 +285,7 @@ pub struct BuildContext {
     scope: Vec<String>,
     trainable: bool,
     replica: Option<ReplicaHandle>,
+    compute_path: ComputePath,
 }
 
 impl BuildContext {
@@ -297,7 +298,21 @@ impl BuildContext {
             scope: Vec::new(),
             trainable: true,
             replica: None,
+            compute_path: ComputePath::Auto,
         }
+    }
+
+    /// Builds layers for `path`: with [`ComputePath::DeviceGeneric`] they never call kandle's
+    /// CPU kernels and compose candle's device-generic ops, as on a GPU. The default is
+    /// [`ComputePath::Auto`].
+    pub fn with_compute_path(mut self, path: ComputePath) -> Self {
+        self.compute_path = path;
+        self
+    }
+
+    /// The path the layers are built for (see [`Self::with_compute_path`]).
+    pub fn compute_path(&self) -> ComputePath {
+        self.compute_path
     }
 
     /// Builds as one replica of a group whose batch normalisation uses global batch statistics

@@ -10,7 +10,6 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::backprop::Backprop;
 use crate::cross_replica::ReplicaHandle;
 use crate::data::Batch;
 use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet, Summary};
@@ -21,7 +20,7 @@ use crate::params::BuildContext;
 use crate::params::ParamStore;
 use crate::strategy::fused::{fuse, FusedLayout};
 use crate::strategy::step::{StepLayout, StepTotals};
-use crate::Result;
+use crate::{ComputePath, Result};
 
 /// Everything needed to build a replica: the recipe, the input shape and the training setup.
 #[derive(Clone)]
@@ -38,6 +37,8 @@ pub struct ModelSpec {
     pub metrics: Metrics,
     /// Seed for initial values (and dropout masks).
     pub seed: u64,
+    /// Which code the network runs and which backward pass differentiates it.
+    pub compute_path: ComputePath,
 }
 
 impl std::fmt::Debug for ModelSpec {
@@ -47,6 +48,7 @@ impl std::fmt::Debug for ModelSpec {
             .field("loss", &self.loss)
             .field("metrics", &self.metrics)
             .field("seed", &self.seed)
+            .field("compute_path", &self.compute_path)
             .finish_non_exhaustive()
     }
 }
@@ -93,23 +95,24 @@ pub struct Replica {
     metrics: Metrics,
     layout: Arc<StepLayout>,
     summary: Summary,
-    backprop: Backprop,
+    records_backward: bool,
 }
 
 impl Replica {
     /// Builds the network on `device` with the spec's seed, and an optimizer over its
     /// trainable variables.
     pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
-        Self::build(spec, BuildContext::new(device, spec.seed))
+        Self::build(spec, Self::context(spec, device))
+    }
+
+    fn context(spec: &ModelSpec, device: &Device) -> BuildContext {
+        BuildContext::new(device, spec.seed).with_compute_path(spec.compute_path)
     }
 
     /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
     /// global batch statistics.
     pub fn in_group(spec: &ModelSpec, device: &Device, handle: ReplicaHandle) -> Result<Self> {
-        Self::build(
-            spec,
-            BuildContext::new(device, spec.seed).with_replica_group(handle),
-        )
+        Self::build(spec, Self::context(spec, device).with_replica_group(handle))
     }
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
@@ -124,7 +127,6 @@ impl Replica {
             statistics: FusedLayout::from_shapes(statistics.iter().map(|v| v.shape().clone())),
         });
         Ok(Self {
-            device,
             net,
             store,
             trainable,
@@ -134,14 +136,9 @@ impl Replica {
             metrics: spec.metrics.clone(),
             layout,
             summary,
-            backprop: Backprop::from_env(),
+            records_backward: spec.compute_path.records_backward(&device),
+            device,
         })
-    }
-
-    /// Chooses how [`Self::compute_gradients`] differentiates (by default from
-    /// [`Backprop::from_env`]).
-    pub fn set_backprop(&mut self, backprop: Backprop) {
-        self.backprop = backprop;
     }
 
     /// The device this replica runs on.
@@ -193,7 +190,7 @@ impl Replica {
             return self.zero_gradients();
         }
         let statistics_before = self.statistics_snapshot()?;
-        let (grads, loss_sum, output) = if self.backprop.recorded_on(&self.device) {
+        let (grads, loss_sum, output) = if self.records_backward {
             self.recorded_backward(x, y, weights)?
         } else {
             self.candle_backward(x, y, weights)?

@@ -35,7 +35,6 @@ pub mod step;
 
 pub use one_device::OneDeviceStrategy;
 
-pub use crate::backprop::Backprop;
 pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 pub use crate::error::panic_message;
 pub use crate::replica::{Gradients, ModelSpec, Replica, StepBuffer};

@@ -208,21 +208,29 @@ struct Counting(Arc<Mutex<Counts>>);
 
 impl Callback for Counting {
     fn on_test_begin(&mut self, _model: &mut Model) -> kandle::Result<()> {
-        self.0.lock().map_or((), |mut c| c.test_begin += 1);
+        if let Ok(mut c) = self.0.lock() {
+            c.test_begin += 1;
+        }
         Ok(())
     }
     fn on_test_batch_end(&mut self, _b: usize, logs: &Logs, _m: &mut Model) -> kandle::Result<()> {
         assert!(logs.get("loss").is_some());
-        self.0.lock().map_or((), |mut c| c.test_batches += 1);
+        if let Ok(mut c) = self.0.lock() {
+            c.test_batches += 1;
+        }
         Ok(())
     }
     fn on_test_end(&mut self, logs: &Logs, _model: &mut Model) -> kandle::Result<()> {
         assert!(logs.get("accuracy").is_some());
-        self.0.lock().map_or((), |mut c| c.test_end += 1);
+        if let Ok(mut c) = self.0.lock() {
+            c.test_end += 1;
+        }
         Ok(())
     }
     fn on_predict_begin(&mut self, _model: &mut Model) -> kandle::Result<()> {
-        self.0.lock().map_or((), |mut c| c.predict_begin += 1);
+        if let Ok(mut c) = self.0.lock() {
+            c.predict_begin += 1;
+        }
         Ok(())
     }
     fn on_predict_batch_end(
@@ -232,13 +240,15 @@ impl Callback for Counting {
         _model: &mut Model,
     ) -> kandle::Result<()> {
         let rows = outputs.dim(0)?;
-        self.0
-            .lock()
-            .map_or((), |mut c| c.predict_batches.push(rows));
+        if let Ok(mut c) = self.0.lock() {
+            c.predict_batches.push(rows);
+        }
         Ok(())
     }
     fn on_predict_end(&mut self, _model: &mut Model) -> kandle::Result<()> {
-        self.0.lock().map_or((), |mut c| c.predict_end += 1);
+        if let Ok(mut c) = self.0.lock() {
+            c.predict_end += 1;
+        }
         Ok(())
     }
 }
@@ -330,7 +340,9 @@ struct BatchLosses(Arc<Mutex<Vec<f64>>>);
 impl Callback for BatchLosses {
     fn on_train_batch_end(&mut self, _b: usize, logs: &Logs, _m: &mut Model) -> kandle::Result<()> {
         let loss = logs.get("batch_loss").unwrap_or(-1.0);
-        self.0.lock().map_or((), |mut v| v.push(loss));
+        if let Ok(mut v) = self.0.lock() {
+            v.push(loss);
+        }
         Ok(())
     }
 }
@@ -354,7 +366,9 @@ fn a_loss_turning_nan_mid_epoch_stops_training_at_that_batch() -> Result<()> {
         fn on_train_batch_end(&mut self, b: usize, _l: &Logs, m: &mut Model) -> kandle::Result<()> {
             if b == 4 {
                 let w = m.get_weights()?;
-                self.0.lock().map_or((), |mut k| *k = Some(w));
+                if let Ok(mut k) = self.0.lock() {
+                    *k = Some(w);
+                }
             }
             Ok(())
         }

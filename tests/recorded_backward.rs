@@ -15,7 +15,8 @@ use kandle::layers::{
 use kandle::losses::CategoricalCrossentropy;
 use kandle::metrics::Accuracy;
 use kandle::optimizers::Sgd;
-use kandle::strategy::{Backprop, ModelSpec, Replica};
+use kandle::strategy::{ModelSpec, Replica};
+use kandle::ComputePath;
 
 fn conv_bn_relu(filters: usize, k: usize, stride: usize, padding: Padding) -> Sequential {
     Sequential::new()
@@ -56,7 +57,7 @@ fn network() -> Sequential {
         .add(Activation::Softmax)
 }
 
-fn spec(network: Sequential) -> ModelSpec {
+fn spec(network: Sequential, compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
         network,
         input_shape: vec![3, 11, 11],
@@ -64,6 +65,7 @@ fn spec(network: Sequential) -> ModelSpec {
         loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 7,
+        compute_path,
     }
 }
 
@@ -78,11 +80,8 @@ fn batch(n: usize, seed: u64) -> kandle::Result<(Tensor, Tensor)> {
 /// Two replicas with the same weights (the candle module draws its own initial values), one
 /// training with each backward pass.
 fn replicas() -> kandle::Result<(Replica, Replica)> {
-    let spec = spec(network());
-    let mut recorded = Replica::new(&spec, &Device::Cpu)?;
-    recorded.set_backprop(Backprop::Auto);
-    let mut candle = Replica::new(&spec, &Device::Cpu)?;
-    candle.set_backprop(Backprop::Candle);
+    let recorded = Replica::new(&spec(network(), ComputePath::Auto), &Device::Cpu)?;
+    let candle = Replica::new(&spec(network(), ComputePath::Autograd), &Device::Cpu)?;
     candle.store().assign(&recorded.store().weights()?)?;
     Ok((recorded, candle))
 }

@@ -51,9 +51,164 @@ fn counts_match_hand_computation() -> anyhow::Result<()> {
     assert!(table.contains("Total params: 2,310"), "{table}");
     assert!(table.contains("Non-trainable params: 2,026"), "{table}");
     assert!(
-        table.contains("dense_1 (dense)") && table.contains("(None, 8, 5, 5)"),
+        table.contains("dense_1 (Dense)") && table.contains("(None, 8, 5, 5)"),
         "{table}"
     );
+    let classes: Vec<(&str, &str)> = summary
+        .rows
+        .iter()
+        .map(|r| (r.kind.as_str(), r.class_name.as_str()))
+        .collect();
+    assert_eq!(
+        classes,
+        vec![
+            ("conv2d", "Conv2D"),
+            ("batch_normalization", "BatchNormalization"),
+            ("relu", "Activation"),
+            ("max_pooling2d", "MaxPooling2D"),
+            ("flatten", "Flatten"),
+            ("dense", "Dense"),
+            ("dense", "Dense"),
+            ("softmax", "Activation"),
+        ]
+    );
+    for line in [
+        "conv2d_1 (Conv2D)",
+        "batch_normalization_1 (BatchNormalization)",
+        "relu_1 (Activation)",
+        "max_pooling2d_1 (MaxPooling2D)",
+        "flatten_1 (Flatten)",
+        "dense_2 (Dense)",
+        "softmax_1 (Activation)",
+    ] {
+        assert!(table.contains(line), "no `{line}` in\n{table}");
+    }
+    Ok(())
+}
+
+/// Every layer kind prints the class name Keras prints for it, nested rows included; names
+/// (and so variable names) stay the snake-case kinds.
+#[test]
+fn class_names_are_keras_class_names() -> anyhow::Result<()> {
+    let net = Sequential::new()
+        .add(Conv2D::new(4, 3).padding(Padding::Same))
+        .add(Concat::new([
+            Sequential::new()
+                .add(AveragePooling2D::new(3).stride(1).padding(Padding::Same))
+                .add(Dropout::new(0.2)),
+            Sequential::new().add(Conv2D::new(2, 1)),
+        ]))
+        .add(GlobalAveragePooling2D)
+        .add(CandleLayer::new(|vb| candle_nn::linear(6, 3, vb)))
+        .add(Dense::new(2).named("head"));
+    let summary = net.summary(&[3, 6, 6])?;
+    fn flatten(rows: &[kandle::layers::SummaryRow], out: &mut Vec<(String, String)>) {
+        for r in rows {
+            out.push((r.name.clone(), r.class_name.clone()));
+            flatten(&r.children, out);
+        }
+    }
+    let mut rows = Vec::new();
+    flatten(&summary.rows, &mut rows);
+    let rows: Vec<(&str, &str)> = rows.iter().map(|(n, c)| (n.as_str(), c.as_str())).collect();
+    assert_eq!(
+        rows,
+        vec![
+            ("conv2d_1", "Conv2D"),
+            ("concat_1", "Concatenate"),
+            ("branch_1", "Sequential"),
+            ("average_pooling2d_1", "AveragePooling2D"),
+            ("dropout_1", "Dropout"),
+            ("branch_2", "Sequential"),
+            ("conv2d_1", "Conv2D"),
+            ("global_average_pooling2d_1", "GlobalAveragePooling2D"),
+            ("candle_1", "CandleLayer"),
+            ("head", "Dense"),
+        ]
+    );
+    let table = summary.to_string();
+    assert!(table.contains("concat_1 (Concatenate)"), "{table}");
+    assert!(table.contains("  branch_1 (Sequential)"), "{table}");
+    assert!(table.contains("    conv2d_1 (Conv2D)"), "{table}");
+    assert!(table.contains("head (Dense)"), "{table}");
+    let store = net
+        .build_network(&candle_core::Device::Cpu, &[3, 6, 6], 0)?
+        .1;
+    let names: Vec<&str> = store.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "conv2d_1.weight",
+            "conv2d_1.bias",
+            "concat_1.branch_2.conv2d_1.weight",
+            "concat_1.branch_2.conv2d_1.bias",
+            "candle_1.bias",
+            "candle_1.weight",
+            "head.weight",
+            "head.bias",
+        ]
+    );
+    Ok(())
+}
+
+/// A user layer's class name is its type's name; wrappers keep the inner layer's.
+#[test]
+fn user_layers_get_their_type_name() -> anyhow::Result<()> {
+    use kandle::layers::{BuildContext, Built, LayerSpec};
+
+    #[derive(Clone)]
+    struct Residual<T>(T);
+
+    impl<T: LayerSpec + Clone> LayerSpec for Residual<T> {
+        fn kind(&self) -> &'static str {
+            "residual"
+        }
+        fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> kandle::Result<Built> {
+            self.0.build(ctx, input_shape)
+        }
+        fn clone_spec(&self) -> Box<dyn LayerSpec> {
+            Box::new(self.clone())
+        }
+    }
+
+    let net = Sequential::new()
+        .add(Flatten)
+        .add(Residual(Dense::new(3)).trainable(false).named("block"));
+    let summary = net.summary(&[2, 2])?;
+    assert_eq!(summary.rows[1].name, "block");
+    assert_eq!(summary.rows[1].kind, "residual");
+    assert_eq!(summary.rows[1].class_name, "Residual");
+    assert!(summary.to_string().contains("block (Residual)"));
+    Ok(())
+}
+
+/// `Dense(..).activation(..)` and `Conv2D(..).activation(..)` take one row and add no
+/// variable, as in Keras.
+#[test]
+fn layers_with_an_activation_take_one_row() -> anyhow::Result<()> {
+    let fused = Sequential::new()
+        .add(Conv2D::new(4, 3).activation(Activation::Relu))
+        .add(Flatten)
+        .add(Dense::new(5).activation(Activation::Softmax));
+    let separate = Sequential::new()
+        .add(Conv2D::new(4, 3))
+        .add(Activation::Relu)
+        .add(Flatten)
+        .add(Dense::new(5))
+        .add(Activation::Softmax);
+    let (a, b) = (fused.summary(&[2, 5, 5])?, separate.summary(&[2, 5, 5])?);
+    let names: Vec<&str> = a.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, vec!["conv2d_1", "flatten_1", "dense_1"]);
+    assert_eq!(
+        (a.trainable, a.non_trainable),
+        (b.trainable, b.non_trainable)
+    );
+    let device = candle_core::Device::Cpu;
+    let names = |net: &Sequential| -> anyhow::Result<Vec<String>> {
+        let store = net.build_network(&device, &[2, 5, 5], 0)?.1;
+        Ok(store.iter().map(|p| p.name.clone()).collect())
+    };
+    assert_eq!(names(&fused)?, names(&separate)?);
     Ok(())
 }
 

@@ -21,3 +21,12 @@ mod simd;
 #[cfg(test)]
 mod tests;
 mod two_pass;
+
+/// How many times, in this test process, kandle's kernels have read a tensor's data: the count
+/// grows with every kernel run, forward or backward, on any thread. Tests read it to check that
+/// a network built for [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) runs
+/// no kernel.
+#[cfg(test)]
+pub(crate) fn data_reads() -> usize {
+    planes::data_reads()
+}

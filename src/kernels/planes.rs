@@ -5,6 +5,9 @@
 //! (`rayon::current_num_threads`), so a replica running in a smaller pool does not
 //! oversubscribe the machine; no kernel spawns threads of its own.
 
+#[cfg(test)]
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;
@@ -27,12 +30,26 @@ pub(crate) fn nc_plane(dims: &[usize]) -> (usize, usize, usize) {
     (n, c, s)
 }
 
+/// How many times, in this test process, a kernel has borrowed a tensor's data through
+/// [`f32_data`]: every kernel does, forward and backward, so a count that does not move means
+/// no kernel ran. Counted in test builds only.
+#[cfg(test)]
+static DATA_READS: AtomicUsize = AtomicUsize::new(0);
+
+/// The current value of [`DATA_READS`].
+#[cfg(test)]
+pub(crate) fn data_reads() -> usize {
+    DATA_READS.load(Ordering::Relaxed)
+}
+
 /// The contiguous `f32` data that `layout` describes in `storage`, or an error naming `op`.
 pub(crate) fn f32_data<'a>(
     op: &str,
     storage: &'a CpuStorage,
     layout: &Layout,
 ) -> candle_core::Result<&'a [f32]> {
+    #[cfg(test)]
+    DATA_READS.fetch_add(1, Ordering::Relaxed);
     match (storage, layout.contiguous_offsets()) {
         (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
         (CpuStorage::F32(_), None) => {

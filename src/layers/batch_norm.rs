@@ -9,8 +9,9 @@
 //!
 //! For `f32` tensors on the CPU the layer runs the fused kernels of
 //! [`crate::kernels::batch_norm`]: one op for training (statistics, normalisation and their
-//! backward pass) and a per-channel affine map for inference. Under `SyncBatchNorm`, and on
-//! other devices, it composes candle ops. A [`Sequential`](super::Sequential) lets the layer
+//! backward pass) and a per-channel affine map for inference. Under `SyncBatchNorm`, on other
+//! devices, and when built for [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric),
+//! it composes candle ops. A [`Sequential`](super::Sequential) lets the layer
 //! absorb a ReLU that follows it, which the kernels apply in the same pass.
 
 use candle_core::{Tensor, Var};
@@ -79,6 +80,10 @@ impl LayerSpec for BatchNormalization {
         "batch_normalization"
     }
 
+    fn class_name(&self) -> &'static str {
+        "BatchNormalization"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         if !(input_shape.len() == 1 || input_shape.len() == 3) {
             return Err(shape_error(
@@ -117,6 +122,7 @@ impl LayerSpec for BatchNormalization {
             sync: ctx.replica_group().cloned(),
             rank: input_shape.len() + 1,
             relu: false,
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::leaf(layer, input_shape.to_vec()))
     }
@@ -139,6 +145,8 @@ struct BatchNormLayer {
     sync: Option<ReplicaHandle>,
     /// Whether the ReLU that follows the layer is applied here (see [`Layer::fuse_relu`]).
     relu: bool,
+    /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
 }
 
 impl BatchNormLayer {
@@ -232,7 +240,7 @@ impl BatchNormLayer {
 
 impl Layer for BatchNormLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let fused = kernels::supported(x);
+        let fused = self.kernels && kernels::supported(x);
         let y = if !train || self.frozen {
             if fused {
                 return self.affine_with_running_stats(x);
@@ -262,7 +270,7 @@ impl Layer for BatchNormLayer {
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::supported(x) || self.frozen || self.sync.is_some() {
+        if !self.kernels || !kernels::supported(x) || self.frozen || self.sync.is_some() {
             return record_with_candle(self, x, false);
         }
         let (replay, stats) = kernels::batch_norm_train_replay(

@@ -58,6 +58,10 @@ impl LayerSpec for CandleLayer {
         "candle"
     }
 
+    fn class_name(&self) -> &'static str {
+        "CandleLayer"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, ctx.device());

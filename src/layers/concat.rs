@@ -37,6 +37,10 @@ impl LayerSpec for Concat {
         "concat"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Concatenate"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         if self.branches.is_empty() {
             return Err(crate::Error::invalid(format!(
@@ -76,6 +80,7 @@ impl LayerSpec for Concat {
             rows.push(SummaryRow {
                 name,
                 kind: spec.kind().to_string(),
+                class_name: spec.class_name().to_string(),
                 output_shape: shape,
                 trainable,
                 non_trainable,

@@ -1,19 +1,26 @@
 //! `Conv2D`: a 2-D convolution over `(channels, height, width)` inputs, with Keras's `same` and
-//! `valid` padding, strides and an optional bias.
+//! `valid` padding, strides, an optional bias and an optional activation.
 //!
 //! `f32` tensors on the CPU go through the GEMM kernel in [`crate::kernels::conv2d`]; other
-//! devices and types use candle's `conv2d`.
+//! devices and types, and every tensor of a layer built for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric), use candle's `conv2d`.
 
 use candle_core::Tensor;
 
 use super::window::{subsample, Padding, Window};
-use super::{record_with_candle, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    record_with_candle, Activation, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+};
 use crate::kernels;
 use crate::params::Init;
 use crate::Result;
 
 /// A 2-D convolution. Weights are `(filters, in_channels, kh, kw)`, initialised Glorot-uniform;
 /// the bias starts at zero.
+///
+/// As in Keras, the layer may apply an activation to its output
+/// (`Conv2D::new(32, 3).activation(Activation::Relu)`), with no row of its own in the summary
+/// and no variable.
 #[derive(Debug, Clone)]
 pub struct Conv2D {
     filters: usize,
@@ -21,6 +28,7 @@ pub struct Conv2D {
     stride: (usize, usize),
     padding: Padding,
     use_bias: bool,
+    activation: Activation,
 }
 
 impl Conv2D {
@@ -33,7 +41,14 @@ impl Conv2D {
             stride: (1, 1),
             padding: Padding::Valid,
             use_bias: true,
+            activation: Activation::Linear,
         }
+    }
+
+    /// The activation applied to the output (default [`Activation::Linear`], none).
+    pub fn activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
     }
 
     /// A rectangular `(height, width)` window.
@@ -72,6 +87,10 @@ impl LayerSpec for Conv2D {
         "conv2d"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Conv2D"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         let c = input_shape.first().copied().unwrap_or(0);
         if self.filters == 0 {
@@ -107,6 +126,8 @@ impl LayerSpec for Conv2D {
             bias: bias.map(|b| b.as_tensor().clone()),
             stride: self.stride,
             pad: window.pad,
+            activation: self.activation,
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::leaf(layer, vec![self.filters, oh, ow]))
     }
@@ -122,9 +143,30 @@ struct Conv2DLayer {
     stride: (usize, usize),
     /// top, bottom, left, right
     pad: (usize, usize, usize, usize),
+    activation: Activation,
+    /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
 }
 
 impl Conv2DLayer {
+    /// Whether the CPU kernel computes the convolution of `x`.
+    fn kernel_takes(&self, x: &Tensor) -> bool {
+        self.kernels && kernels::conv2d::supported(x, &self.weight)
+    }
+
+    /// The convolution with its bias, before the activation.
+    fn convolve(&self, x: &Tensor) -> Result<Tensor> {
+        if self.kernel_takes(x) {
+            let bias = self.bias.as_ref();
+            return kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad);
+        }
+        let y = self.candle_conv(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
+            None => y,
+        })
+    }
+
     /// The convolution without bias through candle's own ops, for devices and types the CPU
     /// kernel does not take.
     fn candle_conv(&self, x: &Tensor) -> Result<Tensor> {
@@ -136,24 +178,12 @@ impl Conv2DLayer {
             strided_conv(&x, &self.weight, self.stride)
         }
     }
-}
 
-impl Layer for Conv2DLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        if kernels::conv2d::supported(x, &self.weight) {
-            let bias = self.bias.as_ref();
-            return kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad);
-        }
-        let y = self.candle_conv(x)?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
-            None => y,
-        })
-    }
-
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::conv2d::supported(x, &self.weight) {
-            return record_with_candle(self, x, false);
+    /// The recorded convolution with its bias, before the activation: the kernel's own
+    /// backward pass, or candle's autograd over candle's ops when the kernel does not take `x`.
+    fn record_convolution(&self, x: &Tensor) -> Result<Recorded> {
+        if !self.kernel_takes(x) {
+            return record_with_candle(&Convolution(self), x, false);
         }
         let weight = self.weight.detach();
         let bias = self.bias.as_ref().map(Tensor::detach);
@@ -179,6 +209,35 @@ impl Layer for Conv2DLayer {
                 Ok(g.input)
             },
         ))
+    }
+}
+
+/// The convolution alone, as a layer, for recording it under candle's autograd.
+struct Convolution<'a>(&'a Conv2DLayer);
+
+impl Layer for Convolution<'_> {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        self.0.convolve(x)
+    }
+}
+
+impl Layer for Conv2DLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        self.activation.after(self.convolve(x)?)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.activation.after_with_logits(self.convolve(x)?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        self.activation
+            .after_recorded(self.record_convolution(x)?, false)
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.activation
+            .after_recorded(self.record_convolution(x)?, true)
     }
 }
 
@@ -240,6 +299,8 @@ mod tests {
             bias: None,
             stride: (2, 2),
             pad: (0, 1, 1, 1),
+            activation: Activation::Linear,
+            kernels: false,
         };
         let x = Tensor::randn(0f32, 1., (2, 4, 10, 9), &Device::Cpu)?;
         let y = built.layer.forward_t(&x, true)?;

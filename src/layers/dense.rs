@@ -1,17 +1,36 @@
-//! `Dense`: a fully connected layer `y = x W^T + b` over `(batch, features)` inputs.
+//! `Dense`: a fully connected layer `y = activation(x W^T + b)` over `(batch, features)`
+//! inputs.
 
 use candle_core::Tensor;
 
-use super::{shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{shape_error, Activation, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::params::Init;
 use crate::Result;
 
 /// A fully connected layer. The weight is `(units, in_features)` (PyTorch's layout),
 /// initialised Glorot-uniform; the bias starts at zero.
+///
+/// As in Keras, the layer may apply an activation to its output, which then takes no row of its
+/// own in the summary and no variable; a final `Dense(..).activation(Activation::Softmax)`
+/// gives its logits to cross-entropy losses, as a separate softmax layer does.
+///
+/// ```
+/// use kandle::layers::{Activation, Dense, Flatten, Sequential};
+///
+/// let net = Sequential::new()
+///     .add(Flatten)
+///     .add(Dense::new(32).activation(Activation::Relu))
+///     .add(Dense::new(10).activation(Activation::Softmax));
+/// let summary = net.summary(&[1, 8, 8])?;
+/// assert_eq!(summary.rows.len(), 3);
+/// assert_eq!(summary.trainable, 64 * 32 + 32 + 32 * 10 + 10);
+/// # Ok::<(), kandle::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct Dense {
     units: usize,
     use_bias: bool,
+    activation: Activation,
 }
 
 impl Dense {
@@ -20,7 +39,14 @@ impl Dense {
         Self {
             units,
             use_bias: true,
+            activation: Activation::Linear,
         }
+    }
+
+    /// The activation applied to the output (default [`Activation::Linear`], none).
+    pub fn activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
     }
 
     /// Whether to add a bias (default true).
@@ -33,6 +59,10 @@ impl Dense {
 impl LayerSpec for Dense {
     fn kind(&self) -> &'static str {
         "dense"
+    }
+
+    fn class_name(&self) -> &'static str {
+        "Dense"
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
@@ -65,6 +95,7 @@ impl LayerSpec for Dense {
         let layer = DenseLayer {
             weight: weight.as_tensor().clone(),
             bias: bias.map(|b| b.as_tensor().clone()),
+            activation: self.activation,
         };
         Ok(Built::leaf(layer, vec![self.units]))
     }
@@ -77,6 +108,7 @@ impl LayerSpec for Dense {
 struct DenseLayer {
     weight: Tensor,
     bias: Option<Tensor>,
+    activation: Activation,
 }
 
 impl DenseLayer {
@@ -88,14 +120,9 @@ impl DenseLayer {
             None => y,
         })
     }
-}
 
-impl Layer for DenseLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        Self::affine(x, &self.weight, self.bias.as_ref())
-    }
-
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    /// The recorded `x W^T + b`, before the activation.
+    fn record_affine(&self, x: &Tensor) -> Result<Recorded> {
         let weight = self.weight.detach();
         let y = Self::affine(x, &weight, self.bias.as_ref().map(Tensor::detach).as_ref())?;
         let (x, params) = (x.clone(), (self.weight.clone(), self.bias.clone()));
@@ -115,8 +142,25 @@ impl Layer for DenseLayer {
             },
         ))
     }
+}
+
+impl Layer for DenseLayer {
+    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+        self.activation
+            .after(Self::affine(x, &self.weight, self.bias.as_ref())?)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.activation
+            .after_with_logits(Self::affine(x, &self.weight, self.bias.as_ref())?)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        self.activation
+            .after_recorded(self.record_affine(x)?, false)
+    }
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.forward_recorded(x)
+        self.activation.after_recorded(self.record_affine(x)?, true)
     }
 }

@@ -31,6 +31,10 @@ impl LayerSpec for Dropout {
         "dropout"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Dropout"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         if !(0.0..1.0).contains(&self.rate) {
             return Err(crate::Error::invalid(format!(

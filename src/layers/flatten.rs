@@ -14,6 +14,10 @@ impl LayerSpec for Flatten {
         "flatten"
     }
 
+    fn class_name(&self) -> &'static str {
+        "Flatten"
+    }
+
     fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         Ok(Built::leaf(Flatten, vec![input_shape.iter().product()]))
     }

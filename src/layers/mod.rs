@@ -9,6 +9,11 @@
 //! (Candle's NCHW layout). A strategy builds the same recipe once per replica, which is how
 //! replicas get identical, identically named variables.
 //!
+//! Layers with a CPU kernel (convolution, batch normalisation, pooling) call it for `f32` CPU
+//! tensors and compose candle's device-generic ops otherwise; a layer built in a context for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) never calls a kernel, so
+//! the CPU runs the ops a GPU runs.
+//!
 //! ```
 //! use kandle::layers::{Activation, Conv2D, Dense, Flatten, MaxPooling2D, Padding, Sequential};
 //!
@@ -30,6 +35,8 @@ mod candle_adapter;
 mod concat;
 mod conv2d;
 mod dense;
+#[cfg(test)]
+mod device_generic_tests;
 mod dropout;
 mod flatten;
 mod pooling;
@@ -145,8 +152,16 @@ impl Built {
 
 /// A layer recipe: declared without input sizes, built for an input shape.
 pub trait LayerSpec: Send + Sync + 'static {
-    /// The kind, used for automatic names (`conv2d` gives `conv2d_1`, `conv2d_2`, ...).
+    /// The kind, used for automatic names (`conv2d` gives `conv2d_1`, `conv2d_2`, ...). Names
+    /// are part of checkpoints, so a layer's kind never changes.
     fn kind(&self) -> &'static str;
+
+    /// The class name the summary prints beside the layer's name, as Keras does
+    /// (`conv2d_1 (Conv2D)`). The default is the name of the implementing Rust type, without
+    /// its module path or generic parameters (`MyBlock` for `my_crate::MyBlock<T>`).
+    fn class_name(&self) -> &'static str {
+        short_type_name(std::any::type_name::<Self>())
+    }
 
     /// Creates the variables in `ctx` and returns the layer for inputs of `input_shape`
     /// (without the batch dimension). A shape the layer cannot take is an [`crate::Error::Shape`]
@@ -172,6 +187,13 @@ impl std::fmt::Debug for dyn LayerSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.name().unwrap_or(self.kind()))
     }
+}
+
+/// `MyBlock` for `my_crate::blocks::MyBlock<f32>`: a type name without its path or generic
+/// parameters.
+fn short_type_name(full: &'static str) -> &'static str {
+    let bare = full.split('<').next().unwrap_or(full);
+    bare.rsplit("::").next().unwrap_or(bare)
 }
 
 /// Builds a list of child recipes in scopes named after them (the user's name, or `kind_N`
@@ -211,4 +233,55 @@ pub(crate) fn check_input(layer: &str, x: &Tensor, expected: &[usize]) -> Result
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone)]
+    struct MyBlock<T>(std::marker::PhantomData<T>);
+
+    impl<T: Send + Sync + Clone + 'static> LayerSpec for MyBlock<T> {
+        fn kind(&self) -> &'static str {
+            "my_block"
+        }
+        fn build(&self, _: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+            Ok(Built::leaf(Flatten, input_shape.to_vec()))
+        }
+        fn clone_spec(&self) -> Box<dyn LayerSpec> {
+            Box::new(self.clone())
+        }
+    }
+
+    #[test]
+    fn class_names() {
+        assert_eq!(short_type_name("a::b::C<d::E<f::G>>"), "C");
+        assert_eq!(short_type_name("Plain"), "Plain");
+        let user = MyBlock::<Vec<f32>>(std::marker::PhantomData);
+        assert_eq!(user.class_name(), "MyBlock");
+        assert_eq!(user.clone().boxed().class_name(), "MyBlock");
+        assert_eq!(user.named("block").class_name(), "MyBlock");
+        let specs: Vec<(Box<dyn LayerSpec>, &str)> = vec![
+            (Conv2D::new(1, 1).boxed(), "Conv2D"),
+            (BatchNormalization::new().boxed(), "BatchNormalization"),
+            (MaxPooling2D::new(2).boxed(), "MaxPooling2D"),
+            (AveragePooling2D::new(2).boxed(), "AveragePooling2D"),
+            (GlobalAveragePooling2D.boxed(), "GlobalAveragePooling2D"),
+            (Dense::new(1).boxed(), "Dense"),
+            (Activation::Relu.boxed(), "Activation"),
+            (Activation::Softmax.trainable(false).boxed(), "Activation"),
+            (Concat::new([Flatten]).boxed(), "Concatenate"),
+            (Flatten.boxed(), "Flatten"),
+            (Dropout::new(0.5).boxed(), "Dropout"),
+            (Sequential::new().boxed(), "Sequential"),
+            (
+                CandleLayer::new(|vb| candle_nn::linear(1, 1, vb)).boxed(),
+                "CandleLayer",
+            ),
+        ];
+        for (spec, class) in specs {
+            assert_eq!(spec.class_name(), class, "{}", spec.kind());
+        }
+    }
 }

@@ -6,7 +6,8 @@
 //! every device (Candle's own max-pool backward scales the gradient by one over the window
 //! size, and its average-pool backward misplaces it when the windows leave a remainder). `same` average pooling divides by the number of real (unpadded) elements, as
 //! TensorFlow does. For `f32` tensors on the CPU, all three run the dedicated kernels of
-//! [`crate::kernels::pooling`] instead, with the same results.
+//! [`crate::kernels::pooling`] instead, with the same results, unless they are built for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric).
 
 use candle_core::{Device, Tensor};
 
@@ -60,6 +61,7 @@ impl Pool2D {
             kind: self.kind,
             geometry,
             divisor,
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::leaf(layer, vec![c, oh, ow]))
     }
@@ -143,9 +145,16 @@ struct PoolLayer {
     kind: PoolKind,
     geometry: Geometry,
     divisor: Option<Tensor>,
+    /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
 }
 
 impl PoolLayer {
+    /// Whether the CPU kernels pool `x`.
+    fn kernel_takes(&self, x: &Tensor) -> bool {
+        self.kernels && kernels::supported(x)
+    }
+
     /// The CPU kernel's pass, kept for calling its backward directly.
     fn replay(&self, x: &Tensor) -> Result<Replay1> {
         let window = self.geometry.kernel_window();
@@ -173,7 +182,7 @@ fn record_replay(replay: Replay1, output: Tensor) -> Recorded {
 
 impl Layer for PoolLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::supported(x) {
+        if !self.kernel_takes(x) {
             return record_with_candle(self, x, false);
         }
         let replay = self.replay(x)?;
@@ -183,7 +192,7 @@ impl Layer for PoolLayer {
 
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         let g = &self.geometry;
-        if kernels::supported(x) {
+        if self.kernel_takes(x) {
             return Ok(self.replay(x)?.output().clone());
         }
         // Candle's pooling backward is right only for an average over windows that tile the
@@ -207,7 +216,7 @@ impl Layer for PoolLayer {
 }
 
 macro_rules! pooling_layer {
-    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal) => {
+    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal, $class:literal) => {
         $(#[$doc])*
         #[derive(Debug, Clone)]
         pub struct $name(Pool2D);
@@ -253,6 +262,10 @@ macro_rules! pooling_layer {
                 $label
             }
 
+            fn class_name(&self) -> &'static str {
+                $class
+            }
+
             fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
                 self.0.build(ctx, input_shape)
             }
@@ -268,13 +281,15 @@ pooling_layer!(
     /// Maximum over each window.
     MaxPooling2D,
     PoolKind::Max,
-    "max_pooling2d"
+    "max_pooling2d",
+    "MaxPooling2D"
 );
 pooling_layer!(
     /// Mean over each window.
     AveragePooling2D,
     PoolKind::Average,
-    "average_pooling2d"
+    "average_pooling2d",
+    "AveragePooling2D"
 );
 
 /// Mean over the spatial axes: `(batch, C, H, W)` to `(batch, C)`.
@@ -286,6 +301,10 @@ impl LayerSpec for GlobalAveragePooling2D {
         "global_average_pooling2d"
     }
 
+    fn class_name(&self) -> &'static str {
+        "GlobalAveragePooling2D"
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         let &[c, _, _] = input_shape else {
             return Err(shape_error(
@@ -294,7 +313,10 @@ impl LayerSpec for GlobalAveragePooling2D {
                 input_shape,
             ));
         };
-        Ok(Built::leaf(GlobalAveragePooling2D, vec![c]))
+        let layer = GlobalPoolLayer {
+            kernels: ctx.compute_path().uses_kernels(),
+        };
+        Ok(Built::leaf(layer, vec![c]))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -312,16 +334,33 @@ fn whole_plane(x: &Tensor) -> Result<PoolWindow> {
     })
 }
 
+/// A built [`GlobalAveragePooling2D`].
+struct GlobalPoolLayer {
+    /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
+}
+
+/// The recipe used directly as a layer, without building it, takes the default path.
 impl Layer for GlobalAveragePooling2D {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        GlobalPoolLayer { kernels: true }.forward_t(x, train)
+    }
+
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        GlobalPoolLayer { kernels: true }.forward_recorded(x)
+    }
+}
+
+impl Layer for GlobalPoolLayer {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        if kernels::supported(x) {
+        if self.kernels && kernels::supported(x) {
             return Ok(kernels::avg_pool2d(x, &whole_plane(x)?)?.flatten_from(1)?);
         }
         Ok(x.mean((2, 3))?)
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !kernels::supported(x) {
+        if !self.kernels || !kernels::supported(x) {
             return record_with_candle(self, x, false);
         }
         let replay = kernels::avg_pool2d_replay(x, &whole_plane(x)?)?;

@@ -136,19 +136,22 @@ pub fn record_with_candle<L: Layer + ?Sized>(
     };
     let differentiated = logits.clone().unwrap_or_else(|| output.clone());
     let backward = move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-        let mut store = differentiated.mul(&dy)?.sum_all()?.backward()?;
+        // Candle's gradients stay attached to the graph that computed them: `dy` may come from
+        // the next layer's autograd and depend on that layer's variables, which this layer's
+        // autograd must not differentiate again (their gradients would be counted twice).
+        let mut store = differentiated.mul(&dy.detach())?.sum_all()?.backward()?;
         let dx = store.remove(input.as_tensor());
         let ids: Vec<TensorId> = store.get_ids().copied().collect();
         for id in ids {
             if let Some(g) = store.get_id(id) {
-                grads.add_id(id, g.clone())?;
+                grads.add_id(id, g.detach())?;
             }
         }
         if !input_grad {
             return Ok(None);
         }
         Ok(Some(match dx {
-            Some(dx) => dx,
+            Some(dx) => dx.detach(),
             // The output does not depend on the input (a constant layer).
             None => input.as_tensor().zeros_like()?,
         }))
@@ -179,4 +182,43 @@ pub(crate) fn missing_input_grad(layer: &str) -> crate::Error {
     crate::Error::invalid(format!(
         "layer `{layer}`: its backward pass returned no input gradient"
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::ParamGrads;
+    use crate::layers::{CandleLayer, Layer, LayerSpecExt, Sequential};
+    use crate::Result;
+
+    /// Layers recorded under candle's autograd, one after the other, give each variable its
+    /// gradient once: the gradient a layer receives is detached from the next layer's graph.
+    #[test]
+    fn stacked_candle_records_count_each_gradient_once() -> Result<()> {
+        let linear = |i, o| CandleLayer::new(move |vb| candle_nn::linear(i, o, vb));
+        let net = Sequential::new()
+            .add(linear(4, 3).named("first"))
+            .add(linear(3, 2).named("second"));
+        let (net, store, _) = net.build_network(&Device::Cpu, &[4], 0)?;
+        let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu)?;
+        let dy = Tensor::randn(0f32, 1., (5, 2), &Device::Cpu)?;
+        let recorded = net.forward_recorded(&x)?;
+        let mut ours = ParamGrads::new();
+        recorded.backward.backward(dy.clone(), &mut ours, false)?;
+        let mut theirs = net.forward_t(&x, true)?.mul(&dy)?.sum_all()?.backward()?;
+        for p in store.iter() {
+            let (a, b) = (
+                ours.take(p.var.as_tensor()),
+                theirs.remove(p.var.as_tensor()),
+            );
+            let (Some(a), Some(b)) = (a, b) else {
+                panic!("{}: a gradient is missing", p.name);
+            };
+            let diff = (a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff <= 1e-5 * scale, "{}: {diff} against {scale}", p.name);
+        }
+        Ok(())
+    }
 }

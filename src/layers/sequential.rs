@@ -117,6 +117,7 @@ impl Sequential {
             rows.push(SummaryRow {
                 name: name.clone(),
                 kind: spec.kind().to_string(),
+                class_name: spec.class_name().to_string(),
                 output_shape: built.output_shape.clone(),
                 trainable,
                 non_trainable,
@@ -174,6 +175,10 @@ struct BuiltStack {
 impl LayerSpec for Sequential {
     fn kind(&self) -> &'static str {
         "sequential"
+    }
+
+    fn class_name(&self) -> &'static str {
+        "Sequential"
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {

@@ -1,4 +1,5 @@
-//! `Summary`: the Keras-style table of layers, output shapes and parameter counts.
+//! `Summary`: the Keras-style table of layers (`conv2d_1 (Conv2D)`), output shapes and parameter
+//! counts.
 
 use std::fmt;
 
@@ -7,8 +8,11 @@ use std::fmt;
 pub struct SummaryRow {
     /// The layer's name within its parent, e.g. `conv2d_1`.
     pub name: String,
-    /// The layer kind, e.g. `conv2d`.
+    /// The layer kind, e.g. `conv2d` (what automatic names are made of).
     pub kind: String,
+    /// The class name the table prints, as Keras does, e.g. `Conv2D`
+    /// ([`LayerSpec::class_name`](super::LayerSpec::class_name)).
+    pub class_name: String,
     /// Output shape without the batch dimension.
     pub output_shape: Vec<usize>,
     /// Trainable parameters, including those of nested layers.
@@ -62,7 +66,7 @@ impl fmt::Display for Summary {
         fn lines(rows: &[SummaryRow], depth: usize, out: &mut Vec<[String; 3]>) {
             for r in rows {
                 out.push([
-                    format!("{}{} ({})", "  ".repeat(depth), r.name, r.kind),
+                    format!("{}{} ({})", "  ".repeat(depth), r.name, r.class_name),
                     shape(&r.output_shape),
                     thousands(r.trainable + r.non_trainable),
                 ]);

@@ -16,6 +16,10 @@ impl<L: LayerSpec + Clone> LayerSpec for Named<L> {
         self.inner.kind()
     }
 
+    fn class_name(&self) -> &'static str {
+        self.inner.class_name()
+    }
+
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
         self.inner.build(ctx, input_shape)
     }
@@ -41,6 +45,10 @@ pub struct Trainable<L> {
 impl<L: LayerSpec + Clone> LayerSpec for Trainable<L> {
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+
+    fn class_name(&self) -> &'static str {
+        self.inner.class_name()
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
@@ -85,6 +93,10 @@ impl<L: LayerSpec + Clone> LayerSpecExt for L {}
 impl LayerSpec for Box<dyn LayerSpec> {
     fn kind(&self) -> &'static str {
         (**self).kind()
+    }
+
+    fn class_name(&self) -> &'static str {
+        (**self).class_name()
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {

@@ -127,6 +127,7 @@ mod tests {
             loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
             metrics: [Accuracy].into(),
             seed: 1,
+            compute_path: kandle::ComputePath::Auto,
         };
         let mut model = MirroredModel {
             set: LocalReplicas::new(vec![Device::Cpu; 3], "test")?.build(&spec)?,

@@ -251,6 +251,7 @@ mod tests {
             loss: std::sync::Arc::new(MeanSquaredError),
             metrics: ().into(),
             seed: 0,
+            compute_path: kandle::ComputePath::Auto,
         };
         (0..n).map(|_| Replica::new(&spec, &Device::Cpu)).collect()
     }

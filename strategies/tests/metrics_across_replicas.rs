@@ -66,7 +66,9 @@ struct EpochLogs(Arc<Mutex<Vec<Logs>>>);
 
 impl Callback for EpochLogs {
     fn on_epoch_end(&mut self, _epoch: usize, logs: &Logs, _m: &mut Model) -> kandle::Result<()> {
-        self.0.lock().map_or((), |mut v| v.push(logs.clone()));
+        if let Ok(mut v) = self.0.lock() {
+            v.push(logs.clone());
+        }
         Ok(())
     }
 }
@@ -178,7 +180,9 @@ fn predict_batches_are_per_replica() -> Result<()> {
             _m: &mut Model,
         ) -> kandle::Result<()> {
             let rows = out.dim(0)?;
-            self.0.lock().map_or((), |mut v| v.push(rows));
+            if let Ok(mut v) = self.0.lock() {
+                v.push(rows);
+            }
             Ok(())
         }
     }

@@ -91,6 +91,7 @@ fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
         loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
+        compute_path: kandle::ComputePath::Auto,
     };
     let mut model = OneDeviceStrategy::cpu().distribute(&spec)?;
     std::thread::scope(|s| -> Result<(f64, Duration)> {

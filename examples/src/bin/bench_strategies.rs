@@ -122,6 +122,7 @@ fn spec(args: &Args) -> ModelSpec {
         loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
+        compute_path: kandle::ComputePath::Auto,
     }
 }
 

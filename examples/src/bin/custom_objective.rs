@@ -35,7 +35,7 @@ impl Loss for FocalLoss {
 
     fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> kandle::Result<Tensor> {
         let log_p = y_pred.clamp(1e-7, 1.0 - 1e-7)?.log()?;
-        self.from_log_probabilities(y_true, &log_p)
+        self.of_log_probabilities(y_true, &log_p)
     }
 
     /// With the logits of the model's final softmax, `log p` comes from `log_softmax`, stable
@@ -50,7 +50,7 @@ impl Loss for FocalLoss {
             Some(z) => {
                 let shifted = z.broadcast_sub(&z.max_keepdim(D::Minus1)?)?;
                 let log_sum = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-                self.from_log_probabilities(y_true, &shifted.broadcast_sub(&log_sum)?)
+                self.of_log_probabilities(y_true, &shifted.broadcast_sub(&log_sum)?)
             }
             None => self.call(y_true, y_pred),
         }
@@ -67,7 +67,7 @@ impl Loss for FocalLoss {
 }
 
 impl FocalLoss {
-    fn from_log_probabilities(&self, y_true: &Tensor, log_p: &Tensor) -> kandle::Result<Tensor> {
+    fn of_log_probabilities(&self, y_true: &Tensor, log_p: &Tensor) -> kandle::Result<Tensor> {
         let index = y_true.to_dtype(DType::U32)?.unsqueeze(1)?;
         let log_pt = log_p.gather(&index, 1)?.squeeze(1)?;
         let pt = log_pt.exp()?;

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kandle::strategy::Backprop;
+use kandle::ComputePath;
 use kandle::OneDeviceStrategy;
 use serde_json::{json, Value};
 
@@ -161,8 +161,8 @@ fn main() -> Result<()> {
         let infer = model::inference_time(&strategy, args.batch, timer)?;
         kandle_model = Some((train, infer));
         eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
-        let recorded = model::replica_step_time(Backprop::Auto, args.batch, timer)?;
-        let autograd = model::replica_step_time(Backprop::Candle, args.batch, timer)?;
+        let recorded = model::replica_step_time(ComputePath::Auto, args.batch, timer)?;
+        let autograd = model::replica_step_time(ComputePath::Autograd, args.batch, timer)?;
         backward_paths = Some((recorded, autograd));
     }
     let mut kandle_ops = Vec::with_capacity(ops.len());

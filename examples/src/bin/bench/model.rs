@@ -7,8 +7,8 @@ use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::optimizers::Sgd;
 use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
-use kandle::strategy::Backprop;
 use kandle::strategy::{ModelSpec, Replica};
+use kandle::ComputePath;
 use kandle::Strategy;
 
 use crate::timing::Timer;
@@ -18,6 +18,11 @@ const LR: f64 = 5e-3;
 
 /// MiniGoogLeNet for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9).
 pub fn spec() -> ModelSpec {
+    spec_on(ComputePath::Auto)
+}
+
+/// [`spec`] running `compute_path`.
+fn spec_on(compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
         network: kandle_models::mini_googlenet(10),
         input_shape: vec![3, 32, 32],
@@ -25,6 +30,7 @@ pub fn spec() -> ModelSpec {
         loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
+        compute_path,
     }
 }
 
@@ -48,11 +54,10 @@ pub fn train_step_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> R
 }
 
 /// Median seconds of one replica's training step (gradients, then the SGD update) at batch
-/// `batch` on the CPU, its gradients computed by `backprop`: kandle's recorded backward pass
-/// against candle's autograd over the whole network.
-pub fn replica_step_time(backprop: Backprop, batch: usize, timer: Timer) -> Result<f64> {
-    let mut replica = Replica::new(&spec(), &Device::Cpu)?;
-    replica.set_backprop(backprop);
+/// `batch` on the CPU, on `path`: kandle's recorded backward pass ([`ComputePath::Auto`])
+/// against candle's autograd over the whole network ([`ComputePath::Autograd`]).
+pub fn replica_step_time(path: ComputePath, batch: usize, timer: Timer) -> Result<f64> {
+    let mut replica = Replica::new(&spec_on(path), &Device::Cpu)?;
     let batch = random_batch(batch)?;
     timer.median(|| {
         let step = replica.step_buffer(&batch)?;

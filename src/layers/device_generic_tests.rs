@@ -1,0 +1,286 @@
+//! `ComputePath::DeviceGeneric` runs, on the CPU, the code every other device runs: no kandle
+//! kernel, candle's device-generic ops, candle's autograd. For a network with every layer kind
+//! (convolutions with and without padding and strides, batch normalisation in training, frozen
+//! and in inference, ReLU separate, absorbed and as a layer option, max, average and global
+//! pooling, concatenation, dense layers, dropout, a softmax head) its outputs and gradients
+//! match the default path's (kernels and the recorded backward pass) and the kernels'
+//! differentiated by candle's autograd; and it really calls no kernel.
+
+use std::sync::{Mutex, MutexGuard};
+
+use crate::layers::{
+    Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Dense, Dropout,
+    Flatten, GlobalAveragePooling2D, Layer, LayerSpecExt, MaxPooling2D, Padding, ParamGrads,
+    Sequential, SequentialNet,
+};
+use crate::params::ParamStore;
+use crate::ComputePath;
+use candle_core::{Device, Tensor, Var};
+
+/// The kernels' read counter is process-wide: tests that run networks take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+const INPUT: [usize; 3] = [3, 11, 11];
+const CLASSES: usize = 5;
+
+/// Every layer kind, in shapes that take each layer's interesting paths.
+fn network() -> Sequential {
+    Sequential::new()
+        // `same` padding, stride 1; BatchNorm absorbs the ReLU after it. (A bias before a
+        // BatchNorm in training has a zero gradient, which rounding makes noise: none here.)
+        .add(Conv2D::new(6, 3).padding(Padding::Same).use_bias(false))
+        .add(BatchNormalization::new())
+        .add(Activation::Relu)
+        // 11x11 -> 5x5 in three ways.
+        .add(Concat::new([
+            // `valid`, stride 2, with the ReLU as the layer's option.
+            Sequential::new().add(Conv2D::new(4, 3).stride(2).activation(Activation::Relu)),
+            // Overlapping max pool.
+            Sequential::new().add(MaxPooling2D::new(3).stride(2)),
+            // Overlapping average pool, then a frozen BatchNorm (moving statistics in training).
+            Sequential::new()
+                .add(AveragePooling2D::new(3).stride(2))
+                .add(BatchNormalization::new().trainable(false)),
+        ]))
+        // `same` padding with different strides and no bias: 16x5x5 -> 8x3x5.
+        .add(
+            Conv2D::new(8, 3)
+                .strides(2, 1)
+                .padding(Padding::Same)
+                .use_bias(false),
+        )
+        .add(BatchNormalization::new())
+        .add(Activation::Relu)
+        // `same`-padded pools: 8x3x5 -> 8x2x3, then an average that divides by the real count.
+        .add(MaxPooling2D::new(2).padding(Padding::Same))
+        .add(AveragePooling2D::new(2).stride(1).padding(Padding::Same))
+        // A ReLU no layer absorbs.
+        .add(Activation::Relu)
+        .add(Concat::new([
+            Sequential::new()
+                .add(GlobalAveragePooling2D)
+                .add(Dense::new(7).activation(Activation::Relu)),
+            Sequential::new()
+                .add(Flatten)
+                .add(Dropout::new(0.3))
+                .add(Dense::new(4)),
+            // An average pool whose windows tile the input (candle's own op on other devices).
+            Sequential::new()
+                .add(AveragePooling2D::new(1).window(2, 3))
+                .add(Flatten)
+                .add(Activation::Sigmoid),
+        ]))
+        .add(Dense::new(CLASSES).activation(Activation::Softmax))
+}
+
+fn build(path: ComputePath) -> crate::Result<(SequentialNet, ParamStore)> {
+    let ctx = BuildContext::new(&Device::Cpu, 11).with_compute_path(path);
+    let (net, store, _) = network().build_in(ctx, &INPUT)?;
+    Ok((net, store))
+}
+
+fn batch(n: usize, seed: u32) -> crate::Result<(Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let x = Tensor::randn(0f32, 1., (n, INPUT[0], INPUT[1], INPUT[2]), &dev)?;
+    let labels: Vec<u32> = (0..n as u32)
+        .map(|i| (i * 3 + seed) % CLASSES as u32)
+        .collect();
+    let y = candle_nn::encoding::one_hot(Tensor::new(labels, &dev)?, CLASSES, 1f32, 0f32)?;
+    Ok((x, y))
+}
+
+/// Mean categorical cross-entropy from the logits.
+fn loss(logits: &Tensor, y: &Tensor) -> crate::Result<Tensor> {
+    let log_p = candle_nn::ops::log_softmax(logits, 1)?;
+    Ok((y.mul(&log_p)?.sum_all()?.neg()? / y.dim(0)? as f64)?)
+}
+
+/// What one training step computes.
+struct Step {
+    output: Tensor,
+    logits: Tensor,
+    /// The gradient of every trainable variable, in the store's order.
+    grads: Vec<(String, Tensor)>,
+}
+
+/// A training step through the network's recorded backward pass (the default on the CPU).
+fn recorded_step(
+    net: &SequentialNet,
+    store: &ParamStore,
+    x: &Tensor,
+    y: &Tensor,
+) -> crate::Result<Step> {
+    let recorded = net.forward_recorded_with_logits(x)?;
+    let logits = recorded
+        .logits
+        .ok_or_else(|| crate::Error::invalid("the softmax head gave no logits"))?;
+    let head = Var::from_tensor(&logits)?;
+    let dlogits = loss(head.as_tensor(), y)?
+        .backward()?
+        .remove(head.as_tensor())
+        .ok_or_else(|| crate::Error::invalid("no gradient for the logits"))?;
+    let mut grads = ParamGrads::new();
+    recorded.backward.backward(dlogits, &mut grads, false)?;
+    let grads = store
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| {
+            let g = grads
+                .take(p.var.as_tensor())
+                .ok_or_else(|| crate::Error::invalid(format!("no gradient for {}", p.name)))?;
+            Ok((p.name.clone(), g))
+        })
+        .collect::<crate::Result<_>>()?;
+    Ok(Step {
+        output: recorded.output,
+        logits,
+        grads,
+    })
+}
+
+/// A training step through candle's autograd over the whole network.
+fn autograd_step(
+    net: &SequentialNet,
+    store: &ParamStore,
+    x: &Tensor,
+    y: &Tensor,
+) -> crate::Result<Step> {
+    let (output, logits) = net.forward_with_logits(x, true)?;
+    let logits = logits.ok_or_else(|| crate::Error::invalid("the softmax head gave no logits"))?;
+    let mut all = loss(&logits, y)?.backward()?;
+    let grads = store
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| {
+            let g = all
+                .remove(p.var.as_tensor())
+                .ok_or_else(|| crate::Error::invalid(format!("no gradient for {}", p.name)))?;
+            Ok((p.name.clone(), g))
+        })
+        .collect::<crate::Result<_>>()?;
+    Ok(Step {
+        output: output.detach(),
+        logits: logits.detach(),
+        grads,
+    })
+}
+
+/// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
+fn relative_difference(a: &Tensor, b: &Tensor) -> crate::Result<f32> {
+    assert_eq!(a.dims(), b.dims());
+    let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+    Ok(diff / scale)
+}
+
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, tolerance: f32) -> crate::Result<()> {
+    let rel = relative_difference(a, b)?;
+    assert!(
+        rel < tolerance,
+        "{what}: relative difference {rel}\n{a}\n{b}"
+    );
+    Ok(())
+}
+
+fn assert_steps_agree(label: &str, a: &Step, b: &Step) -> crate::Result<()> {
+    assert_close(&format!("{label}: output"), &a.output, &b.output, 1e-4)?;
+    assert_close(&format!("{label}: logits"), &a.logits, &b.logits, 1e-4)?;
+    assert_eq!(a.grads.len(), b.grads.len());
+    for ((name, ga), (other, gb)) in a.grads.iter().zip(&b.grads) {
+        assert_eq!(name, other);
+        let norm = gb.sqr()?.sum_all()?.to_scalar::<f32>()?;
+        assert!(norm > 0.0, "{label}: {name}'s gradient is zero");
+        assert_close(&format!("{label}: {name}"), ga, gb, 1e-4)?;
+    }
+    Ok(())
+}
+
+fn assert_statistics_agree(label: &str, a: &ParamStore, b: &ParamStore) -> crate::Result<()> {
+    for (pa, pb) in a.iter().zip(b.iter()) {
+        assert_eq!(pa.name, pb.name);
+        if pa.statistic {
+            let what = format!("{label}: {}", pa.name);
+            assert_close(&what, pa.var.as_tensor(), pb.var.as_tensor(), 1e-4)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn device_generic_outputs_and_gradients_match_the_default_path() -> crate::Result<()> {
+    let _turn = serial();
+    let (auto_net, auto_store) = build(ComputePath::Auto)?;
+    let (generic_net, generic_store) = build(ComputePath::DeviceGeneric)?;
+    let (autograd_net, autograd_store) = build(ComputePath::Autograd)?;
+    // The same recipe and seed give the same variables whatever the path.
+    assert_eq!(auto_store.len(), generic_store.len());
+    for (a, b) in auto_store.iter().zip(generic_store.iter()) {
+        assert_eq!((&a.name, a.trainable), (&b.name, b.trainable));
+        assert_eq!(
+            a.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            b.var.as_tensor().flatten_all()?.to_vec1::<f32>()?
+        );
+    }
+    autograd_store.assign(&auto_store.weights()?)?;
+
+    for (step, n) in [6, 3].into_iter().enumerate() {
+        let (x, y) = batch(n, step as u32)?;
+        let auto = recorded_step(&auto_net, &auto_store, &x, &y)?;
+        let generic = autograd_step(&generic_net, &generic_store, &x, &y)?;
+        let autograd = autograd_step(&autograd_net, &autograd_store, &x, &y)?;
+        let label = format!("step {step}, device-generic vs auto");
+        assert_steps_agree(&label, &generic, &auto)?;
+        assert_steps_agree(&format!("step {step}, autograd vs auto"), &autograd, &auto)?;
+        assert_statistics_agree(&label, &generic_store, &auto_store)?;
+
+        // Inference, with the moving statistics the training forward passes moved.
+        let want = auto_net.forward_t(&x, false)?;
+        let got = generic_net.forward_t(&x, false)?;
+        assert_close(&format!("step {step}: inference"), &got, &want, 1e-4)?;
+        let (_, got_logits) = generic_net.forward_with_logits(&x, false)?;
+        let (_, want_logits) = auto_net.forward_with_logits(&x, false)?;
+        match (got_logits, want_logits) {
+            (Some(a), Some(b)) => assert_close("inference logits", &a, &b, 1e-4)?,
+            other => panic!("inference logits: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn device_generic_calls_no_kernel() -> crate::Result<()> {
+    let _turn = serial();
+    let (x, y) = batch(4, 1)?;
+
+    let before = crate::kernels::data_reads();
+    let (net, store) = build(ComputePath::DeviceGeneric)?;
+    autograd_step(&net, &store, &x, &y)?;
+    // The recorded API also works on this path (each layer under candle's autograd).
+    recorded_step(&net, &store, &x, &y)?;
+    net.forward_t(&x, true)?;
+    net.forward_t(&x, false)?;
+    let after = crate::kernels::data_reads();
+    assert_eq!(after, before, "the device-generic network ran a kernel");
+
+    // The counter does see kernels: the default and autograd paths run them, in training
+    // and in inference.
+    for path in [ComputePath::Auto, ComputePath::Autograd] {
+        let (net, _) = build(path)?;
+        let start = crate::kernels::data_reads();
+        net.forward_t(&x, false)?;
+        let inference = crate::kernels::data_reads();
+        assert!(inference > start, "{path}: no kernel in inference");
+        net.forward_t(&x, true)?;
+        assert!(
+            crate::kernels::data_reads() > inference,
+            "{path}: no kernel in training"
+        );
+    }
+    Ok(())
+}

@@ -57,6 +57,9 @@ pub use dropout::Dropout;
 pub use flatten::Flatten;
 pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
+// The recorded backward pass is kandle's own machinery: public only because `Layer`'s defaulted
+// methods name it, and hidden from the documentation.
+#[doc(hidden)]
 pub use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
@@ -80,6 +83,7 @@ pub trait Layer: Send + Sync {
         Ok((self.forward_t(x, train)?, None))
     }
 
+    #[doc(hidden)]
     /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]).
     /// The output is `forward_t(x, true)`'s, without logits. The default runs this layer alone
     /// under candle's autograd ([`record_with_candle`]); layers with CPU kernels record their
@@ -88,6 +92,7 @@ pub trait Layer: Send + Sync {
         record_with_candle(self, x, false)
     }
 
+    #[doc(hidden)]
     /// [`Self::forward_recorded`] for the last layer of a network, which may also return the
     /// logits of a softmax output (as [`Self::forward_with_logits`] does); the backward pass
     /// then takes the gradient of the logits. The default keeps the logits the layer gives
@@ -96,11 +101,13 @@ pub trait Layer: Send + Sync {
         record_with_candle(self, x, true)
     }
 
+    #[doc(hidden)]
     /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
     fn is_relu(&self) -> bool {
         false
     }
 
+    #[doc(hidden)]
     /// Asks the layer to apply `max(y, 0)` to its own output from now on, because a ReLU
     /// follows it; returns whether it will (the ReLU is then skipped). The default declines.
     fn fuse_relu(&mut self) -> bool {

@@ -135,25 +135,35 @@ fn check_dense_targets(loss: &str, targets: &Targets, output_shape: &[usize]) ->
     }
 }
 
-/// Cross-entropy between one-hot (or soft) targets and predicted class probabilities (or
-/// logits, with [`from_logits`](Self::from_logits)). Keras's `CategoricalCrossentropy`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CategoricalCrossentropy {
-    from_logits: bool,
+/// A cross-entropy loss type with Keras's `from_logits` option, and its constructors.
+macro_rules! cross_entropy {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct $name {
+            from_logits: bool,
+        }
+
+        impl $name {
+            /// From probabilities.
+            pub fn new() -> Self {
+                Self::default()
+            }
+
+            /// Whether the model outputs logits rather than probabilities (default false).
+            pub fn from_logits(mut self, from_logits: bool) -> Self {
+                self.from_logits = from_logits;
+                self
+            }
+        }
+    };
 }
 
-impl CategoricalCrossentropy {
-    /// From probabilities.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Whether the model outputs logits rather than probabilities (default false).
-    pub fn from_logits(mut self, from_logits: bool) -> Self {
-        self.from_logits = from_logits;
-        self
-    }
-}
+cross_entropy!(
+    /// Cross-entropy between one-hot (or soft) targets and predicted class probabilities (or
+    /// logits, with [`from_logits`](Self::from_logits)). Keras's `CategoricalCrossentropy`.
+    CategoricalCrossentropy
+);
 
 impl Loss for CategoricalCrossentropy {
     fn name(&self) -> &str {
@@ -174,25 +184,11 @@ impl Loss for CategoricalCrossentropy {
     }
 }
 
-/// Cross-entropy between class-index targets and predicted class probabilities (or logits,
-/// with [`from_logits`](Self::from_logits)). Keras's `SparseCategoricalCrossentropy`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SparseCategoricalCrossentropy {
-    from_logits: bool,
-}
-
-impl SparseCategoricalCrossentropy {
-    /// From probabilities.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Whether the model outputs logits rather than probabilities (default false).
-    pub fn from_logits(mut self, from_logits: bool) -> Self {
-        self.from_logits = from_logits;
-        self
-    }
-}
+cross_entropy!(
+    /// Cross-entropy between class-index targets and predicted class probabilities (or logits,
+    /// with [`from_logits`](Self::from_logits)). Keras's `SparseCategoricalCrossentropy`.
+    SparseCategoricalCrossentropy
+);
 
 impl Loss for SparseCategoricalCrossentropy {
     fn name(&self) -> &str {
@@ -228,28 +224,14 @@ impl Loss for SparseCategoricalCrossentropy {
     }
 }
 
-/// Cross-entropy of independent yes/no outputs: targets in `[0, 1]`, predictions are
-/// probabilities (a sigmoid's output) or, with [`from_logits`](Self::from_logits), logits.
-/// The loss of a sample is the mean over its outputs. Keras's `BinaryCrossentropy`.
-///
-/// Class-index labels of two classes (`0`/`1`) work with a model of one output unit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BinaryCrossentropy {
-    from_logits: bool,
-}
-
-impl BinaryCrossentropy {
-    /// From probabilities.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Whether the model outputs logits rather than probabilities (default false).
-    pub fn from_logits(mut self, from_logits: bool) -> Self {
-        self.from_logits = from_logits;
-        self
-    }
-}
+cross_entropy!(
+    /// Cross-entropy of independent yes/no outputs: targets in `[0, 1]`, predictions are
+    /// probabilities (a sigmoid's output) or, with [`from_logits`](Self::from_logits), logits.
+    /// The loss of a sample is the mean over its outputs. Keras's `BinaryCrossentropy`.
+    ///
+    /// Class-index labels of two classes (`0`/`1`) work with a model of one output unit.
+    BinaryCrossentropy
+);
 
 /// `y_true` as `f32` values shaped like `y_pred` (class indices become a column).
 fn as_values_like(y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {

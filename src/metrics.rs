@@ -263,6 +263,29 @@ fn binary_hits(y_true: &Tensor, y_pred: &Tensor, threshold: f64) -> Result<Tenso
         .mean(1)?)
 }
 
+/// The `state_size` and `result` of a metric that is a mean over samples: its state is
+/// `[sum, count]` ([`sum_and_count`]).
+macro_rules! mean_over_samples {
+    () => {
+        fn state_size(&self) -> usize {
+            2
+        }
+        fn result(&self, state: &[f64]) -> f64 {
+            mean_of(state)
+        }
+    };
+}
+
+/// The per-sample mean over features of `f(y_pred - y_true)`, as `[sum, count]`.
+fn mean_error(
+    y_true: &Tensor,
+    y_pred: &Tensor,
+    f: fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> Result<Tensor> {
+    let d = (y_pred - y_true.to_dtype(y_pred.dtype())?.reshape(y_pred.shape())?)?;
+    sum_and_count(&f(&d)?.flatten_from(1)?.mean(1)?)
+}
+
 /// Fraction of samples whose highest output is the true class, with class-index and one-hot
 /// targets alike; for a model of one output unit, the fraction on the right side of 0.5, as
 /// Keras's `"accuracy"` resolves to binary accuracy after a sigmoid. Logged as `accuracy`.
@@ -273,9 +296,7 @@ impl Metric for Accuracy {
     fn name(&self) -> &str {
         "accuracy"
     }
-    fn state_size(&self) -> usize {
-        2
-    }
+    mean_over_samples!();
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
         let hits = if y_pred.dims().get(1) == Some(&1) && y_pred.rank() == 2 {
             binary_hits(y_true, y_pred, 0.5)?
@@ -283,9 +304,6 @@ impl Metric for Accuracy {
             top_k_hits(y_true, y_pred, 1)?
         };
         sum_and_count(&hits)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        mean_of(state)
     }
 }
 
@@ -319,14 +337,9 @@ impl Metric for BinaryAccuracy {
     fn name(&self) -> &str {
         "binary_accuracy"
     }
-    fn state_size(&self) -> usize {
-        2
-    }
+    mean_over_samples!();
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
         sum_and_count(&binary_hits(y_true, y_pred, self.threshold)?)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        mean_of(state)
     }
 }
 
@@ -354,14 +367,9 @@ impl Metric for TopKCategoricalAccuracy {
     fn name(&self) -> &str {
         "top_k_categorical_accuracy"
     }
-    fn state_size(&self) -> usize {
-        2
-    }
+    mean_over_samples!();
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
         sum_and_count(&top_k_hits(y_true, y_pred, self.k)?)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        mean_of(state)
     }
     fn check_targets(&self, _targets: &Targets, _output_shape: &[usize]) -> Result<()> {
         if self.k == 0 {
@@ -382,15 +390,9 @@ impl Metric for MeanSquaredError {
     fn name(&self) -> &str {
         "mean_squared_error"
     }
-    fn state_size(&self) -> usize {
-        2
-    }
+    mean_over_samples!();
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        let d = (y_pred - y_true.to_dtype(y_pred.dtype())?.reshape(y_pred.shape())?)?;
-        sum_and_count(&d.sqr()?.flatten_from(1)?.mean(1)?)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        mean_of(state)
+        mean_error(y_true, y_pred, Tensor::sqr)
     }
 }
 
@@ -403,15 +405,9 @@ impl Metric for MeanAbsoluteError {
     fn name(&self) -> &str {
         "mean_absolute_error"
     }
-    fn state_size(&self) -> usize {
-        2
-    }
+    mean_over_samples!();
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        let d = (y_pred - y_true.to_dtype(y_pred.dtype())?.reshape(y_pred.shape())?)?;
-        sum_and_count(&d.abs()?.flatten_from(1)?.mean(1)?)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        mean_of(state)
+        mean_error(y_true, y_pred, Tensor::abs)
     }
 }
 

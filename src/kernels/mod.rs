@@ -22,8 +22,8 @@ mod simd;
 mod tests;
 mod two_pass;
 
-/// How many times, in this test process, kandle's kernels have read a tensor's data: the count
-/// grows with every kernel run, forward or backward, on any thread. Tests read it to check that
+/// How many times, on this thread, kandle's kernels have read a tensor's data: the count grows
+/// with every kernel run, forward or backward, that this thread starts. Tests read it to check that
 /// a network built for [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) runs
 /// no kernel.
 #[cfg(test)]

@@ -5,8 +5,6 @@
 //! (`rayon::current_num_threads`), so a replica running in a smaller pool does not
 //! oversubscribe the machine; no kernel spawns threads of its own.
 
-#[cfg(test)]
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
@@ -30,16 +28,19 @@ pub(crate) fn nc_plane(dims: &[usize]) -> (usize, usize, usize) {
     (n, c, s)
 }
 
-/// How many times, in this test process, a kernel has borrowed a tensor's data through
-/// [`f32_data`]: every kernel does, forward and backward, so a count that does not move means
-/// no kernel ran. Counted in test builds only.
 #[cfg(test)]
-static DATA_READS: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// How many times, on this thread, a kernel has borrowed a tensor's data through
+    /// [`f32_data`]: every kernel does, forward and backward, on the thread that runs the op,
+    /// so a count that does not move means no kernel ran. Per thread, so that tests running
+    /// side by side do not count each other's kernels. Counted in test builds only.
+    static DATA_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
-/// The current value of [`DATA_READS`].
+/// The current value of [`DATA_READS`] on this thread.
 #[cfg(test)]
 pub(crate) fn data_reads() -> usize {
-    DATA_READS.load(Ordering::Relaxed)
+    DATA_READS.with(std::cell::Cell::get)
 }
 
 /// The contiguous `f32` data that `layout` describes in `storage`, or an error naming `op`.
@@ -49,7 +50,7 @@ pub(crate) fn f32_data<'a>(
     layout: &Layout,
 ) -> candle_core::Result<&'a [f32]> {
     #[cfg(test)]
-    DATA_READS.fetch_add(1, Ordering::Relaxed);
+    DATA_READS.with(|reads| reads.set(reads.get() + 1));
     match (storage, layout.contiguous_offsets()) {
         (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),
         (CpuStorage::F32(_), None) => {

@@ -17,7 +17,7 @@ use crate::params::ParamStore;
 use crate::ComputePath;
 use candle_core::{Device, Tensor, Var};
 
-/// The kernels' read counter is process-wide: tests that run networks take turns.
+/// Tests of this file that run networks take turns.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {

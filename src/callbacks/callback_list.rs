@@ -39,6 +39,35 @@ impl CallbackList {
 }
 
 impl Callback for CallbackList {
+    /// Every callback's state, in order, as a JSON array (`null` for those without one).
+    fn state(&self) -> Option<super::CallbackState> {
+        Some(serde_json::Value::Array(
+            self.callbacks
+                .iter()
+                .map(|cb| cb.state().unwrap_or(serde_json::Value::Null))
+                .collect(),
+        ))
+    }
+
+    /// Gives each callback its part of a state made by [`Self::state`] for the same callbacks.
+    fn load_state(&mut self, state: &super::CallbackState) -> Result<()> {
+        let parts = state.as_array().filter(|p| p.len() == self.callbacks.len());
+        let Some(parts) = parts else {
+            return Err(crate::Error::invalid(format!(
+                "the saved callback state is for {} callbacks, but fit has {}: resume with the \
+                 same callbacks",
+                state.as_array().map_or(0, Vec::len),
+                self.callbacks.len()
+            )));
+        };
+        for (cb, part) in self.callbacks.iter_mut().zip(parts) {
+            if !part.is_null() {
+                cb.load_state(part)?;
+            }
+        }
+        Ok(())
+    }
+
     fn on_train_begin(&mut self, info: &FitInfo, model: &mut Model) -> Result<()> {
         self.each(|cb| cb.on_train_begin(info, model))
     }

@@ -10,7 +10,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 
-use super::{Callback, FitInfo, Logs};
+use super::{state_usize, Callback, CallbackState, FitInfo, Logs};
 use crate::{Error, Model, Result};
 
 /// Writes one CSV row per epoch. Runs on the chief worker only.
@@ -31,6 +31,13 @@ pub struct CsvLogger {
     append: bool,
     file: Option<File>,
     keys: Option<Vec<String>>,
+    /// Whether `on_train_begin` ran: the file is opened with the first row, not before.
+    begun: bool,
+    /// Epoch rows written to the file, counting those of the run this one resumes.
+    rows: usize,
+    /// Set when resuming from a backup: the file keeps its header and this many rows (any row
+    /// written after the backup is dropped), and rows are appended after them.
+    resume_rows: Option<usize>,
 }
 
 impl CsvLogger {
@@ -41,6 +48,9 @@ impl CsvLogger {
             append: false,
             file: None,
             keys: None,
+            begun: false,
+            rows: 0,
+            resume_rows: None,
         }
     }
 
@@ -94,19 +104,21 @@ impl CsvLogger {
     }
 }
 
-impl Callback for CsvLogger {
-    fn on_train_begin(&mut self, _info: &FitInfo, _model: &mut Model) -> Result<()> {
-        self.keys = if self.append {
-            self.existing_keys()?
-        } else {
-            None
-        };
+impl CsvLogger {
+    /// Opens the file for the first row of this `fit`: replaced, appended to, or (resuming from
+    /// a backup) cut back to its header and the rows the backup had seen, then appended to.
+    fn open(&mut self) -> Result<()> {
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io("cannot create directory", dir, e))?;
         }
+        if let Some(rows) = self.resume_rows {
+            self.keep_rows(rows)?;
+        }
+        let append = self.append || self.resume_rows.is_some();
+        self.keys = if append { self.existing_keys()? } else { None };
         let mut options = OpenOptions::new();
-        if self.append {
+        if append {
             options.append(true).create(true);
         } else {
             options.write(true).create(true).truncate(true);
@@ -118,7 +130,52 @@ impl Callback for CsvLogger {
         Ok(())
     }
 
+    /// Cuts the file after its header and `rows` rows.
+    fn keep_rows(&self, rows: usize) -> Result<()> {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("cannot read CSV log", &self.path, e)),
+        };
+        let keep: usize = text
+            .split_inclusive('\n')
+            .take(rows + 1)
+            .map(str::len)
+            .sum();
+        if keep < text.len() {
+            crate::checkpoint::write_atomically(&self.path, &text.as_bytes()[..keep])?;
+        }
+        Ok(())
+    }
+}
+
+impl Callback for CsvLogger {
+    fn on_train_begin(&mut self, _info: &FitInfo, _model: &mut Model) -> Result<()> {
+        // The file opens with the first row, after a resume has said which rows to keep.
+        self.file = None;
+        self.keys = None;
+        self.begun = true;
+        self.rows = 0;
+        self.resume_rows = None;
+        Ok(())
+    }
+
+    /// The number of rows written, so that a resumed run keeps exactly those.
+    fn state(&self) -> Option<CallbackState> {
+        Some(serde_json::json!({ "rows": self.rows }))
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        let rows = state_usize(state, "CsvLogger", "rows")?;
+        self.rows = rows;
+        self.resume_rows = Some(rows);
+        Ok(())
+    }
+
     fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, _model: &mut Model) -> Result<()> {
+        if self.file.is_none() && self.begun {
+            self.open()?;
+        }
         let mut text = String::new();
         let keys = match &self.keys {
             Some(keys) => keys.clone(),
@@ -130,11 +187,14 @@ impl Callback for CsvLogger {
             }
         };
         text.push_str(&row_line(epoch, &keys, logs));
-        self.write(&text)
+        self.write(&text)?;
+        self.rows += 1;
+        Ok(())
     }
 
     fn on_train_end(&mut self, _logs: &Logs, _model: &mut Model) -> Result<()> {
         self.file = None;
+        self.begun = false;
         Ok(())
     }
 
@@ -175,6 +235,31 @@ mod tests {
 
     fn read(path: &Path) -> String {
         std::fs::read_to_string(path).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_resumed_logger_keeps_the_rows_of_its_backup_and_writes_each_epoch_once() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::io("tempdir", "/tmp", e))?;
+        let path = dir.path().join("log.csv");
+        let mut model = tiny_model()?;
+        let mut first = CsvLogger::new(&path);
+        first.on_train_begin(&fit_info(4), &mut model)?;
+        first.on_epoch_end(0, &logs(&[("loss", 0.5)]), &mut model)?;
+        first.on_epoch_end(1, &logs(&[("loss", 0.4)]), &mut model)?;
+        // The backup is taken here; the run writes one more row, then dies.
+        let state = first.state().ok_or_else(|| Error::invalid("no state"))?;
+        first.on_epoch_end(2, &logs(&[("loss", 0.3)]), &mut model)?;
+        drop(first);
+
+        let mut resumed = CsvLogger::new(&path);
+        resumed.on_train_begin(&fit_info(4), &mut model)?;
+        resumed.load_state(&state)?;
+        resumed.on_epoch_end(2, &logs(&[("loss", 0.31)]), &mut model)?;
+        resumed.on_epoch_end(3, &logs(&[("loss", 0.2)]), &mut model)?;
+        resumed.on_train_end(&Logs::new(), &mut model)?;
+        assert_eq!(read(&path), "epoch,loss\n0,0.5\n1,0.4\n2,0.31\n3,0.2\n");
+        assert!(resumed.load_state(&serde_json::json!({})).is_err());
+        Ok(())
     }
 
     #[test]

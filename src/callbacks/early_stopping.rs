@@ -11,7 +11,9 @@
 //! together.
 
 use super::monitor::Monitor;
-use super::{Callback, FitInfo, Logs, Mode};
+use super::{
+    state_opt_f64, state_opt_usize, state_usize, Callback, CallbackState, FitInfo, Logs, Mode,
+};
 use crate::params::Weights;
 use crate::{Model, Result};
 
@@ -161,6 +163,28 @@ impl Callback for EarlyStopping {
         Ok(())
     }
 
+    /// The patience counter, the best value and its epoch, and the stopped and last epochs.
+    /// The best weights (with `restore_best_weights`) are not saved: after a resume the
+    /// callback restores the best weights seen since then.
+    fn state(&self) -> Option<CallbackState> {
+        Some(serde_json::json!({
+            "wait": self.wait,
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "stopped_epoch": self.stopped_epoch,
+            "last_epoch": self.last_epoch,
+        }))
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        self.wait = state_usize(state, "EarlyStopping", "wait")?;
+        self.best = state_opt_f64(state, "best");
+        self.best_epoch = state_opt_usize(state, "best_epoch");
+        self.stopped_epoch = state_opt_usize(state, "stopped_epoch");
+        self.last_epoch = state_opt_usize(state, "last_epoch");
+        Ok(())
+    }
+
     fn on_train_end(&mut self, _logs: &Logs, model: &mut Model) -> Result<()> {
         let announce = self.verbose && model.is_chief();
         if let (Some(epoch), true) = (self.stopped_epoch, announce) {
@@ -201,6 +225,28 @@ mod tests {
         }
         stop.on_train_end(&Logs::new(), &mut model)?;
         Ok(ran)
+    }
+
+    #[test]
+    fn a_state_carries_the_patience_across_a_resume() -> Result<()> {
+        let values = [1.0, 0.9, 0.95, 0.91, 0.5];
+        let mut model = tiny_model()?;
+        let mut first = EarlyStopping::new("loss").patience(2);
+        first.on_train_begin(&fit_info(5), &mut model)?;
+        for (epoch, v) in values[..3].iter().enumerate() {
+            first.on_epoch_end(epoch, &logs(&[("loss", *v)]), &mut model)?;
+        }
+        let state = first
+            .state()
+            .ok_or_else(|| crate::Error::invalid("no state"))?;
+        let mut resumed = EarlyStopping::new("loss").patience(2);
+        resumed.on_train_begin(&fit_info(5), &mut model)?;
+        resumed.load_state(&state)?;
+        // One more epoch without improvement exhausts the patience carried over.
+        resumed.on_epoch_end(3, &logs(&[("loss", values[3])]), &mut model)?;
+        assert!(model.stop_requested());
+        assert_eq!(resumed.stopped_epoch(), Some(3));
+        Ok(())
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{Callback, Logs};
+use super::{Callback, CallbackState, Logs};
 use crate::{Model, Result};
 
 /// The per-epoch logs of a `fit` call, as Keras's `History.history`.
@@ -64,6 +64,85 @@ impl Callback for History {
     fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, _model: &mut Model) -> Result<()> {
         self.epochs.push(epoch);
         self.logs.push(logs.clone());
+        Ok(())
+    }
+
+    /// `{"epochs": [...], "logs": [[[key, value], ...], ...]}`, each epoch's logs in order (a
+    /// NaN value as `null`).
+    fn state(&self) -> Option<CallbackState> {
+        let logs: Vec<serde_json::Value> = self
+            .logs
+            .iter()
+            .map(|l| l.iter().map(|(k, v)| serde_json::json!([k, v])).collect())
+            .collect();
+        Some(serde_json::json!({ "epochs": self.epochs, "logs": logs }))
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        let bad = || {
+            crate::Error::invalid("History: the saved state is not a history of epochs and logs")
+        };
+        let epochs = state
+            .get("epochs")
+            .and_then(|e| e.as_array())
+            .ok_or_else(bad)?
+            .iter()
+            .map(|e| e.as_u64().map(|e| e as usize).ok_or_else(bad))
+            .collect::<Result<Vec<_>>>()?;
+        let logs = state
+            .get("logs")
+            .and_then(|l| l.as_array())
+            .filter(|l| l.len() == epochs.len())
+            .ok_or_else(bad)?
+            .iter()
+            .map(|epoch| {
+                let mut logs = Logs::new();
+                for pair in epoch.as_array().ok_or_else(bad)? {
+                    let key = pair.get(0).and_then(|k| k.as_str()).ok_or_else(bad)?;
+                    let value = pair.get(1).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+                    logs.set(key, value);
+                }
+                Ok(logs)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        *self = History { epochs, logs };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_round_trips_with_nan_and_order() -> Result<()> {
+        let mut history = History::new();
+        for (epoch, loss) in [(3, 0.5), (4, f64::NAN)] {
+            let mut logs = Logs::new();
+            logs.set("loss", loss);
+            logs.set("accuracy", 0.25);
+            history.epochs.push(epoch);
+            history.logs.push(logs);
+        }
+        let state = history
+            .state()
+            .ok_or_else(|| crate::Error::invalid("no state"))?;
+        let text =
+            serde_json::to_string(&state).map_err(|e| crate::Error::invalid(e.to_string()))?;
+        let back: CallbackState =
+            serde_json::from_str(&text).map_err(|e| crate::Error::invalid(e.to_string()))?;
+        let mut restored = History::new();
+        restored.load_state(&back)?;
+        assert_eq!(restored.epochs, [3, 4]);
+        assert_eq!(
+            restored.logs[1].keys().collect::<Vec<_>>(),
+            ["loss", "accuracy"]
+        );
+        assert!(restored.logs[1].get("loss").is_some_and(f64::is_nan));
+        assert_eq!(restored.logs[0], history.logs[0]);
+        assert!(restored
+            .load_state(&serde_json::json!({"epochs": [1]}))
+            .is_err());
         Ok(())
     }
 }

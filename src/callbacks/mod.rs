@@ -51,7 +51,40 @@ pub use progress::{ProgressBar, Verbosity};
 pub use reduce_lr::ReduceLROnPlateau;
 pub use terminate_on_nan::TerminateOnNaN;
 
-use crate::{Model, Result};
+use crate::{Error, Model, Result};
+
+/// A callback's saved progress ([`Callback::state`]): JSON, so that any callback can say what
+/// it needs, and a backup stays readable.
+pub type CallbackState = serde_json::Value;
+
+/// `state[key]` as an optional `f64` (absent or `null` is `None`).
+pub(crate) fn state_opt_f64(state: &CallbackState, key: &str) -> Option<f64> {
+    state.get(key).and_then(serde_json::Value::as_f64)
+}
+
+/// `state[key]` as a `usize`, or an error naming the callback.
+pub(crate) fn state_usize(state: &CallbackState, who: &str, key: &str) -> Result<usize> {
+    state
+        .get(key)
+        .and_then(serde_json::Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| bad_state(who, key))
+}
+
+/// `state[key]` as an optional `usize` (absent or `null` is `None`).
+pub(crate) fn state_opt_usize(state: &CallbackState, key: &str) -> Option<usize> {
+    state
+        .get(key)
+        .and_then(serde_json::Value::as_u64)
+        .map(|v| v as usize)
+}
+
+fn bad_state(who: &str, key: &str) -> Error {
+    Error::invalid(format!(
+        "{who}: the saved state has no valid `{key}`; it was written by another callback or \
+         version"
+    ))
+}
 
 /// What `fit` tells callbacks when training begins.
 #[derive(Debug, Clone, PartialEq)]
@@ -154,6 +187,19 @@ pub trait Callback: Send {
         Ok(())
     }
 
+    /// The callback's progress (a best value, a patience counter, what it has written), saved
+    /// with the training state so that a resumed `fit` continues it; `None` for a callback
+    /// with nothing to save (the default).
+    fn state(&self) -> Option<CallbackState> {
+        None
+    }
+
+    /// Continues from what [`Self::state`] returned, when `fit` resumes from a backup. It runs
+    /// after `on_train_begin`. The default ignores it.
+    fn load_state(&mut self, _state: &CallbackState) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether only the chief worker runs this callback (true for anything that draws or
     /// writes files). Non-chief workers of a multi-worker run skip it.
     fn chief_only(&self) -> bool {
@@ -216,6 +262,12 @@ impl<C: Callback + ?Sized> Callback for Box<C> {
         model: &mut Model,
     ) -> Result<()> {
         (**self).on_predict_batch_end(batch, outputs, model)
+    }
+    fn state(&self) -> Option<CallbackState> {
+        (**self).state()
+    }
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        (**self).load_state(state)
     }
     fn chief_only(&self) -> bool {
         (**self).chief_only()

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use super::monitor::Monitor;
-use super::{Callback, Logs, Mode};
+use super::{state_opt_f64, Callback, CallbackState, Logs, Mode};
 use crate::{Model, Result};
 
 /// Saves the model's weights at the end of epochs. Runs on the chief worker only.
@@ -98,6 +98,16 @@ impl Callback for ModelCheckpoint {
             self.best = Some(current);
         }
         model.save_weights(self.path_for_epoch(epoch))
+    }
+
+    /// The best value saved so far.
+    fn state(&self) -> Option<CallbackState> {
+        Some(serde_json::json!({ "best": self.best }))
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        self.best = state_opt_f64(state, "best");
+        Ok(())
     }
 
     fn chief_only(&self) -> bool {

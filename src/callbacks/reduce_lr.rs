@@ -5,7 +5,7 @@
 //! and `fit` logs it as `lr`.
 
 use super::monitor::Monitor;
-use super::{Callback, FitInfo, Logs, Mode};
+use super::{state_opt_f64, state_usize, Callback, CallbackState, FitInfo, Logs, Mode};
 use crate::{Error, Model, Result};
 
 /// Lowers the learning rate when the monitored quantity plateaus.
@@ -116,6 +116,22 @@ impl Callback for ReduceLROnPlateau {
         self.best = None;
         self.wait = 0;
         self.cooldown_counter = 0;
+        Ok(())
+    }
+
+    /// The best value, the patience counter and the cooldown left.
+    fn state(&self) -> Option<CallbackState> {
+        Some(serde_json::json!({
+            "best": self.best,
+            "wait": self.wait,
+            "cooldown_counter": self.cooldown_counter,
+        }))
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        self.best = state_opt_f64(state, "best");
+        self.wait = state_usize(state, "ReduceLROnPlateau", "wait")?;
+        self.cooldown_counter = state_usize(state, "ReduceLROnPlateau", "cooldown_counter")?;
         Ok(())
     }
 

@@ -5,7 +5,6 @@
 //! (`rayon::current_num_threads`), so a replica running in a smaller pool does not
 //! oversubscribe the machine; no kernel spawns threads of its own.
 
-
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;

@@ -12,7 +12,7 @@ mod draw;
 
 use std::path::{Path, PathBuf};
 
-use super::{Callback, FitInfo, History, Logs};
+use super::{Callback, CallbackState, FitInfo, History, Logs};
 use crate::{Error, Model, Result};
 
 /// Draws `history`'s loss and accuracy curves to the PNG `path`, under `title`.
@@ -129,6 +129,15 @@ impl Callback for PlotHistory {
     fn on_epoch_end(&mut self, epoch: usize, logs: &Logs, model: &mut Model) -> Result<()> {
         self.history.on_epoch_end(epoch, logs, model)?;
         plot_metrics(&self.history, &self.path, &self.title, &self.metrics)
+    }
+
+    /// The epochs drawn so far, so that a resumed run draws the whole run.
+    fn state(&self) -> Option<CallbackState> {
+        self.history.state()
+    }
+
+    fn load_state(&mut self, state: &CallbackState) -> Result<()> {
+        self.history.load_state(state)
     }
 
     fn chief_only(&self) -> bool {

@@ -240,12 +240,19 @@ impl<'d> Loader<'d> {
     /// The batches of epoch `epoch`, assembled on the calling thread when asked for. The
     /// iterator ends after the first error.
     pub fn iter(&self, epoch: usize) -> EpochIter<'_, 'd> {
+        self.iter_from(epoch, 0)
+    }
+
+    /// [`Self::iter`] from global batch `first_step` on: the batches before it are not
+    /// assembled (a run resumed mid-epoch skips what it already trained on).
+    pub fn iter_from(&self, epoch: usize, first_step: usize) -> EpochIter<'_, 'd> {
+        let steps = self.steps_per_epoch();
         EpochIter {
             loader: self,
             epoch,
             order: self.epoch_order(epoch),
-            step: 0,
-            steps: self.steps_per_epoch(),
+            step: first_step.min(steps),
+            steps,
         }
     }
 
@@ -262,12 +269,23 @@ impl<'d> Loader<'d> {
         scope: &'scope Scope<'scope, 'env>,
         epoch: usize,
     ) -> Batches<'scope> {
+        self.spawn_from(scope, epoch, 0)
+    }
+
+    /// [`Self::spawn`] from global batch `first_step` on (see [`Self::iter_from`]).
+    pub fn spawn_from<'scope, 'env>(
+        &'env self,
+        scope: &'scope Scope<'scope, 'env>,
+        epoch: usize,
+        first_step: usize,
+    ) -> Batches<'scope> {
+        let first_step = first_step.min(self.steps_per_epoch());
         let (tx, rx) = sync_channel(self.options.prefetch);
         let name = self.dataset.name().to_string();
         let spawned = std::thread::Builder::new()
             .name("kandle-loader".to_string())
             .spawn_scoped(scope, move || {
-                for item in self.iter(epoch) {
+                for item in self.iter_from(epoch, first_step) {
                     if tx.send(item).is_err() {
                         // The consumer is gone: stop.
                         return;
@@ -278,7 +296,7 @@ impl<'d> Loader<'d> {
             Ok(handle) => Batches {
                 rx: Some(rx),
                 producer: Some(handle),
-                remaining: self.steps_per_epoch(),
+                remaining: self.steps_per_epoch() - first_step,
                 pending: None,
                 name,
             },
@@ -764,6 +782,22 @@ mod tests {
             });
             assert_eq!(prefetched, direct);
         }
+    }
+
+    #[test]
+    fn starting_mid_epoch_yields_the_rest_of_the_same_batches() {
+        let ds = counting(23);
+        let loader = Loader::new(&ds, options(5, true)).unwrap();
+        let direct = epoch(&loader, 2);
+        let rest: Vec<Vec<usize>> = loader.iter_from(2, 3).map(|b| ids(&b.unwrap())).collect();
+        assert_eq!(rest, direct[3..]);
+        let spawned: Vec<Vec<usize>> = std::thread::scope(|s| {
+            let it = loader.spawn_from(s, 2, 3);
+            assert_eq!(it.size_hint().1, Some(2));
+            it.map(|b| ids(&b.unwrap())).collect()
+        });
+        assert_eq!(spawned, direct[3..]);
+        assert_eq!(loader.iter_from(2, 99).count(), 0);
     }
 
     /// Sleeps a little on every read, so a producer is mid-epoch when the consumer leaves.

@@ -14,6 +14,7 @@ mod state;
 
 pub use adam::{Adam, AdamW};
 pub use sgd::Sgd;
+pub(crate) use state::check_slot_name;
 pub use state::{NamedOptimizerState, OptimizerState};
 
 use candle_core::{Tensor, Var};

@@ -271,7 +271,7 @@ impl NamedOptimizerState {
         }
         if !problems.is_empty() {
             return Err(Error::invalid(format!(
-                "the optimizer state does not fit the model: {}",
+                "optimizer state: {}",
                 problems.join("; ")
             )));
         }

@@ -197,3 +197,49 @@ fn a_refused_state_leaves_a_mirrored_model_unchanged() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Under `MultiWorkerMirroredStrategy` (2 workers launched by `mpirun`) the chief saves, every
+/// worker loads, and training continues as one device's does. Needs Open MPI's `mpirun`.
+#[cfg(feature = "mpi")]
+#[test]
+fn multi_worker_saves_on_the_chief_and_resumes_on_every_worker() -> anyhow::Result<()> {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state.safetensors");
+    let out = dir.path().join("weights.safetensors");
+    let mut child = Command::new("mpirun")
+        .args([
+            "-n",
+            "2",
+            "--oversubscribe",
+            env!("CARGO_BIN_EXE_kandle-mpi-check"),
+        ])
+        .args(["resume", "--state"])
+        .arg(&state)
+        .arg("--out")
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill()?;
+            anyhow::bail!("mpirun did not finish within 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "mpirun failed: {status}");
+    // The worker program's steps: 6 before the save and 6 after, as K and M here.
+    assert_eq!((K, M), (6, 6));
+    let reference = uninterrupted(plain_cnn(), Sgd::new(0.05).momentum(0.9))?;
+    let weights = kandle::checkpoint::load(&out)?;
+    assert_close(&reference, &weights, "multi-worker x2 save -> load")?;
+    Ok(())
+}

@@ -451,8 +451,8 @@ impl Model {
         if optimizer_before.kind != state.optimizer.kind {
             return Err(Error::invalid(format!(
                 "the state's optimizer is {}, but the model's is {}",
-                describe_optimizer(&state.optimizer.kind),
-                describe_optimizer(&optimizer_before.kind)
+                crate::optimizers::describe_kind(&state.optimizer.kind),
+                crate::optimizers::describe_kind(&optimizer_before.kind)
             )));
         }
         let weights_before = replicas.weights()?;
@@ -888,15 +888,6 @@ fn class_weights(
 
 /// The loss of one step alone: NaN when the step was not applied (its loss or a gradient was
 /// not finite), so `TerminateOnNaN` sees it at once.
-/// An optimizer kind for messages.
-fn describe_optimizer(kind: &str) -> String {
-    if kind.is_empty() {
-        "an optimizer without state".into()
-    } else {
-        kind.to_string()
-    }
-}
-
 fn batch_loss(stats: &StepStats) -> f64 {
     match stats.sums.first() {
         Some(_) if !stats.applied && stats.samples > 0 => f64::NAN,

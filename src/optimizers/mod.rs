@@ -14,7 +14,7 @@ mod state;
 
 pub use adam::{Adam, AdamW};
 pub use sgd::Sgd;
-pub(crate) use state::check_slot_name;
+pub(crate) use state::{check_slot_name, describe_kind};
 pub use state::{NamedOptimizerState, OptimizerState};
 
 use candle_core::{Tensor, Var};

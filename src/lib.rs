@@ -56,6 +56,7 @@ pub mod params;
 mod replica;
 pub mod schedules;
 pub mod strategy;
+pub mod training_state;
 
 pub use allocator::keep_freed_memory;
 pub use compute_path::ComputePath;

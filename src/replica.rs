@@ -15,7 +15,7 @@ use crate::data::Batch;
 use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
-use crate::optimizers::{Optimizer, OptimizerConfig};
+use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
 use crate::strategy::fused::{fuse, FusedLayout};
@@ -89,6 +89,8 @@ pub struct Replica {
     net: SequentialNet,
     store: ParamStore,
     trainable: Vec<Var>,
+    /// The canonical names of `trainable`, in the same order.
+    trainable_names: Vec<String>,
     statistics: Vec<Var>,
     optimizer: Box<dyn Optimizer>,
     loss: Arc<dyn Loss>,
@@ -119,6 +121,11 @@ impl Replica {
         let device = ctx.device().clone();
         let (net, store, summary) = spec.network.build_in(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
+        let trainable_names = store
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.name.clone())
+            .collect();
         let statistics = store.statistics();
         let optimizer = spec.optimizer.build(trainable.clone())?;
         let layout = Arc::new(StepLayout {
@@ -130,6 +137,7 @@ impl Replica {
             net,
             store,
             trainable,
+            trainable_names,
             statistics,
             optimizer,
             loss: Arc::clone(&spec.loss),
@@ -154,6 +162,25 @@ impl Replica {
     /// The variables the optimizer updates, in gradient order.
     pub fn trainable_vars(&self) -> &[Var] {
         &self.trainable
+    }
+
+    /// The canonical names of [`Self::trainable_vars`], in the same order.
+    pub fn trainable_names(&self) -> &[String] {
+        &self.trainable_names
+    }
+
+    /// The optimizer's state with each slot keyed by the variables' canonical names, on this
+    /// replica's device: the same names whatever the strategy.
+    pub fn optimizer_state(&self) -> Result<NamedOptimizerState> {
+        self.optimizer.state()?.into_named(&self.trainable_names)
+    }
+
+    /// Replaces the optimizer's state with `state` (tensors on any device). Every slot must
+    /// name exactly this replica's trainable variables, with their shapes, and the kind must be
+    /// the optimizer's; otherwise nothing changes and the error says what differs.
+    pub fn load_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        let positional = state.to_positional(&self.trainable_names, &self.trainable)?;
+        self.optimizer.load_state(&positional)
     }
 
     /// The moving statistics (batch-norm running means and variances), in creation order.

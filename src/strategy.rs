@@ -27,7 +27,8 @@
 //! - **No bad update**: a step whose loss or gradients are not finite is not applied
 //!   ([`StepStats::applied`] is false), so the last good weights survive;
 //! - **Canonical weights**: [`DistributedModel::weights`] uses the recipe's names, whatever the
-//!   strategy, so checkpoints move freely between strategies.
+//!   strategy, so checkpoints move freely between strategies; so does
+//!   [`DistributedModel::optimizer_state`].
 
 pub mod fused;
 mod one_device;
@@ -43,8 +44,9 @@ use candle_core::Tensor;
 
 use crate::data::Batch;
 use crate::layers::Summary;
+use crate::optimizers::NamedOptimizerState;
 use crate::params::Weights;
-use crate::Result;
+use crate::{Error, Result};
 
 /// This process's place among the workers of a multi-process job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,4 +142,29 @@ pub trait DistributedModel: Send {
     /// Replaces all weights on every replica. Fails without changing anything when the names or
     /// shapes do not match.
     fn set_weights(&mut self, weights: &Weights) -> Result<()>;
+
+    /// The optimizer's state by canonical variable name, on the CPU: that of the replica that
+    /// applies updates (every replica's is the same). [`Replica::optimizer_state`] gives it.
+    ///
+    /// The default fails: a strategy whose model does not implement it cannot save a training
+    /// state.
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        Err(Error::invalid(
+            "this strategy's model does not implement DistributedModel::optimizer_state, so its \
+             optimizer state cannot be saved",
+        ))
+    }
+
+    /// Replaces the optimizer's state on every replica that holds one
+    /// ([`Replica::load_optimizer_state`]). Fails without changing anything when the kind,
+    /// names or shapes do not match.
+    ///
+    /// The default fails, as [`DistributedModel::optimizer_state`] does.
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        let _ = state;
+        Err(Error::invalid(
+            "this strategy's model does not implement DistributedModel::set_optimizer_state, \
+             so an optimizer state cannot be loaded",
+        ))
+    }
 }

@@ -19,7 +19,10 @@
 
 use candle_core::{Tensor, Var};
 
-use super::{check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig};
+use super::{
+    check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig,
+    OptimizerState,
+};
 use crate::{Error, Result};
 
 /// Declares an Adam-family recipe: the struct, Keras's defaults, the builder methods and its
@@ -224,4 +227,41 @@ impl Optimizer for AdamState {
         self.t = t;
         Ok(())
     }
+
+    /// Slots `m` and `v` (the moments) and scalar `step` (steps taken); the kind is the
+    /// variant's name, `Adam` or `AdamW`.
+    fn state(&self) -> Result<OptimizerState> {
+        Ok(OptimizerState::new(self.hyper.name)
+            .with_slot(FIRST_MOMENT, self.m.clone())
+            .with_slot(SECOND_MOMENT, self.v.clone())
+            .with_scalar(STEP, self.t as f64))
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        state.check(self.hyper.name, &[FIRST_MOMENT, SECOND_MOMENT], &[STEP])?;
+        let missing = |slot: &str| {
+            Error::invalid(format!(
+                "state of {}: slot `{slot}` is missing",
+                self.hyper.name
+            ))
+        };
+        let m = state
+            .slot_for(FIRST_MOMENT, &self.params)?
+            .ok_or_else(|| missing(FIRST_MOMENT))?;
+        let v = state
+            .slot_for(SECOND_MOMENT, &self.params)?
+            .ok_or_else(|| missing(SECOND_MOMENT))?;
+        let t = state.count(STEP)?;
+        self.m = m;
+        self.v = v;
+        self.t = t;
+        Ok(())
+    }
 }
+
+/// The slot of the first moments.
+const FIRST_MOMENT: &str = "m";
+/// The slot of the second moments.
+const SECOND_MOMENT: &str = "v";
+/// The scalar counting the steps taken.
+const STEP: &str = "step";

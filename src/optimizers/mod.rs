@@ -4,13 +4,18 @@
 //! [`Optimizer`] from it over its own variables, so replicas that apply the same gradients stay
 //! identical. The learning rate is passed to every step, so schedules and callbacks change it
 //! without touching optimizer state. Update rules follow PyTorch's `torch.optim`, and the tests
-//! check them against values PyTorch computed.
+//! check them against values PyTorch computed. An optimizer exports and imports its state
+//! ([`Optimizer::state`], [`Optimizer::load_state`]) as an [`OptimizerState`], so training can
+//! stop and resume exactly.
 
 mod adam;
 mod sgd;
+mod state;
 
 pub use adam::{Adam, AdamW};
 pub use sgd::Sgd;
+pub(crate) use state::{check_slot_name, describe_kind};
+pub use state::{NamedOptimizerState, OptimizerState};
 
 use candle_core::{Tensor, Var};
 
@@ -35,10 +40,40 @@ impl Clone for Box<dyn OptimizerConfig> {
 }
 
 /// An optimizer bound to its variables, holding its state (momentum buffers, moments).
+///
+/// Only [`step`](Self::step) is required. An optimizer that keeps state between steps also
+/// implements [`state`](Self::state) and [`load_state`](Self::load_state), so that its state is
+/// saved with the model ([`Model::save`](crate::Model::save)) and training resumes where it
+/// stopped; the defaults suit an optimizer without state.
 pub trait Optimizer: Send {
     /// Applies one update. `grads[i]` is the gradient of the i-th variable given to
     /// [`OptimizerConfig::build`]; gradients must be detached from the graph.
     fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()>;
+
+    /// The state that the next steps depend on, by variable position. The default, for an
+    /// optimizer that keeps none, is the empty [`OptimizerState::default`].
+    fn state(&self) -> Result<OptimizerState> {
+        Ok(OptimizerState::default())
+    }
+
+    /// Replaces the state with `state`, as exported by [`Optimizer::state`] of an optimizer of
+    /// the same kind over variables of the same shapes. It checks everything first (kind,
+    /// slots, number of variables, shapes) and changes nothing when it fails. The default, for
+    /// an optimizer that keeps none, accepts only a state without slots or scalars.
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!(
+                "the optimizer state holds slots {:?} and scalars {:?} of {}, but this \
+                 optimizer keeps no state (a user optimizer with state implements \
+                 Optimizer::state and Optimizer::load_state)",
+                state.slots.keys().collect::<Vec<_>>(),
+                state.scalars.keys().collect::<Vec<_>>(),
+                state::describe_kind(&state.kind)
+            )))
+        }
+    }
 }
 
 /// Checks that `grads` pairs up with `params`: as many gradients as variables, each with its

@@ -16,7 +16,10 @@
 
 use candle_core::{Tensor, Var};
 
-use super::{check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig};
+use super::{
+    check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig,
+    OptimizerState,
+};
 use crate::{Error, Result};
 
 /// Stochastic gradient descent: `Sgd::new(0.01).momentum(0.9).nesterov(true)`.
@@ -106,6 +109,11 @@ impl OptimizerConfig for Sgd {
     }
 }
 
+/// The kind of SGD's state.
+const KIND: &str = "SGD";
+/// The slot of its momentum buffers.
+const MOMENTUM: &str = "momentum";
+
 /// SGD bound to its variables, with one momentum buffer per variable once stepped.
 struct SgdState {
     config: Sgd,
@@ -145,6 +153,26 @@ impl Optimizer for SgdState {
             }
             param.set(&(p - (g * lr)?)?.detach())?;
         }
+        Ok(())
+    }
+
+    /// Slot `momentum` once the buffers exist (after the first step with momentum); no slot
+    /// before, or without momentum.
+    fn state(&self) -> Result<OptimizerState> {
+        let state = OptimizerState::new(KIND);
+        let buffers: Option<Vec<Tensor>> = self.buffers.iter().cloned().collect();
+        Ok(match buffers {
+            Some(buffers) if !buffers.is_empty() => state.with_slot(MOMENTUM, buffers),
+            _ => state,
+        })
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        state.check(KIND, &[MOMENTUM], &[])?;
+        self.buffers = match state.slot_for(MOMENTUM, &self.params)? {
+            Some(buffers) => buffers.into_iter().map(Some).collect(),
+            None => vec![None; self.params.len()],
+        };
         Ok(())
     }
 }

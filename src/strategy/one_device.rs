@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use crate::data::Batch;
+use crate::optimizers::NamedOptimizerState;
 use crate::params::Weights;
 use crate::Result;
 
@@ -99,5 +100,13 @@ impl DistributedModel for OneDeviceModel {
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         self.replica.store().assign(weights)
+    }
+
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        self.replica.optimizer_state()?.to_device(&Device::Cpu)
+    }
+
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        self.replica.load_optimizer_state(state)
     }
 }

@@ -6,6 +6,7 @@
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::layers::Summary;
+use kandle::optimizers::NamedOptimizerState;
 use kandle::params::Weights;
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use kandle::{Error, Result};
@@ -105,6 +106,15 @@ impl DistributedModel for CentralModel {
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         self.central.store().assign(weights)
+    }
+
+    /// The central replica's: the only optimizer that steps.
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        self.central.optimizer_state()?.to_device(&Device::Cpu)
+    }
+
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        self.central.load_optimizer_state(state)
     }
 }
 

@@ -146,4 +146,57 @@ mod tests {
         }
         Ok(())
     }
+
+    #[test]
+    fn every_replica_gets_the_loaded_optimizer_state() -> Result<()> {
+        let spec = ModelSpec {
+            network: Sequential::new()
+                .add(Flatten)
+                .add(Dense::new(10))
+                .add(Activation::Softmax),
+            input_shape: vec![1, 8, 8],
+            optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
+            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+            metrics: [Accuracy].into(),
+            seed: 1,
+            compute_path: kandle::ComputePath::Auto,
+        };
+        let build = |seed| -> Result<MirroredModel> {
+            let spec = ModelSpec {
+                seed,
+                ..spec.clone()
+            };
+            Ok(MirroredModel {
+                set: LocalReplicas::new(vec![Device::Cpu; 3], "test")?.build(&spec)?,
+                ops: CrossDeviceOps::default(),
+            })
+        };
+        let data = kandle::data::digits::load()?;
+        let (x, y) = data.to_tensors()?;
+        let mut trained = build(1)?;
+        for step in 0..2 {
+            let batch = Batch::new(x.narrow(0, step * 12, 12)?, y.narrow(0, step * 12, 12)?);
+            trained.train_step(&batch, 0.1)?;
+        }
+        let state = trained.optimizer_state()?;
+        let mut fresh = build(2)?;
+        fresh.set_optimizer_state(&state)?;
+        let momenta = fresh.set.pool.run(vec![(); 3], |_, replica, ()| {
+            let state = replica.optimizer_state()?;
+            let mut values = Vec::new();
+            for t in state.slots["momentum"].values() {
+                values.extend(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(values)
+        })?;
+        let mut want = Vec::new();
+        for t in state.slots["momentum"].values() {
+            want.extend(t.flatten_all()?.to_vec1::<f32>()?);
+        }
+        assert!(want.iter().any(|v| *v != 0.0));
+        for (i, got) in momenta.iter().enumerate() {
+            assert_eq!(got, &want, "replica {i}");
+        }
+        Ok(())
+    }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use kandle::data::{shard_range, Batch};
 use kandle::layers::Summary;
+use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
 use kandle::strategy::fused::{fuse, FusedLayout};
 use kandle::strategy::step::{StepLayout, StepTotals};
@@ -109,6 +110,17 @@ macro_rules! replica_set_queries {
 
         fn set_weights(&mut self, weights: &kandle::params::Weights) -> kandle::Result<()> {
             self.set.set_weights(weights)
+        }
+
+        fn optimizer_state(&mut self) -> kandle::Result<kandle::optimizers::NamedOptimizerState> {
+            self.set.optimizer_state()
+        }
+
+        fn set_optimizer_state(
+            &mut self,
+            state: &kandle::optimizers::NamedOptimizerState,
+        ) -> kandle::Result<()> {
+            self.set.set_optimizer_state(state)
         }
     };
 }
@@ -341,6 +353,33 @@ impl ReplicaSet {
     /// The first replica's weights, on the CPU.
     pub(crate) fn weights(&self) -> Result<Weights> {
         cpu_weights(&self.stores[0])
+    }
+
+    /// The first replica's optimizer state (every replica's is the same), on the CPU.
+    pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        let states = self.pool.run(vec![(); self.len()], |i, replica, ()| {
+            if i == 0 {
+                Ok(Some(replica.optimizer_state()?.to_device(&Device::Cpu)?))
+            } else {
+                Ok(None)
+            }
+        })?;
+        states
+            .into_iter()
+            .flatten()
+            .next()
+            .ok_or_else(|| kandle::Error::invalid("a replica set without replicas"))
+    }
+
+    /// Loads `state` into every replica's optimizer. Each replica checks it before changing
+    /// anything, and all hold the same variables, so a state that does not fit changes none.
+    pub(crate) fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        let shared = Arc::new(state.clone());
+        let inputs = vec![shared; self.len()];
+        self.pool.run(inputs, |_, replica, state| {
+            replica.load_optimizer_state(&state)
+        })?;
+        Ok(())
     }
 
     /// Sets the weights of every replica; checks them against the model first, so a mismatch

@@ -7,7 +7,8 @@
 //!        [--communication auto|mpi|nccl] [--timeout-secs T]
 //!        <world | equivalence --out FILE [--model plain|bn] [--samples S]
 //!         | digits [--epochs E] [--min-accuracy A]
-//!         | train [--epochs E] [--stall-worker R --stall-after-steps K]>
+//!         | train [--epochs E] [--stall-worker R --stall-after-steps K]
+//!         | resume --state FILE --out FILE>
 //! ```
 //!
 //! - `world` prints this worker's rank and the world size;
@@ -18,7 +19,11 @@
 //! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
 //!   across all workers, reaches `A` (default 0.97);
 //! - `train` trains and prints each step, so a test can kill a worker; with `--stall-worker R`,
-//!   worker `R` sleeps forever before step `K + 1`, and the others must fail naming it.
+//!   worker `R` sleeps forever before step `K + 1`, and the others must fail naming it;
+//! - `resume` trains the BN-free CNN [`RESUME_STEPS`] steps on global batches of 24 digits (each
+//!   worker its share), saves the training state to `--state` (the chief writes), loads it on
+//!   every worker into a model of other initial weights, trains as many steps more, and the
+//!   chief writes the weights to `--out`.
 //!
 //! `--replicas-on-worker R L` gives worker `R` `L` local replicas instead, to test that workers
 //! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
@@ -52,6 +57,7 @@ struct Args {
     min_accuracy: f64,
     stall_worker: Option<usize>,
     stall_after_steps: usize,
+    state: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -99,6 +105,7 @@ fn parse_args() -> Result<Args> {
             "--samples" => args.samples = number(&arg, value(&arg)?)?,
             "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
             "--out" => args.out = Some(value(&arg)?),
+            "--state" => args.state = Some(value(&arg)?),
             "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
             "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
             "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
@@ -110,7 +117,7 @@ fn parse_args() -> Result<Args> {
                      [--communication auto|mpi|nccl] [--timeout-secs T] <world | equivalence \
                      --out FILE [--model plain|bn] [--samples S] | digits [--epochs E] \
                      [--min-accuracy A] | train [--epochs E] [--stall-worker R \
-                     --stall-after-steps K]>",
+                     --stall-after-steps K] | resume --state FILE --out FILE>",
                 ))
             }
             task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
@@ -119,7 +126,7 @@ fn parse_args() -> Result<Args> {
     }
     if args.task.is_empty() {
         return Err(Error::invalid(
-            "no task given: world, equivalence, digits or train",
+            "no task given: world, equivalence, digits, train or resume",
         ));
     }
     Ok(args)
@@ -208,6 +215,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
             "equivalence" => equivalence(&strategy, args),
             "digits" => digits(&strategy, args, &label),
             "train" => train(&strategy, args, label.clone()),
+            "resume" => resume(&strategy, args),
             other => Err(Error::invalid(format!("unknown task `{other}`"))),
         },
     };
@@ -230,6 +238,62 @@ fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()
     };
     let model = equivalence_run::train(net, strategy, args.samples)?;
     model.save_weights(out)
+}
+
+/// Steps before the training state is saved, and as many after it is loaded.
+const RESUME_STEPS: usize = 6;
+
+fn resume(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
+    let need = |v: &Option<String>, name: &str| {
+        v.clone()
+            .ok_or_else(|| Error::invalid(format!("resume needs {name} FILE")))
+    };
+    let (state, out) = (need(&args.state, "--state")?, need(&args.out, "--out")?);
+    let worker = strategy.worker();
+    let global = equivalence_run::GLOBAL_BATCH;
+    if global % worker.size != 0 {
+        return Err(Error::invalid(format!(
+            "{} workers do not divide the global batch of {global}",
+            worker.size
+        )));
+    }
+    let share = global / worker.size;
+    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
+    let step = |model: &mut Model, i: usize| -> Result<()> {
+        let start = i * global + worker.rank * share;
+        model.train_on_batch(
+            &x.narrow(0, start, share)?,
+            &y.narrow(0, start, share)?,
+            None,
+        )?;
+        Ok(())
+    };
+    let compile = |seed: u64| -> Result<Model> {
+        let mut model = equivalence_run::plain_cnn()
+            .compile(
+                Sgd::new(0.05).momentum(0.9),
+                SparseCategoricalCrossentropy::new(),
+                [Accuracy],
+                strategy,
+            )?
+            .with_seed(seed)?;
+        model.build(&[1, 8, 8])?;
+        Ok(model)
+    };
+    let mut first = compile(5)?;
+    for i in 0..RESUME_STEPS {
+        step(&mut first, i)?;
+    }
+    first.save(&state)?;
+    // Every worker waits here until the chief has written the file.
+    strategy.all_reduce_sum(&mut vec![0.0])?;
+    drop(first);
+    let mut resumed = compile(6)?;
+    resumed.load(&state)?;
+    for i in RESUME_STEPS..2 * RESUME_STEPS {
+        step(&mut resumed, i)?;
+    }
+    resumed.save_weights(out)
 }
 
 fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {

@@ -1,0 +1,245 @@
+//! A training state saved under one strategy resumes under another: K steps under the first,
+//! `Model::save`, `Model::load` into a fresh model under the second, M more steps, and the
+//! weights match K + M uninterrupted steps on one device within 1e-5 (relative to each tensor's
+//! scale), as the equivalence tests ask of the strategies themselves.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+use kandle::optimizers::OptimizerConfig;
+use kandle::params::Weights;
+use kandle::prelude::*;
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+
+mod support;
+use support::assert_close;
+use support::equivalence_run::{bn_cnn, plain_cnn, GLOBAL_BATCH};
+
+const K: usize = 6;
+const M: usize = 6;
+
+/// Global batch `i` of digits.
+fn batch(i: usize) -> anyhow::Result<(Tensor, Tensor)> {
+    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
+    Ok((
+        x.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
+        y.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
+    ))
+}
+
+fn model<S, O>(net: Sequential, optimizer: O, strategy: &S, seed: u64) -> anyhow::Result<Model>
+where
+    S: Strategy + Clone + 'static,
+    O: OptimizerConfig,
+{
+    let mut model = net
+        .compile(
+            optimizer,
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
+            strategy,
+        )?
+        .with_seed(seed)?;
+    model.build(&[1, 8, 8])?;
+    Ok(model)
+}
+
+fn train(model: &mut Model, steps: std::ops::Range<usize>) -> anyhow::Result<()> {
+    for i in steps {
+        let (x, y) = batch(i)?;
+        model.train_on_batch(&x, &y, None)?;
+    }
+    Ok(())
+}
+
+/// K + M steps on one device.
+fn uninterrupted<O: OptimizerConfig>(net: Sequential, optimizer: O) -> anyhow::Result<Weights> {
+    let mut m = model(net, optimizer, &OneDeviceStrategy::cpu(), 5)?;
+    train(&mut m, 0..K + M)?;
+    Ok(m.get_weights()?)
+}
+
+/// K steps under `first`, saved, loaded under `second` into a model of other initial weights,
+/// M more steps.
+fn resumed<A, B, O>(
+    net: fn() -> Sequential,
+    optimizer: O,
+    first: &A,
+    second: &B,
+    path: &Path,
+) -> anyhow::Result<Weights>
+where
+    A: Strategy + Clone + 'static,
+    B: Strategy + Clone + 'static,
+    O: OptimizerConfig + Clone,
+{
+    let mut before = model(net(), optimizer.clone(), first, 5)?;
+    train(&mut before, 0..K)?;
+    before.save(path)?;
+    drop(before);
+    let mut after = model(net(), optimizer, second, 6)?;
+    after.load(path)?;
+    train(&mut after, K..K + M)?;
+    Ok(after.get_weights()?)
+}
+
+#[test]
+fn mirrored_and_one_device_resume_each_other() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let sgd = Sgd::new(0.05).momentum(0.9);
+    let reference = uninterrupted(plain_cnn(), sgd)?;
+    let one = OneDeviceStrategy::cpu();
+    let mirrored = MirroredStrategy::cpu(2)?;
+    let central = CentralStorageStrategy::cpu(2)?;
+    let path = dir.path().join("state.safetensors");
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, sgd, &mirrored, &one, &path)?,
+        "mirrored x2 -> one device",
+    )?;
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, sgd, &one, &mirrored, &path)?,
+        "one device -> mirrored x2",
+    )?;
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, sgd, &central, &mirrored, &path)?,
+        "central storage x2 -> mirrored x2",
+    )?;
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, sgd, &mirrored, &central, &path)?,
+        "mirrored x2 -> central storage x2",
+    )?;
+
+    let adam = Adam::new(1e-2);
+    let reference = uninterrupted(plain_cnn(), adam)?;
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, adam, &mirrored, &one, &path)?,
+        "adam: mirrored x2 -> one device",
+    )?;
+    assert_close(
+        &reference,
+        &resumed(plain_cnn, adam, &one, &mirrored, &path)?,
+        "adam: one device -> mirrored x2",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn sync_batch_norm_resumes_across_strategies() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("state.safetensors");
+    let sgd = Sgd::new(0.05).momentum(0.9);
+    let reference = uninterrupted(bn_cnn(), sgd)?;
+    let one = OneDeviceStrategy::cpu();
+    let mirrored = MirroredStrategy::cpu(2)?.sync_batch_norm(true);
+    assert_close(
+        &reference,
+        &resumed(bn_cnn, sgd, &mirrored, &one, &path)?,
+        "sync bn: mirrored x2 -> one device",
+    )?;
+    assert_close(
+        &reference,
+        &resumed(bn_cnn, sgd, &one, &mirrored, &path)?,
+        "sync bn: one device -> mirrored x2",
+    )?;
+    Ok(())
+}
+
+#[test]
+fn a_refused_state_leaves_a_mirrored_model_unchanged() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("adam.safetensors");
+    let mut adam = model(plain_cnn(), Adam::new(1e-2), &OneDeviceStrategy::cpu(), 5)?;
+    train(&mut adam, 0..1)?;
+    adam.save(&path)?;
+    let mut mirrored = model(
+        plain_cnn(),
+        Sgd::new(0.05).momentum(0.9),
+        &MirroredStrategy::cpu(2)?,
+        5,
+    )?;
+    train(&mut mirrored, 0..2)?;
+    let before = mirrored.get_weights()?;
+    let err = mirrored.load(&path).expect_err("Adam into SGD").to_string();
+    assert!(err.contains("adam.safetensors"), "{err}");
+    assert!(err.contains("Adam, but the model's is SGD"), "{err}");
+    assert_close(&before, &mirrored.get_weights()?, "after a refused load")?;
+    // A state whose weights fit but whose optimizer slots do not: the replicas refuse it and the
+    // weights set first are put back.
+    let mut state = mirrored.training_state()?;
+    let fresh = model(
+        plain_cnn(),
+        Sgd::new(0.05).momentum(0.9),
+        &OneDeviceStrategy::cpu(),
+        9,
+    )?;
+    state.weights = fresh.get_weights()?;
+    if let Some(momentum) = state.optimizer.slots.get_mut("momentum") {
+        momentum.remove("dense_2.bias");
+    }
+    let odd = dir.path().join("odd.safetensors");
+    state.save(&odd)?;
+    let err = mirrored.load(&odd).expect_err("a slot short").to_string();
+    assert!(err.contains("misses `dense_2.bias`"), "{err}");
+    let after = mirrored.get_weights()?;
+    for (name, t) in &before {
+        let same = t
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .zip(after[name].flatten_all()?.to_vec1::<f32>()?)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "`{name}` changed");
+    }
+    Ok(())
+}
+
+/// Under `MultiWorkerMirroredStrategy` (2 workers launched by `mpirun`) the chief saves, every
+/// worker loads, and training continues as one device's does. Needs Open MPI's `mpirun`.
+#[cfg(feature = "mpi")]
+#[test]
+fn multi_worker_saves_on_the_chief_and_resumes_on_every_worker() -> anyhow::Result<()> {
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state.safetensors");
+    let out = dir.path().join("weights.safetensors");
+    let mut child = Command::new("mpirun")
+        .args([
+            "-n",
+            "2",
+            "--oversubscribe",
+            env!("CARGO_BIN_EXE_kandle-mpi-check"),
+        ])
+        .args(["resume", "--state"])
+        .arg(&state)
+        .arg("--out")
+        .arg(&out)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null())
+        .spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill()?;
+            anyhow::bail!("mpirun did not finish within 300 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "mpirun failed: {status}");
+    // The worker program's steps: 6 before the save and 6 after, as K and M here.
+    assert_eq!((K, M), (6, 6));
+    let reference = uninterrupted(plain_cnn(), Sgd::new(0.05).momentum(0.9))?;
+    let weights = kandle::checkpoint::load(&out)?;
+    assert_close(&reference, &weights, "multi-worker x2 save -> load")?;
+    Ok(())
+}

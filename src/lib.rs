@@ -54,6 +54,7 @@ mod model;
 pub mod optimizers;
 pub mod params;
 mod replica;
+mod resume;
 pub mod schedules;
 pub mod strategy;
 pub mod training_state;

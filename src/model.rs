@@ -23,6 +23,7 @@ use crate::losses::Loss;
 use crate::metrics::Metrics;
 use crate::optimizers::OptimizerConfig;
 use crate::params::Weights;
+use crate::resume::{self, FitRequests, Position, RunShape};
 use crate::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerInfo};
 use crate::training_state::TrainingState;
 use crate::{ComputePath, Error, Result};
@@ -170,6 +171,7 @@ pub struct Model {
     built: Option<BuiltModel>,
     learning_rate: f64,
     stop_training: bool,
+    requests: FitRequests,
 }
 
 impl Sequential {
@@ -217,6 +219,7 @@ impl Sequential {
             built: None,
             learning_rate,
             stop_training: false,
+            requests: FitRequests::default(),
         };
         if let Some(shape) = model.network.declared_input_shape().map(<[usize]>::to_vec) {
             model.build(&shape)?;
@@ -378,6 +381,25 @@ impl Model {
     /// Asks `fit` to stop after the current step (Keras's `model.stop_training = True`).
     pub fn stop_training(&mut self) {
         self.stop_training = true;
+    }
+
+    /// Asks `fit` to write a backup (the training state and where `fit` is) to `path` once the
+    /// current step's or epoch's callbacks have run, moving the backup already there to
+    /// `previous` first when given. Under multi-worker training only the chief writes. For
+    /// callbacks such as [`BackupAndRestore`](crate::callbacks::BackupAndRestore).
+    pub fn request_backup(
+        &mut self,
+        path: std::path::PathBuf,
+        previous: Option<std::path::PathBuf>,
+    ) {
+        self.requests.backup = Some((path, previous));
+    }
+
+    /// Asks `fit`, from `on_train_begin`, to resume from the first of `candidates` that is a
+    /// readable backup of this run, at the exact step where it was taken. For callbacks such as
+    /// [`BackupAndRestore`](crate::callbacks::BackupAndRestore).
+    pub fn request_resume(&mut self, candidates: Vec<std::path::PathBuf>) {
+        self.requests.resume = Some(candidates);
     }
 
     /// Whether a stop was requested during the current `fit`.
@@ -605,11 +627,35 @@ impl Model {
         }
         let mut history = History::new();
         self.stop_training = false;
+        self.requests = FitRequests::default();
         callbacks.on_train_begin(&info, self)?;
+        let shape = RunShape {
+            steps_per_epoch: steps,
+            global_batch_size: info.global_batch_size,
+            samples: info.samples,
+        };
+        let mut start = Position {
+            epoch: options.initial_epoch,
+            step: 0,
+            totals: None,
+        };
+        if let Some(candidates) = self.requests.resume.take() {
+            start = self.resume(&candidates, shape, &mut history, &mut callbacks)?;
+        }
         let mut logs = Logs::new();
-        for epoch in options.initial_epoch..options.epochs {
+        for epoch in start.epoch..options.epochs {
             callbacks.on_epoch_begin(epoch, self)?;
-            logs = self.train_epoch(&loader, epoch, steps, &mut callbacks)?;
+            let from = match epoch == start.epoch {
+                true => (start.step, start.totals.take()),
+                false => (0, None),
+            };
+            let run = EpochRun {
+                loader: &loader,
+                epoch,
+                steps,
+                shape,
+            };
+            logs = self.train_epoch(&run, from, &mut callbacks, &history)?;
             let validates = (epoch + 1) % options.validation_freq == 0;
             if let Some(val) = options.validation.filter(|_| validates) {
                 let val_loader = self.loader(
@@ -624,12 +670,64 @@ impl Model {
             logs.set("lr", self.learning_rate);
             history.on_epoch_end(epoch, &logs, self)?;
             callbacks.on_epoch_end(epoch, &logs, self)?;
+            let next = Position {
+                epoch: epoch + 1,
+                step: 0,
+                totals: None,
+            };
+            self.write_requested_backup(&next, shape, &history, &callbacks)?;
             if self.stop_training {
                 break;
             }
         }
         callbacks.on_train_end(&logs, self)?;
         Ok(history)
+    }
+
+    /// Loads the first readable backup of `candidates` into the model, the history and the
+    /// callbacks, and returns where to continue.
+    fn resume(
+        &mut self,
+        candidates: &[std::path::PathBuf],
+        shape: RunShape,
+        history: &mut History,
+        callbacks: &mut CallbackList,
+    ) -> Result<Position> {
+        let (path, state) = resume::read(candidates)?;
+        let position = resume::restore(&path, &state, shape, history, callbacks)?;
+        self.set_training_state(&state)
+            .map_err(|e| Error::Checkpoint {
+                path: path.clone(),
+                reason: format!("does not fit the model: {e}"),
+            })?;
+        if self.is_chief() {
+            log::info!(
+                "resuming from `{}`: epoch {} step {}",
+                path.display(),
+                position.epoch + 1,
+                position.step
+            );
+        }
+        Ok(position)
+    }
+
+    /// Writes the backup a callback asked for, recording `position`.
+    fn write_requested_backup(
+        &mut self,
+        position: &Position,
+        shape: RunShape,
+        history: &History,
+        callbacks: &CallbackList,
+    ) -> Result<()> {
+        let Some((path, previous)) = self.requests.backup.take() else {
+            return Ok(());
+        };
+        let mut state = self.training_state()?;
+        resume::record(&mut state, position, shape, history, callbacks);
+        if self.is_chief() {
+            resume::write(&state, &path, previous.as_deref())?;
+        }
+        Ok(())
     }
 
     /// Trains on input and target tensors, as Keras's `fit(x, y)`: `x` is `(n, ...)`; `y` holds
@@ -645,16 +743,26 @@ impl Model {
         self.fit(&data, options)
     }
 
+    /// Runs one epoch's steps from step `from.0` (with the running sums `from.1` of the steps
+    /// before it, when resuming) and returns the epoch's logs.
     fn train_epoch(
         &mut self,
-        loader: &Loader<'_>,
-        epoch: usize,
-        steps: usize,
+        run: &EpochRun<'_, '_>,
+        from: (usize, Option<(usize, Vec<f64>)>),
         callbacks: &mut CallbackList,
+        history: &History,
     ) -> Result<Logs> {
+        let (first_step, totals_before) = from;
         let mut totals = Totals::new(&self.metrics);
+        if let Some((samples, sums)) = totals_before {
+            totals.samples = samples;
+            totals.sums = sums;
+        }
+        let epoch = run.epoch;
         std::thread::scope(|scope| -> Result<()> {
-            for (step, batch) in loader.spawn(scope, epoch).take(steps).enumerate() {
+            let batches = run.loader.spawn_from(scope, epoch, first_step);
+            let steps = run.steps.saturating_sub(first_step);
+            for (step, batch) in (first_step..).zip(batches.take(steps)) {
                 let batch = batch?;
                 callbacks.on_train_batch_begin(step, self)?;
                 let lr = self.learning_rate;
@@ -671,6 +779,12 @@ impl Model {
                 let mut logs = totals.logs();
                 logs.set("batch_loss", batch_loss(&stats));
                 callbacks.on_train_batch_end(step, &logs, self)?;
+                let position = Position {
+                    epoch,
+                    step: step + 1,
+                    totals: Some((totals.samples, totals.sums.clone())),
+                };
+                self.write_requested_backup(&position, run.shape, history, callbacks)?;
                 if self.stop_training {
                     break;
                 }
@@ -894,6 +1008,14 @@ fn batch_loss(stats: &StepStats) -> f64 {
         Some(loss) => loss / stats.samples.max(1) as f64,
         None => f64::NAN,
     }
+}
+
+/// One epoch of a `fit` run: its loader, number, steps and the run's shape.
+struct EpochRun<'l, 'd> {
+    loader: &'l Loader<'d>,
+    epoch: usize,
+    steps: usize,
+    shape: RunShape,
 }
 
 /// Running sums of a pass over the data, turned into logs: the mean loss and each metric's

@@ -23,6 +23,7 @@
 //! }
 //! ```
 
+mod backup_and_restore;
 mod callback_list;
 mod csv_logger;
 mod early_stopping;
@@ -38,6 +39,7 @@ mod terminate_on_nan;
 #[cfg(test)]
 mod test_support;
 
+pub use backup_and_restore::{BackupAndRestore, SaveFreq};
 pub use callback_list::CallbackList;
 pub use csv_logger::CsvLogger;
 pub use early_stopping::EarlyStopping;

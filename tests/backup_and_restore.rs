@@ -1,0 +1,185 @@
+//! `BackupAndRestore` on real digits data: a run that fails mid-epoch and is started again
+//! resumes at the step of its last backup and ends exactly where an uninterrupted run ends
+//! (bit for bit on one CPU device: same weights, same optimizer state, same history, the CSV
+//! log with each epoch once); a backup of another run is refused; the backups are deleted when
+//! `fit` completes; a damaged latest backup falls back to the previous one.
+
+use std::path::Path;
+
+use anyhow::{ensure, Result};
+use kandle::callbacks::{BackupAndRestore, Callback, CsvLogger, Logs, SaveFreq};
+use kandle::data::{digits, InMemoryDataset};
+use kandle::params::Weights;
+use kandle::prelude::*;
+
+fn model() -> kandle::Result<Model> {
+    Sequential::new()
+        .input_shape(&[1, 8, 8])
+        .add(Flatten)
+        .add(Dense::new(24))
+        .add(Activation::Relu)
+        .add(Dense::new(10))
+        .add(Activation::Softmax)
+        .compile(
+            Sgd::new(0.05).momentum(0.9),
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
+            &OneDeviceStrategy::cpu(),
+        )
+}
+
+fn data() -> Result<(InMemoryDataset, InMemoryDataset)> {
+    let all = digits::load()?;
+    Ok(all
+        .subset(&(0..500).collect::<Vec<_>>())?
+        .train_test_split(0.2, 3)?)
+}
+
+/// Fails the step `at` (epoch, step) once armed: a crash in the middle of an epoch.
+struct Crash {
+    at: Option<(usize, usize)>,
+    epoch: usize,
+}
+
+impl Callback for Crash {
+    fn on_epoch_begin(&mut self, epoch: usize, _model: &mut Model) -> kandle::Result<()> {
+        self.epoch = epoch;
+        Ok(())
+    }
+    fn on_train_batch_end(&mut self, step: usize, _l: &Logs, _m: &mut Model) -> kandle::Result<()> {
+        if self.at == Some((self.epoch, step)) {
+            return Err(kandle::Error::invalid("simulated crash"));
+        }
+        Ok(())
+    }
+}
+
+/// Trains 4 epochs (10 steps each) with a backup every `every` steps, crashing at `crash`.
+fn fit(
+    model: &mut Model,
+    dir: &Path,
+    backup: BackupAndRestore,
+    crash: Option<(usize, usize)>,
+) -> kandle::Result<History> {
+    let (train, test) = data().map_err(|e| kandle::Error::invalid(e.to_string()))?;
+    model.fit(
+        &train,
+        FitOptions {
+            epochs: 4,
+            batch_size_per_replica: 40,
+            validation: Some(&test),
+            seed: Some(11),
+            verbosity: Verbosity::Silent,
+            callbacks: vec![
+                LearningRateScheduler::new(PolynomialDecay::new(0.05, 4, 1.0)).boxed(),
+                Box::new(Crash {
+                    at: crash,
+                    epoch: 0,
+                }),
+                CsvLogger::new(dir.join("log.csv")).boxed(),
+                backup.boxed(),
+            ],
+            ..Default::default()
+        },
+    )
+}
+
+fn same(a: &Weights, b: &Weights) -> Result<()> {
+    ensure!(a.len() == b.len());
+    for (name, x) in a {
+        let y = &b[name];
+        let diff = (x - y)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        ensure!(diff == 0.0, "{name} differs by {diff}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_run_resumed_mid_epoch_ends_where_an_uninterrupted_run_ends() -> Result<()> {
+    let plain_dir = tempfile::tempdir()?;
+    let mut plain = model()?;
+    let reference = fit(
+        &mut plain,
+        plain_dir.path(),
+        BackupAndRestore::new(plain_dir.path().join("b")),
+        None,
+    )?;
+
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let backup = || BackupAndRestore::new(&backups).save_freq(SaveFreq::Steps(7));
+    // Crashes at epoch 2 step 5: the last backup was after 21 steps (epoch 2, step 1 next).
+    let mut first = model()?;
+    let err = fit(&mut first, dir.path(), backup(), Some((2, 5)));
+    ensure!(err.is_err_and(|e| e.to_string().contains("simulated crash")));
+    ensure!(backups.join("backup.safetensors").is_file());
+
+    // A fresh process: a new model, the same program.
+    let mut second = model()?;
+    let resumed = fit(&mut second, dir.path(), backup(), None)?;
+    same(&plain.get_weights()?, &second.get_weights()?)?;
+    ensure!(resumed == reference, "{resumed:?}\nvs\n{reference:?}");
+    let csv = std::fs::read_to_string(dir.path().join("log.csv"))?;
+    let want = std::fs::read_to_string(plain_dir.path().join("log.csv"))?;
+    ensure!(csv == want, "{csv}\nvs\n{want}");
+    // fit completed: the backups are gone.
+    ensure!(!backups.join("backup.safetensors").exists());
+
+    // The optimizer state came back too: one more step each stays identical.
+    let (train, _) = data()?;
+    let (x, y) = train.to_tensors()?;
+    plain.train_on_batch(&x.narrow(0, 0, 40)?, &y.narrow(0, 0, 40)?, None)?;
+    second.train_on_batch(&x.narrow(0, 0, 40)?, &y.narrow(0, 0, 40)?, None)?;
+    same(&plain.get_weights()?, &second.get_weights()?)
+}
+
+#[test]
+fn a_backup_of_another_run_is_refused_and_a_damaged_one_falls_back() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let keep = || {
+        BackupAndRestore::new(&backups)
+            .save_freq(SaveFreq::Steps(4))
+            .double_checkpoint(true)
+    };
+    let mut first = model()?;
+    ensure!(fit(&mut first, dir.path(), keep(), Some((1, 6))).is_err());
+    let latest = backups.join("backup.safetensors");
+    let previous = backups.join("backup.previous.safetensors");
+    ensure!(latest.is_file() && previous.is_file());
+
+    // Another batch size: another run. The error names the file and says what differs.
+    let (train, _) = data()?;
+    let mut other = model()?;
+    let err = other
+        .fit(
+            &train,
+            FitOptions {
+                epochs: 4,
+                batch_size_per_replica: 50,
+                verbosity: Verbosity::Silent,
+                callbacks: vec![
+                    Box::new(Crash { at: None, epoch: 0 }),
+                    CsvLogger::new(dir.path().join("other.csv")).boxed(),
+                    keep().boxed(),
+                ],
+                ..Default::default()
+            },
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    ensure!(
+        err.contains("backup.safetensors") && err.contains("global batch 40"),
+        "{err}"
+    );
+
+    // A torn latest backup: the previous one resumes the run, which then completes.
+    let bytes = std::fs::read(&latest)?;
+    std::fs::write(&latest, &bytes[..bytes.len() / 2])?;
+    let mut second = model()?;
+    let history = fit(&mut second, dir.path(), keep(), None)?;
+    ensure!(history.epochs == [0, 1, 2, 3], "{:?}", history.epochs);
+    ensure!(!latest.exists() && !previous.exists());
+    Ok(())
+}

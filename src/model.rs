@@ -1,6 +1,6 @@
 //! `Model`: a compiled network. It owns the epoch loop (`fit`), `evaluate`, `predict`, their
-//! one-batch forms, weight I/O and the training state (`save`, `load`); the strategy it was compiled with owns placement and the
-//! training step.
+//! one-batch forms, weight I/O and the training state (`save`, `load`); the strategy it was
+//! compiled with owns placement and the training step.
 //!
 //! `fit` stays short, as Keras's does: build the loader, wrap the callbacks, and for each epoch
 //! run `train_step` per batch, reduce the statistics, validate, and hand the logs to the

@@ -11,7 +11,7 @@
 //! |---|---|
 //! | `format` | `kandle.training_state` |
 //! | `format_version` | [`FORMAT_VERSION`], e.g. `1` |
-//! | `optimizer` | the optimizer's kind (`SGD`, `Adam`, `AdamW`, ...), empty for one without state |
+//! | `optimizer` | the optimizer's kind (`SGD`, `Adam`, `AdamW`, ...); empty without state |
 //! | `optimizer.<scalar>` | each optimizer scalar (Adam's `optimizer.step`), exactly |
 //! | `learning_rate` | the learning rate of the next step, exactly |
 //! | `extra` | a JSON object for the rest of a run's state ([`TrainingState::extra`]) |

@@ -24,7 +24,9 @@ use crate::{Error, Result};
 /// use kandle::optimizers::OptimizerState;
 ///
 /// let momentum = vec![Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu)?];
-/// let state = OptimizerState::new("MySgd").with_slot("momentum", momentum).with_scalar("step", 4.0);
+/// let state = OptimizerState::new("MySgd")
+///     .with_slot("momentum", momentum)
+///     .with_scalar("step", 4.0);
 /// assert_eq!(state.scalar("step"), Some(4.0));
 /// # Ok::<(), kandle::Error>(())
 /// ```
@@ -129,8 +131,8 @@ impl OptimizerState {
         for (i, (t, p)) in tensors.iter().zip(params).enumerate() {
             if t.dims() != p.dims() {
                 return Err(Error::invalid(format!(
-                    "state of {kind}: slot `{name}` has shape {:?} for variable {i}, whose shape is \
-                     {:?}",
+                    "state of {kind}: slot `{name}` has shape {:?} for variable {i}, whose \
+                     shape is {:?}",
                     t.dims(),
                     p.dims()
                 )));

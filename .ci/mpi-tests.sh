@@ -18,7 +18,7 @@ echo "== $(mpirun --version | head -n 1)"
 echo "== cargo test -p kandle-strategies --features mpi (unit tests and multi-worker tests)"
 # The multi-worker tests serialise their mpirun launches themselves; one test thread keeps the
 # timings they assert meaningful on a small machine.
-cargo test -p kandle-strategies --features mpi --lib --test multi_worker -- --test-threads=1
+cargo test -p kandle-strategies --features mpi --lib --test multi_worker --test training_state_across_strategies -- --test-threads=1
 
 echo "== cargo test --doc -p kandle-strategies --features mpi"
 cargo test --doc -p kandle-strategies --features mpi

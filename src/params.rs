@@ -96,6 +96,10 @@ pub struct Param {
     /// Whether it is a statistic that the layer itself updates during training (a moving mean
     /// or variance), which replicas must average to stay in agreement.
     pub statistic: bool,
+    /// Whether it is the position of a random generator (where a dropout layer's masks are in
+    /// their sequence): saved with the weights, so that a resumed run draws the masks an
+    /// uninterrupted one would, but not a parameter (the summary does not count it).
+    pub generator: bool,
 }
 
 /// The variables of one built network, in creation order, addressed by name.
@@ -118,6 +122,7 @@ impl ParamStore {
             var,
             trainable,
             statistic: false,
+            generator: false,
         })
     }
 
@@ -177,11 +182,12 @@ impl ParamStore {
             .collect()
     }
 
-    /// `(trainable, non_trainable)` element counts of the variables whose names start with
-    /// `prefix` (all of them for `""`).
+    /// `(trainable, non_trainable)` element counts of the parameters whose names start with
+    /// `prefix` (all of them for `""`); generator positions are not parameters.
     pub fn count(&self, prefix: &str) -> (usize, usize) {
         self.params
             .iter()
+            .filter(|p| !p.generator)
             .filter(|p| prefix.is_empty() || p.name.starts_with(prefix))
             .fold((0, 0), |(t, n), p| {
                 let size = p.var.elem_count();
@@ -384,6 +390,22 @@ impl BuildContext {
             var: var.clone(),
             trainable: false,
             statistic: true,
+            generator: false,
+        })?;
+        Ok(var)
+    }
+
+    /// Adds the position of a random generator under `<scope>.<name>`: a variable (two `f32`
+    /// values holding a 48-bit count exactly) that starts at 0, is saved with the weights and
+    /// is not counted as a parameter ([`Param::generator`]).
+    pub fn generator_position(&mut self, name: &str) -> Result<Var> {
+        let var = Var::zeros(2, candle_core::DType::F32, &self.device)?;
+        self.store.insert_param(Param {
+            name: self.full_name(name),
+            var: var.clone(),
+            trainable: false,
+            statistic: false,
+            generator: true,
         })?;
         Ok(var)
     }

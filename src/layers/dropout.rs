@@ -1,12 +1,12 @@
 //! `Dropout`: in training, zeroes each element with probability `rate` and scales the rest by
 //! `1 / (1 - rate)`; in inference, the identity.
 //!
-//! Masks come from a generator seeded at build time, so a seeded run is repeatable on any
-//! device.
+//! Mask `k` of a layer comes from a generator seeded with the layer's seed (drawn at build
+//! time from the model's seed) and `k`, the layer's position, which lives in a variable saved
+//! with the weights ([`BuildContext::generator_position`]): a seeded run is repeatable on any
+//! device, and a run resumed from a backup draws the masks an uninterrupted one would.
 
-use std::sync::Mutex;
-
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -46,7 +46,8 @@ impl LayerSpec for Dropout {
         let seed = ctx.rng().random();
         let layer = DropoutLayer {
             rate: self.rate,
-            rng: Mutex::new(StdRng::seed_from_u64(seed)),
+            seed,
+            position: ctx.generator_position("generator")?,
         };
         Ok(Built::leaf(layer, input_shape.to_vec()))
     }
@@ -58,7 +59,20 @@ impl LayerSpec for Dropout {
 
 struct DropoutLayer {
     rate: f64,
-    rng: Mutex<StdRng>,
+    seed: u64,
+    /// How many masks the layer has drawn, as `[count / 2^24, count % 2^24]` (exact in `f32`).
+    position: Var,
+}
+
+/// `2^24`: below it every integer is exact in `f32`.
+const F32_EXACT: u64 = 1 << 24;
+
+/// SplitMix64's finaliser: nearby inputs give unrelated seeds.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 impl DropoutLayer {
@@ -67,24 +81,36 @@ impl DropoutLayer {
     fn mask(&self, x: &Tensor) -> Result<Tensor> {
         let keep = 1.0 - self.rate;
         let scale = (1.0 / keep) as f32;
-        let mask: Vec<f32> = {
-            let mut rng = self
-                .rng
-                .lock()
-                .map_err(|_| crate::Error::invalid("dropout generator poisoned by a panic"))?;
-            (0..x.elem_count())
-                .map(|_| {
-                    if rng.random::<f64>() < keep {
-                        scale
-                    } else {
-                        0.0
-                    }
-                })
-                .collect()
-        };
+        let position = self.next_position()?;
+        let mut rng = StdRng::seed_from_u64(mix(self.seed ^ mix(position)));
+        let mask: Vec<f32> = (0..x.elem_count())
+            .map(|_| {
+                if rng.random::<f64>() < keep {
+                    scale
+                } else {
+                    0.0
+                }
+            })
+            .collect();
         Ok(Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
             .to_dtype(x.dtype())?
             .to_device(x.device())?)
+    }
+}
+
+impl DropoutLayer {
+    /// The position of this mask in the layer's sequence; moves the layer to the next one.
+    fn next_position(&self) -> Result<u64> {
+        let parts = self.position.as_tensor().to_vec1::<f32>()?;
+        let (high, low) = match parts.as_slice() {
+            [high, low] => (*high as u64, *low as u64),
+            _ => (0, 0),
+        };
+        let position = high * F32_EXACT + low;
+        let next = position + 1;
+        let next = [(next / F32_EXACT) as f32, (next % F32_EXACT) as f32];
+        self.position.set(&Tensor::new(&next, self.position.device())?)?;
+        Ok(position)
     }
 }
 
@@ -132,6 +158,28 @@ mod tests {
         let z = built.layer.forward_t(&x, false)?;
         assert_eq!(z.sum_all()?.to_scalar::<f32>()?, 4000.0);
         assert!(Dropout::new(1.0).build(&mut ctx, &[3]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_position_is_a_saved_variable_that_replays_the_masks() -> Result<()> {
+        let mut ctx = BuildContext::new(&Device::Cpu, 5);
+        let built = Dropout::new(0.3).build(&mut ctx, &[64])?;
+        let store = ctx.into_store();
+        let param = store
+            .get("generator")
+            .ok_or_else(|| crate::Error::invalid("no generator variable"))?;
+        assert!(param.generator && !param.trainable && !param.statistic);
+        assert_eq!(store.count(""), (0, 0), "a generator is not a parameter");
+        let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu)?;
+        let first = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        let saved = store.weights()?;
+        let second = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_ne!(first, second, "each call draws a new mask");
+        // Back to the saved position: the same mask again.
+        store.assign(&saved)?;
+        let again = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!(again, second);
         Ok(())
     }
 }

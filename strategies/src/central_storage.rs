@@ -7,7 +7,7 @@ use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::layers::Summary;
 use kandle::optimizers::NamedOptimizerState;
-use kandle::params::Weights;
+use kandle::params::{ParamStore, Weights};
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
 use kandle::{Error, Result};
 
@@ -69,6 +69,9 @@ impl DistributedModel for CentralModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         let weights = fuse_store(self.central.store())?;
         let (buffers, _) = unzip(self.set.compute(batch, Some(weights))?);
+        // The replicas' dropout generators moved on from the central positions they loaded:
+        // the central variables keep up, so the next step (and a checkpoint) continues there.
+        copy_generators(&self.set.stores[0], self.central.store())?;
         let device = self.central.device().clone();
         let mut total: Option<Tensor> = None;
         for buffer in buffers {
@@ -116,6 +119,16 @@ impl DistributedModel for CentralModel {
     fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
         self.central.load_optimizer_state(state)
     }
+}
+
+/// Sets `to`'s generator positions ([`Param::generator`](kandle::params::Param)) to `from`'s.
+fn copy_generators(from: &ParamStore, to: &ParamStore) -> Result<()> {
+    for p in from.iter().filter(|p| p.generator) {
+        if let Some(target) = to.get(&p.name) {
+            target.var.set(&p.var.as_tensor().to_device(target.var.device())?)?;
+        }
+    }
+    Ok(())
 }
 
 impl CentralModel {

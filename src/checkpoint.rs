@@ -107,9 +107,23 @@ pub fn load(path: impl AsRef<Path>) -> Result<Weights> {
                 )))
             }
         };
-        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)
-            .map_err(|e| corrupt(format!("tensor `{name}`: {e}")))?
-            .to_dtype(DType::F32)?;
+        // The safetensors reader checks the shape against the bytes, but a shape with a zero
+        // in it holds no bytes whatever its other dimensions; the strides of a tensor are
+        // products of its dimensions, so refuse dimensions whose product overflows.
+        let shape = view.shape();
+        if shape
+            .iter()
+            .filter(|&&d| d != 0)
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            return Err(corrupt(format!(
+                "tensor `{name}` has shape {shape:?}, too large to address"
+            )));
+        }
+        let t = Tensor::from_raw_buffer(view.data(), dtype, shape, &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .map_err(|e| corrupt(format!("tensor `{name}`: {e}")))?;
         weights.insert(name, t);
     }
     Ok(weights)

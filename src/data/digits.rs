@@ -17,10 +17,10 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
-use flate2::read::GzDecoder;
+use flate2::read::MultiGzDecoder;
 
 use super::{InMemoryDataset, Targets};
 use crate::{Error, Result};
@@ -59,18 +59,23 @@ pub fn load() -> Result<InMemoryDataset> {
     parse(EMBEDDED, Path::new("<embedded>/data/digits/digits.csv.gz"))
 }
 
-/// Loads a digits file in the same gzip'd CSV format from `path`, named `digits`.
+/// Loads a digits file in the same gzip'd CSV format from `path`, named `digits`. A file of
+/// several gzip members (`cat a.csv.gz b.csv.gz`) is read whole, as `gzip -d` reads it.
 ///
 /// Errors: [`Error::Io`] naming the path when the file cannot be read; [`Error::Data`] naming
 /// the path when the gzip stream is corrupt or truncated, or naming the line and what is wrong
-/// with it (field count, a value that is not a number, a pixel outside 0..16, a label outside
-/// 0..9), or when the file holds no sample.
+/// with it (not UTF-8 text, longer than 64 KiB, field count, a value that is not a number, a
+/// pixel outside 0..16, a label outside 0..9), or when the file holds no sample.
 pub fn load_from(path: impl AsRef<Path>) -> Result<InMemoryDataset> {
     let path = path.as_ref();
     let bytes =
         std::fs::read(path).map_err(|e| Error::io("cannot read the digits file", path, e))?;
     parse(&bytes, path)
 }
+
+/// The longest line accepted, in bytes: 65 numbers need far less, and a corrupt file without
+/// line breaks must not be read into memory whole.
+const MAX_LINE: usize = 64 * 1024;
 
 /// Parses the gzip'd CSV in `gz`; `path` only names the source in errors.
 fn parse(gz: &[u8], path: &Path) -> Result<InMemoryDataset> {
@@ -80,21 +85,37 @@ fn parse(gz: &[u8], path: &Path) -> Result<InMemoryDataset> {
     };
     let mut x = Vec::with_capacity(LEN * PIXELS);
     let mut y = Vec::with_capacity(LEN);
-    let mut reader = BufReader::new(GzDecoder::new(gz));
-    let mut line = String::new();
+    // All gzip members, as `gzip -d` reads them: a file made with `cat a.gz b.gz` is valid.
+    let mut reader = BufReader::new(MultiGzDecoder::new(gz));
+    let mut line = Vec::new();
     let mut line_no = 0usize;
     loop {
         line.clear();
-        let read = reader.read_line(&mut line).map_err(|e| {
-            data_error(format!(
-                "cannot decompress after line {line_no} (corrupt or truncated gzip?): {e}"
-            ))
-        })?;
+        // At most one byte past the limit, so that a longer line is seen and refused.
+        let read = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| {
+                data_error(format!(
+                    "cannot decompress after line {line_no} (corrupt or truncated gzip?): {e}"
+                ))
+            })?;
         if read == 0 {
             break;
         }
         line_no += 1;
-        let text = line.trim();
+        if line.len() > MAX_LINE && line.last() != Some(&b'\n') {
+            return Err(data_error(format!(
+                "line {line_no}: longer than {MAX_LINE} bytes (not a digits CSV file?)"
+            )));
+        }
+        let text = std::str::from_utf8(&line).map_err(|e| {
+            data_error(format!(
+                "line {line_no}: not UTF-8 text (an invalid byte at offset {} in the line)",
+                e.valid_up_to()
+            ))
+        })?;
+        let text = text.trim();
         if text.is_empty() {
             continue;
         }

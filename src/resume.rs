@@ -106,6 +106,13 @@ fn fit_part<'s>(path: &Path, state: &'s TrainingState) -> Result<&'s Value> {
     })
 }
 
+/// The `(epoch, step)` a backup resumes at.
+pub(crate) fn position(state: &TrainingState) -> Option<(usize, usize)> {
+    let fit = state.extra.get("fit")?;
+    let number = |key: &str| fit.get(key).and_then(Value::as_u64).map(|v| v as usize);
+    Some((number("epoch")?, number("step")?))
+}
+
 /// Restores the history and the callbacks' states of the backup at `path`, checks that it
 /// belongs to a run of `shape`, and returns where to continue.
 pub(crate) fn restore(

@@ -138,7 +138,7 @@ fn bounded<T: Send + 'static>(
         Err(mpsc::RecvTimeoutError::Disconnected) => match handle.join() {
             Err(payload) => Err(TestCaseError::fail(format!(
                 "the parser panicked: {}",
-                kandle::panic_message(payload.as_ref())
+                kandle::strategy::panic_message(payload.as_ref())
             ))),
             Ok(()) => Err(TestCaseError::fail(
                 "the parser thread ended without a result",
@@ -233,7 +233,20 @@ where
     S: Strategy,
     S::Value: Debug,
 {
-    let (cases, seed) = (cases(), seed());
+    fuzz_cases(parser, cases(), strategy, case)
+}
+
+/// [`fuzz`] on `cases` inputs.
+fn fuzz_cases<S>(
+    parser: &str,
+    cases: u32,
+    strategy: S,
+    case: impl Fn(S::Value, &Totals) -> Result<(), TestCaseError>,
+) where
+    S: Strategy,
+    S::Value: Debug,
+{
+    let seed = seed();
     let mut runner = TestRunner::new(Config {
         cases,
         failure_persistence: None,
@@ -1614,4 +1627,67 @@ fn digits_gzip_members_are_all_read() {
     let ds = digits::load_from(&path).expect("a valid file");
     assert_eq!(ds.target_values(), &[1.0, 2.0]);
     assert_eq!(ds.inputs()[64], 5.0 / 16.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training states (`Model::save`): safetensors with a versioned JSON-bearing header.
+
+/// A valid training state: a small model with SGD momentum after one step, saved.
+fn training_state_bytes(dir: &Path) -> Vec<u8> {
+    use kandle::prelude::*;
+    let path = dir.join("valid.state.safetensors");
+    let build = || -> kandle::Result<()> {
+        let mut model = Sequential::new()
+            .input_shape(&[4])
+            .add(Dense::new(3))
+            .add(Activation::Softmax)
+            .compile(
+                Sgd::new(0.1).momentum(0.9),
+                SparseCategoricalCrossentropy::new(),
+                [Accuracy],
+                &OneDeviceStrategy::cpu(),
+            )?;
+        let x = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?;
+        let y = Tensor::new(&[0u32, 2], &Device::Cpu)?;
+        model.train_on_batch(&x, &y, None)?;
+        model.save(&path)
+    };
+    build().expect("a training state");
+    std::fs::read(&path).expect("the saved state")
+}
+
+#[test]
+fn fuzz_training_state() {
+    let dir = temp_dir();
+    let valid = training_state_bytes(dir.path());
+    let path = dir.path().join("case.state.safetensors");
+    let strategy = prop_oneof![
+        1 => random_bytes(4096).prop_map(|Bytes(b)| (b, Vec::new())),
+        4 => mutations(6).prop_map(|m| (Vec::new(), m)),
+    ];
+    fuzz_cases(
+        "training state",
+        cases(),
+        strategy,
+        |(random, edits), totals| {
+            let bytes = if edits.is_empty() {
+                random
+            } else {
+                let mut bytes = valid.clone();
+                for m in &edits {
+                    apply(&mut bytes, m);
+                }
+                bytes
+            };
+            write(&path, &bytes)?;
+            let owned = path.clone();
+            let outcome = bounded(move || kandle::training_state::TrainingState::load(owned))?;
+            totals.add(&outcome);
+            check_allocations(&outcome, bytes.len())?;
+            if let Err(err) = &outcome.value {
+                check_error(err, &path, "Checkpoint")?;
+            }
+            Ok(())
+        },
+    );
 }

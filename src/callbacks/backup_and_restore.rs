@@ -101,6 +101,30 @@ impl BackupAndRestore {
         self.dir.join(PREVIOUS)
     }
 
+    /// Where `fit` will resume, when the directory holds a readable backup: a line such as
+    /// ``resuming from `dir/backup.safetensors`: epoch 3 step 120`` (epochs counted from 1),
+    /// for a program to print before it starts. `None` when there is no backup.
+    pub fn pending(&self) -> Option<String> {
+        let candidates: Vec<PathBuf> = [self.latest(), self.previous()]
+            .into_iter()
+            .filter(|p| p.is_file())
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        Some(match crate::resume::read(&candidates) {
+            Ok((path, state)) => match crate::resume::position(&state) {
+                Some((epoch, step)) => format!(
+                    "resuming from `{}`: epoch {} step {step}",
+                    path.display(),
+                    epoch + 1
+                ),
+                None => format!("resuming from `{}`", path.display()),
+            },
+            Err(e) => format!("a backup is there but cannot be read: {e}"),
+        })
+    }
+
     fn backup(&mut self, model: &mut Model) {
         self.steps_since_backup = 0;
         let previous = self.double_checkpoint.then(|| self.previous());

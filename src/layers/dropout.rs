@@ -109,7 +109,8 @@ impl DropoutLayer {
         let position = high * F32_EXACT + low;
         let next = position + 1;
         let next = [(next / F32_EXACT) as f32, (next % F32_EXACT) as f32];
-        self.position.set(&Tensor::new(&next, self.position.device())?)?;
+        self.position
+            .set(&Tensor::new(&next, self.position.device())?)?;
         Ok(position)
     }
 }
@@ -172,13 +173,25 @@ mod tests {
         assert!(param.generator && !param.trainable && !param.statistic);
         assert_eq!(store.count(""), (0, 0), "a generator is not a parameter");
         let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu)?;
-        let first = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        let first = built
+            .layer
+            .forward_t(&x, true)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let saved = store.weights()?;
-        let second = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        let second = built
+            .layer
+            .forward_t(&x, true)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         assert_ne!(first, second, "each call draws a new mask");
         // Back to the saved position: the same mask again.
         store.assign(&saved)?;
-        let again = built.layer.forward_t(&x, true)?.flatten_all()?.to_vec1::<f32>()?;
+        let again = built
+            .layer
+            .forward_t(&x, true)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         assert_eq!(again, second);
         Ok(())
     }

@@ -125,7 +125,9 @@ impl DistributedModel for CentralModel {
 fn copy_generators(from: &ParamStore, to: &ParamStore) -> Result<()> {
     for p in from.iter().filter(|p| p.generator) {
         if let Some(target) = to.get(&p.name) {
-            target.var.set(&p.var.as_tensor().to_device(target.var.device())?)?;
+            target
+                .var
+                .set(&p.var.as_tensor().to_device(target.var.device())?)?;
         }
     }
     Ok(())

@@ -5,11 +5,15 @@
 //! cargo run --release -p kandle-examples --bin quickstart
 //! cargo run --release -p kandle-examples --bin quickstart -- --strategy mirrored --replicas 2
 //! mpirun -n 2 target/release/quickstart --strategy multi-worker   # built with --features mpi
+//! cargo run --release -p kandle-examples --bin quickstart -- --backup-dir backups/quickstart
 //! ```
+//!
+//! With `--backup-dir`, running the same command again after a crash resumes where the last
+//! backup was taken, and says so on its first line.
 
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
-use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
+use kandle::callbacks::{BackupAndRestore, CsvLogger, ModelCheckpoint, PlotHistory, SaveFreq};
 use kandle::prelude::*;
 use kandle_examples::{build_strategy, StrategyKind};
 
@@ -40,11 +44,27 @@ struct Args {
     /// Seed for the split, the weights and the shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Back the training state up in this directory, and resume from it when a backup is there
+    /// (run the same command again after a crash).
+    #[arg(long)]
+    backup_dir: Option<std::path::PathBuf>,
+    /// With --backup-dir: back up every this many steps (0: at the end of each epoch).
+    #[arg(long, default_value_t = 0)]
+    backup_every_steps: usize,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
+    let backup = args.backup_dir.as_ref().map(|dir| {
+        BackupAndRestore::new(dir).save_freq(match args.backup_every_steps {
+            0 => SaveFreq::Epoch,
+            n => SaveFreq::Steps(n),
+        })
+    });
+    if let Some(line) = backup.as_ref().and_then(BackupAndRestore::pending) {
+        println!("{line}");
+    }
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
     let mut model = kandle_models::digits_cnn(10)
         .compile(
@@ -59,6 +79,18 @@ fn main() -> Result<()> {
         println!("{}", model.summary()?);
     }
     let csv = std::path::Path::new(&args.plot).with_extension("csv");
+    let mut callbacks = vec![
+        LearningRateScheduler::new(CosineDecay::new(args.lr, args.epochs)).boxed(),
+        ModelCheckpoint::new(&args.checkpoint)
+            .monitor("val_accuracy")
+            .save_best_only(true)
+            .boxed(),
+        CsvLogger::new(&csv).boxed(),
+        PlotHistory::new(&args.plot)
+            .title("Small CNN on digits")
+            .boxed(),
+    ];
+    callbacks.extend(backup.map(Callback::boxed));
     let history = model.fit(
         &train,
         FitOptions {
@@ -66,17 +98,7 @@ fn main() -> Result<()> {
             batch_size_per_replica: (args.batch_size / model.num_replicas_in_sync()).max(1),
             validation: Some(&test),
             seed: Some(args.seed),
-            callbacks: vec![
-                LearningRateScheduler::new(CosineDecay::new(args.lr, args.epochs)).boxed(),
-                ModelCheckpoint::new(&args.checkpoint)
-                    .monitor("val_accuracy")
-                    .save_best_only(true)
-                    .boxed(),
-                CsvLogger::new(&csv).boxed(),
-                PlotHistory::new(&args.plot)
-                    .title("Small CNN on digits")
-                    .boxed(),
-            ],
+            callbacks,
             ..Default::default()
         },
     )?;

@@ -98,3 +98,46 @@ fn a_killed_run_resumes_and_ends_where_an_uninterrupted_run_ends() -> anyhow::Re
     anyhow::ensure!(!backup.exists(), "the backup is deleted when fit completes");
     Ok(())
 }
+
+/// What one backup of the flagship model costs: the training state of MiniGoogLeNet with SGD
+/// momentum (weights, batch-norm statistics, momentum buffers), saved with `Model::save` as
+/// `BackupAndRestore` does. A measurement, not a check: run by hand with
+/// `cargo test --release -p kandle-examples --test resume -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, run by hand"]
+fn backup_cost_of_minigooglenet() -> anyhow::Result<()> {
+    use kandle::prelude::*;
+    let mut model = kandle_models::mini_googlenet(10).compile(
+        Sgd::new(5e-3).momentum(0.9),
+        SparseCategoricalCrossentropy::new(),
+        [Accuracy],
+        &OneDeviceStrategy::cpu(),
+    )?;
+    model.build(&[3, 32, 32])?;
+    let x = candle_core::Tensor::zeros(
+        (2, 3, 32, 32),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?;
+    let y = candle_core::Tensor::new(&[0u32, 1], &candle_core::Device::Cpu)?;
+    model.train_on_batch(&x, &y, None)?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("backup.safetensors");
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        model.save(&path)?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let bytes = std::fs::metadata(&path)?.len();
+    let start = Instant::now();
+    model.load(&path)?;
+    let load = start.elapsed().as_secs_f64() * 1e3;
+    eprintln!(
+        "MiniGoogLeNet backup: {:.1} MB, save {:.1} ms (median of 5, fsync included), load {load:.1} ms",
+        bytes as f64 / 1e6,
+        times[2]
+    );
+    Ok(())
+}

@@ -73,35 +73,32 @@ pub trait Loss: Send + Sync + Debug {
     }
 }
 
-impl<L: Loss + ?Sized> Loss for Box<L> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        (**self).call(y_true, y_pred)
-    }
-    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
-        (**self).call_with_logits(y, p, logits)
-    }
-    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
-        (**self).check_targets(targets, output_shape)
-    }
+/// Forwards every method to the pointee.
+macro_rules! forward_loss {
+    ($($ty:ty),*) => {$(
+        impl<L: Loss + ?Sized> Loss for $ty {
+            fn name(&self) -> &str {
+                (**self).name()
+            }
+            fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+                (**self).call(y_true, y_pred)
+            }
+            fn call_with_logits(
+                &self,
+                y: &Tensor,
+                p: &Tensor,
+                logits: Option<&Tensor>,
+            ) -> Result<Tensor> {
+                (**self).call_with_logits(y, p, logits)
+            }
+            fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+                (**self).check_targets(targets, output_shape)
+            }
+        }
+    )*};
 }
 
-impl<L: Loss + ?Sized> Loss for std::sync::Arc<L> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        (**self).call(y_true, y_pred)
-    }
-    fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
-        (**self).call_with_logits(y, p, logits)
-    }
-    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
-        (**self).check_targets(targets, output_shape)
-    }
-}
+forward_loss!(Box<L>, std::sync::Arc<L>);
 
 const PROB_EPSILON: f64 = 1e-7;
 

@@ -74,41 +74,30 @@ pub trait Metric: Send + Sync + Debug {
     }
 }
 
-impl<M: Metric + ?Sized> Metric for Box<M> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-    fn state_size(&self) -> usize {
-        (**self).state_size()
-    }
-    fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        (**self).batch_state(y_true, y_pred)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        (**self).result(state)
-    }
-    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
-        (**self).check_targets(targets, output_shape)
-    }
+/// Forwards every method to the pointee.
+macro_rules! forward_metric {
+    ($($ty:ty),*) => {$(
+        impl<M: Metric + ?Sized> Metric for $ty {
+            fn name(&self) -> &str {
+                (**self).name()
+            }
+            fn state_size(&self) -> usize {
+                (**self).state_size()
+            }
+            fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
+                (**self).batch_state(y_true, y_pred)
+            }
+            fn result(&self, state: &[f64]) -> f64 {
+                (**self).result(state)
+            }
+            fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
+                (**self).check_targets(targets, output_shape)
+            }
+        }
+    )*};
 }
 
-impl<M: Metric + ?Sized> Metric for Arc<M> {
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-    fn state_size(&self) -> usize {
-        (**self).state_size()
-    }
-    fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        (**self).batch_state(y_true, y_pred)
-    }
-    fn result(&self, state: &[f64]) -> f64 {
-        (**self).result(state)
-    }
-    fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
-        (**self).check_targets(targets, output_shape)
-    }
-}
+forward_metric!(Box<M>, Arc<M>);
 
 /// The metrics a model reports: what [`compile`](crate::layers::Sequential::compile) takes.
 ///

@@ -917,9 +917,7 @@ impl Model {
         let batch = self.one_batch(x, y, sample_weight)?;
         let lr = self.learning_rate;
         let stats = self.replicas()?.train_step(&batch, lr)?;
-        let mut totals = Totals::new(&self.metrics);
-        totals.add_training_step(&stats);
-        Ok(totals.logs())
+        Ok(Totals::of(&self.metrics, &stats, true).logs())
     }
 
     /// Loss and metrics of this batch in inference mode, as Keras's `test_on_batch`.
@@ -931,9 +929,7 @@ impl Model {
     ) -> Result<Logs> {
         let batch = self.one_batch(x, y, sample_weight)?;
         let stats = self.replicas()?.test_step(&batch)?;
-        let mut totals = Totals::new(&self.metrics);
-        totals.add(&stats);
-        Ok(totals.logs())
+        Ok(Totals::of(&self.metrics, &stats, false).logs())
     }
 
     /// The outputs for this batch in one step, as Keras's `predict_on_batch`.
@@ -1033,6 +1029,17 @@ impl Totals {
             metrics: metrics.clone(),
             samples: 0,
         }
+    }
+
+    /// The totals of one step (a training step when `training`).
+    fn of(metrics: &Metrics, stats: &StepStats, training: bool) -> Self {
+        let mut totals = Self::new(metrics);
+        if training {
+            totals.add_training_step(stats);
+        } else {
+            totals.add(stats);
+        }
+        totals
     }
 
     fn add(&mut self, stats: &StepStats) {

@@ -75,7 +75,7 @@ mod tests {
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn glibc_accepts_the_settings_once() {
-        // No test sets KANDLE_MALLOC, so the settings apply, and a second call changes nothing.
+        // The settings apply once; a second call changes nothing.
         assert!(keep_freed_memory());
         assert!(keep_freed_memory());
     }

@@ -276,7 +276,7 @@ fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
     println!("|---|---|---|");
     for (label, s) in [
         ("recorded backward pass (the CPU default)", recorded),
-        ("candle's autograd (`KANDLE_BACKPROP=candle`)", autograd),
+        ("candle's autograd (`KANDLE_COMPUTE=autograd`)", autograd),
     ] {
         println!("| {label} | {:.2} | {:.1} |", s * 1e3, batch as f64 / s);
     }

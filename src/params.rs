@@ -266,7 +266,8 @@ impl ParamStore {
     }
 }
 
-fn list(names: &[&str]) -> String {
+/// Up to eight names in backticks, then how many more: for messages.
+pub(crate) fn list(names: &[&str]) -> String {
     const SHOWN: usize = 8;
     let mut s = names
         .iter()

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor, Var};
 
-use crate::params::Weights;
+use crate::params::{list, Weights};
 use crate::{Error, Result};
 
 /// An optimizer's state, by position: per-variable slots and named scalars.
@@ -303,18 +303,4 @@ pub(crate) fn check_slot_name(slot: &str) -> Result<()> {
     } else {
         Ok(())
     }
-}
-
-fn list(names: &[&str]) -> String {
-    const SHOWN: usize = 6;
-    let mut s = names
-        .iter()
-        .take(SHOWN)
-        .map(|n| format!("`{n}`"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        s.push_str(&format!(" and {} more", names.len() - SHOWN));
-    }
-    s
 }

@@ -12,7 +12,8 @@ use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy
 use kandle::{Error, Result};
 
 use crate::replica_set::{
-    cpu_weights, fuse_store, local_constructors, replica_builders, unzip, LocalReplicas, ReplicaSet,
+    cpu_weights, fuse_store, local_constructors, local_strategy, replica_builders, unzip,
+    LocalReplicas, ReplicaSet,
 };
 
 /// Data parallelism with the variables kept in one place.
@@ -43,13 +44,7 @@ impl CentralStorageStrategy {
 }
 
 impl Strategy for CentralStorageStrategy {
-    fn name(&self) -> &str {
-        "central_storage"
-    }
-
-    fn num_replicas_in_sync(&self) -> usize {
-        self.local.devices.len()
-    }
+    local_strategy!("central_storage");
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         let set = self.local.build(spec)?;

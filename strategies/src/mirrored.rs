@@ -9,7 +9,8 @@ use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::replica_set::{
-    local_constructors, replica_builders, replica_set_queries, LocalReplicas, ReplicaSet,
+    local_constructors, local_strategy, replica_builders, replica_set_queries, LocalReplicas,
+    ReplicaSet,
 };
 
 /// Synchronous data parallelism over the devices of one process.
@@ -53,13 +54,7 @@ impl MirroredStrategy {
 }
 
 impl Strategy for MirroredStrategy {
-    fn name(&self) -> &str {
-        "mirrored"
-    }
-
-    fn num_replicas_in_sync(&self) -> usize {
-        self.local.devices.len()
-    }
+    local_strategy!("mirrored");
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         Ok(Box::new(MirroredModel {

@@ -92,6 +92,21 @@ macro_rules! local_constructors {
 }
 pub(crate) use local_constructors;
 
+/// The [`Strategy`](kandle::Strategy) methods of a strategy whose replicas are the devices of
+/// its `local: LocalReplicas`; `$name` is its name in logs.
+macro_rules! local_strategy {
+    ($name:literal) => {
+        fn name(&self) -> &str {
+            $name
+        }
+
+        fn num_replicas_in_sync(&self) -> usize {
+            self.local.devices.len()
+        }
+    };
+}
+pub(crate) use local_strategy;
+
 /// The [`DistributedModel`](kandle::strategy::DistributedModel) methods of a model whose
 /// replicas all hold the variables, in a `set: ReplicaSet` field.
 macro_rules! replica_set_queries {

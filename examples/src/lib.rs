@@ -30,6 +30,35 @@ pub fn init() {
     kandle::keep_freed_memory();
 }
 
+/// `--backup-dir` and `--backup-every-steps`, as every training binary takes them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BackupArgs {
+    /// Back the training state up in this directory, and resume from it when a backup is there
+    /// (run the same command again after a crash).
+    #[arg(long)]
+    pub backup_dir: Option<std::path::PathBuf>,
+    /// With --backup-dir: back up every this many steps (0: at the end of each epoch).
+    #[arg(long, default_value_t = 0)]
+    pub backup_every_steps: usize,
+}
+
+impl BackupArgs {
+    /// The `BackupAndRestore` callback these flags ask for, after printing where training
+    /// resumes when a backup is there (the program's first line of output).
+    pub fn callback(&self) -> Option<kandle::callbacks::BackupAndRestore> {
+        use kandle::callbacks::{BackupAndRestore, SaveFreq};
+        let dir = self.backup_dir.as_ref()?;
+        let backup = BackupAndRestore::new(dir).save_freq(match self.backup_every_steps {
+            0 => SaveFreq::Epoch,
+            n => SaveFreq::Steps(n),
+        });
+        if let Some(line) = backup.pending() {
+            println!("{line}");
+        }
+        Some(backup)
+    }
+}
+
 /// The strategies a binary can run under (`--strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StrategyKind {

@@ -13,9 +13,9 @@
 
 use anyhow::Result;
 use clap::{Parser, ValueEnum};
-use kandle::callbacks::{BackupAndRestore, CsvLogger, ModelCheckpoint, PlotHistory, SaveFreq};
+use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
-use kandle_examples::{build_strategy, StrategyKind};
+use kandle_examples::{build_strategy, BackupArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
@@ -44,27 +44,14 @@ struct Args {
     /// Seed for the split, the weights and the shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Back the training state up in this directory, and resume from it when a backup is there
-    /// (run the same command again after a crash).
-    #[arg(long)]
-    backup_dir: Option<std::path::PathBuf>,
-    /// With --backup-dir: back up every this many steps (0: at the end of each epoch).
-    #[arg(long, default_value_t = 0)]
-    backup_every_steps: usize,
+    #[command(flatten)]
+    backup: BackupArgs,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
-    let backup = args.backup_dir.as_ref().map(|dir| {
-        BackupAndRestore::new(dir).save_freq(match args.backup_every_steps {
-            0 => SaveFreq::Epoch,
-            n => SaveFreq::Steps(n),
-        })
-    });
-    if let Some(line) = backup.as_ref().and_then(BackupAndRestore::pending) {
-        println!("{line}");
-    }
+    let backup = args.backup.callback();
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
     let mut model = kandle_models::digits_cnn(10)
         .compile(

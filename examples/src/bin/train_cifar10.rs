@@ -24,7 +24,7 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{build_strategy, StrategyKind};
+use kandle_examples::{build_strategy, BackupArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
@@ -68,6 +68,8 @@ struct Args {
     /// The title of the training-curve plot (say what the data is when it is not CIFAR-10).
     #[arg(long, default_value = "MiniGoogLeNet on CIFAR-10")]
     title: String,
+    #[command(flatten)]
+    backup: BackupArgs,
 }
 
 /// Records each epoch's wall time.
@@ -103,6 +105,7 @@ fn sibling(output: &Path, extension: &str) -> PathBuf {
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
+    let backup = args.backup.callback();
     let started = Instant::now();
     let data = if args.download {
         cifar10::load_or_download(&args.data_dir)
@@ -161,13 +164,16 @@ fn main() -> Result<()> {
             seed: Some(args.seed),
             steps_per_epoch: args.max_steps_per_epoch,
             augment: Some(Arc::new(RandomShiftFlip::default())),
-            callbacks: vec![
+            callbacks: [
                 LearningRateScheduler::new(schedule).boxed(),
                 CsvLogger::new(sibling(&args.output, "csv")).boxed(),
                 PlotHistory::new(&args.output).title(&args.title).boxed(),
                 ModelCheckpoint::new(&checkpoint).boxed(),
                 timer.boxed(),
-            ],
+            ]
+            .into_iter()
+            .chain(backup.map(Callback::boxed))
+            .collect(),
             ..Default::default()
         },
     )?;

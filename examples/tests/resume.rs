@@ -45,25 +45,20 @@ fn final_line(stdout: &str) -> String {
         .to_string()
 }
 
-#[test]
-fn a_killed_run_resumes_and_ends_where_an_uninterrupted_run_ends() -> anyhow::Result<()> {
-    let plain = tempfile::tempdir()?;
-    let reference = run(quickstart(plain.path(), None))?;
-    let want_csv = std::fs::read_to_string(plain.path().join("q.csv"))?;
-
-    let dir = tempfile::tempdir()?;
-    let backups = dir.path().join("backups");
-    let backup = backups.join("backup.safetensors");
-    let mut child = quickstart(dir.path(), Some(&backups))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
+/// Starts `cmd`, waits (up to `limit`) for `backup` to appear, lets the run go on for `grace`,
+/// then SIGKILLs it. Fails if the run ended before it could be killed after a backup.
+fn kill_after_backup(
+    mut cmd: Command,
+    backup: &Path,
+    limit: Duration,
+    grace: Duration,
+) -> anyhow::Result<()> {
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
     let start = Instant::now();
     let mut killed = false;
-    while start.elapsed() < Duration::from_secs(120) {
+    while start.elapsed() < limit {
         if backup.is_file() {
-            // Let a few more steps run past the backup, then SIGKILL.
-            std::thread::sleep(Duration::from_millis(150));
+            std::thread::sleep(grace);
             killed = child.try_wait()?.is_none();
             child.kill()?;
             break;
@@ -78,6 +73,25 @@ fn a_killed_run_resumes_and_ends_where_an_uninterrupted_run_ends() -> anyhow::Re
         killed,
         "the run ended before it could be killed after a backup"
     );
+    Ok(())
+}
+
+#[test]
+fn a_killed_run_resumes_and_ends_where_an_uninterrupted_run_ends() -> anyhow::Result<()> {
+    let plain = tempfile::tempdir()?;
+    let reference = run(quickstart(plain.path(), None))?;
+    let want_csv = std::fs::read_to_string(plain.path().join("q.csv"))?;
+
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let backup = backups.join("backup.safetensors");
+    // Let a few more steps run past the backup, then SIGKILL.
+    kill_after_backup(
+        quickstart(dir.path(), Some(&backups)),
+        &backup,
+        Duration::from_secs(120),
+        Duration::from_millis(150),
+    )?;
     anyhow::ensure!(backup.is_file(), "no backup survived the kill");
 
     let resumed = run(quickstart(dir.path(), Some(&backups)))?;
@@ -171,28 +185,13 @@ fn a_killed_train_cifar10_resumes_bit_for_bit() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let backups = dir.path().join("backups");
     let backup = backups.join("backup.safetensors");
-    let mut child = cifar(dir.path(), Some(&backups))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let start = Instant::now();
-    let mut killed = false;
-    while start.elapsed() < Duration::from_secs(300) {
-        if backup.is_file() {
-            killed = child.try_wait()?.is_none();
-            child.kill()?;
-            break;
-        }
-        if child.try_wait()?.is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.wait()?;
-    anyhow::ensure!(
-        killed,
-        "the run ended before it could be killed after a backup"
-    );
+    // Let a few more steps run past the backup, then SIGKILL.
+    kill_after_backup(
+        cifar(dir.path(), Some(&backups)),
+        &backup,
+        Duration::from_secs(300),
+        Duration::from_millis(0),
+    )?;
 
     let resumed = run(cifar(dir.path(), Some(&backups)))?;
     let first = resumed.lines().next().unwrap_or_default();

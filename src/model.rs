@@ -589,6 +589,9 @@ impl Model {
         if let Some(val) = options.validation {
             self.prepare_for(val)?;
         }
+        if self.replicas()?.serve()? {
+            return Ok(History::new());
+        }
         let loader = self.loader(
             data,
             options.batch_size_per_replica,
@@ -656,6 +659,9 @@ impl Model {
                 shape,
             };
             logs = self.train_epoch(&run, from, &mut callbacks, &history)?;
+            for (name, value) in self.replicas()?.end_epoch()? {
+                logs.set(name, value);
+            }
             let validates = (epoch + 1) % options.validation_freq == 0;
             if let Some(val) = options.validation.filter(|_| validates) {
                 let val_loader = self.loader(
@@ -681,6 +687,7 @@ impl Model {
             }
         }
         callbacks.on_train_end(&logs, self)?;
+        self.replicas()?.end_call()?;
         Ok(history)
     }
 
@@ -803,6 +810,9 @@ impl Model {
     ) -> Result<Logs> {
         let options = options.into();
         self.prepare_for(data)?;
+        if self.replicas()?.serve()? {
+            return Ok(Logs::new());
+        }
         let loader = self.loader(
             data,
             options.batch_size_per_replica,
@@ -812,7 +822,9 @@ impl Model {
             },
         )?;
         let mut callbacks = CallbackList::new(options.callbacks, self.is_chief());
-        self.run_evaluation(&loader, &mut callbacks)
+        let logs = self.run_evaluation(&loader, &mut callbacks)?;
+        self.replicas()?.end_call()?;
+        Ok(logs)
     }
 
     fn run_evaluation(
@@ -845,6 +857,15 @@ impl Model {
             return Err(Error::invalid("batch size must be positive, got 0"));
         }
         let n = self.prepare_inputs(x)?;
+        if self.replicas()?.serve()? {
+            let mut empty = vec![0];
+            empty.extend(&self.built()?.output_shape);
+            return Ok(Tensor::zeros(
+                empty,
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            )?);
+        }
         let x = x.to_dtype(candle_core::DType::F32)?;
         let batch = options.batch_size_per_replica * self.strategy.local_replicas();
         let mut callbacks = CallbackList::new(options.callbacks, self.is_chief());
@@ -858,6 +879,7 @@ impl Model {
             outputs.push(out);
         }
         callbacks.on_predict_end(self)?;
+        self.replicas()?.end_call()?;
         Ok(Tensor::cat(&outputs, 0)?)
     }
 

@@ -265,26 +265,17 @@ impl Replica {
         statistics_before: &[Tensor],
         lr: f64,
     ) -> Result<()> {
-        if !totals.applies() {
-            for (var, before) in self.statistics.iter().zip(statistics_before) {
-                var.set(before)?;
-            }
-            return Ok(());
-        }
-        let per_sample = 1.0 / totals.samples as f64;
         let total = total.to_device(&self.device)?;
         let layout = Arc::clone(&self.layout);
-        let grads = (total.narrow(0, 0, layout.grads.len())? * per_sample)?;
-        self.optimizer.step(&layout.grads.split(&grads, 0)?, lr)?;
-        if !self.statistics.is_empty() {
-            let statistics =
-                total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
-            let means = layout.statistics.split(&(statistics * per_sample)?, 0)?;
-            for (var, mean) in self.statistics.iter().zip(means) {
-                var.set(&mean)?;
-            }
-        }
-        Ok(())
+        crate::strategy::step::finish(
+            self.optimizer.as_mut(),
+            &self.statistics,
+            &layout,
+            &total,
+            totals,
+            statistics_before,
+            lr,
+        )
     }
 
     /// The loss summed over the batch (each sample's loss weighted by `weights` when given);

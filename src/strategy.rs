@@ -133,6 +133,29 @@ pub trait DistributedModel: Send {
     /// The model's outputs for `x` (CPU), returned on the CPU.
     fn predict_step(&mut self, x: &Tensor) -> Result<Tensor>;
 
+    /// Called by `fit`, `evaluate` and `predict` once the model is built, before anything else.
+    /// A model whose process does not train but serves the others (a parameter server) serves
+    /// them until every worker has ended the same call ([`DistributedModel::end_call`]), then
+    /// returns `true`, and the call returns at once with nothing (an empty history, empty logs,
+    /// no predictions). The default returns `false`: this process trains.
+    fn serve(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Called by `fit` at the end of every epoch, before validation: values to add to the
+    /// epoch's logs (a parameter-server worker reports the staleness of its updates). A
+    /// strategy may also make the workers wait for each other here. The default adds nothing.
+    fn end_epoch(&mut self) -> Result<Vec<(String, f64)>> {
+        Ok(Vec::new())
+    }
+
+    /// Called by `fit`, `evaluate` and `predict` when they end without error on a process that
+    /// did not [`serve`](DistributedModel::serve): lets a worker tell the processes serving it
+    /// that it is done. The default does nothing.
+    fn end_call(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// The current weights by canonical name, on the CPU.
     fn weights(&self) -> Result<Weights>;
 

@@ -16,10 +16,11 @@
 //!    the global batch, whatever the split) and sets the moving statistics to their mean
 //!    weighted by sample count (a replica without samples drops out), then runs the optimizer.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 
 use super::fused::FusedLayout;
 use super::StepStats;
+use crate::optimizers::Optimizer;
 use crate::Result;
 
 /// How a step buffer is laid out: `[gradients..., sums..., sample count, statistics...]`.
@@ -104,6 +105,47 @@ impl StepTotals {
             sums: self.sums,
         }
     }
+}
+
+/// The step's final phase on a set of variables: `optimizer` over the trainable variables of
+/// `layout.grads` and the moving `statistics` of `layout.statistics`, with `total`, a summed
+/// buffer laid out by `layout` (on the variables' device), and `totals`, what
+/// [`StepLayout::read`] read from it.
+///
+/// An applied step ([`StepTotals::applies`]) divides the gradients by the global sample count,
+/// runs the optimizer at `lr`, and sets the moving statistics to their mean weighted by sample
+/// count; a step that does not apply puts back `statistics_before` (empty when no forward pass
+/// changed them) and changes nothing else.
+///
+/// [`Replica::finish_step`](super::Replica::finish_step) runs it on a whole model; a strategy
+/// whose variables are split between processes (parameter servers) runs it on each part, with
+/// the part's layout.
+pub fn finish(
+    optimizer: &mut dyn Optimizer,
+    statistics: &[Var],
+    layout: &StepLayout,
+    total: &Tensor,
+    totals: &StepTotals,
+    statistics_before: &[Tensor],
+    lr: f64,
+) -> Result<()> {
+    if !totals.applies() {
+        for (var, before) in statistics.iter().zip(statistics_before) {
+            var.set(before)?;
+        }
+        return Ok(());
+    }
+    let per_sample = 1.0 / totals.samples as f64;
+    let grads = (total.narrow(0, 0, layout.grads.len())? * per_sample)?;
+    optimizer.step(&layout.grads.split(&grads, 0)?, lr)?;
+    if !statistics.is_empty() {
+        let summed = total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
+        let means = layout.statistics.split(&(summed * per_sample)?, 0)?;
+        for (var, mean) in statistics.iter().zip(means) {
+            var.set(&mean)?;
+        }
+    }
+    Ok(())
 }
 
 /// A finite-ness probe over the statistics and gradients: one scalar that is finite exactly

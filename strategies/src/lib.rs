@@ -10,7 +10,11 @@
 //!   replicas compute gradients that are summed and applied there;
 //! - `MultiWorkerMirroredStrategy` (the `mpi` feature): Mirrored inside each worker process
 //!   launched by `mpirun`, and one all-reduce of the fused buffer across workers per step: MPI
-//!   on the host, or NCCL on the GPUs with the `nccl` feature.
+//!   on the host, or NCCL on the GPUs with the `nccl` feature;
+//! - `ParameterServerStrategy` (the `mpi` feature): variables sharded over parameter-server
+//!   processes launched with the workers by `mpirun`; workers push gradients and pull weights,
+//!   synchronously (one update per global batch) or asynchronously (with an optional staleness
+//!   bound).
 //!
 //! Every strategy trains as one device would at the same global batch (for models without
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
@@ -35,6 +39,8 @@ mod mirrored;
 #[cfg(feature = "mpi")]
 mod multi_worker;
 mod nccl;
+#[cfg(feature = "mpi")]
+pub mod parameter_server;
 mod rendezvous;
 mod replica_pool;
 mod replica_set;
@@ -44,4 +50,6 @@ pub use cross_device_ops::CrossDeviceOps;
 pub use mirrored::MirroredStrategy;
 #[cfg(feature = "mpi")]
 pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy};
+#[cfg(feature = "mpi")]
+pub use parameter_server::ParameterServerStrategy;
 pub use replica_pool::ReplicaThreads;

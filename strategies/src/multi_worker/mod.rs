@@ -24,8 +24,8 @@ mod communication;
 mod nccl;
 mod strategy;
 mod sync_batch_norm;
-mod watchdog;
-mod world;
+pub(crate) mod watchdog;
+pub(crate) mod world;
 
 pub use communication::CommunicationImplementation;
 pub use strategy::MultiWorkerMirroredStrategy;

@@ -127,13 +127,13 @@ impl fmt::Display for Phase {
 /// Yields for the first polls (each poll is an MPI call, which is also what moves a
 /// non-blocking collective forward), then sleeps a little longer each time, up to 1 ms, so a
 /// long wait costs little CPU (the other workers may share the cores).
-struct Backoff(u32);
+pub(crate) struct Backoff(pub(crate) u32);
 
 /// Polls that only yield before the first sleep.
 const YIELDING_POLLS: u32 = 2000;
 
 impl Backoff {
-    fn wait(&mut self) {
+    pub(crate) fn wait(&mut self) {
         if self.0 < YIELDING_POLLS {
             std::thread::yield_now();
         } else {
@@ -144,7 +144,7 @@ impl Backoff {
     }
 }
 
-fn worker_label(rank: usize) -> String {
+pub(crate) fn worker_label(rank: usize) -> String {
     if rank == 0 {
         "worker 0 (chief)".into()
     } else {
@@ -152,7 +152,7 @@ fn worker_label(rank: usize) -> String {
     }
 }
 
-fn seconds(d: Duration) -> String {
+pub(crate) fn seconds(d: Duration) -> String {
     format!("{:.0} s", d.as_secs_f64())
 }
 

@@ -1,5 +1,6 @@
 //! `World`: this process's handle on `MPI_COMM_WORLD`, shared by every
-//! [`MultiWorkerMirroredStrategy`](super::MultiWorkerMirroredStrategy) of the process.
+//! [`MultiWorkerMirroredStrategy`](super::MultiWorkerMirroredStrategy) and
+//! [`ParameterServerStrategy`](crate::ParameterServerStrategy) of the process.
 //!
 //! MPI is initialised once per process, at thread level `MPI_THREAD_SERIALIZED`: any thread may
 //! call MPI, one at a time. A mutex around the [`Universe`] enforces that, so the world is
@@ -259,6 +260,16 @@ impl World {
         })
     }
 
+    /// Runs `f` under the MPI lock with the world communicator, for point-to-point messages
+    /// (the parameter servers' protocol), marking the world broken if it fails. `f` must not
+    /// leave a message half sent: a send it cannot complete ends the job ([`abort_job`]).
+    pub(crate) fn point_to_point<R>(
+        &self,
+        f: impl FnOnce(&SimpleCommunicator) -> Result<R>,
+    ) -> Result<R> {
+        self.guarded(|comm, _, _| f(comm))
+    }
+
     /// Marks the world unusable: it will not be finalised, so the process can exit at once.
     pub(crate) fn mark_broken(&self) {
         self.broken.store(true, Ordering::SeqCst);
@@ -286,6 +297,13 @@ fn finish<'a, D: ?Sized, S: Scope<'a>>(
         std::mem::forget(unfinished);
         comm.abort(ABORT_CODE)
     }
+}
+
+/// Ends the whole job after logging `why`: for a started MPI operation that cannot complete,
+/// since MPI can neither take it back nor release its buffers. Never returns.
+pub(crate) fn abort_job(comm: &SimpleCommunicator, why: &str) -> ! {
+    log::error!("rank {}: {why}; the job is aborted", comm.rank());
+    comm.abort(ABORT_CODE)
 }
 
 impl Drop for World {

@@ -1,0 +1,233 @@
+//! The messages between workers and parameter servers, over MPI point-to-point: their tags, the
+//! header every message starts with, and the polled, deadline-bound sends and receives both
+//! sides use.
+//!
+//! A message is one `f32` vector: an [`HEADER`]-word header (integers stored as the bits of
+//! `f32` words) followed by the payload, so that a push or a pull is one message per server.
+//! An abort notice is text (`u8`), `"<who>\x1f<why>"`.
+//!
+//! | tag | from | header after the call number | payload | answer |
+//! |---|---|---|---|---|
+//! | `HELLO` | worker | model signature (2 words), values in a step buffer | | `WEIGHTS`, or `ABORT` |
+//! | `PULL` | worker | | | `WEIGHTS` |
+//! | `PUSH` | worker | base version, step, learning rate (2 words) | the server's part of the step buffer | `WEIGHTS` once applied |
+//! | `FETCH` | worker | | | `WEIGHTS` |
+//! | `TEST` | worker, to server 0 | evaluation step | loss and metric sums, samples | `TOTALS` once every worker sent its own |
+//! | `EPOCH` | worker | epoch | staleness sum, count, max | from server 0, `TOTALS` once every worker ended the epoch |
+//! | `END` | worker | | | `WEIGHTS` (the final ones) once every worker ended the call |
+//! | `WEIGHTS` | server | version, applied, staleness, samples | loss and metric sums, then the server's variables | |
+//! | `TOTALS` | server 0 | | the sums | |
+//! | `WAITING` | server | | | (keeps a waiting worker's deadline from passing) |
+//! | `ABORT` | any | | text | |
+
+use std::time::{Duration, Instant};
+
+use mpi::datatype::Equivalence;
+use mpi::point_to_point::{Destination, Source};
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use kandle::{Error, Result};
+
+use crate::multi_worker::watchdog::Backoff;
+use crate::multi_worker::world::abort_job;
+
+/// Worker to server: the model's signature when the model is built.
+pub(crate) const HELLO: i32 = 0x5001;
+/// Worker to server: send me your current weights, I train on them.
+pub(crate) const PULL: i32 = 0x5002;
+/// Worker to server: gradients of one step.
+pub(crate) const PUSH: i32 = 0x5003;
+/// Worker to server: send me your current weights, to evaluate or predict with.
+pub(crate) const FETCH: i32 = 0x5004;
+/// Worker to server 0: the sums of one evaluation step.
+pub(crate) const TEST: i32 = 0x5005;
+/// Worker to server: this worker ended an epoch.
+pub(crate) const EPOCH: i32 = 0x5006;
+/// Worker to server: this worker ended the current `fit`, `evaluate` or `predict`.
+pub(crate) const END: i32 = 0x5007;
+/// Server to worker: weights (and what the step did).
+pub(crate) const WEIGHTS: i32 = 0x5011;
+/// Server 0 to worker: sums over every worker.
+pub(crate) const TOTALS: i32 = 0x5012;
+/// Anyone to anyone: the job failed; text names the culprit.
+pub(crate) const ABORT: i32 = 0x5013;
+/// Server to a worker it makes wait (at an epoch's or a call's end): still alive, still
+/// waiting for the others; header only.
+pub(crate) const WAITING: i32 = 0x5014;
+
+/// Words of the header at the start of every message; the first is the call number.
+pub(crate) const HEADER: usize = 6;
+
+/// What a `WEIGHTS` header says besides the call number.
+pub(crate) const NOT_STALE: u32 = u32::MAX;
+
+/// A header of `words` (the call number first), as the start of a message.
+pub(crate) fn header(words: [u32; HEADER]) -> Vec<f32> {
+    words.iter().map(|&w| f32::from_bits(w)).collect()
+}
+
+/// The header of a message, or an error saying it is too short.
+pub(crate) fn read_header(message: &[f32]) -> Result<[u32; HEADER]> {
+    let mut words = [0u32; HEADER];
+    if message.len() < HEADER {
+        return Err(Error::invalid(format!(
+            "a parameter-server message of {} words, shorter than its header",
+            message.len()
+        )));
+    }
+    for (w, v) in words.iter_mut().zip(message) {
+        *w = v.to_bits();
+    }
+    Ok(words)
+}
+
+/// A learning rate as two header words.
+pub(crate) fn lr_words(lr: f64) -> [u32; 2] {
+    let bits = lr.to_bits();
+    [(bits >> 32) as u32, bits as u32]
+}
+
+/// A learning rate from two header words.
+pub(crate) fn lr_from(words: [u32; 2]) -> f64 {
+    f64::from_bits((u64::from(words[0]) << 32) | u64::from(words[1]))
+}
+
+/// A message taken from the queue.
+pub(crate) struct Incoming {
+    /// The sender's rank.
+    pub(crate) source: usize,
+    /// Its tag.
+    pub(crate) tag: i32,
+    /// Its words (empty for an abort notice).
+    pub(crate) words: Vec<f32>,
+    /// An abort notice's error.
+    pub(crate) abort: Option<Error>,
+}
+
+/// Takes the next message from `source` (any rank when `None`), if one has arrived.
+pub(crate) fn try_receive(comm: &SimpleCommunicator, source: Option<usize>) -> Option<Incoming> {
+    let (message, status) = match source {
+        Some(rank) => comm.process_at_rank(rank as i32).immediate_matched_probe(),
+        None => comm.any_process().immediate_matched_probe(),
+    }?;
+    let from = status.source_rank() as usize;
+    if status.tag() == ABORT {
+        let n = status.count(u8::equivalent_datatype()).max(0) as usize;
+        let mut text = vec![0u8; n];
+        message.matched_receive_into(&mut text[..]);
+        return Some(Incoming {
+            source: from,
+            tag: ABORT,
+            words: Vec::new(),
+            abort: Some(abort_error(&String::from_utf8_lossy(&text))),
+        });
+    }
+    let n = status.count(f32::equivalent_datatype()).max(0) as usize;
+    let mut words = vec![0f32; n];
+    message.matched_receive_into(&mut words[..]);
+    Some(Incoming {
+        source: from,
+        tag: status.tag(),
+        words,
+        abort: None,
+    })
+}
+
+/// Sends an abort notice carrying `error` to every rank in `ranks`, without waiting (a buffered
+/// send: the notice is small).
+pub(crate) fn send_abort(
+    comm: &SimpleCommunicator,
+    ranks: impl Iterator<Item = usize>,
+    error: &Error,
+) {
+    let text = match error {
+        Error::Replica { replica, reason } => format!("{replica}\x1f{reason}"),
+        other => format!("rank {}\x1f{other}", comm.rank()),
+    };
+    for rank in ranks {
+        comm.process_at_rank(rank as i32)
+            .buffered_send_with_tag(text.as_bytes(), ABORT);
+    }
+}
+
+fn abort_error(text: &str) -> Error {
+    match text.split_once('\x1f') {
+        Some((who, why)) => Error::Replica {
+            replica: who.to_string(),
+            reason: why.to_string(),
+        },
+        None => Error::Replica {
+            replica: "a parameter-server job".into(),
+            reason: text.to_string(),
+        },
+    }
+}
+
+/// Sends each `(rank, tag, words)` with a non-blocking send and waits for all to complete
+/// within `patience`. A send that cannot complete in time (its receiver died or stalls) cannot
+/// be taken back, so the job is ended, naming `label(rank)` of the receivers still missing.
+pub(crate) fn send_all(
+    comm: &SimpleCommunicator,
+    messages: &[(usize, i32, &[f32])],
+    patience: Duration,
+    label: impl Fn(usize) -> String,
+) {
+    let deadline = Instant::now() + patience;
+    mpi::request::scope(|scope| {
+        let mut requests: Vec<_> = messages
+            .iter()
+            .map(|&(rank, tag, words)| {
+                Some(
+                    comm.process_at_rank(rank as i32)
+                        .immediate_send_with_tag(scope, words, tag),
+                )
+            })
+            .collect();
+        let mut backoff = Backoff(0);
+        loop {
+            for slot in requests.iter_mut() {
+                if let Some(request) = slot.take() {
+                    if let Err(pending) = request.test() {
+                        *slot = Some(pending);
+                    }
+                }
+            }
+            if requests.iter().all(Option::is_none) {
+                return;
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = requests
+                    .iter()
+                    .zip(messages)
+                    .filter(|(r, _)| r.is_some())
+                    .map(|(_, &(rank, _, _))| label(rank))
+                    .collect();
+                let why = format!(
+                    "{} did not take a parameter-server message within {:.0} s",
+                    missing.join(", "),
+                    patience.as_secs_f64()
+                );
+                // MPI still owns the buffers of the unfinished sends: abort without dropping.
+                std::mem::forget(requests);
+                abort_job(comm, &why)
+            }
+            backoff.wait();
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_and_learning_rates_round_trip() -> Result<()> {
+        let words = [7, u32::MAX, 0, 0x7fc0_0001, 1, 2];
+        assert_eq!(read_header(&header(words))?, words);
+        for lr in [0.05, 1e-9, 3.0] {
+            assert_eq!(lr_from(lr_words(lr)), lr);
+        }
+        assert!(read_header(&[0.0]).is_err());
+        Ok(())
+    }
+}

@@ -1,0 +1,685 @@
+//! `Server`: a parameter server's shard of the model and the loop that serves the workers
+//! during one `fit`, `evaluate` or `predict`.
+//!
+//! The server holds its variables and the optimizer state of its trainable ones, and a version
+//! (the number of updates it applied). It answers every worker's messages as they come
+//! (`MPI_Improbe` on any source, with short sleeps when idle), and applies pushed gradients by
+//! [`kandle::strategy::step::finish`], the final phase every strategy shares:
+//!
+//! - **synchronous**: once every worker still in the call has pushed its step, the sum of their
+//!   buffers is applied as one update, and every worker gets the new weights;
+//! - **asynchronous**: each push is applied as it comes, and the worker gets the weights as
+//!   they are then. With a staleness bound `k`, an update is held back while applying it would
+//!   leave a worker still computing on weights more than `k` updates old; pushes held back
+//!   together whose owners would otherwise make each other stale are applied as one update. So
+//!   no applied update is more than `k` updates older than the weights it lands on, and the
+//!   wait never closes a cycle: the oldest outstanding worker is always free to push.
+//!
+//! A worker this server waits on (for its push, an evaluation sum, an epoch end or the end of
+//! the call) that sends nothing for the timeout fails the server with an error naming it; the
+//! server then sends every other rank an abort notice with that error before it returns it.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor, Var};
+use mpi::point_to_point::Destination;
+use mpi::topology::{Communicator, SimpleCommunicator};
+
+use kandle::optimizers::Optimizer;
+use kandle::params::{Param, Weights};
+use kandle::strategy::fused::fuse;
+use kandle::strategy::step::{self, StepLayout};
+use kandle::strategy::{ModelSpec, Replica};
+use kandle::{Error, Result};
+
+use super::messages::{self as msg, Incoming};
+use super::shards::Sharding;
+use super::Roles;
+use crate::multi_worker::watchdog::{seconds, worker_label, Backoff};
+use crate::multi_worker::world::World;
+
+/// How a server applies the workers' gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// One update per step from every worker's gradients.
+    Synchronous,
+    /// Each worker's gradients as they come, with an optional staleness bound.
+    Asynchronous(Option<u64>),
+}
+
+/// Where a worker is, as this server sees it.
+#[derive(Debug, Clone, PartialEq)]
+enum State {
+    /// Not training on this server's weights (evaluating, at an epoch's end, between steps of
+    /// another kind).
+    Idle,
+    /// Computing a step on the weights of version `base`.
+    Outstanding { base: u64 },
+    /// Its push of a step on version `base` waits to be applied.
+    Pending { base: u64 },
+    /// Waiting for the other workers to end the epoch (server 0 answers).
+    AtEpochEnd,
+    /// Ended the call.
+    Ended,
+}
+
+/// A push waiting to be applied.
+struct Push {
+    worker: usize,
+    base: u64,
+    step: u32,
+    lr: f64,
+    buffer: Vec<f32>,
+}
+
+/// One parameter server.
+pub(crate) struct Server {
+    world: std::sync::Arc<World>,
+    roles: Roles,
+    index: usize,
+    mode: Mode,
+    timeout: Duration,
+    /// The whole model as this server built it (only its shard is kept current).
+    replica: Replica,
+    params: Vec<Param>,
+    vars: Vec<Var>,
+    statistics: Vec<Var>,
+    optimizer: Box<dyn Optimizer>,
+    layout: StepLayout,
+    num_stats: usize,
+    version: u64,
+    call: u32,
+    states: Vec<State>,
+    heard: Vec<Instant>,
+    pushes: VecDeque<Push>,
+    tests: Vec<Option<(u32, Vec<f32>)>>,
+    epochs: Vec<Option<[f32; 3]>>,
+    /// When the workers waiting at an epoch's or the call's end were last told the server is
+    /// alive.
+    reassured: Instant,
+}
+
+impl Server {
+    /// Builds this server's shard of `spec` (server `index` of the placement `sharding`).
+    pub(crate) fn new(
+        world: std::sync::Arc<World>,
+        roles: Roles,
+        spec: &ModelSpec,
+        replica: Replica,
+        sharding: &Sharding,
+        mode: Mode,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let index = roles.server_index(world.rank()).ok_or_else(|| {
+            Error::invalid("a parameter server built on a worker's rank (internal error)")
+        })?;
+        let all: Vec<Param> = replica.store().iter().cloned().collect();
+        let params: Vec<Param> = sharding.vars[index]
+            .iter()
+            .map(|&i| all[i].clone())
+            .collect();
+        let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+        let trainable: Vec<Var> = params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.var.clone())
+            .collect();
+        let statistics: Vec<Var> = params
+            .iter()
+            .filter(|p| p.statistic)
+            .map(|p| p.var.clone())
+            .collect();
+        let optimizer = spec.optimizer.build(trainable)?;
+        let workers = roles.workers;
+        Ok(Self {
+            world,
+            roles,
+            index,
+            mode,
+            timeout,
+            replica,
+            params,
+            vars,
+            statistics,
+            optimizer,
+            layout: sharding.layouts[index].clone(),
+            num_stats: spec.num_stats(),
+            version: 0,
+            call: 0,
+            states: vec![State::Idle; workers],
+            heard: vec![Instant::now(); workers],
+            pushes: VecDeque::new(),
+            tests: vec![None; workers],
+            epochs: vec![None; workers],
+            reassured: Instant::now(),
+        })
+    }
+
+    /// The server's name in messages: `parameter server 1 (rank 3)`.
+    fn label(&self) -> String {
+        self.roles.server_label(self.index)
+    }
+
+    /// The whole model this server built; only this server's variables are current.
+    pub(crate) fn replica(&self) -> &Replica {
+        &self.replica
+    }
+
+    /// This server's variables by canonical name.
+    pub(crate) fn shard_weights(&self) -> Result<Weights> {
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.as_tensor().copy()?)))
+            .collect()
+    }
+
+    /// Sets this server's variables from `weights` (which holds the whole model's).
+    pub(crate) fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        self.replica
+            .store()
+            .check_compatible(weights)
+            .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
+        for p in &self.params {
+            if let Some(w) = weights.get(&p.name) {
+                p.var.set(&w.to_device(&Device::Cpu)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every worker's model against this server's when the model is built, and sends
+    /// each its initial weights. A worker whose model differs fails every rank alike.
+    pub(crate) fn greet(&mut self, signature: u64, buffer_len: usize) -> Result<()> {
+        let world = std::sync::Arc::clone(&self.world);
+        world.point_to_point(|comm| {
+            let result = self.collect_hellos(comm, signature, buffer_len);
+            if let Err(e) = &result {
+                self.abort_all(comm, e);
+            }
+            result
+        })
+    }
+
+    fn collect_hellos(
+        &mut self,
+        comm: &SimpleCommunicator,
+        signature: u64,
+        buffer_len: usize,
+    ) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let mut greeted = vec![false; self.roles.workers];
+        let mut backoff = Backoff(0);
+        while greeted.iter().any(|g| !g) {
+            let Some(m) = msg::try_receive(comm, None) else {
+                if Instant::now() >= deadline {
+                    let late = greeted.iter().position(|g| !g).unwrap_or(0);
+                    return Err(Error::Replica {
+                        replica: worker_label(late),
+                        reason: format!(
+                            "did not build its model within {} of {}",
+                            seconds(self.timeout),
+                            self.label()
+                        ),
+                    });
+                }
+                backoff.wait();
+                continue;
+            };
+            let worker = self.expect_worker(&m)?;
+            if m.tag != msg::HELLO {
+                return Err(self.unexpected(&m, "the model's construction"));
+            }
+            let h = msg::read_header(&m.words)?;
+            let theirs = (u64::from(h[1]) << 32) | u64::from(h[2]);
+            if theirs != signature || h[3] as usize != buffer_len {
+                return Err(Error::Replica {
+                    replica: worker_label(worker),
+                    reason: format!(
+                        "built a model that differs from the parameter servers' (a step buffer \
+                         of {} values, signature {theirs:016x}, against {buffer_len} values, \
+                         signature {signature:016x}): every rank must build the same model",
+                        h[3]
+                    ),
+                });
+            }
+            greeted[worker] = true;
+            self.states[worker] = State::Idle;
+        }
+        let reply = self.weights_message(msg::NOT_STALE, None)?;
+        let to: Vec<(usize, i32, &[f32])> = (0..self.roles.workers)
+            .map(|w| (w, msg::WEIGHTS, &reply[..]))
+            .collect();
+        msg::send_all(comm, &to, self.timeout, worker_label);
+        Ok(())
+    }
+
+    /// Serves the workers until every one has ended the current call.
+    pub(crate) fn serve(&mut self) -> Result<()> {
+        self.call += 1;
+        let now = Instant::now();
+        for w in 0..self.roles.workers {
+            self.heard[w] = now;
+            if self.states[w] == State::Ended {
+                self.states[w] = State::Idle;
+            }
+        }
+        let world = std::sync::Arc::clone(&self.world);
+        world.point_to_point(|comm| {
+            let result = self.serve_call(comm);
+            if let Err(e) = &result {
+                self.abort_all(comm, e);
+            }
+            result
+        })
+    }
+
+    /// Tells every other rank that the job failed with `error`.
+    fn abort_all(&self, comm: &SimpleCommunicator, error: &Error) {
+        let me = comm.rank() as usize;
+        msg::send_abort(comm, (0..comm.size() as usize).filter(|&r| r != me), error);
+    }
+
+    fn serve_call(&mut self, comm: &SimpleCommunicator) -> Result<()> {
+        let mut backoff = Backoff(0);
+        loop {
+            if self.states.iter().all(|s| *s == State::Ended) {
+                let reply = self.weights_message(msg::NOT_STALE, None)?;
+                let to: Vec<(usize, i32, &[f32])> = (0..self.roles.workers)
+                    .map(|w| (w, msg::WEIGHTS, &reply[..]))
+                    .collect();
+                msg::send_all(comm, &to, self.timeout, worker_label);
+                return Ok(());
+            }
+            let mut progressed = false;
+            while let Some(m) = msg::try_receive(comm, None) {
+                self.handle(comm, m)?;
+                progressed = true;
+            }
+            progressed |= self.apply_ready(comm)?;
+            if progressed {
+                backoff = Backoff(0);
+                continue;
+            }
+            self.check_silence()?;
+            self.reassure(comm);
+            backoff.wait();
+        }
+    }
+
+    /// The rank of the worker that sent `m`, or the error of a notice or a stray message.
+    fn expect_worker(&self, m: &Incoming) -> Result<usize> {
+        if let Some(error) = &m.abort {
+            return Err(error.clone_error());
+        }
+        if m.source < self.roles.workers {
+            Ok(m.source)
+        } else {
+            Err(self.unexpected(m, "serving the workers"))
+        }
+    }
+
+    fn unexpected(&self, m: &Incoming, during: &str) -> Error {
+        Error::Replica {
+            replica: self.roles.label(m.source),
+            reason: format!(
+                "sent message tag {:#x} to {} during {during} (call {}): the ranks ran \
+                 different sequences of fit, evaluate and predict",
+                m.tag,
+                self.label(),
+                self.call
+            ),
+        }
+    }
+
+    fn handle(&mut self, comm: &SimpleCommunicator, m: Incoming) -> Result<()> {
+        let worker = self.expect_worker(&m)?;
+        let h = msg::read_header(&m.words)?;
+        if h[0] != self.call {
+            return Err(Error::Replica {
+                replica: worker_label(worker),
+                reason: format!(
+                    "is in call {} of fit/evaluate/predict while {} serves call {}: the ranks \
+                     ran different sequences of them",
+                    h[0],
+                    self.label(),
+                    self.call
+                ),
+            });
+        }
+        self.heard[worker] = Instant::now();
+        match m.tag {
+            msg::PULL | msg::FETCH => {
+                self.states[worker] = if m.tag == msg::PULL {
+                    State::Outstanding { base: self.version }
+                } else {
+                    State::Idle
+                };
+                let reply = self.weights_message(msg::NOT_STALE, None)?;
+                msg::send_all(
+                    comm,
+                    &[(worker, msg::WEIGHTS, &reply[..])],
+                    self.timeout,
+                    worker_label,
+                );
+            }
+            msg::PUSH => {
+                let body = &m.words[msg::HEADER..];
+                if body.len() != self.layout.len() {
+                    return Err(Error::Replica {
+                        replica: worker_label(worker),
+                        reason: format!(
+                            "pushed {} values to {}, which expects {}",
+                            body.len(),
+                            self.label(),
+                            self.layout.len()
+                        ),
+                    });
+                }
+                let base = u64::from(h[1]);
+                self.states[worker] = State::Pending { base };
+                self.pushes.push_back(Push {
+                    worker,
+                    base,
+                    step: h[2],
+                    lr: msg::lr_from([h[3], h[4]]),
+                    buffer: m.words[msg::HEADER..].to_vec(),
+                });
+            }
+            msg::TEST => {
+                self.tests[worker] = Some((h[1], m.words[msg::HEADER..].to_vec()));
+                self.answer_tests(comm)?;
+            }
+            msg::EPOCH => {
+                self.states[worker] = State::AtEpochEnd;
+                let body = &m.words[msg::HEADER..];
+                let mut s = [0f32; 3];
+                for (d, v) in s.iter_mut().zip(body) {
+                    *d = *v;
+                }
+                self.epochs[worker] = Some(s);
+                self.answer_epoch(comm);
+            }
+            msg::END => {
+                self.states[worker] = State::Ended;
+            }
+            _ => return Err(self.unexpected(&m, "serving the workers")),
+        }
+        Ok(())
+    }
+
+    /// Workers still in the call.
+    fn active(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.roles.workers).filter(|&w| self.states[w] != State::Ended)
+    }
+
+    /// Server 0 answers an evaluation step once every worker in the call sent its sums.
+    fn answer_tests(&mut self, comm: &SimpleCommunicator) -> Result<()> {
+        if !self.active().all(|w| self.tests[w].is_some()) {
+            return Ok(());
+        }
+        let mut total: Vec<f32> = Vec::new();
+        let mut step = None;
+        for w in self.active().collect::<Vec<_>>() {
+            let Some((s, sums)) = self.tests[w].take() else {
+                continue;
+            };
+            if *step.get_or_insert(s) != s {
+                return Err(Error::Replica {
+                    replica: worker_label(w),
+                    reason: format!(
+                        "sent evaluation step {s} while the others are at step {}: the workers \
+                         ran different evaluations",
+                        step.unwrap_or(0)
+                    ),
+                });
+            }
+            total.resize(total.len().max(sums.len()), 0.0);
+            for (t, v) in total.iter_mut().zip(&sums) {
+                *t += v;
+            }
+        }
+        let mut reply = msg::header([self.call, 0, 0, 0, 0, 0]);
+        reply.extend(total);
+        let to: Vec<(usize, i32, &[f32])> = self
+            .active()
+            .map(|w| (w, msg::TOTALS, &reply[..]))
+            .collect();
+        msg::send_all(comm, &to, self.timeout, worker_label);
+        Ok(())
+    }
+
+    /// Every server marks a worker at an epoch's end as idle; server 0 answers once every
+    /// worker in the call got there, with the staleness over all of them.
+    fn answer_epoch(&mut self, comm: &SimpleCommunicator) {
+        if !self.active().all(|w| self.states[w] == State::AtEpochEnd) {
+            return;
+        }
+        let mut total = [0f32; 3];
+        let workers: Vec<usize> = self.active().collect();
+        for &w in &workers {
+            if let Some(s) = self.epochs[w].take() {
+                total[0] += s[0];
+                total[1] += s[1];
+                total[2] = total[2].max(s[2]);
+            }
+            self.states[w] = State::Idle;
+        }
+        if self.index == 0 {
+            let mut reply = msg::header([self.call, 0, 0, 0, 0, 0]);
+            reply.extend(total);
+            let to: Vec<(usize, i32, &[f32])> = workers
+                .iter()
+                .map(|&w| (w, msg::TOTALS, &reply[..]))
+                .collect();
+            msg::send_all(comm, &to, self.timeout, worker_label);
+        }
+    }
+
+    /// Applies the pushes that may be applied now (see the module documentation); whether any
+    /// was.
+    fn apply_ready(&mut self, comm: &SimpleCommunicator) -> Result<bool> {
+        let mut any = false;
+        while let Some(group) = self.next_group() {
+            self.apply(comm, group)?;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// The pushes to apply as the next update, if any may be applied now.
+    fn next_group(&mut self) -> Option<Vec<Push>> {
+        if self.pushes.is_empty() {
+            return None;
+        }
+        match self.mode {
+            Mode::Synchronous => {
+                let all_pushed = self
+                    .active()
+                    .all(|w| matches!(self.states[w], State::Pending { .. }));
+                all_pushed.then(|| self.pushes.drain(..).collect())
+            }
+            Mode::Asynchronous(None) => self.pushes.pop_front().map(|p| vec![p]),
+            Mode::Asynchronous(Some(k)) => {
+                let next = self.version + 1;
+                let oldest_outstanding = self
+                    .states
+                    .iter()
+                    .filter_map(|s| match s {
+                        State::Outstanding { base } => Some(*base),
+                        _ => None,
+                    })
+                    .min();
+                if oldest_outstanding.is_some_and(|b| next - b > k) {
+                    return None;
+                }
+                let others_fine = self.pushes.iter().skip(1).all(|p| next - p.base <= k);
+                if others_fine {
+                    self.pushes.pop_front().map(|p| vec![p])
+                } else {
+                    Some(self.pushes.drain(..).collect())
+                }
+            }
+        }
+    }
+
+    /// Applies `group` as one update (the sum of their buffers, by the shared final phase) and
+    /// answers each pusher with the weights after it.
+    fn apply(&mut self, comm: &SimpleCommunicator, mut group: Vec<Push>) -> Result<()> {
+        group.sort_by_key(|p| p.worker);
+        if self.mode == Mode::Synchronous {
+            if let Some(p) = group.iter().find(|p| p.step != group[0].step) {
+                return Err(Error::Replica {
+                    replica: worker_label(p.worker),
+                    reason: format!(
+                        "pushed step {} while worker {} pushed step {}: the workers ran \
+                         different steps",
+                        p.step, group[0].worker, group[0].step
+                    ),
+                });
+            }
+        }
+        let mut sum = std::mem::take(&mut group[0].buffer);
+        for p in &group[1..] {
+            for (s, v) in sum.iter_mut().zip(&p.buffer) {
+                *s += v;
+            }
+        }
+        let len = sum.len();
+        let total = Tensor::from_vec(sum, len, &Device::Cpu)?;
+        let totals = self.layout.read(&total)?;
+        let lr = group[0].lr;
+        step::finish(
+            self.optimizer.as_mut(),
+            &self.statistics,
+            &self.layout,
+            &total,
+            &totals,
+            &[],
+            lr,
+        )?;
+        let before = self.version;
+        if totals.applies() {
+            self.version += 1;
+        }
+        let replies = group
+            .iter()
+            .map(|p| {
+                let stale = if totals.applies() {
+                    (before - p.base).min(u64::from(u32::MAX - 1)) as u32
+                } else {
+                    msg::NOT_STALE
+                };
+                self.weights_message(
+                    stale,
+                    Some((&totals.sums, totals.samples, totals.applies())),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for p in &group {
+            self.states[p.worker] = State::Outstanding { base: self.version };
+        }
+        let to: Vec<(usize, i32, &[f32])> = group
+            .iter()
+            .zip(&replies)
+            .map(|(p, r)| (p.worker, msg::WEIGHTS, &r[..]))
+            .collect();
+        msg::send_all(comm, &to, self.timeout, worker_label);
+        Ok(())
+    }
+
+    /// A `WEIGHTS` message: header, the step's sums (zeros when it answers no step), then this
+    /// server's variables.
+    fn weights_message(
+        &self,
+        staleness: u32,
+        step: Option<(&[f64], usize, bool)>,
+    ) -> Result<Vec<f32>> {
+        let (sums, samples, applied) = step.unwrap_or((&[], 0, false));
+        let mut out = msg::header([
+            self.call,
+            self.version.min(u64::from(u32::MAX)) as u32,
+            u32::from(applied),
+            staleness,
+            samples as u32,
+            0,
+        ]);
+        let mut s: Vec<f32> = sums.iter().map(|&v| v as f32).collect();
+        s.resize(self.num_stats, 0.0);
+        out.extend(s);
+        let tensors: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
+        out.extend(fuse(&tensors)?.to_vec1::<f32>()?);
+        Ok(out)
+    }
+
+    /// Tells the workers that wait for the others at an epoch's end (server 0) or at the
+    /// call's end that this server is alive, a few times per timeout, so that their deadline
+    /// measures this server's silence, not the others' remaining work.
+    fn reassure(&mut self, comm: &SimpleCommunicator) {
+        if self.reassured.elapsed() < self.timeout / 4 {
+            return;
+        }
+        self.reassured = Instant::now();
+        let note = msg::header([self.call, 0, 0, 0, 0, 0]);
+        for w in 0..self.roles.workers {
+            let waits = match self.states[w] {
+                State::AtEpochEnd => self.index == 0,
+                State::Ended => true,
+                _ => false,
+            };
+            if waits {
+                comm.process_at_rank(w as i32)
+                    .buffered_send_with_tag(&note[..], msg::WAITING);
+            }
+        }
+    }
+
+    /// Fails naming a worker that this server waits on and that has been silent for the
+    /// timeout. A worker computing a step owes a push; the others are waited on only while
+    /// someone waits for them (a synchronous step, an evaluation sum, an epoch's or the call's
+    /// end).
+    fn check_silence(&self) -> Result<()> {
+        let now = Instant::now();
+        let someone_waits = !self.pushes.is_empty()
+            || self.tests.iter().any(Option::is_some)
+            || self
+                .states
+                .iter()
+                .any(|s| matches!(s, State::AtEpochEnd | State::Ended));
+        for w in 0..self.roles.workers {
+            let owes = match self.states[w] {
+                State::Outstanding { .. } => true,
+                State::Idle => someone_waits,
+                State::Pending { .. } | State::AtEpochEnd | State::Ended => false,
+            };
+            if owes && now.duration_since(self.heard[w]) > self.timeout {
+                return Err(Error::Replica {
+                    replica: worker_label(w),
+                    reason: format!(
+                        "sent nothing to {} for {} (it died or stalls)",
+                        self.label(),
+                        seconds(self.timeout)
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A copy of an error for a second owner (kandle's `Error` is not `Clone`).
+trait CloneError {
+    fn clone_error(&self) -> Error;
+}
+
+impl CloneError for Error {
+    fn clone_error(&self) -> Error {
+        match self {
+            Error::Replica { replica, reason } => Error::Replica {
+                replica: replica.clone(),
+                reason: reason.clone(),
+            },
+            other => Error::Device(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,409 @@
+//! `Worker`: a worker's copy of the model and its side of the conversation with the parameter
+//! servers.
+//!
+//! A worker computes its part of every step with [`Replica::step_buffer`] on weights it got
+//! from the servers, cuts the buffer into one message per server ([`Sharding::cut`]), and gets
+//! each server's variables back in the answer: one message each way per server and step. A
+//! step whose gradients or loss are not finite on this worker carries a NaN loss sum to every
+//! server, so that every server leaves the step out, as every other strategy does.
+//!
+//! It waits for a server's answer for twice the timeout (the server may itself wait one
+//! timeout for another worker), and fails naming the server that stays silent.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use mpi::topology::SimpleCommunicator;
+
+use kandle::data::Batch;
+use kandle::params::Weights;
+use kandle::strategy::{Replica, StepStats};
+use kandle::{Error, Result};
+
+use super::messages as msg;
+use super::server::Mode;
+use super::shards::Sharding;
+use super::Roles;
+use crate::multi_worker::watchdog::{seconds, Backoff};
+use crate::multi_worker::world::World;
+use crate::replica_set::cpu_weights;
+
+/// One worker.
+pub(crate) struct Worker {
+    world: Arc<World>,
+    roles: Roles,
+    mode: Mode,
+    timeout: Duration,
+    replica: Replica,
+    sharding: Sharding,
+    /// The call of fit, evaluate or predict this worker is in, from 1.
+    call: u32,
+    /// The version of each server's weights this worker holds.
+    base: Vec<u64>,
+    /// Whether it holds weights it may train on without pulling (always, when synchronous).
+    fresh: bool,
+    /// Whether it holds the servers' weights as they were when its evaluation began.
+    fetched: bool,
+    steps: u32,
+    test_steps: u32,
+    epochs: u32,
+    /// Staleness of this worker's applied updates in the current epoch: sum, count, max.
+    staleness: [f64; 3],
+    host: Vec<f32>,
+}
+
+impl Worker {
+    /// Introduces this worker to every server (which check its model) and loads the initial
+    /// weights they answer with.
+    pub(crate) fn new(
+        world: Arc<World>,
+        roles: Roles,
+        mode: Mode,
+        timeout: Duration,
+        replica: Replica,
+        sharding: Sharding,
+    ) -> Result<Self> {
+        let servers = sharding.servers();
+        let mut worker = Self {
+            world,
+            roles,
+            mode,
+            timeout,
+            replica,
+            sharding,
+            call: 0,
+            base: vec![0; servers],
+            fresh: mode == Mode::Synchronous,
+            fetched: true,
+            steps: 0,
+            test_steps: 0,
+            epochs: 0,
+            staleness: [0.0; 3],
+            host: Vec::new(),
+        };
+        let signature = worker.sharding.signature;
+        let len = worker.replica.layout().len() as u32;
+        let hello = msg::header([0, (signature >> 32) as u32, signature as u32, len, 0, 0]);
+        let replies = worker.exchange(
+            (0..servers).map(|_| hello.clone()).collect(),
+            msg::HELLO,
+            msg::WEIGHTS,
+            "the model's construction",
+        )?;
+        worker.call = 1;
+        worker.load(&replies)?;
+        Ok(worker)
+    }
+
+    /// The worker's copy of the model.
+    pub(crate) fn replica(&self) -> &Replica {
+        &self.replica
+    }
+
+    /// The weights this worker holds, on the CPU.
+    pub(crate) fn weights(&self) -> Result<Weights> {
+        cpu_weights(self.replica.store())
+    }
+
+    /// Sends `messages[s]` with `tag` to every server `s` and waits for each one's answer with
+    /// tag `answer`.
+    fn exchange(
+        &mut self,
+        messages: Vec<Vec<f32>>,
+        tag: i32,
+        answer: i32,
+        what: &str,
+    ) -> Result<Vec<Vec<f32>>> {
+        let roles = self.roles;
+        let servers: Vec<usize> = (0..messages.len()).collect();
+        let (timeout, call) = (self.timeout, self.call);
+        let world = Arc::clone(&self.world);
+        world.point_to_point(|comm| {
+            let to: Vec<(usize, i32, &[f32])> = messages
+                .iter()
+                .enumerate()
+                .map(|(s, m)| (roles.server_rank(s), tag, &m[..]))
+                .collect();
+            msg::send_all(comm, &to, timeout * 2, |r| roles.label(r));
+            await_answers(comm, roles, &servers, answer, call, timeout * 2, what)
+        })
+    }
+
+    /// Loads each server's variables from its `WEIGHTS` answer.
+    fn load(&mut self, replies: &[Vec<f32>]) -> Result<()> {
+        let num_stats = self.replica.layout().num_stats;
+        let params: Vec<_> = self.replica.store().iter().cloned().collect();
+        for (s, reply) in replies.iter().enumerate() {
+            let h = msg::read_header(reply)?;
+            self.base[s] = u64::from(h[1]);
+            let body = &reply[msg::HEADER + num_stats..];
+            let layout = &self.sharding.weights[s];
+            if body.len() != layout.len() {
+                return Err(Error::Replica {
+                    replica: self.roles.server_label(s),
+                    reason: format!(
+                        "sent {} weights where this worker expects {}",
+                        body.len(),
+                        layout.len()
+                    ),
+                });
+            }
+            let values = Tensor::from_slice(body, body.len(), &Device::Cpu)?;
+            for (&i, value) in self.sharding.vars[s].iter().zip(layout.split(&values, 0)?) {
+                params[i].var.set(&value.to_dtype(params[i].var.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `tag` with no payload to every server and loads the weights they answer with.
+    fn pull(&mut self, tag: i32, what: &str) -> Result<()> {
+        let note = msg::header([self.call, 0, 0, 0, 0, 0]);
+        let servers = self.sharding.servers();
+        let replies = self.exchange(vec![note; servers], tag, msg::WEIGHTS, what)?;
+        self.load(&replies)
+    }
+
+    /// One training step on this worker's part of the global batch.
+    pub(crate) fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        self.steps += 1;
+        if !self.fresh {
+            self.pull(msg::PULL, "a pull of the weights")?;
+            self.fresh = true;
+        }
+        let buffer = self.replica.step_buffer(batch)?;
+        copy_to_host(&buffer.fused, &mut self.host)?;
+        let finite = self.host.iter().all(|v| v.is_finite());
+        let [lr_hi, lr_lo] = msg::lr_words(lr);
+        let messages = (0..self.sharding.servers())
+            .map(|s| {
+                let mut m = msg::header([
+                    self.call,
+                    self.base[s].min(u64::from(u32::MAX)) as u32,
+                    self.steps,
+                    lr_hi,
+                    lr_lo,
+                    0,
+                ]);
+                self.sharding.cut(s, &self.host, &mut m);
+                if !finite {
+                    // Every server then reads a non-finite step and leaves it out.
+                    m[msg::HEADER + self.sharding.layouts[s].stats_offset()] = f32::NAN;
+                }
+                m
+            })
+            .collect();
+        let what = format!("the push of step {}", self.steps);
+        let replies = self.exchange(messages, msg::PUSH, msg::WEIGHTS, &what)?;
+        self.load(&replies)?;
+        self.fetched = false;
+        let h = msg::read_header(&replies[0])?;
+        let applied = h[2] == 1;
+        if applied {
+            let stale = replies
+                .iter()
+                .filter_map(|r| msg::read_header(r).ok())
+                .map(|h| h[3])
+                .filter(|&s| s != msg::NOT_STALE)
+                .max()
+                .unwrap_or(0);
+            self.staleness[0] += f64::from(stale);
+            self.staleness[1] += 1.0;
+            self.staleness[2] = self.staleness[2].max(f64::from(stale));
+        }
+        let num_stats = self.replica.layout().num_stats;
+        Ok(StepStats {
+            samples: h[4] as usize,
+            sums: replies[0][msg::HEADER..msg::HEADER + num_stats]
+                .iter()
+                .map(|&v| f64::from(v))
+                .collect(),
+            applied,
+        })
+    }
+
+    /// Fetches the servers' current weights once per evaluation or prediction.
+    fn fetch(&mut self) -> Result<()> {
+        if !self.fetched {
+            self.pull(msg::FETCH, "a fetch of the weights")?;
+            self.fetched = true;
+            self.fresh = self.mode == Mode::Synchronous;
+        }
+        Ok(())
+    }
+
+    /// Loss and metric sums of this worker's part of an evaluation batch, summed over every
+    /// worker by server 0.
+    pub(crate) fn test(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.fetch()?;
+        self.test_steps += 1;
+        let sums = self
+            .replica
+            .evaluate(batch)?
+            .to_dtype(DType::F64)?
+            .to_vec1::<f64>()?;
+        let mut m = msg::header([self.call, self.test_steps, 0, 0, 0, 0]);
+        m.extend(sums.iter().map(|&v| v as f32));
+        m.push(batch.len() as f32);
+        let what = format!("evaluation step {}", self.test_steps);
+        let replies = self.exchange(vec![m], msg::TEST, msg::TOTALS, &what)?;
+        let total = &replies[0][msg::HEADER..];
+        let (samples, sums) = total
+            .split_last()
+            .ok_or_else(|| Error::invalid("an empty evaluation answer"))?;
+        Ok(StepStats {
+            samples: samples.round().max(0.0) as usize,
+            sums: sums.iter().map(|&v| f64::from(v)).collect(),
+            applied: false,
+        })
+    }
+
+    /// The model's outputs for `x`, on the servers' current weights.
+    pub(crate) fn predict(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.fetch()?;
+        Ok(self
+            .replica
+            .predict(&x.to_device(self.replica.device())?)?
+            .to_device(&Device::Cpu)?)
+    }
+
+    /// At an epoch's end (asynchronous mode): waits until every worker has ended the epoch, and
+    /// returns the staleness of the epoch's applied updates over every worker.
+    pub(crate) fn end_epoch(&mut self) -> Result<Vec<(String, f64)>> {
+        if self.mode == Mode::Synchronous {
+            return Ok(Vec::new());
+        }
+        self.epochs += 1;
+        let mut m = msg::header([self.call, self.epochs, 0, 0, 0, 0]);
+        m.extend(self.staleness.iter().map(|&v| v as f32));
+        self.staleness = [0.0; 3];
+        let servers = self.sharding.servers();
+        let roles = self.roles;
+        let (timeout, call) = (self.timeout, self.call);
+        let what = format!("the end of epoch {}", self.epochs);
+        let world = Arc::clone(&self.world);
+        let totals = world.point_to_point(|comm| {
+            let to: Vec<(usize, i32, &[f32])> = (0..servers)
+                .map(|s| (roles.server_rank(s), msg::EPOCH, &m[..]))
+                .collect();
+            msg::send_all(comm, &to, timeout * 2, |r| roles.label(r));
+            await_answers(comm, roles, &[0], msg::TOTALS, call, timeout * 2, &what)
+        })?;
+        self.fresh = false;
+        let t = &totals[0][msg::HEADER..];
+        let (sum, count, max) = (
+            f64::from(*t.first().unwrap_or(&0.0)),
+            f64::from(*t.get(1).unwrap_or(&0.0)),
+            f64::from(*t.get(2).unwrap_or(&0.0)),
+        );
+        Ok(vec![
+            (
+                "staleness_mean".to_string(),
+                if count > 0.0 { sum / count } else { 0.0 },
+            ),
+            ("staleness_max".to_string(), max),
+        ])
+    }
+
+    /// Tells every server this worker ended the call, and loads the final weights they send
+    /// once every worker has.
+    pub(crate) fn end_call(&mut self) -> Result<()> {
+        self.pull(msg::END, "the end of the call")?;
+        self.call += 1;
+        self.steps = 0;
+        self.test_steps = 0;
+        self.fetched = true;
+        self.fresh = self.mode == Mode::Synchronous;
+        Ok(())
+    }
+}
+
+/// Waits for one message with tag `answer` from each of `servers` (indices), answering with
+/// the error of an abort notice, and failing naming a server silent for `patience` (a
+/// `WAITING` note from it starts its wait again).
+fn await_answers(
+    comm: &SimpleCommunicator,
+    roles: Roles,
+    servers: &[usize],
+    answer: i32,
+    call: u32,
+    patience: Duration,
+    what: &str,
+) -> Result<Vec<Vec<f32>>> {
+    let mut answers: Vec<Option<Vec<f32>>> = vec![None; servers.len()];
+    let mut deadlines = vec![Instant::now() + patience; servers.len()];
+    let mut backoff = Backoff(0);
+    loop {
+        let mut progressed = false;
+        for (i, &s) in servers.iter().enumerate() {
+            if answers[i].is_some() {
+                continue;
+            }
+            let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) else {
+                continue;
+            };
+            progressed = true;
+            if let Some(error) = m.abort {
+                return Err(match error {
+                    Error::Replica { replica, reason } => Error::Replica {
+                        replica,
+                        reason: format!("{reason} (reported by {})", roles.server_label(s)),
+                    },
+                    other => other,
+                });
+            }
+            let h = msg::read_header(&m.words)?;
+            if m.tag == msg::WAITING {
+                deadlines[i] = Instant::now() + patience;
+                continue;
+            }
+            if m.tag != answer || h[0] != call {
+                return Err(Error::Replica {
+                    replica: roles.server_label(s),
+                    reason: format!(
+                        "answered {what} with message tag {:#x} of call {} (expected tag \
+                         {answer:#x} of call {call})",
+                        m.tag, h[0]
+                    ),
+                });
+            }
+            answers[i] = Some(m.words);
+        }
+        if answers.iter().all(Option::is_some) {
+            return Ok(answers.into_iter().flatten().collect());
+        }
+        if progressed {
+            continue;
+        }
+        let now = Instant::now();
+        if let Some(i) = (0..servers.len()).find(|&i| answers[i].is_none() && now >= deadlines[i]) {
+            return Err(Error::Replica {
+                replica: roles.server_label(servers[i]),
+                reason: format!(
+                    "did not answer {what} within {} (twice the timeout, as a server may wait \
+                     one timeout for another worker)",
+                    seconds(patience)
+                ),
+            });
+        }
+        backoff.wait();
+    }
+}
+
+/// Copies a 1-D `f32` CPU tensor into `out` (cleared first).
+fn copy_to_host(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
+    let t = t.to_device(&Device::Cpu)?.contiguous()?;
+    out.clear();
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            out.extend_from_slice(&values[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Multi-worker tests: builds kandle-strategies with the `mpi` feature and runs the tests that
-# launch `mpirun -n 2` (strategies/tests/multi_worker.rs), plus the feature's unit and doc tests.
+# Multi-process tests: builds kandle-strategies with the `mpi` feature and runs the tests that
+# launch `mpirun` (strategies/tests/multi_worker.rs: `-n 2`; strategies/tests/parameter_server.rs:
+# `-n 2` to `-n 4`, and one `-n 10` that fails at once), plus the feature's unit and doc tests.
 # Installs nothing: it needs Open MPI (`openmpi-bin`, `libopenmpi-dev`) and `libclang-dev`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,10 +16,10 @@ if ! command -v mpirun >/dev/null; then
 fi
 echo "== $(mpirun --version | head -n 1)"
 
-echo "== cargo test -p kandle-strategies --features mpi (unit tests and multi-worker tests)"
+echo "== cargo test -p kandle-strategies --features mpi (unit tests, multi-worker and parameter-server tests)"
 # The multi-worker tests serialise their mpirun launches themselves; one test thread keeps the
 # timings they assert meaningful on a small machine.
-cargo test -p kandle-strategies --features mpi --lib --test multi_worker --test training_state_across_strategies -- --test-threads=1
+cargo test -p kandle-strategies --features mpi --lib --test multi_worker --test parameter_server --test training_state_across_strategies -- --test-threads=1
 
 echo "== cargo test --doc -p kandle-strategies --features mpi"
 cargo test --doc -p kandle-strategies --features mpi

@@ -10,10 +10,7 @@
 
 #![cfg(feature = "mpi")]
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::Mutex;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kandle::params::Weights;
@@ -22,150 +19,13 @@ use kandle::prelude::*;
 mod support;
 use support::assert_close;
 use support::equivalence_run::{self, SAMPLES};
+use support::launch::{self, lock, run, Launch, Outcome};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
-/// The launches share 2 cores: one at a time, so that timings mean something.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// The longest any launch may take before it is killed and the test fails.
-const DEADLINE: Duration = Duration::from_secs(300);
-
 /// `mpirun -n <workers> kandle-mpi-check <args>`, with output captured.
 fn mpirun(workers: usize, args: &[&str]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["-n", &workers.to_string(), "--oversubscribe", WORKER])
-        .args(args)
-        // Allowed when CI runs as root; ignored otherwise.
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    cmd
-}
-
-/// What a finished launch did.
-struct Outcome {
-    status: ExitStatus,
-    output: String,
-    elapsed: Duration,
-}
-
-/// Reads a child's stdout line by line on a thread (so a test can react to it) and its stderr
-/// whole, and waits for it with [`DEADLINE`].
-struct Launch {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stdout: Vec<String>,
-    stderr: std::thread::JoinHandle<String>,
-    start: Instant,
-}
-
-impl Launch {
-    fn start(mut cmd: Command) -> anyhow::Result<Self> {
-        let start = Instant::now();
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| anyhow::anyhow!("cannot start mpirun (is Open MPI installed?): {e}"))?;
-        let stdout = child
-            .stdout
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("no stdout"))?;
-        let mut stderr = child
-            .stderr
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout)
-                .lines()
-                .map_while(std::result::Result::ok)
-            {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = stderr.read_to_string(&mut s);
-            s
-        });
-        Ok(Self {
-            child,
-            lines,
-            stdout: Vec::new(),
-            stderr,
-            start,
-        })
-    }
-
-    /// Waits for a stdout line satisfying `want` and returns it.
-    fn wait_for_line(&mut self, want: impl Fn(&str) -> bool) -> anyhow::Result<String> {
-        loop {
-            let left = DEADLINE.saturating_sub(self.start.elapsed());
-            let Ok(line) = self.lines.recv_timeout(left) else {
-                stop(&mut self.child);
-                anyhow::bail!("no such line; output so far:\n{}", self.stdout.join("\n"));
-            };
-            self.stdout.push(line.clone());
-            if want(&line) {
-                return Ok(line);
-            }
-        }
-    }
-
-    fn finish(mut self) -> anyhow::Result<Outcome> {
-        let status = loop {
-            if let Some(status) = self.child.try_wait()? {
-                break status;
-            }
-            if self.start.elapsed() > DEADLINE {
-                stop(&mut self.child);
-                anyhow::bail!("mpirun still running after {DEADLINE:?}: killed");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let elapsed = self.start.elapsed();
-        // The reader thread ends when mpirun's stdout closes.
-        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            self.stdout.push(line);
-        }
-        let stderr = self
-            .stderr
-            .join()
-            .map_err(|_| anyhow::anyhow!("stderr reader panicked"))?;
-        Ok(Outcome {
-            status,
-            output: format!("{}\n{stderr}", self.stdout.join("\n")),
-            elapsed,
-        })
-    }
-}
-
-/// Ends a launch that overran: SIGTERM first, so that mpirun takes its workers down with it,
-/// then SIGKILL.
-fn stop(child: &mut Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    for _ in 0..100 {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-fn run(cmd: Command) -> anyhow::Result<Outcome> {
-    Launch::start(cmd)?.finish()
-}
-
-fn lock() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+    launch::mpirun(WORKER, workers, args)
 }
 
 // ---- equivalence ---------------------------------------------------------------------------

@@ -227,6 +227,9 @@ impl Server {
                 continue;
             };
             let worker = self.expect_worker(&m)?;
+            if m.tag == msg::ALIVE {
+                continue;
+            }
             if m.tag != msg::HELLO {
                 return Err(self.unexpected(&m, "the model's construction"));
             }
@@ -334,6 +337,10 @@ impl Server {
 
     fn handle(&mut self, comm: &SimpleCommunicator, m: Incoming) -> Result<()> {
         let worker = self.expect_worker(&m)?;
+        if m.tag == msg::ALIVE {
+            self.heard[worker] = Instant::now();
+            return Ok(());
+        }
         let h = msg::read_header(&m.words)?;
         if h[0] != self.call {
             return Err(Error::Replica {

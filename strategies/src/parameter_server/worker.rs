@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use mpi::topology::SimpleCommunicator;
+use mpi::point_to_point::Destination;
+use mpi::topology::{Communicator, SimpleCommunicator};
 
 use kandle::data::Batch;
 use kandle::params::Weights;
@@ -26,7 +27,7 @@ use super::server::Mode;
 use super::shards::Sharding;
 use super::Roles;
 use crate::multi_worker::watchdog::{seconds, Backoff};
-use crate::multi_worker::world::World;
+use crate::multi_worker::world::{abort_job, World};
 use crate::replica_set::cpu_weights;
 
 /// One worker.
@@ -107,7 +108,7 @@ impl Worker {
     }
 
     /// Sends `messages[s]` with `tag` to every server `s` and waits for each one's answer with
-    /// tag `answer`.
+    /// tag `answer` (see [`exchange`]).
     fn exchange(
         &mut self,
         messages: Vec<Vec<f32>>,
@@ -116,17 +117,16 @@ impl Worker {
         what: &str,
     ) -> Result<Vec<Vec<f32>>> {
         let roles = self.roles;
-        let servers: Vec<usize> = (0..messages.len()).collect();
         let (timeout, call) = (self.timeout, self.call);
+        let to: Vec<(usize, &[f32])> = messages
+            .iter()
+            .enumerate()
+            .map(|(s, m)| (s, &m[..]))
+            .collect();
+        let awaited: Vec<usize> = (0..messages.len()).collect();
         let world = Arc::clone(&self.world);
         world.point_to_point(|comm| {
-            let to: Vec<(usize, i32, &[f32])> = messages
-                .iter()
-                .enumerate()
-                .map(|(s, m)| (roles.server_rank(s), tag, &m[..]))
-                .collect();
-            msg::send_all(comm, &to, timeout * 2, |r| roles.label(r));
-            await_answers(comm, roles, &servers, answer, call, timeout * 2, what)
+            exchange(comm, roles, &to, tag, &awaited, answer, call, timeout, what)
         })
     }
 
@@ -283,12 +283,19 @@ impl Worker {
         let (timeout, call) = (self.timeout, self.call);
         let what = format!("the end of epoch {}", self.epochs);
         let world = Arc::clone(&self.world);
+        let to: Vec<(usize, &[f32])> = (0..servers).map(|s| (s, &m[..])).collect();
         let totals = world.point_to_point(|comm| {
-            let to: Vec<(usize, i32, &[f32])> = (0..servers)
-                .map(|s| (roles.server_rank(s), msg::EPOCH, &m[..]))
-                .collect();
-            msg::send_all(comm, &to, timeout * 2, |r| roles.label(r));
-            await_answers(comm, roles, &[0], msg::TOTALS, call, timeout * 2, &what)
+            exchange(
+                comm,
+                roles,
+                &to,
+                msg::EPOCH,
+                &[0],
+                msg::TOTALS,
+                call,
+                timeout,
+                &what,
+            )
         })?;
         self.fresh = false;
         let t = &totals[0][msg::HEADER..];
@@ -319,76 +326,167 @@ impl Worker {
     }
 }
 
-/// Waits for one message with tag `answer` from each of `servers` (indices), answering with
-/// the error of an abort notice, and failing naming a server silent for `patience` (a
-/// `WAITING` note from it starts its wait again).
-fn await_answers(
+/// Sends each `(server, words)` of `to` with `tag` and waits for one answer with tag `answer`
+/// from each server of `awaited`, in one loop that also takes the answers of the servers that
+/// already have their message while a send to another is still under way.
+///
+/// Each server gets twice the timeout (it may itself wait one timeout for another worker; a
+/// `WAITING` note from it starts its wait again). Meanwhile the worker tells every server, a few
+/// times per timeout, that it is alive, so that a server does not take a worker that waits on
+/// another, stalled server for a stalled worker. An abort notice fails the exchange with the
+/// error it carries. A server that does not take its message in time cannot be answered by
+/// cancelling the send, so the job is ended naming it; one that takes it but does not answer is
+/// named in the error.
+#[allow(clippy::too_many_arguments)]
+fn exchange(
     comm: &SimpleCommunicator,
     roles: Roles,
-    servers: &[usize],
+    to: &[(usize, &[f32])],
+    tag: i32,
+    awaited: &[usize],
     answer: i32,
     call: u32,
-    patience: Duration,
+    timeout: Duration,
     what: &str,
 ) -> Result<Vec<Vec<f32>>> {
-    let mut answers: Vec<Option<Vec<f32>>> = vec![None; servers.len()];
-    let mut deadlines = vec![Instant::now() + patience; servers.len()];
-    let mut backoff = Backoff(0);
-    loop {
-        let mut progressed = false;
-        for (i, &s) in servers.iter().enumerate() {
-            if answers[i].is_some() {
+    let patience = timeout * 2;
+    let start = Instant::now();
+    let mut answers: Vec<Option<Vec<f32>>> = vec![None; awaited.len()];
+    let mut deadlines = vec![start + patience; awaited.len()];
+    let mut alive_sent = start;
+    let alive = msg::header([call, 0, 0, 0, 0, 0]);
+    mpi::request::scope(|scope| {
+        let mut sends: Vec<_> = to
+            .iter()
+            .map(|&(s, words)| {
+                Some(
+                    comm.process_at_rank(roles.server_rank(s) as i32)
+                        .immediate_send_with_tag(scope, words, tag),
+                )
+            })
+            .collect();
+        let mut backoff = Backoff(0);
+        let outcome = loop {
+            let mut progressed = false;
+            for slot in sends.iter_mut() {
+                if let Some(request) = slot.take() {
+                    match request.test() {
+                        Ok(_) => progressed = true,
+                        Err(pending) => *slot = Some(pending),
+                    }
+                }
+            }
+            match receive_answers(comm, roles, awaited, answer, call, what, &mut answers) {
+                Ok(Some(waiting)) => {
+                    for i in waiting {
+                        deadlines[i] = Instant::now() + patience;
+                    }
+                    progressed = true;
+                }
+                Ok(None) => {}
+                Err(e) => break Err(e),
+            }
+            let sent = sends.iter().all(Option::is_none);
+            if sent && answers.iter().all(Option::is_some) {
+                break Ok(());
+            }
+            if progressed {
+                backoff = Backoff(0);
                 continue;
             }
-            let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) else {
-                continue;
-            };
-            progressed = true;
-            if let Some(error) = m.abort {
-                return Err(match error {
-                    Error::Replica { replica, reason } => Error::Replica {
-                        replica,
-                        reason: format!("{reason} (reported by {})", roles.server_label(s)),
-                    },
-                    other => other,
+            let now = Instant::now();
+            if now.duration_since(alive_sent) > timeout / 4 {
+                alive_sent = now;
+                for s in 0..roles.servers {
+                    comm.process_at_rank(roles.server_rank(s) as i32)
+                        .buffered_send_with_tag(&alive[..], msg::ALIVE);
+                }
+            }
+            let unsent = to
+                .iter()
+                .zip(&sends)
+                .find(|(_, r)| r.is_some())
+                .map(|(&(s, _), _)| s);
+            if let Some(s) = unsent.filter(|_| now >= start + patience) {
+                break Err(Error::Replica {
+                    replica: roles.server_label(s),
+                    reason: format!("did not take {what} within {}", seconds(patience)),
                 });
             }
-            let h = msg::read_header(&m.words)?;
-            if m.tag == msg::WAITING {
-                deadlines[i] = Instant::now() + patience;
-                continue;
-            }
-            if m.tag != answer || h[0] != call {
-                return Err(Error::Replica {
-                    replica: roles.server_label(s),
+            if let Some(i) =
+                (0..awaited.len()).find(|&i| answers[i].is_none() && now >= deadlines[i])
+            {
+                break Err(Error::Replica {
+                    replica: roles.server_label(awaited[i]),
                     reason: format!(
-                        "answered {what} with message tag {:#x} of call {} (expected tag \
-                         {answer:#x} of call {call})",
-                        m.tag, h[0]
+                        "did not answer {what} within {} (twice the timeout, as a server may \
+                         wait one timeout for another worker)",
+                        seconds(patience)
                     ),
                 });
             }
-            answers[i] = Some(m.words);
+            backoff.wait();
+        };
+        if let Err(e) = &outcome {
+            if sends.iter().any(Option::is_some) {
+                // MPI still owns the buffers of the unfinished sends: end the job, naming why.
+                std::mem::forget(sends);
+                abort_job(comm, &e.to_string())
+            }
         }
-        if answers.iter().all(Option::is_some) {
-            return Ok(answers.into_iter().flatten().collect());
-        }
-        if progressed {
+        outcome
+    })?;
+    Ok(answers.into_iter().flatten().collect())
+}
+
+/// Takes the answers that have arrived from the servers of `awaited` into `answers`; returns
+/// which of them sent a `WAITING` note (or `None` when nothing arrived), or the error of an
+/// abort notice or a stray message.
+fn receive_answers(
+    comm: &SimpleCommunicator,
+    roles: Roles,
+    awaited: &[usize],
+    answer: i32,
+    call: u32,
+    what: &str,
+    answers: &mut [Option<Vec<f32>>],
+) -> Result<Option<Vec<usize>>> {
+    let mut arrived = None;
+    for (i, &s) in awaited.iter().enumerate() {
+        if answers[i].is_some() {
             continue;
         }
-        let now = Instant::now();
-        if let Some(i) = (0..servers.len()).find(|&i| answers[i].is_none() && now >= deadlines[i]) {
+        let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) else {
+            continue;
+        };
+        let waiting: &mut Vec<usize> = arrived.get_or_insert_with(Vec::new);
+        if let Some(error) = m.abort {
+            return Err(match error {
+                Error::Replica { replica, reason } => Error::Replica {
+                    replica,
+                    reason: format!("{reason} (reported by {})", roles.server_label(s)),
+                },
+                other => other,
+            });
+        }
+        let h = msg::read_header(&m.words)?;
+        if m.tag == msg::WAITING {
+            waiting.push(i);
+            continue;
+        }
+        if m.tag != answer || h[0] != call {
             return Err(Error::Replica {
-                replica: roles.server_label(servers[i]),
+                replica: roles.server_label(s),
                 reason: format!(
-                    "did not answer {what} within {} (twice the timeout, as a server may wait \
-                     one timeout for another worker)",
-                    seconds(patience)
+                    "answered {what} with message tag {:#x} of call {} (expected tag \
+                     {answer:#x} of call {call})",
+                    m.tag, h[0]
                 ),
             });
         }
-        backoff.wait();
+        answers[i] = Some(m.words);
     }
+    Ok(arrived)
 }
 
 /// Copies a 1-D `f32` CPU tensor into `out` (cleared first).

@@ -45,6 +45,22 @@ pub fn train<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<Model> {
+    let (model, history) = fit(net, strategy, samples)?;
+    match history.last("loss") {
+        Some(loss) if loss.is_finite() => Ok(model),
+        loss => Err(kandle::Error::invalid(format!(
+            "the equivalence run ended with loss {loss:?}"
+        ))),
+    }
+}
+
+/// The run of [`train`], with its history and without checking the loss (a parameter
+/// server's `fit` serves the workers and has no history).
+pub fn fit<S: Strategy + Clone + 'static>(
+    net: Sequential,
+    strategy: &S,
+    samples: usize,
+) -> kandle::Result<(Model, History)> {
     let replicas = strategy.num_replicas_in_sync();
     if GLOBAL_BATCH % replicas != 0 {
         return Err(kandle::Error::invalid(format!(
@@ -70,10 +86,5 @@ pub fn train<S: Strategy + Clone + 'static>(
             ..Default::default()
         },
     )?;
-    match history.last("loss") {
-        Some(loss) if loss.is_finite() => Ok(model),
-        loss => Err(kandle::Error::invalid(format!(
-            "the equivalence run ended with loss {loss:?}"
-        ))),
-    }
+    Ok((model, history))
 }

@@ -1,0 +1,309 @@
+//! `ParameterServerStrategy` across real processes: each test launches
+//! `mpirun -n W+P kandle-ps-check ...` (the program in `src/bin/ps_check.rs`, which every rank
+//! runs, workers and servers alike) and checks what it did: synchronous training gives one
+//! device's weights with 1 and 2 servers and a short last batch; asynchronous training learns
+//! digits; the staleness bound holds under a slow worker; bad configurations are clear errors
+//! when the model is built; a stalled or dead worker or server is named within the timeout.
+//!
+//! Needs Open MPI's `mpirun` on the `PATH` (`.ci/mpi-tests.sh` runs these). Every launch runs
+//! under a deadline and is killed past it.
+
+#![cfg(feature = "mpi")]
+
+use std::process::Command;
+use std::time::Duration;
+
+use kandle::prelude::*;
+
+mod support;
+use support::assert_close;
+use support::equivalence_run::{self, SAMPLES};
+use support::launch::{self, lock, run, Launch, Outcome};
+
+const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
+
+/// `mpirun -n <ranks> kandle-ps-check <args>`.
+fn mpirun(ranks: usize, args: &[&str]) -> Command {
+    launch::mpirun(PROGRAM, ranks, args)
+}
+
+// ---- synchronous equivalence ---------------------------------------------------------------
+
+/// 470 samples at a global batch of 24: 19 full steps and a short one of 14, split over the
+/// workers; the servers sum the workers' buffers and divide by the global sample count.
+#[test]
+fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
+    let model = equivalence_run::train(
+        equivalence_run::plain_cnn(),
+        &OneDeviceStrategy::cpu(),
+        SAMPLES,
+    )?;
+    let reference = model.get_weights()?;
+    let dir = tempfile::tempdir()?;
+    let _one = lock();
+    for (ranks, servers, what) in [
+        (3, "1", "2 workers, 1 server"),
+        (4, "2", "2 workers, 2 servers"),
+        (4, "1", "3 workers, 1 server"),
+    ] {
+        let out = dir.path().join(format!("{ranks}_{servers}.safetensors"));
+        let out_arg = out.to_string_lossy().to_string();
+        let outcome = run(mpirun(
+            ranks,
+            &[
+                "--sync",
+                "--num-ps",
+                servers,
+                "--timeout-secs",
+                "20",
+                "equivalence",
+                "--out",
+                &out_arg,
+            ],
+        ))?;
+        assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
+        assert_close(&reference, &kandle::checkpoint::load(&out)?, what)?;
+    }
+    Ok(())
+}
+
+// ---- asynchronous training -----------------------------------------------------------------
+
+/// The line `rank 0/N test accuracy A ...` and its accuracy.
+fn accuracy(outcome: &Outcome) -> anyhow::Result<(String, f64)> {
+    let line = outcome
+        .output
+        .lines()
+        .find(|l| l.starts_with("rank 0/") && l.contains(" test accuracy "))
+        .ok_or_else(|| anyhow::anyhow!("no accuracy line:\n{}", outcome.output))?;
+    let accuracy = line
+        .split_whitespace()
+        .nth(4)
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("cannot read `{line}`"))?;
+    Ok((line.to_string(), accuracy))
+}
+
+#[test]
+fn two_asynchronous_workers_and_a_server_learn_digits() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(3, &["digits", "--min-accuracy", "0.97"]))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    let (line, accuracy) = accuracy(&outcome)?;
+    assert!(accuracy >= 0.97, "{line}");
+    // The epochs log the staleness of the asynchronous updates.
+    assert!(
+        outcome.output.contains("staleness_max"),
+        "{}",
+        outcome.output
+    );
+    eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
+    Ok(())
+}
+
+/// The largest `staleness max` the chief printed over the epochs of a `staleness` run.
+fn max_staleness(outcome: &Outcome) -> anyhow::Result<f64> {
+    let values: Vec<f64> = outcome
+        .output
+        .lines()
+        .filter(|l| l.starts_with("rank 0/") && l.contains(" staleness mean "))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse().ok()))
+        .collect();
+    anyhow::ensure!(!values.is_empty(), "no staleness line:\n{}", outcome.output);
+    Ok(values.into_iter().fold(0.0, f64::max))
+}
+
+/// Worker 1 sleeps 150 ms before each step while workers 0 and 2 run free: without a bound its
+/// updates land many updates late; with `--max-staleness 2` none is more than 2 late.
+#[test]
+fn the_staleness_bound_holds_under_a_slow_worker() -> anyhow::Result<()> {
+    let _one = lock();
+    let slow = ["staleness", "--slow-worker", "1", "--slow-ms", "150"];
+    let free = run(mpirun(4, &slow))?;
+    assert!(free.status.success(), "{}", free.output);
+    let unbounded = max_staleness(&free)?;
+    let mut args = vec!["--max-staleness", "2"];
+    args.extend(slow);
+    let bounded = run(mpirun(4, &args))?;
+    assert!(bounded.status.success(), "{}", bounded.output);
+    let within = max_staleness(&bounded)?;
+    eprintln!("max staleness: {unbounded} without a bound, {within} with --max-staleness 2");
+    assert!(unbounded > 2.0, "{}", free.output);
+    assert!(within <= 2.0, "{}", bounded.output);
+    Ok(())
+}
+
+// ---- bad configurations --------------------------------------------------------------------
+
+/// The error lines of a failed launch: `rank R/N: ...`.
+fn errors(outcome: &Outcome) -> Vec<String> {
+    outcome
+        .output
+        .lines()
+        .filter_map(|l| l.strip_prefix("kandle-ps-check: ").map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn a_mismatched_model_on_a_worker_is_a_clear_error() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = run(mpirun(3, &["--timeout-secs", "20", "mismatch"]))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    let errors = errors(&outcome);
+    assert!(
+        errors
+            .iter()
+            .any(|l| l
+                .contains(": worker 1: built a model that differs from the parameter servers'")),
+        "{}",
+        outcome.output
+    );
+    Ok(())
+}
+
+#[test]
+fn servers_without_a_worker_or_more_servers_than_variables_are_clear_errors() -> anyhow::Result<()>
+{
+    let _one = lock();
+    let outcome = run(mpirun(
+        2,
+        &["--num-ps", "2", "--timeout-secs", "20", "mismatch"],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome
+            .output
+            .contains("with 2 parameter server(s) leaves no worker"),
+        "{}",
+        outcome.output
+    );
+    // The digits CNN has 8 variables.
+    let outcome = run(mpirun(
+        10,
+        &["--num-ps", "9", "--timeout-secs", "20", "mismatch"],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome
+            .output
+            .contains("9 parameter servers for a model of 8 variable(s)"),
+        "{}",
+        outcome.output
+    );
+    Ok(())
+}
+
+// ---- failures ------------------------------------------------------------------------------
+
+const TIMEOUT_SECS: u64 = 5;
+
+/// How long a failure may take to end the job: `timeouts` timeouts, plus time for mpirun to
+/// start and tear down.
+fn bound(timeouts: u64) -> Duration {
+    Duration::from_secs(timeouts * TIMEOUT_SECS + 20)
+}
+
+#[test]
+fn a_stalled_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
+    let _one = lock();
+    let timeout = TIMEOUT_SECS.to_string();
+    let outcome = run(mpirun(
+        3,
+        &[
+            "--timeout-secs",
+            &timeout,
+            "train",
+            "--stall-worker",
+            "1",
+            "--stall-after-steps",
+            "3",
+        ],
+    ))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    let want = format!("worker 1: sent nothing to parameter server 0 (rank 2) for {timeout} s");
+    assert!(outcome.output.contains(&want), "{}", outcome.output);
+    assert!(outcome.elapsed < bound(1), "took {:?}", outcome.elapsed);
+    Ok(())
+}
+
+/// Starts a long asynchronous run on 2 workers and 2 servers, waits until worker 1 has
+/// finished 3 steps, sends `signal` to rank `rank`, and returns how the job ended.
+fn signal_rank(rank: usize, signal: &str) -> anyhow::Result<Outcome> {
+    let timeout = TIMEOUT_SECS.to_string();
+    let mut launch = Launch::start(mpirun(
+        4,
+        &["--num-ps", "2", "--timeout-secs", &timeout, "train"],
+    ))?;
+    let prefix = format!("rank {rank}/4 ");
+    let pid_line = launch.wait_for_line(|l| l.starts_with(&prefix) && l.contains(" pid "))?;
+    let pid = pid_line
+        .rsplit(' ')
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no pid in `{pid_line}`"))?
+        .to_string();
+    launch.wait_for_line(|l| l == "rank 1/4 finished step 3")?;
+    let sent = Command::new("kill").args([signal, &pid]).status()?;
+    assert!(sent.success(), "kill {signal} {pid} failed");
+    launch.finish()
+}
+
+#[test]
+fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = signal_rank(1, "-STOP")?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome
+            .output
+            .contains("worker 1: sent nothing to parameter server"),
+        "{}",
+        outcome.output
+    );
+    assert!(
+        outcome.elapsed < bound(1) + Duration::from_secs(10),
+        "took {:?}",
+        outcome.elapsed
+    );
+    Ok(())
+}
+
+#[test]
+fn a_stopped_server_is_named_within_twice_the_timeout() -> anyhow::Result<()> {
+    let _one = lock();
+    let outcome = signal_rank(3, "-STOP")?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    // A push the stopped server has not taken cannot be cancelled (the job is aborted, naming
+    // it); one it took but did not answer fails the step.
+    let named = outcome.output.lines().any(|l| {
+        l.contains("parameter server 1 (rank 3): did not answer")
+            || l.contains("parameter server 1 (rank 3): did not take")
+    });
+    assert!(named, "{}", outcome.output);
+    assert!(
+        outcome.elapsed < bound(2) + Duration::from_secs(10),
+        "took {:?}",
+        outcome.elapsed
+    );
+    Ok(())
+}
+
+#[test]
+fn a_killed_worker_or_server_ends_the_job_naming_it() -> anyhow::Result<()> {
+    let _one = lock();
+    for rank in [1, 3] {
+        let outcome = signal_rank(rank, "-KILL")?;
+        // mpirun notices the death at once and ends the job, naming the rank.
+        assert!(!outcome.status.success(), "{}", outcome.output);
+        assert!(
+            outcome.output.contains(&format!("rank {rank}")) && outcome.output.contains("signal 9"),
+            "{}",
+            outcome.output
+        );
+        assert!(
+            outcome.elapsed < bound(1) + Duration::from_secs(10),
+            "took {:?}",
+            outcome.elapsed
+        );
+    }
+    Ok(())
+}

@@ -21,5 +21,8 @@ echo "== cargo test -p kandle-strategies --features mpi (unit tests, multi-worke
 # timings they assert meaningful on a small machine.
 cargo test -p kandle-strategies --features mpi --lib --test multi_worker --test parameter_server --test training_state_across_strategies -- --test-threads=1
 
+echo "== cargo test -p kandle-examples --features mpi (quickstart under mpirun -n 3 with a parameter server)"
+cargo test -p kandle-examples --features mpi --test quickstart_parameter_server
+
 echo "== cargo test --doc -p kandle-strategies --features mpi"
 cargo test --doc -p kandle-strategies --features mpi

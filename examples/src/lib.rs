@@ -70,6 +70,48 @@ pub enum StrategyKind {
     CentralStorage,
     /// Mirrored inside each `mpirun` worker, all-reduced across workers (feature `mpi`).
     MultiWorker,
+    /// Variables on parameter-server ranks of the `mpirun` job, workers push gradients and pull
+    /// weights (feature `mpi`; see [`PsArgs`]).
+    ParameterServer,
+}
+
+/// `--num-ps`, `--sync` / `--async` and `--max-staleness`: how `--strategy parameter-server`
+/// runs, as every training binary takes them.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PsArgs {
+    /// With --strategy parameter-server: the number of parameter servers, the last ranks of the
+    /// mpirun job (default: KANDLE_NUM_PS, else 1).
+    #[arg(long)]
+    pub num_ps: Option<usize>,
+    /// With --strategy parameter-server: synchronous updates (one per global batch, as one
+    /// device would train).
+    #[arg(long, conflicts_with_all = ["asynchronous", "max_staleness"])]
+    pub sync: bool,
+    /// With --strategy parameter-server: asynchronous updates (the default).
+    #[arg(long = "async", id = "asynchronous")]
+    pub asynchronous: bool,
+    /// With --strategy parameter-server: apply no update more than this many updates stale
+    /// (asynchronous).
+    #[arg(long)]
+    pub max_staleness: Option<u64>,
+}
+
+impl PsArgs {
+    /// [`build_strategy`], with these flags for `--strategy parameter-server`.
+    pub fn build_strategy(&self, kind: StrategyKind, replicas: usize) -> Result<Arc<dyn Strategy>> {
+        match kind {
+            StrategyKind::ParameterServer => {
+                if replicas != 1 {
+                    bail!(
+                        "--strategy parameter-server runs one CPU replica per worker; drop \
+                         --replicas/--gpus or set it to 1"
+                    );
+                }
+                parameter_server(self, None)
+            }
+            _ => build_strategy(kind, replicas),
+        }
+    }
 }
 
 /// The devices for `replicas` replicas: the first `replicas` GPUs when kandle was built with
@@ -131,7 +173,40 @@ pub fn build_strategy_on(
             })
         }
         StrategyKind::MultiWorker => multi_worker(devices, timeout)?,
+        StrategyKind::ParameterServer => {
+            if devices.iter().any(|d| !d.is_cpu()) || replicas != 1 {
+                bail!("--strategy parameter-server runs one CPU replica per worker");
+            }
+            parameter_server(&PsArgs::default(), timeout)?
+        }
     })
+}
+
+#[cfg(feature = "mpi")]
+fn parameter_server(ps: &PsArgs, timeout: Option<Duration>) -> Result<Arc<dyn Strategy>> {
+    let mut strategy = kandle_strategies::ParameterServerStrategy::from_env()?;
+    if let Some(n) = ps.num_ps {
+        strategy = strategy.num_ps(n);
+    }
+    if ps.sync {
+        strategy = strategy.synchronous();
+    }
+    if let Some(k) = ps.max_staleness {
+        strategy = strategy.max_staleness(k);
+    }
+    if let Some(t) = timeout {
+        strategy = strategy.timeout(t);
+    }
+    Ok(Arc::new(strategy))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn parameter_server(_ps: &PsArgs, _timeout: Option<Duration>) -> Result<Arc<dyn Strategy>> {
+    bail!(
+        "--strategy parameter-server needs the `mpi` feature: cargo build --release -p \
+         kandle-examples --features mpi, then mpirun -n W+P <binary> --strategy parameter-server \
+         --num-ps P"
+    )
 }
 
 #[cfg(feature = "mpi")]

@@ -41,6 +41,7 @@ mod multi_worker;
 mod nccl;
 #[cfg(feature = "mpi")]
 pub mod parameter_server;
+pub mod partition;
 mod rendezvous;
 mod replica_pool;
 mod replica_set;

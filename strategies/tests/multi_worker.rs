@@ -330,7 +330,8 @@ fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
         l.starts_with("kandle-mpi-check: worker 0/2: worker 1: did not reach training step")
             || (l.starts_with("kandle-mpi-check: worker 0/2: worker 1: reached training step")
                 && l.contains("did not join its collective"))
-            || (l.starts_with("kandle: worker 0: the all-reduce of training step")
+            || ((l.starts_with("kandle: worker 0: the all-reduce of training step")
+                || l.starts_with("[ERROR] worker 0: the all-reduce of training step"))
                 && l.contains("worker 1 stopped answering"))
     });
     assert!(named, "{}", outcome.output);

@@ -5,6 +5,7 @@
 //! cargo run --release -p kandle-examples --bin quickstart
 //! cargo run --release -p kandle-examples --bin quickstart -- --strategy mirrored --replicas 2
 //! mpirun -n 2 target/release/quickstart --strategy multi-worker   # built with --features mpi
+//! mpirun -n 3 target/release/quickstart --strategy parameter-server   # 2 workers, 1 server
 //! cargo run --release -p kandle-examples --bin quickstart -- --backup-dir backups/quickstart
 //! ```
 //!
@@ -15,7 +16,7 @@ use anyhow::Result;
 use clap::{Parser, ValueEnum};
 use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
-use kandle_examples::{build_strategy, BackupArgs, StrategyKind};
+use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
@@ -46,6 +47,8 @@ struct Args {
     seed: u64,
     #[command(flatten)]
     backup: BackupArgs,
+    #[command(flatten)]
+    ps: PsArgs,
 }
 
 fn main() -> Result<()> {
@@ -58,7 +61,7 @@ fn main() -> Result<()> {
             Adam::new(args.lr),
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
-            &build_strategy(args.strategy, args.replicas)?,
+            &args.ps.build_strategy(args.strategy, args.replicas)?,
         )?
         .with_seed(args.seed)?;
     model.build(&[1, 8, 8])?;

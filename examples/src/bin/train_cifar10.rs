@@ -5,6 +5,7 @@
 //! cargo run --release -p kandle-examples --bin train_cifar10 -- --output plots/minigooglenet_cifar10.png
 //! cargo run --release -p kandle-examples --features cuda --bin train_cifar10 -- --gpus 4 --strategy mirrored
 //! mpirun -n 2 target/release/train_cifar10 --strategy multi-worker --gpus 2   # built with --features mpi
+//! mpirun -n 4 target/release/train_cifar10 --strategy parameter-server --num-ps 2 --sync
 //! ```
 //!
 //! Any data in the CIFAR-10 binary format will do: `digits_as_cifar` writes the bundled digits
@@ -24,7 +25,7 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{build_strategy, BackupArgs, StrategyKind};
+use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
@@ -70,6 +71,8 @@ struct Args {
     title: String,
     #[command(flatten)]
     backup: BackupArgs,
+    #[command(flatten)]
+    ps: PsArgs,
 }
 
 /// Records each epoch's wall time.
@@ -120,7 +123,7 @@ fn main() -> Result<()> {
     } else {
         StrategyKind::Mirrored
     });
-    let strategy = build_strategy(kind, args.gpus)?;
+    let strategy = args.ps.build_strategy(kind, args.gpus)?;
     let replicas = strategy.num_replicas_in_sync();
     let lr = if args.scale_lr {
         args.lr * replicas as f64

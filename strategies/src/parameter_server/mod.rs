@@ -4,7 +4,8 @@
 //! parameter servers (the last P ranks). Every rank runs the same program; on a server, `fit`,
 //! `evaluate` and `predict` serve the workers until they end theirs, and return.
 //!
-//! - [`partition`]: the greedy placement of whole variables on the servers, balanced by size;
+//! - [`partition`](crate::partition): the greedy placement of whole variables on the servers,
+//!   balanced by size;
 //! - `shards`: what each server holds, and how a step buffer is cut for it;
 //! - `messages`: the message tags, headers and polled, deadline-bound sends and receives;
 //! - `server`: a server's shard, its optimizer state, and the loop that applies pushes
@@ -13,7 +14,6 @@
 //! - `strategy`: the strategy and the model it distributes.
 
 mod messages;
-pub mod partition;
 mod server;
 mod shards;
 mod strategy;

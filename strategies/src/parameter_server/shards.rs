@@ -2,7 +2,7 @@
 //! a server's weights message are cut and laid out for each server.
 //!
 //! Every variable of the model but the dropout generators' positions (each worker keeps its
-//! own masks going) lives whole on one server, placed by [`partition`](super::partition). A
+//! own masks going) lives whole on one server, placed by [`partition`](crate::partition::partition). A
 //! server's part of a step is a step buffer of its own ([`StepLayout`]): the gradients of its
 //! trainable variables, the step's loss and metric sums and sample count (every server gets
 //! them, so all decide alike whether a step applies), and its moving statistics times the
@@ -15,7 +15,7 @@ use kandle::strategy::fused::FusedLayout;
 use kandle::strategy::step::StepLayout;
 use kandle::Result;
 
-use super::partition::partition;
+use crate::partition::partition;
 
 /// The placement of a model's variables on the servers, computed alike on every rank.
 #[derive(Debug, Clone)]

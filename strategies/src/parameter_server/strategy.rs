@@ -34,7 +34,7 @@ pub const NUM_PS_ENV: &str = "KANDLE_NUM_PS";
 /// predictions).
 ///
 /// **Placement.** Each variable lives whole on one server, placed by size, largest first, on
-/// the least loaded server ([`partition`](super::partition::partition)); each server keeps the
+/// the least loaded server ([`partition`](crate::partition::partition)); each server keeps the
 /// optimizer state of its variables and applies their updates. A push and a pull are one
 /// message per server (MPI point-to-point), not one per variable.
 ///

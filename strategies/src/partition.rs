@@ -1,4 +1,5 @@
-//! The greedy partitioner that places variables on parameter servers: each variable whole,
+//! The greedy partitioner that places variables on parameter servers (the
+//! `ParameterServerStrategy` of the `mpi` feature): each variable whole,
 //! largest first, on the server that holds the fewest values so far (TensorFlow's
 //! `MinSizePartitioner` idea, applied to whole variables as its `ps_strategy` greedy placement
 //! does).

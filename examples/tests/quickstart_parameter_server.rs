@@ -1,0 +1,56 @@
+//! `mpirun -n 3 quickstart --strategy parameter-server`: two asynchronous workers and one
+//! parameter server reach at least 97% test accuracy on digits, and the epochs log the
+//! staleness of the updates. Needs Open MPI's `mpirun` and the `mpi` feature
+//! (`.ci/mpi-tests.sh` runs it); the launch runs under a deadline and is killed past it.
+
+#![cfg(feature = "mpi")]
+
+#[path = "../../strategies/tests/support/launch.rs"]
+#[allow(dead_code)]
+mod launch;
+
+#[test]
+fn quickstart_reaches_97_percent_with_asynchronous_parameter_servers() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let plot = dir.path().join("quickstart.png");
+    let checkpoint = dir.path().join("quickstart.safetensors");
+    let (plot, checkpoint) = (
+        plot.to_string_lossy().to_string(),
+        checkpoint.to_string_lossy().to_string(),
+    );
+    let _one = launch::lock();
+    let outcome = launch::run(launch::mpirun(
+        env!("CARGO_BIN_EXE_quickstart"),
+        3,
+        &[
+            "--strategy",
+            "parameter-server",
+            "--plot",
+            &plot,
+            "--checkpoint",
+            &checkpoint,
+        ],
+    ))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    let line = outcome
+        .output
+        .lines()
+        .find(|l| l.starts_with("final model:"))
+        .ok_or_else(|| anyhow::anyhow!("no final line:\n{}", outcome.output))?;
+    let accuracy: f64 = line
+        .split("test accuracy ")
+        .nth(1)
+        .and_then(|rest| rest.split('%').next())
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("cannot read `{line}`"))?;
+    eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
+    assert!(accuracy >= 97.0, "{line}");
+    assert!(line.contains("under parameter-server"), "{line}");
+    assert!(
+        outcome.output.contains("staleness_max"),
+        "{}",
+        outcome.output
+    );
+    assert!(std::path::Path::new(&checkpoint).exists());
+    Ok(())
+}

@@ -58,11 +58,52 @@ fn log2(replicas: usize) -> f64 {
     (replicas.max(1) as f64).log2()
 }
 
-/// Draws `series` under `title` and `caption` into the PNG `path`, creating its directory.
+/// What the y axis shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum YAxis {
+    /// Scaling efficiency, a fraction shown in percent, from 0.
+    Efficiency,
+    /// Milliseconds on a log10 scale.
+    LogMilliseconds,
+}
+
+/// Draws `series` (efficiency against replicas) under `title` and `caption` into the PNG
+/// `path`, creating its directory.
 pub fn draw(path: &Path, title: &str, caption: &str, series: &[Series]) -> Result<()> {
+    draw_with(path, title, caption, series, YAxis::Efficiency)
+}
+
+/// Draws `series` of `(workers, milliseconds)` on a log10 time axis (the parameter-server
+/// comparison of `bench_ps`), otherwise as [`draw`] does.
+pub fn draw_log_time(path: &Path, title: &str, caption: &str, series: &[Series]) -> Result<()> {
+    draw_with(path, title, caption, series, YAxis::LogMilliseconds)
+}
+
+fn draw_with(
+    path: &Path,
+    title: &str,
+    caption: &str,
+    series: &[Series],
+    y_axis: YAxis,
+) -> Result<()> {
     let (width, height) = SIZE;
     let mut rgb = vec![0u8; width as usize * height as usize * 3];
-    render(&mut rgb, title, caption, series)?;
+    let series: Vec<Series> = match y_axis {
+        YAxis::Efficiency => series.to_vec(),
+        YAxis::LogMilliseconds => series
+            .iter()
+            .map(|s| Series {
+                points: s
+                    .points
+                    .iter()
+                    .filter(|&&(_, ms)| ms > 0.0)
+                    .map(|&(n, ms)| (n, ms.log10()))
+                    .collect(),
+                ..s.clone()
+            })
+            .collect(),
+    };
+    render(&mut rgb, title, caption, &series, y_axis)?;
     let mut png = Vec::new();
     {
         let mut encoder = png::Encoder::new(&mut png, width, height);
@@ -78,7 +119,13 @@ pub fn draw(path: &Path, title: &str, caption: &str, series: &[Series]) -> Resul
     Ok(())
 }
 
-fn render(rgb: &mut [u8], title: &str, caption: &str, series: &[Series]) -> Result<()> {
+fn render(
+    rgb: &mut [u8],
+    title: &str,
+    caption: &str,
+    series: &[Series],
+    y_axis: YAxis,
+) -> Result<()> {
     let font = kandle::callbacks::plot_font()?;
     let err = |e: &dyn std::fmt::Display| anyhow::anyhow!("drawing the scaling plot: {e}");
     let root = BitMapBackend::with_buffer(rgb, SIZE).into_drawing_area();
@@ -86,14 +133,55 @@ fn render(rgb: &mut [u8], title: &str, caption: &str, series: &[Series]) -> Resu
     let body = root.titled(title, (font, 26)).map_err(|e| err(&e))?;
     let points = series.iter().flat_map(|s| s.points.iter());
     let x_max = points.clone().map(|&(n, _)| log2(n)).fold(0.0, f64::max);
-    let y_max = points.map(|&(_, e)| e).fold(1.0, f64::max);
+    let y_range = match y_axis {
+        YAxis::Efficiency => {
+            let y_max = points.map(|&(_, e)| e).fold(1.0, f64::max);
+            0.0..(y_max * 1.05).max(1.05)
+        }
+        YAxis::LogMilliseconds => {
+            let (lo, hi) = points.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &(_, y)| {
+                (lo.min(y), hi.max(y))
+            });
+            if lo.is_finite() && hi.is_finite() {
+                lo.floor()..hi.ceil().max(lo.floor() + 1.0)
+            } else {
+                0.0..1.0
+            }
+        }
+    };
     let mut chart = ChartBuilder::on(&body)
         .caption(caption, (font, 16))
         .margin(16)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d(-0.4..x_max + 0.4, 0.0..(y_max * 1.05).max(1.05))
+        .build_cartesian_2d(-0.4..x_max + 0.4, y_range.clone())
         .map_err(|e| err(&e))?;
+    let (x_desc, y_desc) = match y_axis {
+        YAxis::Efficiency => (
+            "replicas N (log2 scale)",
+            "scaling efficiency: images/s at N / (N x images/s at 1)",
+        ),
+        YAxis::LogMilliseconds => (
+            "workers W (log2 scale)",
+            "communication per step, ms (log10 scale)",
+        ),
+    };
+    let y_label = |y: &f64| match y_axis {
+        YAxis::Efficiency => format!("{:.0}%", y * 100.0),
+        YAxis::LogMilliseconds if y.fract().abs() < 1e-6 => {
+            let ms = 10f64.powf(*y);
+            if ms >= 1.0 {
+                format!("{ms:.0}")
+            } else {
+                format!("{ms}")
+            }
+        }
+        YAxis::LogMilliseconds => String::new(),
+    };
+    let y_labels = match y_axis {
+        YAxis::Efficiency => 10,
+        YAxis::LogMilliseconds => (y_range.end - y_range.start) as usize + 1,
+    };
     let powers_of_two = |x: &f64| {
         if x.fract().abs() < 1e-6 && *x >= 0.0 {
             format!("{}", 1u64 << (*x as u32))
@@ -103,11 +191,12 @@ fn render(rgb: &mut [u8], title: &str, caption: &str, series: &[Series]) -> Resu
     };
     chart
         .configure_mesh()
-        .x_desc("replicas N (log2 scale)")
-        .y_desc("scaling efficiency: images/s at N / (N x images/s at 1)")
+        .x_desc(x_desc)
+        .y_desc(y_desc)
         .x_labels(x_max as usize + 2)
+        .y_labels(y_labels)
         .x_label_formatter(&powers_of_two)
-        .y_label_formatter(&|y| format!("{:.0}%", y * 100.0))
+        .y_label_formatter(&y_label)
         .label_style((font, 15))
         .axis_desc_style((font, 16))
         .light_line_style(WHITE.mix(0.0))
@@ -142,7 +231,10 @@ fn render(rgb: &mut [u8], title: &str, caption: &str, series: &[Series]) -> Resu
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(match y_axis {
+            YAxis::Efficiency => SeriesLabelPosition::LowerRight,
+            YAxis::LogMilliseconds => SeriesLabelPosition::UpperLeft,
+        })
         .label_font((font, 14))
         .background_style(WHITE.mix(0.9))
         .border_style(BLACK.mix(0.3))

@@ -113,12 +113,21 @@ fn max_staleness(outcome: &Outcome) -> anyhow::Result<f64> {
     Ok(values.into_iter().fold(0.0, f64::max))
 }
 
-/// Worker 1 sleeps 150 ms before each step while workers 0 and 2 run free: without a bound its
-/// updates land many updates late; with `--max-staleness 2` none is more than 2 late.
+/// Every worker sleeps 30 ms before each step (a stand-in for computation) and worker 1
+/// 120 ms, while the three train asynchronously on one server: without a bound, worker 1's
+/// updates land several updates late; with `--max-staleness 2` none is more than 2 late.
 #[test]
 fn the_staleness_bound_holds_under_a_slow_worker() -> anyhow::Result<()> {
     let _one = lock();
-    let slow = ["staleness", "--slow-worker", "1", "--slow-ms", "150"];
+    let slow = [
+        "staleness",
+        "--compute-ms",
+        "30",
+        "--slow-worker",
+        "1",
+        "--slow-ms",
+        "120",
+    ];
     let free = run(mpirun(4, &slow))?;
     assert!(free.status.success(), "{}", free.output);
     let unbounded = max_staleness(&free)?;

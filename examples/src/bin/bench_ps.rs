@@ -432,7 +432,11 @@ fn driver(args: &Args) -> Result<()> {
     };
     let workers_axis: Vec<usize> = (0..=9).map(|i| 1usize << i).collect();
     let mut series = Vec::new();
-    for label in ["PS sync, 1 server", "PS sync, 2 servers", "PS async, 1 server"] {
+    for label in [
+        "PS sync, 1 server",
+        "PS sync, 2 servers",
+        "PS async, 1 server",
+    ] {
         let points: Vec<(usize, f64)> = rows
             .iter()
             .filter(|r| r.label == label)

@@ -6,7 +6,7 @@
 //! mpirun -n W+P kandle-ps-check [--num-ps P] [--sync] [--max-staleness K] [--timeout-secs T]
 //!        <equivalence --out FILE [--samples S] [--model plain|bn]
 //!         | digits [--epochs E] [--min-accuracy A]
-//!         | staleness [--epochs E] [--slow-worker R --slow-ms M]
+//!         | staleness [--epochs E] [--compute-ms C] [--slow-worker R --slow-ms M]
 //!         | train [--stall-worker R --stall-after-steps K]
 //!         | mismatch>
 //! ```
@@ -15,8 +15,9 @@
 //!   equivalence_run.rs`, included here) and the chief writes the weights to `FILE`;
 //! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
 //!   over every worker on the servers' weights, reaches `A` (default 0.97);
-//! - `staleness` trains on digits with worker `R` sleeping `M` ms before each step, and the
-//!   chief prints each epoch's `staleness_mean` and `staleness_max`;
+//! - `staleness` trains on digits with every worker sleeping `C` ms before each step (a stand-in
+//!   for computation) and worker `R` `M` ms, and the chief prints each epoch's
+//!   `staleness_mean` and `staleness_max`;
 //! - `train` trains for long and prints each step, so a test can stop or kill a rank; with
 //!   `--stall-worker R`, worker `R` sleeps forever before step `K + 1`;
 //! - `mismatch` builds a model whose last layer is wider on worker 1 than elsewhere.
@@ -48,6 +49,7 @@ struct Args {
     min_accuracy: f64,
     slow_worker: Option<usize>,
     slow_ms: u64,
+    compute_ms: u64,
     stall_worker: Option<usize>,
     stall_after_steps: usize,
 }
@@ -82,6 +84,7 @@ fn parse_args() -> Result<Args> {
             "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
             "--slow-worker" => args.slow_worker = Some(number(&arg, value(&arg)?)?),
             "--slow-ms" => args.slow_ms = number(&arg, value(&arg)?)?,
+            "--compute-ms" => args.compute_ms = number(&arg, value(&arg)?)?,
             "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
             "--stall-after-steps" => args.stall_after_steps = number(&arg, value(&arg)?)?,
             task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
@@ -255,12 +258,16 @@ fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Re
     let data = kandle::data::digits::load()?;
     let data = data.subset(&(0..480).collect::<Vec<_>>())?;
     let mut model = compile(strategy, 10)?;
-    let slow = (args.slow_worker == Some(strategy.worker().rank))
-        .then(|| Duration::from_millis(args.slow_ms));
+    let ms = if args.slow_worker == Some(strategy.worker().rank) {
+        args.slow_ms
+    } else {
+        args.compute_ms
+    };
+    let slow = Some(Duration::from_millis(ms));
     let history = model.fit(
         &data,
         FitOptions {
-            epochs: args.epochs.unwrap_or(2),
+            epochs: args.epochs.unwrap_or(1),
             batch_size_per_replica: 8,
             verbosity: Verbosity::Silent,
             callbacks: vec![Steps {

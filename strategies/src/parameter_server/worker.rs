@@ -366,6 +366,7 @@ fn exchange(
             })
             .collect();
         let mut backoff = Backoff(0);
+        let mut pace = msg::SendPace::default();
         let outcome = loop {
             let mut progressed = false;
             for slot in sends.iter_mut() {
@@ -425,7 +426,11 @@ fn exchange(
                     ),
                 });
             }
-            backoff.wait();
+            if sent {
+                backoff.wait();
+            } else {
+                pace.wait();
+            }
         };
         if let Err(e) = &outcome {
             if sends.iter().any(Option::is_some) {

@@ -443,13 +443,13 @@ fn driver(args: &Args) -> Result<()> {
             .map(|r| (r.workers, r.comm_ms.max(1e-3)))
             .collect();
         series.push(Series {
-            label: format!("measured here: {label} (workers)"),
+            label: format!("measured here: {label}"),
             points,
             mark: Mark::Points,
         });
     }
     series.push(Series {
-        label: "measured here: all-reduce (workers)".into(),
+        label: "measured here: all-reduce".into(),
         points: rows
             .iter()
             .filter(|r| r.label == "all-reduce")
@@ -457,9 +457,36 @@ fn driver(args: &Args) -> Result<()> {
             .collect(),
         mark: Mark::Points,
     });
+    // This machine's bandwidth, from the 2-rank all-reduce: each rank moves S in t.
+    let here = rows
+        .iter()
+        .find(|r| r.label == "all-reduce" && r.ranks == 2)
+        .map(|r| bytes / (r.comm_ms.max(1e-3) / 1e3));
+    if let Some(bytes_per_second) = here {
+        let gbit_here = bytes_per_second * 8.0 / 1e9;
+        let link_here = Link::new(gbit_here, 0.0)?;
+        series.push(Series {
+            label: format!("model, this machine ({gbit_here:.1} Gbit/s): 1 server"),
+            points: workers_axis
+                .iter()
+                .map(|&w| (w, 1e3 * 2.0 * w as f64 * bytes / bytes_per_second))
+                .collect(),
+            mark: Mark::Line,
+        });
+        series.push(Series {
+            label: format!("model, this machine ({gbit_here:.1} Gbit/s): ring"),
+            points: workers_axis
+                .iter()
+                .filter(|&&w| w > 1)
+                .map(|&w| (w, 1e3 * link_here.ring_all_reduce_seconds(w, bytes)))
+                .collect(),
+            mark: Mark::Line,
+        });
+        println!("this machine's all-reduce bandwidth: {gbit_here:.2} Gbit/s per rank");
+    }
     for servers in [1usize, 8, 64] {
         series.push(Series {
-            label: format!("model: {servers} server(s), 2·W·S/(P·B)"),
+            label: format!("model, {} Gbit/s: P = {servers}, 2·W·S/(P·B)", args.gbit),
             points: workers_axis
                 .iter()
                 .map(|&w| (w, ps_ms(w, servers)))
@@ -468,13 +495,11 @@ fn driver(args: &Args) -> Result<()> {
         });
     }
     series.push(Series {
-        label: format!(
-            "model: ring all-reduce, 2(N-1)/N·S/B ({} Gbit/s)",
-            args.gbit
-        ),
+        label: format!("model, {} Gbit/s: ring, 2(N-1)/N·S/B", args.gbit),
         points: workers_axis
             .iter()
-            .map(|&w| (w, 1e3 * link.ring_all_reduce_seconds(w, bytes).max(1e-6)))
+            .filter(|&&w| w > 1)
+            .map(|&w| (w, 1e3 * link.ring_all_reduce_seconds(w, bytes)))
             .collect(),
         mark: Mark::Line,
     });

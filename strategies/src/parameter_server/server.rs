@@ -28,7 +28,6 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 
 use kandle::optimizers::Optimizer;
 use kandle::params::{Param, Weights};
-use kandle::strategy::fused::fuse;
 use kandle::strategy::step::{self, StepLayout};
 use kandle::strategy::{ModelSpec, Replica};
 use kandle::{Error, Result};
@@ -70,7 +69,8 @@ struct Push {
     base: u64,
     step: u32,
     lr: f64,
-    buffer: Vec<f32>,
+    /// The whole message: its header, then the server's part of the step buffer.
+    message: Vec<f32>,
 }
 
 /// One parameter server.
@@ -390,7 +390,7 @@ impl Server {
                     base,
                     step: h[2],
                     lr: msg::lr_from([h[3], h[4]]),
-                    buffer: m.words[msg::HEADER..].to_vec(),
+                    message: m.words,
                 });
             }
             msg::TEST => {
@@ -546,14 +546,15 @@ impl Server {
                 });
             }
         }
-        let mut sum = std::mem::take(&mut group[0].buffer);
+        let mut sum = std::mem::take(&mut group[0].message);
         for p in &group[1..] {
-            for (s, v) in sum.iter_mut().zip(&p.buffer) {
+            for (s, v) in sum[msg::HEADER..].iter_mut().zip(&p.message[msg::HEADER..]) {
                 *s += v;
             }
         }
         let len = sum.len();
-        let total = Tensor::from_vec(sum, len, &Device::Cpu)?;
+        let total =
+            Tensor::from_vec(sum, len, &Device::Cpu)?.narrow(0, msg::HEADER, len - msg::HEADER)?;
         let totals = self.layout.read(&total)?;
         let lr = group[0].lr;
         step::finish(
@@ -614,8 +615,10 @@ impl Server {
         let mut s: Vec<f32> = sums.iter().map(|&v| v as f32).collect();
         s.resize(self.num_stats, 0.0);
         out.extend(s);
-        let tensors: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
-        out.extend(fuse(&tensors)?.to_vec1::<f32>()?);
+        out.reserve(self.vars.iter().map(|v| v.elem_count()).sum());
+        for v in &self.vars {
+            append_values(v.as_tensor(), &mut out)?;
+        }
         Ok(out)
     }
 
@@ -672,6 +675,26 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// Appends a CPU tensor's values, as `f32`, to `out`: straight from its storage when it is a
+/// contiguous `f32` tensor.
+fn append_values(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            out.extend_from_slice(&values[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(
+        t.flatten_all()?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1::<f32>()?,
+    );
+    Ok(())
 }
 
 /// A copy of an error for a second owner (kandle's `Error` is not `Clone`).

@@ -233,7 +233,7 @@ fn render(
         .configure_series_labels()
         .position(match y_axis {
             YAxis::Efficiency => SeriesLabelPosition::LowerRight,
-            YAxis::LogMilliseconds => SeriesLabelPosition::UpperLeft,
+            YAxis::LogMilliseconds => SeriesLabelPosition::LowerRight,
         })
         .label_font((font, 14))
         .background_style(WHITE.mix(0.9))

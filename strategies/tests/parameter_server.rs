@@ -10,6 +10,7 @@
 
 #![cfg(feature = "mpi")]
 
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -63,6 +64,13 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
         ))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
         assert_close(&reference, &kandle::checkpoint::load(&out)?, what)?;
+        // Every server ends the fit holding the whole model, the other servers' variables too.
+        let workers = ranks - servers.parse::<usize>()?;
+        for rank in workers..ranks {
+            let held = PathBuf::from(format!("{out_arg}.rank{rank}"));
+            let what = format!("{what}: the weights rank {rank} (a server) holds");
+            assert_close(&reference, &kandle::checkpoint::load(&held)?, &what)?;
+        }
     }
     Ok(())
 }

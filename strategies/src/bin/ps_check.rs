@@ -12,7 +12,8 @@
 //! ```
 //!
 //! - `equivalence` runs the equivalence run of the strategy tests (`tests/support/
-//!   equivalence_run.rs`, included here) and the chief writes the weights to `FILE`;
+//!   equivalence_run.rs`, included here); the chief writes the weights to `FILE`, and each
+//!   server rank `R` the weights it holds after `fit` to `FILE.rankR`;
 //! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
 //!   over every worker on the servers' weights, reaches `A` (default 0.97);
 //! - `staleness` trains on digits with every worker sleeping `C` ms before each step (a stand-in
@@ -202,11 +203,13 @@ fn equivalence(strategy: &ParameterServerStrategy, args: &Args) -> Result<()> {
             )))
         }
     };
-    let model = if strategy.is_server() {
-        equivalence_run::fit(net, strategy, args.samples)?.0
-    } else {
-        equivalence_run::train(net, strategy, args.samples)?
-    };
+    if strategy.is_server() {
+        // A server ends the call holding every server's final variables: it writes them too.
+        let model = equivalence_run::fit(net, strategy, args.samples)?.0;
+        let rank = strategy.worker().rank;
+        return kandle::checkpoint::save(&model.get_weights()?, format!("{out}.rank{rank}"));
+    }
+    let model = equivalence_run::train(net, strategy, args.samples)?;
     model.save_weights(out)
 }
 

@@ -88,23 +88,23 @@ impl World {
         if INITIALISED.swap(true, Ordering::SeqCst) {
             return Err(Error::Device(
                 "MPI was already initialised and finalised in this process (every \
-                 MultiWorkerMirroredStrategy was dropped); create the strategy once and keep it \
-                 for the life of the program"
+                 MultiWorkerMirroredStrategy and ParameterServerStrategy was dropped); create \
+                 the strategy once and keep it for the life of the program"
                     .into(),
             ));
         }
         let (mut universe, level) = mpi::initialize_with_threading(Threading::Serialized)
             .ok_or_else(|| {
                 Error::Device(
-                    "MPI was initialised outside kandle; MultiWorkerMirroredStrategy must \
-                     initialise it"
+                    "MPI was initialised outside kandle; MultiWorkerMirroredStrategy or \
+                     ParameterServerStrategy must initialise it"
                         .into(),
                 )
             })?;
         if level < Threading::Serialized {
             return Err(Error::Device(format!(
-                "the MPI library provides thread level {level:?}; MultiWorkerMirroredStrategy \
-                 needs Serialized or Multiple"
+                "the MPI library provides thread level {level:?}; kandle's MPI strategies \
+                 need Serialized or Multiple"
             )));
         }
         universe.set_buffer_size(SEND_BUFFER_BYTES);

@@ -18,6 +18,7 @@
 //! | `WEIGHTS` | server | version, applied, staleness, samples | loss and metric sums, then the server's variables | |
 //! | `TOTALS` | server 0 | | the sums | |
 //! | `ALIVE` | worker | | | (keeps the other servers from taking a worker that waits on one server for a stalled one) |
+//! | `SHARD` | server, to the other servers | as `WEIGHTS` | as `WEIGHTS` | (at the end of a call: every server then holds every variable) |
 //! | `WAITING` | server | | | (keeps a waiting worker's deadline from passing) |
 //! | `ABORT` | any | | text | |
 
@@ -51,6 +52,8 @@ pub(crate) const WEIGHTS: i32 = 0x5011;
 pub(crate) const TOTALS: i32 = 0x5012;
 /// Anyone to anyone: the job failed; text names the culprit.
 pub(crate) const ABORT: i32 = 0x5013;
+/// Server to server: its variables at the end of a call (laid out as `WEIGHTS`).
+pub(crate) const SHARD: i32 = 0x5015;
 /// Worker to server: still alive, waiting for another server; header only.
 pub(crate) const ALIVE: i32 = 0x5008;
 /// Server to a worker it makes wait (at an epoch's or a call's end): still alive, still

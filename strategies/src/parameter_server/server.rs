@@ -98,6 +98,10 @@ pub(crate) struct Server {
     /// When the workers waiting at an epoch's or the call's end were last told the server is
     /// alive.
     reassured: Instant,
+    /// Which variables every server holds, to take the others' at the end of a call.
+    sharding: Sharding,
+    /// The other servers' variables at the end of the current call, as they arrive.
+    others: Vec<Option<Vec<f32>>>,
 }
 
 impl Server {
@@ -153,6 +157,8 @@ impl Server {
             tests: vec![None; workers],
             epochs: vec![None; workers],
             reassured: Instant::now(),
+            sharding: sharding.clone(),
+            others: vec![None; roles.servers],
         })
     }
 
@@ -164,14 +170,6 @@ impl Server {
     /// The whole model this server built; only this server's variables are current.
     pub(crate) fn replica(&self) -> &Replica {
         &self.replica
-    }
-
-    /// This server's variables by canonical name.
-    pub(crate) fn shard_weights(&self) -> Result<Weights> {
-        self.params
-            .iter()
-            .map(|p| Ok((p.name.clone(), p.var.as_tensor().copy()?)))
-            .collect()
     }
 
     /// Sets this server's variables from `weights` (which holds the whole model's).
@@ -292,11 +290,15 @@ impl Server {
                     .map(|w| (w, msg::WEIGHTS, &reply[..]))
                     .collect();
                 msg::send_all(comm, &to, self.timeout, worker_label);
-                return Ok(());
+                return self.share_shards(comm, &reply);
             }
             let mut progressed = false;
             while let Some(m) = msg::try_receive(comm, None) {
-                self.handle(comm, m)?;
+                if m.tag == msg::SHARD && self.roles.server_index(m.source).is_some() {
+                    self.keep_shard(m)?;
+                } else {
+                    self.handle(comm, m)?;
+                }
                 progressed = true;
             }
             progressed |= self.apply_ready(comm)?;
@@ -308,6 +310,96 @@ impl Server {
             self.reassure(comm);
             backoff.wait();
         }
+    }
+
+    /// At the end of a call, sends this server's final variables (`reply`, a `WEIGHTS`
+    /// message) to the other servers and loads theirs into its copy of the model, so that every
+    /// rank holds the whole model's weights between calls.
+    fn share_shards(&mut self, comm: &SimpleCommunicator, reply: &[f32]) -> Result<()> {
+        if self.roles.servers < 2 {
+            return Ok(());
+        }
+        let to: Vec<(usize, i32, &[f32])> = (0..self.roles.servers)
+            .filter(|&s| s != self.index)
+            .map(|s| (self.roles.server_rank(s), msg::SHARD, reply))
+            .collect();
+        let roles = self.roles;
+        msg::send_all(comm, &to, self.timeout * 2, |r| roles.label(r));
+        let deadline = Instant::now() + self.timeout * 2;
+        let mut backoff = Backoff(0);
+        loop {
+            let mut progressed = false;
+            let me = self.index;
+            for s in (0..self.roles.servers).filter(|&s| s != me) {
+                if self.others[s].is_some() {
+                    continue;
+                }
+                if let Some(m) = msg::try_receive(comm, Some(self.roles.server_rank(s))) {
+                    self.keep_shard(m)?;
+                    progressed = true;
+                }
+            }
+            let missing =
+                (0..self.roles.servers).find(|&s| s != self.index && self.others[s].is_none());
+            let Some(late) = missing else {
+                break;
+            };
+            if !progressed {
+                if Instant::now() >= deadline {
+                    return Err(Error::Replica {
+                        replica: self.roles.server_label(late),
+                        reason: format!(
+                            "did not send its variables to {} at the end of call {} within {}",
+                            self.label(),
+                            self.call,
+                            seconds(self.timeout * 2)
+                        ),
+                    });
+                }
+                backoff.wait();
+            }
+        }
+        let num_stats = self.num_stats;
+        let params: Vec<Param> = self.replica.store().iter().cloned().collect();
+        for s in 0..self.roles.servers {
+            let Some(message) = self.others[s].take() else {
+                continue;
+            };
+            let body = &message[msg::HEADER + num_stats..];
+            let layout = &self.sharding.weights[s];
+            if body.len() != layout.len() {
+                return Err(Error::Replica {
+                    replica: self.roles.server_label(s),
+                    reason: format!(
+                        "sent {} values for its variables where {} expects {}",
+                        body.len(),
+                        self.label(),
+                        layout.len()
+                    ),
+                });
+            }
+            let values = Tensor::from_slice(body, body.len(), &Device::Cpu)?;
+            for (&i, value) in self.sharding.vars[s].iter().zip(layout.split(&values, 0)?) {
+                params[i].var.set(&value)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps another server's end-of-call variables (`m`, a `SHARD` message) until this server
+    /// ends the call too.
+    fn keep_shard(&mut self, m: Incoming) -> Result<()> {
+        if let Some(error) = m.abort {
+            return Err(error);
+        }
+        let s = self.roles.server_index(m.source).ok_or_else(|| {
+            Error::invalid("a parameter server's variables from a worker (internal error)")
+        })?;
+        if m.tag != msg::SHARD || msg::read_header(&m.words)?[0] != self.call {
+            return Err(self.unexpected(&m, "the exchange of the servers' variables"));
+        }
+        self.others[s] = Some(m.words);
+        Ok(())
     }
 
     /// The rank of the worker that sent `m`, or the error of a notice or a stray message.

@@ -70,8 +70,9 @@ pub const NUM_PS_ENV: &str = "KANDLE_NUM_PS";
 /// error from `main`: the MPI job cannot continue after it.
 ///
 /// **Limits.** Workers train on one CPU replica each. The optimizer state lives on the servers
-/// and cannot be saved (`Model::save` fails; weights can be). On a server, `get_weights` holds
-/// its own variables as trained and the others as they were built or last set.
+/// and cannot be saved (`Model::save` fails; weights can be). Between calls every rank holds the
+/// whole model's final weights (the servers exchange theirs at the end of each call), but during
+/// a call a worker holds those it last got and a server only its own current ones.
 ///
 /// ```no_run
 /// use kandle::prelude::*;
@@ -329,11 +330,7 @@ impl DistributedModel for PsModel {
     fn weights(&self) -> Result<Weights> {
         match self {
             PsModel::Worker(w) => w.weights(),
-            PsModel::Server(s) => {
-                let mut all = crate::replica_set::cpu_weights(s.replica().store())?;
-                all.extend(s.shard_weights()?);
-                Ok(all)
-            }
+            PsModel::Server(s) => crate::replica_set::cpu_weights(s.replica().store()),
         }
     }
 

@@ -72,7 +72,8 @@ struct Args {
     backup: BackupArgs,
 }
 
-/// Records each epoch's wall time.
+/// Records each epoch's wall time; its record survives a resume (the epoch a run resumes in
+/// counts from the resume).
 #[derive(Default)]
 struct EpochTimer {
     start: Option<Instant>,
@@ -96,6 +97,26 @@ impl Callback for EpochTimer {
         }
         Ok(())
     }
+
+    fn state(&self) -> Option<serde_json::Value> {
+        let seconds = self.seconds.lock().ok()?;
+        Some(serde_json::json!({ "seconds": *seconds }))
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> kandle::Result<()> {
+        let saved: Vec<f64> = state
+            .get("seconds")
+            .and_then(|s| serde_json::from_value(s.clone()).ok())
+            .ok_or_else(|| {
+                kandle::Error::invalid("EpochTimer: the saved state has no `seconds`")
+            })?;
+        if let Ok(mut seconds) = self.seconds.lock() {
+            *seconds = saved;
+        }
+        // The epoch in progress when the backup was taken counts from now.
+        self.start = Some(Instant::now());
+        Ok(())
+    }
 }
 
 fn sibling(output: &Path, extension: &str) -> PathBuf {
@@ -105,7 +126,6 @@ fn sibling(output: &Path, extension: &str) -> PathBuf {
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
-    let backup = args.backup.callback();
     let started = Instant::now();
     let data = if args.download {
         cifar10::load_or_download(&args.data_dir)
@@ -121,6 +141,7 @@ fn main() -> Result<()> {
         StrategyKind::Mirrored
     });
     let strategy = build_strategy(kind, args.gpus)?;
+    let backup = args.backup.callback(&strategy);
     let replicas = strategy.num_replicas_in_sync();
     let lr = if args.scale_lr {
         args.lr * replicas as f64

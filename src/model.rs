@@ -632,7 +632,8 @@ impl Model {
         let shape = RunShape {
             steps_per_epoch: steps,
             global_batch_size: info.global_batch_size,
-            samples: info.samples,
+            // The whole dataset's, the same on every worker (`info.samples` is this worker's).
+            samples: data.len(),
             workers: self.worker().size,
         };
         let requested = self.requests.resume.take();

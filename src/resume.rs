@@ -3,7 +3,7 @@
 //!
 //! A backup is a [`TrainingState`] whose `extra["fit"]` holds the position (the epoch, the next
 //! step in it, the epoch's running sums), the shape of the run it belongs to (steps per epoch,
-//! global batch size, samples per epoch, workers: a resume into another run is refused), the
+//! global batch size, samples in the dataset, workers: a resume into another run is refused), the
 //! history so far and every callback's state.
 //!
 //! Under multi-worker training every worker reads the backup itself, and the workers compare
@@ -32,11 +32,13 @@ pub(crate) struct FitRequests {
     pub(crate) resume: Option<Vec<PathBuf>>,
 }
 
-/// The shape of a `fit` run: a backup resumes only into a run of the same shape.
+/// The shape of a `fit` run, the same on every worker: a backup resumes only into a run of the
+/// same shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RunShape {
     pub(crate) steps_per_epoch: usize,
     pub(crate) global_batch_size: usize,
+    /// Samples in the dataset.
     pub(crate) samples: usize,
     /// Processes of the job (workers of a multi-worker strategy; 1 otherwise).
     pub(crate) workers: usize,

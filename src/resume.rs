@@ -346,7 +346,7 @@ mod tests {
             digest: 1,
         };
         let err = check_agreement(&words(&[chief, chief, Found::Nothing]))
-            .unwrap_err()
+            .expect_err("workers disagree")
             .to_string();
         assert!(
             err.starts_with(
@@ -361,14 +361,14 @@ mod tests {
             digest: 2,
         };
         let err = check_agreement(&words(&[chief, older]))
-            .unwrap_err()
+            .expect_err("workers disagree")
             .to_string();
         assert!(
             err.contains("worker 1: found the backup of epoch 3 step 7 (digest 0000000000000002)"),
             "{err}"
         );
         let err = check_agreement(&words(&[Found::Nothing, Found::Unreadable]))
-            .unwrap_err()
+            .expect_err("workers disagree")
             .to_string();
         assert!(
             err.contains("worker 1: found backups it cannot read"),

@@ -258,6 +258,16 @@ fn train_cifar10(data: &Path, dir: &Path, backups: Option<(&Path, usize)>) -> Co
     cmd
 }
 
+/// CIFAR-format fixtures, and the CSV log of an uninterrupted `train_cifar10` on them.
+fn uninterrupted_train_cifar10() -> anyhow::Result<(tempfile::TempDir, String)> {
+    let data = tempfile::tempdir()?;
+    kandle::data::cifar10::write_fixture(data.path(), 8, 8, 3)?;
+    let plain = tempfile::tempdir()?;
+    run(train_cifar10(data.path(), plain.path(), None))?;
+    let csv = std::fs::read_to_string(plain.path().join("cifar.csv"))?;
+    Ok((data, csv))
+}
+
 /// Runs `cmd` to completion and checks that it said first that it resumes.
 fn run_resumed(cmd: Command) -> anyhow::Result<()> {
     let resumed = run(cmd)?;
@@ -273,12 +283,7 @@ fn run_resumed(cmd: Command) -> anyhow::Result<()> {
 /// where it resumes, and the CSV log equals an uninterrupted run's, bit for bit.
 #[test]
 fn a_killed_train_cifar10_resumes_bit_for_bit() -> anyhow::Result<()> {
-    let data = tempfile::tempdir()?;
-    kandle::data::cifar10::write_fixture(data.path(), 8, 8, 3)?;
-    let plain = tempfile::tempdir()?;
-    run(train_cifar10(data.path(), plain.path(), None))?;
-    let want_csv = std::fs::read_to_string(plain.path().join("cifar.csv"))?;
-
+    let (data, want_csv) = uninterrupted_train_cifar10()?;
     let dir = tempfile::tempdir()?;
     let backups = dir.path().join("backups");
     let backup = backups.join("backup.safetensors");
@@ -327,12 +332,7 @@ fn kill_while_saving(mut cmd: Command, backups: &Path) -> anyhow::Result<Option<
 /// resumes from the previous backup and ends with the uninterrupted run's CSV, bit for bit.
 #[test]
 fn a_kill_during_a_save_leaves_the_previous_backup() -> anyhow::Result<()> {
-    let data = tempfile::tempdir()?;
-    kandle::data::cifar10::write_fixture(data.path(), 8, 8, 3)?;
-    let plain = tempfile::tempdir()?;
-    run(train_cifar10(data.path(), plain.path(), None))?;
-    let want_csv = std::fs::read_to_string(plain.path().join("cifar.csv"))?;
-
+    let (data, want_csv) = uninterrupted_train_cifar10()?;
     let dir = tempfile::tempdir()?;
     let backups = dir.path().join("backups");
     let backup = backups.join("backup.safetensors");

@@ -47,6 +47,16 @@ fn mpirun(workers: usize, args: &[&str]) -> Command {
     cmd
 }
 
+/// `kandle-mpi-check <args>` started without `mpirun`: a worker alone, a world of one.
+fn alone<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Command {
+    let mut cmd = Command::new(WORKER);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
 /// What a finished launch did.
 struct Outcome {
     status: ExitStatus,
@@ -364,13 +374,7 @@ fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
         outcome.output
     );
     // Started without mpirun (or by another MPI's), a worker is a world of one: it must say so.
-    let mut alone = Command::new(WORKER);
-    alone
-        .args(["--expect-world-size", "2", "world"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let outcome = run(alone)?;
+    let outcome = run(alone(&["--expect-world-size", "2", "world"]))?;
     assert!(!outcome.status.success(), "{}", outcome.output);
     assert!(
         outcome
@@ -563,13 +567,7 @@ fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow:
     assert!(!out.exists(), "the killed job finished anyway");
 
     let saved = std::fs::read(&backup)?;
-    let mut alone = Command::new(WORKER);
-    alone
-        .args(task(&resumed, &out))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let outcome = run(alone)?;
+    let outcome = run(alone(&task(&resumed, &out)))?;
     assert!(!outcome.status.success(), "{}", outcome.output);
     assert!(
         outcome.output.contains(

@@ -318,16 +318,21 @@ fn resume(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
     resumed.save_weights(out)
 }
 
-fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
-    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = digits_cnn()
+/// The digits CNN with Adam, seeded, as `digits` and `backup` train it.
+fn digits_model(strategy: &MultiWorkerMirroredStrategy) -> Result<Model> {
+    digits_cnn()
         .compile(
             Adam::new(2e-3),
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
             strategy,
         )?
-        .with_seed(1)?;
+        .with_seed(1)
+}
+
+fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
+    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+    let mut model = digits_model(strategy)?;
     let start = std::time::Instant::now();
     model.fit(
         &train,
@@ -391,14 +396,7 @@ fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) ->
     };
     let dir = dir.replace("{rank}", &strategy.worker().rank.to_string());
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = digits_cnn()
-        .compile(
-            Adam::new(2e-3),
-            SparseCategoricalCrossentropy::new(),
-            [Accuracy],
-            strategy,
-        )?
-        .with_seed(1)?;
+    let mut model = digits_model(strategy)?;
     let backups = BackupAndRestore::new(dir)
         .save_freq(SaveFreq::Steps(args.every.unwrap_or(4)))
         .delete_checkpoint(!args.keep_backups);

@@ -2,7 +2,7 @@
 //! after a backup (or in the middle of writing one), run again with the same command, says on
 //! its first line that it resumes, and ends where an uninterrupted run ends:
 //! - `quickstart` (Adam, batch norm, dropout) under `OneDeviceStrategy` on the CPU: the same
-//!   CSV log (each epoch once) and the same final training state, bit for bit;
+//!   CSV log (each epoch once), plot and final training state, bit for bit;
 //! - `quickstart` under `MirroredStrategy::cpu(2)`: the final training state within 1e-6
 //!   relative (the test prints whether it is also bitwise);
 //! - `train_cifar10` (MiniGoogLeNet, augmentation, polynomial decay): the same CSV, bit for bit,
@@ -131,10 +131,19 @@ fn state_difference(a: &Path, b: &Path) -> anyhow::Result<(f64, bool)> {
     Ok((worst, bitwise))
 }
 
+/// What a killed and resumed run left, next to an uninterrupted run's.
+struct Resumed {
+    csv: String,
+    want_csv: String,
+    /// Whether the training-curve PNGs are the same bytes.
+    same_plot: bool,
+    /// [`state_difference`] of the final training states.
+    difference: (f64, bool),
+}
+
 /// An uninterrupted `quickstart` under `strategy`, then one SIGKILLed after a backup and run
-/// again: checks the resumed run's first line and final test line, and returns the two CSV
-/// logs and the difference of the final training states.
-fn kill_and_resume_quickstart(strategy: &[&str]) -> anyhow::Result<(String, String, (f64, bool))> {
+/// again: checks the resumed run's first line and final test line, and returns what both left.
+fn kill_and_resume_quickstart(strategy: &[&str]) -> anyhow::Result<Resumed> {
     let plain = tempfile::tempdir()?;
     let reference = run(quickstart(plain.path(), None, strategy))?;
     let want_csv = std::fs::read_to_string(plain.path().join("q.csv"))?;
@@ -162,37 +171,48 @@ fn kill_and_resume_quickstart(strategy: &[&str]) -> anyhow::Result<(String, Stri
         "{resumed}\nvs\n{reference}"
     );
     anyhow::ensure!(!backup.exists(), "the backup is deleted when fit completes");
-    let csv = std::fs::read_to_string(dir.path().join("q.csv"))?;
-    let difference = state_difference(
-        &plain.path().join("final.safetensors"),
-        &dir.path().join("final.safetensors"),
-    )?;
-    Ok((csv, want_csv, difference))
+    let plot = |d: &Path| std::fs::read(d.join("q.png"));
+    Ok(Resumed {
+        csv: std::fs::read_to_string(dir.path().join("q.csv"))?,
+        want_csv,
+        same_plot: plot(plain.path())? == plot(dir.path())?,
+        difference: state_difference(
+            &plain.path().join("final.safetensors"),
+            &dir.path().join("final.safetensors"),
+        )?,
+    })
 }
 
 #[test]
 fn a_killed_run_resumes_bit_for_bit_on_one_device() -> anyhow::Result<()> {
-    let (csv, want_csv, (worst, bitwise)) = kill_and_resume_quickstart(&[])?;
+    let r = kill_and_resume_quickstart(&[])?;
     anyhow::ensure!(
-        csv == want_csv,
-        "resumed CSV:\n{csv}\nuninterrupted:\n{want_csv}"
+        r.csv == r.want_csv,
+        "resumed CSV:\n{}\nuninterrupted:\n{}",
+        r.csv,
+        r.want_csv
     );
+    let (worst, bitwise) = r.difference;
     anyhow::ensure!(bitwise, "final states differ by {worst:e} (relative)");
+    anyhow::ensure!(r.same_plot, "the resumed run drew another plot");
     Ok(())
 }
 
 #[test]
 fn a_killed_mirrored_run_resumes_within_1e_6() -> anyhow::Result<()> {
-    let (csv, want_csv, (worst, bitwise)) =
-        kill_and_resume_quickstart(&["--strategy", "mirrored", "--replicas", "2"])?;
+    let r = kill_and_resume_quickstart(&["--strategy", "mirrored", "--replicas", "2"])?;
+    let (worst, bitwise) = r.difference;
     eprintln!(
         "mirrored x2, killed and resumed: final state within {worst:e} relative (bitwise: \
-         {bitwise}); CSV identical: {}",
-        csv == want_csv
+         {bitwise}); CSV identical: {}; plot identical: {}",
+        r.csv == r.want_csv,
+        r.same_plot
     );
     anyhow::ensure!(
         worst <= 1e-6,
-        "final states differ by {worst:e} (relative)\nresumed CSV:\n{csv}\nuninterrupted:\n{want_csv}"
+        "final states differ by {worst:e} (relative)\nresumed CSV:\n{}\nuninterrupted:\n{}",
+        r.csv,
+        r.want_csv
     );
     Ok(())
 }

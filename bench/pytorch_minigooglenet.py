@@ -3,7 +3,9 @@
 
 Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it (1,656,250
 parameters) on the CPU: a training step (forward, cross-entropy, backward, SGD with momentum 0.9)
-and inference, at the same batch and thread count as the kandle side. With `--ops`, it also
+and inference, at the same batch and thread count as the kandle side, in each configuration of
+`--configs` (default all): the default layout (`eager`), `channels_last`, and both under
+`torch.compile`. A configuration that cannot run here is reported with its error. With `--ops`, it also
 times the individual ops listed in a JSON file (or `-` for stdin) written by `bench`: conv
 forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
 same way kandle's are (forward alone, then forward and backward with the input's gradient off and
@@ -139,22 +141,28 @@ def fastest_time(fn, warmup, iters):
     return min(samples(fn, warmup, iters))
 
 
-def time_model(args):
+CONFIGS = {
+    # name: (memory format, torch.compile)
+    "eager": (torch.contiguous_format, False),
+    "channels_last": (torch.channels_last, False),
+    "compile": (torch.contiguous_format, True),
+    "channels_last+compile": (torch.channels_last, True),
+}
+
+
+def time_config(args, name):
+    """One configuration's training step and inference, each the median of `--iters` runs."""
+    memory_format, compiled = CONFIGS[name]
     torch.manual_seed(0)
-    model = MiniGoogLeNet(10)
-    trainable, moving = parameter_counts(model)
-    if trainable + moving != KERAS_PARAMETERS:
-        raise SystemExit(
-            f"PyTorch MiniGoogLeNet has {trainable + moving} parameters, "
-            f"Keras's has {KERAS_PARAMETERS}"
-        )
-    x = torch.randn(args.batch, 3, 32, 32)
+    model = MiniGoogLeNet(10).to(memory_format=memory_format)
+    x = torch.randn(args.batch, 3, 32, 32).contiguous(memory_format=memory_format)
     y = torch.randint(0, 10, (args.batch,))
     opt = torch.optim.SGD(model.parameters(), lr=5e-3, momentum=0.9)
+    net = torch.compile(model) if compiled else model
 
     def train_step():
         opt.zero_grad(set_to_none=True)
-        out = model(x)
+        out = net(x)
         loss = F.cross_entropy(out, y)
         loss.backward()
         opt.step()
@@ -163,19 +171,40 @@ def time_model(args):
 
     def inference():
         with torch.inference_mode():
-            return F.softmax(model(x), 1)
+            return F.softmax(net(x), 1)
 
-    log(f"pytorch: training step, batch {args.batch}")
+    # Compilation happens in the first calls: more warm-up for compiled configurations.
+    warmup = args.warmup + (3 if compiled else 0)
+    log(f"pytorch {name}: training step, batch {args.batch}")
     model.train()
-    train = median_time(train_step, args.warmup, args.iters)
-    log(f"pytorch: inference, batch {args.batch}")
+    train = median_time(train_step, warmup, args.iters)
+    log(f"pytorch {name}: inference, batch {args.batch}")
     model.eval()
-    infer = median_time(inference, args.warmup, args.iters)
+    infer = median_time(inference, warmup, args.iters)
+    return {"name": name, "train_step_s": train, "inference_s": infer}
+
+
+def time_model(args):
+    torch.manual_seed(0)
+    trainable, moving = parameter_counts(MiniGoogLeNet(10))
+    if trainable + moving != KERAS_PARAMETERS:
+        raise SystemExit(
+            f"PyTorch MiniGoogLeNet has {trainable + moving} parameters, "
+            f"Keras's has {KERAS_PARAMETERS}"
+        )
+    configs = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown configuration {name!r}: one of {', '.join(CONFIGS)}")
+        try:
+            configs.append(time_config(args, name))
+        except Exception as e:  # noqa: BLE001 - a configuration that cannot run is reported
+            log(f"pytorch {name}: failed: {e}")
+            configs.append({"name": name, "error": f"{type(e).__name__}: {e}"[:300]})
     return {
         "trainable_parameters": trainable,
         "non_trainable_parameters": moving,
-        "train_step_s": train,
-        "inference_s": infer,
+        "configs": configs,
     }
 
 
@@ -255,6 +284,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ops", help="JSON list of ops to time (a file, or - for stdin)")
     parser.add_argument("--no-model", action="store_true", help="time only the ops")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated configurations of the model to time: " + ", ".join(CONFIGS),
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)

@@ -68,20 +68,72 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         .file_name()
         .ok_or_else(|| Error::invalid(format!("`{}` is not a file path", path.display())))?;
     let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        file_name.to_string_lossy(),
+        "{}{}.tmp",
+        temporary_prefix(&file_name.to_string_lossy()),
         std::process::id()
     ));
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        std::fs::rename(&tmp, path)
+        std::fs::rename(&tmp, path)?;
+        // The rename itself survives a power cut once the directory is synced too.
+        sync_directory(&dir)
     };
     write().map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         Error::io("cannot write", path, e)
     })
+}
+
+/// The start of the temporary file names [`write_atomically`] uses for a file named `name`
+/// (the writer's process id and `.tmp` follow).
+fn temporary_prefix(name: &str) -> String {
+    format!(".{name}.")
+}
+
+#[cfg(unix)]
+fn sync_directory(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(not(unix))]
+fn sync_directory(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// Removes the temporary files that processes killed inside [`write_atomically`] left next to
+/// `path` (the file itself is untouched: it is the last complete write). Returns how many.
+pub(crate) fn remove_torn_writes(path: &Path) -> Result<usize> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Ok(0);
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(0);
+    };
+    let prefix = temporary_prefix(&name.to_string_lossy());
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let entry_name = entry.file_name();
+        let entry_name = entry_name.to_string_lossy();
+        let pid = entry_name
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.strip_suffix(".tmp"));
+        if pid.is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+            let torn = entry.path();
+            match std::fs::remove_file(&torn) {
+                Ok(()) => removed += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io("cannot remove", &torn, e)),
+            }
+        }
+    }
+    Ok(removed)
 }
 
 /// Reads a checkpoint into CPU tensors.
@@ -159,6 +211,45 @@ mod tests {
             .expect_err("missing")
             .to_string();
         assert!(missing.contains("cannot read checkpoint"), "{missing}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
+    fn torn_writes_are_removed_and_nothing_else() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("kandle-torn-{}", std::process::id()));
+        let path = dir.join("backup.safetensors");
+        write_atomically(&path, b"whole")?;
+        let touch = |name: &str| {
+            std::fs::write(dir.join(name), b"part").map_err(|e| Error::io("write", &path, e))
+        };
+        // What processes 17 and 23 left when killed mid-write, and files that only look alike.
+        for name in [
+            ".backup.safetensors.17.tmp",
+            ".backup.safetensors.23.tmp",
+            ".backup.safetensors.x.tmp",
+            ".other.safetensors.17.tmp",
+            "backup.safetensors.17.tmp",
+        ] {
+            touch(name)?;
+        }
+        assert_eq!(remove_torn_writes(&path)?, 2);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .map_err(|e| Error::io("list", &dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ".backup.safetensors.x.tmp",
+                ".other.safetensors.17.tmp",
+                "backup.safetensors",
+                "backup.safetensors.17.tmp"
+            ]
+        );
+        assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"whole"[..]));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

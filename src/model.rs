@@ -635,16 +635,18 @@ impl Model {
         let shape = RunShape {
             steps_per_epoch: steps,
             global_batch_size: info.global_batch_size,
-            samples: info.samples,
+            // The whole dataset's, the same on every worker (`info.samples` is this worker's).
+            samples: data.len(),
+            workers: self.worker().size,
         };
-        let mut start = Position {
-            epoch: options.initial_epoch,
-            step: 0,
-            totals: None,
-        };
-        if let Some(candidates) = self.requests.resume.take() {
-            start = self.resume(&candidates, shape, &mut history, &mut callbacks)?;
-        }
+        let requested = self.requests.resume.take();
+        let mut start = self
+            .resume(requested, shape, &mut history, &mut callbacks)?
+            .unwrap_or(Position {
+                epoch: options.initial_epoch,
+                step: 0,
+                totals: None,
+            });
         let mut logs = Logs::new();
         for epoch in start.epoch..options.epochs {
             callbacks.on_epoch_begin(epoch, self)?;
@@ -692,15 +694,25 @@ impl Model {
     }
 
     /// Loads the first readable backup of `candidates` into the model, the history and the
-    /// callbacks, and returns where to continue.
+    /// callbacks, and returns where to continue (`None`: no backup, start from the beginning).
+    /// The workers of a multi-worker job first check that they all found the same backup.
     fn resume(
         &mut self,
-        candidates: &[std::path::PathBuf],
+        candidates: Option<Vec<std::path::PathBuf>>,
         shape: RunShape,
         history: &mut History,
         callbacks: &mut CallbackList,
-    ) -> Result<Position> {
-        let (path, state) = resume::read(candidates)?;
+    ) -> Result<Option<Position>> {
+        let read = candidates.map(|c| resume::read(&c));
+        if shape.workers > 1 {
+            let found = resume::Found::of(read.as_ref()).words();
+            let all = self.replicas()?.all_gather_workers(&found)?;
+            resume::check_agreement(&all)?;
+        }
+        let Some(read) = read else {
+            return Ok(None);
+        };
+        let (path, state) = read?;
         let position = resume::restore(&path, &state, shape, history, callbacks)?;
         self.set_training_state(&state)
             .map_err(|e| Error::Checkpoint {
@@ -715,7 +727,7 @@ impl Model {
                 position.step
             );
         }
-        Ok(position)
+        Ok(Some(position))
     }
 
     /// Writes the backup a callback asked for, recording `position`.

@@ -3,11 +3,18 @@
 //!
 //! A backup is a [`TrainingState`] whose `extra["fit"]` holds the position (the epoch, the next
 //! step in it, the epoch's running sums), the shape of the run it belongs to (steps per epoch,
-//! global batch size, samples per epoch: a resume into another run is refused), the history so
-//! far and every callback's state.
+//! global batch size, samples in the dataset, workers: a resume into another run is refused), the
+//! history so far and every callback's state.
+//!
+//! Under multi-worker training every worker reads the backup itself, and the workers compare
+//! what they found ([`Found`]) before any of them resumes: a worker that found another backup,
+//! or none, fails every worker alike instead of training from another point. A backup taken by
+//! a job of `N` workers resumes only into a job of `N` workers, so a worker restarted alone is
+//! refused.
 //!
 //! [`BackupAndRestore`]: crate::callbacks::BackupAndRestore
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
@@ -25,12 +32,16 @@ pub(crate) struct FitRequests {
     pub(crate) resume: Option<Vec<PathBuf>>,
 }
 
-/// The shape of a `fit` run: a backup resumes only into a run of the same shape.
+/// The shape of a `fit` run, the same on every worker: a backup resumes only into a run of the
+/// same shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RunShape {
     pub(crate) steps_per_epoch: usize,
     pub(crate) global_batch_size: usize,
+    /// Samples in the dataset.
     pub(crate) samples: usize,
+    /// Processes of the job (workers of a multi-worker strategy; 1 otherwise).
+    pub(crate) workers: usize,
 }
 
 /// Where a run is: the next step to run is `step` of `epoch`; `totals` are the epoch's running
@@ -63,6 +74,7 @@ pub(crate) fn record(
             "steps_per_epoch": shape.steps_per_epoch,
             "global_batch_size": shape.global_batch_size,
             "samples": shape.samples,
+            "workers": shape.workers,
             "history": history.state(),
             "callbacks": callbacks.state(),
         }),
@@ -137,7 +149,21 @@ pub(crate) fn restore(
         steps_per_epoch: number("steps_per_epoch")?,
         global_batch_size: number("global_batch_size")?,
         samples: number("samples")?,
+        // Backups of single-process runs before the field existed.
+        workers: fit.get("workers").map_or(Ok(1), |_| number("workers"))?,
     };
+    if saved.workers != shape.workers {
+        return Err(Error::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!(
+                "was taken by a job of {} worker(s), but this job has {}: a multi-worker job \
+                 resumes as a whole, so restart every worker together (`mpirun -n {}` ...), \
+                 not one alone; to go on with another number of workers, load the training \
+                 state with `Model::load` and start a new fit",
+                saved.workers, shape.workers, saved.workers
+            ),
+        });
+    }
     if saved != shape {
         return Err(Error::Checkpoint {
             path: path.to_path_buf(),
@@ -186,4 +212,167 @@ pub(crate) fn restore(
         step: number("step")?,
         totals,
     })
+}
+
+/// What a worker found to resume from: the words the workers of a job compare before resuming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// No backup: the run starts from the beginning.
+    Nothing,
+    /// Backups that cannot be read (the error is the worker's own).
+    Unreadable,
+    /// A backup that resumes at `step` of `epoch`; `digest` tells backups of one position apart.
+    Backup { epoch: u64, step: u64, digest: u64 },
+}
+
+impl Found {
+    /// Words of one worker's finding, for [`check_agreement`].
+    pub(crate) const WORDS: usize = 4;
+
+    /// What reading the candidates gave (`None`: there were none).
+    pub(crate) fn of(read: Option<&Result<(PathBuf, TrainingState)>>) -> Self {
+        match read {
+            None => Found::Nothing,
+            Some(Err(_)) => Found::Unreadable,
+            Some(Ok((_, state))) => {
+                let (epoch, step) = position(state).unwrap_or_default();
+                let fit = state.extra.get("fit").map(Value::to_string);
+                Found::Backup {
+                    epoch: epoch as u64,
+                    step: step as u64,
+                    digest: fnv1a(fit.unwrap_or_default().as_bytes()),
+                }
+            }
+        }
+    }
+
+    pub(crate) fn words(self) -> [u64; Self::WORDS] {
+        match self {
+            Found::Nothing => [0; Self::WORDS],
+            Found::Unreadable => [1, 0, 0, 0],
+            Found::Backup {
+                epoch,
+                step,
+                digest,
+            } => [2, epoch, step, digest],
+        }
+    }
+
+    fn from_words(w: &[u64]) -> Self {
+        match w {
+            [2, epoch, step, digest] => Found::Backup {
+                epoch: *epoch,
+                step: *step,
+                digest: *digest,
+            },
+            [1, ..] => Found::Unreadable,
+            _ => Found::Nothing,
+        }
+    }
+}
+
+impl fmt::Display for Found {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Found::Nothing => f.write_str("no backup (it starts from the beginning)"),
+            Found::Unreadable => f.write_str("backups it cannot read"),
+            Found::Backup {
+                epoch,
+                step,
+                digest,
+            } => write!(
+                f,
+                "the backup of epoch {} step {step} (digest {digest:016x})",
+                epoch + 1
+            ),
+        }
+    }
+}
+
+/// Fails unless every worker found what the chief found; `all` holds every worker's
+/// [`Found::words`] in rank order. Every worker gets the same `all`, so all fail alike.
+pub(crate) fn check_agreement(all: &[u64]) -> Result<()> {
+    let mut findings = all.chunks(Found::WORDS).map(Found::from_words);
+    let Some(chief) = findings.next() else {
+        return Ok(());
+    };
+    for (rank, theirs) in findings.enumerate().map(|(i, f)| (i + 1, f)) {
+        if theirs != chief {
+            return Err(Error::Replica {
+                replica: format!("worker {rank}"),
+                reason: format!(
+                    "found {theirs}, but the chief found {chief}: every worker must resume \
+                     from the chief's backup, so keep the backup directory on a file system \
+                     all workers share (or delete the backups to start again)"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a: a stable 64-bit digest of `bytes`, the same in every process.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn words(findings: &[Found]) -> Vec<u64> {
+        findings.iter().flat_map(|f| f.words()).collect()
+    }
+
+    #[test]
+    fn workers_that_found_the_same_backup_agree() {
+        let backup = Found::Backup {
+            epoch: 2,
+            step: 7,
+            digest: fnv1a(b"fit"),
+        };
+        assert!(check_agreement(&words(&[backup, backup, backup])).is_ok());
+        assert!(check_agreement(&words(&[Found::Nothing, Found::Nothing])).is_ok());
+        assert_eq!(Found::from_words(&backup.words()), backup);
+    }
+
+    #[test]
+    fn a_worker_that_found_another_backup_or_none_is_named() {
+        let chief = Found::Backup {
+            epoch: 2,
+            step: 7,
+            digest: 1,
+        };
+        let err = check_agreement(&words(&[chief, chief, Found::Nothing]))
+            .expect_err("workers disagree")
+            .to_string();
+        assert!(
+            err.starts_with(
+                "worker 2: found no backup (it starts from the beginning), but the \
+                 chief found the backup of epoch 3 step 7"
+            ),
+            "{err}"
+        );
+        let older = Found::Backup {
+            epoch: 2,
+            step: 7,
+            digest: 2,
+        };
+        let err = check_agreement(&words(&[chief, older]))
+            .expect_err("workers disagree")
+            .to_string();
+        assert!(
+            err.contains("worker 1: found the backup of epoch 3 step 7 (digest 0000000000000002)"),
+            "{err}"
+        );
+        let err = check_agreement(&words(&[Found::Nothing, Found::Unreadable]))
+            .expect_err("workers disagree")
+            .to_string();
+        assert!(
+            err.contains("worker 1: found backups it cannot read"),
+            "{err}"
+        );
+    }
 }

@@ -178,6 +178,13 @@ pub trait DistributedModel: Send {
         ))
     }
 
+    /// Every worker's `values` (of one length on every worker), in rank order. `fit` uses it to
+    /// check that all workers of a multi-process job resume from the same backup. The default,
+    /// for a strategy of one process, returns `values`.
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        Ok(values.to_vec())
+    }
+
     /// Replaces the optimizer's state on every replica that holds one
     /// ([`Replica::load_optimizer_state`]). Fails without changing anything when the kind,
     /// names or shapes do not match.

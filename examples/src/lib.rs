@@ -44,15 +44,16 @@ pub struct BackupArgs {
 
 impl BackupArgs {
     /// The `BackupAndRestore` callback these flags ask for, after printing where training
-    /// resumes when a backup is there (the program's first line of output).
-    pub fn callback(&self) -> Option<kandle::callbacks::BackupAndRestore> {
+    /// resumes when a backup is there: the program's first line of output, printed by the
+    /// chief only (`strategy`'s worker 0), so a multi-worker job says it once.
+    pub fn callback(&self, strategy: &dyn Strategy) -> Option<kandle::callbacks::BackupAndRestore> {
         use kandle::callbacks::{BackupAndRestore, SaveFreq};
         let dir = self.backup_dir.as_ref()?;
         let backup = BackupAndRestore::new(dir).save_freq(match self.backup_every_steps {
             0 => SaveFreq::Epoch,
             n => SaveFreq::Steps(n),
         });
-        if let Some(line) = backup.pending() {
+        if let Some(line) = backup.pending().filter(|_| strategy.worker().is_chief()) {
             println!("{line}");
         }
         Some(backup)

@@ -59,6 +59,9 @@ fn check_outputs(dir: &Path, strategy: &str, replicas: usize) -> anyhow::Result<
     assert_eq!(json["strategy"], strategy);
     assert_eq!(json["replicas"], replicas);
     assert_eq!(json["epoch_seconds"].as_array().map(Vec::len), Some(1));
+    assert!(json["epoch_images_per_second"][0]
+        .as_f64()
+        .is_some_and(|r| r > 0.0 && r.is_finite()));
     assert!(json["val_accuracy"][0]
         .as_f64()
         .is_some_and(|a| (0.0..=1.0).contains(&a)));
@@ -81,6 +84,8 @@ fn one_device_smoke_run_writes_every_output() -> anyhow::Result<()> {
     let text = run(dir.path(), &[])?;
     assert!(text.contains("Total params: 1,656,250"), "{text}");
     assert!(text.contains("total wall time"), "{text}");
+    // 2 steps of 4 images.
+    assert!(text.contains("epoch 1: 8 images in "), "{text}");
     check_outputs(dir.path(), "one_device", 1)
 }
 

@@ -33,7 +33,11 @@ pub enum SaveFreq {
 /// are taken at the end of each epoch or every `n` steps, and deleted when `fit` completes
 /// (unless [`delete_checkpoint(false)`](Self::delete_checkpoint)).
 ///
-/// Under multi-worker training only the chief writes; every worker restores.
+/// Under multi-worker training only the chief writes; every worker reads the backup directory
+/// (keep it on a file system all workers share) and restores, after the workers have checked
+/// that they all found the same backup: a worker that found another one, or none, fails the
+/// job with a message naming it, and so does a worker restarted alone (a backup of `N` workers
+/// resumes only into a job of `N` workers).
 ///
 /// ```no_run
 /// use kandle::callbacks::{BackupAndRestore, SaveFreq};
@@ -140,6 +144,18 @@ impl Callback for BackupAndRestore {
             ));
         }
         self.steps_since_backup = 0;
+        if model.is_chief() {
+            for path in [self.latest(), self.previous()] {
+                let torn = crate::checkpoint::remove_torn_writes(&path)?;
+                if torn > 0 {
+                    log::info!(
+                        "removed {torn} partial write(s) of `{}` left by a run killed while it \
+                         saved a backup",
+                        path.display()
+                    );
+                }
+            }
+        }
         let candidates: Vec<PathBuf> = [self.latest(), self.previous()]
             .into_iter()
             .filter(|p| p.is_file())

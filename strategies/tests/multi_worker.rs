@@ -10,22 +10,34 @@
 
 #![cfg(feature = "mpi")]
 
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kandle::params::Weights;
 use kandle::prelude::*;
+use kandle::training_state::TrainingState;
 
 mod support;
-use support::assert_close;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{self, lock, run, Launch, Outcome};
+use support::{assert_close, assert_within};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
 /// `mpirun -n <workers> kandle-mpi-check <args>`, with output captured.
 fn mpirun(workers: usize, args: &[&str]) -> Command {
     launch::mpirun(WORKER, workers, args)
+}
+
+/// `kandle-mpi-check <args>` started without `mpirun`: a worker alone, a world of one.
+fn alone<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Command {
+    let mut cmd = Command::new(WORKER);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
 }
 
 // ---- equivalence ---------------------------------------------------------------------------
@@ -222,13 +234,7 @@ fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
         outcome.output
     );
     // Started without mpirun (or by another MPI's), a worker is a world of one: it must say so.
-    let mut alone = Command::new(WORKER);
-    alone
-        .args(["--expect-world-size", "2", "world"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let outcome = run(alone)?;
+    let outcome = run(alone(&["--expect-world-size", "2", "world"]))?;
     assert!(!outcome.status.success(), "{}", outcome.output);
     assert!(
         outcome
@@ -360,6 +366,113 @@ fn a_killed_worker_ends_the_job() -> anyhow::Result<()> {
         "took {:?}",
         start.elapsed()
     );
+    Ok(())
+}
+
+// ---- backup and restore --------------------------------------------------------------------
+
+/// The worker program's `backup` task writing its backups into `dir` and its final training
+/// state to `out`, under `mpirun -n 2` (or alone, as a worker restarted by itself).
+fn backup_task(dir: &str, out: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["backup", "--dir", dir, "--out"].map(String::from).to_vec();
+    args.push(out.to_string_lossy().into_owned());
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+fn mpirun_owned(workers: usize, args: &[String]) -> Command {
+    mpirun(
+        workers,
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+}
+
+/// Asserts that two final training states (weights and optimizer slots) agree within
+/// `tolerance` relative to each tensor's scale.
+fn assert_states_within(a: &Path, b: &Path, tolerance: f32) -> anyhow::Result<()> {
+    let (a, b) = (TrainingState::load(a)?, TrainingState::load(b)?);
+    assert_within(&a.weights, &b.weights, tolerance, "weights")?;
+    assert_eq!(a.optimizer.scalars, b.optimizer.scalars);
+    for (slot, weights) in &a.optimizer.slots {
+        assert_within(weights, &b.optimizer.slots[slot], tolerance, slot)?;
+    }
+    Ok(())
+}
+
+/// A multi-worker job with `BackupAndRestore` whose chief is SIGKILLed mid-epoch after a
+/// backup: a worker restarted alone is refused (and the backup is left as it was), and the
+/// whole job run again resumes and ends within 1e-6 of an uninterrupted job.
+#[test]
+fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let (plain, resumed) = (tmp.path().join("plain"), tmp.path().join("resumed"));
+    let plain_out = tmp.path().join("plain.safetensors");
+    let out = tmp.path().join("resumed.safetensors");
+    let task =
+        |dir: &Path, out: &Path| backup_task(&dir.to_string_lossy(), out, &["--step-millis", "20"]);
+
+    let outcome = run(mpirun_owned(2, &task(&plain, &plain_out)))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+
+    let backup = resumed.join("backup.safetensors");
+    let mut launch = Launch::start(mpirun_owned(2, &task(&resumed, &out)))?;
+    let pid_line = launch.wait_for_line(|l| l.starts_with("worker 0/2 pid "))?;
+    let chief = pid_line.rsplit(' ').next().unwrap_or_default().to_string();
+    launch.wait_for_line(|l| l == "worker 0/2 finished step 10")?;
+    assert!(backup.is_file(), "no backup after 10 steps");
+    let sent = Command::new("kill").args(["-KILL", &chief]).status()?;
+    assert!(sent.success(), "kill -KILL {chief} failed");
+    let killed = launch.finish()?;
+    assert!(!killed.status.success(), "{}", killed.output);
+    assert!(!out.exists(), "the killed job finished anyway");
+
+    let saved = std::fs::read(&backup)?;
+    let outcome = run(alone(&task(&resumed, &out)))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains(
+            "was taken by a job of 2 worker(s), but this job has 1: a multi-worker job resumes \
+             as a whole"
+        ),
+        "{}",
+        outcome.output
+    );
+    assert!(
+        std::fs::read(&backup)? == saved,
+        "the refused worker changed the backup"
+    );
+
+    let outcome = run(mpirun_owned(2, &task(&resumed, &out)))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains("resuming from"),
+        "{}",
+        outcome.output
+    );
+    assert!(!backup.exists(), "the backup is deleted when fit completes");
+    assert_states_within(&plain_out, &out, 1e-6)
+}
+
+/// Workers that do not share the backup directory (`{rank}` makes one per worker): the chief
+/// finds the backup its last run left, worker 1 finds none, and both fail naming worker 1
+/// instead of training from different points.
+#[test]
+fn workers_that_found_different_backups_fail_alike() -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("{rank}").to_string_lossy().into_owned();
+    let out = tmp.path().join("out.safetensors");
+    let args = backup_task(&dir, &out, &["--epochs", "1", "--keep-backups"]);
+    let outcome = run(mpirun_owned(2, &args))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    assert!(tmp.path().join("0/backup.safetensors").is_file());
+
+    let outcome = run(mpirun_owned(2, &args))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    let want = "worker 1: found no backup (it starts from the beginning), but the chief found \
+                the backup of epoch";
+    assert!(outcome.output.contains(want), "{}", outcome.output);
     Ok(())
 }
 

@@ -45,6 +45,9 @@ struct Args {
     /// Seed for the split, the weights and the shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Also write the final training state (weights and optimizer state, `Model::save`) here.
+    #[arg(long)]
+    save: Option<std::path::PathBuf>,
     #[command(flatten)]
     backup: BackupArgs,
     #[command(flatten)]
@@ -54,14 +57,15 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
-    let backup = args.backup.callback();
+    let strategy = args.ps.build_strategy(args.strategy, args.replicas)?;
+    let backup = args.backup.callback(&strategy);
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
     let mut model = kandle_models::digits_cnn(10)
         .compile(
             Adam::new(args.lr),
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
-            &args.ps.build_strategy(args.strategy, args.replicas)?,
+            &strategy,
         )?
         .with_seed(args.seed)?;
     model.build(&[1, 8, 8])?;
@@ -92,6 +96,9 @@ fn main() -> Result<()> {
             ..Default::default()
         },
     )?;
+    if let Some(path) = &args.save {
+        model.save(path)?;
+    }
     // Every worker evaluates (the sums are reduced across workers); the chief reports.
     let logs = model.evaluate(&test, 256)?;
     if model.is_chief() {

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kandle::callbacks::{Callback, CsvLogger, Logs, ModelCheckpoint, PlotHistory};
+use kandle::callbacks::{Callback, CsvLogger, FitInfo, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
 use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
@@ -75,27 +75,114 @@ struct Args {
     ps: PsArgs,
 }
 
-/// Records each epoch's wall time.
-#[derive(Default)]
+/// One epoch's timing.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+struct EpochTime {
+    /// From the epoch's start to its end, validation included.
+    seconds: f64,
+    /// Images trained on in the epoch.
+    images: usize,
+    /// Seconds of the training steps: from the epoch's start to its last step's end.
+    training_seconds: f64,
+}
+
+impl EpochTime {
+    fn images_per_second(&self) -> f64 {
+        self.images as f64 / self.training_seconds.max(f64::MIN_POSITIVE)
+    }
+}
+
+/// Records each epoch's wall time and training throughput, and prints the throughput (on the
+/// chief). Its record survives a resume (the epoch a run resumes in counts from the resume).
 struct EpochTimer {
+    /// Images in the training set, for the last, shorter step of an epoch.
+    samples: usize,
+    global_batch: usize,
     start: Option<Instant>,
-    seconds: Arc<std::sync::Mutex<Vec<f64>>>,
+    images: usize,
+    last_step_end: Option<Instant>,
+    record: Arc<std::sync::Mutex<Vec<EpochTime>>>,
+}
+
+impl EpochTimer {
+    fn new(samples: usize) -> Self {
+        Self {
+            samples,
+            global_batch: 0,
+            start: None,
+            images: 0,
+            last_step_end: None,
+            record: Arc::default(),
+        }
+    }
 }
 
 impl Callback for EpochTimer {
+    fn on_train_begin(&mut self, info: &FitInfo, _model: &mut Model) -> kandle::Result<()> {
+        self.global_batch = info.global_batch_size;
+        Ok(())
+    }
+
     fn on_epoch_begin(&mut self, _epoch: usize, _model: &mut Model) -> kandle::Result<()> {
         self.start = Some(Instant::now());
+        self.images = 0;
+        self.last_step_end = None;
+        Ok(())
+    }
+
+    fn on_train_batch_end(
+        &mut self,
+        batch: usize,
+        _logs: &Logs,
+        _model: &mut Model,
+    ) -> kandle::Result<()> {
+        let before = batch * self.global_batch;
+        self.images += self.global_batch.min(self.samples.saturating_sub(before));
+        self.last_step_end = Some(Instant::now());
         Ok(())
     }
 
     fn on_epoch_end(
         &mut self,
-        _epoch: usize,
+        epoch: usize,
         _logs: &Logs,
-        _model: &mut Model,
+        model: &mut Model,
     ) -> kandle::Result<()> {
-        if let (Some(start), Ok(mut seconds)) = (self.start, self.seconds.lock()) {
-            seconds.push(start.elapsed().as_secs_f64());
+        let Some(start) = self.start else {
+            return Ok(());
+        };
+        let time = EpochTime {
+            seconds: start.elapsed().as_secs_f64(),
+            images: self.images,
+            training_seconds: self
+                .last_step_end
+                .map_or(0.0, |end| end.duration_since(start).as_secs_f64()),
+        };
+        if model.is_chief() {
+            println!(
+                "epoch {}: {} images in {:.1} s of training steps, {:.1} images/s",
+                epoch + 1,
+                time.images,
+                time.training_seconds,
+                time.images_per_second()
+            );
+        }
+        if let Ok(mut record) = self.record.lock() {
+            record.push(time);
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> Option<serde_json::Value> {
+        let record = self.record.lock().ok()?;
+        serde_json::to_value(&*record).ok()
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> kandle::Result<()> {
+        let saved: Vec<EpochTime> = serde_json::from_value(state.clone())
+            .map_err(|e| kandle::Error::invalid(format!("EpochTimer: bad saved state: {e}")))?;
+        if let Ok(mut record) = self.record.lock() {
+            *record = saved;
         }
         Ok(())
     }
@@ -108,7 +195,6 @@ fn sibling(output: &Path, extension: &str) -> PathBuf {
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
-    let backup = args.backup.callback();
     let started = Instant::now();
     let data = if args.download {
         cifar10::load_or_download(&args.data_dir)
@@ -124,6 +210,7 @@ fn main() -> Result<()> {
         StrategyKind::Mirrored
     });
     let strategy = args.ps.build_strategy(kind, args.gpus)?;
+    let backup = args.backup.callback(&strategy);
     let replicas = strategy.num_replicas_in_sync();
     let lr = if args.scale_lr {
         args.lr * replicas as f64
@@ -155,8 +242,8 @@ fn main() -> Result<()> {
         );
     }
 
-    let timer = EpochTimer::default();
-    let epoch_seconds = Arc::clone(&timer.seconds);
+    let timer = EpochTimer::new(train.len());
+    let epoch_times = Arc::clone(&timer.record);
     let checkpoint = sibling(&args.output, "safetensors");
     let history = model.fit(
         &train,
@@ -182,9 +269,14 @@ fn main() -> Result<()> {
     )?;
 
     if chief {
-        let seconds = epoch_seconds.lock().map(|s| s.clone()).unwrap_or_default();
+        let times = epoch_times.lock().map(|t| t.clone()).unwrap_or_default();
+        let seconds: Vec<f64> = times.iter().map(|t| t.seconds).collect();
         let mut json: serde_json::Value = serde_json::from_str(&history.to_json())?;
         json["epoch_seconds"] = serde_json::json!(seconds);
+        json["epoch_images_per_second"] = serde_json::json!(times
+            .iter()
+            .map(EpochTime::images_per_second)
+            .collect::<Vec<_>>());
         json["total_seconds"] = serde_json::json!(started.elapsed().as_secs_f64());
         json["strategy"] = serde_json::json!(strategy.name());
         json["replicas"] = serde_json::json!(replicas);

@@ -8,7 +8,9 @@
 //!        <world | equivalence --out FILE [--model plain|bn] [--samples S]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K]
-//!         | resume --state FILE --out FILE>
+//!         | resume --state FILE --out FILE
+//!         | backup --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups]
+//!           [--step-millis MS]>
 //! ```
 //!
 //! - `world` prints this worker's rank and the world size;
@@ -23,7 +25,13 @@
 //! - `resume` trains the BN-free CNN [`RESUME_STEPS`] steps on global batches of 24 digits (each
 //!   worker its share), saves the training state to `--state` (the chief writes), loads it on
 //!   every worker into a model of other initial weights, trains as many steps more, and the
-//!   chief writes the weights to `--out`.
+//!   chief writes the weights to `--out`;
+//! - `backup` trains the digits CNN with Adam (`E` epochs, default 3, a validation set) with
+//!   `BackupAndRestore` into `DIR` every `N` steps (default 4; `{rank}` in `DIR` becomes the
+//!   worker's rank, for workers that do not share a directory), printing each step (pausing
+//!   `MS` ms after it, so a test can kill the job mid-epoch); the chief writes the final
+//!   training state to `--out`. Run again after a kill, it resumes; `--keep-backups` leaves the
+//!   backup in place when the run completes.
 //!
 //! `--replicas-on-worker R L` gives worker `R` `L` local replicas instead, to test that workers
 //! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
@@ -33,7 +41,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kandle::callbacks::Callback;
+use kandle::callbacks::{BackupAndRestore, Callback, SaveFreq};
 use kandle::prelude::*;
 use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy};
 
@@ -58,6 +66,10 @@ struct Args {
     stall_worker: Option<usize>,
     stall_after_steps: usize,
     state: Option<String>,
+    dir: Option<String>,
+    every: Option<usize>,
+    keep_backups: bool,
+    step_millis: u64,
 }
 
 fn parse_args() -> Result<Args> {
@@ -106,6 +118,10 @@ fn parse_args() -> Result<Args> {
             "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
             "--out" => args.out = Some(value(&arg)?),
             "--state" => args.state = Some(value(&arg)?),
+            "--dir" => args.dir = Some(value(&arg)?),
+            "--every" => args.every = Some(number(&arg, value(&arg)?)?),
+            "--keep-backups" => args.keep_backups = true,
+            "--step-millis" => args.step_millis = number(&arg, value(&arg)?)?,
             "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
             "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
             "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
@@ -117,7 +133,9 @@ fn parse_args() -> Result<Args> {
                      [--communication auto|mpi|nccl] [--timeout-secs T] <world | equivalence \
                      --out FILE [--model plain|bn] [--samples S] | digits [--epochs E] \
                      [--min-accuracy A] | train [--epochs E] [--stall-worker R \
-                     --stall-after-steps K] | resume --state FILE --out FILE>",
+                     --stall-after-steps K] | resume --state FILE --out FILE | backup \
+                     --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
+                     [--step-millis MS]>",
                 ))
             }
             task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
@@ -126,7 +144,7 @@ fn parse_args() -> Result<Args> {
     }
     if args.task.is_empty() {
         return Err(Error::invalid(
-            "no task given: world, equivalence, digits, train or resume",
+            "no task given: world, equivalence, digits, train, resume or backup",
         ));
     }
     Ok(args)
@@ -147,10 +165,12 @@ fn digits_cnn() -> Sequential {
         .add(Activation::Softmax)
 }
 
-/// Prints every training step; on the stalling worker, sleeps forever before step `after + 1`.
+/// Prints every training step, then pauses `pause`; on the stalling worker, sleeps forever
+/// before step `after + 1`.
 struct Steps {
     label: String,
     stall_after: Option<usize>,
+    pause: Duration,
     done: usize,
 }
 
@@ -173,6 +193,7 @@ impl Callback for Steps {
     ) -> Result<()> {
         self.done += 1;
         println!("{} finished step {}", self.label, self.done);
+        std::thread::sleep(self.pause);
         Ok(())
     }
 }
@@ -216,6 +237,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
             "digits" => digits(&strategy, args, &label),
             "train" => train(&strategy, args, label.clone()),
             "resume" => resume(&strategy, args),
+            "backup" => backup(&strategy, args, label.clone()),
             other => Err(Error::invalid(format!("unknown task `{other}`"))),
         },
     };
@@ -296,16 +318,21 @@ fn resume(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
     resumed.save_weights(out)
 }
 
-fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
-    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = digits_cnn()
+/// The digits CNN with Adam, seeded, as `digits` and `backup` train it.
+fn digits_model(strategy: &MultiWorkerMirroredStrategy) -> Result<Model> {
+    digits_cnn()
         .compile(
             Adam::new(2e-3),
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
             strategy,
         )?
-        .with_seed(1)?;
+        .with_seed(1)
+}
+
+fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
+    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+    let mut model = digits_model(strategy)?;
     let start = std::time::Instant::now();
     model.fit(
         &train,
@@ -352,6 +379,7 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
             callbacks: vec![Steps {
                 label,
                 stall_after,
+                pause: Duration::ZERO,
                 done: 0,
             }
             .boxed()],
@@ -359,6 +387,41 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
         },
     )?;
     Ok(())
+}
+
+fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> Result<()> {
+    let (dir, out) = match (&args.dir, &args.out) {
+        (Some(dir), Some(out)) => (dir, out),
+        _ => return Err(Error::invalid("backup needs --dir DIR and --out FILE")),
+    };
+    let dir = dir.replace("{rank}", &strategy.worker().rank.to_string());
+    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+    let mut model = digits_model(strategy)?;
+    let backups = BackupAndRestore::new(dir)
+        .save_freq(SaveFreq::Steps(args.every.unwrap_or(4)))
+        .delete_checkpoint(!args.keep_backups);
+    model.fit(
+        &train,
+        FitOptions {
+            epochs: args.epochs.unwrap_or(3),
+            batch_size_per_replica: 16,
+            validation: Some(&test),
+            seed: Some(3),
+            verbosity: Verbosity::Silent,
+            callbacks: vec![
+                backups.boxed(),
+                Steps {
+                    label,
+                    stall_after: None,
+                    pause: Duration::from_millis(args.step_millis),
+                    done: 0,
+                }
+                .boxed(),
+            ],
+            ..Default::default()
+        },
+    )?;
+    model.save(out)
 }
 
 /// Prints an error on stderr in one write, so that the lines of several workers, which `mpirun`

@@ -416,6 +416,11 @@ impl DistributedModel for MultiWorkerModel {
         self.check(result)
     }
 
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        let result = self.world.all_gather(values, Phase::Resume, self.timeout);
+        self.check(result)
+    }
+
     replica_set_queries!();
 }
 

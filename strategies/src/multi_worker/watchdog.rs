@@ -74,6 +74,8 @@ pub(crate) enum Phase {
     },
     /// Evaluation step `n` of a model, from 1.
     Test(u64),
+    /// The check, when `fit` starts, that every worker resumes from the same backup.
+    Resume,
     /// A direct call of
     /// [`MultiWorkerMirroredStrategy::all_reduce_sum`](super::MultiWorkerMirroredStrategy::all_reduce_sum),
     /// outside any model.
@@ -92,6 +94,7 @@ impl Phase {
             Phase::Direct => [3, 0],
             Phase::BatchNorm { step, round } => [4 | (u64::from(round) << KIND_BITS), step],
             Phase::NcclSetup => [5, 0],
+            Phase::Resume => [6, 0],
         }
     }
 
@@ -104,6 +107,7 @@ impl Phase {
             (3, _) => Some(Phase::Direct),
             (4, step) => Some(Phase::BatchNorm { step, round }),
             (5, _) => Some(Phase::NcclSetup),
+            (6, _) => Some(Phase::Resume),
             _ => None,
         }
     }
@@ -120,6 +124,7 @@ impl fmt::Display for Phase {
             }
             Phase::Test(n) => write!(f, "evaluation step {n}"),
             Phase::Direct => f.write_str("a direct all-reduce"),
+            Phase::Resume => f.write_str("the check of the backup to resume from"),
         }
     }
 }
@@ -525,6 +530,7 @@ mod tests {
             },
             Phase::Test(3),
             Phase::Direct,
+            Phase::Resume,
         ] {
             assert_eq!(Phase::decode(p.encode()), Some(p));
         }

@@ -13,17 +13,30 @@ use kandle::params::Weights;
 /// Asserts that `other` has the same tensors as `reference`, each within 1e-5 of the
 /// reference's largest magnitude (at least 1e-2).
 pub fn assert_close(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
+    assert_within(reference, other, 1e-5, what)
+}
+
+/// Asserts that `other` has the same tensors as `reference`, each within `tolerance` of the
+/// reference's largest magnitude (at least 1e-2).
+pub fn assert_within(
+    reference: &Weights,
+    other: &Weights,
+    tolerance: f32,
+    what: &str,
+) -> anyhow::Result<()> {
     assert_eq!(
         reference.keys().collect::<Vec<_>>(),
         other.keys().collect::<Vec<_>>(),
         "{what}"
     );
     for (name, want) in reference {
-        let got = &other[name];
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-2);
+        // In f64: a state also holds f64 tensors (positions of random streams).
+        let want = want.to_dtype(candle_core::DType::F64)?;
+        let got = other[name].to_dtype(candle_core::DType::F64)?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-2);
         assert!(
-            diff / scale < 1e-5,
+            diff / scale <= f64::from(tolerance),
             "{what}: `{name}` differs by {diff} (scale {scale})"
         );
     }

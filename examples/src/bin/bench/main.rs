@@ -80,6 +80,10 @@ struct Args {
     /// The PyTorch reference script.
     #[arg(long)]
     pytorch_script: Option<PathBuf>,
+    /// PyTorch configurations of the model to time, comma-separated (default all: eager,
+    /// channels_last, compile, channels_last+compile); kandle is compared with the fastest.
+    #[arg(long)]
+    pytorch_configs: Option<String>,
 }
 
 /// Which sections run.
@@ -183,7 +187,11 @@ fn main() -> Result<()> {
         "threads": threads, "batch": args.batch, "warmup": args.warmup, "iters": args.iters,
     });
     if let Some((train, infer)) = kandle_model {
-        print_model(args.batch, train, infer, torch.as_ref());
+        let configs = torch
+            .as_ref()
+            .map(pytorch::model_configs)
+            .unwrap_or_default();
+        out["vs_pytorch_best"] = print_model(args.batch, train, infer, &configs);
         out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
     }
     if let Some((recorded, autograd)) = backward_paths {
@@ -259,6 +267,7 @@ fn reference(
         warmup: args.warmup,
         iters: args.iters,
         model: sections.model,
+        configs: args.pytorch_configs.as_deref(),
         ops: ops
             .iter()
             .enumerate()
@@ -288,35 +297,48 @@ fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
     println!();
 }
 
-fn print_model(batch: usize, train: f64, infer: f64, torch: Option<&Value>) {
-    let version = torch
-        .and_then(|t| t.get("torch_version"))
-        .and_then(Value::as_str)
-        .map_or("PyTorch".to_string(), |v| format!("PyTorch {v}"));
+/// kandle's step and inference against every PyTorch configuration, then against the fastest
+/// one; returns the latter as JSON.
+fn print_model(batch: usize, train: f64, infer: f64, configs: &[pytorch::ModelConfig]) -> Value {
+    let images = |s: f64| format!("{:.1} ({} ms)", batch as f64 / s, ms(Some(s)));
     println!("## MiniGoogLeNet (1,656,250 parameters), batch {batch}");
     println!();
-    println!("| | kandle images/s | {version} images/s | kandle / PyTorch |");
-    println!("|---|---|---|---|");
-    let rows = [
-        ("training step", train, &["model", "train_step_s"]),
-        ("inference", infer, &["model", "inference_s"]),
-    ];
-    for (name, k, path) in rows {
-        let t = torch.and_then(|t| pytorch::f64_at(t, path));
-        let images = |s: f64| batch as f64 / s;
-        println!(
-            "| {name} | {:.1} ({} ms) | {} | {} |",
-            images(k),
-            ms(Some(k)),
-            t.map_or("-".into(), |t| format!(
-                "{:.1} ({} ms)",
-                images(t),
-                ms(Some(t))
-            )),
-            ratio(t, Some(k)),
-        );
+    println!(
+        "| | training images/s (ms per step) | kandle / it | inference images/s (ms) | kandle / it |"
+    );
+    println!("|---|---|---|---|---|");
+    println!("| kandle | {} | | {} | |", images(train), images(infer));
+    for c in configs {
+        match &c.error {
+            Some(e) => println!("| PyTorch {} | cannot run here: {e} | | | |", c.name),
+            None => println!(
+                "| PyTorch {} | {} | {} | {} | {} |",
+                c.name,
+                c.train_step_s.map_or("-".into(), images),
+                ratio(c.train_step_s, Some(train)),
+                c.inference_s.map_or("-".into(), images),
+                ratio(c.inference_s, Some(infer)),
+            ),
+        }
     }
     println!();
+    let best_train = pytorch::best(configs, |c| c.train_step_s);
+    let best_infer = pytorch::best(configs, |c| c.inference_s);
+    let versus = |best: Option<(&str, f64)>, kandle: f64| {
+        best.map_or(Value::Null, |(name, s)| {
+            json!({"pytorch_config": name, "pytorch_s": s, "kandle_s": kandle, "ratio": s / kandle})
+        })
+    };
+    if let (Some((tn, ts)), Some((inn, is))) = (best_train, best_infer) {
+        println!(
+            "Against PyTorch's best configuration: training **{:.2}x** its images/s ({tn}), \
+             inference **{:.2}x** ({inn}).",
+            ts / train,
+            is / infer
+        );
+        println!();
+    }
+    json!({"training": versus(best_train, train), "inference": versus(best_infer, infer)})
 }
 
 fn op_rows<'a>(
@@ -364,7 +386,11 @@ fn print_ops(
     println!();
     report::print_others(rows);
     println!();
-    let torch_step = torch.and_then(|t| pytorch::f64_at(t, &["model", "train_step_s"]));
+    // The ops are timed in PyTorch's default layout, eagerly: its eager step is their whole.
+    let torch_step = torch
+        .map(pytorch::model_configs)
+        .and_then(|c| c.into_iter().find(|c| c.name == "eager"))
+        .and_then(|c| c.train_step_s);
     println!("## Where a training step goes, by op family");
     println!();
     report::print_families(rows, kandle_step.map(|k| (k, torch_step)));

@@ -48,6 +48,8 @@ pub struct Request<'a> {
     pub iters: usize,
     /// Time the model's training step and inference.
     pub model: bool,
+    /// The configurations of the model to time (the script's `--configs`), or all of them.
+    pub configs: Option<&'a str>,
     /// The ops to time, as the script reads them (empty for none).
     pub ops: Vec<Value>,
 }
@@ -62,6 +64,9 @@ pub fn run(req: &Request<'_>) -> Result<Value> {
         .args(["--iters", &req.iters.to_string()]);
     if !req.model {
         cmd.arg("--no-model");
+    }
+    if let Some(configs) = req.configs {
+        cmd.args(["--configs", configs]);
     }
     if !req.ops.is_empty() {
         cmd.args(["--ops", "-"]);
@@ -93,7 +98,50 @@ pub fn run(req: &Request<'_>) -> Result<Value> {
         .with_context(|| format!("{} printed no JSON result: {text:?}", req.script.display()))
 }
 
-/// A number in the script's output, e.g. `f64_at(&v, &["model", "train_step_s"])`.
+/// A number in the script's output, e.g. `f64_at(&op, &["fwd"])`.
 pub fn f64_at(v: &Value, path: &[&str]) -> Option<f64> {
     path.iter().try_fold(v, |v, k| v.get(k))?.as_f64()
+}
+
+/// One configuration of PyTorch's MiniGoogLeNet the script timed (`eager`, `channels_last`,
+/// `compile`, `channels_last+compile`).
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    /// The configuration's name.
+    pub name: String,
+    /// Seconds per training step.
+    pub train_step_s: Option<f64>,
+    /// Seconds per inference batch.
+    pub inference_s: Option<f64>,
+    /// Why it could not run here.
+    pub error: Option<String>,
+}
+
+/// The configurations in the script's output, in its order.
+pub fn model_configs(v: &Value) -> Vec<ModelConfig> {
+    let configs = v
+        .get("model")
+        .and_then(|m| m.get("configs"))
+        .and_then(Value::as_array);
+    configs
+        .into_iter()
+        .flatten()
+        .map(|c| ModelConfig {
+            name: c.get("name").and_then(Value::as_str).unwrap_or("?").into(),
+            train_step_s: c.get("train_step_s").and_then(Value::as_f64),
+            inference_s: c.get("inference_s").and_then(Value::as_f64),
+            error: c.get("error").and_then(Value::as_str).map(String::from),
+        })
+        .collect()
+}
+
+/// The fastest configuration by `seconds` (training or inference): its name and time.
+pub fn best(
+    configs: &[ModelConfig],
+    seconds: impl Fn(&ModelConfig) -> Option<f64>,
+) -> Option<(&str, f64)> {
+    configs
+        .iter()
+        .filter_map(|c| Some((c.name.as_str(), seconds(c)?)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
 }

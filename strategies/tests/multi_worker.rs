@@ -20,7 +20,7 @@ use kandle::training_state::TrainingState;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, lock, run, Launch, Outcome};
+use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
 use support::{assert_close, assert_within};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
@@ -248,62 +248,18 @@ fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
 
 // ---- a worker that stalls or dies ----------------------------------------------------------
 
-const TIMEOUT_SECS: u64 = 5;
-
-/// How long a failure may take to end the job: the timeout (twice, for a stalled chief), plus
-/// time for mpirun to start and tear down.
-fn bound(timeouts: u64) -> Duration {
-    Duration::from_secs(timeouts * TIMEOUT_SECS + 20)
-}
-
 #[test]
 fn a_stalled_worker_is_named_by_the_chief_within_the_timeout() -> anyhow::Result<()> {
-    let _one = lock();
-    let timeout = TIMEOUT_SECS.to_string();
-    let outcome = run(mpirun(
-        2,
-        &[
-            "--timeout-secs",
-            &timeout,
-            "train",
-            "--stall-worker",
-            "1",
-            "--stall-after-steps",
-            "3",
-        ],
-    ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    let want = format!("worker 0/2: worker 1: did not reach training step 4 within {timeout} s");
-    assert!(outcome.output.contains(&want), "{}", outcome.output);
-    assert!(outcome.elapsed < bound(1), "took {:?}", outcome.elapsed);
+    let want =
+        format!("worker 0/2: worker 1: did not reach training step 4 within {TIMEOUT_SECS} s");
+    stalled_run(|args| mpirun(2, args), (1, 3), &want, 1)?;
     Ok(())
 }
 
 #[test]
 fn a_stalled_chief_is_named_by_the_workers() -> anyhow::Result<()> {
-    let _one = lock();
-    let timeout = TIMEOUT_SECS.to_string();
-    let outcome = run(mpirun(
-        2,
-        &[
-            "--timeout-secs",
-            &timeout,
-            "train",
-            "--stall-worker",
-            "0",
-            "--stall-after-steps",
-            "2",
-        ],
-    ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome
-            .output
-            .contains("worker 1/2: worker 0 (chief): did not reach training step 3"),
-        "{}",
-        outcome.output
-    );
-    assert!(outcome.elapsed < bound(2), "took {:?}", outcome.elapsed);
+    let want = "worker 1/2: worker 0 (chief): did not reach training step 3";
+    stalled_run(|args| mpirun(2, args), (0, 2), want, 2)?;
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use kandle::prelude::*;
 mod support;
 use support::assert_close;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, lock, run, Launch, Outcome};
+use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
 
@@ -212,34 +212,11 @@ fn servers_without_a_worker_or_more_servers_than_variables_are_clear_errors() ->
 
 // ---- failures ------------------------------------------------------------------------------
 
-const TIMEOUT_SECS: u64 = 5;
-
-/// How long a failure may take to end the job: `timeouts` timeouts, plus time for mpirun to
-/// start and tear down.
-fn bound(timeouts: u64) -> Duration {
-    Duration::from_secs(timeouts * TIMEOUT_SECS + 20)
-}
-
 #[test]
 fn a_stalled_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
-    let _one = lock();
-    let timeout = TIMEOUT_SECS.to_string();
-    let outcome = run(mpirun(
-        3,
-        &[
-            "--timeout-secs",
-            &timeout,
-            "train",
-            "--stall-worker",
-            "1",
-            "--stall-after-steps",
-            "3",
-        ],
-    ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    let want = format!("worker 1: sent nothing to parameter server 0 (rank 2) for {timeout} s");
-    assert!(outcome.output.contains(&want), "{}", outcome.output);
-    assert!(outcome.elapsed < bound(1), "took {:?}", outcome.elapsed);
+    let want =
+        format!("worker 1: sent nothing to parameter server 0 (rank 2) for {TIMEOUT_SECS} s");
+    stalled_run(|args| mpirun(3, args), (1, 3), &want, 1)?;
     Ok(())
 }
 

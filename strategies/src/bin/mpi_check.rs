@@ -47,6 +47,9 @@ use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorker
 
 #[path = "../../tests/support/equivalence_run.rs"]
 mod equivalence_run;
+mod worker_program;
+
+use worker_program::number;
 
 #[derive(Debug, Default)]
 struct Args {
@@ -86,10 +89,6 @@ fn parse_args() -> Result<Args> {
             it.next()
                 .ok_or_else(|| Error::invalid(format!("{name} needs a value")))
         };
-        fn number<T: std::str::FromStr>(name: &str, v: String) -> Result<T> {
-            v.parse()
-                .map_err(|_| Error::invalid(format!("{name}: `{v}` is not a valid number")))
-        }
         match arg.as_str() {
             "--expect-world-size" => {
                 args.expect_world_size = Some(number(&arg, value(&arg)?)?);
@@ -212,9 +211,7 @@ fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
         strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
     }
     if let Some(secs) = args.timeout_secs {
-        let timeout = Duration::try_from_secs_f64(secs)
-            .map_err(|e| Error::invalid(format!("--timeout-secs {secs}: {e}")))?;
-        strategy = strategy.timeout(timeout);
+        strategy = strategy.timeout(worker_program::timeout(secs)?);
     }
     Ok(strategy)
 }
@@ -424,51 +421,6 @@ fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) ->
     model.save(out)
 }
 
-/// Prints an error on stderr in one write, so that the lines of several workers, which `mpirun`
-/// forwards to one stream, do not interleave.
-fn report(error: &dyn std::fmt::Display) {
-    use std::io::Write;
-    let line = format!("kandle-mpi-check: {error}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// kandle's diagnostics (the `log` facade) on stderr, where the tests read them.
-struct StderrLogger;
-
-impl log::Log for StderrLogger {
-    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        metadata.level() <= log::Level::Info
-    }
-
-    fn log(&self, record: &log::Record<'_>) {
-        if self.enabled(record.metadata()) {
-            eprintln!("[{}] {}", record.level(), record.args());
-        }
-    }
-
-    fn flush(&self) {}
-}
-
-static LOGGER: StderrLogger = StderrLogger;
-
 fn main() -> ExitCode {
-    if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(log::LevelFilter::Info);
-    }
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            report(&e);
-            return ExitCode::from(2);
-        }
-    };
-    // `run` drops the strategy before returning; after a failed step that skips MPI_Finalize,
-    // so the process exits at once, and mpirun ends the other workers.
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            report(&e);
-            ExitCode::FAILURE
-        }
-    }
+    worker_program::main("kandle-mpi-check", parse_args, run)
 }

@@ -35,6 +35,9 @@ use kandle_strategies::ParameterServerStrategy;
 
 #[path = "../../tests/support/equivalence_run.rs"]
 mod equivalence_run;
+mod worker_program;
+
+use worker_program::number;
 
 #[derive(Debug, Default)]
 struct Args {
@@ -69,10 +72,6 @@ fn parse_args() -> Result<Args> {
             it.next()
                 .ok_or_else(|| Error::invalid(format!("{name} needs a value")))
         };
-        fn number<T: std::str::FromStr>(name: &str, v: String) -> Result<T> {
-            v.parse()
-                .map_err(|_| Error::invalid(format!("{name}: `{v}` is not a valid number")))
-        }
         match arg.as_str() {
             "--num-ps" => args.num_ps = number(&arg, value(&arg)?)?,
             "--sync" => args.sync = true,
@@ -109,9 +108,7 @@ fn strategy(args: &Args) -> Result<ParameterServerStrategy> {
         strategy = strategy.max_staleness(k);
     }
     if let Some(secs) = args.timeout_secs {
-        let timeout = Duration::try_from_secs_f64(secs)
-            .map_err(|e| Error::invalid(format!("--timeout-secs {secs}: {e}")))?;
-        strategy = strategy.timeout(timeout);
+        strategy = strategy.timeout(worker_program::timeout(secs)?);
     }
     Ok(strategy)
 }
@@ -336,49 +333,6 @@ fn mismatch(strategy: &ParameterServerStrategy) -> Result<()> {
     model.build(&[1, 8, 8])
 }
 
-/// Prints an error on stderr in one write, so that the lines of several ranks do not
-/// interleave.
-fn report(error: &dyn std::fmt::Display) {
-    use std::io::Write;
-    let line = format!("kandle-ps-check: {error}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
-/// kandle's diagnostics (the `log` facade) on stderr, where the tests read them.
-struct StderrLogger;
-
-impl log::Log for StderrLogger {
-    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
-        metadata.level() <= log::Level::Info
-    }
-
-    fn log(&self, record: &log::Record<'_>) {
-        if self.enabled(record.metadata()) {
-            eprintln!("[{}] {}", record.level(), record.args());
-        }
-    }
-
-    fn flush(&self) {}
-}
-
-static LOGGER: StderrLogger = StderrLogger;
-
 fn main() -> ExitCode {
-    if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(log::LevelFilter::Info);
-    }
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            report(&e);
-            return ExitCode::from(2);
-        }
-    };
-    match run(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            report(&e);
-            ExitCode::FAILURE
-        }
-    }
+    worker_program::main("kandle-ps-check", parse_args, run)
 }

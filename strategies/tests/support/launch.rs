@@ -13,6 +13,15 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 /// The longest any launch may take before it is killed and the test fails.
 pub const DEADLINE: Duration = Duration::from_secs(300);
 
+/// The time-out the failure tests give the strategy (`--timeout-secs`), in seconds.
+pub const TIMEOUT_SECS: u64 = 5;
+
+/// How long a failure may take to end the job: `timeouts` time-outs, plus time for mpirun to
+/// start and tear down.
+pub fn bound(timeouts: u64) -> Duration {
+    Duration::from_secs(timeouts * TIMEOUT_SECS + 20)
+}
+
 /// `mpirun -n <ranks> <program> <args>`, with output captured.
 pub fn mpirun(program: &str, ranks: usize, args: &[&str]) -> Command {
     let mut cmd = Command::new("mpirun");
@@ -155,4 +164,39 @@ pub fn run(cmd: Command) -> anyhow::Result<Outcome> {
 /// One launch at a time in this test binary.
 pub fn lock() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs the worker program's `train` task through `launch` (its `mpirun`, given the program's
+/// arguments) with the failure tests' time-out, worker `worker` stalling after `after` steps;
+/// checks that the job fails, names the stall with `want` within `bound(timeouts)`, and returns
+/// how it ended.
+pub fn stalled_run(
+    launch: impl Fn(&[&str]) -> Command,
+    (worker, after): (usize, usize),
+    want: &str,
+    timeouts: u64,
+) -> anyhow::Result<Outcome> {
+    let _one = lock();
+    let (timeout, worker, after) = (
+        TIMEOUT_SECS.to_string(),
+        worker.to_string(),
+        after.to_string(),
+    );
+    let outcome = run(launch(&[
+        "--timeout-secs",
+        &timeout,
+        "train",
+        "--stall-worker",
+        &worker,
+        "--stall-after-steps",
+        &after,
+    ]))?;
+    assert!(!outcome.status.success(), "{}", outcome.output);
+    assert!(outcome.output.contains(want), "{}", outcome.output);
+    assert!(
+        outcome.elapsed < bound(timeouts),
+        "took {:?}",
+        outcome.elapsed
+    );
+    Ok(outcome)
 }

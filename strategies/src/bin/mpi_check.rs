@@ -49,25 +49,17 @@ use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorker
 mod equivalence_run;
 mod worker_program;
 
-use worker_program::number;
+use worker_program::{number, Common};
 
 #[derive(Debug, Default)]
 struct Args {
-    task: String,
+    common: Common,
     expect_world_size: Option<usize>,
     local_replicas: usize,
     replicas_on_worker: Option<(usize, usize)>,
     hierarchical: bool,
     sync_batch_norm: bool,
     communication: CommunicationImplementation,
-    timeout_secs: Option<f64>,
-    out: Option<String>,
-    model: String,
-    samples: usize,
-    epochs: Option<usize>,
-    min_accuracy: f64,
-    stall_worker: Option<usize>,
-    stall_after_steps: usize,
     state: Option<String>,
     dir: Option<String>,
     every: Option<usize>,
@@ -78,74 +70,55 @@ struct Args {
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         local_replicas: 1,
-        model: "plain".into(),
-        samples: equivalence_run::SAMPLES,
-        min_accuracy: 0.97,
         ..Default::default()
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .ok_or_else(|| Error::invalid(format!("{name} needs a value")))
-        };
-        match arg.as_str() {
-            "--expect-world-size" => {
-                args.expect_world_size = Some(number(&arg, value(&arg)?)?);
-            }
-            "--local-replicas" => args.local_replicas = number(&arg, value(&arg)?)?,
-            "--replicas-on-worker" => {
-                let rank = number(&arg, value(&arg)?)?;
-                args.replicas_on_worker = Some((rank, number(&arg, value(&arg)?)?));
-            }
-            "--hierarchical" => args.hierarchical = true,
-            "--sync-batch-norm" => args.sync_batch_norm = true,
-            "--communication" => {
-                args.communication = match value(&arg)?.as_str() {
-                    "auto" => CommunicationImplementation::Auto,
-                    "mpi" => CommunicationImplementation::Mpi,
-                    "nccl" => CommunicationImplementation::Nccl,
-                    other => {
-                        return Err(Error::invalid(format!(
-                            "--communication: `{other}` is not auto, mpi or nccl"
-                        )))
+    args.common = worker_program::parse(
+        &mut args,
+        |args, arg, value| {
+            match arg {
+                "--expect-world-size" => args.expect_world_size = Some(number(arg, value()?)?),
+                "--local-replicas" => args.local_replicas = number(arg, value()?)?,
+                "--replicas-on-worker" => {
+                    let rank = number(arg, value()?)?;
+                    args.replicas_on_worker = Some((rank, number(arg, value()?)?));
+                }
+                "--hierarchical" => args.hierarchical = true,
+                "--sync-batch-norm" => args.sync_batch_norm = true,
+                "--communication" => {
+                    args.communication = match value()?.as_str() {
+                        "auto" => CommunicationImplementation::Auto,
+                        "mpi" => CommunicationImplementation::Mpi,
+                        "nccl" => CommunicationImplementation::Nccl,
+                        other => {
+                            return Err(Error::invalid(format!(
+                                "--communication: `{other}` is not auto, mpi or nccl"
+                            )))
+                        }
                     }
                 }
+                "--state" => args.state = Some(value()?),
+                "--dir" => args.dir = Some(value()?),
+                "--every" => args.every = Some(number(arg, value()?)?),
+                "--keep-backups" => args.keep_backups = true,
+                "--step-millis" => args.step_millis = number(arg, value()?)?,
+                "-h" | "--help" => {
+                    return Err(Error::invalid(
+                        "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
+                         [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
+                         [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
+                         equivalence --out FILE [--model plain|bn] [--samples S] | digits \
+                         [--epochs E] [--min-accuracy A] | train [--epochs E] [--stall-worker R \
+                         --stall-after-steps K] | resume --state FILE --out FILE | backup \
+                         --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
+                         [--step-millis MS]>",
+                    ))
+                }
+                _ => return Ok(false),
             }
-            "--model" => args.model = value(&arg)?,
-            "--samples" => args.samples = number(&arg, value(&arg)?)?,
-            "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
-            "--out" => args.out = Some(value(&arg)?),
-            "--state" => args.state = Some(value(&arg)?),
-            "--dir" => args.dir = Some(value(&arg)?),
-            "--every" => args.every = Some(number(&arg, value(&arg)?)?),
-            "--keep-backups" => args.keep_backups = true,
-            "--step-millis" => args.step_millis = number(&arg, value(&arg)?)?,
-            "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
-            "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
-            "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
-            "--stall-after-steps" => args.stall_after_steps = number(&arg, value(&arg)?)?,
-            "-h" | "--help" => {
-                return Err(Error::invalid(
-                    "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
-                     [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
-                     [--communication auto|mpi|nccl] [--timeout-secs T] <world | equivalence \
-                     --out FILE [--model plain|bn] [--samples S] | digits [--epochs E] \
-                     [--min-accuracy A] | train [--epochs E] [--stall-worker R \
-                     --stall-after-steps K] | resume --state FILE --out FILE | backup \
-                     --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
-                     [--step-millis MS]>",
-                ))
-            }
-            task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
-            other => return Err(Error::invalid(format!("unknown argument `{other}`"))),
-        }
-    }
-    if args.task.is_empty() {
-        return Err(Error::invalid(
-            "no task given: world, equivalence, digits, train, resume or backup",
-        ));
-    }
+            Ok(true)
+        },
+        "world, equivalence, digits, train, resume or backup",
+    )?;
     Ok(args)
 }
 
@@ -210,7 +183,7 @@ fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
     if args.hierarchical {
         strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
     }
-    if let Some(secs) = args.timeout_secs {
+    if let Some(secs) = args.common.timeout_secs {
         strategy = strategy.timeout(worker_program::timeout(secs)?);
     }
     Ok(strategy)
@@ -228,7 +201,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
              started by the mpirun of the MPI library it was built against?",
             worker.size
         ))),
-        _ => match args.task.as_str() {
+        _ => match args.common.task.as_str() {
             "world" => Ok(()),
             "equivalence" => equivalence(&strategy, args),
             "digits" => digits(&strategy, args, &label),
@@ -242,20 +215,9 @@ fn run(args: &Args) -> std::result::Result<(), String> {
 }
 
 fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
-    let out = args
-        .out
-        .as_ref()
-        .ok_or_else(|| Error::invalid("equivalence needs --out FILE"))?;
-    let net = match args.model.as_str() {
-        "plain" => equivalence_run::plain_cnn(),
-        "bn" => equivalence_run::bn_cnn(),
-        other => {
-            return Err(Error::invalid(format!(
-                "--model: `{other}` is not plain or bn"
-            )))
-        }
-    };
-    let model = equivalence_run::train(net, strategy, args.samples)?;
+    let out = args.common.out()?;
+    let net = args.common.equivalence_model()?;
+    let model = equivalence_run::train(net, strategy, args.common.samples)?;
     model.save_weights(out)
 }
 
@@ -267,7 +229,10 @@ fn resume(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
         v.clone()
             .ok_or_else(|| Error::invalid(format!("resume needs {name} FILE")))
     };
-    let (state, out) = (need(&args.state, "--state")?, need(&args.out, "--out")?);
+    let (state, out) = (
+        need(&args.state, "--state")?,
+        need(&args.common.out, "--out")?,
+    );
     let worker = strategy.worker();
     let global = equivalence_run::GLOBAL_BATCH;
     if global % worker.size != 0 {
@@ -334,7 +299,7 @@ fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> R
     model.fit(
         &train,
         FitOptions {
-            epochs: args.epochs.unwrap_or(15),
+            epochs: args.common.epochs.unwrap_or(15),
             batch_size_per_replica: 16,
             validation: Some(&test),
             verbosity: Verbosity::EpochLines,
@@ -348,10 +313,10 @@ fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> R
         logs.get("loss").unwrap_or(f64::NAN),
         start.elapsed().as_secs_f64()
     );
-    if accuracy < args.min_accuracy {
+    if accuracy < args.common.min_accuracy {
         return Err(Error::invalid(format!(
             "test accuracy {accuracy:.4} is below {}",
-            args.min_accuracy
+            args.common.min_accuracy
         )));
     }
     Ok(())
@@ -365,12 +330,12 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
         [Accuracy],
         strategy,
     )?;
-    let stall_after =
-        (args.stall_worker == Some(strategy.worker().rank)).then_some(args.stall_after_steps);
+    let stall_after = (args.common.stall_worker == Some(strategy.worker().rank))
+        .then_some(args.common.stall_after_steps);
     model.fit(
         &data,
         FitOptions {
-            epochs: args.epochs.unwrap_or(1000),
+            epochs: args.common.epochs.unwrap_or(1000),
             batch_size_per_replica: 8,
             verbosity: Verbosity::Silent,
             callbacks: vec![Steps {
@@ -387,7 +352,7 @@ fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> 
 }
 
 fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> Result<()> {
-    let (dir, out) = match (&args.dir, &args.out) {
+    let (dir, out) = match (&args.dir, &args.common.out) {
         (Some(dir), Some(out)) => (dir, out),
         _ => return Err(Error::invalid("backup needs --dir DIR and --out FILE")),
     };
@@ -400,7 +365,7 @@ fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) ->
     model.fit(
         &train,
         FitOptions {
-            epochs: args.epochs.unwrap_or(3),
+            epochs: args.common.epochs.unwrap_or(3),
             batch_size_per_replica: 16,
             validation: Some(&test),
             seed: Some(3),

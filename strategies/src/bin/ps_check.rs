@@ -37,65 +37,40 @@ use kandle_strategies::ParameterServerStrategy;
 mod equivalence_run;
 mod worker_program;
 
-use worker_program::number;
+use worker_program::{number, Common};
 
 #[derive(Debug, Default)]
 struct Args {
-    task: String,
+    common: Common,
     num_ps: usize,
     sync: bool,
     max_staleness: Option<u64>,
-    timeout_secs: Option<f64>,
-    out: Option<String>,
-    model: String,
-    samples: usize,
-    epochs: Option<usize>,
-    min_accuracy: f64,
     slow_worker: Option<usize>,
     slow_ms: u64,
     compute_ms: u64,
-    stall_worker: Option<usize>,
-    stall_after_steps: usize,
 }
 
 fn parse_args() -> Result<Args> {
     let mut args = Args {
         num_ps: 1,
-        model: "plain".into(),
-        samples: equivalence_run::SAMPLES,
-        min_accuracy: 0.97,
         ..Default::default()
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .ok_or_else(|| Error::invalid(format!("{name} needs a value")))
-        };
-        match arg.as_str() {
-            "--num-ps" => args.num_ps = number(&arg, value(&arg)?)?,
-            "--sync" => args.sync = true,
-            "--max-staleness" => args.max_staleness = Some(number(&arg, value(&arg)?)?),
-            "--timeout-secs" => args.timeout_secs = Some(number(&arg, value(&arg)?)?),
-            "--out" => args.out = Some(value(&arg)?),
-            "--model" => args.model = value(&arg)?,
-            "--samples" => args.samples = number(&arg, value(&arg)?)?,
-            "--epochs" => args.epochs = Some(number(&arg, value(&arg)?)?),
-            "--min-accuracy" => args.min_accuracy = number(&arg, value(&arg)?)?,
-            "--slow-worker" => args.slow_worker = Some(number(&arg, value(&arg)?)?),
-            "--slow-ms" => args.slow_ms = number(&arg, value(&arg)?)?,
-            "--compute-ms" => args.compute_ms = number(&arg, value(&arg)?)?,
-            "--stall-worker" => args.stall_worker = Some(number(&arg, value(&arg)?)?),
-            "--stall-after-steps" => args.stall_after_steps = number(&arg, value(&arg)?)?,
-            task if !task.starts_with('-') && args.task.is_empty() => args.task = task.into(),
-            other => return Err(Error::invalid(format!("unknown argument `{other}`"))),
-        }
-    }
-    if args.task.is_empty() {
-        return Err(Error::invalid(
-            "no task given: equivalence, digits, staleness, train or mismatch",
-        ));
-    }
+    args.common = worker_program::parse(
+        &mut args,
+        |args, arg, value| {
+            match arg {
+                "--num-ps" => args.num_ps = number(arg, value()?)?,
+                "--sync" => args.sync = true,
+                "--max-staleness" => args.max_staleness = Some(number(arg, value()?)?),
+                "--slow-worker" => args.slow_worker = Some(number(arg, value()?)?),
+                "--slow-ms" => args.slow_ms = number(arg, value()?)?,
+                "--compute-ms" => args.compute_ms = number(arg, value()?)?,
+                _ => return Ok(false),
+            }
+            Ok(true)
+        },
+        "equivalence, digits, staleness, train or mismatch",
+    )?;
     Ok(args)
 }
 
@@ -107,7 +82,7 @@ fn strategy(args: &Args) -> Result<ParameterServerStrategy> {
     if let Some(k) = args.max_staleness {
         strategy = strategy.max_staleness(k);
     }
-    if let Some(secs) = args.timeout_secs {
+    if let Some(secs) = args.common.timeout_secs {
         strategy = strategy.timeout(worker_program::timeout(secs)?);
     }
     Ok(strategy)
@@ -175,7 +150,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
     };
     let label = format!("rank {rank}/{size}");
     println!("{label} {role} pid {}", std::process::id());
-    let result = match args.task.as_str() {
+    let result = match args.common.task.as_str() {
         "equivalence" => equivalence(&strategy, args),
         "digits" => digits(&strategy, args, &label),
         "staleness" => staleness(&strategy, args, &label),
@@ -187,26 +162,15 @@ fn run(args: &Args) -> std::result::Result<(), String> {
 }
 
 fn equivalence(strategy: &ParameterServerStrategy, args: &Args) -> Result<()> {
-    let out = args
-        .out
-        .as_ref()
-        .ok_or_else(|| Error::invalid("equivalence needs --out FILE"))?;
-    let net = match args.model.as_str() {
-        "plain" => equivalence_run::plain_cnn(),
-        "bn" => equivalence_run::bn_cnn(),
-        other => {
-            return Err(Error::invalid(format!(
-                "--model: `{other}` is not plain or bn"
-            )))
-        }
-    };
+    let out = args.common.out()?;
+    let net = args.common.equivalence_model()?;
     if strategy.is_server() {
         // A server ends the call holding every server's final variables: it writes them too.
-        let model = equivalence_run::fit(net, strategy, args.samples)?.0;
+        let model = equivalence_run::fit(net, strategy, args.common.samples)?.0;
         let rank = strategy.worker().rank;
         return kandle::checkpoint::save(&model.get_weights()?, format!("{out}.rank{rank}"));
     }
-    let model = equivalence_run::train(net, strategy, args.samples)?;
+    let model = equivalence_run::train(net, strategy, args.common.samples)?;
     model.save_weights(out)
 }
 
@@ -228,7 +192,7 @@ fn digits(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Resul
     model.fit(
         &train,
         FitOptions {
-            epochs: args.epochs.unwrap_or(15),
+            epochs: args.common.epochs.unwrap_or(15),
             batch_size_per_replica: 16,
             validation: Some(&test),
             verbosity: Verbosity::EpochLines,
@@ -245,10 +209,10 @@ fn digits(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Resul
         logs.get("loss").unwrap_or(f64::NAN),
         start.elapsed().as_secs_f64()
     );
-    if accuracy < args.min_accuracy {
+    if accuracy < args.common.min_accuracy {
         return Err(Error::invalid(format!(
             "test accuracy {accuracy:.4} is below {}",
-            args.min_accuracy
+            args.common.min_accuracy
         )));
     }
     Ok(())
@@ -267,7 +231,7 @@ fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Re
     let history = model.fit(
         &data,
         FitOptions {
-            epochs: args.epochs.unwrap_or(1),
+            epochs: args.common.epochs.unwrap_or(1),
             batch_size_per_replica: 8,
             verbosity: Verbosity::Silent,
             callbacks: vec![Steps {
@@ -301,12 +265,13 @@ fn train(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Result
         [Accuracy],
         strategy,
     )?;
-    let stall_after = (!strategy.is_server() && args.stall_worker == Some(strategy.worker().rank))
-        .then_some(args.stall_after_steps);
+    let stall_after = (!strategy.is_server()
+        && args.common.stall_worker == Some(strategy.worker().rank))
+    .then_some(args.common.stall_after_steps);
     model.fit(
         &data,
         FitOptions {
-            epochs: args.epochs.unwrap_or(1000),
+            epochs: args.common.epochs.unwrap_or(1000),
             batch_size_per_replica: 8,
             verbosity: Verbosity::Silent,
             callbacks: vec![Steps {

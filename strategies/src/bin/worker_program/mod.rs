@@ -1,6 +1,6 @@
 //! What the worker programs behind the MPI tests (`kandle-mpi-check`, `kandle-ps-check`) share:
 //! the run of `main` (kandle's log on stderr, each error printed as one line, the exit status),
-//! and the parsing of numbers and time-outs from the command line.
+//! and the command line: the options both take ([`Common`]), numbers and time-outs.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -34,6 +34,104 @@ pub fn main<A>(
             ExitCode::FAILURE
         }
     }
+}
+
+/// The task and the options both worker programs take.
+#[derive(Debug)]
+pub struct Common {
+    /// The task to run (the one argument that is not an option).
+    pub task: String,
+    /// `--timeout-secs T`: the strategy's time-out.
+    pub timeout_secs: Option<f64>,
+    /// `--out FILE`: where the chief writes its result.
+    pub out: Option<String>,
+    /// `--model plain|bn` (default `plain`).
+    pub model: String,
+    /// `--samples S`: digits in the equivalence run.
+    pub samples: usize,
+    /// `--epochs E`.
+    pub epochs: Option<usize>,
+    /// `--min-accuracy A` (default 0.97).
+    pub min_accuracy: f64,
+    /// `--stall-worker R`: the worker that stalls.
+    pub stall_worker: Option<usize>,
+    /// `--stall-after-steps K`: it stalls before step `K + 1`.
+    pub stall_after_steps: usize,
+}
+
+impl Default for Common {
+    fn default() -> Self {
+        Self {
+            task: String::new(),
+            timeout_secs: None,
+            out: None,
+            model: "plain".into(),
+            samples: crate::equivalence_run::SAMPLES,
+            epochs: None,
+            min_accuracy: 0.97,
+            stall_worker: None,
+            stall_after_steps: 0,
+        }
+    }
+}
+
+impl Common {
+    /// `--out FILE`, which the task needs.
+    pub fn out(&self) -> Result<&str> {
+        self.out
+            .as_deref()
+            .ok_or_else(|| Error::invalid(format!("{} needs --out FILE", self.task)))
+    }
+
+    /// The equivalence run's network that `--model` names.
+    pub fn equivalence_model(&self) -> Result<kandle::layers::Sequential> {
+        match self.model.as_str() {
+            "plain" => Ok(crate::equivalence_run::plain_cnn()),
+            "bn" => Ok(crate::equivalence_run::bn_cnn()),
+            other => Err(Error::invalid(format!(
+                "--model: `{other}` is not plain or bn"
+            ))),
+        }
+    }
+}
+
+/// Reads the command line: the common options and the task into the returned [`Common`], a
+/// program's own options through `accept(own, option, value)`, which returns `Ok(false)` for
+/// an option it does not know and reads an option's values with `value()`. `tasks` names the
+/// tasks, for the error when none is given.
+pub fn parse<T>(
+    own: &mut T,
+    mut accept: impl FnMut(&mut T, &str, &mut dyn FnMut() -> Result<String>) -> Result<bool>,
+    tasks: &str,
+) -> Result<Common> {
+    let mut common = Common::default();
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = || {
+            it.next()
+                .ok_or_else(|| Error::invalid(format!("{arg} needs a value")))
+        };
+        match arg.as_str() {
+            "--timeout-secs" => common.timeout_secs = Some(number(&arg, value()?)?),
+            "--out" => common.out = Some(value()?),
+            "--model" => common.model = value()?,
+            "--samples" => common.samples = number(&arg, value()?)?,
+            "--epochs" => common.epochs = Some(number(&arg, value()?)?),
+            "--min-accuracy" => common.min_accuracy = number(&arg, value()?)?,
+            "--stall-worker" => common.stall_worker = Some(number(&arg, value()?)?),
+            "--stall-after-steps" => common.stall_after_steps = number(&arg, value()?)?,
+            task if !task.starts_with('-') && common.task.is_empty() => common.task = task.into(),
+            other => {
+                if !accept(own, other, &mut value)? {
+                    return Err(Error::invalid(format!("unknown argument `{other}`")));
+                }
+            }
+        }
+    }
+    if common.task.is_empty() {
+        return Err(Error::invalid(format!("no task given: {tasks}")));
+    }
+    Ok(common)
 }
 
 /// The value of option `name` as a number.

@@ -97,7 +97,8 @@ pub struct FitInfo {
     pub initial_epoch: usize,
     /// Steps in each epoch.
     pub steps_per_epoch: usize,
-    /// Training samples seen per epoch.
+    /// Training samples this process sees per epoch: the whole epoch's for a single-process
+    /// strategy, this worker's share under multi-worker training.
     pub samples: usize,
     /// Samples in each step across all replicas.
     pub global_batch_size: usize,

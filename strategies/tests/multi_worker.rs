@@ -235,14 +235,7 @@ fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
     );
     // Started without mpirun (or by another MPI's), a worker is a world of one: it must say so.
     let outcome = run(alone(&["--expect-world-size", "2", "world"]))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome
-            .output
-            .contains("expected a world of 2 workers but MPI reports 1"),
-        "{}",
-        outcome.output
-    );
+    outcome.assert_failed_with("expected a world of 2 workers but MPI reports 1");
     Ok(())
 }
 
@@ -297,11 +290,7 @@ fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
                 && l.contains("worker 1 stopped answering"))
     });
     assert!(named, "{}", outcome.output);
-    assert!(
-        outcome.elapsed < bound(1) + Duration::from_secs(10),
-        "took {:?}",
-        outcome.elapsed
-    );
+    outcome.assert_took_less_than(bound(1) + Duration::from_secs(10));
     Ok(())
 }
 

@@ -186,27 +186,13 @@ fn servers_without_a_worker_or_more_servers_than_variables_are_clear_errors() ->
         2,
         &["--num-ps", "2", "--timeout-secs", "20", "mismatch"],
     ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome
-            .output
-            .contains("with 2 parameter server(s) leaves no worker"),
-        "{}",
-        outcome.output
-    );
+    outcome.assert_failed_with("with 2 parameter server(s) leaves no worker");
     // The digits CNN has 8 variables.
     let outcome = run(mpirun(
         10,
         &["--num-ps", "9", "--timeout-secs", "20", "mismatch"],
     ))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome
-            .output
-            .contains("9 parameter servers for a model of 8 variable(s)"),
-        "{}",
-        outcome.output
-    );
+    outcome.assert_failed_with("9 parameter servers for a model of 8 variable(s)");
     Ok(())
 }
 
@@ -245,19 +231,8 @@ fn signal_rank(rank: usize, signal: &str) -> anyhow::Result<Outcome> {
 fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     let _one = lock();
     let outcome = signal_rank(1, "-STOP")?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome
-            .output
-            .contains("worker 1: sent nothing to parameter server"),
-        "{}",
-        outcome.output
-    );
-    assert!(
-        outcome.elapsed < bound(1) + Duration::from_secs(10),
-        "took {:?}",
-        outcome.elapsed
-    );
+    outcome.assert_failed_with("worker 1: sent nothing to parameter server");
+    outcome.assert_took_less_than(bound(1) + Duration::from_secs(10));
     Ok(())
 }
 
@@ -273,11 +248,7 @@ fn a_stopped_server_is_named_within_twice_the_timeout() -> anyhow::Result<()> {
             || l.contains("parameter server 1 (rank 3): did not take")
     });
     assert!(named, "{}", outcome.output);
-    assert!(
-        outcome.elapsed < bound(2) + Duration::from_secs(10),
-        "took {:?}",
-        outcome.elapsed
-    );
+    outcome.assert_took_less_than(bound(2) + Duration::from_secs(10));
     Ok(())
 }
 
@@ -293,11 +264,7 @@ fn a_killed_worker_or_server_ends_the_job_naming_it() -> anyhow::Result<()> {
             "{}",
             outcome.output
         );
-        assert!(
-            outcome.elapsed < bound(1) + Duration::from_secs(10),
-            "took {:?}",
-            outcome.elapsed
-        );
+        outcome.assert_took_less_than(bound(1) + Duration::from_secs(10));
     }
     Ok(())
 }

@@ -46,6 +46,19 @@ pub struct Outcome {
     pub elapsed: Duration,
 }
 
+impl Outcome {
+    /// Asserts that the launch failed and said `want`.
+    pub fn assert_failed_with(&self, want: &str) {
+        assert!(!self.status.success(), "{}", self.output);
+        assert!(self.output.contains(want), "{}", self.output);
+    }
+
+    /// Asserts that the launch ended within `limit`.
+    pub fn assert_took_less_than(&self, limit: Duration) {
+        assert!(self.elapsed < limit, "took {:?}", self.elapsed);
+    }
+}
+
 /// Reads a child's stdout line by line on a thread (so a test can react to it) and its stderr
 /// whole, and waits for it with [`DEADLINE`].
 pub struct Launch {
@@ -191,12 +204,7 @@ pub fn stalled_run(
         "--stall-after-steps",
         &after,
     ]))?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
-    assert!(outcome.output.contains(want), "{}", outcome.output);
-    assert!(
-        outcome.elapsed < bound(timeouts),
-        "took {:?}",
-        outcome.elapsed
-    );
+    outcome.assert_failed_with(want);
+    outcome.assert_took_less_than(bound(timeouts));
     Ok(outcome)
 }

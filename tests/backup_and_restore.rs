@@ -7,10 +7,13 @@
 use std::path::Path;
 
 use anyhow::{ensure, Result};
-use kandle::callbacks::{BackupAndRestore, Callback, CsvLogger, Logs, SaveFreq};
+use kandle::callbacks::{BackupAndRestore, Callback, CsvLogger, SaveFreq};
 use kandle::data::{digits, InMemoryDataset};
 use kandle::params::Weights;
 use kandle::prelude::*;
+
+mod crash_support;
+use crash_support::Crash;
 
 fn model() -> kandle::Result<Model> {
     Sequential::new()
@@ -33,25 +36,6 @@ fn data() -> Result<(InMemoryDataset, InMemoryDataset)> {
     Ok(all
         .subset(&(0..500).collect::<Vec<_>>())?
         .train_test_split(0.2, 3)?)
-}
-
-/// Fails the step `at` (epoch, step) once armed: a crash in the middle of an epoch.
-struct Crash {
-    at: Option<(usize, usize)>,
-    epoch: usize,
-}
-
-impl Callback for Crash {
-    fn on_epoch_begin(&mut self, epoch: usize, _model: &mut Model) -> kandle::Result<()> {
-        self.epoch = epoch;
-        Ok(())
-    }
-    fn on_train_batch_end(&mut self, step: usize, _l: &Logs, _m: &mut Model) -> kandle::Result<()> {
-        if self.at == Some((self.epoch, step)) {
-            return Err(kandle::Error::invalid("simulated crash"));
-        }
-        Ok(())
-    }
 }
 
 /// Trains 4 epochs (10 steps each) with a backup every `every` steps, crashing at `crash`.

@@ -4,34 +4,18 @@
 
 use std::path::Path;
 
-use kandle::callbacks::{BackupAndRestore, Callback, Logs, SaveFreq};
+use kandle::callbacks::{BackupAndRestore, Callback, SaveFreq};
 use kandle::data::{digits, InMemoryDataset};
 use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle_strategies::MirroredStrategy;
 
+#[path = "../../tests/crash_support/mod.rs"]
+mod crash_support;
+use crash_support::Crash;
 mod support;
 
 const GLOBAL_BATCH: usize = 40;
-
-/// Fails once it reaches step `at` (epoch, step).
-struct Crash {
-    at: Option<(usize, usize)>,
-    epoch: usize,
-}
-
-impl Callback for Crash {
-    fn on_epoch_begin(&mut self, epoch: usize, _model: &mut Model) -> kandle::Result<()> {
-        self.epoch = epoch;
-        Ok(())
-    }
-    fn on_train_batch_end(&mut self, step: usize, _l: &Logs, _m: &mut Model) -> kandle::Result<()> {
-        if self.at == Some((self.epoch, step)) {
-            return Err(kandle::Error::invalid("simulated crash"));
-        }
-        Ok(())
-    }
-}
 
 fn train<S: Strategy + Clone + 'static>(
     strategy: &S,

@@ -1,0 +1,25 @@
+//! A crash on cue, for the tests of `BackupAndRestore` (here and in `kandle-strategies`, which
+//! includes this file): a callback that fails one training step.
+
+use kandle::callbacks::{Callback, Logs};
+use kandle::Model;
+
+/// Fails the step `at` (epoch, step) once armed: a crash in the middle of an epoch.
+pub struct Crash {
+    pub at: Option<(usize, usize)>,
+    pub epoch: usize,
+}
+
+impl Callback for Crash {
+    fn on_epoch_begin(&mut self, epoch: usize, _model: &mut Model) -> kandle::Result<()> {
+        self.epoch = epoch;
+        Ok(())
+    }
+
+    fn on_train_batch_end(&mut self, step: usize, _l: &Logs, _m: &mut Model) -> kandle::Result<()> {
+        if self.at == Some((self.epoch, step)) {
+            return Err(kandle::Error::invalid("simulated crash"));
+        }
+        Ok(())
+    }
+}

@@ -176,6 +176,26 @@ impl Callback for Timer {
     }
 }
 
+/// One epoch of `train` in order, at `BATCH` per replica, timed by `timer`.
+fn fit_one_epoch(
+    model: &mut Model,
+    train: &kandle::data::InMemoryDataset,
+    timer: Timer,
+) -> Result<()> {
+    model.fit(
+        train,
+        FitOptions {
+            epochs: 1,
+            batch_size_per_replica: BATCH,
+            shuffle: false,
+            verbosity: Verbosity::Silent,
+            callbacks: vec![timer.boxed()],
+            ..Default::default()
+        },
+    )?;
+    Ok(())
+}
+
 fn inner(args: &Args) -> Result<()> {
     let strategy: Arc<dyn Strategy> = match args.mode {
         Mode::Allreduce => Arc::new(kandle_strategies::MultiWorkerMirroredStrategy::from_env()?),
@@ -213,17 +233,7 @@ fn inner(args: &Args) -> Result<()> {
         )?
         .with_seed(1)?;
     model.build(&[INPUTS])?;
-    model.fit(
-        &train,
-        FitOptions {
-            epochs: 1,
-            batch_size_per_replica: BATCH,
-            shuffle: false,
-            verbosity: Verbosity::Silent,
-            callbacks: vec![timer.boxed()],
-            ..Default::default()
-        },
-    )?;
+    fit_one_epoch(&mut model, &train, timer)?;
     let times = times.lock().map(|t| t.clone()).unwrap_or_default();
     if times.is_empty() {
         return Ok(()); // a parameter server
@@ -321,17 +331,7 @@ fn compute_alone(args: &Args) -> Result<f64> {
         (),
         &OneDeviceStrategy::cpu(),
     )?;
-    model.fit(
-        &train,
-        FitOptions {
-            epochs: 1,
-            batch_size_per_replica: BATCH,
-            shuffle: false,
-            verbosity: Verbosity::Silent,
-            callbacks: vec![timer.boxed()],
-            ..Default::default()
-        },
-    )?;
+    fit_one_epoch(&mut model, &train, timer)?;
     let times = times.lock().map(|t| t.clone()).unwrap_or_default();
     Ok(median(&times) * 1e3)
 }

@@ -449,9 +449,12 @@ impl Model {
     pub fn training_state(&mut self) -> Result<TrainingState> {
         let learning_rate = self.learning_rate;
         let replicas = self.replicas()?;
+        // The optimizer state first: a model whose variables live elsewhere takes the weights
+        // that go with it at the same time (see `DistributedModel::optimizer_state`).
+        let optimizer = replicas.optimizer_state()?;
         Ok(TrainingState {
             weights: replicas.weights()?,
-            optimizer: replicas.optimizer_state()?,
+            optimizer,
             learning_rate,
             extra: serde_json::Map::new(),
         })
@@ -741,12 +744,12 @@ impl Model {
         let Some((path, previous)) = self.requests.backup.take() else {
             return Ok(());
         };
+        if !self.is_chief() {
+            return Ok(());
+        }
         let mut state = self.training_state()?;
         resume::record(&mut state, position, shape, history, callbacks);
-        if self.is_chief() {
-            resume::write(&state, &path, previous.as_deref())?;
-        }
-        Ok(())
+        resume::write(&state, &path, previous.as_deref())
     }
 
     /// Trains on input and target tensors, as Keras's `fit(x, y)`: `x` is `(n, ...)`; `y` holds
@@ -870,13 +873,7 @@ impl Model {
         }
         let n = self.prepare_inputs(x)?;
         if self.replicas()?.serve()? {
-            let mut empty = vec![0];
-            empty.extend(&self.built()?.output_shape);
-            return Ok(Tensor::zeros(
-                empty,
-                candle_core::DType::F32,
-                &candle_core::Device::Cpu,
-            )?);
+            return self.no_predictions();
         }
         let x = x.to_dtype(candle_core::DType::F32)?;
         let batch = options.batch_size_per_replica * self.strategy.local_replicas();
@@ -941,7 +938,9 @@ impl Model {
     /// One training step on this batch, as Keras's `train_on_batch`: the whole batch is the
     /// global batch (split across this process's replicas; under multi-worker training each
     /// worker passes its own part). Returns the batch's loss and metrics. An update whose loss
-    /// or gradients are not finite is not applied, and the loss is then NaN.
+    /// or gradients are not finite is not applied, and the loss is then NaN. On a process that
+    /// serves the others (a parameter server), it and the other `*_on_batch` methods serve that
+    /// one batch and return nothing (empty logs, no rows), as `fit` does.
     pub fn train_on_batch(
         &mut self,
         x: &Tensor,
@@ -949,8 +948,12 @@ impl Model {
         sample_weight: Option<&Tensor>,
     ) -> Result<Logs> {
         let batch = self.one_batch(x, y, sample_weight)?;
+        if self.replicas()?.serve()? {
+            return Ok(Logs::new());
+        }
         let lr = self.learning_rate;
         let stats = self.replicas()?.train_step(&batch, lr)?;
+        self.replicas()?.end_call()?;
         Ok(Totals::of(&self.metrics, &stats, true).logs())
     }
 
@@ -962,15 +965,35 @@ impl Model {
         sample_weight: Option<&Tensor>,
     ) -> Result<Logs> {
         let batch = self.one_batch(x, y, sample_weight)?;
+        if self.replicas()?.serve()? {
+            return Ok(Logs::new());
+        }
         let stats = self.replicas()?.test_step(&batch)?;
+        self.replicas()?.end_call()?;
         Ok(Totals::of(&self.metrics, &stats, false).logs())
     }
 
     /// The outputs for this batch in one step, as Keras's `predict_on_batch`.
     pub fn predict_on_batch(&mut self, x: &Tensor) -> Result<Tensor> {
         self.prepare_inputs(x)?;
+        if self.replicas()?.serve()? {
+            return self.no_predictions();
+        }
         let x = x.to_dtype(candle_core::DType::F32)?;
-        self.replicas()?.predict_step(&x)
+        let out = self.replicas()?.predict_step(&x)?;
+        self.replicas()?.end_call()?;
+        Ok(out)
+    }
+
+    /// What `predict` returns on a process that serves the others: no rows.
+    fn no_predictions(&self) -> Result<Tensor> {
+        let mut empty = vec![0];
+        empty.extend(&self.built()?.output_shape);
+        Ok(Tensor::zeros(
+            empty,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?)
     }
 }
 

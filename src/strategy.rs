@@ -133,7 +133,8 @@ pub trait DistributedModel: Send {
     /// The model's outputs for `x` (CPU), returned on the CPU.
     fn predict_step(&mut self, x: &Tensor) -> Result<Tensor>;
 
-    /// Called by `fit`, `evaluate` and `predict` once the model is built, before anything else.
+    /// Called by `fit`, `evaluate`, `predict` and the `*_on_batch` methods once the model is
+    /// built, before anything else.
     /// A model whose process does not train but serves the others (a parameter server) serves
     /// them until every worker has ended the same call ([`DistributedModel::end_call`]), then
     /// returns `true`, and the call returns at once with nothing (an empty history, empty logs,
@@ -149,9 +150,9 @@ pub trait DistributedModel: Send {
         Ok(Vec::new())
     }
 
-    /// Called by `fit`, `evaluate` and `predict` when they end without error on a process that
-    /// did not [`serve`](DistributedModel::serve): lets a worker tell the processes serving it
-    /// that it is done. The default does nothing.
+    /// Called by the same methods as [`serve`](DistributedModel::serve) when they end without
+    /// error on a process that did not serve: lets a worker tell the processes serving it that
+    /// it is done. The default does nothing.
     fn end_call(&mut self) -> Result<()> {
         Ok(())
     }
@@ -168,6 +169,9 @@ pub trait DistributedModel: Send {
 
     /// The optimizer's state by canonical variable name, on the CPU: that of the replica that
     /// applies updates (every replica's is the same). [`Replica::optimizer_state`] gives it.
+    /// A model whose variables live in other processes (a parameter-server worker) takes the
+    /// weights that go with the state at the same time, so that [`weights`](Self::weights)
+    /// called next gives them: `Model::training_state` calls this first.
     ///
     /// The default fails: a strategy whose model does not implement it cannot save a training
     /// state.

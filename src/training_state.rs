@@ -64,7 +64,7 @@ impl TrainingState {
     /// optimizer slot's name is empty or has a dot.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let bytes = self.to_bytes().map_err(|reason| Error::Checkpoint {
+        let bytes = self.encode().map_err(|reason| Error::Checkpoint {
             path: path.to_path_buf(),
             reason: format!("cannot write the training state: {reason}"),
         })?;
@@ -77,14 +77,28 @@ impl TrainingState {
         let path = path.as_ref();
         let bytes =
             std::fs::read(path).map_err(|e| Error::io("cannot read training state", path, e))?;
-        Self::from_bytes(&bytes).map_err(|reason| Error::Checkpoint {
+        Self::decode(&bytes).map_err(|reason| Error::Checkpoint {
             path: path.to_path_buf(),
             reason,
         })
     }
 
+    /// The state as the bytes of its file, to send it elsewhere whole (a parameter server
+    /// sends its shard's state this way). Fails as [`TrainingState::save`] does.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        self.encode()
+            .map_err(|reason| Error::invalid(format!("cannot encode the training state: {reason}")))
+    }
+
+    /// A state from the bytes [`TrainingState::to_bytes`] made, checked as
+    /// [`TrainingState::load`] checks a file.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        Self::decode(bytes)
+            .map_err(|reason| Error::invalid(format!("not a training state: {reason}")))
+    }
+
     /// The file's bytes.
-    fn to_bytes(&self) -> std::result::Result<Vec<u8>, String> {
+    fn encode(&self) -> std::result::Result<Vec<u8>, String> {
         let mut tensors: Vec<(String, Raw)> = Vec::new();
         for (name, t) in &self.weights {
             if name.starts_with(&format!("{OPTIMIZER}.")) {
@@ -140,7 +154,7 @@ impl TrainingState {
 
     /// Parses and checks a file's bytes; the error says what is wrong (the caller names the
     /// file).
-    fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
+    fn decode(bytes: &[u8]) -> std::result::Result<Self, String> {
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
             .map_err(|e| format!("truncated or not a safetensors file ({e})"))?;
         let metadata = header.metadata().as_ref().ok_or_else(|| {

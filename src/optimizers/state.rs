@@ -227,6 +227,60 @@ impl NamedOptimizerState {
         })
     }
 
+    /// The part of the state that belongs to the variables `names` (every slot keeps only
+    /// their tensors; the scalars are kept whole): what a process that updates only those
+    /// variables holds, such as a parameter server.
+    pub fn restricted_to(&self, names: &[String]) -> Self {
+        let slots = self
+            .slots
+            .iter()
+            .map(|(slot, tensors)| {
+                let kept = tensors
+                    .iter()
+                    .filter(|(name, _)| names.contains(name))
+                    .map(|(name, t)| (name.clone(), t.clone()))
+                    .collect();
+                (slot.clone(), kept)
+            })
+            .collect();
+        Self {
+            kind: self.kind.clone(),
+            slots,
+            scalars: self.scalars.clone(),
+        }
+    }
+
+    /// The states of disjoint sets of variables joined into one (the inverse of
+    /// [`restricted_to`](Self::restricted_to)): the slots' tensors together, the first part's
+    /// kind and scalars. Fails when the parts come from optimizers of different kinds or a
+    /// variable appears in two parts.
+    pub fn join(parts: impl IntoIterator<Item = Self>) -> Result<Self> {
+        let mut parts = parts.into_iter();
+        let Some(mut whole) = parts.next() else {
+            return Ok(Self::default());
+        };
+        for part in parts {
+            if part.kind != whole.kind {
+                return Err(Error::invalid(format!(
+                    "cannot join the optimizer states of {} and {}",
+                    describe_kind(&whole.kind),
+                    describe_kind(&part.kind)
+                )));
+            }
+            for (slot, tensors) in part.slots {
+                let into = whole.slots.entry(slot.clone()).or_default();
+                for (name, t) in tensors {
+                    if into.insert(name.clone(), t).is_some() {
+                        return Err(Error::invalid(format!(
+                            "cannot join optimizer states: `{slot}` of `{name}` is in two parts"
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(whole)
+    }
+
     /// The state by position for the variables `vars`, named `names` (in the optimizer's
     /// order). Every slot must hold exactly these names, each tensor of its variable's shape;
     /// the error names every missing, unexpected or mis-shaped tensor.

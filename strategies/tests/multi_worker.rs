@@ -16,12 +16,11 @@ use std::time::{Duration, Instant};
 
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle::training_state::TrainingState;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
-use support::{assert_close, assert_within};
+use support::{assert_close, assert_states_within};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
@@ -330,18 +329,6 @@ fn mpirun_owned(workers: usize, args: &[String]) -> Command {
         workers,
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
     )
-}
-
-/// Asserts that two final training states (weights and optimizer slots) agree within
-/// `tolerance` relative to each tensor's scale.
-fn assert_states_within(a: &Path, b: &Path, tolerance: f32) -> anyhow::Result<()> {
-    let (a, b) = (TrainingState::load(a)?, TrainingState::load(b)?);
-    assert_within(&a.weights, &b.weights, tolerance, "weights")?;
-    assert_eq!(a.optimizer.scalars, b.optimizer.scalars);
-    for (slot, weights) in &a.optimizer.slots {
-        assert_within(weights, &b.optimizer.slots[slot], tolerance, slot)?;
-    }
-    Ok(())
 }
 
 /// A multi-worker job with `BackupAndRestore` whose chief is SIGKILLed mid-epoch after a

@@ -10,16 +10,16 @@
 
 #![cfg(feature = "mpi")]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use kandle::prelude::*;
 
 mod support;
-use support::assert_close;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
+use support::{assert_close, assert_states_within};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
 
@@ -124,30 +124,111 @@ fn max_staleness(outcome: &Outcome) -> anyhow::Result<f64> {
 /// Every worker sleeps 30 ms before each step (a stand-in for computation) and worker 1
 /// 120 ms, while the three train asynchronously on one server: without a bound, worker 1's
 /// updates land several updates late; with `--max-staleness 2` none is more than 2 late.
+/// With 1 and with 2 servers (each applies every push to its own shard, so each bounds the
+/// staleness of its own updates).
 #[test]
 fn the_staleness_bound_holds_under_a_slow_worker() -> anyhow::Result<()> {
     let _one = lock();
-    let slow = [
-        "staleness",
-        "--compute-ms",
-        "30",
-        "--slow-worker",
-        "1",
-        "--slow-ms",
-        "120",
-    ];
-    let free = run(mpirun(4, &slow))?;
-    assert!(free.status.success(), "{}", free.output);
-    let unbounded = max_staleness(&free)?;
-    let mut args = vec!["--max-staleness", "2"];
-    args.extend(slow);
-    let bounded = run(mpirun(4, &args))?;
-    assert!(bounded.status.success(), "{}", bounded.output);
-    let within = max_staleness(&bounded)?;
-    eprintln!("max staleness: {unbounded} without a bound, {within} with --max-staleness 2");
-    assert!(unbounded > 2.0, "{}", free.output);
-    assert!(within <= 2.0, "{}", bounded.output);
+    for servers in ["1", "2"] {
+        let ranks = 3 + servers.parse::<usize>()?;
+        let slow = [
+            "--num-ps",
+            servers,
+            "staleness",
+            "--compute-ms",
+            "30",
+            "--slow-worker",
+            "1",
+            "--slow-ms",
+            "120",
+        ];
+        let free = run(mpirun(ranks, &slow))?;
+        assert!(free.status.success(), "{}", free.output);
+        let unbounded = max_staleness(&free)?;
+        let mut args = vec!["--max-staleness", "2"];
+        args.extend(slow);
+        let bounded = run(mpirun(ranks, &args))?;
+        assert!(bounded.status.success(), "{}", bounded.output);
+        let within = max_staleness(&bounded)?;
+        eprintln!(
+            "{servers} server(s): max staleness {unbounded} without a bound, {within} with \
+             --max-staleness 2"
+        );
+        assert!(unbounded > 2.0, "{}", free.output);
+        assert!(within <= 2.0, "{}", bounded.output);
+    }
     Ok(())
+}
+
+// ---- backup and restore --------------------------------------------------------------------
+
+/// `kandle-ps-check --sync --num-ps 2 backup --dir DIR --out OUT`, pausing after each step so
+/// that a test can kill the job mid-epoch.
+fn backup_run(dir: &Path, out: &Path) -> Command {
+    let (dir, out) = (dir.to_string_lossy(), out.to_string_lossy());
+    mpirun(
+        4,
+        &[
+            "--sync",
+            "--num-ps",
+            "2",
+            "--timeout-secs",
+            "20",
+            "backup",
+            "--dir",
+            &dir,
+            "--out",
+            &out,
+            "--epochs",
+            "2",
+            "--step-millis",
+            "20",
+        ],
+    )
+}
+
+/// A synchronous job of 2 workers and 2 servers with `BackupAndRestore`, its chief SIGKILLed
+/// mid-epoch after a backup: the backup holds the servers' optimizer state (gathered from both
+/// during `fit`), the job run again resumes (the workers agree through server 0 on what they
+/// found, and each server loads its part) and ends within 1e-5 of an uninterrupted job.
+#[test]
+fn a_killed_job_resumes_from_the_servers_state_and_ends_as_an_uninterrupted_one(
+) -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let (plain, resumed) = (tmp.path().join("plain"), tmp.path().join("resumed"));
+    let plain_out = tmp.path().join("plain.safetensors");
+    let out = tmp.path().join("resumed.safetensors");
+    let outcome = run(backup_run(&plain, &plain_out))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+
+    let backup = resumed.join("backup.safetensors");
+    let mut launch = Launch::start(backup_run(&resumed, &out))?;
+    let pid_line = launch.wait_for_line(|l| l.starts_with("rank 0/4 worker pid "))?;
+    let chief = pid_line.rsplit(' ').next().unwrap_or_default().to_string();
+    launch.wait_for_line(|l| l == "rank 0/4 finished step 10")?;
+    assert!(backup.is_file(), "no backup after 10 steps");
+    let sent = Command::new("kill").args(["-KILL", &chief]).status()?;
+    assert!(sent.success(), "kill -KILL {chief} failed");
+    let killed = launch.finish()?;
+    assert!(!killed.status.success(), "{}", killed.output);
+    assert!(!out.exists(), "the killed job finished anyway");
+    let state = kandle::training_state::TrainingState::load(&backup)?;
+    assert!(
+        !state.optimizer.slots.is_empty() && state.optimizer.scalars.contains_key("step"),
+        "the backup holds no optimizer state: {:?}",
+        state.optimizer.scalars
+    );
+
+    let outcome = run(backup_run(&resumed, &out))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains("resuming from"),
+        "{}",
+        outcome.output
+    );
+    assert!(!backup.exists(), "the backup is deleted when fit completes");
+    assert_states_within(&plain_out, &out, 1e-5)
 }
 
 // ---- bad configurations --------------------------------------------------------------------

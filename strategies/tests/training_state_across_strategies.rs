@@ -198,48 +198,51 @@ fn a_refused_state_leaves_a_mirrored_model_unchanged() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The worker programs' `resume` task under `mpirun -n <ranks>`: 6 `train_on_batch` steps,
+/// `Model::save` with every process taking part, `Model::load` on every process into a fresh
+/// model, 6 more steps; returns the final weights, to compare with one device's.
+#[cfg(feature = "mpi")]
+fn resume_under_mpirun(program: &str, ranks: usize, options: &[&str]) -> anyhow::Result<Weights> {
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state.safetensors");
+    let out = dir.path().join("weights.safetensors");
+    let (state_arg, out_arg) = (state.to_string_lossy(), out.to_string_lossy());
+    let mut args = options.to_vec();
+    args.extend(["resume", "--state", &state_arg, "--out", &out_arg]);
+    let _one = support::launch::lock();
+    let outcome = support::launch::run(support::launch::mpirun(program, ranks, &args))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+    // The worker programs' steps: 6 before the save and 6 after, as K and M here.
+    assert_eq!((K, M), (6, 6));
+    Ok(kandle::checkpoint::load(&out)?)
+}
+
 /// Under `MultiWorkerMirroredStrategy` (2 workers launched by `mpirun`) the chief saves, every
 /// worker loads, and training continues as one device's does. Needs Open MPI's `mpirun`.
 #[cfg(feature = "mpi")]
 #[test]
 fn multi_worker_saves_on_the_chief_and_resumes_on_every_worker() -> anyhow::Result<()> {
-    use std::process::{Command, Stdio};
-    use std::time::{Duration, Instant};
-
-    let dir = tempfile::tempdir()?;
-    let state = dir.path().join("state.safetensors");
-    let out = dir.path().join("weights.safetensors");
-    let mut child = Command::new("mpirun")
-        .args([
-            "-n",
-            "2",
-            "--oversubscribe",
-            env!("CARGO_BIN_EXE_kandle-mpi-check"),
-        ])
-        .args(["resume", "--state"])
-        .arg(&state)
-        .arg("--out")
-        .arg(&out)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null())
-        .spawn()?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill()?;
-            anyhow::bail!("mpirun did not finish within 300 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(status.success(), "mpirun failed: {status}");
-    // The worker program's steps: 6 before the save and 6 after, as K and M here.
-    assert_eq!((K, M), (6, 6));
+    let weights = resume_under_mpirun(env!("CARGO_BIN_EXE_kandle-mpi-check"), 2, &[])?;
     let reference = uninterrupted(plain_cnn(), Sgd::new(0.05).momentum(0.9))?;
-    let weights = kandle::checkpoint::load(&out)?;
     assert_close(&reference, &weights, "multi-worker x2 save -> load")?;
+    Ok(())
+}
+
+/// Under synchronous `ParameterServerStrategy` the optimizer state lives on the servers:
+/// `Model::save` gathers it from them (every rank takes part), `Model::load` gives each server
+/// its part back, and training continues as one device's does, with 1 and 2 servers. Needs
+/// Open MPI's `mpirun`.
+#[cfg(feature = "mpi")]
+#[test]
+fn parameter_servers_save_and_resume_their_optimizer_state() -> anyhow::Result<()> {
+    let reference = uninterrupted(plain_cnn(), Sgd::new(0.05).momentum(0.9))?;
+    for (ranks, servers, what) in [
+        (3, "1", "2 workers, 1 server"),
+        (4, "2", "2 workers, 2 servers"),
+    ] {
+        let options = ["--sync", "--num-ps", servers, "--timeout-secs", "20"];
+        let weights = resume_under_mpirun(env!("CARGO_BIN_EXE_kandle-ps-check"), ranks, &options)?;
+        assert_close(&reference, &weights, &format!("{what}: save -> load"))?;
+    }
     Ok(())
 }

@@ -18,20 +18,12 @@
 //!   equivalence_run.rs`, included here): the BN-free CNN (`plain`) or the CNN with batch norms
 //!   (`bn`), one epoch on the first `S` digits (default 470) at a global batch of 24; the chief
 //!   writes the weights to `FILE` (safetensors);
-//! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
-//!   across all workers, reaches `A` (default 0.97);
-//! - `train` trains and prints each step, so a test can kill a worker; with `--stall-worker R`,
-//!   worker `R` sleeps forever before step `K + 1`, and the others must fail naming it;
-//! - `resume` trains the BN-free CNN [`RESUME_STEPS`] steps on global batches of 24 digits (each
-//!   worker its share), saves the training state to `--state` (the chief writes), loads it on
-//!   every worker into a model of other initial weights, trains as many steps more, and the
-//!   chief writes the weights to `--out`;
-//! - `backup` trains the digits CNN with Adam (`E` epochs, default 3, a validation set) with
-//!   `BackupAndRestore` into `DIR` every `N` steps (default 4; `{rank}` in `DIR` becomes the
-//!   worker's rank, for workers that do not share a directory), printing each step (pausing
-//!   `MS` ms after it, so a test can kill the job mid-epoch); the chief writes the final
-//!   training state to `--out`. Run again after a kill, it resumes; `--keep-backups` leaves the
-//!   backup in place when the run completes.
+//! - `digits`, `train`, `resume` and `backup` are the tasks both worker programs run
+//!   (`worker_program/tasks.rs`): digits to a test accuracy of `A` (default 0.97) evaluated
+//!   across all workers; training that prints each step, so a test can kill a worker (with
+//!   `--stall-worker R`, worker `R` sleeps forever before step `K + 1`, and the others must
+//!   fail naming it); a save after 6 `train_on_batch` steps loaded by every worker into a fresh
+//!   model for 6 more; `BackupAndRestore` into `DIR` every `N` steps, run again after a kill.
 //!
 //! `--replicas-on-worker R L` gives worker `R` `L` local replicas instead, to test that workers
 //! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
@@ -39,9 +31,7 @@
 //! step the MPI job cannot continue.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use kandle::callbacks::{BackupAndRestore, Callback, SaveFreq};
 use kandle::prelude::*;
 use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy};
 
@@ -49,7 +39,7 @@ use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorker
 mod equivalence_run;
 mod worker_program;
 
-use worker_program::{number, Common};
+use worker_program::{number, tasks, Common};
 
 #[derive(Debug, Default)]
 struct Args {
@@ -60,11 +50,6 @@ struct Args {
     hierarchical: bool,
     sync_batch_norm: bool,
     communication: CommunicationImplementation,
-    state: Option<String>,
-    dir: Option<String>,
-    every: Option<usize>,
-    keep_backups: bool,
-    step_millis: u64,
 }
 
 fn parse_args() -> Result<Args> {
@@ -96,11 +81,6 @@ fn parse_args() -> Result<Args> {
                         }
                     }
                 }
-                "--state" => args.state = Some(value()?),
-                "--dir" => args.dir = Some(value()?),
-                "--every" => args.every = Some(number(arg, value()?)?),
-                "--keep-backups" => args.keep_backups = true,
-                "--step-millis" => args.step_millis = number(arg, value()?)?,
                 "-h" | "--help" => {
                     return Err(Error::invalid(
                         "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
@@ -120,54 +100,6 @@ fn parse_args() -> Result<Args> {
         "world, equivalence, digits, train, resume or backup",
     )?;
     Ok(args)
-}
-
-/// A small CNN for the digits set.
-fn digits_cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(16, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(Conv2D::new(32, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(64))
-        .add(Activation::Relu)
-        .add(Dense::new(10))
-        .add(Activation::Softmax)
-}
-
-/// Prints every training step, then pauses `pause`; on the stalling worker, sleeps forever
-/// before step `after + 1`.
-struct Steps {
-    label: String,
-    stall_after: Option<usize>,
-    pause: Duration,
-    done: usize,
-}
-
-impl Callback for Steps {
-    fn on_train_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
-        if self.stall_after == Some(self.done) {
-            println!("{} stalling before step {}", self.label, self.done + 1);
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
-        Ok(())
-    }
-
-    fn on_train_batch_end(
-        &mut self,
-        _batch: usize,
-        _logs: &Logs,
-        _model: &mut Model,
-    ) -> Result<()> {
-        self.done += 1;
-        println!("{} finished step {}", self.label, self.done);
-        std::thread::sleep(self.pause);
-        Ok(())
-    }
 }
 
 fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
@@ -204,10 +136,13 @@ fn run(args: &Args) -> std::result::Result<(), String> {
         _ => match args.common.task.as_str() {
             "world" => Ok(()),
             "equivalence" => equivalence(&strategy, args),
-            "digits" => digits(&strategy, args, &label),
-            "train" => train(&strategy, args, label.clone()),
-            "resume" => resume(&strategy, args),
-            "backup" => backup(&strategy, args, label.clone()),
+            "digits" => tasks::digits(&strategy, &args.common, &label, false),
+            "train" => {
+                let stalls = args.common.stall_worker == Some(worker.rank);
+                tasks::train(&strategy, &args.common, &label, stalls)
+            }
+            "resume" => tasks::resume(&strategy, &args.common),
+            "backup" => tasks::backup(&strategy, &args.common, &label),
             other => Err(Error::invalid(format!("unknown task `{other}`"))),
         },
     };
@@ -219,171 +154,6 @@ fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()
     let net = args.common.equivalence_model()?;
     let model = equivalence_run::train(net, strategy, args.common.samples)?;
     model.save_weights(out)
-}
-
-/// Steps before the training state is saved, and as many after it is loaded.
-const RESUME_STEPS: usize = 6;
-
-fn resume(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
-    let need = |v: &Option<String>, name: &str| {
-        v.clone()
-            .ok_or_else(|| Error::invalid(format!("resume needs {name} FILE")))
-    };
-    let (state, out) = (
-        need(&args.state, "--state")?,
-        need(&args.common.out, "--out")?,
-    );
-    let worker = strategy.worker();
-    let global = equivalence_run::GLOBAL_BATCH;
-    if global % worker.size != 0 {
-        return Err(Error::invalid(format!(
-            "{} workers do not divide the global batch of {global}",
-            worker.size
-        )));
-    }
-    let share = global / worker.size;
-    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
-    let step = |model: &mut Model, i: usize| -> Result<()> {
-        let start = i * global + worker.rank * share;
-        model.train_on_batch(
-            &x.narrow(0, start, share)?,
-            &y.narrow(0, start, share)?,
-            None,
-        )?;
-        Ok(())
-    };
-    let compile = |seed: u64| -> Result<Model> {
-        let mut model = equivalence_run::plain_cnn()
-            .compile(
-                Sgd::new(0.05).momentum(0.9),
-                SparseCategoricalCrossentropy::new(),
-                [Accuracy],
-                strategy,
-            )?
-            .with_seed(seed)?;
-        model.build(&[1, 8, 8])?;
-        Ok(model)
-    };
-    let mut first = compile(5)?;
-    for i in 0..RESUME_STEPS {
-        step(&mut first, i)?;
-    }
-    first.save(&state)?;
-    // Every worker waits here until the chief has written the file.
-    strategy.all_reduce_sum(&mut vec![0.0])?;
-    drop(first);
-    let mut resumed = compile(6)?;
-    resumed.load(&state)?;
-    for i in RESUME_STEPS..2 * RESUME_STEPS {
-        step(&mut resumed, i)?;
-    }
-    resumed.save_weights(out)
-}
-
-/// The digits CNN with Adam, seeded, as `digits` and `backup` train it.
-fn digits_model(strategy: &MultiWorkerMirroredStrategy) -> Result<Model> {
-    digits_cnn()
-        .compile(
-            Adam::new(2e-3),
-            SparseCategoricalCrossentropy::new(),
-            [Accuracy],
-            strategy,
-        )?
-        .with_seed(1)
-}
-
-fn digits(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: &str) -> Result<()> {
-    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = digits_model(strategy)?;
-    let start = std::time::Instant::now();
-    model.fit(
-        &train,
-        FitOptions {
-            epochs: args.common.epochs.unwrap_or(15),
-            batch_size_per_replica: 16,
-            validation: Some(&test),
-            verbosity: Verbosity::EpochLines,
-            ..Default::default()
-        },
-    )?;
-    let logs = model.evaluate(&test, 64)?;
-    let accuracy = logs.get("accuracy").unwrap_or(0.0);
-    println!(
-        "{label} test accuracy {accuracy:.4} loss {:.4} after {:.1} s",
-        logs.get("loss").unwrap_or(f64::NAN),
-        start.elapsed().as_secs_f64()
-    );
-    if accuracy < args.common.min_accuracy {
-        return Err(Error::invalid(format!(
-            "test accuracy {accuracy:.4} is below {}",
-            args.common.min_accuracy
-        )));
-    }
-    Ok(())
-}
-
-fn train(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> Result<()> {
-    let data = kandle::data::digits::load()?;
-    let mut model = digits_cnn().compile(
-        Sgd::new(0.05),
-        SparseCategoricalCrossentropy::new(),
-        [Accuracy],
-        strategy,
-    )?;
-    let stall_after = (args.common.stall_worker == Some(strategy.worker().rank))
-        .then_some(args.common.stall_after_steps);
-    model.fit(
-        &data,
-        FitOptions {
-            epochs: args.common.epochs.unwrap_or(1000),
-            batch_size_per_replica: 8,
-            verbosity: Verbosity::Silent,
-            callbacks: vec![Steps {
-                label,
-                stall_after,
-                pause: Duration::ZERO,
-                done: 0,
-            }
-            .boxed()],
-            ..Default::default()
-        },
-    )?;
-    Ok(())
-}
-
-fn backup(strategy: &MultiWorkerMirroredStrategy, args: &Args, label: String) -> Result<()> {
-    let (dir, out) = match (&args.dir, &args.common.out) {
-        (Some(dir), Some(out)) => (dir, out),
-        _ => return Err(Error::invalid("backup needs --dir DIR and --out FILE")),
-    };
-    let dir = dir.replace("{rank}", &strategy.worker().rank.to_string());
-    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = digits_model(strategy)?;
-    let backups = BackupAndRestore::new(dir)
-        .save_freq(SaveFreq::Steps(args.every.unwrap_or(4)))
-        .delete_checkpoint(!args.keep_backups);
-    model.fit(
-        &train,
-        FitOptions {
-            epochs: args.common.epochs.unwrap_or(3),
-            batch_size_per_replica: 16,
-            validation: Some(&test),
-            seed: Some(3),
-            verbosity: Verbosity::Silent,
-            callbacks: vec![
-                backups.boxed(),
-                Steps {
-                    label,
-                    stall_after: None,
-                    pause: Duration::from_millis(args.step_millis),
-                    done: 0,
-                }
-                .boxed(),
-            ],
-            ..Default::default()
-        },
-    )?;
-    model.save(out)
 }
 
 fn main() -> ExitCode {

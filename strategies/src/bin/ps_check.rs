@@ -8,19 +8,24 @@
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | staleness [--epochs E] [--compute-ms C] [--slow-worker R --slow-ms M]
 //!         | train [--stall-worker R --stall-after-steps K]
+//!         | resume --state FILE --out FILE
+//!         | backup --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups]
+//!           [--step-millis MS]
 //!         | mismatch>
 //! ```
 //!
 //! - `equivalence` runs the equivalence run of the strategy tests (`tests/support/
 //!   equivalence_run.rs`, included here); the chief writes the weights to `FILE`, and each
 //!   server rank `R` the weights it holds after `fit` to `FILE.rankR`;
-//! - `digits` trains a small CNN on the digits set and fails unless the test accuracy, evaluated
-//!   over every worker on the servers' weights, reaches `A` (default 0.97);
 //! - `staleness` trains on digits with every worker sleeping `C` ms before each step (a stand-in
 //!   for computation) and worker `R` `M` ms, and the chief prints each epoch's
 //!   `staleness_mean` and `staleness_max`;
-//! - `train` trains for long and prints each step, so a test can stop or kill a rank; with
-//!   `--stall-worker R`, worker `R` sleeps forever before step `K + 1`;
+//! - `digits`, `train`, `resume` and `backup` are the tasks both worker programs run
+//!   (`worker_program/tasks.rs`): digits to a test accuracy of `A` (default 0.97), evaluated
+//!   over every worker on the servers' weights; training that prints each step, so a test can
+//!   stop or kill a rank (with `--stall-worker R`, worker `R` sleeps forever before step
+//!   `K + 1`); a save after 6 `train_on_batch` steps loaded by every rank into a fresh model for
+//!   6 more; `BackupAndRestore` into `DIR` every `N` steps, run again after a kill;
 //! - `mismatch` builds a model whose last layer is wider on worker 1 than elsewhere.
 //!
 //! Every rank prints `rank R/N <role> pid P` first. On an error the program prints it, prefixed
@@ -29,7 +34,6 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kandle::callbacks::Callback;
 use kandle::prelude::*;
 use kandle_strategies::ParameterServerStrategy;
 
@@ -37,7 +41,7 @@ use kandle_strategies::ParameterServerStrategy;
 mod equivalence_run;
 mod worker_program;
 
-use worker_program::{number, Common};
+use worker_program::{number, tasks, Common};
 
 #[derive(Debug, Default)]
 struct Args {
@@ -69,7 +73,7 @@ fn parse_args() -> Result<Args> {
             }
             Ok(true)
         },
-        "equivalence, digits, staleness, train or mismatch",
+        "equivalence, digits, staleness, train, resume, backup or mismatch",
     )?;
     Ok(args)
 }
@@ -88,57 +92,6 @@ fn strategy(args: &Args) -> Result<ParameterServerStrategy> {
     Ok(strategy)
 }
 
-/// A small CNN for the digits set.
-fn digits_cnn(classes: usize) -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(16, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(Conv2D::new(32, 3).padding(Padding::Same))
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(64))
-        .add(Activation::Relu)
-        .add(Dense::new(classes))
-        .add(Activation::Softmax)
-}
-
-/// Prints every step; sleeps before each step on a slow worker, forever on a stalling one.
-struct Steps {
-    label: String,
-    slow: Option<Duration>,
-    stall_after: Option<usize>,
-    done: usize,
-}
-
-impl Callback for Steps {
-    fn on_train_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
-        if self.stall_after == Some(self.done) {
-            println!("{} stalling before step {}", self.label, self.done + 1);
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
-        if let Some(slow) = self.slow {
-            std::thread::sleep(slow);
-        }
-        Ok(())
-    }
-
-    fn on_train_batch_end(
-        &mut self,
-        _batch: usize,
-        _logs: &Logs,
-        _model: &mut Model,
-    ) -> Result<()> {
-        self.done += 1;
-        if self.stall_after.is_some() || self.slow.is_none() {
-            println!("{} finished step {}", self.label, self.done);
-        }
-        Ok(())
-    }
-}
-
 fn run(args: &Args) -> std::result::Result<(), String> {
     let strategy = strategy(args).map_err(|e| e.to_string())?;
     let rank = strategy.worker().rank;
@@ -152,9 +105,14 @@ fn run(args: &Args) -> std::result::Result<(), String> {
     println!("{label} {role} pid {}", std::process::id());
     let result = match args.common.task.as_str() {
         "equivalence" => equivalence(&strategy, args),
-        "digits" => digits(&strategy, args, &label),
+        "digits" => tasks::digits(&strategy, &args.common, &label, strategy.is_server()),
         "staleness" => staleness(&strategy, args, &label),
-        "train" => train(&strategy, args, &label),
+        "train" => {
+            let stalls = !strategy.is_server() && args.common.stall_worker == Some(rank);
+            tasks::train(&strategy, &args.common, &label, stalls)
+        }
+        "resume" => tasks::resume(&strategy, &args.common),
+        "backup" => tasks::backup(&strategy, &args.common, &label),
         "mismatch" => mismatch(&strategy),
         other => Err(Error::invalid(format!("unknown task `{other}`"))),
     };
@@ -174,71 +132,26 @@ fn equivalence(strategy: &ParameterServerStrategy, args: &Args) -> Result<()> {
     model.save_weights(out)
 }
 
-fn compile(strategy: &ParameterServerStrategy, classes: usize) -> Result<Model> {
-    digits_cnn(classes)
-        .compile(
-            Adam::new(2e-3),
-            SparseCategoricalCrossentropy::new(),
-            [Accuracy],
-            strategy,
-        )?
-        .with_seed(1)
-}
-
-fn digits(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Result<()> {
-    let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let mut model = compile(strategy, 10)?;
-    let start = std::time::Instant::now();
-    model.fit(
-        &train,
-        FitOptions {
-            epochs: args.common.epochs.unwrap_or(15),
-            batch_size_per_replica: 16,
-            validation: Some(&test),
-            verbosity: Verbosity::EpochLines,
-            ..Default::default()
-        },
-    )?;
-    let logs = model.evaluate(&test, 64)?;
-    if strategy.is_server() {
-        return Ok(());
-    }
-    let accuracy = logs.get("accuracy").unwrap_or(0.0);
-    println!(
-        "{label} test accuracy {accuracy:.4} loss {:.4} after {:.1} s",
-        logs.get("loss").unwrap_or(f64::NAN),
-        start.elapsed().as_secs_f64()
-    );
-    if accuracy < args.common.min_accuracy {
-        return Err(Error::invalid(format!(
-            "test accuracy {accuracy:.4} is below {}",
-            args.common.min_accuracy
-        )));
-    }
-    Ok(())
-}
-
 fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Result<()> {
     let data = kandle::data::digits::load()?;
     let data = data.subset(&(0..480).collect::<Vec<_>>())?;
-    let mut model = compile(strategy, 10)?;
+    let mut model = tasks::digits_model(strategy, 10)?;
     let ms = if args.slow_worker == Some(strategy.worker().rank) {
         args.slow_ms
     } else {
         args.compute_ms
     };
-    let slow = Some(Duration::from_millis(ms));
     let history = model.fit(
         &data,
         FitOptions {
             epochs: args.common.epochs.unwrap_or(1),
             batch_size_per_replica: 8,
             verbosity: Verbosity::Silent,
-            callbacks: vec![Steps {
+            callbacks: vec![tasks::Steps {
                 label: label.to_string(),
-                slow,
-                stall_after: None,
-                done: 0,
+                before: Duration::from_millis(ms),
+                quiet: true,
+                ..Default::default()
             }
             .boxed()],
             ..Default::default()
@@ -257,36 +170,6 @@ fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Re
     Ok(())
 }
 
-fn train(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Result<()> {
-    let data = kandle::data::digits::load()?;
-    let mut model = digits_cnn(10).compile(
-        Sgd::new(0.05),
-        SparseCategoricalCrossentropy::new(),
-        [Accuracy],
-        strategy,
-    )?;
-    let stall_after = (!strategy.is_server()
-        && args.common.stall_worker == Some(strategy.worker().rank))
-    .then_some(args.common.stall_after_steps);
-    model.fit(
-        &data,
-        FitOptions {
-            epochs: args.common.epochs.unwrap_or(1000),
-            batch_size_per_replica: 8,
-            verbosity: Verbosity::Silent,
-            callbacks: vec![Steps {
-                label: label.to_string(),
-                slow: None,
-                stall_after,
-                done: 0,
-            }
-            .boxed()],
-            ..Default::default()
-        },
-    )?;
-    Ok(())
-}
-
 /// Worker 1 builds a model with 11 classes, the other ranks one with 10.
 fn mismatch(strategy: &ParameterServerStrategy) -> Result<()> {
     let classes = if !strategy.is_server() && strategy.worker().rank == 1 {
@@ -294,7 +177,7 @@ fn mismatch(strategy: &ParameterServerStrategy) -> Result<()> {
     } else {
         10
     };
-    let mut model = compile(strategy, classes)?;
+    let mut model = tasks::digits_model(strategy, classes)?;
     model.build(&[1, 8, 8])
 }
 

@@ -15,8 +15,12 @@
 //! | `TEST` | worker, to server 0 | evaluation step | loss and metric sums, samples | `TOTALS` once every worker sent its own |
 //! | `EPOCH` | worker | epoch | staleness sum, count, max | from server 0, `TOTALS` once every worker ended the epoch |
 //! | `END` | worker | | | `WEIGHTS` (the final ones) once every worker ended the call |
+//! | `STATE` | worker | | | `STATE` |
+//! | `LOAD` | worker | what it loads (weights or optimizer state), bytes | a training state's bytes | `WEIGHTS` once every worker sent its own (the chief's is loaded) |
+//! | `GATHER` | worker, to server 0 | | 64-bit values (2 words each) | `TOTALS` with every worker's, in rank order, once every worker sent its own |
 //! | `WEIGHTS` | server | version, applied, staleness, samples | loss and metric sums, then the server's variables | |
 //! | `TOTALS` | server 0 | | the sums | |
+//! | `STATE` | server | version, bytes | its shard's training state (weights and optimizer state), as bytes | (between calls, a server sends it to every other rank unasked) |
 //! | `ALIVE` | worker | | | (keeps the other servers from taking a worker that waits on one server for a stalled one) |
 //! | `SHARD` | server, to the other servers | as `WEIGHTS` | as `WEIGHTS` | (at the end of a call: every server then holds every variable) |
 //! | `WAITING` | server | | | (keeps a waiting worker's deadline from passing) |
@@ -46,6 +50,17 @@ pub(crate) const TEST: i32 = 0x5005;
 pub(crate) const EPOCH: i32 = 0x5006;
 /// Worker to server: this worker ended the current `fit`, `evaluate` or `predict`.
 pub(crate) const END: i32 = 0x5007;
+/// Worker to server: send me your shard's training state. Server to any rank: a shard's
+/// training state.
+pub(crate) const STATE: i32 = 0x5009;
+/// Worker to server: load this training state's weights or optimizer state.
+pub(crate) const LOAD: i32 = 0x500a;
+/// A `LOAD` of the weights (header word 1).
+pub(crate) const LOAD_WEIGHTS: u32 = 0;
+/// A `LOAD` of the optimizer state (header word 1).
+pub(crate) const LOAD_OPTIMIZER: u32 = 1;
+/// Worker to server 0: values to gather from every worker.
+pub(crate) const GATHER: i32 = 0x500b;
 /// Server to worker: weights (and what the step did).
 pub(crate) const WEIGHTS: i32 = 0x5011;
 /// Server 0 to worker: sums over every worker.
@@ -95,6 +110,55 @@ pub(crate) fn lr_words(lr: f64) -> [u32; 2] {
 /// A learning rate from two header words.
 pub(crate) fn lr_from(words: [u32; 2]) -> f64 {
     f64::from_bits((u64::from(words[0]) << 32) | u64::from(words[1]))
+}
+
+/// `header` followed by `bytes`, four to a word (the last word zero-padded); the header's
+/// word `at` must be left for the byte count, which this sets.
+pub(crate) fn with_bytes(mut header: [u32; HEADER], at: usize, bytes: &[u8]) -> Vec<f32> {
+    header[at] = bytes.len() as u32;
+    let mut out = self::header(header);
+    out.reserve(bytes.len().div_ceil(4));
+    for chunk in bytes.chunks(4) {
+        let mut word = [0u8; 4];
+        word[..chunk.len()].copy_from_slice(chunk);
+        out.push(f32::from_bits(u32::from_le_bytes(word)));
+    }
+    out
+}
+
+/// The bytes a message made by [`with_bytes`] carries, their count in header word `at`.
+pub(crate) fn bytes_of(message: &[f32], at: usize) -> Result<Vec<u8>> {
+    let n = read_header(message)?[at] as usize;
+    let words = &message[HEADER..];
+    if words.len() != n.div_ceil(4) {
+        return Err(Error::invalid(format!(
+            "a parameter-server message of {} payload words says it carries {n} bytes",
+            words.len()
+        )));
+    }
+    let mut bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_bits().to_le_bytes())
+        .collect();
+    bytes.truncate(n);
+    Ok(bytes)
+}
+
+/// 64-bit values as two words each (high, low).
+pub(crate) fn u64_words(values: &[u64]) -> Vec<f32> {
+    values
+        .iter()
+        .flat_map(|&v| [(v >> 32) as u32, v as u32])
+        .map(f32::from_bits)
+        .collect()
+}
+
+/// The 64-bit values of words made by [`u64_words`].
+pub(crate) fn u64s_from(words: &[f32]) -> Vec<u64> {
+    words
+        .chunks_exact(2)
+        .map(|w| (u64::from(w[0].to_bits()) << 32) | u64::from(w[1].to_bits()))
+        .collect()
 }
 
 /// A message taken from the queue.
@@ -177,6 +241,22 @@ pub(crate) fn send_all(
     patience: Duration,
     label: impl Fn(usize) -> String,
 ) {
+    // Nothing to receive: this cannot fail.
+    let _ = send_all_while(comm, messages, patience, label, || Ok(true));
+}
+
+/// [`send_all`], calling `receive` between the tests of the sends until the sends are complete
+/// and `receive` says it is done (`Ok(true)`). Ranks that send each other large messages at
+/// once must receive while they send: a large send completes only once its receiver takes it.
+/// An error of `receive` is returned once the sends are complete; while a send is still under
+/// way it ends the job, naming the error.
+pub(crate) fn send_all_while(
+    comm: &SimpleCommunicator,
+    messages: &[(usize, i32, &[f32])],
+    patience: Duration,
+    label: impl Fn(usize) -> String,
+    mut receive: impl FnMut() -> Result<bool>,
+) -> Result<()> {
     let deadline = Instant::now() + patience;
     mpi::request::scope(|scope| {
         let mut requests: Vec<_> = messages
@@ -189,6 +269,7 @@ pub(crate) fn send_all(
             })
             .collect();
         let mut pace = SendPace::default();
+        let mut received = false;
         loop {
             for slot in requests.iter_mut() {
                 if let Some(request) = slot.take() {
@@ -197,10 +278,21 @@ pub(crate) fn send_all(
                     }
                 }
             }
-            if requests.iter().all(Option::is_none) {
-                return;
+            let sent = requests.iter().all(Option::is_none);
+            if !received {
+                match receive() {
+                    Ok(done) => received = done,
+                    Err(e) if sent => return Err(e),
+                    Err(e) => {
+                        std::mem::forget(requests);
+                        abort_job(comm, &e.to_string())
+                    }
+                }
             }
-            if Instant::now() >= deadline {
+            if sent && received {
+                return Ok(());
+            }
+            if !sent && Instant::now() >= deadline {
                 let missing: Vec<String> = requests
                     .iter()
                     .zip(messages)
@@ -218,7 +310,7 @@ pub(crate) fn send_all(
             }
             pace.wait();
         }
-    });
+    })
 }
 
 /// How a sender waits between tests of a send under way. A large message moves in pieces as
@@ -251,6 +343,23 @@ mod tests {
             assert_eq!(lr_from(lr_words(lr)), lr);
         }
         assert!(read_header(&[0.0]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn bytes_and_64_bit_values_round_trip() -> Result<()> {
+        for n in [0usize, 1, 3, 4, 5, 1027] {
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 37 % 256) as u8).collect();
+            let message = with_bytes([9, 0, 0, 0, 0, 0], 2, &bytes);
+            assert_eq!(message.len(), HEADER + n.div_ceil(4));
+            assert_eq!(read_header(&message)?[0], 9);
+            assert_eq!(bytes_of(&message, 2)?, bytes);
+        }
+        let mut short = with_bytes([1, 0, 0, 0, 0, 0], 1, &[1, 2, 3, 4, 5]);
+        short.pop();
+        assert!(bytes_of(&short, 1).is_err());
+        let values = [0, 1, u64::MAX, 0x7fc0_0001_ffff_0000];
+        assert_eq!(u64s_from(&u64_words(&values)), values);
         Ok(())
     }
 }

@@ -26,10 +26,11 @@ use candle_core::{Device, Tensor, Var};
 use mpi::point_to_point::Destination;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
-use kandle::optimizers::Optimizer;
+use kandle::optimizers::{NamedOptimizerState, Optimizer};
 use kandle::params::{Param, Weights};
 use kandle::strategy::step::{self, StepLayout};
 use kandle::strategy::{ModelSpec, Replica};
+use kandle::training_state::TrainingState;
 use kandle::{Error, Result};
 
 use super::messages::{self as msg, Incoming};
@@ -85,6 +86,9 @@ pub(crate) struct Server {
     params: Vec<Param>,
     vars: Vec<Var>,
     statistics: Vec<Var>,
+    /// The trainable variables of the shard, which its optimizer updates, and their names.
+    trainable: Vec<Var>,
+    trainable_names: Vec<String>,
     optimizer: Box<dyn Optimizer>,
     layout: StepLayout,
     num_stats: usize,
@@ -95,6 +99,10 @@ pub(crate) struct Server {
     pushes: VecDeque<Push>,
     tests: Vec<Option<(u32, Vec<f32>)>>,
     epochs: Vec<Option<[f32; 3]>>,
+    /// Each worker's `LOAD` message, until every worker in the call sent one.
+    loads: Vec<Option<Vec<f32>>>,
+    /// Each worker's `GATHER` values (server 0), until every worker in the call sent them.
+    gathers: Vec<Option<Vec<f32>>>,
     /// When the workers waiting at an epoch's or the call's end were last told the server is
     /// alive.
     reassured: Instant,
@@ -129,12 +137,17 @@ impl Server {
             .filter(|p| p.trainable)
             .map(|p| p.var.clone())
             .collect();
+        let trainable_names: Vec<String> = params
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.name.clone())
+            .collect();
         let statistics: Vec<Var> = params
             .iter()
             .filter(|p| p.statistic)
             .map(|p| p.var.clone())
             .collect();
-        let optimizer = spec.optimizer.build(trainable)?;
+        let optimizer = spec.optimizer.build(trainable.clone())?;
         let workers = roles.workers;
         Ok(Self {
             world,
@@ -146,6 +159,8 @@ impl Server {
             params,
             vars,
             statistics,
+            trainable,
+            trainable_names,
             optimizer,
             layout: sharding.layouts[index].clone(),
             num_stats: spec.num_stats(),
@@ -156,6 +171,8 @@ impl Server {
             pushes: VecDeque::new(),
             tests: vec![None; workers],
             epochs: vec![None; workers],
+            loads: vec![None; workers],
+            gathers: vec![None; workers],
             reassured: Instant::now(),
             sharding: sharding.clone(),
             others: vec![None; roles.servers],
@@ -172,18 +189,74 @@ impl Server {
         &self.replica
     }
 
-    /// Sets this server's variables from `weights` (which holds the whole model's).
+    /// Sets every variable of this server's copy of the model (its shard's, and the others it
+    /// holds between calls) from `weights`, the whole model's. Fails without changing anything
+    /// when the names or shapes do not match.
     pub(crate) fn set_weights(&mut self, weights: &Weights) -> Result<()> {
-        self.replica
-            .store()
+        let store = self.replica.store();
+        store
             .check_compatible(weights)
             .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
-        for p in &self.params {
-            if let Some(w) = weights.get(&p.name) {
-                p.var.set(&w.to_device(&Device::Cpu)?)?;
-            }
+        store.assign(weights)
+    }
+
+    /// This server's shard of the training state: its variables and its optimizer's state.
+    fn shard_state(&self) -> Result<TrainingState> {
+        let weights = self
+            .params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.var.as_tensor().copy()?)))
+            .collect::<Result<Weights>>()?;
+        Ok(TrainingState {
+            weights,
+            optimizer: self.optimizer.state()?.into_named(&self.trainable_names)?,
+            ..TrainingState::default()
+        })
+    }
+
+    /// A `STATE` message: this server's shard of the training state, as bytes.
+    fn state_message(&self, call: u32) -> Result<Vec<f32>> {
+        let version = self.version.min(u64::from(u32::MAX)) as u32;
+        let bytes = self.shard_state()?.to_bytes()?;
+        Ok(msg::with_bytes([call, version, 0, 0, 0, 0], 2, &bytes))
+    }
+
+    /// The whole optimizer state, between calls: every rank runs this together (the same
+    /// program, at the same point). This server sends its shard's state to every other rank
+    /// and joins the other servers' shards to its own.
+    pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        let call = self.call + 1;
+        let mine = self.state_message(call)?;
+        let world = std::sync::Arc::clone(&self.world);
+        let received = world.point_to_point(|comm| {
+            let me = comm.rank() as usize;
+            let to: Vec<(usize, i32, &[f32])> = (0..comm.size() as usize)
+                .filter(|&r| r != me)
+                .map(|r| (r, msg::STATE, &mine[..]))
+                .collect();
+            let none = vec![None; self.roles.servers];
+            self.swap_with_servers(comm, &to, msg::STATE, call, none, "its optimizer state")
+        })?;
+        let mut parts = Vec::with_capacity(self.roles.servers);
+        for (s, message) in received.into_iter().enumerate() {
+            parts.push(match message {
+                Some(m) => shard_of_message(&m, &self.roles.server_label(s))?.optimizer,
+                None => self.shard_state()?.optimizer,
+            });
         }
-        Ok(())
+        NamedOptimizerState::join(parts)
+    }
+
+    /// Checks `state` (the whole model's) against the optimizer and loads this server's part
+    /// of it. Fails without changing anything when the kind, names or shapes do not match.
+    pub(crate) fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        // The whole state is checked against the full optimizer of this server's copy of the
+        // model, so that every rank refuses the same states alike.
+        self.replica.load_optimizer_state(state)?;
+        let part = state
+            .restricted_to(&self.trainable_names)
+            .to_positional(&self.trainable_names, &self.trainable)?;
+        self.optimizer.load_state(&part)
     }
 
     /// Checks every worker's model against this server's when the model is built, and sends
@@ -323,46 +396,13 @@ impl Server {
             .filter(|&s| s != self.index)
             .map(|s| (self.roles.server_rank(s), msg::SHARD, reply))
             .collect();
-        let roles = self.roles;
-        msg::send_all(comm, &to, self.timeout * 2, |r| roles.label(r));
-        let deadline = Instant::now() + self.timeout * 2;
-        let mut backoff = Backoff(0);
-        loop {
-            let mut progressed = false;
-            let me = self.index;
-            for s in (0..self.roles.servers).filter(|&s| s != me) {
-                if self.others[s].is_some() {
-                    continue;
-                }
-                if let Some(m) = msg::try_receive(comm, Some(self.roles.server_rank(s))) {
-                    self.keep_shard(m)?;
-                    progressed = true;
-                }
-            }
-            let missing =
-                (0..self.roles.servers).find(|&s| s != self.index && self.others[s].is_none());
-            let Some(late) = missing else {
-                break;
-            };
-            if !progressed {
-                if Instant::now() >= deadline {
-                    return Err(Error::Replica {
-                        replica: self.roles.server_label(late),
-                        reason: format!(
-                            "did not send its variables to {} at the end of call {} within {}",
-                            self.label(),
-                            self.call,
-                            seconds(self.timeout * 2)
-                        ),
-                    });
-                }
-                backoff.wait();
-            }
-        }
+        let early = std::mem::replace(&mut self.others, vec![None; self.roles.servers]);
+        let what = format!("its variables at the end of call {}", self.call);
+        let received = self.swap_with_servers(comm, &to, msg::SHARD, self.call, early, &what)?;
         let num_stats = self.num_stats;
         let params: Vec<Param> = self.replica.store().iter().cloned().collect();
-        for s in 0..self.roles.servers {
-            let Some(message) = self.others[s].take() else {
+        for (s, message) in received.iter().enumerate() {
+            let Some(message) = message else {
                 continue;
             };
             let body = &message[msg::HEADER + num_stats..];
@@ -386,19 +426,83 @@ impl Server {
         Ok(())
     }
 
-    /// Keeps another server's end-of-call variables (`m`, a `SHARD` message) until this server
-    /// ends the call too.
-    fn keep_shard(&mut self, m: Incoming) -> Result<()> {
+    /// Sends `to` (messages for other ranks) while it waits for one message with `tag` of call
+    /// `call` from every other server, within twice the timeout, starting from those already
+    /// `received`; returns them by server index (`None` at this server's own). The error names
+    /// a server that sends none in time.
+    fn swap_with_servers(
+        &self,
+        comm: &SimpleCommunicator,
+        to: &[(usize, i32, &[f32])],
+        tag: i32,
+        call: u32,
+        mut received: Vec<Option<Vec<f32>>>,
+        what: &str,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let patience = self.timeout * 2;
+        let deadline = Instant::now() + patience;
+        let me = self.index;
+        let roles = self.roles;
+        let mut backoff = Backoff(0);
+        msg::send_all_while(
+            comm,
+            to,
+            patience,
+            |r| roles.label(r),
+            || {
+                let mut progressed = false;
+                for s in (0..roles.servers).filter(|&s| s != me) {
+                    if received[s].is_some() {
+                        continue;
+                    }
+                    if let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) {
+                        received[s] = Some(self.from_server(m, tag, call, what)?);
+                        progressed = true;
+                    }
+                }
+                let Some(late) = (0..roles.servers).find(|&s| s != me && received[s].is_none())
+                else {
+                    return Ok(true);
+                };
+                if !progressed {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Replica {
+                            replica: roles.server_label(late),
+                            reason: format!(
+                                "did not send {what} to {} within {}",
+                                self.label(),
+                                seconds(patience)
+                            ),
+                        });
+                    }
+                    backoff.wait();
+                }
+                Ok(false)
+            },
+        )?;
+        Ok(received)
+    }
+
+    /// The words of `m`, a message from another server that must have `tag` and call `call`;
+    /// the error of an abort notice or of another message.
+    fn from_server(&self, m: Incoming, tag: i32, call: u32, what: &str) -> Result<Vec<f32>> {
         if let Some(error) = m.abort {
             return Err(error);
         }
+        if m.tag != tag || msg::read_header(&m.words)?[0] != call {
+            return Err(self.unexpected(&m, &format!("the exchange of {what}")));
+        }
+        Ok(m.words)
+    }
+
+    /// Keeps another server's end-of-call variables (`m`, a `SHARD` message) until this server
+    /// ends the call too.
+    fn keep_shard(&mut self, m: Incoming) -> Result<()> {
         let s = self.roles.server_index(m.source).ok_or_else(|| {
             Error::invalid("a parameter server's variables from a worker (internal error)")
         })?;
-        if m.tag != msg::SHARD || msg::read_header(&m.words)?[0] != self.call {
-            return Err(self.unexpected(&m, "the exchange of the servers' variables"));
-        }
-        self.others[s] = Some(m.words);
+        let words = self.from_server(m, msg::SHARD, self.call, "the servers' variables")?;
+        self.others[s] = Some(words);
         Ok(())
     }
 
@@ -502,6 +606,23 @@ impl Server {
             msg::END => {
                 self.states[worker] = State::Ended;
             }
+            msg::STATE => {
+                let reply = self.state_message(self.call)?;
+                msg::send_all(
+                    comm,
+                    &[(worker, msg::STATE, &reply[..])],
+                    self.timeout,
+                    worker_label,
+                );
+            }
+            msg::LOAD => {
+                self.loads[worker] = Some(m.words);
+                self.answer_loads(comm)?;
+            }
+            msg::GATHER => {
+                self.gathers[worker] = Some(m.words[msg::HEADER..].to_vec());
+                self.answer_gathers(comm);
+            }
             _ => return Err(self.unexpected(&m, "serving the workers")),
         }
         Ok(())
@@ -546,6 +667,70 @@ impl Server {
             .collect();
         msg::send_all(comm, &to, self.timeout, worker_label);
         Ok(())
+    }
+
+    /// Once every worker in the call sent a `LOAD`, loads the chief's (the first worker's) and
+    /// answers each with the weights after it. The workers load what they read from one file,
+    /// so their messages agree; waiting for all keeps any from training on the weights before.
+    fn answer_loads(&mut self, comm: &SimpleCommunicator) -> Result<()> {
+        let workers: Vec<usize> = self.active().collect();
+        if !workers.iter().all(|&w| self.loads[w].is_some()) {
+            return Ok(());
+        }
+        let messages: Vec<Vec<f32>> = workers
+            .iter()
+            .filter_map(|&w| self.loads[w].take())
+            .collect();
+        let Some(first) = messages.first() else {
+            return Ok(());
+        };
+        let part = msg::read_header(first)?[1];
+        if let Some(w) = workers
+            .iter()
+            .zip(&messages)
+            .find(|(_, m)| msg::read_header(m).map_or(true, |h| h[1] != part))
+            .map(|(&w, _)| w)
+        {
+            return Err(Error::Replica {
+                replica: worker_label(w),
+                reason: "loaded other parts of a training state than the chief: the workers \
+                         ran different programs"
+                    .into(),
+            });
+        }
+        let state = TrainingState::from_bytes(&msg::bytes_of(first, 2)?)?;
+        match part {
+            msg::LOAD_WEIGHTS => self.set_weights(&state.weights)?,
+            _ => self.set_optimizer_state(&state.optimizer)?,
+        }
+        let reply = self.weights_message(msg::NOT_STALE, None)?;
+        let to: Vec<(usize, i32, &[f32])> = workers
+            .iter()
+            .map(|&w| (w, msg::WEIGHTS, &reply[..]))
+            .collect();
+        for &w in &workers {
+            self.states[w] = State::Idle;
+        }
+        msg::send_all(comm, &to, self.timeout, worker_label);
+        Ok(())
+    }
+
+    /// Server 0 answers a gather once every worker in the call sent its values: all of them,
+    /// in rank order.
+    fn answer_gathers(&mut self, comm: &SimpleCommunicator) {
+        let workers: Vec<usize> = self.active().collect();
+        if !workers.iter().all(|&w| self.gathers[w].is_some()) {
+            return;
+        }
+        let mut reply = msg::header([self.call, 0, 0, 0, 0, 0]);
+        for &w in &workers {
+            reply.extend(self.gathers[w].take().unwrap_or_default());
+        }
+        let to: Vec<(usize, i32, &[f32])> = workers
+            .iter()
+            .map(|&w| (w, msg::TOTALS, &reply[..]))
+            .collect();
+        msg::send_all(comm, &to, self.timeout, worker_label);
     }
 
     /// Every server marks a worker at an epoch's end as idle; server 0 answers once every
@@ -744,6 +929,8 @@ impl Server {
         let now = Instant::now();
         let someone_waits = !self.pushes.is_empty()
             || self.tests.iter().any(Option::is_some)
+            || self.loads.iter().any(Option::is_some)
+            || self.gathers.iter().any(Option::is_some)
             || self
                 .states
                 .iter()
@@ -767,6 +954,16 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// The shard of a training state that a `STATE` message from `server` carries.
+pub(crate) fn shard_of_message(message: &[f32], server: &str) -> Result<TrainingState> {
+    msg::bytes_of(message, 2)
+        .and_then(|bytes| TrainingState::from_bytes(&bytes))
+        .map_err(|e| Error::Replica {
+            replica: server.to_string(),
+            reason: format!("sent a training state that cannot be read: {e}"),
+        })
 }
 
 /// Appends a CPU tensor's values, as `f32`, to `out`: straight from its storage when it is a

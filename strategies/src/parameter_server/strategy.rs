@@ -7,6 +7,7 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::layers::Summary;
+use kandle::optimizers::NamedOptimizerState;
 use kandle::params::Weights;
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerInfo};
 use kandle::{Error, Result};
@@ -309,7 +310,10 @@ impl DistributedModel for PsModel {
     fn serve(&mut self) -> Result<bool> {
         match self {
             PsModel::Server(s) => s.serve().map(|()| true),
-            PsModel::Worker(_) => Ok(false),
+            PsModel::Worker(w) => {
+                w.begin_call();
+                Ok(false)
+            }
         }
     }
 
@@ -340,14 +344,27 @@ impl DistributedModel for PsModel {
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
         match self {
-            PsModel::Worker(w) => {
-                let store = w.replica().store();
-                store
-                    .check_compatible(weights)
-                    .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
-                store.assign(weights)
-            }
+            PsModel::Worker(w) => w.set_weights(weights),
             PsModel::Server(s) => s.set_weights(weights),
         }
+    }
+
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        match self {
+            PsModel::Worker(w) => w.optimizer_state(),
+            PsModel::Server(s) => s.optimizer_state(),
+        }
+    }
+
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        match self {
+            PsModel::Worker(w) => w.set_optimizer_state(state),
+            PsModel::Server(s) => s.set_optimizer_state(state),
+        }
+    }
+
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        self.worker("a gather across the workers")?
+            .all_gather(values)
     }
 }

@@ -18,15 +18,17 @@ use mpi::point_to_point::Destination;
 use mpi::topology::{Communicator, SimpleCommunicator};
 
 use kandle::data::Batch;
+use kandle::optimizers::NamedOptimizerState;
 use kandle::params::Weights;
 use kandle::strategy::{Replica, StepStats};
+use kandle::training_state::TrainingState;
 use kandle::{Error, Result};
 
 use super::messages as msg;
-use super::server::Mode;
+use super::server::{shard_of_message, Mode};
 use super::shards::Sharding;
 use super::Roles;
-use crate::multi_worker::watchdog::{seconds, Backoff};
+use crate::multi_worker::watchdog::{seconds, worker_label, Backoff};
 use crate::multi_worker::world::{abort_job, World};
 use crate::replica_set::cpu_weights;
 
@@ -38,8 +40,11 @@ pub(crate) struct Worker {
     timeout: Duration,
     replica: Replica,
     sharding: Sharding,
-    /// The call of fit, evaluate or predict this worker is in, from 1.
+    /// The call of fit, evaluate or predict this worker is in, from 1 (between calls, the
+    /// next one).
     call: u32,
+    /// Whether the servers serve the current call (between `begin_call` and `end_call`).
+    in_call: bool,
     /// The version of each server's weights this worker holds.
     base: Vec<u64>,
     /// Whether it holds weights it may train on without pulling (always, when synchronous).
@@ -74,6 +79,7 @@ impl Worker {
             replica,
             sharding,
             call: 0,
+            in_call: false,
             base: vec![0; servers],
             fresh: mode == Mode::Synchronous,
             fetched: true,
@@ -313,16 +319,180 @@ impl Worker {
         ])
     }
 
+    /// The servers serve a call of fit, evaluate, predict or a single batch from now on.
+    pub(crate) fn begin_call(&mut self) {
+        self.in_call = true;
+    }
+
     /// Tells every server this worker ended the call, and loads the final weights they send
     /// once every worker has.
     pub(crate) fn end_call(&mut self) -> Result<()> {
         self.pull(msg::END, "the end of the call")?;
+        self.in_call = false;
         self.call += 1;
         self.steps = 0;
         self.test_steps = 0;
         self.fetched = true;
         self.fresh = self.mode == Mode::Synchronous;
         Ok(())
+    }
+}
+
+impl Worker {
+    /// The whole optimizer state, joined from every server's shard. During a call it asks the
+    /// servers, and takes their current weights with it (so that [`Worker::weights`] then
+    /// gives the weights this state goes with); between calls the servers send it unasked, as
+    /// every rank runs the same program.
+    pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        let servers = self.sharding.servers();
+        let replies = if self.in_call {
+            let note = msg::header([self.call, 0, 0, 0, 0, 0]);
+            self.exchange(
+                vec![note; servers],
+                msg::STATE,
+                msg::STATE,
+                "a request for the training state",
+            )?
+        } else {
+            let (roles, timeout, call) = (self.roles, self.timeout, self.call);
+            let awaited: Vec<usize> = (0..servers).collect();
+            let world = Arc::clone(&self.world);
+            world.point_to_point(|comm| {
+                exchange(
+                    comm,
+                    roles,
+                    &[],
+                    msg::STATE,
+                    &awaited,
+                    msg::STATE,
+                    call,
+                    timeout,
+                    "the optimizer state",
+                )
+            })?
+        };
+        let mut parts = Vec::with_capacity(servers);
+        for (s, reply) in replies.iter().enumerate() {
+            let shard = shard_of_message(reply, &self.roles.server_label(s))?;
+            if self.in_call {
+                for p in self.replica.store().iter() {
+                    if let Some(value) = shard.weights.get(&p.name) {
+                        p.var.set(&value.to_dtype(p.var.dtype())?)?;
+                    }
+                }
+                self.base[s] = u64::from(msg::read_header(reply)?[1]);
+            }
+            parts.push(shard.optimizer);
+        }
+        NamedOptimizerState::join(parts)
+    }
+
+    /// Replaces the weights: on this worker, and during a call on the servers too, once every
+    /// worker has asked the same (the chief's are loaded). Fails without changing anything when
+    /// the names or shapes do not match.
+    pub(crate) fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        let store = self.replica.store();
+        store
+            .check_compatible(weights)
+            .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
+        store.assign(weights)?;
+        let state = TrainingState {
+            weights: weights.clone(),
+            ..TrainingState::default()
+        };
+        self.load_on_servers(msg::LOAD_WEIGHTS, &state, "a load of the weights")
+    }
+
+    /// Checks `state` against the model's optimizer and, during a call, loads it on the
+    /// servers once every worker has asked the same (between calls each server loads it
+    /// itself). Fails without changing anything when the kind, names or shapes do not match.
+    pub(crate) fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        self.replica.load_optimizer_state(state)?;
+        let state = TrainingState {
+            optimizer: state.clone(),
+            ..TrainingState::default()
+        };
+        self.load_on_servers(msg::LOAD_OPTIMIZER, &state, "a load of the optimizer state")
+    }
+
+    /// During a call, sends `state` to every server to load its `part`, and takes the weights
+    /// they answer with; between calls, nothing.
+    fn load_on_servers(&mut self, part: u32, state: &TrainingState, what: &str) -> Result<()> {
+        if !self.in_call {
+            return Ok(());
+        }
+        let message = msg::with_bytes([self.call, part, 0, 0, 0, 0], 2, &state.to_bytes()?);
+        let servers = self.sharding.servers();
+        let replies = self.exchange(vec![message; servers], msg::LOAD, msg::WEIGHTS, what)?;
+        self.load(&replies)?;
+        self.fresh = self.mode == Mode::Synchronous;
+        self.fetched = true;
+        Ok(())
+    }
+
+    /// Every worker's `values`, in rank order, through server 0, during a call.
+    pub(crate) fn all_gather(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        if !self.in_call {
+            return Err(Error::invalid(
+                "ParameterServerStrategy gathers values across workers only during fit, \
+                 evaluate or predict",
+            ));
+        }
+        let mut m = msg::header([self.call, 0, 0, 0, 0, 0]);
+        m.extend(msg::u64_words(values));
+        let (roles, timeout, call) = (self.roles, self.timeout, self.call);
+        let world = Arc::clone(&self.world);
+        let replies = world.point_to_point(|comm| {
+            exchange(
+                comm,
+                roles,
+                &[(0, &m[..])],
+                msg::GATHER,
+                &[0],
+                msg::TOTALS,
+                call,
+                timeout,
+                "a gather across the workers",
+            )
+        })?;
+        let all = msg::u64s_from(&replies[0][msg::HEADER..]);
+        if all.len() != values.len() * roles.workers {
+            return Err(Error::Replica {
+                replica: roles.server_label(0),
+                reason: format!(
+                    "gathered {} values from {} workers that sent {} each",
+                    all.len(),
+                    roles.workers,
+                    values.len()
+                ),
+            });
+        }
+        Ok(all)
+    }
+}
+
+impl Drop for Worker {
+    /// A worker that leaves a call before its end failed (its error is on its way to the
+    /// caller): the servers are told at once, so that every rank fails now instead of waiting
+    /// for it until the timeout, and MPI is not finalised, so that this process exits with its
+    /// error.
+    fn drop(&mut self) {
+        if !self.in_call {
+            return;
+        }
+        let error = Error::Replica {
+            replica: worker_label(self.world.rank()),
+            reason: format!(
+                "left call {} of fit/evaluate/predict with an error (its own message says which)",
+                self.call
+            ),
+        };
+        let servers = (0..self.roles.servers).map(|s| self.roles.server_rank(s));
+        let _ = self.world.point_to_point(|comm| {
+            msg::send_abort(comm, servers, &error);
+            Ok(())
+        });
+        self.world.mark_broken();
     }
 }
 

@@ -8,7 +8,10 @@ pub mod equivalence_run;
 #[allow(dead_code)]
 pub mod launch;
 
+use std::path::Path;
+
 use kandle::params::Weights;
+use kandle::training_state::TrainingState;
 
 /// Asserts that `other` has the same tensors as `reference`, each within 1e-5 of the
 /// reference's largest magnitude (at least 1e-2).
@@ -39,6 +42,20 @@ pub fn assert_within(
             diff / scale <= f64::from(tolerance),
             "{what}: `{name}` differs by {diff} (scale {scale})"
         );
+    }
+    Ok(())
+}
+
+/// Asserts that two final training states in files (weights, optimizer slots and scalars)
+/// agree within `tolerance` relative to each tensor's scale.
+// Only the tests that resume runs use it.
+#[allow(dead_code)]
+pub fn assert_states_within(a: &Path, b: &Path, tolerance: f32) -> anyhow::Result<()> {
+    let (a, b) = (TrainingState::load(a)?, TrainingState::load(b)?);
+    assert_within(&a.weights, &b.weights, tolerance, "weights")?;
+    assert_eq!(a.optimizer.scalars, b.optimizer.scalars);
+    for (slot, weights) in &a.optimizer.slots {
+        assert_within(weights, &b.optimizer.slots[slot], tolerance, slot)?;
     }
     Ok(())
 }

@@ -1,11 +1,14 @@
 //! What the worker programs behind the MPI tests (`kandle-mpi-check`, `kandle-ps-check`) share:
 //! the run of `main` (kandle's log on stderr, each error printed as one line, the exit status),
-//! and the command line: the options both take ([`Common`]), numbers and time-outs.
+//! the command line (the options both take, [`Common`], numbers and time-outs), and the tasks
+//! both run under their strategy ([`tasks`]).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use kandle::{Error, Result};
+
+pub mod tasks;
 
 /// Runs a worker program named `name`: installs a logger that prints kandle's diagnostics on
 /// stderr (where the tests read them), parses the arguments (an error: status 2) and runs (an
@@ -57,6 +60,16 @@ pub struct Common {
     pub stall_worker: Option<usize>,
     /// `--stall-after-steps K`: it stalls before step `K + 1`.
     pub stall_after_steps: usize,
+    /// `--state FILE`: where `resume` saves the training state.
+    pub state: Option<String>,
+    /// `--dir DIR`: `backup`'s directory.
+    pub dir: Option<String>,
+    /// `--every N`: `backup` takes a backup every N steps.
+    pub every: Option<usize>,
+    /// `--keep-backups`: `backup` leaves its backup when it completes.
+    pub keep_backups: bool,
+    /// `--step-millis MS`: `backup` pauses after each step.
+    pub step_millis: u64,
 }
 
 impl Default for Common {
@@ -71,6 +84,11 @@ impl Default for Common {
             min_accuracy: 0.97,
             stall_worker: None,
             stall_after_steps: 0,
+            state: None,
+            dir: None,
+            every: None,
+            keep_backups: false,
+            step_millis: 0,
         }
     }
 }
@@ -78,9 +96,20 @@ impl Default for Common {
 impl Common {
     /// `--out FILE`, which the task needs.
     pub fn out(&self) -> Result<&str> {
-        self.out
+        self.path("--out", &self.out)
+    }
+
+    /// The path option `name` (with its `value`), which the task needs.
+    pub fn path<'a>(&self, name: &str, value: &'a Option<String>) -> Result<&'a str> {
+        value
             .as_deref()
-            .ok_or_else(|| Error::invalid(format!("{} needs --out FILE", self.task)))
+            .ok_or_else(|| Error::invalid(format!("{} needs {name} PATH", self.task)))
+    }
+
+    /// `--timeout-secs`, or the strategies' default of 60 s.
+    pub fn timeout(&self) -> Result<Duration> {
+        self.timeout_secs
+            .map_or(Ok(Duration::from_secs(60)), timeout)
     }
 
     /// The equivalence run's network that `--model` names.
@@ -120,6 +149,11 @@ pub fn parse<T>(
             "--min-accuracy" => common.min_accuracy = number(&arg, value()?)?,
             "--stall-worker" => common.stall_worker = Some(number(&arg, value()?)?),
             "--stall-after-steps" => common.stall_after_steps = number(&arg, value()?)?,
+            "--state" => common.state = Some(value()?),
+            "--dir" => common.dir = Some(value()?),
+            "--every" => common.every = Some(number(&arg, value()?)?),
+            "--keep-backups" => common.keep_backups = true,
+            "--step-millis" => common.step_millis = number(&arg, value()?)?,
             task if !task.starts_with('-') && common.task.is_empty() => common.task = task.into(),
             other => {
                 if !accept(own, other, &mut value)? {

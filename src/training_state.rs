@@ -359,6 +359,17 @@ mod tests {
             back.optimizer.slots["m"]["dense_1.weight"].to_vec2::<f32>()?,
             vec![vec![0.1, 0.2], vec![0.3, 0.4]]
         );
+        // A state sent as bytes arrives whole.
+        let bytes = saved.to_bytes()?;
+        let sent = TrainingState::from_bytes(&bytes)?;
+        assert_eq!(sent.optimizer.scalars, back.optimizer.scalars);
+        assert_eq!(
+            sent.optimizer.slots["m"]["dense_1.weight"].to_vec2::<f32>()?,
+            vec![vec![0.1, 0.2], vec![0.3, 0.4]]
+        );
+        let err = TrainingState::from_bytes(&bytes[..bytes.len() / 2])
+            .expect_err("a truncated state must fail");
+        assert!(err.to_string().contains("not a training state"), "{err}");
         Ok(())
     }
 

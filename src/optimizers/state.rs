@@ -358,3 +358,43 @@ pub(crate) fn check_slot_name(slot: &str) -> Result<()> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(kind: &str, vars: &[(&str, f32)]) -> Result<NamedOptimizerState> {
+        let mut momentum = Weights::new();
+        for &(name, v) in vars {
+            momentum.insert(name.into(), Tensor::full(v, 2, &Device::Cpu)?);
+        }
+        Ok(NamedOptimizerState {
+            kind: kind.into(),
+            slots: BTreeMap::from([("momentum".to_string(), momentum)]),
+            scalars: BTreeMap::from([("step".to_string(), 3.0)]),
+        })
+    }
+
+    #[test]
+    fn parts_restricted_to_disjoint_variables_join_back_into_the_whole() -> Result<()> {
+        let whole = state("SGD", &[("a", 1.0), ("b", 2.0), ("c", 3.0)])?;
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let first = whole.restricted_to(&names(&["a", "c"]));
+        let second = whole.restricted_to(&names(&["b"]));
+        assert_eq!(first.slots["momentum"].len(), 2);
+        assert_eq!(second.scalars, whole.scalars);
+        let joined = NamedOptimizerState::join([second, first.clone()])?;
+        assert_eq!(joined.kind, "SGD");
+        for (name, t) in &whole.slots["momentum"] {
+            let got = joined.slots["momentum"][name].to_vec1::<f32>()?;
+            assert_eq!(got, t.to_vec1::<f32>()?, "`{name}`");
+        }
+        let err = NamedOptimizerState::join([first.clone(), first.clone()])
+            .expect_err("a variable in two parts must fail");
+        assert!(err.to_string().contains("in two parts"), "{err}");
+        let adam = state("Adam", &[("b", 2.0)])?;
+        let err = NamedOptimizerState::join([first, adam]).expect_err("two kinds must fail");
+        assert!(err.to_string().contains("cannot join"), "{err}");
+        Ok(())
+    }
+}

@@ -456,7 +456,7 @@ impl Server {
                         continue;
                     }
                     if let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) {
-                        received[s] = Some(self.from_server(m, tag, call, what)?);
+                        received[s] = Some(self.words_from_server(m, tag, call, what)?);
                         progressed = true;
                     }
                 }
@@ -485,7 +485,7 @@ impl Server {
 
     /// The words of `m`, a message from another server that must have `tag` and call `call`;
     /// the error of an abort notice or of another message.
-    fn from_server(&self, m: Incoming, tag: i32, call: u32, what: &str) -> Result<Vec<f32>> {
+    fn words_from_server(&self, m: Incoming, tag: i32, call: u32, what: &str) -> Result<Vec<f32>> {
         if let Some(error) = m.abort {
             return Err(error);
         }
@@ -501,7 +501,7 @@ impl Server {
         let s = self.roles.server_index(m.source).ok_or_else(|| {
             Error::invalid("a parameter server's variables from a worker (internal error)")
         })?;
-        let words = self.from_server(m, msg::SHARD, self.call, "the servers' variables")?;
+        let words = self.words_from_server(m, msg::SHARD, self.call, "the servers' variables")?;
         self.others[s] = Some(words);
         Ok(())
     }

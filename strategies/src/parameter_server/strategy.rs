@@ -70,10 +70,15 @@ pub const NUM_PS_ENV: &str = "KANDLE_NUM_PS";
 /// whose loss or gradients are not finite on any worker is left out by every server. Return the
 /// error from `main`: the MPI job cannot continue after it.
 ///
-/// **Limits.** Workers train on one CPU replica each. The optimizer state lives on the servers
-/// and cannot be saved (`Model::save` fails; weights can be). Between calls every rank holds the
-/// whole model's final weights (the servers exchange theirs at the end of each call), but during
-/// a call a worker holds those it last got and a server only its own current ones.
+/// **Training state.** The optimizer state lives on the servers. `Model::save` gathers it from
+/// them (call it on every rank, as the same program does; the chief writes) and `Model::load`
+/// gives each server its part; during `fit`, `BackupAndRestore`'s backups ask the servers for
+/// their parts, and a resume loads them onto the servers once every worker has asked the same.
+/// `set_weights` during a call likewise waits for every worker and loads the chief's weights.
+///
+/// **Limits.** Workers train on one CPU replica each. Between calls every rank holds the whole
+/// model's final weights (the servers exchange theirs at the end of each call), but during a
+/// call a worker holds those it last got and a server only its own current ones.
 ///
 /// ```no_run
 /// use kandle::prelude::*;

@@ -287,6 +287,29 @@ fn a_stalled_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A worker whose `fit` fails with its own error (a callback's, here) tells the servers as it
+/// leaves the call: every rank fails at once naming it, long before the 60 s timeout, and the
+/// worker's own error is printed.
+#[test]
+fn a_worker_that_fails_ends_the_job_at_once_naming_it() -> anyhow::Result<()> {
+    let _one = lock();
+    let args = [
+        "train",
+        "--stall-worker",
+        "1",
+        "--stall-after-steps",
+        "3",
+        "--fail",
+    ];
+    let outcome = run(mpirun(3, &args))?;
+    outcome.assert_failed_with(
+        "worker 1: left call 1 of fit/evaluate/predict with an error (its own message says which)",
+    );
+    outcome.assert_failed_with("rank 1/3: invalid input: failing on purpose before step 4");
+    outcome.assert_took_less_than(Duration::from_secs(30));
+    Ok(())
+}
+
 /// Starts a long asynchronous run on 2 workers and 2 servers, waits until worker 1 has
 /// finished 3 steps, sends `signal` to rank `rank`, and returns how the job ended.
 fn signal_rank(rank: usize, signal: &str) -> anyhow::Result<Outcome> {

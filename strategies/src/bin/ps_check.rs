@@ -7,7 +7,7 @@
 //!        <equivalence --out FILE [--samples S] [--model plain|bn]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | staleness [--epochs E] [--compute-ms C] [--slow-worker R --slow-ms M]
-//!         | train [--stall-worker R --stall-after-steps K]
+//!         | train [--stall-worker R --stall-after-steps K [--fail]]
 //!         | resume --state FILE --out FILE
 //!         | backup --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups]
 //!           [--step-millis MS]
@@ -24,7 +24,7 @@
 //!   (`worker_program/tasks.rs`): digits to a test accuracy of `A` (default 0.97), evaluated
 //!   over every worker on the servers' weights; training that prints each step, so a test can
 //!   stop or kill a rank (with `--stall-worker R`, worker `R` sleeps forever before step
-//!   `K + 1`); a save after 6 `train_on_batch` steps loaded by every rank into a fresh model for
+//!   `K + 1`, or fails there with `--fail`); a save after 6 `train_on_batch` steps loaded by every rank into a fresh model for
 //!   6 more; `BackupAndRestore` into `DIR` every `N` steps, run again after a kill;
 //! - `mismatch` builds a model whose last layer is wider on worker 1 than elsewhere.
 //!

@@ -60,6 +60,8 @@ pub struct Common {
     pub stall_worker: Option<usize>,
     /// `--stall-after-steps K`: it stalls before step `K + 1`.
     pub stall_after_steps: usize,
+    /// `--fail`: the stalling worker fails with an error instead.
+    pub fail: bool,
     /// `--state FILE`: where `resume` saves the training state.
     pub state: Option<String>,
     /// `--dir DIR`: `backup`'s directory.
@@ -84,6 +86,7 @@ impl Default for Common {
             min_accuracy: 0.97,
             stall_worker: None,
             stall_after_steps: 0,
+            fail: false,
             state: None,
             dir: None,
             every: None,
@@ -149,6 +152,7 @@ pub fn parse<T>(
             "--min-accuracy" => common.min_accuracy = number(&arg, value()?)?,
             "--stall-worker" => common.stall_worker = Some(number(&arg, value()?)?),
             "--stall-after-steps" => common.stall_after_steps = number(&arg, value()?)?,
+            "--fail" => common.fail = true,
             "--state" => common.state = Some(value()?),
             "--dir" => common.dir = Some(value()?),
             "--every" => common.every = Some(number(&arg, value()?)?),

@@ -39,19 +39,27 @@ pub fn digits_model<S: Strategy + Clone + 'static>(strategy: &S, classes: usize)
 }
 
 /// Prints `<label> finished step N` after every step (unless `quiet`), sleeping `before` ahead
-/// of each step and `after` once it is printed; sleeps forever before step `stall_after + 1`.
+/// of each step and `after` once it is printed; sleeps forever before step `stall_after + 1`,
+/// or fails there when `fail`.
 #[derive(Default)]
 pub struct Steps {
     pub label: String,
     pub before: Duration,
     pub after: Duration,
     pub stall_after: Option<usize>,
+    pub fail: bool,
     pub quiet: bool,
     pub done: usize,
 }
 
 impl Callback for Steps {
     fn on_train_batch_begin(&mut self, _batch: usize, _model: &mut Model) -> Result<()> {
+        if self.stall_after == Some(self.done) && self.fail {
+            return Err(Error::invalid(format!(
+                "failing on purpose before step {}",
+                self.done + 1
+            )));
+        }
         if self.stall_after == Some(self.done) {
             println!("{} stalling before step {}", self.label, self.done + 1);
             loop {
@@ -117,8 +125,8 @@ pub fn digits<S: Strategy + Clone + 'static>(
     Ok(())
 }
 
-/// Trains for long (SGD), printing every step, so a test can stop or kill a process; the
-/// worker `--stall-worker` stalls after `--stall-after-steps`.
+/// Trains for long (SGD), printing every step, so a test can stop or kill a process; when
+/// `stalls`, this worker stalls after `--stall-after-steps` (or fails there, with `--fail`).
 pub fn train<S: Strategy + Clone + 'static>(
     strategy: &S,
     common: &Common,
@@ -141,6 +149,7 @@ pub fn train<S: Strategy + Clone + 'static>(
             callbacks: vec![Steps {
                 label: label.to_string(),
                 stall_after: stalls.then_some(common.stall_after_steps),
+                fail: common.fail,
                 ..Default::default()
             }
             .boxed()],

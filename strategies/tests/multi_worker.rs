@@ -19,7 +19,7 @@ use kandle::prelude::*;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
+use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
 use support::{assert_close, assert_states_within};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
@@ -259,17 +259,12 @@ fn a_stalled_chief_is_named_by_the_workers() -> anyhow::Result<()> {
 /// how the job ended.
 fn signal_worker_1(signal: &str) -> anyhow::Result<Outcome> {
     let timeout = TIMEOUT_SECS.to_string();
-    let mut launch = Launch::start(mpirun(2, &["--timeout-secs", &timeout, "train"]))?;
-    let pid_line = launch.wait_for_line(|l| l.starts_with("worker 1/2 pid "))?;
-    let pid = pid_line
-        .rsplit(' ')
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("no pid in `{pid_line}`"))?
-        .to_string();
-    launch.wait_for_line(|l| l == "worker 1/2 finished step 3")?;
-    let sent = Command::new("kill").args([signal, &pid]).status()?;
-    assert!(sent.success(), "kill {signal} {pid} failed");
-    launch.finish()
+    signal_after(
+        mpirun(2, &["--timeout-secs", &timeout, "train"]),
+        "worker 1/2 ",
+        "worker 1/2 finished step 3",
+        signal,
+    )
 }
 
 #[test]
@@ -348,15 +343,14 @@ fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow:
     assert!(outcome.status.success(), "{}", outcome.output);
 
     let backup = resumed.join("backup.safetensors");
-    let mut launch = Launch::start(mpirun_owned(2, &task(&resumed, &out)))?;
-    let pid_line = launch.wait_for_line(|l| l.starts_with("worker 0/2 pid "))?;
-    let chief = pid_line.rsplit(' ').next().unwrap_or_default().to_string();
-    launch.wait_for_line(|l| l == "worker 0/2 finished step 10")?;
-    assert!(backup.is_file(), "no backup after 10 steps");
-    let sent = Command::new("kill").args(["-KILL", &chief]).status()?;
-    assert!(sent.success(), "kill -KILL {chief} failed");
-    let killed = launch.finish()?;
+    let killed = signal_after(
+        mpirun_owned(2, &task(&resumed, &out)),
+        "worker 0/2 ",
+        "worker 0/2 finished step 10",
+        "-KILL",
+    )?;
     assert!(!killed.status.success(), "{}", killed.output);
+    assert!(backup.is_file(), "no backup after 10 steps");
     assert!(!out.exists(), "the killed job finished anyway");
 
     let saved = std::fs::read(&backup)?;

@@ -18,7 +18,7 @@ use kandle::prelude::*;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, bound, lock, run, stalled_run, Launch, Outcome, TIMEOUT_SECS};
+use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
 use support::{assert_close, assert_states_within};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
@@ -203,15 +203,15 @@ fn a_killed_job_resumes_from_the_servers_state_and_ends_as_an_uninterrupted_one(
     assert!(outcome.status.success(), "{}", outcome.output);
 
     let backup = resumed.join("backup.safetensors");
-    let mut launch = Launch::start(backup_run(&resumed, &out))?;
-    let pid_line = launch.wait_for_line(|l| l.starts_with("rank 0/4 worker pid "))?;
-    let chief = pid_line.rsplit(' ').next().unwrap_or_default().to_string();
-    launch.wait_for_line(|l| l == "rank 0/4 finished step 10")?;
-    assert!(backup.is_file(), "no backup after 10 steps");
-    let sent = Command::new("kill").args(["-KILL", &chief]).status()?;
-    assert!(sent.success(), "kill -KILL {chief} failed");
-    let killed = launch.finish()?;
+    let chief = "rank 0/4 ";
+    let killed = signal_after(
+        backup_run(&resumed, &out),
+        chief,
+        "rank 0/4 finished step 10",
+        "-KILL",
+    )?;
     assert!(!killed.status.success(), "{}", killed.output);
+    assert!(backup.is_file(), "no backup after 10 steps");
     assert!(!out.exists(), "the killed job finished anyway");
     let state = kandle::training_state::TrainingState::load(&backup)?;
     assert!(
@@ -314,21 +314,12 @@ fn a_worker_that_fails_ends_the_job_at_once_naming_it() -> anyhow::Result<()> {
 /// finished 3 steps, sends `signal` to rank `rank`, and returns how the job ended.
 fn signal_rank(rank: usize, signal: &str) -> anyhow::Result<Outcome> {
     let timeout = TIMEOUT_SECS.to_string();
-    let mut launch = Launch::start(mpirun(
-        4,
-        &["--num-ps", "2", "--timeout-secs", &timeout, "train"],
-    ))?;
-    let prefix = format!("rank {rank}/4 ");
-    let pid_line = launch.wait_for_line(|l| l.starts_with(&prefix) && l.contains(" pid "))?;
-    let pid = pid_line
-        .rsplit(' ')
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("no pid in `{pid_line}`"))?
-        .to_string();
-    launch.wait_for_line(|l| l == "rank 1/4 finished step 3")?;
-    let sent = Command::new("kill").args([signal, &pid]).status()?;
-    assert!(sent.success(), "kill {signal} {pid} failed");
-    launch.finish()
+    signal_after(
+        mpirun(4, &["--num-ps", "2", "--timeout-secs", &timeout, "train"]),
+        &format!("rank {rank}/4 "),
+        "rank 1/4 finished step 3",
+        signal,
+    )
 }
 
 #[test]

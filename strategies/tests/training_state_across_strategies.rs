@@ -32,16 +32,9 @@ where
     S: Strategy + Clone + 'static,
     O: OptimizerConfig,
 {
-    let mut model = net
-        .compile(
-            optimizer,
-            SparseCategoricalCrossentropy::new(),
-            [Accuracy],
-            strategy,
-        )?
-        .with_seed(seed)?;
-    model.build(&[1, 8, 8])?;
-    Ok(model)
+    Ok(support::equivalence_run::compile(
+        net, optimizer, strategy, seed,
+    )?)
 }
 
 fn train(model: &mut Model, steps: std::ops::Range<usize>) -> anyhow::Result<()> {

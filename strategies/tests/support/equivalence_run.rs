@@ -37,6 +37,30 @@ pub fn bn_cnn() -> Sequential {
         .add(Activation::Softmax)
 }
 
+/// `net` compiled under `strategy` with `optimizer`, sparse cross-entropy and accuracy, its
+/// initial weights drawn from `seed`, built for digits (8x8 images).
+pub fn compile<S, O>(
+    net: Sequential,
+    optimizer: O,
+    strategy: &S,
+    seed: u64,
+) -> kandle::Result<Model>
+where
+    S: Strategy + Clone + 'static,
+    O: kandle::optimizers::OptimizerConfig,
+{
+    let mut model = net
+        .compile(
+            optimizer,
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
+            strategy,
+        )?
+        .with_seed(seed)?;
+    model.build(&[1, 8, 8])?;
+    Ok(model)
+}
+
 /// Trains `net` under `strategy` for one epoch on the first `samples` digits at a global batch
 /// of [`GLOBAL_BATCH`] (SGD with momentum, fixed seeds) and returns the model. Fails if the
 /// strategy's replicas do not divide the global batch, or the loss is not finite.
@@ -68,14 +92,7 @@ pub fn fit<S: Strategy + Clone + 'static>(
         )));
     }
     let data = kandle::data::digits::load()?.subset(&(0..samples).collect::<Vec<_>>())?;
-    let mut model = net
-        .compile(
-            Sgd::new(0.05).momentum(0.9),
-            SparseCategoricalCrossentropy::new(),
-            [Accuracy],
-            strategy,
-        )?
-        .with_seed(5)?;
+    let mut model = compile(net, Sgd::new(0.05).momentum(0.9), strategy, 5)?;
     let history = model.fit(
         &data,
         FitOptions {

@@ -153,6 +153,28 @@ impl Launch {
     }
 }
 
+/// Starts `cmd`, waits for the line that starts with `process` and gives its pid (`... pid P`)
+/// and then for the line `then`, sends `signal` (`-KILL`, `-STOP`) to that process, and returns
+/// how the launch ended.
+pub fn signal_after(
+    cmd: Command,
+    process: &str,
+    then: &str,
+    signal: &str,
+) -> anyhow::Result<Outcome> {
+    let mut launch = Launch::start(cmd)?;
+    let pid_line = launch.wait_for_line(|l| l.starts_with(process) && l.contains(" pid "))?;
+    let pid = pid_line
+        .rsplit(' ')
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no pid in `{pid_line}`"))?
+        .to_string();
+    launch.wait_for_line(|l| l == then)?;
+    let sent = Command::new("kill").args([signal, &pid]).status()?;
+    anyhow::ensure!(sent.success(), "kill {signal} {pid} failed");
+    launch.finish()
+}
+
 /// Ends a launch that overran: SIGTERM first, so that mpirun takes its workers down with it,
 /// then SIGKILL.
 pub fn stop(child: &mut Child) {

@@ -194,17 +194,9 @@ pub fn resume<S: Strategy + Clone + 'static>(strategy: &S, common: &Common) -> R
         )?;
         Ok(())
     };
-    let compile = |seed: u64| -> Result<Model> {
-        let mut model = equivalence_run::plain_cnn()
-            .compile(
-                Sgd::new(0.05).momentum(0.9),
-                SparseCategoricalCrossentropy::new(),
-                [Accuracy],
-                strategy,
-            )?
-            .with_seed(seed)?;
-        model.build(&[1, 8, 8])?;
-        Ok(model)
+    let compile = |seed: u64| {
+        let sgd = Sgd::new(0.05).momentum(0.9);
+        equivalence_run::compile(equivalence_run::plain_cnn(), sgd, strategy, seed)
     };
     let mut first = compile(5)?;
     for i in 0..RESUME_STEPS {

@@ -20,7 +20,7 @@ use kandle::prelude::*;
 mod support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
-use support::{assert_close, assert_states_within};
+use support::{assert_close, assert_resumed_as_uninterrupted};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
@@ -370,14 +370,7 @@ fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow:
     );
 
     let outcome = run(mpirun_owned(2, &task(&resumed, &out)))?;
-    assert!(outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome.output.contains("resuming from"),
-        "{}",
-        outcome.output
-    );
-    assert!(!backup.exists(), "the backup is deleted when fit completes");
-    assert_states_within(&plain_out, &out, 1e-6)
+    assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-6)
 }
 
 /// Workers that do not share the backup directory (`{rank}` makes one per worker): the chief

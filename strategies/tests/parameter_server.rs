@@ -19,7 +19,7 @@ use kandle::prelude::*;
 mod support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
-use support::{assert_close, assert_states_within};
+use support::{assert_close, assert_resumed_as_uninterrupted};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
 
@@ -221,14 +221,7 @@ fn a_killed_job_resumes_from_the_servers_state_and_ends_as_an_uninterrupted_one(
     );
 
     let outcome = run(backup_run(&resumed, &out))?;
-    assert!(outcome.status.success(), "{}", outcome.output);
-    assert!(
-        outcome.output.contains("resuming from"),
-        "{}",
-        outcome.output
-    );
-    assert!(!backup.exists(), "the backup is deleted when fit completes");
-    assert_states_within(&plain_out, &out, 1e-5)
+    assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-5)
 }
 
 // ---- bad configurations --------------------------------------------------------------------

@@ -59,3 +59,25 @@ pub fn assert_states_within(a: &Path, b: &Path, tolerance: f32) -> anyhow::Resul
     }
     Ok(())
 }
+
+/// Asserts that `outcome`, a job run again after it was killed, resumed from `backup`,
+/// completed (deleting the backup), and left the final training state `out` within
+/// `tolerance` of `uninterrupted`'s.
+// Only the tests that resume runs use it.
+#[allow(dead_code)]
+pub fn assert_resumed_as_uninterrupted(
+    outcome: &launch::Outcome,
+    backup: &Path,
+    uninterrupted: &Path,
+    out: &Path,
+    tolerance: f32,
+) -> anyhow::Result<()> {
+    assert!(outcome.status.success(), "{}", outcome.output);
+    assert!(
+        outcome.output.contains("resuming from"),
+        "{}",
+        outcome.output
+    );
+    assert!(!backup.exists(), "the backup is deleted when fit completes");
+    assert_states_within(uninterrupted, out, tolerance)
+}

@@ -501,7 +501,9 @@ impl Model {
 
     /// Saves the whole training state (weights, optimizer state, learning rate) to `path` as
     /// one versioned safetensors file, written atomically: see [`crate::training_state`]. Under
-    /// multi-worker training only the chief writes. Fails if the model is not built.
+    /// multi-worker training every process calls it and only the chief writes (under parameter
+    /// servers, the servers hand over their parts of the optimizer state). Fails if the model
+    /// is not built.
     pub fn save(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let state = self.training_state()?;
         if self.is_chief() {

@@ -267,6 +267,26 @@ fn signal_worker_1(signal: &str) -> anyhow::Result<Outcome> {
     )
 }
 
+/// A worker whose `fit` fails with its own error (a callback's, here) exits at once with it
+/// instead of waiting for the others in `MPI_Finalize`, and `mpirun` ends the job: the error is
+/// printed, long before the 60 s the others would wait at the next all-reduce.
+#[test]
+fn a_worker_that_fails_exits_at_once_with_its_error() -> anyhow::Result<()> {
+    let _one = lock();
+    let args = [
+        "train",
+        "--stall-worker",
+        "1",
+        "--stall-after-steps",
+        "3",
+        "--fail",
+    ];
+    let outcome = run(mpirun(2, &args))?;
+    outcome.assert_failed_with("worker 1/2: invalid input: failing on purpose before step 4");
+    outcome.assert_took_less_than(Duration::from_secs(30));
+    Ok(())
+}
+
 #[test]
 fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     let _one = lock();

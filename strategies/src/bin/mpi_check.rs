@@ -7,7 +7,7 @@
 //!        [--communication auto|mpi|nccl] [--timeout-secs T]
 //!        <world | equivalence --out FILE [--model plain|bn] [--samples S]
 //!         | digits [--epochs E] [--min-accuracy A]
-//!         | train [--epochs E] [--stall-worker R --stall-after-steps K]
+//!         | train [--epochs E] [--stall-worker R --stall-after-steps K [--fail]]
 //!         | resume --state FILE --out FILE
 //!         | backup --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups]
 //!           [--step-millis MS]>
@@ -22,13 +22,14 @@
 //!   (`worker_program/tasks.rs`): digits to a test accuracy of `A` (default 0.97) evaluated
 //!   across all workers; training that prints each step, so a test can kill a worker (with
 //!   `--stall-worker R`, worker `R` sleeps forever before step `K + 1`, and the others must
-//!   fail naming it); a save after 6 `train_on_batch` steps loaded by every worker into a fresh
-//!   model for 6 more; `BackupAndRestore` into `DIR` every `N` steps, run again after a kill.
+//!   fail naming it, or it fails there with `--fail`); a save after 6 `train_on_batch` steps
+//!   loaded by every worker into a fresh model for 6 more; `BackupAndRestore` into `DIR` every
+//!   `N` steps, run again after a kill.
 //!
 //! `--replicas-on-worker R L` gives worker `R` `L` local replicas instead, to test that workers
-//! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the program prints it and exits
-//! with status 1, as any program using `MultiWorkerMirroredStrategy` should: after a failed
-//! step the MPI job cannot continue.
+//! which disagree fail alike. Every worker prints `worker R/N pid P` first. On an error the
+//! program prints it and exits with status 1, as any program using
+//! `MultiWorkerMirroredStrategy` should: after a failed step the MPI job cannot continue.
 
 use std::process::ExitCode;
 
@@ -88,7 +89,7 @@ fn parse_args() -> Result<Args> {
                          [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
                          equivalence --out FILE [--model plain|bn] [--samples S] | digits \
                          [--epochs E] [--min-accuracy A] | train [--epochs E] [--stall-worker R \
-                         --stall-after-steps K] | resume --state FILE --out FILE | backup \
+                         --stall-after-steps K [--fail]] | resume --state FILE --out FILE | backup \
                          --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
                          [--step-millis MS]>",
                     ))

@@ -247,6 +247,7 @@ impl Strategy for MultiWorkerMirroredStrategy {
             train_steps: 0,
             test_steps: 0,
             host: Vec::new(),
+            in_call: false,
         }))
     }
 }
@@ -332,6 +333,20 @@ struct MultiWorkerModel {
     test_steps: u64,
     /// The fused step buffer on the host (MPI), reused every step.
     host: Vec<f32>,
+    /// Whether a call of fit, evaluate, predict or a single batch is under way.
+    in_call: bool,
+}
+
+impl Drop for MultiWorkerModel {
+    /// A model dropped in the middle of a call is being dropped on its way out with an error
+    /// of this worker's own (a callback's, a file's): the other workers will not meet it at the
+    /// next collective, so MPI is not finalised (which would wait for them), and the process
+    /// exits with its error at once; `mpirun` then ends the job.
+    fn drop(&mut self) {
+        if self.in_call {
+            self.world.mark_broken();
+        }
+    }
 }
 
 impl MultiWorkerModel {
@@ -419,6 +434,16 @@ impl DistributedModel for MultiWorkerModel {
     fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
         let result = self.world.all_gather(values, Phase::Resume, self.timeout);
         self.check(result)
+    }
+
+    fn serve(&mut self) -> Result<bool> {
+        self.in_call = true;
+        Ok(false)
+    }
+
+    fn end_call(&mut self) -> Result<()> {
+        self.in_call = false;
+        Ok(())
     }
 
     replica_set_queries!();

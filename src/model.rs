@@ -665,8 +665,16 @@ impl Model {
                 steps,
                 shape,
             };
-            logs = self.train_epoch(&run, from, &mut callbacks, &history)?;
-            for (name, value) in self.replicas()?.end_epoch()? {
+            let mut totals = self.train_epoch(&run, from, &mut callbacks, &history)?;
+            let mut epoch_totals = StepStats {
+                samples: totals.samples,
+                sums: std::mem::take(&mut totals.sums),
+                applied: true,
+            };
+            let extra = self.replicas()?.end_epoch(&mut epoch_totals)?;
+            (totals.samples, totals.sums) = (epoch_totals.samples, epoch_totals.sums);
+            logs = totals.logs();
+            for (name, value) in extra {
                 logs.set(name, value);
             }
             let validates = (epoch + 1) % options.validation_freq == 0;
@@ -768,14 +776,14 @@ impl Model {
     }
 
     /// Runs one epoch's steps from step `from.0` (with the running sums `from.1` of the steps
-    /// before it, when resuming) and returns the epoch's logs.
+    /// before it, when resuming) and returns the epoch's totals.
     fn train_epoch(
         &mut self,
         run: &EpochRun<'_, '_>,
         from: (usize, Option<(usize, Vec<f64>)>),
         callbacks: &mut CallbackList,
         history: &History,
-    ) -> Result<Logs> {
+    ) -> Result<Totals> {
         let (first_step, totals_before) = from;
         let mut totals = Totals::new(&self.metrics);
         if let Some((samples, sums)) = totals_before {
@@ -815,7 +823,7 @@ impl Model {
             }
             Ok(())
         })?;
-        Ok(totals.logs())
+        Ok(totals)
     }
 
     /// Loss and metrics over `data` in inference mode. `options` is a batch size per replica,

@@ -143,10 +143,15 @@ pub trait DistributedModel: Send {
         Ok(false)
     }
 
-    /// Called by `fit` at the end of every epoch, before validation: values to add to the
-    /// epoch's logs (a parameter-server worker reports the staleness of its updates). A
-    /// strategy may also make the workers wait for each other here. The default adds nothing.
-    fn end_epoch(&mut self) -> Result<Vec<(String, f64)>> {
+    /// Called by `fit` at the end of every epoch, before validation, with the totals of the
+    /// epoch's training steps as this process saw them (`samples`, `sums`; `applied` is
+    /// unused): a strategy whose workers saw different steps replaces them with the totals
+    /// over every worker, so that every worker's epoch logs (and the callbacks that read them)
+    /// agree, and returns values to add to the logs (a parameter-server worker reports the
+    /// staleness of its updates). A strategy may also make the workers wait for each other
+    /// here. The default changes nothing and adds nothing.
+    fn end_epoch(&mut self, totals: &mut StepStats) -> Result<Vec<(String, f64)>> {
+        let _ = totals;
         Ok(Vec::new())
     }
 

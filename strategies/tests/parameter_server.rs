@@ -121,11 +121,36 @@ fn max_staleness(outcome: &Outcome) -> anyhow::Result<f64> {
     Ok(values.into_iter().fold(0.0, f64::max))
 }
 
+/// Asserts that each of `workers` printed its epochs' losses (`rank R/N epoch E loss L`), and
+/// that they agree: an asynchronous worker's epoch logs cover every worker's steps.
+fn assert_epoch_logs_agree(outcome: &Outcome, workers: usize) -> anyhow::Result<()> {
+    let losses = |rank: usize| -> Vec<String> {
+        let prefix = format!("rank {rank}/");
+        outcome
+            .output
+            .lines()
+            .filter(|l| l.starts_with(&prefix) && l.contains(" epoch ") && l.contains(" loss "))
+            .filter_map(|l| l.split_once(" epoch ").map(|(_, rest)| rest.to_string()))
+            .collect()
+    };
+    let chief = losses(0);
+    anyhow::ensure!(
+        !chief.is_empty(),
+        "no epoch loss lines:\n{}",
+        outcome.output
+    );
+    for rank in 1..workers {
+        assert_eq!(losses(rank), chief, "worker {rank}:\n{}", outcome.output);
+    }
+    Ok(())
+}
+
 /// Every worker sleeps 30 ms before each step (a stand-in for computation) and worker 1
 /// 120 ms, while the three train asynchronously on one server: without a bound, worker 1's
 /// updates land several updates late; with `--max-staleness 2` none is more than 2 late.
 /// With 1 and with 2 servers (each applies every push to its own shard, so each bounds the
-/// staleness of its own updates).
+/// staleness of its own updates). Every worker's epoch logs agree though each trained on its
+/// own batches.
 #[test]
 fn the_staleness_bound_holds_under_a_slow_worker() -> anyhow::Result<()> {
     let _one = lock();
@@ -144,6 +169,7 @@ fn the_staleness_bound_holds_under_a_slow_worker() -> anyhow::Result<()> {
         ];
         let free = run(mpirun(ranks, &slow))?;
         assert!(free.status.success(), "{}", free.output);
+        assert_epoch_logs_agree(&free, 3)?;
         let unbounded = max_staleness(&free)?;
         let mut args = vec!["--max-staleness", "2"];
         args.extend(slow);

@@ -18,8 +18,8 @@
 //!   equivalence_run.rs`, included here); the chief writes the weights to `FILE`, and each
 //!   server rank `R` the weights it holds after `fit` to `FILE.rankR`;
 //! - `staleness` trains on digits with every worker sleeping `C` ms before each step (a stand-in
-//!   for computation) and worker `R` `M` ms, and the chief prints each epoch's
-//!   `staleness_mean` and `staleness_max`;
+//!   for computation) and worker `R` `M` ms; every worker prints each epoch's loss, and the
+//!   chief each epoch's `staleness_mean` and `staleness_max`;
 //! - `digits`, `train`, `resume` and `backup` are the tasks both worker programs run
 //!   (`worker_program/tasks.rs`): digits to a test accuracy of `A` (default 0.97), evaluated
 //!   over every worker on the servers' weights; training that prints each step, so a test can
@@ -157,6 +157,12 @@ fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Re
             ..Default::default()
         },
     )?;
+    if !strategy.is_server() {
+        // Every worker's epoch logs cover every worker's steps: the same on each.
+        for (epoch, loss) in history.series("loss").iter().enumerate() {
+            println!("{label} epoch {epoch} loss {loss:?}");
+        }
+    }
     if strategy.worker().is_chief() {
         for (epoch, (mean, max)) in history
             .series("staleness_mean")

@@ -13,7 +13,7 @@
 //! | `PUSH` | worker | base version, step, learning rate (2 words) | the server's part of the step buffer | `WEIGHTS` once applied |
 //! | `FETCH` | worker | | | `WEIGHTS` |
 //! | `TEST` | worker, to server 0 | evaluation step | loss and metric sums, samples | `TOTALS` once every worker sent its own |
-//! | `EPOCH` | worker | epoch | staleness sum, count, max | from server 0, `TOTALS` once every worker ended the epoch |
+//! | `EPOCH` | worker | epoch | staleness sum, count, max; the epoch's samples and loss and metric sums | from server 0, `TOTALS` once every worker ended the epoch |
 //! | `END` | worker | | | `WEIGHTS` (the final ones) once every worker ended the call |
 //! | `STATE` | worker | | | `STATE` |
 //! | `LOAD` | worker | what it loads (weights or optimizer state), bytes | a training state's bytes | `WEIGHTS` once every worker sent its own (the chief's is loaded) |

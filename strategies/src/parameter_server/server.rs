@@ -98,7 +98,9 @@ pub(crate) struct Server {
     heard: Vec<Instant>,
     pushes: VecDeque<Push>,
     tests: Vec<Option<(u32, Vec<f32>)>>,
-    epochs: Vec<Option<[f32; 3]>>,
+    /// Each worker's end-of-epoch totals: staleness sum, count and max, then its training
+    /// steps' sample count and sums.
+    epochs: Vec<Option<Vec<f32>>>,
     /// Each worker's `LOAD` message, until every worker in the call sent one.
     loads: Vec<Option<Vec<f32>>>,
     /// Each worker's `GATHER` values (server 0), until every worker in the call sent them.
@@ -595,12 +597,7 @@ impl Server {
             }
             msg::EPOCH => {
                 self.states[worker] = State::AtEpochEnd;
-                let body = &m.words[msg::HEADER..];
-                let mut s = [0f32; 3];
-                for (d, v) in s.iter_mut().zip(body) {
-                    *d = *v;
-                }
-                self.epochs[worker] = Some(s);
+                self.epochs[worker] = Some(m.words[msg::HEADER..].to_vec());
                 self.answer_epoch(comm);
             }
             msg::END => {
@@ -734,18 +731,21 @@ impl Server {
     }
 
     /// Every server marks a worker at an epoch's end as idle; server 0 answers once every
-    /// worker in the call got there, with the staleness over all of them.
+    /// worker in the call got there, with the staleness and the training totals over all of
+    /// them.
     fn answer_epoch(&mut self, comm: &SimpleCommunicator) {
         if !self.active().all(|w| self.states[w] == State::AtEpochEnd) {
             return;
         }
-        let mut total = [0f32; 3];
+        let mut total: Vec<f32> = Vec::new();
         let workers: Vec<usize> = self.active().collect();
         for &w in &workers {
             if let Some(s) = self.epochs[w].take() {
-                total[0] += s[0];
-                total[1] += s[1];
-                total[2] = total[2].max(s[2]);
+                total.resize(total.len().max(s.len()), 0.0);
+                for (i, (t, v)) in total.iter_mut().zip(&s).enumerate() {
+                    // Word 2 is the largest staleness; the others add up.
+                    *t = if i == 2 { t.max(*v) } else { *t + v };
+                }
             }
             self.states[w] = State::Idle;
         }

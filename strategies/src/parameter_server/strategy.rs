@@ -59,9 +59,11 @@ pub const NUM_PS_ENV: &str = "KANDLE_NUM_PS";
 ///   is the same on every worker, since epochs end together);
 /// - batch norm's moving statistics live on the servers like any variable: an update sets them
 ///   to the sample-weighted mean of those its workers computed from the weights they pulled;
-/// - the training logs are those of the updates that applied this worker's gradients (the whole
-///   global batch in synchronous mode, the worker's own batch in asynchronous mode); validation
-///   and `evaluate` fetch the servers' current weights and sum every worker's shard.
+/// - a step's logs (what `on_train_batch_end` sees) are those of the update that applied this
+///   worker's gradients (the whole global batch in synchronous mode, the worker's own batch in
+///   asynchronous mode); an epoch's logs cover every worker's steps in both modes, so that every
+///   worker's callbacks decide alike; validation and `evaluate` fetch the servers' current
+///   weights and sum every worker's shard.
 ///
 /// **Failures.** A worker that dies or stalls while a server waits on it makes that server fail
 /// within the [timeout](Self::timeout), naming it, and tell every other rank, which fail with the
@@ -322,9 +324,9 @@ impl DistributedModel for PsModel {
         }
     }
 
-    fn end_epoch(&mut self) -> Result<Vec<(String, f64)>> {
+    fn end_epoch(&mut self, totals: &mut StepStats) -> Result<Vec<(String, f64)>> {
         match self {
-            PsModel::Worker(w) => w.end_epoch(),
+            PsModel::Worker(w) => w.end_epoch(totals),
             PsModel::Server(_) => Ok(Vec::new()),
         }
     }

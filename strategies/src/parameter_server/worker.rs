@@ -274,15 +274,18 @@ impl Worker {
             .to_device(&Device::Cpu)?)
     }
 
-    /// At an epoch's end (asynchronous mode): waits until every worker has ended the epoch, and
+    /// At an epoch's end (asynchronous mode): waits until every worker has ended the epoch,
+    /// replaces `totals` (this worker's training steps) with the totals over every worker, and
     /// returns the staleness of the epoch's applied updates over every worker.
-    pub(crate) fn end_epoch(&mut self) -> Result<Vec<(String, f64)>> {
+    pub(crate) fn end_epoch(&mut self, totals: &mut StepStats) -> Result<Vec<(String, f64)>> {
         if self.mode == Mode::Synchronous {
             return Ok(Vec::new());
         }
         self.epochs += 1;
         let mut m = msg::header([self.call, self.epochs, 0, 0, 0, 0]);
         m.extend(self.staleness.iter().map(|&v| v as f32));
+        m.push(totals.samples as f32);
+        m.extend(totals.sums.iter().map(|&v| v as f32));
         self.staleness = [0.0; 3];
         let servers = self.sharding.servers();
         let roles = self.roles;
@@ -290,7 +293,7 @@ impl Worker {
         let what = format!("the end of epoch {}", self.epochs);
         let world = Arc::clone(&self.world);
         let to: Vec<(usize, &[f32])> = (0..servers).map(|s| (s, &m[..])).collect();
-        let totals = world.point_to_point(|comm| {
+        let replies = world.point_to_point(|comm| {
             exchange(
                 comm,
                 roles,
@@ -304,12 +307,21 @@ impl Worker {
             )
         })?;
         self.fresh = false;
-        let t = &totals[0][msg::HEADER..];
-        let (sum, count, max) = (
-            f64::from(*t.first().unwrap_or(&0.0)),
-            f64::from(*t.get(1).unwrap_or(&0.0)),
-            f64::from(*t.get(2).unwrap_or(&0.0)),
-        );
+        let t = &replies[0][msg::HEADER..];
+        if t.len() != m.len() - msg::HEADER {
+            return Err(Error::Replica {
+                replica: roles.server_label(0),
+                reason: format!(
+                    "answered the end of epoch {} with {} totals where {} were sent",
+                    self.epochs,
+                    t.len(),
+                    m.len() - msg::HEADER
+                ),
+            });
+        }
+        let (sum, count, max) = (f64::from(t[0]), f64::from(t[1]), f64::from(t[2]));
+        totals.samples = t[3].round().max(0.0) as usize;
+        totals.sums = t[4..].iter().map(|&v| f64::from(v)).collect();
         Ok(vec![
             (
                 "staleness_mean".to_string(),

@@ -10,7 +10,9 @@
 //!
 //! Each pass is a few GEMMs per tile of output rows over a row-shift expansion of the input
 //! (see `plan`), run by the `gemm` crate with the CPU's widest micro-kernels, and split over
-//! the images of the batch in the current rayon pool. The input gradient at stride `s` is `s^2`
+//! the images of the batch in the current rayon pool; 3x3 correlations at unit strides with
+//! enough channels and positions go through Winograd's F(2x2, 3x3) instead (see `winograd`),
+//! 2.25 times fewer multiplications. The input gradient at stride `s` is `s^2`
 //! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on
 //! the zeros a dilated transposed convolution would multiply.
 //!
@@ -21,6 +23,7 @@
 mod gemm;
 mod passes;
 mod plan;
+mod winograd;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::plan::Plan;
+use super::winograd::{self, Winograd};
 
 /// The sizes of a convolution: input `(n, c, h, w)`, kernel `(o, c, kh, kw)`, strides, padding
 /// `(top, bottom, left, right)` and output `(ho, wo)`.
@@ -60,6 +61,8 @@ struct Scratch {
     phase: Vec<f32>,
     /// An output gradient image, positions-major.
     transposed: Vec<f32>,
+    /// The transformed tiles of a group of images, for [`Winograd`].
+    winograd: winograd::Buffers,
 }
 
 thread_local! {
@@ -102,25 +105,54 @@ fn gemm_parallelism(images: usize) -> Parallelism {
 /// enough images.
 fn for_each_image(
     n: usize,
+    x: (&[f32], usize),
+    out: (&mut [f32], usize),
+    f: impl Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync,
+) -> candle_core::Result<()> {
+    for_each_group(n, 1, x, out, f)
+}
+
+/// [`for_each_image`] over groups of `group` consecutive images (the last may be short): `f`
+/// gets the inputs and outputs of a whole group, in parallel when there are enough groups.
+fn for_each_group(
+    n: usize,
+    group: usize,
     (x, in_len): (&[f32], usize),
     (out, out_len): (&mut [f32], usize),
     f: impl Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync,
 ) -> candle_core::Result<()> {
-    let par = gemm_parallelism(n);
+    let groups = n.div_ceil(group.max(1));
+    let par = gemm_parallelism(groups);
     if out_len == 0 {
         return Ok(());
     }
-    if split_images(n) {
-        out.par_chunks_mut(out_len)
-            .zip(x.par_chunks(in_len.max(1)))
+    let (in_chunk, out_chunk) = (group.max(1) * in_len.max(1), group.max(1) * out_len);
+    if split_images(groups) {
+        out.par_chunks_mut(out_chunk)
+            .zip(x.par_chunks(in_chunk))
             .try_for_each(|(o, x)| with_scratch(|s| f(x, o, s, par)))
     } else {
         with_scratch(|s| {
-            out.chunks_mut(out_len)
-                .zip(x.chunks(in_len.max(1)))
+            out.chunks_mut(out_chunk)
+                .zip(x.chunks(in_chunk))
                 .try_for_each(|(o, x)| f(x, o, s, par))
         })
     }
+}
+
+/// Runs a 3x3, stride-1 correlation of the `n` images of `x` through [`Winograd`], a group of
+/// images per task, into `out`.
+fn winograd_images(
+    wino: &Winograd,
+    n: usize,
+    (x, in_len): (&[f32], usize),
+    (out, out_len): (&mut [f32], usize),
+    bias: Option<&[f32]>,
+) -> candle_core::Result<()> {
+    let group = wino.group(n, rayon::current_num_threads());
+    for_each_group(n, group, (x, in_len), (out, out_len), |x, y, s, par| {
+        wino.correlate(x, bias, y, &mut s.winograd, par)
+    })
 }
 
 /// One GEMM of a tile: output rows `i0 .. i0 + rows`, GEMM `call` of the tile, and its
@@ -217,8 +249,14 @@ pub(crate) fn forward(
 ) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
-    let kernel = plan.pack(|o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx]);
+    let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx];
     let mut y = vec![0f32; conv.n * plan.output_len()];
+    if let Some(wino) = Winograd::new(&plan, tap) {
+        let (input, output) = ((x, plan.input_len()), (&mut y[..], plan.output_len()));
+        winograd_images(&wino, conv.n, input, output, bias)?;
+        return Ok(y);
+    }
+    let kernel = plan.pack(tap);
     for_each_image(
         conv.n,
         (x, plan.input_len()),
@@ -234,8 +272,10 @@ pub(crate) fn forward(
 struct Phase {
     /// The correlation, over `dy`'s `o` channels into `c` channels.
     plan: Plan,
-    /// Its packed kernel.
+    /// Its packed kernel (empty when lowered to Winograd's).
     kernel: Vec<f32>,
+    /// The correlation lowered to [`Winograd`], when it suits.
+    winograd: Option<Winograd>,
     /// First input row and column (unpadded) of the phase, and the steps between them.
     y0: usize,
     x0: usize,
@@ -282,14 +322,20 @@ impl Conv {
                     ho: a1 - a0,
                     wo: b1 - b0,
                 };
-                let kernel = plan.pack(|ci, oi, u, v| {
+                let tap = |ci, oi, u, v| {
                     let ky = ry + sh * (khp - 1 - u);
                     let kx = rx + sw * (kwp - 1 - v);
                     wt[((ci * o + oi) * kh + ky) * kw + kx]
-                });
+                };
+                let winograd = Winograd::new(&plan, tap);
+                let kernel = match winograd {
+                    Some(_) => Vec::new(),
+                    None => plan.pack(tap),
+                };
                 phases.push(Phase {
                     plan,
                     kernel,
+                    winograd,
                     y0: sh * a0 + ry - pt,
                     x0: sw * b0 + rx - pl,
                 });
@@ -344,6 +390,15 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
             Some(g) if phases[g.start].y0 == p.y0 => g.end = i + 1,
             _ => row_groups.push(i..i + 1),
         }
+    }
+    if let [Phase {
+        winograd: Some(wino),
+        ..
+    }] = phases.as_slice()
+    {
+        // A 3x3 kernel at unit strides: one phase, the whole image, through Winograd's.
+        winograd_images(wino, conv.n, (dy, dy_len), (&mut dx, in_len), None)?;
+        return Ok(dx);
     }
     for_each_image(conv.n, (dy, dy_len), (&mut dx, in_len), |dy, dx, s, par| {
         if direct {

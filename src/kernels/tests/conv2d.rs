@@ -148,6 +148,11 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         // output gradient and the kernel are transposed in, at unit and double strides.
         case((2, 3, 18, 21), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((2, 20, 11, 13), (35, 3, 3), (2, 2), (1, 1, 1, 1)),
+        // 3x3 at unit strides, 64 channels or more on both sides and 64 tiles of 2x2 or more:
+        // Winograd's F(2x2, 3x3) in the forward pass and the input gradient, `same` on odd
+        // sizes (a half tile at the edges) and `valid`.
+        case((3, 64, 15, 15), (72, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 66, 18, 17), (64, 3, 3), (1, 1), (0, 0, 0, 0)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

@@ -19,7 +19,9 @@ use kandle::prelude::*;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
+use support::launch::{
+    self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,
+};
 use support::{assert_close, assert_resumed_as_uninterrupted};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
@@ -273,15 +275,7 @@ fn signal_worker_1(signal: &str) -> anyhow::Result<Outcome> {
 #[test]
 fn a_worker_that_fails_exits_at_once_with_its_error() -> anyhow::Result<()> {
     let _one = lock();
-    let args = [
-        "train",
-        "--stall-worker",
-        "1",
-        "--stall-after-steps",
-        "3",
-        "--fail",
-    ];
-    let outcome = run(mpirun(2, &args))?;
+    let outcome = run(mpirun(2, &WORKER_1_FAILS))?;
     outcome.assert_failed_with("worker 1/2: invalid input: failing on purpose before step 4");
     outcome.assert_took_less_than(Duration::from_secs(30));
     Ok(())

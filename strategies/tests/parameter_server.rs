@@ -18,7 +18,9 @@ use kandle::prelude::*;
 
 mod support;
 use support::equivalence_run::{self, SAMPLES};
-use support::launch::{self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS};
+use support::launch::{
+    self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,
+};
 use support::{assert_close, assert_resumed_as_uninterrupted};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
@@ -312,15 +314,7 @@ fn a_stalled_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
 #[test]
 fn a_worker_that_fails_ends_the_job_at_once_naming_it() -> anyhow::Result<()> {
     let _one = lock();
-    let args = [
-        "train",
-        "--stall-worker",
-        "1",
-        "--stall-after-steps",
-        "3",
-        "--fail",
-    ];
-    let outcome = run(mpirun(3, &args))?;
+    let outcome = run(mpirun(3, &WORKER_1_FAILS))?;
     outcome.assert_failed_with(
         "worker 1: left call 1 of fit/evaluate/predict with an error (its own message says which)",
     );

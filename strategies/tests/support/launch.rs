@@ -16,6 +16,17 @@ pub const DEADLINE: Duration = Duration::from_secs(300);
 /// The time-out the failure tests give the strategy (`--timeout-secs`), in seconds.
 pub const TIMEOUT_SECS: u64 = 5;
 
+/// The worker programs' arguments for a run in which worker 1 fails with an error of its own
+/// (`failing on purpose before step 4`) after 3 steps.
+pub const WORKER_1_FAILS: [&str; 6] = [
+    "train",
+    "--stall-worker",
+    "1",
+    "--stall-after-steps",
+    "3",
+    "--fail",
+];
+
 /// How long a failure may take to end the job: `timeouts` time-outs, plus time for mpirun to
 /// start and tear down.
 pub fn bound(timeouts: u64) -> Duration {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-process tests: builds kandle-strategies with the `mpi` feature and runs the tests that
 # launch `mpirun` (strategies/tests/multi_worker.rs: `-n 2`; strategies/tests/parameter_server.rs:
-# `-n 2` to `-n 4`, and one `-n 10` that fails at once), plus the feature's unit and doc tests.
+# `-n 2` to `-n 5`, and one `-n 10` that fails at once), plus the feature's unit and doc tests.
 # Installs nothing: it needs Open MPI (`openmpi-bin`, `libopenmpi-dev`) and `libclang-dev`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,44 +4,73 @@
 //! image). With the transforms `V = Bt d B` of an input tile and `U = G g Gt` of a 3x3 kernel,
 //! the tile's output is `At (sum over channels of U ⊙ V) A`: sixteen products per tile and
 //! channel pair instead of thirty-six. Summed over channels, each of the sixteen elements is
-//! one GEMM, `M[e] (o x tiles) = U[e] (o x c) * V[e] (c x tiles)`, so the multiplications run
-//! in the same micro-kernels as the other convolutions, 2.25 times fewer of them.
+//! one matrix product, `M[e] (o x tiles) = U[e] (o x c) * V[e] (c x tiles)`, 2.25 times fewer
+//! multiplications than the direct correlation.
+//!
+//! The tiles of a group of images are taken a *block* at a time, a few dozen tiles sized so the
+//! block's transformed tiles stay in the core's L2 cache: transformed, multiplied (sixteen
+//! products) and transformed back before the next block, so nothing larger than a block goes
+//! through memory. On CPUs with AVX2 and FMA (and without AVX-512), the products run in
+//! [`super::microkernel`], reading the block's transformed tiles as they lie and the kernel's
+//! panels packed once per layer; elsewhere in the `gemm` crate (AVX-512 kernels where present).
 //!
 //! The transforms only add and subtract (the kernel's halves are exact in binary), and are
-//! computed a row of tiles at a time over contiguous runs, which the compiler vectorises
-//! (compiled for AVX2 when the CPU has it). Images whose planes hold few tiles are transformed together, so
-//! each GEMM has enough columns to run at speed.
+//! computed a run of tiles along a tile row at a time over contiguous values, which the
+//! compiler vectorises (compiled for AVX2 when the CPU has it).
 
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
+use super::microkernel::{self, PackedLhs, NR};
 use super::plan::Plan;
+
+mod row_avx2;
 
 /// Elements of a transformed tile (4x4).
 const ELEMENTS: usize = 16;
 
-/// Tiles that a group of images should hold at least, so the GEMMs have wide enough operands.
-const TARGET_TILES: usize = 128;
+/// The most `f32`s a block's transformed input tiles may take (256 KiB), so they stay in L2
+/// with the products and the kernel panel the products read.
+const BLOCK_BUDGET: usize = 64 * 1024;
 
-/// Fewest input and output channels for which the transforms pay for themselves (the GEMMs'
-/// rows and depth).
-const MIN_CHANNELS: usize = 64;
+/// The most tiles in a block.
+const MAX_BLOCK: usize = 4 * NR;
 
-/// Fewest tiles per image: planes smaller than 15x15 make groups of many images, whose
-/// transformed tiles outgrow the caches.
-const MIN_TILES: usize = 64;
+/// Fewest input and output channels for which the transforms pay for themselves.
+const MIN_CHANNELS: usize = 16;
+
+/// Fewest tiles per image (planes of 7x7 and more): below, the direct correlation is as fast.
+const MIN_TILES: usize = 16;
 
 /// A 3x3, stride-1 correlation lowered to F(2x2, 3x3): the plan and the transformed kernel.
 pub(crate) struct Winograd {
     plan: Plan,
     /// `U[e][o][c]`: element `e` of each transformed 3x3 kernel.
     kernel: Vec<f32>,
+    /// `U[e]` packed for [`microkernel::product`], one per element; empty where the `gemm`
+    /// crate runs the products.
+    packed: Vec<PackedLhs>,
+    /// Tiles per block (a multiple of [`NR`]).
+    block: usize,
 }
 
-/// The buffers of one group of images: the transformed input `V[e][c][tile]` and the products
-/// `M[e][o][tile]`.
+/// The buffers of one task: its group's padded images, a block's transformed input
+/// `V[e][c][column]` and products `M[e][o][column]` (each element's matrix
+/// [`element_stride`] apart), and the tile in each column.
 #[derive(Default)]
 pub(crate) struct Buffers {
+    padded: Vec<f32>,
     input: Vec<f32>,
     products: Vec<f32>,
+    tiles: Vec<Tile>,
+}
+
+/// Whether the products run in [`microkernel`] on this CPU: it has AVX2 and FMA, and no
+/// AVX-512, whose wider kernels the `gemm` crate runs.
+fn microkernel_products() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    microkernel::supported()
 }
 
 impl Winograd {
@@ -51,6 +80,15 @@ impl Winograd {
     pub(crate) fn new(
         plan: &Plan,
         tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
+    ) -> Option<Self> {
+        Self::with_products(plan, tap, microkernel_products())
+    }
+
+    /// [`Self::new`], with the products in [`microkernel`] when `packed` (and the CPU runs it).
+    fn with_products(
+        plan: &Plan,
+        tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
+        packed: bool,
     ) -> Option<Self> {
         let suits = plan.kh == 3
             && plan.kw == 3
@@ -85,9 +123,20 @@ impl Winograd {
                 }
             }
         }
+        let packed = if packed && microkernel::supported() {
+            kernel
+                .chunks_exact(o * c)
+                .map(|u| PackedLhs::new(u, o, c))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let block = (BLOCK_BUDGET / (ELEMENTS * c) / NR * NR).clamp(NR, MAX_BLOCK);
         Some(Self {
             plan: *plan,
             kernel,
+            packed,
+            block,
         })
     }
 
@@ -96,12 +145,18 @@ impl Winograd {
         (self.plan.ho.div_ceil(2), self.plan.wo.div_ceil(2))
     }
 
-    /// Images to transform together out of `n`, over `threads` threads: enough for
-    /// [`TARGET_TILES`] tiles, but no fewer groups than threads while there are images.
+    /// Images to correlate together out of `n`, over `threads` threads: enough to fill a block,
+    /// but no fewer groups than threads while there are images.
     pub(crate) fn group(&self, n: usize, threads: usize) -> usize {
         let (th, tw) = self.tiles();
-        let wanted = TARGET_TILES.div_ceil(th * tw).max(1);
+        let wanted = self.block.div_ceil(th * tw).max(1);
         wanted.min(n.div_ceil(threads.max(1))).max(1)
+    }
+
+    /// Rows and columns of an image plane padded to cover every tile's 4x4 input tile.
+    fn padded_plane(&self) -> (usize, usize) {
+        let (th, tw) = self.tiles();
+        (2 * th + 2, 2 * tw + 2)
     }
 
     /// `out = correlate(x) + bias` for a group of whole images: `x` holds them back to back
@@ -127,54 +182,131 @@ impl Winograd {
         }
         let (th, tw) = self.tiles();
         let tiles = images * th * tw;
-        let (c, o) = (plan.c, plan.o);
-        let v = grow(&mut buffers.input, ELEMENTS * c * tiles);
-        let mut rows = Rows::default();
-        self.transform(Transform::Inputs { x, v }, tiles, &mut rows);
-        let m = grow(&mut buffers.products, ELEMENTS * o * tiles);
-        for e in 0..ELEMENTS {
-            matmul(
-                Product {
-                    m: o,
-                    n: tiles,
-                    k: c,
-                    accumulate: false,
-                    parallelism,
-                },
-                ViewMut {
-                    data: m,
-                    offset: e * o * tiles,
-                    rs: tiles,
-                    cs: 1,
-                },
-                View {
-                    data: &self.kernel,
-                    offset: e * o * c,
-                    rs: c,
-                    cs: 1,
-                },
-                View {
-                    data: v,
-                    offset: e * c * tiles,
-                    rs: tiles,
-                    cs: 1,
-                },
-            )?;
+        if tiles == 0 {
+            return Ok(());
         }
-        self.transform(Transform::Outputs { m, bias, out }, tiles, &mut rows);
+        self.pad(x, images, &mut buffers.padded);
+        let blocks = tiles.div_ceil(self.block);
+        let per_block = tiles.div_ceil(blocks);
+        for t0 in (0..tiles).step_by(per_block) {
+            let t1 = (t0 + per_block).min(tiles);
+            self.correlate_block(t0..t1, bias, out, buffers, parallelism)?;
+        }
         Ok(())
     }
 
-    /// Runs a transform of a group of `tiles` tiles, compiled for AVX2 when the CPU has it.
+    /// Copies each channel of the group's `images` images `x` into `padded`, a plane of
+    /// [`Self::padded_plane`] each, zero outside the image, so every tile reads its 4x4 input
+    /// tile without bounds to check.
+    fn pad(&self, x: &[f32], images: usize, padded: &mut Vec<f32>) {
+        let plan = &self.plan;
+        let (ph, pw) = self.padded_plane();
+        let planes = images * plan.c;
+        let padded = grow(padded, planes * ph * pw);
+        let (lo, hi) = column_window(plan.left, plan.w, pw);
+        for (dst, src) in padded
+            .chunks_exact_mut(ph * pw)
+            .zip(x.chunks_exact(plan.h * plan.w))
+        {
+            for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
+                let from = r as isize - plan.top;
+                if from < 0 || from >= plan.h as isize || lo >= hi {
+                    row.fill(0.0);
+                    continue;
+                }
+                let src = &src[from as usize * plan.w..][..plan.w];
+                row[..lo].fill(0.0);
+                let s0 = (lo as isize - plan.left) as usize;
+                row[lo..hi].copy_from_slice(&src[s0..s0 + (hi - lo)]);
+                row[hi..].fill(0.0);
+            }
+        }
+    }
+
+    /// Tiles `range` of a group (numbered row-major through its images): transformed from the
+    /// padded images, multiplied, and transformed back into `out`.
+    fn correlate_block(
+        &self,
+        range: std::ops::Range<usize>,
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        buffers: &mut Buffers,
+        parallelism: Parallelism,
+    ) -> candle_core::Result<()> {
+        let (c, o) = (self.plan.c, self.plan.o);
+        let width = range.len().next_multiple_of(NR);
+        let Buffers {
+            padded,
+            input,
+            products,
+            tiles,
+        } = buffers;
+        tiles.clear();
+        let (th, tw) = self.tiles();
+        // The columns past the block's tiles repeat its last tile: their products are computed
+        // (the micro-kernel's width) but never read back.
+        tiles.extend((0..width).map(|col| {
+            let t = range.start + col.min(range.len() - 1);
+            let (image, at) = (t / (th * tw), t % (th * tw));
+            Tile {
+                image,
+                ti: at / tw,
+                tj: at % tw,
+            }
+        }));
+        let (v_stride, m_stride) = (element_stride(c * width), element_stride(o * width));
+        let v = grow(input, ELEMENTS * v_stride);
+        let job = Transform::Inputs { padded, v };
+        self.transform(job, tiles, width);
+        let m = grow(products, ELEMENTS * m_stride);
+        for e in 0..ELEMENTS {
+            let (ve, me) = (&v[e * v_stride..][..c * width], &mut m[e * m_stride..]);
+            match self.packed.get(e) {
+                Some(u) => microkernel::product(u, ve, width, width, me, width)?,
+                None => matmul(
+                    Product {
+                        m: o,
+                        n: width,
+                        k: c,
+                        accumulate: false,
+                        parallelism,
+                    },
+                    ViewMut {
+                        data: me,
+                        offset: 0,
+                        rs: width,
+                        cs: 1,
+                    },
+                    View {
+                        data: &self.kernel,
+                        offset: e * o * c,
+                        rs: c,
+                        cs: 1,
+                    },
+                    View {
+                        data: ve,
+                        offset: 0,
+                        rs: width,
+                        cs: 1,
+                    },
+                )?,
+            }
+        }
+        let job = Transform::Outputs { m, bias, out };
+        self.transform(job, &tiles[..range.len()], width);
+        Ok(())
+    }
+
+    /// Runs a transform of a block, compiled for AVX2 when the CPU has it.
     #[allow(unsafe_code)]
-    fn transform(&self, job: Transform<'_>, tiles: usize, rows: &mut Rows) {
+    fn transform(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
-            unsafe { self.transform_avx2(job, tiles, rows) };
+            unsafe { self.transform_avx2(job, tiles, width) };
             return;
         }
-        self.transform_any(job, tiles, rows);
+        self.transform_any(job, tiles, width);
     }
 
     /// [`Self::transform_any`], compiled with AVX2.
@@ -185,213 +317,230 @@ impl Winograd {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     #[allow(unsafe_code)]
-    unsafe fn transform_avx2(&self, job: Transform<'_>, tiles: usize, rows: &mut Rows) {
-        self.transform_any(job, tiles, rows);
+    unsafe fn transform_avx2(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
+        self.transform_any(job, tiles, width);
     }
 
-    /// Transforms each channel of each image of a group into `v`, or each output plane from
-    /// `m` (see [`Transform`]).
+    /// Transforms the block's `tiles` of each padded input channel into `v` (`[e][c][width]`),
+    /// or writes them to each output channel from `m` (`[e][o][width]`), [`LANES`] tiles at a
+    /// time (see [`Transform`]).
     #[inline(always)]
-    fn transform_any(&self, job: Transform<'_>, tiles: usize, rows: &mut Rows) {
+    fn transform_any(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
         let plan = &self.plan;
-        let (th, tw) = self.tiles();
+        let (ph, pw) = self.padded_plane();
         match job {
-            Transform::Inputs { x, v } => {
-                for (i, image) in x.chunks_exact(plan.input_len()).enumerate() {
-                    for (ci, channel) in image.chunks_exact(plan.h * plan.w).enumerate() {
-                        let at = ci * tiles + i * th * tw;
-                        self.transform_input(channel, v, (at, plan.c * tiles), rows);
+            Transform::Inputs { padded, v } => {
+                let stride = element_stride(plan.c * width);
+                for (g, lanes) in tiles.chunks(LANES).enumerate() {
+                    // Each lane's 4x4 input tile starts at `start[l] + plane offset`.
+                    let mut start = [0usize; LANES];
+                    for (s, t) in start.iter_mut().zip(lanes) {
+                        *s = t.image * plan.c * ph * pw + 2 * t.ti * pw + 2 * t.tj;
+                    }
+                    // Consecutive tiles of one tile row: their input tiles overlap along the
+                    // same four rows.
+                    let along_row = along_row(lanes);
+                    for ci in 0..plan.c {
+                        let plane = ci * ph * pw;
+                        let mut d = [[0f32; LANES]; ELEMENTS];
+                        let at = ci * width + g * LANES;
+                        if along_row {
+                            let src = &padded[plane + start[0]..];
+                            if row_avx2::input_tiles(src, pw, &mut v[at..], stride) {
+                                continue;
+                            }
+                            for (q, row) in d.chunks_exact_mut(4).enumerate() {
+                                gather_row(row, &src[q * pw..]);
+                            }
+                        } else {
+                            for (l, s) in start.iter().enumerate().take(lanes.len()) {
+                                let at = plane + s;
+                                for (q, row) in d.chunks_exact_mut(4).enumerate() {
+                                    let src = &padded[at + q * pw..][..4];
+                                    for (dv, sv) in row.iter_mut().zip(src) {
+                                        dv[l] = *sv;
+                                    }
+                                }
+                            }
+                        }
+                        let transformed = transform_input(&d);
+                        for (e, vals) in transformed.iter().enumerate() {
+                            copy_lanes(&mut v[at + e * stride..], vals, lanes.len());
+                        }
                     }
                 }
             }
             Transform::Outputs { m, bias, out } => {
-                for (i, image) in out.chunks_exact_mut(plan.output_len()).enumerate() {
-                    let planes = image.chunks_exact_mut(plan.ho * plan.wo).enumerate();
-                    for (oi, plane) in planes {
+                let stride = element_stride(plan.o * width);
+                let plane = plan.ho * plan.wo;
+                for (g, lanes) in tiles.chunks(LANES).enumerate() {
+                    // Consecutive tiles of one tile row whose outputs all lie in the plane's
+                    // columns: two runs of output columns.
+                    let t = lanes[0];
+                    let whole_runs = along_row(lanes) && 2 * (t.tj + LANES) <= plan.wo;
+                    let both_rows = 2 * t.ti + 1 < plan.ho;
+                    let first = t.image * plan.output_len() + 2 * t.ti * plan.wo + 2 * t.tj;
+                    for oi in 0..plan.o {
+                        let at = oi * width + g * LANES;
                         let b = bias.map_or(0.0, |b| b[oi]);
-                        let at = oi * tiles + i * th * tw;
-                        self.transform_output(m, (at, plan.o * tiles), b, plane, rows);
+                        if whole_runs {
+                            let (m, out) = (&m[at..], &mut out[first + oi * plane..]);
+                            if row_avx2::output_tiles(m, stride, b, out, plan.wo, both_rows) {
+                                continue;
+                            }
+                        }
+                        let mut products = [[0f32; LANES]; ELEMENTS];
+                        for (e, p) in products.iter_mut().enumerate() {
+                            copy_lanes(p, &m[at + e * stride..], lanes.len());
+                        }
+                        let y = transform_output(&products, b);
+                        for (l, t) in lanes.iter().enumerate() {
+                            let base = t.image * plan.output_len() + oi * plane;
+                            let (r0, c0) = (2 * t.ti, 2 * t.tj);
+                            for (dr, rows) in y.chunks_exact(2).enumerate() {
+                                if r0 + dr >= plan.ho {
+                                    break;
+                                }
+                                let row = base + (r0 + dr) * plan.wo + c0;
+                                out[row] = rows[0][l];
+                                if c0 + 1 < plan.wo {
+                                    out[row + 1] = rows[1][l];
+                                }
+                            }
+                        }
                     }
-                }
-            }
-        }
-    }
-
-    /// Writes the transformed tiles of one input channel: element `e` of tile `t` (row-major
-    /// over the image's tiles) to `v[at + e * stride + t]`.
-    #[inline(always)]
-    fn transform_input(
-        &self,
-        x: &[f32],
-        v: &mut [f32],
-        (at, stride): (usize, usize),
-        rows: &mut Rows,
-    ) {
-        let plan = &self.plan;
-        let (th, tw) = self.tiles();
-        let Rows {
-            padded,
-            even,
-            odd,
-            z,
-            ..
-        } = rows;
-        for j0 in (0..tw).step_by(MAX_RUN) {
-            let run = MAX_RUN.min(tw - j0);
-            // Padded columns 2 * j0 - left .. + 2 * run + 2 of the rows this run reads.
-            let col0 = (2 * j0) as isize - plan.left;
-            let (lo, hi) = (
-                (-col0).clamp(0, 2 * run as isize + 2) as usize,
-                (plan.w as isize - col0).clamp(0, 2 * run as isize + 2) as usize,
-            );
-            for ti in 0..th {
-                // Even and odd columns of the tile row's four input rows (zero outside the
-                // image): tile j reads even[j], odd[j], even[j + 1], odd[j + 1].
-                for q in 0..4 {
-                    let row = (2 * ti + q) as isize - plan.top;
-                    let p = &mut padded[..2 * run + 2];
-                    if row < 0 || row >= plan.h as isize || lo >= hi {
-                        p.fill(0.0);
-                    } else {
-                        let src = &x[row as usize * plan.w..][..plan.w];
-                        p[..lo].fill(0.0);
-                        let from = (col0 + lo as isize) as usize;
-                        p[lo..hi].copy_from_slice(&src[from..from + (hi - lo)]);
-                        p[hi..].fill(0.0);
-                    }
-                    for ((pair, e), od) in p.chunks_exact(2).zip(&mut even[q]).zip(&mut odd[q]) {
-                        *e = pair[0];
-                        *od = pair[1];
-                    }
-                }
-                // Each input row's 1-D transform (d B), per tile, then across the rows (Bt).
-                for ((zq, e), od) in z.iter_mut().zip(&*even).zip(&*odd) {
-                    let [z0, z1, z2, z3] = zq;
-                    let taps = e[..run]
-                        .iter()
-                        .zip(&od[..run])
-                        .zip(e[1..=run].iter().zip(&od[1..=run]));
-                    let outs = z0.iter_mut().zip(z1.iter_mut()).zip(z2.iter_mut().zip(z3));
-                    for (((d0, d1), (d2, d3)), ((a, b), (c, d))) in taps.zip(outs) {
-                        [*a, *b, *c, *d] = input_column(*d0, *d1, *d2, *d3);
-                    }
-                }
-                let t0 = at + ti * tw + j0;
-                let [z0, z1, z2, z3] = &*z;
-                for (k, (((z0, z1), z2), z3)) in z0.iter().zip(z1).zip(z2).zip(z3).enumerate() {
-                    let rows = [&z0[..run], &z1[..run], &z2[..run], &z3[..run]];
-                    let at = |a: usize| t0 + (a * 4 + k) * stride;
-                    combine_rows(&mut v[at(0)..][..run], rows, |[r0, _, r2, _]| r0 - r2);
-                    combine_rows(&mut v[at(1)..][..run], rows, |[_, r1, r2, _]| r1 + r2);
-                    combine_rows(&mut v[at(2)..][..run], rows, |[_, r1, r2, _]| r2 - r1);
-                    combine_rows(&mut v[at(3)..][..run], rows, |[_, r1, _, r3]| r1 - r3);
-                }
-            }
-        }
-    }
-
-    /// Writes one output plane from the products `m`, element `e` of tile `t` of the plane at
-    /// `m[at + e * stride + t]`, plus `bias`.
-    #[inline(always)]
-    fn transform_output(
-        &self,
-        m: &[f32],
-        (at, stride): (usize, usize),
-        bias: f32,
-        plane: &mut [f32],
-        rows: &mut Rows,
-    ) {
-        let plan = &self.plan;
-        let (th, tw) = self.tiles();
-        let wo = plan.wo;
-        let Rows { s, y, .. } = rows;
-        for ti in 0..th {
-            for j0 in (0..tw).step_by(MAX_RUN) {
-                let run = MAX_RUN.min(tw - j0);
-                let el = |e: usize| &m[at + e * stride + ti * tw + j0..][..run];
-                // At m: across rows, then across columns.
-                for k in 0..4 {
-                    let [m0, m1, m2, m3] = [el(k), el(4 + k), el(8 + k), el(12 + k)];
-                    let (s0, s1) = s.split_at_mut(1);
-                    let outs = s0[0][k][..run].iter_mut().zip(&mut s1[0][k][..run]);
-                    let ins = m0.iter().zip(m1).zip(m2.iter().zip(m3));
-                    for ((a, b), ((m0, m1), (m2, m3))) in outs.zip(ins) {
-                        [*a, *b] = output_column(*m0, *m1, *m2, *m3);
-                    }
-                }
-                for (yr, sr) in y.iter_mut().zip(&*s) {
-                    let ins = sr[0][..run].iter().zip(&sr[1][..run]);
-                    let ins = ins.zip(sr[2][..run].iter().zip(&sr[3][..run]));
-                    for (pair, ((s0, s1), (s2, s3))) in yr.chunks_exact_mut(2).zip(ins) {
-                        let [a, b] = output_column(*s0, *s1, *s2, *s3);
-                        pair[0] = a + bias;
-                        pair[1] = b + bias;
-                    }
-                }
-                for (r, yr) in y.iter().enumerate() {
-                    let row = 2 * ti + r;
-                    if row >= plan.ho {
-                        break;
-                    }
-                    let col0 = 2 * j0;
-                    let width = (2 * run).min(wo - col0);
-                    plane[row * wo + col0..][..width].copy_from_slice(&yr[..width]);
                 }
             }
         }
     }
 }
 
-/// A transform of a group of images: the inputs into `V`, or the products `M` into the outputs.
+/// Whether `lanes` are [`LANES`] consecutive tiles of one tile row.
+fn along_row(lanes: &[Tile]) -> bool {
+    lanes.len() == LANES
+        && lanes
+            .windows(2)
+            .all(|p| (p[1].image, p[1].ti, p[1].tj) == (p[0].image, p[0].ti, p[0].tj + 1))
+}
+
+/// The distance between consecutive elements' matrices of `len` values in a block's buffers:
+/// `len` and one cache line more, so the sixteen rows a transform writes (or reads) at once
+/// fall in distinct cache sets even when `len` is a multiple of the L1 cache's way size.
+fn element_stride(len: usize) -> usize {
+    len + 16
+}
+
+/// Tiles a transform takes at once, one per vector lane.
+const LANES: usize = 8;
+
+/// One input row of [`LANES`] consecutive tiles along a tile row: `d[k][l] = src[2 * l + k]`
+/// (each tile starts two columns after the previous one), a fixed-size de-interleave the
+/// compiler turns into vector shuffles.
+#[inline(always)]
+fn gather_row(d: &mut [[f32; LANES]], src: &[f32]) {
+    let Ok(src) = <&[f32; 2 * LANES + 2]>::try_from(&src[..2 * LANES + 2]) else {
+        return;
+    };
+    for (k, dk) in d.iter_mut().enumerate().take(4) {
+        for (l, v) in dk.iter_mut().enumerate() {
+            *v = src[2 * l + k];
+        }
+    }
+}
+
+/// Copies the first `n` of [`LANES`] values from `src` to `dst`: a fixed-size copy the
+/// compiler keeps in registers when `n` is all of them, rather than a call to `memcpy`.
+#[inline(always)]
+fn copy_lanes(dst: &mut [f32], src: &[f32], n: usize) {
+    let (dst, src) = (&mut dst[..n], &src[..n]);
+    if let (Ok(whole), Ok(from)) = (
+        <&mut [f32; LANES]>::try_from(&mut *dst),
+        <&[f32; LANES]>::try_from(src),
+    ) {
+        *whole = *from;
+        return;
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = *s;
+    }
+}
+
+/// One tile of a block: image `image` of the group, tile row `ti`, tile column `tj`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tile {
+    image: usize,
+    ti: usize,
+    tj: usize,
+}
+
+/// The columns `lo .. hi` of a padded row of `pw` that hold columns `lo - left ..` of an image
+/// row `w` wide (the others are zero).
+fn column_window(left: isize, w: usize, pw: usize) -> (usize, usize) {
+    let lo = left.clamp(0, pw as isize) as usize;
+    let hi = (left + w as isize).clamp(0, pw as isize) as usize;
+    (lo, hi.max(lo))
+}
+
+/// `Bt d B` of [`LANES`] 4x4 input tiles, `d[4 * row + column][lane]`, laid out alike.
+#[inline(always)]
+fn transform_input(d: &[[f32; LANES]; ELEMENTS]) -> [[f32; LANES]; ELEMENTS] {
+    // d B: each row's four values to four.
+    let mut z = [[0f32; LANES]; ELEMENTS];
+    for (zr, dr) in z.chunks_exact_mut(4).zip(d.chunks_exact(4)) {
+        for l in 0..LANES {
+            let [a, b, c, e] = input_column(dr[0][l], dr[1][l], dr[2][l], dr[3][l]);
+            [zr[0][l], zr[1][l], zr[2][l], zr[3][l]] = [a, b, c, e];
+        }
+    }
+    // Bt (d B): across the rows, column by column.
+    let mut v = [[0f32; LANES]; ELEMENTS];
+    for k in 0..4 {
+        for l in 0..LANES {
+            let col = input_column(z[k][l], z[4 + k][l], z[8 + k][l], z[12 + k][l]);
+            for (a, value) in col.into_iter().enumerate() {
+                v[4 * a + k][l] = value;
+            }
+        }
+    }
+    v
+}
+
+/// `At m A + bias` of [`LANES`] tiles' products, `m[e][lane]`: the 2x2 outputs as
+/// `[row 0 col 0, row 0 col 1, row 1 col 0, row 1 col 1][lane]`.
+#[inline(always)]
+fn transform_output(m: &[[f32; LANES]; ELEMENTS], bias: f32) -> [[f32; LANES]; 4] {
+    // At m: across the rows, column by column, to two rows of four.
+    let mut s = [[0f32; LANES]; 8];
+    for k in 0..4 {
+        for l in 0..LANES {
+            let [a, b] = output_column(m[k][l], m[4 + k][l], m[8 + k][l], m[12 + k][l]);
+            s[k][l] = a;
+            s[4 + k][l] = b;
+        }
+    }
+    // (At m) A: each row's four values to two.
+    let mut y = [[0f32; LANES]; 4];
+    for (yr, sr) in y.chunks_exact_mut(2).zip(s.chunks_exact(4)) {
+        for l in 0..LANES {
+            let [a, b] = output_column(sr[0][l], sr[1][l], sr[2][l], sr[3][l]);
+            yr[0][l] = a + bias;
+            yr[1][l] = b + bias;
+        }
+    }
+    y
+}
+
+/// A transform of a block: the group's padded inputs into `V`, or the products `M` into the
+/// group's outputs.
 enum Transform<'a> {
-    /// The images `x` into `v`.
-    Inputs { x: &'a [f32], v: &'a mut [f32] },
+    /// The padded images `padded` into `v`.
+    Inputs { padded: &'a [f32], v: &'a mut [f32] },
     /// The products `m`, plus the bias, into the output images `out`.
     Outputs {
         m: &'a [f32],
         bias: Option<&'a [f32]>,
         out: &'a mut [f32],
     },
-}
-
-/// The rows a transform works on, kept for a whole group.
-struct Rows {
-    /// One input row around a run of tiles, zero-padded.
-    padded: [f32; 2 * MAX_RUN + 2],
-    /// The even and odd columns of a tile row's four input rows.
-    even: [[f32; MAX_RUN + 1]; 4],
-    odd: [[f32; MAX_RUN + 1]; 4],
-    /// `d B` of each of the four rows, per column of the 4x4 tile.
-    z: [[[f32; MAX_RUN]; 4]; 4],
-    /// `At m`: the two rows of each 4-column product.
-    s: [[[f32; MAX_RUN]; 4]; 2],
-    /// A tile row's two output rows.
-    y: [[f32; 2 * MAX_RUN]; 2],
-}
-
-impl Default for Rows {
-    fn default() -> Self {
-        Self {
-            padded: [0.0; 2 * MAX_RUN + 2],
-            even: [[0.0; MAX_RUN + 1]; 4],
-            odd: [[0.0; MAX_RUN + 1]; 4],
-            z: [[[0.0; MAX_RUN]; 4]; 4],
-            s: [[[0.0; MAX_RUN]; 4]; 2],
-            y: [[0.0; 2 * MAX_RUN]; 2],
-        }
-    }
-}
-
-/// Tiles transformed per run along a tile row (longer rows take several runs).
-const MAX_RUN: usize = 32;
-
-/// `dst[j] = f(rows[..][j])`.
-#[inline(always)]
-fn combine_rows(dst: &mut [f32], rows: [&[f32]; 4], f: impl Fn([f32; 4]) -> f32) {
-    let src = rows[0].iter().zip(rows[1]).zip(rows[2].iter().zip(rows[3]));
-    for (d, ((r0, r1), (r2, r3))) in dst.iter_mut().zip(src) {
-        *d = f([*r0, *r1, *r2, *r3]);
-    }
 }
 
 /// One column of `G g`: the 3 taps `g` to 4 values.
@@ -453,15 +602,22 @@ mod tests {
 
     #[test]
     fn matches_direct_correlation() -> candle_core::Result<()> {
-        // Odd and even sizes, `same` and `valid` padding, rows longer than one run.
-        for (h, w, pad, images) in [
-            (15, 15, 1, 3),
-            (18, 17, 0, 2),
-            (5, 140, 1, 1),
-            (16, 16, 1, 2),
-        ] {
+        // Odd and even sizes, `same` and `valid` padding, long rows, blocks across images
+        // (7x7), several blocks per image (32x32), products in the micro-kernel and in `gemm`.
+        let cases = [
+            (15, 15, 1, 3, 64),
+            (18, 17, 0, 2, 64),
+            (5, 140, 1, 1, 64),
+            (16, 16, 1, 2, 64),
+            (7, 7, 1, 5, 40),
+            (32, 32, 1, 1, 16),
+        ];
+        for ((h, w, pad, images, c), packed) in cases
+            .into_iter()
+            .flat_map(|case| [(case, true), (case, false)])
+        {
             let plan = Plan {
-                c: 64,
+                c,
                 h,
                 w,
                 o: 65,
@@ -480,10 +636,9 @@ mod tests {
                 .map(|i| value(i * 31 + 5))
                 .collect();
             let bias: Vec<f32> = (0..plan.o).map(|i| i as f32 * 0.25).collect();
-            let wino = Winograd::new(&plan, |o, c, ky, kx| {
-                wt[((o * plan.c + c) * 3 + ky) * 3 + kx]
-            })
-            .ok_or_else(|| candle_core::Error::Msg("not lowered".into()))?;
+            let tap = |o, c, ky, kx| wt[((o * plan.c + c) * 3 + ky) * 3 + kx];
+            let wino = Winograd::with_products(&plan, tap, packed)
+                .ok_or_else(|| candle_core::Error::Msg("not lowered".into()))?;
             let mut out = vec![f32::NAN; images * plan.output_len()];
             let mut buffers = Buffers::default();
             wino.correlate(&x, Some(&bias), &mut out, &mut buffers, Parallelism::None)?;
@@ -493,7 +648,7 @@ mod tests {
                     let w = w + bias[k / (plan.ho * plan.wo)];
                     assert!(
                         (g - w).abs() < 1e-4 * (1.0 + w.abs()),
-                        "{plan:?} image {i} at {k}: {g} vs {w}"
+                        "{plan:?} (packed: {packed}) image {i} at {k}: {g} vs {w}"
                     );
                 }
             }
@@ -519,12 +674,13 @@ mod tests {
         };
         let tap = |_, _, _, _| 1.0;
         assert!(Winograd::new(&plan(64, 17, 3, 1), tap).is_some());
+        assert!(Winograd::new(&plan(64, 9, 3, 1), tap).is_some(), "7x7 outputs");
         assert!(
-            Winograd::new(&plan(32, 17, 3, 1), tap).is_none(),
+            Winograd::new(&plan(8, 17, 3, 1), tap).is_none(),
             "too few channels"
         );
         assert!(
-            Winograd::new(&plan(64, 9, 3, 1), tap).is_none(),
+            Winograd::new(&plan(64, 6, 3, 1), tap).is_none(),
             "too few tiles"
         );
         assert!(Winograd::new(&plan(64, 17, 3, 2), tap).is_none(), "strided");

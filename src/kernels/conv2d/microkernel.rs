@@ -1,18 +1,22 @@
-//! A register-blocked matrix product for CPUs with AVX2 and FMA, for operands that fit the
-//! caches: `dst = lhs * rhs` with the left operand packed once ([`PackedLhs`]) and the right one
-//! read in place, row by row.
+//! A register-blocked matrix product for CPUs with AVX2 and FMA: `dst (+)= lhs * rhs` with the
+//! left operand packed once ([`PackedLhs`]) and the right one read in place, row by row.
 //!
 //! Each call of the inner kernel keeps an `MR x NR` block of `dst` in twelve vector registers
 //! (six rows, two 8-lane vectors), and for each step along the inner dimension loads two
 //! vectors of `rhs` and broadcasts six values of the packed panel: twelve FMAs for eight loads,
-//! so the two FMA pipes stay busy. The right operand is read as it lies, so a caller that
-//! writes it in row-major runs `NR` wide (Winograd's transformed tiles) pays no packing at all,
-//! and the left one (a transformed kernel) is packed once per layer instead of once per call.
+//! so the two FMA pipes stay busy; a last block narrower than sixteen columns goes through
+//! masked loads and stores. The right operand is read as it lies: the convolutions' operands
+//! (Winograd's transformed tiles, an image's channels, a row-shift expansion) already have
+//! unit column strides, so they pay no packing at all, and the left one (a kernel) is packed
+//! once per layer instead of once per call. Columns are taken a chunk at a time, so the part
+//! of `rhs` every panel reads stays in cache.
 //!
-//! The `gemm` crate covers every other product; this one serves Winograd's sixteen products
-//! per block of tiles, whose operands are too small for a general GEMM's packing to pay off.
+//! The `gemm` crate runs the products on other CPUs (AVX-512 kernels where present), and the
+//! kernel gradient's products, whose operands are read across their rows.
 
 #![allow(unsafe_code)]
+
+use super::gemm::{View, ViewMut};
 
 /// Rows of `dst` per kernel call (the last panel of a product may hold fewer).
 pub(crate) const MR: usize = 6;
@@ -30,6 +34,22 @@ pub(crate) fn supported() -> bool {
     {
         false
     }
+}
+
+/// Whether the convolutions run their products here on this CPU: it has AVX2 and FMA, and no
+/// AVX-512, whose wider kernels the `gemm` crate runs.
+pub(crate) fn preferred() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    supported()
+}
+
+/// Whether `n` columns fill the kernel's blocks of [`NR`] columns well: the last, partial
+/// block wastes at most an eighth of the work.
+pub(crate) fn fills_blocks(n: usize) -> bool {
+    n.next_multiple_of(NR) * 7 <= n * 8
 }
 
 /// An `m x k` row-major matrix packed into panels of [`MR`] rows (the last one may be
@@ -57,30 +77,39 @@ impl PackedLhs {
     }
 }
 
-/// `dst[i * ld_dst + j] = sum over p of lhs[i][p] * rhs[p * ld_rhs + j]` for every row `i` of
-/// `lhs` and every column `j < n`; `n` must be a multiple of [`NR`]. Returns an error (and
-/// touches nothing) when an operand does not fit its slice or the CPU lacks AVX2 and FMA.
+/// `dst = lhs * rhs`, or `dst += lhs * rhs` when `accumulate`, for the `lhs.m x n` matrix
+/// `dst` and the `lhs.k x n` matrix `rhs`, both with unit column strides (`cs == 1`) and any
+/// row stride. Returns an error (and touches nothing) when a matrix does not fit its slice, or
+/// the CPU lacks AVX2 and FMA.
 pub(crate) fn product(
     lhs: &PackedLhs,
-    rhs: &[f32],
-    ld_rhs: usize,
+    rhs: View<'_>,
     n: usize,
-    dst: &mut [f32],
-    ld_dst: usize,
+    dst: ViewMut<'_>,
+    accumulate: bool,
 ) -> candle_core::Result<()> {
     let (m, k) = (lhs.m, lhs.k);
-    let spans = |rows: usize, ld: usize| (rows > 0).then(|| (rows - 1) * ld + n);
-    let fits = n % NR == 0
-        && n <= ld_rhs
-        && n <= ld_dst
-        && spans(k, ld_rhs).is_none_or(|end| end <= rhs.len())
-        && spans(m, ld_dst).is_none_or(|end| end <= dst.len());
+    let spans = |rows: usize, rs: usize| (rows > 0 && n > 0).then(|| (rows - 1) * rs + n);
+    let inside = |offset: usize, rows: usize, rs: usize, len: usize| {
+        spans(rows, rs).is_none_or(|end| offset.checked_add(end).is_some_and(|end| end <= len))
+    };
+    let fits = rhs.cs == 1
+        && dst.cs == 1
+        && (m <= 1 || n <= dst.rs)
+        && inside(rhs.offset, k, rhs.rs, rhs.data.len())
+        && inside(dst.offset, m, dst.rs, dst.data.len());
     if !fits {
         candle_core::bail!(
-            "microkernel: a {m}x{k} by {k}x{n} product does not fit its buffers (rhs {} with row \
-             stride {ld_rhs}, dst {} with row stride {ld_dst}; columns must be a multiple of {NR})",
-            rhs.len(),
-            dst.len()
+            "microkernel: a {m}x{k} by {k}x{n} product does not fit its buffers (rhs {} at {} \
+             strides {}/{}, dst {} at {} strides {}/{})",
+            rhs.data.len(),
+            rhs.offset,
+            rhs.rs,
+            rhs.cs,
+            dst.data.len(),
+            dst.offset,
+            dst.rs,
+            dst.cs
         );
     }
     if !supported() {
@@ -91,76 +120,122 @@ pub(crate) fn product(
     }
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has AVX2 and FMA (checked above); every row the kernels read of `rhs`
-    // (`k` rows of `n` values, `ld_rhs` apart) and write of `dst` (`m` rows of `n`, `ld_dst`
+    // (`k` rows of `n` values, `rhs.rs` apart) and write of `dst` (`m` rows of `n`, `dst.rs`
     // apart) lies inside its slice (checked above), and the packed panels hold `m * k` values.
     unsafe {
-        avx2::product(lhs, rhs.as_ptr(), ld_rhs, n, dst.as_mut_ptr(), ld_dst);
+        let b = rhs.data.as_ptr().add(rhs.offset);
+        let c = dst.data.as_mut_ptr().add(dst.offset);
+        avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate);
     }
     Ok(())
 }
 
+/// Columns of `rhs` per pass over the panels of `lhs`, so the part of `rhs` the panels read
+/// stays in cache from one panel to the next.
+const COLUMN_CHUNK: usize = 8 * NR;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::{
-        __m256, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps,
-        _mm256_storeu_ps,
+        __m256, __m256i, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
+        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
 
-    use super::{PackedLhs, MR, NR};
+    use super::{PackedLhs, COLUMN_CHUNK, MR, NR};
 
-    /// Every panel of `lhs` against every `NR` columns of `rhs`.
+    /// Eight lanes on, then eight off: [`mask`] reads eight of them.
+    static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
+    /// A mask with the first `active` (at most 8) of eight lanes on.
+    #[inline(always)]
+    unsafe fn mask(active: usize) -> __m256i {
+        _mm256_loadu_si256(MASKS.as_ptr().add(8 - active.min(8)).cast())
+    }
+
+    /// Every panel of `lhs` against every `NR` columns of `rhs`, a chunk of columns at a time;
+    /// a last block narrower than `NR` is read and written through masks.
     ///
     /// # Safety
     ///
     /// The CPU has AVX2 and FMA; `rhs` holds `lhs.k` rows of `n` values `ld_rhs` apart and
-    /// `dst` `lhs.m` rows of `n` values `ld_dst` apart; `n` is a multiple of `NR`.
+    /// `dst` `lhs.m` rows of `n` values `ld_dst` apart.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn product(
         lhs: &PackedLhs,
-        rhs: *const f32,
-        ld_rhs: usize,
+        (rhs, ld_rhs): (*const f32, usize),
         n: usize,
-        dst: *mut f32,
-        ld_dst: usize,
+        (dst, ld_dst): (*mut f32, usize),
+        accumulate: bool,
     ) {
         let k = lhs.k;
-        for r0 in (0..lhs.m).step_by(MR) {
-            // Panels before this one are full, so this one starts at `r0 * k`.
-            let panel = lhs.data.as_ptr().add(r0 * k);
-            let out = dst.add(r0 * ld_dst);
-            for j in (0..n).step_by(NR) {
-                let (b, c) = (rhs.add(j), out.add(j));
-                match MR.min(lhs.m - r0) {
-                    6 => block::<6>(k, panel, b, ld_rhs, c, ld_dst),
-                    5 => block::<5>(k, panel, b, ld_rhs, c, ld_dst),
-                    4 => block::<4>(k, panel, b, ld_rhs, c, ld_dst),
-                    3 => block::<3>(k, panel, b, ld_rhs, c, ld_dst),
-                    2 => block::<2>(k, panel, b, ld_rhs, c, ld_dst),
-                    _ => block::<1>(k, panel, b, ld_rhs, c, ld_dst),
+        for j0 in (0..n).step_by(COLUMN_CHUNK) {
+            let j1 = (j0 + COLUMN_CHUNK).min(n);
+            for r0 in (0..lhs.m).step_by(MR) {
+                // Panels before this one are full, so this one starts at `r0 * k`.
+                let a = lhs.data.as_ptr().add(r0 * k);
+                let out = dst.add(r0 * ld_dst);
+                let rows = MR.min(lhs.m - r0);
+                for j in (j0..j1).step_by(NR) {
+                    let width = NR.min(j1 - j);
+                    let (b, c) = ((rhs.add(j), ld_rhs), (out.add(j), ld_dst));
+                    macro_rules! run {
+                        ($rows:literal) => {
+                            if width == NR {
+                                block::<$rows, false>(k, a, b, c, accumulate, width)
+                            } else {
+                                block::<$rows, true>(k, a, b, c, accumulate, width)
+                            }
+                        };
+                    }
+                    match rows {
+                        6 => run!(6),
+                        5 => run!(5),
+                        4 => run!(4),
+                        3 => run!(3),
+                        2 => run!(2),
+                        _ => run!(1),
+                    }
                 }
             }
         }
     }
 
-    /// One `R x NR` block: `c[r][..NR] = sum over p of a[p * R + r] * b[p * ldb..][..NR]`.
+    /// One `R x NR` block (the first `width` columns when `MASKED`):
+    /// `c[r][..] (+)= sum over p of a[p * R + r] * b[p * ldb..][..]`.
     ///
     /// # Safety
     ///
-    /// As for [`product`]: `a` holds `k * R` values, `b` `k` rows of `NR` values `ldb` apart,
-    /// `c` `R` rows of `NR` values `ldc` apart.
+    /// As for [`product`]: `a` holds `k * R` values, `b` `k` rows of `width` values `ldb`
+    /// apart, `c` `R` rows of `width` values `ldc` apart; `width` is `NR` unless `MASKED`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn block<const R: usize>(
+    unsafe fn block<const R: usize, const MASKED: bool>(
         k: usize,
         a: *const f32,
-        b: *const f32,
-        ldb: usize,
-        c: *mut f32,
-        ldc: usize,
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        accumulate: bool,
+        width: usize,
     ) {
+        let masks = (mask(width), mask(width.saturating_sub(8)));
+        let load = |p: *const f32| {
+            if MASKED {
+                (
+                    _mm256_maskload_ps(p, masks.0),
+                    _mm256_maskload_ps(p.add(8), masks.1),
+                )
+            } else {
+                (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+            }
+        };
         let mut acc: [[__m256; 2]; R] = [[_mm256_setzero_ps(); 2]; R];
+        if accumulate {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let (v0, v1) = load(c.add(r * ldc));
+                *acc = [v0, v1];
+            }
+        }
         for p in 0..k {
-            let row = b.add(p * ldb);
-            let (b0, b1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+            let (b0, b1) = load(b.add(p * ldb));
             let col = a.add(p * R);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let v = _mm256_broadcast_ss(&*col.add(r));
@@ -170,8 +245,13 @@ mod avx2 {
         }
         for (r, acc) in acc.iter().enumerate() {
             let row = c.add(r * ldc);
-            _mm256_storeu_ps(row, acc[0]);
-            _mm256_storeu_ps(row.add(8), acc[1]);
+            if MASKED {
+                _mm256_maskstore_ps(row, masks.0, acc[0]);
+                _mm256_maskstore_ps(row.add(8), masks.1, acc[1]);
+            } else {
+                _mm256_storeu_ps(row, acc[0]);
+                _mm256_storeu_ps(row.add(8), acc[1]);
+            }
         }
         debug_assert_eq!(NR, 16);
     }
@@ -186,39 +266,71 @@ mod tests {
         if !supported() {
             return Ok(());
         }
-        // Full and partial panels, strided rows, a zero-depth product.
-        for (m, k, n, ld_rhs, ld_dst) in [
+        // Full and partial panels and column blocks (masked tails of 1 to 15 columns), more
+        // columns than a chunk, strided rows, a zero-depth product; replacing and adding.
+        let cases = [
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),
             (1, 160, 32, 32, 32),
             (4, 0, 16, 16, 16),
-        ] {
+            (7, 9, 5, 5, 6),
+            (12, 30, 41, 41, 45),
+            (5, 3, 225, 230, 225),
+        ];
+        for ((m, k, n, ld_rhs, ld_dst), accumulate) in cases
+            .into_iter()
+            .flat_map(|case| [(case, false), (case, true)])
+        {
             let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
             let lhs: Vec<f32> = (0..m * k).map(value).collect();
             let rhs: Vec<f32> = (0..k * ld_rhs).map(|i| value(i * 13 + 1)).collect();
-            let mut dst = vec![f32::NAN; m * ld_dst];
-            product(
-                &PackedLhs::new(&lhs, m, k),
-                &rhs,
-                ld_rhs,
-                n,
-                &mut dst,
-                ld_dst,
-            )?;
+            let before: Vec<f32> = (0..m * ld_dst)
+                .map(|i| {
+                    if i % ld_dst < n {
+                        value(i * 3 + 2)
+                    } else {
+                        f32::NAN
+                    }
+                })
+                .collect();
+            let mut dst = before.clone();
+            let rhs_view = View {
+                data: &rhs,
+                offset: 0,
+                rs: ld_rhs,
+                cs: 1,
+            };
+            let dst_view = ViewMut {
+                data: &mut dst,
+                offset: 0,
+                rs: ld_dst,
+                cs: 1,
+            };
+            let packed = PackedLhs::new(&lhs, m, k);
+            product(&packed, rhs_view, n, dst_view, accumulate)?;
             for i in 0..m {
                 for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|p| f64::from(lhs[i * k + p]) * f64::from(rhs[p * ld_rhs + j]))
-                        .sum();
+                    let start = if accumulate {
+                        f64::from(before[i * ld_dst + j])
+                    } else {
+                        0.0
+                    };
+                    let want: f64 = start
+                        + (0..k)
+                            .map(|p| f64::from(lhs[i * k + p]) * f64::from(rhs[p * ld_rhs + j]))
+                            .sum::<f64>();
                     let got = dst[i * ld_dst + j];
                     assert!(
                         (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "{m}x{k}x{n} at ({i}, {j}): {got} vs {want}"
+                        "{m}x{k}x{n} (accumulate: {accumulate}) at ({i}, {j}): {got} vs {want}"
                     );
                 }
-                assert!(dst[i * ld_dst + n..(i + 1) * ld_dst]
-                    .iter()
-                    .all(|v| v.is_nan()));
+                assert!(
+                    dst[i * ld_dst + n..(i + 1) * ld_dst]
+                        .iter()
+                        .all(|v| v.is_nan()),
+                    "{m}x{k}x{n}: a value past the columns was written"
+                );
             }
         }
         Ok(())
@@ -228,9 +340,36 @@ mod tests {
     fn refuses_operands_that_do_not_fit() {
         let lhs = PackedLhs::new(&[1.0; 12], 3, 4);
         let mut dst = vec![0f32; 3 * 16];
-        // Columns not a multiple of NR, then a right operand one row short.
-        assert!(product(&lhs, &[0.0; 4 * 16], 16, 8, &mut dst, 16).is_err());
-        assert!(product(&lhs, &[0.0; 3 * 16], 16, 16, &mut dst, 16).is_err());
+        let view = |data| View {
+            data,
+            offset: 0,
+            rs: 16,
+            cs: 1,
+        };
+        // A right operand one row short, then one read by columns.
+        let short = [0.0; 3 * 16];
+        let short_rhs_refused = |data: &mut [f32]| -> bool {
+            let dst = ViewMut {
+                data,
+                offset: 0,
+                rs: 16,
+                cs: 1,
+            };
+            product(&lhs, view(&short), 16, dst, false).is_err()
+        };
+        assert!(short_rhs_refused(&mut dst));
+        let whole = [0.0; 4 * 16];
+        let by_columns = View {
+            cs: 4,
+            ..view(&whole)
+        };
+        let dst_ok = ViewMut {
+            data: &mut dst,
+            offset: 0,
+            rs: 16,
+            cs: 1,
+        };
+        assert!(product(&lhs, by_columns, 4, dst_ok, false).is_err());
         assert!(dst.iter().all(|v| *v == 0.0));
     }
 }

@@ -12,6 +12,7 @@ use std::cell::Cell;
 use rayon::prelude::*;
 
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
+use super::microkernel::{self, PackedLhs};
 use super::plan::Plan;
 use super::winograd::{self, Winograd};
 
@@ -194,12 +195,47 @@ fn for_each_tile_gemm(
     Ok(())
 }
 
-/// `out = correlate(x, kernel) + bias` for one image, `kernel` packed by [`Plan::pack`] and
-/// `bias` one value per output channel (none: zero).
+/// A kernel packed for the GEMMs of a plan: [`Plan::pack`]'s `[call][o][depth]`, as the `gemm`
+/// crate reads it, and on CPUs where [`microkernel`] runs the products, the same in its
+/// panels, one per call. The micro-kernel runs on one thread, so a GEMM split over the pool
+/// (fewer images than threads) goes to `gemm`, as does a tile of positions that would leave
+/// much of the micro-kernel's last block of columns empty.
+struct PackedKernel {
+    gemm: Vec<f32>,
+    panels: Vec<PackedLhs>,
+}
+
+impl PackedKernel {
+    /// The kernel whose tap `(o, c, ky, kx)` is `tap(o, c, ky, kx)`, packed for `plan`.
+    fn new(plan: &Plan, tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync) -> Self {
+        let gemm = plan.pack(tap);
+        let per_call = plan.o * plan.depth();
+        let panels = if microkernel::preferred() && per_call > 0 {
+            let calls = gemm.chunks_exact(per_call);
+            calls
+                .map(|w| PackedLhs::new(w, plan.o, plan.depth()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Self { gemm, panels }
+    }
+
+    /// A placeholder for a plan lowered otherwise (to Winograd's).
+    fn none() -> Self {
+        Self {
+            gemm: Vec::new(),
+            panels: Vec::new(),
+        }
+    }
+}
+
+/// `out = correlate(x, kernel) + bias` for one image, `bias` one value per output channel
+/// (none: zero).
 fn correlate_image(
     plan: &Plan,
     x: &[f32],
-    (kernel, bias): (&[f32], Option<&[f32]>),
+    (kernel, bias): (&PackedKernel, Option<&[f32]>),
     out: &mut [f32],
     expanded: &mut Vec<f32>,
     parallelism: Parallelism,
@@ -214,28 +250,50 @@ fn correlate_image(
                 plane[tile.clone()].fill(*b);
             }
         }
-        matmul(
-            Product {
-                m: tile.len(),
-                n: plan.o,
-                k: depth,
-                accumulate: t.call > 0 || bias.is_some(),
-                parallelism,
-            },
-            ViewMut {
-                data: out,
-                offset: t.i0 * plan.wo,
-                rs: 1,
-                cs: positions,
-            },
-            t.operand,
-            View {
-                data: kernel,
-                offset: t.call * plan.o * depth,
-                rs: 1,
-                cs: depth,
-            },
-        )
+        let accumulate = t.call > 0 || bias.is_some();
+        match (kernel.panels.get(t.call), parallelism) {
+            (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
+                microkernel::product(
+                    panels,
+                    // The operand read as (depth x positions).
+                    View {
+                        rs: t.operand.cs,
+                        cs: t.operand.rs,
+                        ..t.operand
+                    },
+                    tile.len(),
+                    ViewMut {
+                        data: out,
+                        offset: tile.start,
+                        rs: positions,
+                        cs: 1,
+                    },
+                    accumulate,
+                )
+            }
+            _ => matmul(
+                Product {
+                    m: tile.len(),
+                    n: plan.o,
+                    k: depth,
+                    accumulate,
+                    parallelism,
+                },
+                ViewMut {
+                    data: out,
+                    offset: tile.start,
+                    rs: 1,
+                    cs: positions,
+                },
+                t.operand,
+                View {
+                    data: &kernel.gemm,
+                    offset: t.call * plan.o * depth,
+                    rs: 1,
+                    cs: depth,
+                },
+            ),
+        }
     })
 }
 
@@ -256,7 +314,7 @@ pub(crate) fn forward(
         winograd_images(&wino, conv.n, input, output, bias)?;
         return Ok(y);
     }
-    let kernel = plan.pack(tap);
+    let kernel = PackedKernel::new(&plan, tap);
     for_each_image(
         conv.n,
         (x, plan.input_len()),
@@ -273,7 +331,7 @@ struct Phase {
     /// The correlation, over `dy`'s `o` channels into `c` channels.
     plan: Plan,
     /// Its packed kernel (empty when lowered to Winograd's).
-    kernel: Vec<f32>,
+    kernel: PackedKernel,
     /// The correlation lowered to [`Winograd`], when it suits.
     winograd: Option<Winograd>,
     /// First input row and column (unpadded) of the phase, and the steps between them.
@@ -329,8 +387,8 @@ impl Conv {
                 };
                 let winograd = Winograd::new(&plan, tap);
                 let kernel = match winograd {
-                    Some(_) => Vec::new(),
-                    None => plan.pack(tap),
+                    Some(_) => PackedKernel::none(),
+                    None => PackedKernel::new(&plan, tap),
                 };
                 phases.push(Phase {
                     plan,

@@ -63,16 +63,6 @@ pub(crate) struct Buffers {
     tiles: Vec<Tile>,
 }
 
-/// Whether the products run in [`microkernel`] on this CPU: it has AVX2 and FMA, and no
-/// AVX-512, whose wider kernels the `gemm` crate runs.
-fn microkernel_products() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        return false;
-    }
-    microkernel::supported()
-}
-
 impl Winograd {
     /// The correlation of `plan` with the kernel whose tap `(o, c, ky, kx)` is
     /// `tap(o, c, ky, kx)`, or `None` when the plan is not a 3x3, stride-1 correlation with
@@ -81,7 +71,7 @@ impl Winograd {
         plan: &Plan,
         tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
     ) -> Option<Self> {
-        Self::with_products(plan, tap, microkernel_products())
+        Self::with_products(plan, tap, microkernel::preferred())
     }
 
     /// [`Self::new`], with the products in [`microkernel`] when `packed` (and the CPU runs it).
@@ -261,9 +251,26 @@ impl Winograd {
         let m = grow(products, ELEMENTS * m_stride);
         for e in 0..ELEMENTS {
             let (ve, me) = (&v[e * v_stride..][..c * width], &mut m[e * m_stride..]);
-            match self.packed.get(e) {
-                Some(u) => microkernel::product(u, ve, width, width, me, width)?,
-                None => matmul(
+            // The micro-kernel runs on this thread: a product split over the pool goes to gemm.
+            match (self.packed.get(e), parallelism) {
+                (Some(u), Parallelism::None) => microkernel::product(
+                    u,
+                    View {
+                        data: ve,
+                        offset: 0,
+                        rs: width,
+                        cs: 1,
+                    },
+                    width,
+                    ViewMut {
+                        data: me,
+                        offset: 0,
+                        rs: width,
+                        cs: 1,
+                    },
+                    false,
+                )?,
+                _ => matmul(
                     Product {
                         m: o,
                         n: width,
@@ -674,7 +681,10 @@ mod tests {
         };
         let tap = |_, _, _, _| 1.0;
         assert!(Winograd::new(&plan(64, 17, 3, 1), tap).is_some());
-        assert!(Winograd::new(&plan(64, 9, 3, 1), tap).is_some(), "7x7 outputs");
+        assert!(
+            Winograd::new(&plan(64, 9, 3, 1), tap).is_some(),
+            "7x7 outputs"
+        );
         assert!(
             Winograd::new(&plan(8, 17, 3, 1), tap).is_none(),
             "too few channels"

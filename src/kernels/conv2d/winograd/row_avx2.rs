@@ -108,6 +108,8 @@ mod avx2 {
             let (d2, d3) = deinterleave(_mm256_loadu_ps(p.add(2)), _mm256_loadu_ps(p.add(10)));
             *zq = input_column([d0, d1, d2, d3]);
         }
+        // Column k of the four rows: a transpose, so k indexes every row.
+        #[allow(clippy::needless_range_loop)]
         for k in 0..4 {
             let col = input_column([z[0][k], z[1][k], z[2][k], z[3][k]]);
             for (a, value) in col.into_iter().enumerate() {
@@ -132,6 +134,7 @@ mod avx2 {
     ) {
         let el = |e: usize| _mm256_loadu_ps(m.add(e * stride));
         let mut s = [[_mm256_set1_ps(0.0); 4]; 2];
+        #[allow(clippy::needless_range_loop)]
         for k in 0..4 {
             let [a, b] = output_column([el(k), el(4 + k), el(8 + k), el(12 + k)]);
             s[0][k] = a;

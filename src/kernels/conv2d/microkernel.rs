@@ -55,7 +55,7 @@ pub(crate) fn fills_blocks(n: usize) -> bool {
 /// An `m x k` row-major matrix packed into panels of [`MR`] rows (the last one may be
 /// shorter), each laid out `[k][rows]`, so the kernel reads a panel's column as consecutive
 /// values.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct PackedLhs {
     data: Vec<f32>,
     m: usize,
@@ -63,17 +63,48 @@ pub(crate) struct PackedLhs {
 }
 
 impl PackedLhs {
-    /// Packs the row-major `m x k` matrix `lhs` (`lhs.len() == m * k`).
-    pub(crate) fn new(lhs: &[f32], m: usize, k: usize) -> Self {
-        debug_assert_eq!(lhs.len(), m * k);
-        let mut data = Vec::with_capacity(m * k);
-        for r0 in (0..m).step_by(MR) {
+    /// Packs the row-major `m x k` matrix `lhs`.
+    pub(crate) fn new(lhs: &[f32], m: usize, k: usize) -> candle_core::Result<Self> {
+        let mut packed = Self::default();
+        let view = View {
+            data: lhs,
+            offset: 0,
+            rs: k,
+            cs: 1,
+        };
+        packed.pack(view, m, k)?;
+        Ok(packed)
+    }
+
+    /// Packs the `m x k` matrix `lhs` (any strides) in place of this one, reusing its memory.
+    /// Returns an error (and packs nothing) when `lhs` does not fit its slice.
+    pub(crate) fn pack(&mut self, lhs: View<'_>, m: usize, k: usize) -> candle_core::Result<()> {
+        let last = (m > 0 && k > 0).then(|| lhs.offset + (m - 1) * lhs.rs + (k - 1) * lhs.cs);
+        if last.is_some_and(|last| last >= lhs.data.len()) {
+            candle_core::bail!(
+                "microkernel: a {m}x{k} matrix at {} with strides {}/{} does not fit {} values",
+                lhs.offset,
+                lhs.rs,
+                lhs.cs,
+                lhs.data.len()
+            );
+        }
+        self.data.clear();
+        self.data.resize(m * k, 0.0);
+        for (r0, panel) in (0..m)
+            .step_by(MR)
+            .zip(self.data.chunks_mut((MR * k).max(1)))
+        {
             let rows = MR.min(m - r0);
-            for kk in 0..k {
-                data.extend((r0..r0 + rows).map(|r| lhs[r * k + kk]));
+            for (r, row) in (r0..r0 + rows).enumerate() {
+                let at = lhs.offset + row * lhs.rs;
+                for (kk, slot) in panel.iter_mut().skip(r).step_by(rows).enumerate() {
+                    *slot = lhs.data[at + kk * lhs.cs];
+                }
             }
         }
-        Self { data, m, k }
+        (self.m, self.k) = (m, k);
+        Ok(())
     }
 }
 
@@ -306,7 +337,21 @@ mod tests {
                 rs: ld_dst,
                 cs: 1,
             };
-            let packed = PackedLhs::new(&lhs, m, k);
+            let packed = PackedLhs::new(&lhs, m, k)?;
+            // Packing from the transpose, read across its rows, packs the same panels.
+            let lhs_t: Vec<f32> = (0..k * m).map(|i| lhs[(i % m) * k + i / m]).collect();
+            let mut from_t = PackedLhs::default();
+            let view_t = View {
+                data: &lhs_t,
+                offset: 0,
+                rs: 1,
+                cs: m,
+            };
+            from_t.pack(view_t, m, k)?;
+            assert_eq!(
+                from_t.data, packed.data,
+                "{m}x{k} packed from its transpose"
+            );
             product(&packed, rhs_view, n, dst_view, accumulate)?;
             for i in 0..m {
                 for j in 0..n {
@@ -337,8 +382,9 @@ mod tests {
     }
 
     #[test]
-    fn refuses_operands_that_do_not_fit() {
-        let lhs = PackedLhs::new(&[1.0; 12], 3, 4);
+    fn refuses_operands_that_do_not_fit() -> candle_core::Result<()> {
+        let lhs = PackedLhs::new(&[1.0; 12], 3, 4)?;
+        assert!(PackedLhs::new(&[1.0; 11], 3, 4).is_err());
         let mut dst = vec![0f32; 3 * 16];
         let view = |data| View {
             data,
@@ -371,5 +417,6 @@ mod tests {
         };
         assert!(product(&lhs, by_columns, 4, dst_ok, false).is_err());
         assert!(dst.iter().all(|v| *v == 0.0));
+        Ok(())
     }
 }

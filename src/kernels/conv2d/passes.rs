@@ -207,18 +207,21 @@ struct PackedKernel {
 
 impl PackedKernel {
     /// The kernel whose tap `(o, c, ky, kx)` is `tap(o, c, ky, kx)`, packed for `plan`.
-    fn new(plan: &Plan, tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync) -> Self {
+    fn new(
+        plan: &Plan,
+        tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
+    ) -> candle_core::Result<Self> {
         let gemm = plan.pack(tap);
         let per_call = plan.o * plan.depth();
         let panels = if microkernel::preferred() && per_call > 0 {
             let calls = gemm.chunks_exact(per_call);
             calls
                 .map(|w| PackedLhs::new(w, plan.o, plan.depth()))
-                .collect()
+                .collect::<candle_core::Result<_>>()?
         } else {
             Vec::new()
         };
-        Self { gemm, panels }
+        Ok(Self { gemm, panels })
     }
 
     /// A placeholder for a plan lowered otherwise (to Winograd's).
@@ -314,7 +317,7 @@ pub(crate) fn forward(
         winograd_images(&wino, conv.n, input, output, bias)?;
         return Ok(y);
     }
-    let kernel = PackedKernel::new(&plan, tap);
+    let kernel = PackedKernel::new(&plan, tap)?;
     for_each_image(
         conv.n,
         (x, plan.input_len()),
@@ -349,7 +352,7 @@ fn phase_range(r: usize, s: usize, lo: usize, hi: usize) -> (usize, usize) {
 
 impl Conv {
     /// The stride phases of the input gradient that hold at least one input position.
-    fn phases(&self, w: &[f32]) -> Vec<Phase> {
+    fn phases(&self, w: &[f32]) -> candle_core::Result<Vec<Phase>> {
         let (sh, sw) = self.stride;
         let (pt, _, pl, _) = self.pad;
         let (o, c, kh, kw) = (self.o, self.c, self.kh, self.kw);
@@ -388,7 +391,7 @@ impl Conv {
                 let winograd = Winograd::new(&plan, tap);
                 let kernel = match winograd {
                     Some(_) => PackedKernel::none(),
-                    None => PackedKernel::new(&plan, tap),
+                    None => PackedKernel::new(&plan, tap)?,
                 };
                 phases.push(Phase {
                     plan,
@@ -399,7 +402,7 @@ impl Conv {
                 });
             }
         }
-        phases
+        Ok(phases)
     }
 }
 
@@ -425,7 +428,7 @@ fn transpose_channels(w: &[f32], o: usize, c: usize, taps: usize) -> Vec<f32> {
 /// strides it is one correlation of `dy` with the flipped, transposed kernel; otherwise each
 /// stride phase is one, written into its strided positions of `dx`.
 pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Result<Vec<f32>> {
-    let phases = conv.phases(w);
+    let phases = conv.phases(w)?;
     let (sh, sw) = conv.stride;
     let in_len = conv.c * conv.h * conv.w;
     let mut dx = vec![0f32; conv.n * in_len];

@@ -117,7 +117,8 @@ impl Winograd {
             kernel
                 .chunks_exact(o * c)
                 .map(|u| PackedLhs::new(u, o, c))
-                .collect()
+                .collect::<candle_core::Result<_>>()
+                .ok()?
         } else {
             Vec::new()
         };

@@ -1,35 +1,43 @@
-//! Winograd's minimal filtering F(2x2, 3x3) for 3x3 correlations at unit strides.
+//! Winograd's minimal filtering F(4x4, 3x3) for 3x3 correlations at unit strides.
 //!
-//! The output is cut into 2x2 tiles; each reads a 4x4 tile of the input (zero outside the
+//! The output is cut into 4x4 tiles; each reads a 6x6 tile of the input (zero outside the
 //! image). With the transforms `V = Bt d B` of an input tile and `U = G g Gt` of a 3x3 kernel,
-//! the tile's output is `At (sum over channels of U ⊙ V) A`: sixteen products per tile and
-//! channel pair instead of thirty-six. Summed over channels, each of the sixteen elements is
-//! one matrix product, `M[e] (o x tiles) = U[e] (o x c) * V[e] (c x tiles)`, 2.25 times fewer
-//! multiplications than the direct correlation.
+//! the tile's output is `At (sum over channels of U ⊙ V) A`: thirty-six products per tile and
+//! channel pair instead of the direct correlation's 144. Summed over channels, each of the
+//! thirty-six elements is one matrix product, `M[e] (o x tiles) = U[e] (o x c) * V[e]
+//! (c x tiles)`: four times fewer multiplications than the direct correlation.
 //!
 //! The tiles of a group of images are taken a *block* at a time, a few dozen tiles sized so the
-//! block's transformed tiles stay in the core's L2 cache: transformed, multiplied (sixteen
+//! block's transformed tiles stay in the core's L2 cache: transformed, multiplied (thirty-six
 //! products) and transformed back before the next block, so nothing larger than a block goes
 //! through memory. On CPUs with AVX2 and FMA (and without AVX-512), the products run in
 //! [`super::microkernel`], reading the block's transformed tiles as they lie and the kernel's
 //! panels packed once per layer; elsewhere in the `gemm` crate (AVX-512 kernels where present).
 //!
-//! The transforms only add and subtract (the kernel's halves are exact in binary), and are
-//! computed a run of tiles along a tile row at a time over contiguous values, which the
-//! compiler vectorises (compiled for AVX2 when the CPU has it).
+//! The transforms take eight tiles at once, one per vector lane: four pairs of horizontally
+//! adjacent tiles, whose input rows are loaded whole and transposed into lanes, and whose
+//! output rows come back out of the lanes as runs of eight columns (`pairs_avx2`, on CPUs with
+//! AVX2), or one tile per lane, gathered and scattered, where a pair is not adjacent.
 
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedLhs, NR};
 use super::plan::Plan;
+use rayon::prelude::*;
 
-mod row_avx2;
+mod pairs_avx2;
 
-/// Elements of a transformed tile (4x4).
-const ELEMENTS: usize = 16;
+/// Output values along each side of a tile.
+const TILE: usize = 4;
 
-/// The most `f32`s a block's transformed input tiles may take (256 KiB), so they stay in L2
-/// with the products and the kernel panel the products read.
-const BLOCK_BUDGET: usize = 64 * 1024;
+/// Input values along each side of a tile's input tile.
+const SIDE: usize = TILE + 2;
+
+/// Elements of a transformed tile (6x6).
+const ELEMENTS: usize = SIDE * SIDE;
+
+/// The most `f32`s a block's transformed input tiles should take (512 KiB), so they stay in L2
+/// with the products.
+const BLOCK_BUDGET: usize = 128 * 1024;
 
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
@@ -38,9 +46,17 @@ const MAX_BLOCK: usize = 4 * NR;
 const MIN_CHANNELS: usize = 16;
 
 /// Fewest tiles per image (planes of 7x7 and more): below, the direct correlation is as fast.
-const MIN_TILES: usize = 16;
+const MIN_TILES: usize = 4;
 
-/// A 3x3, stride-1 correlation lowered to F(2x2, 3x3): the plan and the transformed kernel.
+/// Tiles a transform takes at once, one per vector lane.
+const LANES: usize = 8;
+
+/// The tile (counted from the group's first) in each lane: the first tiles of the four pairs,
+/// then their second tiles, the order in which a pair's two tiles, loaded as one vector half
+/// each, come out of a transpose.
+const LANE_TILE: [usize; LANES] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// A 3x3, stride-1 correlation lowered to F(4x4, 3x3): the plan and the transformed kernel.
 pub(crate) struct Winograd {
     plan: Plan,
     /// `U[e][o][c]`: element `e` of each transformed 3x3 kernel.
@@ -63,10 +79,27 @@ pub(crate) struct Buffers {
     tiles: Vec<Tile>,
 }
 
+/// One tile of a block: image `image` of the group, tile row `ti`, tile column `tj`; `real`
+/// is false for the columns past the block's last tile, which repeat it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tile {
+    image: usize,
+    ti: usize,
+    tj: usize,
+    real: bool,
+}
+
+impl Tile {
+    /// Whether `next` is the tile right of this one.
+    fn precedes(&self, next: &Tile) -> bool {
+        (next.image, next.ti, next.tj) == (self.image, self.ti, self.tj + 1)
+    }
+}
+
 impl Winograd {
     /// The correlation of `plan` with the kernel whose tap `(o, c, ky, kx)` is
     /// `tap(o, c, ky, kx)`, or `None` when the plan is not a 3x3, stride-1 correlation with
-    /// enough channels for the transforms to pay.
+    /// enough channels and positions for the transforms to pay.
     pub(crate) fn new(
         plan: &Plan,
         tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
@@ -86,36 +119,44 @@ impl Winograd {
             && plan.sw == 1
             && plan.c >= MIN_CHANNELS
             && plan.o >= MIN_CHANNELS
-            && plan.ho.div_ceil(2) * plan.wo.div_ceil(2) >= MIN_TILES;
+            && plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE) >= MIN_TILES;
         if !suits {
             return None;
         }
         let (o, c) = (plan.o, plan.c);
-        let mut kernel = vec![0f32; ELEMENTS * o * c];
-        for oi in 0..o {
-            for ci in 0..c {
-                let g = |ky, kx| tap(oi, ci, ky, kx);
-                // G g: 4 rows of 3, then (G g) Gt: 4x4.
-                let mut gg = [[0f32; 3]; 4];
-                for (kx, col) in (0..3).map(|kx| (kx, kernel_column(g(0, kx), g(1, kx), g(2, kx))))
-                {
-                    for (row, v) in gg.iter_mut().zip(col) {
-                        row[kx] = v;
+        // Each output channel's transformed kernels `[e][c]`, in parallel, then laid out
+        // `[e][o][c]` a run of `c` at a time.
+        let per_channel: Vec<Vec<f32>> = (0..o)
+            .into_par_iter()
+            .map(|oi| {
+                let mut u = vec![0f32; ELEMENTS * c];
+                for ci in 0..c {
+                    // G g: 6 rows of 3, then (G g) Gt: 6x6.
+                    let mut gg = [[0f32; 3]; SIDE];
+                    for kx in 0..3 {
+                        let col = kernel_column([0, 1, 2].map(|ky| tap(oi, ci, ky, kx)));
+                        for (row, v) in gg.iter_mut().zip(col) {
+                            row[kx] = v;
+                        }
+                    }
+                    for (a, row) in gg.iter().enumerate() {
+                        for (b, v) in kernel_column(*row).into_iter().enumerate() {
+                            u[(a * SIDE + b) * c + ci] = v;
+                        }
                     }
                 }
-                for (a, row) in gg.iter().enumerate() {
-                    for (b, v) in kernel_column(row[0], row[1], row[2])
-                        .into_iter()
-                        .enumerate()
-                    {
-                        kernel[((a * 4 + b) * o + oi) * c + ci] = v;
-                    }
-                }
+                u
+            })
+            .collect();
+        let mut kernel = Vec::with_capacity(ELEMENTS * o * c);
+        for e in 0..ELEMENTS {
+            for u in &per_channel {
+                kernel.extend_from_slice(&u[e * c..(e + 1) * c]);
             }
         }
         let packed = if packed && microkernel::supported() {
             kernel
-                .chunks_exact(o * c)
+                .par_chunks_exact(o * c)
                 .map(|u| PackedLhs::new(u, o, c))
                 .collect::<candle_core::Result<_>>()
                 .ok()?
@@ -133,7 +174,7 @@ impl Winograd {
 
     /// Tiles of one image: `(rows, columns)`.
     fn tiles(&self) -> (usize, usize) {
-        (self.plan.ho.div_ceil(2), self.plan.wo.div_ceil(2))
+        (self.plan.ho.div_ceil(TILE), self.plan.wo.div_ceil(TILE))
     }
 
     /// Images to correlate together out of `n`, over `threads` threads: enough to fill a block,
@@ -144,10 +185,11 @@ impl Winograd {
         wanted.min(n.div_ceil(threads.max(1))).max(1)
     }
 
-    /// Rows and columns of an image plane padded to cover every tile's 4x4 input tile.
+    /// Rows and columns of an image plane padded to cover every tile's input tile, and the
+    /// next tile's first four columns (which a pair's vector loads reach).
     fn padded_plane(&self) -> (usize, usize) {
         let (th, tw) = self.tiles();
-        (2 * th + 2, 2 * tw + 2)
+        (TILE * th + 2, TILE * tw + 2 * TILE)
     }
 
     /// `out = correlate(x) + bias` for a group of whole images: `x` holds them back to back
@@ -187,8 +229,8 @@ impl Winograd {
     }
 
     /// Copies each channel of the group's `images` images `x` into `padded`, a plane of
-    /// [`Self::padded_plane`] each, zero outside the image, so every tile reads its 4x4 input
-    /// tile without bounds to check.
+    /// [`Self::padded_plane`] each, zero outside the image, so every tile reads its input tile
+    /// without bounds to check.
     fn pad(&self, x: &[f32], images: usize, padded: &mut Vec<f32>) {
         let plan = &self.plan;
         let (ph, pw) = self.padded_plane();
@@ -234,15 +276,18 @@ impl Winograd {
         } = buffers;
         tiles.clear();
         let (th, tw) = self.tiles();
-        // The columns past the block's tiles repeat its last tile: their products are computed
-        // (the micro-kernel's width) but never read back.
+        // Column `8g + l` holds tile `8g + LANE_TILE[l]`; the columns past the block's tiles
+        // repeat its last one: their products are computed (the micro-kernel's width) but
+        // never written out.
         tiles.extend((0..width).map(|col| {
-            let t = range.start + col.min(range.len() - 1);
-            let (image, at) = (t / (th * tw), t % (th * tw));
+            let at = col - col % LANES + LANE_TILE[col % LANES];
+            let t = range.start + at.min(range.len() - 1);
+            let (image, within) = (t / (th * tw), t % (th * tw));
             Tile {
                 image,
-                ti: at / tw,
-                tj: at % tw,
+                ti: within / tw,
+                tj: within % tw,
+                real: at < range.len(),
             }
         }));
         let (v_stride, m_stride) = (element_stride(c * width), element_stride(o * width));
@@ -301,7 +346,7 @@ impl Winograd {
             }
         }
         let job = Transform::Outputs { m, bias, out };
-        self.transform(job, &tiles[..range.len()], width);
+        self.transform(job, tiles, width);
         Ok(())
     }
 
@@ -339,41 +384,31 @@ impl Winograd {
         match job {
             Transform::Inputs { padded, v } => {
                 let stride = element_stride(plan.c * width);
-                for (g, lanes) in tiles.chunks(LANES).enumerate() {
-                    // Each lane's 4x4 input tile starts at `start[l] + plane offset`.
-                    let mut start = [0usize; LANES];
-                    for (s, t) in start.iter_mut().zip(lanes) {
-                        *s = t.image * plan.c * ph * pw + 2 * t.ti * pw + 2 * t.tj;
-                    }
-                    // Consecutive tiles of one tile row: their input tiles overlap along the
-                    // same four rows.
-                    let along_row = along_row(lanes);
+                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
+                    // Each lane's input tile starts at `start[l] + plane offset`.
+                    let start =
+                        lanes.map_lanes(|t| t.image * plan.c * ph * pw + TILE * (t.ti * pw + t.tj));
+                    let pairs = adjacent_pairs(lanes);
                     for ci in 0..plan.c {
                         let plane = ci * ph * pw;
-                        let mut d = [[0f32; LANES]; ELEMENTS];
                         let at = ci * width + g * LANES;
-                        if along_row {
-                            let src = &padded[plane + start[0]..];
-                            if row_avx2::input_tiles(src, pw, &mut v[at..], stride) {
+                        if pairs {
+                            let starts = [0, 1, 2, 3].map(|j| plane + start[j]);
+                            if pairs_avx2::input_tiles(padded, starts, pw, &mut v[at..], stride) {
                                 continue;
                             }
-                            for (q, row) in d.chunks_exact_mut(4).enumerate() {
-                                gather_row(row, &src[q * pw..]);
-                            }
-                        } else {
-                            for (l, s) in start.iter().enumerate().take(lanes.len()) {
-                                let at = plane + s;
-                                for (q, row) in d.chunks_exact_mut(4).enumerate() {
-                                    let src = &padded[at + q * pw..][..4];
-                                    for (dv, sv) in row.iter_mut().zip(src) {
-                                        dv[l] = *sv;
-                                    }
+                        }
+                        let mut d = [[0f32; LANES]; ELEMENTS];
+                        for (l, s) in start.iter().enumerate() {
+                            for (q, row) in d.chunks_exact_mut(SIDE).enumerate() {
+                                let src = &padded[plane + s + q * pw..][..SIDE];
+                                for (dv, sv) in row.iter_mut().zip(src) {
+                                    dv[l] = *sv;
                                 }
                             }
                         }
-                        let transformed = transform_input(&d);
-                        for (e, vals) in transformed.iter().enumerate() {
-                            copy_lanes(&mut v[at + e * stride..], vals, lanes.len());
+                        for (e, vals) in transform_input(&d).iter().enumerate() {
+                            v[at + e * stride..][..LANES].copy_from_slice(vals);
                         }
                     }
                 }
@@ -381,38 +416,40 @@ impl Winograd {
             Transform::Outputs { m, bias, out } => {
                 let stride = element_stride(plan.o * width);
                 let plane = plan.ho * plan.wo;
-                for (g, lanes) in tiles.chunks(LANES).enumerate() {
-                    // Consecutive tiles of one tile row whose outputs all lie in the plane's
-                    // columns: two runs of output columns.
-                    let t = lanes[0];
-                    let whole_runs = along_row(lanes) && 2 * (t.tj + LANES) <= plan.wo;
-                    let both_rows = 2 * t.ti + 1 < plan.ho;
-                    let first = t.image * plan.output_len() + 2 * t.ti * plan.wo + 2 * t.tj;
+                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
+                    let pairs = adjacent_pairs(lanes) && lanes.iter().all(|t| t.real);
+                    // Where each lane's tile starts in the first output channel.
+                    let first = lanes.map_lanes(|t| {
+                        t.image * plan.output_len() + TILE * (t.ti * plan.wo + t.tj)
+                    });
                     for oi in 0..plan.o {
                         let at = oi * width + g * LANES;
                         let b = bias.map_or(0.0, |b| b[oi]);
-                        if whole_runs {
-                            let (m, out) = (&m[at..], &mut out[first + oi * plane..]);
-                            if row_avx2::output_tiles(m, stride, b, out, plan.wo, both_rows) {
+                        if pairs {
+                            let pair = |j: usize| {
+                                let t = lanes[j];
+                                let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
+                                let cols = plan.wo.saturating_sub(TILE * t.tj).min(2 * TILE);
+                                (first[j] + oi * plane, rows, cols)
+                            };
+                            let pairs = [0, 1, 2, 3].map(pair);
+                            let (m, wo) = (&m[at..], plan.wo);
+                            if pairs_avx2::output_tiles(m, stride, b, out, pairs, wo) {
                                 continue;
                             }
                         }
                         let mut products = [[0f32; LANES]; ELEMENTS];
                         for (e, p) in products.iter_mut().enumerate() {
-                            copy_lanes(p, &m[at + e * stride..], lanes.len());
+                            p.copy_from_slice(&m[at + e * stride..][..LANES]);
                         }
                         let y = transform_output(&products, b);
-                        for (l, t) in lanes.iter().enumerate() {
-                            let base = t.image * plan.output_len() + oi * plane;
-                            let (r0, c0) = (2 * t.ti, 2 * t.tj);
-                            for (dr, rows) in y.chunks_exact(2).enumerate() {
-                                if r0 + dr >= plan.ho {
-                                    break;
-                                }
-                                let row = base + (r0 + dr) * plan.wo + c0;
-                                out[row] = rows[0][l];
-                                if c0 + 1 < plan.wo {
-                                    out[row + 1] = rows[1][l];
+                        for (l, t) in lanes.iter().enumerate().filter(|(_, t)| t.real) {
+                            let base = first[l] + oi * plane;
+                            let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
+                            let cols = plan.wo.saturating_sub(TILE * t.tj).min(TILE);
+                            for r in 0..rows {
+                                for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
+                                    out[base + r * plan.wo + k] = yv[l];
                                 }
                             }
                         }
@@ -423,62 +460,32 @@ impl Winograd {
     }
 }
 
-/// Whether `lanes` are [`LANES`] consecutive tiles of one tile row.
-fn along_row(lanes: &[Tile]) -> bool {
-    lanes.len() == LANES
-        && lanes
-            .windows(2)
-            .all(|p| (p[1].image, p[1].ti, p[1].tj) == (p[0].image, p[0].ti, p[0].tj + 1))
+/// Per-lane values of a group of [`LANES`] tiles.
+trait MapLanes {
+    fn map_lanes(&self, f: impl Fn(&Tile) -> usize) -> [usize; LANES];
+}
+
+impl MapLanes for [Tile] {
+    fn map_lanes(&self, f: impl Fn(&Tile) -> usize) -> [usize; LANES] {
+        let mut values = [0; LANES];
+        for (v, t) in values.iter_mut().zip(self) {
+            *v = f(t);
+        }
+        values
+    }
+}
+
+/// Whether the lanes' tiles are four pairs of adjacent tiles: lane `j` (`j < 4`) holds a
+/// pair's first tile and lane `4 + j` the tile right of it (see [`LANE_TILE`]).
+fn adjacent_pairs(lanes: &[Tile]) -> bool {
+    lanes.len() == LANES && (0..LANES / 2).all(|j| lanes[j].precedes(&lanes[LANES / 2 + j]))
 }
 
 /// The distance between consecutive elements' matrices of `len` values in a block's buffers:
-/// `len` and one cache line more, so the sixteen rows a transform writes (or reads) at once
-/// fall in distinct cache sets even when `len` is a multiple of the L1 cache's way size.
+/// `len` and one cache line more, so the rows a transform writes (or reads) at once fall in
+/// distinct cache sets even when `len` is a multiple of the L1 cache's way size.
 fn element_stride(len: usize) -> usize {
     len + 16
-}
-
-/// Tiles a transform takes at once, one per vector lane.
-const LANES: usize = 8;
-
-/// One input row of [`LANES`] consecutive tiles along a tile row: `d[k][l] = src[2 * l + k]`
-/// (each tile starts two columns after the previous one), a fixed-size de-interleave the
-/// compiler turns into vector shuffles.
-#[inline(always)]
-fn gather_row(d: &mut [[f32; LANES]], src: &[f32]) {
-    let Ok(src) = <&[f32; 2 * LANES + 2]>::try_from(&src[..2 * LANES + 2]) else {
-        return;
-    };
-    for (k, dk) in d.iter_mut().enumerate().take(4) {
-        for (l, v) in dk.iter_mut().enumerate() {
-            *v = src[2 * l + k];
-        }
-    }
-}
-
-/// Copies the first `n` of [`LANES`] values from `src` to `dst`: a fixed-size copy the
-/// compiler keeps in registers when `n` is all of them, rather than a call to `memcpy`.
-#[inline(always)]
-fn copy_lanes(dst: &mut [f32], src: &[f32], n: usize) {
-    let (dst, src) = (&mut dst[..n], &src[..n]);
-    if let (Ok(whole), Ok(from)) = (
-        <&mut [f32; LANES]>::try_from(&mut *dst),
-        <&[f32; LANES]>::try_from(src),
-    ) {
-        *whole = *from;
-        return;
-    }
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = *s;
-    }
-}
-
-/// One tile of a block: image `image` of the group, tile row `ti`, tile column `tj`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Tile {
-    image: usize,
-    ti: usize,
-    tj: usize,
 }
 
 /// The columns `lo .. hi` of a padded row of `pw` that hold columns `lo - left ..` of an image
@@ -489,50 +496,54 @@ fn column_window(left: isize, w: usize, pw: usize) -> (usize, usize) {
     (lo, hi.max(lo))
 }
 
-/// `Bt d B` of [`LANES`] 4x4 input tiles, `d[4 * row + column][lane]`, laid out alike.
+/// `Bt d B` of [`LANES`] 6x6 input tiles, `d[6 * row + column][lane]`, laid out alike.
 #[inline(always)]
 fn transform_input(d: &[[f32; LANES]; ELEMENTS]) -> [[f32; LANES]; ELEMENTS] {
-    // d B: each row's four values to four.
+    // d B: each row's six values to six.
     let mut z = [[0f32; LANES]; ELEMENTS];
-    for (zr, dr) in z.chunks_exact_mut(4).zip(d.chunks_exact(4)) {
+    for (zr, dr) in z.chunks_exact_mut(SIDE).zip(d.chunks_exact(SIDE)) {
         for l in 0..LANES {
-            let [a, b, c, e] = input_column(dr[0][l], dr[1][l], dr[2][l], dr[3][l]);
-            [zr[0][l], zr[1][l], zr[2][l], zr[3][l]] = [a, b, c, e];
+            let col = input_column([0, 1, 2, 3, 4, 5].map(|k| dr[k][l]));
+            for (zv, v) in zr.iter_mut().zip(col) {
+                zv[l] = v;
+            }
         }
     }
     // Bt (d B): across the rows, column by column.
     let mut v = [[0f32; LANES]; ELEMENTS];
-    for k in 0..4 {
+    for k in 0..SIDE {
         for l in 0..LANES {
-            let col = input_column(z[k][l], z[4 + k][l], z[8 + k][l], z[12 + k][l]);
+            let col = input_column([0, 1, 2, 3, 4, 5].map(|r| z[SIDE * r + k][l]));
             for (a, value) in col.into_iter().enumerate() {
-                v[4 * a + k][l] = value;
+                v[SIDE * a + k][l] = value;
             }
         }
     }
     v
 }
 
-/// `At m A + bias` of [`LANES`] tiles' products, `m[e][lane]`: the 2x2 outputs as
-/// `[row 0 col 0, row 0 col 1, row 1 col 0, row 1 col 1][lane]`.
+/// `At m A + bias` of [`LANES`] tiles' products, `m[e][lane]`: the 4x4 outputs as
+/// `[4 * row + column][lane]`.
 #[inline(always)]
-fn transform_output(m: &[[f32; LANES]; ELEMENTS], bias: f32) -> [[f32; LANES]; 4] {
-    // At m: across the rows, column by column, to two rows of four.
-    let mut s = [[0f32; LANES]; 8];
-    for k in 0..4 {
+fn transform_output(m: &[[f32; LANES]; ELEMENTS], bias: f32) -> [[f32; LANES]; TILE * TILE] {
+    // At m: across the rows, column by column, to four rows of six.
+    let mut s = [[0f32; LANES]; TILE * SIDE];
+    for k in 0..SIDE {
         for l in 0..LANES {
-            let [a, b] = output_column(m[k][l], m[4 + k][l], m[8 + k][l], m[12 + k][l]);
-            s[k][l] = a;
-            s[4 + k][l] = b;
+            let col = output_column([0, 1, 2, 3, 4, 5].map(|r| m[SIDE * r + k][l]));
+            for (r, value) in col.into_iter().enumerate() {
+                s[SIDE * r + k][l] = value;
+            }
         }
     }
-    // (At m) A: each row's four values to two.
-    let mut y = [[0f32; LANES]; 4];
-    for (yr, sr) in y.chunks_exact_mut(2).zip(s.chunks_exact(4)) {
+    // (At m) A: each row's six values to four.
+    let mut y = [[0f32; LANES]; TILE * TILE];
+    for (yr, sr) in y.chunks_exact_mut(TILE).zip(s.chunks_exact(SIDE)) {
         for l in 0..LANES {
-            let [a, b] = output_column(sr[0][l], sr[1][l], sr[2][l], sr[3][l]);
-            yr[0][l] = a + bias;
-            yr[1][l] = b + bias;
+            let row = output_column([0, 1, 2, 3, 4, 5].map(|k| sr[k][l]));
+            for (yv, v) in yr.iter_mut().zip(row) {
+                yv[l] = v + bias;
+            }
         }
     }
     y
@@ -551,22 +562,38 @@ enum Transform<'a> {
     },
 }
 
-/// One column of `G g`: the 3 taps `g` to 4 values.
+/// One column of `G g`: the 3 taps `g` to 6 values.
 #[inline(always)]
-fn kernel_column(g0: f32, g1: f32, g2: f32) -> [f32; 4] {
-    [g0, 0.5 * (g0 + g1 + g2), 0.5 * (g0 - g1 + g2), g2]
+fn kernel_column([g0, g1, g2]: [f32; 3]) -> [f32; SIDE] {
+    [
+        g0 / 4.0,
+        -(g0 + g1 + g2) / 6.0,
+        -(g0 - g1 + g2) / 6.0,
+        g0 / 24.0 + g1 / 12.0 + g2 / 6.0,
+        g0 / 24.0 - g1 / 12.0 + g2 / 6.0,
+        g2,
+    ]
 }
 
-/// One column of `Bt d`: 4 input values to 4.
+/// One column of `Bt d`: 6 input values to 6.
 #[inline(always)]
-fn input_column(d0: f32, d1: f32, d2: f32, d3: f32) -> [f32; 4] {
-    [d0 - d2, d1 + d2, d2 - d1, d1 - d3]
+pub(super) fn input_column([d0, d1, d2, d3, d4, d5]: [f32; SIDE]) -> [f32; SIDE] {
+    [
+        4.0 * d0 - 5.0 * d2 + d4,
+        -4.0 * (d1 + d2) + d3 + d4,
+        4.0 * (d1 - d2) - d3 + d4,
+        2.0 * (d3 - d1) - d2 + d4,
+        2.0 * (d1 - d3) - d2 + d4,
+        4.0 * d1 - 5.0 * d3 + d5,
+    ]
 }
 
-/// One column of `At m`: 4 products to 2 outputs.
+/// One column of `At m`: 6 products to 4 outputs.
 #[inline(always)]
-fn output_column(m0: f32, m1: f32, m2: f32, m3: f32) -> [f32; 2] {
-    [m0 + m1 + m2, m1 - m2 - m3]
+pub(super) fn output_column([m0, m1, m2, m3, m4, m5]: [f32; SIDE]) -> [f32; TILE] {
+    let (a, b) = (m1 + m2, m1 - m2);
+    let (c, d) = (m3 + m4, m3 - m4);
+    [m0 + a + c, b + 2.0 * d, a + 4.0 * c, b + 8.0 * d + m5]
 }
 
 /// A slice of `buf` exactly `len` long, growing `buf` when needed.

@@ -1,0 +1,210 @@
+//! The transforms of eight tiles in AVX2 registers, as four pairs of horizontally adjacent
+//! tiles: a pair's input rows are eight consecutive values for its two tiles' first four
+//! columns (and eight more from four columns on for their last two), so six rows of four
+//! vector loads, transposed, put the eight tiles' values in the lanes of six vectors, with no
+//! gather. The same transpose takes the outputs back out of the lanes: each output row of a
+//! pair is eight consecutive values, one store (masked at the plane's right edge).
+//!
+//! The lanes hold the pairs' first tiles, then their second tiles ([`super::LANE_TILE`]), the
+//! order in which the transpose leaves them. Both functions return `false`, touching nothing,
+//! where they do not apply (another CPU, or slices too short), and the caller takes its
+//! portable path.
+
+#![allow(unsafe_code)]
+
+use super::{ELEMENTS, LANES, SIDE, TILE};
+
+/// Writes the transformed tiles `V = Bt d B` of four pairs of adjacent tiles: pair `j`'s first
+/// tile's input tile starts at `padded[starts[j]]`, its rows `pw` apart; element `e` of lane
+/// `l` goes to `v[e * stride + l]`.
+pub(super) fn input_tiles(
+    padded: &[f32],
+    starts: [usize; 4],
+    pw: usize,
+    v: &mut [f32],
+    stride: usize,
+) -> bool {
+    // Each pair reads six rows of twelve values.
+    let reach = (SIDE - 1) * pw + 3 * TILE;
+    let fits = starts.iter().all(|s| s + reach <= padded.len())
+        && v.len() >= (ELEMENTS - 1) * stride + LANES;
+    #[cfg(target_arch = "x86_64")]
+    if fits && avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA, and both slices hold what the kernel reads and
+        // writes (checked above).
+        unsafe { avx2::input_tiles(padded.as_ptr(), starts, pw, v.as_mut_ptr(), stride) };
+        return true;
+    }
+    let _ = (fits, padded, starts, pw, v, stride);
+    false
+}
+
+/// Writes the outputs `At M A + bias` of four pairs of adjacent tiles: element `e` of lane
+/// `l`'s products is `m[e * stride + l]`; pair `j = (at, rows, cols)` writes the first `rows`
+/// of its four output rows, `wo` apart from `out[at]`, each `cols` (at most eight) long.
+pub(super) fn output_tiles(
+    m: &[f32],
+    stride: usize,
+    bias: f32,
+    out: &mut [f32],
+    pairs: [(usize, usize, usize); 4],
+    wo: usize,
+) -> bool {
+    let inside = |&(at, rows, cols): &(usize, usize, usize)| {
+        rows <= TILE && cols <= 2 * TILE && (rows == 0 || at + (rows - 1) * wo + cols <= out.len())
+    };
+    let fits = pairs.iter().all(inside) && m.len() >= (ELEMENTS - 1) * stride + LANES;
+    #[cfg(target_arch = "x86_64")]
+    if fits && avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA, and both slices hold what the kernel reads and
+        // writes (checked above).
+        unsafe { avx2::output_tiles(m.as_ptr(), stride, bias, out.as_mut_ptr(), pairs, wo) };
+        return true;
+    }
+    let _ = (fits, m, stride, bias, out, pairs, wo);
+    false
+}
+
+/// Whether the CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::{
+        __m256, __m256i, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
+        _mm256_loadu_si256, _mm256_maskstore_ps, _mm256_set1_ps, _mm256_shuffle_ps,
+        _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+    };
+
+    use super::{SIDE, TILE};
+
+    /// Within each 128-bit half, the 4x4 transpose of the four vectors' halves.
+    #[inline(always)]
+    unsafe fn transpose4([v0, v1, v2, v3]: [__m256; 4]) -> [__m256; 4] {
+        let (t0, t1) = (_mm256_unpacklo_ps(v0, v1), _mm256_unpacklo_ps(v2, v3));
+        let (t2, t3) = (_mm256_unpackhi_ps(v0, v1), _mm256_unpackhi_ps(v2, v3));
+        [
+            _mm256_shuffle_ps::<0x44>(t0, t1),
+            _mm256_shuffle_ps::<0xEE>(t0, t1),
+            _mm256_shuffle_ps::<0x44>(t2, t3),
+            _mm256_shuffle_ps::<0xEE>(t2, t3),
+        ]
+    }
+
+    /// [`super::super::input_column`] over the lanes.
+    #[inline(always)]
+    unsafe fn input_column([d0, d1, d2, d3, d4, d5]: [__m256; SIDE]) -> [__m256; SIDE] {
+        let (two, four, five) = (
+            _mm256_set1_ps(2.0),
+            _mm256_set1_ps(4.0),
+            _mm256_set1_ps(5.0),
+        );
+        let (sum, diff) = (_mm256_add_ps(d1, d2), _mm256_sub_ps(d1, d2));
+        let (d31, d42) = (_mm256_sub_ps(d3, d1), _mm256_sub_ps(d4, d2));
+        [
+            _mm256_fmadd_ps(four, d0, _mm256_fnmadd_ps(five, d2, d4)),
+            _mm256_fnmadd_ps(four, sum, _mm256_add_ps(d3, d4)),
+            _mm256_fmadd_ps(four, diff, _mm256_sub_ps(d4, d3)),
+            _mm256_fmadd_ps(two, d31, d42),
+            _mm256_fnmadd_ps(two, d31, d42),
+            _mm256_fmadd_ps(four, d1, _mm256_fnmadd_ps(five, d3, d5)),
+        ]
+    }
+
+    /// [`super::super::output_column`] over the lanes.
+    #[inline(always)]
+    unsafe fn output_column([m0, m1, m2, m3, m4, m5]: [__m256; SIDE]) -> [__m256; TILE] {
+        let (a, b) = (_mm256_add_ps(m1, m2), _mm256_sub_ps(m1, m2));
+        let (c, d) = (_mm256_add_ps(m3, m4), _mm256_sub_ps(m3, m4));
+        [
+            _mm256_add_ps(_mm256_add_ps(m0, a), c),
+            _mm256_fmadd_ps(_mm256_set1_ps(2.0), d, b),
+            _mm256_fmadd_ps(_mm256_set1_ps(4.0), c, a),
+            _mm256_add_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.0), d, b), m5),
+        ]
+    }
+
+    /// Eight lanes on, then eight off: [`mask`] reads eight of them.
+    static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
+    /// A mask with the first `active` (at most 8) of eight lanes on.
+    #[inline(always)]
+    unsafe fn mask(active: usize) -> __m256i {
+        _mm256_loadu_si256(MASKS.as_ptr().add(8 - active.min(8)).cast())
+    }
+
+    /// See [`super::input_tiles`].
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA; each pair's six rows of twelve values from `p + starts[j]` lie in the
+    /// slice, and `v` holds `35 * stride + 8` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn input_tiles(
+        p: *const f32,
+        starts: [usize; 4],
+        pw: usize,
+        v: *mut f32,
+        stride: usize,
+    ) {
+        let mut z = [[_mm256_set1_ps(0.0); SIDE]; SIDE];
+        for (q, zq) in z.iter_mut().enumerate() {
+            let load = |off: usize| starts.map(|s| _mm256_loadu_ps(p.add(s + q * pw + off)));
+            // Columns 0..4 of each lane's tile, then 4..6 (the next tile's first two).
+            let [d0, d1, d2, d3] = transpose4(load(0));
+            let [d4, d5, _, _] = transpose4(load(TILE));
+            *zq = input_column([d0, d1, d2, d3, d4, d5]);
+        }
+        // Column k of the six rows: a transpose, so k indexes every row.
+        #[allow(clippy::needless_range_loop)]
+        for k in 0..SIDE {
+            let col = input_column([z[0][k], z[1][k], z[2][k], z[3][k], z[4][k], z[5][k]]);
+            for (a, value) in col.into_iter().enumerate() {
+                _mm256_storeu_ps(v.add((SIDE * a + k) * stride), value);
+            }
+        }
+    }
+
+    /// See [`super::output_tiles`].
+    ///
+    /// # Safety
+    ///
+    /// AVX2 and FMA; `m` holds `35 * stride + 8` values, and each pair's rows lie in `out`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn output_tiles(
+        m: *const f32,
+        stride: usize,
+        bias: f32,
+        out: *mut f32,
+        pairs: [(usize, usize, usize); 4],
+        wo: usize,
+    ) {
+        let el = |e: usize| _mm256_loadu_ps(m.add(e * stride));
+        let mut s = [[_mm256_set1_ps(0.0); SIDE]; TILE];
+        for k in 0..SIDE {
+            let col = output_column([0, 1, 2, 3, 4, 5].map(|r| el(SIDE * r + k)));
+            for (sr, value) in s.iter_mut().zip(col) {
+                sr[k] = value;
+            }
+        }
+        let bias = _mm256_set1_ps(bias);
+        for (r, sr) in s.iter().enumerate() {
+            let y = output_column(*sr).map(|v| _mm256_add_ps(v, bias));
+            // Pair j's row r: its first tile's four columns, then its second tile's.
+            for ((at, rows, cols), row) in pairs.into_iter().zip(transpose4(y)) {
+                if r >= rows {
+                    continue;
+                }
+                let dst = out.add(at + r * wo);
+                if cols == 2 * TILE {
+                    _mm256_storeu_ps(dst, row);
+                } else {
+                    _mm256_maskstore_ps(dst, mask(cols), row);
+                }
+            }
+        }
+    }
+}

@@ -21,6 +21,7 @@
 //! differentiable (no second derivatives).
 
 mod gemm;
+mod microkernel;
 mod passes;
 mod plan;
 mod winograd;

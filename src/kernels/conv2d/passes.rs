@@ -517,6 +517,9 @@ pub(crate) fn weight_grad(
     with_bias: bool,
 ) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
+    if let Some(wino) = Winograd::for_kernel_grad(&plan) {
+        return winograd_weight_grad(conv, &wino, x, dy, with_bias);
+    }
     let packed_len = plan.calls() * plan.o * plan.depth();
     let acc_len = packed_len + if with_bias { plan.o } else { 0 };
     let tasks = if split_images(conv.n) {
@@ -554,6 +557,63 @@ pub(crate) fn weight_grad(
     let mut dw = vec![0f32; conv.o * plan.taps()];
     unpack_sum(&plan, &partials, &mut dw);
     dw.extend((packed_len..acc_len).map(|i| partials.iter().map(|p| p[i]).sum::<f32>()));
+    Ok(dw)
+}
+
+/// [`weight_grad`] through Winograd's transforms: each task sums the gradient of the
+/// transformed kernel over a contiguous run of images, a group at a time; the sums are added
+/// in a fixed order and transformed back into the kernel's gradient.
+fn winograd_weight_grad(
+    conv: &Conv,
+    wino: &Winograd,
+    x: &[f32],
+    dy: &[f32],
+    with_bias: bool,
+) -> candle_core::Result<Vec<f32>> {
+    let plan = conv.forward_plan();
+    let (in_len, dy_len) = (plan.input_len(), plan.output_len());
+    let grad_len = wino.kernel_grad_len();
+    let bias_len = if with_bias { plan.o } else { 0 };
+    let threads = rayon::current_num_threads();
+    let tasks = threads.min(conv.n).max(1);
+    let per_task = conv.n.div_ceil(tasks).max(1);
+    let group = wino.group(per_task, 1);
+    let par = gemm_parallelism(tasks);
+    let run = |t: usize| -> candle_core::Result<Vec<f32>> {
+        let mut acc = vec![0f32; grad_len + bias_len];
+        let (du, bias) = acc.split_at_mut(grad_len);
+        let images = t * per_task..((t + 1) * per_task).min(conv.n);
+        with_scratch(|s| -> candle_core::Result<()> {
+            for i0 in images.clone().step_by(group) {
+                let i1 = (i0 + group).min(images.end);
+                let (xs, dys) = (&x[i0 * in_len..i1 * in_len], &dy[i0 * dy_len..i1 * dy_len]);
+                if with_bias {
+                    for dyi in dys.chunks_exact(dy_len) {
+                        add_channel_sums(dyi, bias);
+                    }
+                }
+                wino.accumulate_kernel_grad(xs, dys, du, &mut s.winograd, par)?;
+            }
+            Ok(())
+        })?;
+        Ok(acc)
+    };
+    let partials: Vec<Vec<f32>> = if tasks > 1 {
+        (0..tasks)
+            .into_par_iter()
+            .map(run)
+            .collect::<candle_core::Result<_>>()?
+    } else {
+        vec![run(0)?]
+    };
+    let mut total = vec![0f32; grad_len + bias_len];
+    for partial in &partials {
+        for (t, p) in total.iter_mut().zip(partial) {
+            *t += p;
+        }
+    }
+    let mut dw = wino.kernel_grad(&total[..grad_len]);
+    dw.extend_from_slice(&total[grad_len..]);
     Ok(dw)
 }
 

@@ -42,6 +42,10 @@ const BLOCK_BUDGET: usize = 128 * 1024;
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
 
+/// Tiles per block of the kernel gradient, whose products add into the whole transformed
+/// kernel's gradient once per block: wider blocks, fewer passes over it.
+const GRAD_BLOCK: usize = 8 * NR;
+
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
 
@@ -68,12 +72,13 @@ pub(crate) struct Winograd {
     block: usize,
 }
 
-/// The buffers of one task: its group's padded images, a block's transformed input
+/// The buffers of one task: its group's padded images (and output gradients), a block's transformed input
 /// `V[e][c][column]` and products `M[e][o][column]` (each element's matrix
 /// [`element_stride`] apart), and the tile in each column.
 #[derive(Default)]
 pub(crate) struct Buffers {
     padded: Vec<f32>,
+    padded_gradient: Vec<f32>,
     input: Vec<f32>,
     products: Vec<f32>,
     tiles: Vec<Tile>,
@@ -113,14 +118,7 @@ impl Winograd {
         tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
         packed: bool,
     ) -> Option<Self> {
-        let suits = plan.kh == 3
-            && plan.kw == 3
-            && plan.sh == 1
-            && plan.sw == 1
-            && plan.c >= MIN_CHANNELS
-            && plan.o >= MIN_CHANNELS
-            && plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE) >= MIN_TILES;
-        if !suits {
+        if !Self::suits(plan) {
             return None;
         }
         let (o, c) = (plan.o, plan.c);
@@ -163,12 +161,39 @@ impl Winograd {
         } else {
             Vec::new()
         };
-        let block = (BLOCK_BUDGET / (ELEMENTS * c) / NR * NR).clamp(NR, MAX_BLOCK);
         Some(Self {
             plan: *plan,
             kernel,
             packed,
-            block,
+            block: Self::block(plan),
+        })
+    }
+
+    /// Whether `plan` is a 3x3, stride-1 correlation with enough channels and positions for
+    /// the transforms to pay.
+    fn suits(plan: &Plan) -> bool {
+        plan.kh == 3
+            && plan.kw == 3
+            && plan.sh == 1
+            && plan.sw == 1
+            && plan.c >= MIN_CHANNELS
+            && plan.o >= MIN_CHANNELS
+            && plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE) >= MIN_TILES
+    }
+
+    /// Tiles per block for `plan`: as many as fit [`BLOCK_BUDGET`], a multiple of [`NR`].
+    fn block(plan: &Plan) -> usize {
+        (BLOCK_BUDGET / (ELEMENTS * plan.c) / NR * NR).clamp(NR, MAX_BLOCK)
+    }
+
+    /// The lowering of `plan` for its kernel gradient ([`Self::accumulate_kernel_grad`]),
+    /// which needs no kernel, or `None` when it does not suit.
+    pub(crate) fn for_kernel_grad(plan: &Plan) -> Option<Self> {
+        Self::suits(plan).then(|| Self {
+            plan: *plan,
+            kernel: Vec::new(),
+            packed: Vec::new(),
+            block: GRAD_BLOCK,
         })
     }
 
@@ -273,23 +298,9 @@ impl Winograd {
             input,
             products,
             tiles,
+            ..
         } = buffers;
-        tiles.clear();
-        let (th, tw) = self.tiles();
-        // Column `8g + l` holds tile `8g + LANE_TILE[l]`; the columns past the block's tiles
-        // repeat its last one: their products are computed (the micro-kernel's width) but
-        // never written out.
-        tiles.extend((0..width).map(|col| {
-            let at = col - col % LANES + LANE_TILE[col % LANES];
-            let t = range.start + at.min(range.len() - 1);
-            let (image, within) = (t / (th * tw), t % (th * tw));
-            Tile {
-                image,
-                ti: within / tw,
-                tj: within % tw,
-                real: at < range.len(),
-            }
-        }));
+        self.block_tiles(range, width, tiles);
         let (v_stride, m_stride) = (element_stride(c * width), element_stride(o * width));
         let v = grow(input, ELEMENTS * v_stride);
         let job = Transform::Inputs { padded, v };
@@ -348,6 +359,168 @@ impl Winograd {
         let job = Transform::Outputs { m, bias, out };
         self.transform(job, tiles, width);
         Ok(())
+    }
+
+    /// The tile in each of a block's `width` columns, for tiles `range` of a group: column
+    /// `8g + l` holds tile `8g + LANE_TILE[l]`; the columns past the block's tiles repeat its
+    /// last one (their products are computed, the micro-kernel's width, but never written out).
+    fn block_tiles(&self, range: std::ops::Range<usize>, width: usize, tiles: &mut Vec<Tile>) {
+        let (th, tw) = self.tiles();
+        tiles.clear();
+        tiles.extend((0..width).map(|col| {
+            let at = col - col % LANES + LANE_TILE[col % LANES];
+            let t = range.start + at.min(range.len() - 1);
+            let (image, within) = (t / (th * tw), t % (th * tw));
+            Tile {
+                image,
+                ti: within / tw,
+                tj: within % tw,
+                real: at < range.len(),
+            }
+        }));
+    }
+
+    /// Adds the gradient of the transformed kernel, `dU[e] (o x c) = sum over tiles of
+    /// dM[e] * V[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[e][o][c]`,
+    /// [`Self::kernel_grad_len`] values): `x` holds the group's inputs and `dy` their output
+    /// gradients. [`Self::kernel_grad`] turns the sum into the kernel's gradient.
+    pub(crate) fn accumulate_kernel_grad(
+        &self,
+        x: &[f32],
+        dy: &[f32],
+        acc: &mut [f32],
+        buffers: &mut Buffers,
+        parallelism: Parallelism,
+    ) -> candle_core::Result<()> {
+        let plan = &self.plan;
+        let (c, o) = (plan.c, plan.o);
+        let (in_len, out_len) = (plan.input_len(), plan.output_len());
+        let images = dy.len() / out_len.max(1);
+        if x.len() != images * in_len
+            || dy.len() != images * out_len
+            || acc.len() != self.kernel_grad_len()
+        {
+            candle_core::bail!(
+                "winograd: {} input and {} gradient values do not hold whole images of {in_len} \
+                 and {out_len}, or {} accumulated values are not {}",
+                x.len(),
+                dy.len(),
+                acc.len(),
+                self.kernel_grad_len()
+            );
+        }
+        let (th, tw) = self.tiles();
+        let tiles = images * th * tw;
+        if tiles == 0 {
+            return Ok(());
+        }
+        self.pad(x, images, &mut buffers.padded);
+        self.pad_gradient(dy, images, &mut buffers.padded_gradient);
+        let blocks = tiles.div_ceil(self.block);
+        let per_block = tiles.div_ceil(blocks);
+        for t0 in (0..tiles).step_by(per_block) {
+            let range = t0..(t0 + per_block).min(tiles);
+            let width = range.len().next_multiple_of(NR);
+            let Buffers {
+                padded,
+                padded_gradient,
+                input,
+                products,
+                tiles,
+            } = &mut *buffers;
+            self.block_tiles(range, width, tiles);
+            let (v_stride, m_stride) = (element_stride(c * width), element_stride(o * width));
+            let v = grow(input, ELEMENTS * v_stride);
+            self.transform(Transform::Inputs { padded, v }, tiles, width);
+            let dm = grow(products, ELEMENTS * m_stride);
+            let job = Transform::Gradients {
+                padded: padded_gradient,
+                dm,
+            };
+            self.transform(job, tiles, width);
+            for e in 0..ELEMENTS {
+                matmul(
+                    Product {
+                        m: o,
+                        n: c,
+                        k: width,
+                        accumulate: true,
+                        parallelism,
+                    },
+                    ViewMut {
+                        data: acc,
+                        offset: e * o * c,
+                        rs: c,
+                        cs: 1,
+                    },
+                    View {
+                        data: dm,
+                        offset: e * m_stride,
+                        rs: width,
+                        cs: 1,
+                    },
+                    // V[e] read as (tiles x c).
+                    View {
+                        data: v,
+                        offset: e * v_stride,
+                        rs: 1,
+                        cs: width,
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Values of the transformed kernel's gradient that [`Self::accumulate_kernel_grad`] sums.
+    pub(crate) fn kernel_grad_len(&self) -> usize {
+        ELEMENTS * self.plan.o * self.plan.c
+    }
+
+    /// The kernel's gradient `(o, c, 3, 3)`, `dg = Gt dU G`, from the summed gradient of the
+    /// transformed kernel `du` (`[e][o][c]`).
+    pub(crate) fn kernel_grad(&self, du: &[f32]) -> Vec<f32> {
+        let (o, c) = (self.plan.o, self.plan.c);
+        let mut dw = vec![0f32; o * c * 9];
+        dw.par_chunks_mut(c * 9).enumerate().for_each(|(oi, dwo)| {
+            for (ci, taps) in dwo.chunks_exact_mut(9).enumerate() {
+                let at = |a: usize, b: usize| du[((a * SIDE + b) * o + oi) * c + ci];
+                // Gt dU: 3 rows of 6, then (Gt dU) G: 3x3.
+                let mut rows = [[0f32; SIDE]; 3];
+                for b in 0..SIDE {
+                    let col = kernel_grad_column([0, 1, 2, 3, 4, 5].map(|a| at(a, b)));
+                    for (row, v) in rows.iter_mut().zip(col) {
+                        row[b] = v;
+                    }
+                }
+                for (ky, row) in rows.iter().enumerate() {
+                    taps[ky * 3..][..3].copy_from_slice(&kernel_grad_column(*row));
+                }
+            }
+        });
+        dw
+    }
+
+    /// Copies each output-gradient plane of the group's `images` images `dy` into `padded`, a
+    /// plane of whole tiles each (`4 th x 4 tw`), zero past the plane.
+    fn pad_gradient(&self, dy: &[f32], images: usize, padded: &mut Vec<f32>) {
+        let plan = &self.plan;
+        let (th, tw) = self.tiles();
+        let (ph, pw) = (TILE * th, TILE * tw);
+        let padded = grow(padded, images * plan.o * ph * pw);
+        for (dst, src) in padded
+            .chunks_exact_mut(ph * pw)
+            .zip(dy.chunks_exact(plan.ho * plan.wo))
+        {
+            for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
+                if r < plan.ho {
+                    row[..plan.wo].copy_from_slice(&src[r * plan.wo..][..plan.wo]);
+                    row[plan.wo..].fill(0.0);
+                } else {
+                    row.fill(0.0);
+                }
+            }
+        }
     }
 
     /// Runs a transform of a block, compiled for AVX2 when the CPU has it.
@@ -409,6 +582,31 @@ impl Winograd {
                         }
                         for (e, vals) in transform_input(&d).iter().enumerate() {
                             v[at + e * stride..][..LANES].copy_from_slice(vals);
+                        }
+                    }
+                }
+            }
+            Transform::Gradients { padded, dm } => {
+                let stride = element_stride(plan.o * width);
+                let (th, tw) = self.tiles();
+                let (gh, gw) = (TILE * th, TILE * tw);
+                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
+                    let start =
+                        lanes.map_lanes(|t| t.image * plan.o * gh * gw + TILE * (t.ti * gw + t.tj));
+                    for oi in 0..plan.o {
+                        let plane = oi * gh * gw;
+                        let mut d = [[0f32; LANES]; TILE * TILE];
+                        for (l, s) in start.iter().enumerate().filter(|(l, _)| lanes[*l].real) {
+                            for (q, row) in d.chunks_exact_mut(TILE).enumerate() {
+                                let src = &padded[plane + s + q * gw..][..TILE];
+                                for (dv, sv) in row.iter_mut().zip(src) {
+                                    dv[l] = *sv;
+                                }
+                            }
+                        }
+                        let at = oi * width + g * LANES;
+                        for (e, vals) in transform_gradient(&d).iter().enumerate() {
+                            dm[at + e * stride..][..LANES].copy_from_slice(vals);
                         }
                     }
                 }
@@ -549,11 +747,44 @@ fn transform_output(m: &[[f32; LANES]; ELEMENTS], bias: f32) -> [[f32; LANES]; T
     y
 }
 
-/// A transform of a block: the group's padded inputs into `V`, or the products `M` into the
-/// group's outputs.
+/// `A dY At` of [`LANES`] 4x4 output-gradient tiles, `d[4 * row + column][lane]`: the
+/// 6x6 gradients of their products, `[6 * row + column][lane]`.
+#[inline(always)]
+fn transform_gradient(d: &[[f32; LANES]; TILE * TILE]) -> [[f32; LANES]; ELEMENTS] {
+    // dY At: each row's four values to six.
+    let mut z = [[0f32; LANES]; TILE * SIDE];
+    for (zr, dr) in z.chunks_exact_mut(SIDE).zip(d.chunks_exact(TILE)) {
+        for l in 0..LANES {
+            let row = gradient_column([0, 1, 2, 3].map(|k| dr[k][l]));
+            for (zv, v) in zr.iter_mut().zip(row) {
+                zv[l] = v;
+            }
+        }
+    }
+    // A (dY At): across the rows, column by column.
+    let mut dm = [[0f32; LANES]; ELEMENTS];
+    for k in 0..SIDE {
+        for l in 0..LANES {
+            let col = gradient_column([0, 1, 2, 3].map(|r| z[SIDE * r + k][l]));
+            for (a, value) in col.into_iter().enumerate() {
+                dm[SIDE * a + k][l] = value;
+            }
+        }
+    }
+    dm
+}
+
+/// A transform of a block: the group's padded inputs into `V`, its output gradients into
+/// `dM`, or the products `M` into the group's outputs.
 enum Transform<'a> {
     /// The padded images `padded` into `v`.
     Inputs { padded: &'a [f32], v: &'a mut [f32] },
+    /// The padded output gradients `padded` into `dm = A dY At`, zero in the columns that
+    /// repeat a block's last tile.
+    Gradients {
+        padded: &'a [f32],
+        dm: &'a mut [f32],
+    },
     /// The products `m`, plus the bias, into the output images `out`.
     Outputs {
         m: &'a [f32],
@@ -572,6 +803,24 @@ fn kernel_column([g0, g1, g2]: [f32; 3]) -> [f32; SIDE] {
         g0 / 24.0 + g1 / 12.0 + g2 / 6.0,
         g0 / 24.0 - g1 / 12.0 + g2 / 6.0,
         g2,
+    ]
+}
+
+/// One column of `A g` (`A` is `At` transposed): 4 output gradients to 6.
+#[inline(always)]
+fn gradient_column([g0, g1, g2, g3]: [f32; TILE]) -> [f32; SIDE] {
+    let (even, odd) = (g0 + g2, g1 + g3);
+    let (even4, odd2) = (g0 + 4.0 * g2, 2.0 * g1 + 8.0 * g3);
+    [g0, even + odd, even - odd, even4 + odd2, even4 - odd2, g3]
+}
+
+/// One column of `Gt d`: 6 values of a transformed kernel's gradient to 3 taps'.
+#[inline(always)]
+fn kernel_grad_column([d0, d1, d2, d3, d4, d5]: [f32; SIDE]) -> [f32; 3] {
+    [
+        d0 / 4.0 - (d1 + d2) / 6.0 + (d3 + d4) / 24.0,
+        (d2 - d1) / 6.0 + (d3 - d4) / 12.0,
+        (d3 + d4 - d1 - d2) / 6.0 + d5,
     ]
 }
 

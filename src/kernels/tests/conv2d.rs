@@ -148,11 +148,14 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         // output gradient and the kernel are transposed in, at unit and double strides.
         case((2, 3, 18, 21), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((2, 20, 11, 13), (35, 3, 3), (2, 2), (1, 1, 1, 1)),
-        // 3x3 at unit strides, 64 channels or more on both sides and 64 tiles of 2x2 or more:
-        // Winograd's F(2x2, 3x3) in the forward pass and the input gradient, `same` on odd
-        // sizes (a half tile at the edges) and `valid`.
+        // 3x3 at unit strides, 16 channels or more on both sides and 4 tiles of 4x4 or more:
+        // Winograd's F(4x4, 3x3) in the forward pass, the input gradient and the kernel
+        // gradient, `same` on odd sizes (part tiles at the edges) and `valid`, blocks of tiles
+        // across images (7x7) and several blocks per image (32x32, above).
         case((3, 64, 15, 15), (72, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((2, 66, 18, 17), (64, 3, 3), (1, 1), (0, 0, 0, 0)),
+        case((5, 20, 7, 7), (18, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((3, 17, 8, 8), (130, 3, 3), (1, 1), (1, 1, 1, 1)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

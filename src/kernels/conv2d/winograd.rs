@@ -42,9 +42,6 @@ const BLOCK_BUDGET: usize = 128 * 1024;
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
 
-/// Tiles per block of the kernel gradient, whose products add into the whole transformed
-/// kernel's gradient once per block: wider blocks, fewer passes over it.
-const GRAD_BLOCK: usize = 8 * NR;
 
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
@@ -193,7 +190,9 @@ impl Winograd {
             plan: *plan,
             kernel: Vec::new(),
             packed: Vec::new(),
-            block: GRAD_BLOCK,
+            // The products add into the whole transformed kernel's gradient once per block:
+            // the widest blocks make the fewest passes over it.
+            block: MAX_BLOCK,
         })
     }
 

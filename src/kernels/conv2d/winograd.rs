@@ -42,7 +42,6 @@ const BLOCK_BUDGET: usize = 128 * 1024;
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
 
-
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
 

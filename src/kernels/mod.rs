@@ -11,6 +11,7 @@
 //! (`replay`) and calls their backward passes directly.
 
 pub mod batch_norm;
+pub mod concat;
 pub mod conv2d;
 pub mod pooling;
 

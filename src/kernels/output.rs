@@ -40,6 +40,21 @@ impl<'p> Plane<'p> {
         Written(PhantomData)
     }
 
+    /// Copies `src` into the plane, and zero past its end (there is none when it is as long as
+    /// the plane).
+    #[inline(always)]
+    pub(crate) fn copied(self, src: &[f32]) -> Written<'p> {
+        let n = self.slots.len().min(src.len());
+        let (head, rest) = self.slots.split_at_mut(n);
+        for (o, &x) in head.iter_mut().zip(&src[..n]) {
+            o.write(x);
+        }
+        for o in rest {
+            o.write(0.0);
+        }
+        Written(PhantomData)
+    }
+
     /// Sets every value of the plane to `value`.
     #[inline(always)]
     pub(crate) fn filled(self, value: f32) -> Written<'p> {

@@ -6,6 +6,7 @@ use candle_core::Tensor;
 use super::{
     missing_input_grad, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded, SummaryRow,
 };
+use crate::kernels::concat;
 use crate::Result;
 
 /// Runs each branch on the same input and concatenates the outputs along channels (the first
@@ -92,6 +93,7 @@ impl LayerSpec for Concat {
             layer: Box::new(ConcatLayer {
                 path: ctx.path(),
                 branches: layers,
+                kernels: ctx.compute_path().uses_kernels(),
             }),
             output_shape: out.unwrap_or_default(),
             children: rows,
@@ -115,6 +117,26 @@ impl Concat {
 struct ConcatLayer {
     path: String,
     branches: Vec<Box<dyn Layer>>,
+    /// Whether two `f32` CPU parts are joined (and their gradients cut) by
+    /// [`crate::kernels::concat`] rather than candle's single-threaded copies.
+    kernels: bool,
+}
+
+/// The branches' outputs joined along channels, by kandle's kernel when `kernels` allows and
+/// it takes them.
+fn join(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
+    match outs {
+        [a, b] if kernels && concat::supported(a, b) => concat::concat_channels(a, b),
+        _ => Ok(Tensor::cat(outs, 1)?),
+    }
+}
+
+/// Channels `offset .. offset + channels` of the gradient `dy`, contiguous.
+fn channels_of(dy: &Tensor, offset: usize, channels: usize, kernels: bool) -> Result<Tensor> {
+    if kernels && dy.device().is_cpu() && dy.dtype() == candle_core::DType::F32 {
+        return concat::channel_slice(dy, offset, channels);
+    }
+    Ok(dy.narrow(1, offset, channels)?.contiguous()?)
 }
 
 impl Layer for ConcatLayer {
@@ -124,7 +146,7 @@ impl Layer for ConcatLayer {
             .iter()
             .map(|b| b.forward_t(x, train))
             .collect::<Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&outs, 1)?)
+        join(&outs, self.kernels)
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
@@ -135,8 +157,9 @@ impl Layer for ConcatLayer {
             branches.push((recorded.output.dim(1)?, recorded.backward));
             outs.push(recorded.output);
         }
-        let y = Tensor::cat(&outs, 1)?;
+        let y = join(&outs, self.kernels)?;
         let path = self.path.clone();
+        let kernels = self.kernels;
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
@@ -145,7 +168,7 @@ impl Layer for ConcatLayer {
                 let mut dx: Option<Tensor> = None;
                 let mut offset = 0;
                 for (channels, backward) in branches {
-                    let part = dy.narrow(1, offset, channels)?.contiguous()?;
+                    let part = channels_of(&dy, offset, channels, kernels)?;
                     offset += channels;
                     let Some(d) = backward.backward(part, grads, input_grad)? else {
                         continue;

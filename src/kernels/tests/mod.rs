@@ -2,6 +2,7 @@
 //! seeded random shapes, for every kernel and both vector widths this CPU has.
 
 mod batch_norm;
+mod concat;
 mod conv2d;
 mod pooling;
 mod support;

@@ -70,14 +70,20 @@ fn parts_that_do_not_fit_are_errors() -> anyhow::Result<()> {
     let a = Tensor::zeros((2, 3, 4, 4), candle_core::DType::F32, &Device::Cpu)?;
     let b = Tensor::zeros((2, 3, 4, 5), candle_core::DType::F32, &Device::Cpu)?;
     assert!(!supported(&a, &b));
-    let err = concat_channels(&a, &b).map(|_| ()).unwrap_err().to_string();
+    let err = concat_channels(&a, &b)
+        .map(|_| ())
+        .expect_err("mismatched parts")
+        .to_string();
     assert!(
         err.contains("[2, 3, 4, 4]") && err.contains("[2, 3, 4, 5]"),
         "{err}"
     );
     let half = a.to_dtype(candle_core::DType::F16)?;
     assert!(!supported(&a, &half));
-    let err = channel_slice(&a, 2, 2).map(|_| ()).unwrap_err().to_string();
+    let err = channel_slice(&a, 2, 2)
+        .map(|_| ())
+        .expect_err("channels past the end")
+        .to_string();
     assert!(
         err.contains("2..4") && err.contains("[2, 3, 4, 4]"),
         "{err}"

@@ -39,6 +39,35 @@ pub(crate) struct Product {
     pub parallelism: Parallelism,
 }
 
+impl View<'_> {
+    /// Whether a `rows x cols` matrix of this view lies inside its slice.
+    pub(crate) fn fits(&self, rows: usize, cols: usize) -> bool {
+        fits(self.data.len(), self.offset, rows, cols, self.rs, self.cs)
+    }
+
+    /// The view's slice length, offset and strides, for an error message.
+    pub(crate) fn describe(&self) -> String {
+        describe(self.data.len(), self.offset, self.rs, self.cs)
+    }
+}
+
+impl ViewMut<'_> {
+    /// Whether a `rows x cols` matrix of this view lies inside its slice.
+    pub(crate) fn fits(&self, rows: usize, cols: usize) -> bool {
+        fits(self.data.len(), self.offset, rows, cols, self.rs, self.cs)
+    }
+
+    /// The view's slice length, offset and strides, for an error message.
+    pub(crate) fn describe(&self) -> String {
+        describe(self.data.len(), self.offset, self.rs, self.cs)
+    }
+}
+
+/// `len at offset strides rs/cs`.
+fn describe(len: usize, offset: usize, rs: usize, cs: usize) -> String {
+    format!("{len} at {offset} strides {rs}/{cs}")
+}
+
 /// Whether a `rows x cols` matrix at `offset` with strides `rs`, `cs` lies inside `len`
 /// elements.
 fn fits(len: usize, offset: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> bool {
@@ -77,26 +106,13 @@ pub(crate) fn matmul(
     rhs: View<'_>,
 ) -> candle_core::Result<()> {
     let Product { m, n, k, .. } = p;
-    let ok = fits(dst.data.len(), dst.offset, m, n, dst.rs, dst.cs)
-        && distinct(m, n, dst.rs, dst.cs)
-        && fits(lhs.data.len(), lhs.offset, m, k, lhs.rs, lhs.cs)
-        && fits(rhs.data.len(), rhs.offset, k, n, rhs.rs, rhs.cs);
+    let ok = dst.fits(m, n) && distinct(m, n, dst.rs, dst.cs) && lhs.fits(m, k) && rhs.fits(k, n);
     if !ok {
         candle_core::bail!(
-            "gemm: a {m}x{k} by {k}x{n} product does not fit its buffers \
-             (dst {} at {} strides {}/{}, lhs {} at {} strides {}/{}, rhs {} at {} strides {}/{})",
-            dst.data.len(),
-            dst.offset,
-            dst.rs,
-            dst.cs,
-            lhs.data.len(),
-            lhs.offset,
-            lhs.rs,
-            lhs.cs,
-            rhs.data.len(),
-            rhs.offset,
-            rhs.rs,
-            rhs.cs
+            "gemm: a {m}x{k} by {k}x{n} product does not fit its buffers (dst {}, lhs {}, rhs {})",
+            dst.describe(),
+            lhs.describe(),
+            rhs.describe()
         );
     }
     if m == 0 || n == 0 {

@@ -79,14 +79,10 @@ impl PackedLhs {
     /// Packs the `m x k` matrix `lhs` (any strides) in place of this one, reusing its memory.
     /// Returns an error (and packs nothing) when `lhs` does not fit its slice.
     pub(crate) fn pack(&mut self, lhs: View<'_>, m: usize, k: usize) -> candle_core::Result<()> {
-        let last = (m > 0 && k > 0).then(|| lhs.offset + (m - 1) * lhs.rs + (k - 1) * lhs.cs);
-        if last.is_some_and(|last| last >= lhs.data.len()) {
+        if !lhs.fits(m, k) {
             candle_core::bail!(
-                "microkernel: a {m}x{k} matrix at {} with strides {}/{} does not fit {} values",
-                lhs.offset,
-                lhs.rs,
-                lhs.cs,
-                lhs.data.len()
+                "microkernel: a {m}x{k} matrix does not fit {}",
+                lhs.describe()
             );
         }
         self.data.clear();
@@ -120,27 +116,13 @@ pub(crate) fn product(
     accumulate: bool,
 ) -> candle_core::Result<()> {
     let (m, k) = (lhs.m, lhs.k);
-    let spans = |rows: usize, rs: usize| (rows > 0 && n > 0).then(|| (rows - 1) * rs + n);
-    let inside = |offset: usize, rows: usize, rs: usize, len: usize| {
-        spans(rows, rs).is_none_or(|end| offset.checked_add(end).is_some_and(|end| end <= len))
-    };
-    let fits = rhs.cs == 1
-        && dst.cs == 1
-        && (m <= 1 || n <= dst.rs)
-        && inside(rhs.offset, k, rhs.rs, rhs.data.len())
-        && inside(dst.offset, m, dst.rs, dst.data.len());
+    let fits =
+        rhs.cs == 1 && dst.cs == 1 && (m <= 1 || n <= dst.rs) && rhs.fits(k, n) && dst.fits(m, n);
     if !fits {
         candle_core::bail!(
-            "microkernel: a {m}x{k} by {k}x{n} product does not fit its buffers (rhs {} at {} \
-             strides {}/{}, dst {} at {} strides {}/{})",
-            rhs.data.len(),
-            rhs.offset,
-            rhs.rs,
-            rhs.cs,
-            dst.data.len(),
-            dst.offset,
-            dst.rs,
-            dst.cs
+            "microkernel: a {m}x{k} by {k}x{n} product does not fit its buffers (rhs {}, dst {})",
+            rhs.describe(),
+            dst.describe()
         );
     }
     if !supported() {
@@ -166,7 +148,7 @@ pub(crate) fn product(
 const COLUMN_CHUNK: usize = 8 * NR;
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::{
         __m256, __m256i, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
         _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_setzero_ps, _mm256_storeu_ps,
@@ -177,9 +159,10 @@ mod avx2 {
     /// Eight lanes on, then eight off: [`mask`] reads eight of them.
     static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
-    /// A mask with the first `active` (at most 8) of eight lanes on.
+    /// A mask with the first `active` (at most 8) of eight lanes on, for masked loads and
+    /// stores.
     #[inline(always)]
-    unsafe fn mask(active: usize) -> __m256i {
+    pub(crate) unsafe fn mask(active: usize) -> __m256i {
         _mm256_loadu_si256(MASKS.as_ptr().add(8 - active.min(8)).cast())
     }
 

@@ -546,14 +546,7 @@ pub(crate) fn weight_grad(
         })?;
         Ok(acc)
     };
-    let partials: Vec<Vec<f32>> = if tasks > 1 {
-        (0..tasks)
-            .into_par_iter()
-            .map(run)
-            .collect::<candle_core::Result<_>>()?
-    } else {
-        vec![run(0)?]
-    };
+    let partials = each_task(tasks, run)?;
     let mut dw = vec![0f32; conv.o * plan.taps()];
     unpack_sum(&plan, &partials, &mut dw);
     dw.extend((packed_len..acc_len).map(|i| partials.iter().map(|p| p[i]).sum::<f32>()));
@@ -598,14 +591,7 @@ fn winograd_weight_grad(
         })?;
         Ok(acc)
     };
-    let partials: Vec<Vec<f32>> = if tasks > 1 {
-        (0..tasks)
-            .into_par_iter()
-            .map(run)
-            .collect::<candle_core::Result<_>>()?
-    } else {
-        vec![run(0)?]
-    };
+    let partials = each_task(tasks, run)?;
     let mut total = vec![0f32; grad_len + bias_len];
     for partial in &partials {
         for (t, p) in total.iter_mut().zip(partial) {
@@ -615,6 +601,19 @@ fn winograd_weight_grad(
     let mut dw = wino.kernel_grad(&total[..grad_len]);
     dw.extend_from_slice(&total[grad_len..]);
     Ok(dw)
+}
+
+/// The results of `run(t)` for each of `tasks` tasks, in order: in parallel when there are
+/// several.
+fn each_task(
+    tasks: usize,
+    run: impl Fn(usize) -> candle_core::Result<Vec<f32>> + Sync + Send,
+) -> candle_core::Result<Vec<Vec<f32>>> {
+    if tasks > 1 {
+        (0..tasks).into_par_iter().map(run).collect()
+    } else {
+        Ok(vec![run(0)?])
+    }
 }
 
 /// Writes the sum of the packed `[call][depth][o]` kernel gradients `partials` (added in

@@ -208,6 +208,17 @@ impl Winograd {
         wanted.min(n.div_ceil(threads.max(1))).max(1)
     }
 
+    /// The tiles of a group of `images` images (numbered row-major through them) in blocks of
+    /// at most `self.block` tiles, near-equal in size.
+    fn blocks(&self, images: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let (th, tw) = self.tiles();
+        let tiles = images * th * tw;
+        let per_block = tiles.div_ceil(tiles.div_ceil(self.block).max(1)).max(1);
+        (0..tiles)
+            .step_by(per_block)
+            .map(move |t0| t0..(t0 + per_block).min(tiles))
+    }
+
     /// Rows and columns of an image plane padded to cover every tile's input tile, and the
     /// next tile's first four columns (which a pair's vector loads reach).
     fn padded_plane(&self) -> (usize, usize) {
@@ -236,17 +247,9 @@ impl Winograd {
                 out.len()
             );
         }
-        let (th, tw) = self.tiles();
-        let tiles = images * th * tw;
-        if tiles == 0 {
-            return Ok(());
-        }
         self.pad(x, images, &mut buffers.padded);
-        let blocks = tiles.div_ceil(self.block);
-        let per_block = tiles.div_ceil(blocks);
-        for t0 in (0..tiles).step_by(per_block) {
-            let t1 = (t0 + per_block).min(tiles);
-            self.correlate_block(t0..t1, bias, out, buffers, parallelism)?;
+        for range in self.blocks(images) {
+            self.correlate_block(range, bias, out, buffers, parallelism)?;
         }
         Ok(())
     }
@@ -407,17 +410,9 @@ impl Winograd {
                 self.kernel_grad_len()
             );
         }
-        let (th, tw) = self.tiles();
-        let tiles = images * th * tw;
-        if tiles == 0 {
-            return Ok(());
-        }
         self.pad(x, images, &mut buffers.padded);
         self.pad_gradient(dy, images, &mut buffers.padded_gradient);
-        let blocks = tiles.div_ceil(self.block);
-        let per_block = tiles.div_ceil(blocks);
-        for t0 in (0..tiles).step_by(per_block) {
-            let range = t0..(t0 + per_block).min(tiles);
+        for range in self.blocks(images) {
             let width = range.len().next_multiple_of(NR);
             let Buffers {
                 padded,

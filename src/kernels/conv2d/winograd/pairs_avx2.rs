@@ -74,12 +74,13 @@ fn avx2_fma() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::{
-        __m256, __m256i, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_loadu_si256, _mm256_maskstore_ps, _mm256_set1_ps, _mm256_shuffle_ps,
-        _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+        __m256, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
+        _mm256_maskstore_ps, _mm256_set1_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps,
+        _mm256_unpackhi_ps, _mm256_unpacklo_ps,
     };
 
     use super::{SIDE, TILE};
+    use crate::kernels::conv2d::microkernel::avx2::mask;
 
     /// Within each 128-bit half, the 4x4 transpose of the four vectors' halves.
     #[inline(always)]
@@ -125,15 +126,6 @@ mod avx2 {
             _mm256_fmadd_ps(_mm256_set1_ps(4.0), c, a),
             _mm256_add_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.0), d, b), m5),
         ]
-    }
-
-    /// Eight lanes on, then eight off: [`mask`] reads eight of them.
-    static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
-
-    /// A mask with the first `active` (at most 8) of eight lanes on.
-    #[inline(always)]
-    unsafe fn mask(active: usize) -> __m256i {
-        _mm256_loadu_si256(MASKS.as_ptr().add(8 - active.min(8)).cast())
     }
 
     /// See [`super::input_tiles`].

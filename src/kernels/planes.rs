@@ -110,6 +110,24 @@ pub(crate) fn for_each_plane<T: Send>(
         .for_each(|(i, plane)| fill(i, i % c.max(1), plane));
 }
 
+/// Like [`for_each_plane`] with a scratch value made by `init` (one per rayon task, reused
+/// across its planes): `fill` gets it, the plane's index and its slice.
+pub(crate) fn for_each_plane_with<T: Send, S>(
+    out: &mut [T],
+    s: usize,
+    init: impl Fn() -> S + Sync + Send,
+    fill: impl Fn(&mut S, usize, &mut [T]) + Sync + Send,
+) {
+    if s == 0 {
+        return;
+    }
+    let planes = out.len() / s;
+    out.par_chunks_mut(s)
+        .enumerate()
+        .with_min_len(min_len(planes))
+        .for_each_init(init, |scratch, (i, plane)| fill(scratch, i, plane));
+}
+
 /// Like [`for_each_plane`] for two outputs with `s` values per plane each: `fill` gets a
 /// scratch value made by `init` (one per rayon task, reused across its planes), the plane's
 /// index and its slices of `a` and `b`.

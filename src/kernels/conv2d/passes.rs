@@ -11,6 +11,7 @@ use std::cell::Cell;
 
 use rayon::prelude::*;
 
+use super::super::output;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedLhs};
 use super::plan::Plan;
@@ -101,57 +102,59 @@ fn gemm_parallelism(images: usize) -> Parallelism {
     }
 }
 
-/// Calls `f(input, output, scratch, parallelism)` for each of the `n` images of `x`
-/// (`in_len` elements each) and `out` (`out_len` elements each), in parallel when there are
-/// enough images.
-fn for_each_image(
-    n: usize,
-    x: (&[f32], usize),
-    out: (&mut [f32], usize),
-    f: impl Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync,
-) -> candle_core::Result<()> {
-    for_each_group(n, 1, x, out, f)
+/// The signature of a task of [`map_images`]: `f(input, output, scratch, parallelism)`.
+trait ImageTask:
+    Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
+{
 }
 
-/// [`for_each_image`] over groups of `group` consecutive images (the last may be short): `f`
+impl<F> ImageTask for F where
+    F: Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
+{
+}
+
+/// A new output of `n` images of `out_len` values each: `f(input, output, scratch,
+/// parallelism)` for each of the `n` images of `x` (`in_len` values each) and its output,
+/// zeroed, in parallel when there are enough images.
+fn map_images(
+    n: usize,
+    x: (&[f32], usize),
+    out_len: usize,
+    f: impl ImageTask,
+) -> candle_core::Result<Vec<f32>> {
+    map_groups(n, 1, x, out_len, f)
+}
+
+/// [`map_images`] over groups of `group` consecutive images (the last may be short): `f`
 /// gets the inputs and outputs of a whole group, in parallel when there are enough groups.
-fn for_each_group(
+fn map_groups(
     n: usize,
     group: usize,
     (x, in_len): (&[f32], usize),
-    (out, out_len): (&mut [f32], usize),
-    f: impl Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync,
-) -> candle_core::Result<()> {
-    let groups = n.div_ceil(group.max(1));
+    out_len: usize,
+    f: impl ImageTask,
+) -> candle_core::Result<Vec<f32>> {
+    let group = group.max(1);
+    let groups = n.div_ceil(group);
     let par = gemm_parallelism(groups);
-    if out_len == 0 {
-        return Ok(());
-    }
-    let (in_chunk, out_chunk) = (group.max(1) * in_len.max(1), group.max(1) * out_len);
-    if split_images(groups) {
-        out.par_chunks_mut(out_chunk)
-            .zip(x.par_chunks(in_chunk))
-            .try_for_each(|(o, x)| with_scratch(|s| f(x, o, s, par)))
-    } else {
-        with_scratch(|s| {
-            out.chunks_mut(out_chunk)
-                .zip(x.chunks(in_chunk))
-                .try_for_each(|(o, x)| f(x, o, s, par))
-        })
-    }
+    let (in_chunk, out_chunk) = (group * in_len, group * out_len);
+    let input = |i: usize| x.get(i * in_chunk..((i + 1) * in_chunk).min(x.len()));
+    output::try_by_chunk(n * out_len, out_chunk, split_images(groups), |i, y| {
+        with_scratch(|s| f(input(i).unwrap_or(&[]), y, s, par))
+    })
 }
 
-/// Runs a 3x3, stride-1 correlation of the `n` images of `x` through [`Winograd`], a group of
-/// images per task, into `out`.
+/// A new output of the 3x3, stride-1 correlation of the `n` images of `x` through
+/// [`Winograd`], a group of images per task.
 fn winograd_images(
     wino: &Winograd,
     n: usize,
-    (x, in_len): (&[f32], usize),
-    (out, out_len): (&mut [f32], usize),
+    x: (&[f32], usize),
+    out_len: usize,
     bias: Option<&[f32]>,
-) -> candle_core::Result<()> {
+) -> candle_core::Result<Vec<f32>> {
     let group = wino.group(n, rayon::current_num_threads());
-    for_each_group(n, group, (x, in_len), (out, out_len), |x, y, s, par| {
+    map_groups(n, group, x, out_len, |x, y, s, par| {
         wino.correlate(x, bias, y, &mut s.winograd, par)
     })
 }
@@ -311,20 +314,14 @@ pub(crate) fn forward(
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
     let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx];
-    let mut y = vec![0f32; conv.n * plan.output_len()];
+    let (input, out_len) = ((x, plan.input_len()), plan.output_len());
     if let Some(wino) = Winograd::new(&plan, tap) {
-        let (input, output) = ((x, plan.input_len()), (&mut y[..], plan.output_len()));
-        winograd_images(&wino, conv.n, input, output, bias)?;
-        return Ok(y);
+        return winograd_images(&wino, conv.n, input, out_len, bias);
     }
     let kernel = PackedKernel::new(&plan, tap)?;
-    for_each_image(
-        conv.n,
-        (x, plan.input_len()),
-        (&mut y, plan.output_len()),
-        |x, y, s, par| correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par),
-    )?;
-    Ok(y)
+    map_images(conv.n, input, out_len, |x, y, s, par| {
+        correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)
+    })
 }
 
 /// One stride phase `(ry, rx)` of the input gradient: the padded-input positions
@@ -431,7 +428,6 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
     let phases = conv.phases(w)?;
     let (sh, sw) = conv.stride;
     let in_len = conv.c * conv.h * conv.w;
-    let mut dx = vec![0f32; conv.n * in_len];
     let direct = sh == 1 && sw == 1;
     let dy_len = conv.o * conv.ho * conv.wo;
     // Where each phase's result starts in the phase buffer, and the runs of phases that share
@@ -458,10 +454,9 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
     }] = phases.as_slice()
     {
         // A 3x3 kernel at unit strides: one phase, the whole image, through Winograd's.
-        winograd_images(wino, conv.n, (dy, dy_len), (&mut dx, in_len), None)?;
-        return Ok(dx);
+        return winograd_images(wino, conv.n, (dy, dy_len), in_len, None);
     }
-    for_each_image(conv.n, (dy, dy_len), (&mut dx, in_len), |dy, dx, s, par| {
+    map_images(conv.n, (dy, dy_len), in_len, |dy, dx, s, par| {
         if direct {
             // One phase covering the whole image, in place (phases is never empty here: a
             // stride-1 convolution reads every input position).
@@ -502,8 +497,7 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
             }
         }
         Ok(())
-    })?;
-    Ok(dx)
+    })
 }
 
 /// The gradient of the kernel, `dw (o, c, kh, kw)`, from `x (n, c, h, w)` and

@@ -76,6 +76,45 @@ pub fn conv2d(
     Ok(x.apply_op3(&w, &b.contiguous()?, op)?)
 }
 
+/// Inference's convolution with a per-output-channel affine map folded in (a BatchNorm's, from
+/// its running statistics) and an optional ReLU:
+/// `max(scale[o] * (x ⋆ w)[o] + shift[o], 0)`, `x`, `w`, strides and padding as in [`conv2d`],
+/// `scale` and `shift` of shape `(O,)`. The scale multiplies the kernel's taps as they are
+/// packed and the ReLU runs on each image's output while it is in cache, so a convolution,
+/// BatchNorm and ReLU cost one pass. Not differentiable: training runs the layers apart.
+///
+/// Errors as [`conv2d`]'s, and name `scale` or `shift` when it does not hold one value per
+/// output channel.
+pub fn conv2d_affine(
+    x: &Tensor,
+    w: &Tensor,
+    (scale, shift): (&Tensor, &Tensor),
+    relu: bool,
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+) -> Result<Tensor> {
+    check_tensors(
+        FORWARD,
+        &[
+            ("input", x),
+            ("weight", w),
+            ("scale", scale),
+            ("shift", shift),
+        ],
+    )?;
+    forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
+    for v in [scale, shift] {
+        check_bias(v.dims(), w.dims()).map_err(Error::invalid)?;
+    }
+    let channels = Tensor::stack(&[scale, shift], 0)?;
+    let op = AffineForward {
+        window: Forward { stride, padding },
+        relu,
+    };
+    Ok(x.contiguous()?
+        .apply_op3_no_bwd(&w.contiguous()?, &channels, &op)?)
+}
+
 /// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
 /// kernel `w (O, C, kh, kw)`, the `(N, C, H, W)` gradient of an input of height and width
 /// `input_hw`. Not differentiable.
@@ -290,24 +329,26 @@ struct Forward {
 }
 
 impl Forward {
-    /// The forward pass on CPU storage, with the bias's storage when there is one.
+    /// The forward pass on CPU storage, with `epilogue` applied to each output channel.
     fn run(
         &self,
         (xs, xl): (&CpuStorage, &Layout),
         (ws, wl): (&CpuStorage, &Layout),
-        bias: Option<(&CpuStorage, &Layout)>,
+        epilogue: passes::Epilogue<'_>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
             .map_err(candle_core::Error::Msg)?;
-        let bias = match bias {
-            Some((bs, bl)) => {
-                check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
-                Some(f32_data(FORWARD, bs, bl)?)
+        for v in [epilogue.scale, epilogue.bias].into_iter().flatten() {
+            if v.len() != conv.o {
+                candle_core::bail!(
+                    "{FORWARD}: {} per-channel values for the weight {:?}",
+                    v.len(),
+                    wl.dims()
+                );
             }
-            None => None,
-        };
+        }
         let x = f32_data(FORWARD, xs, xl)?;
-        let y = passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, bias)?;
+        let y = passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, epilogue)?;
         Ok((
             CpuStorage::F32(y),
             Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
@@ -368,7 +409,7 @@ impl CustomOp2 for Forward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), None)
+        self.run((xs, xl), (ws, wl), passes::Epilogue::default())
     }
 
     fn bwd(
@@ -397,7 +438,12 @@ impl CustomOp3 for Forward {
         bs: &CpuStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), Some((bs, bl)))
+        check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
+        let bias = passes::Epilogue {
+            bias: Some(f32_data(FORWARD, bs, bl)?),
+            ..Default::default()
+        };
+        self.run((xs, xl), (ws, wl), bias)
     }
 
     fn bwd(
@@ -410,6 +456,41 @@ impl CustomOp3 for Forward {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let [dx, dw, db] = self.grads(x, w, dy, [x.track_op(), w.track_op(), b.track_op()])?;
         Ok((dx, dw, db))
+    }
+}
+
+/// [`conv2d_affine`]'s op: the forward pass with the third operand `(2, O)` holding the
+/// scale and the shift of each output channel.
+struct AffineForward {
+    window: Forward,
+    relu: bool,
+}
+
+impl CustomOp3 for AffineForward {
+    fn name(&self) -> &'static str {
+        FORWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let channels = f32_data(FORWARD, cs, cl)?;
+        let (scale, shift) = channels.split_at(channels.len() / 2);
+        self.window.run(
+            (xs, xl),
+            (ws, wl),
+            passes::Epilogue {
+                scale: Some(scale),
+                bias: Some(shift),
+                relu: self.relu,
+            },
+        )
     }
 }
 

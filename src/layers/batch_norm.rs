@@ -17,7 +17,8 @@
 use candle_core::{Tensor, Var};
 
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, Layer, LayerSpec,
+    ParamGrads, Recorded,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm as kernels;
@@ -211,6 +212,13 @@ impl BatchNormLayer {
     /// Inference with the fused kernel: the running statistics folded into a per-channel
     /// scale and shift, which stay differentiable in `weight` and `bias`.
     fn affine_with_running_stats(&self, x: &Tensor) -> Result<Tensor> {
+        let (scale, shift) = self.running_affine()?;
+        kernels::channel_affine(x, &scale, &shift, self.relu)
+    }
+
+    /// The per-channel scale and shift of inference: the running statistics, then `weight`
+    /// and `bias`.
+    fn running_affine(&self) -> Result<(Tensor, Tensor)> {
         let mean = self.running_mean.as_tensor().detach();
         let var = self.running_var.as_tensor().detach();
         let inv_std = (var + self.epsilon)?.sqrt()?.recip()?;
@@ -223,7 +231,7 @@ impl BatchNormLayer {
             Some(b) => (b + shift)?,
             None => shift,
         };
-        kernels::channel_affine(x, &scale, &shift, self.relu)
+        Ok((scale, shift))
     }
 
     /// Moves the running statistics towards this batch's.
@@ -300,6 +308,18 @@ impl Layer for BatchNormLayer {
     fn fuse_relu(&mut self) -> bool {
         self.relu = true;
         true
+    }
+
+    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        if !self.kernels || !kernels::supported(like) || self.rank != 4 {
+            return Ok(None);
+        }
+        let (scale, shift) = self.running_affine()?;
+        Ok(Some(ChannelAffine {
+            scale,
+            shift,
+            relu: self.relu,
+        }))
     }
 }
 

@@ -9,7 +9,8 @@ use candle_core::Tensor;
 
 use super::window::{subsample, Padding, Window};
 use super::{
-    record_with_candle, Activation, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+    record_with_candle, Activation, BuildContext, Built, ChannelAffine, Layer, LayerSpec,
+    ParamGrads, Recorded,
 };
 use crate::kernels;
 use crate::params::Init;
@@ -233,6 +234,27 @@ impl Layer for Conv2DLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         self.activation
             .after_recorded(self.record_convolution(x)?, false)
+    }
+
+    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
+        if !self.kernel_takes(x) || self.activation != Activation::Linear {
+            return Ok(None);
+        }
+        let weight = self.weight.detach();
+        let shift = match &self.bias {
+            Some(b) => ((b.detach() * &affine.scale)? + &affine.shift)?,
+            None => affine.shift.clone(),
+        };
+        let channels = (&affine.scale, &shift);
+        let y = kernels::conv2d::conv2d_affine(
+            x,
+            &weight,
+            channels,
+            affine.relu,
+            self.stride,
+            self.pad,
+        )?;
+        Ok(Some(y))
     }
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {

@@ -39,6 +39,7 @@ mod dense;
 mod device_generic_tests;
 mod dropout;
 mod flatten;
+mod fold;
 mod pooling;
 mod recorded;
 mod sequential;
@@ -55,6 +56,9 @@ pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
 pub use flatten::Flatten;
+pub(crate) use fold::run_layers;
+#[doc(hidden)]
+pub use fold::ChannelAffine;
 pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 // The recorded backward pass is kandle's own machinery: public only because `Layer`'s defaulted
@@ -113,6 +117,24 @@ pub trait Layer: Send + Sync {
     fn fuse_relu(&mut self) -> bool {
         false
     }
+
+    #[doc(hidden)]
+    /// In inference, the per-channel affine map (and ReLU) this layer applies, when it is one
+    /// that the layer before it may fold into its own output (a BatchNorm with its running
+    /// statistics is); `like` is the input of the layer before, for its device and type.
+    /// `None` by default.
+    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        let _ = like;
+        Ok(None)
+    }
+
+    #[doc(hidden)]
+    /// This layer's inference output with `affine` applied to it, computed at once, or `None`
+    /// when the layer cannot fold it in (the default).
+    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
+        let _ = (x, affine);
+        Ok(None)
+    }
 }
 
 impl<L: Layer + ?Sized> Layer for Box<L> {
@@ -133,6 +155,12 @@ impl<L: Layer + ?Sized> Layer for Box<L> {
     }
     fn fuse_relu(&mut self) -> bool {
         (**self).fuse_relu()
+    }
+    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        (**self).inference_affine(like)
+    }
+    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
+        (**self).forward_then_affine(x, affine)
     }
 }
 

@@ -2,13 +2,15 @@
 //! and also a layer, so stacks nest (an inception branch is a `Sequential` inside a `Concat`).
 //!
 //! When built, a layer followed by a ReLU may absorb it ([`Layer::fuse_relu`]): BatchNorm then
-//! Relu runs as one fused kernel. Names, variables and the summary are those of the recipe.
+//! Relu runs as one fused kernel. In inference, a convolution folds the BatchNorm (and ReLU)
+//! after it into its own output (see [`super::fold`]). Names, variables and the summary are
+//! those of the recipe.
 
 use candle_core::{Device, Tensor};
 
 use super::{
-    check_input, child_names, identity, missing_input_grad, BuildContext, Built, Layer, LayerSpec,
-    ParamGrads, Recorded, Summary, SummaryRow,
+    check_input, child_names, identity, missing_input_grad, run_layers, BuildContext, Built, Layer,
+    LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -260,11 +262,7 @@ impl SequentialNet {
 impl Layer for SequentialNet {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         check_input(&self.path, x, &self.input_shape)?;
-        let mut h = x.clone();
-        for (_, layer) in &self.layers {
-            h = layer.forward_t(&h, train)?;
-        }
-        Ok(h)
+        run_layers(&self.layers, x, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
@@ -272,11 +270,7 @@ impl Layer for SequentialNet {
         let Some(((_, last), init)) = self.layers.split_last() else {
             return Ok((x.clone(), None));
         };
-        let mut h = x.clone();
-        for (_, layer) in init {
-            h = layer.forward_t(&h, train)?;
-        }
-        last.forward_with_logits(&h, train)
+        last.forward_with_logits(&run_layers(init, x, train)?, train)
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {

@@ -303,24 +303,56 @@ fn correlate_image(
     })
 }
 
-/// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)`, `w (o, c, kh, kw)` and an
-/// optional bias `(o,)`.
+/// What the forward pass does to each output channel `o` besides the correlation:
+/// `y[o] = scale[o] * (x ⋆ w)[o] + bias[o]`, then `max(y, 0)` when `relu`. A missing `scale`
+/// is one and a missing `bias` zero. The scale is applied to the kernel's taps, and the ReLU to
+/// each image's output while it is still in cache, so neither costs a pass over memory.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Epilogue<'a> {
+    pub scale: Option<&'a [f32]>,
+    pub bias: Option<&'a [f32]>,
+    pub relu: bool,
+}
+
+impl Epilogue<'_> {
+    /// Applies the ReLU, if any, to finished outputs (a NaN stays a NaN).
+    fn finish(&self, y: &mut [f32]) {
+        if self.relu {
+            for v in y {
+                // A select and an unconditional store, which vectorise.
+                *v = if *v < 0.0 { 0.0 } else { *v };
+            }
+        }
+    }
+}
+
+/// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with
+/// `epilogue` applied to each output channel.
 pub(crate) fn forward(
     conv: &Conv,
     x: &[f32],
     w: &[f32],
-    bias: Option<&[f32]>,
+    epilogue: Epilogue<'_>,
 ) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
-    let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx];
+    let scale = |o: usize| epilogue.scale.map_or(1.0, |s| s[o]);
+    let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx] * scale(o);
     let (input, out_len) = ((x, plan.input_len()), plan.output_len());
+    let bias = epilogue.bias;
     if let Some(wino) = Winograd::new(&plan, tap) {
-        return winograd_images(&wino, conv.n, input, out_len, bias);
+        let group = wino.group(conv.n, rayon::current_num_threads());
+        return map_groups(conv.n, group, input, out_len, |x, y, s, par| {
+            wino.correlate(x, bias, y, &mut s.winograd, par)?;
+            epilogue.finish(y);
+            Ok(())
+        });
     }
     let kernel = PackedKernel::new(&plan, tap)?;
     map_images(conv.n, input, out_len, |x, y, s, par| {
-        correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)
+        correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)?;
+        epilogue.finish(y);
+        Ok(())
     })
 }
 

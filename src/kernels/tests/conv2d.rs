@@ -1,7 +1,7 @@
 //! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
 //! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
 
-use crate::kernels::conv2d::{conv2d, conv2d_input_grad, conv2d_weight_grad};
+use crate::kernels::conv2d::{conv2d, conv2d_affine, conv2d_input_grad, conv2d_weight_grad};
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::rngs::StdRng;
@@ -254,6 +254,48 @@ fn input_without_variables_gets_no_gradient() -> anyhow::Result<()> {
     assert!(grads.get(&x).is_none());
     assert!(grads.get(&b).is_none());
     assert!(grads.get(&w).is_some());
+    Ok(())
+}
+
+#[test]
+fn folded_affine_and_relu_match_candle() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(17);
+    // Winograd's (3x3, unit stride, 16+ channels), a 1x1 product of several panels, a strided
+    // valid window; with and without the ReLU.
+    let cases = [
+        case((3, 20, 12, 12), (24, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 32, 8, 8), (40, 1, 1), (1, 1), (0, 0, 0, 0)),
+        case((2, 5, 11, 9), (7, 3, 3), (2, 2), (0, 0, 0, 0)),
+    ];
+    for (case, relu) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
+        let x = random(&mut rng, &[case.n, case.c, case.h, case.w])?;
+        let w = random(&mut rng, &[case.o, case.c, case.kh, case.kw])?;
+        let scale = random(&mut rng, &[case.o])?;
+        let shift = random(&mut rng, &[case.o])?;
+        let got = conv2d_affine(&x, &w, (&scale, &shift), relu, case.stride, case.pad)?;
+        let per_channel = |v: &Tensor| v.reshape((1, case.o, 1, 1));
+        let want = reference(&x, &w, &case)?
+            .broadcast_mul(&per_channel(&scale)?)?
+            .broadcast_add(&per_channel(&shift)?)?;
+        let want = if relu { want.relu()? } else { want };
+        let err = rel_err(&got, &want)?;
+        assert!(err < 1e-5, "{case:?}, relu {relu}: relative error {err}");
+        if relu {
+            let negative = got.lt(0f32)?.sum_all()?.to_scalar::<u8>()?;
+            assert_eq!(negative, 0, "{case:?}: negative values after the ReLU");
+        }
+    }
+    let x = Tensor::zeros((1, 3, 6, 6), DType::F32, &Device::Cpu)?;
+    let w = Tensor::zeros((4, 3, 3, 3), DType::F32, &Device::Cpu)?;
+    let (four, five) = (
+        Tensor::ones(4, DType::F32, &Device::Cpu)?,
+        Tensor::ones(5, DType::F32, &Device::Cpu)?,
+    );
+    let err = conv2d_affine(&x, &w, (&four, &five), true, (1, 1), (0, 0, 0, 0))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("[5]") && err.contains("[4, 3, 3, 3]"), "{err}");
     Ok(())
 }
 

@@ -18,6 +18,7 @@
 
 #![allow(unsafe_code)]
 
+use super::super::output;
 use super::gemm::{View, ViewMut};
 
 /// Rows of `dst` per kernel call (the last panel of a product may hold fewer).
@@ -94,15 +95,117 @@ impl PackedLhs {
             .zip(self.data.chunks_mut((MR * k).max(1)))
         {
             let rows = MR.min(m - r0);
-            for (r, row) in (r0..r0 + rows).enumerate() {
-                let at = lhs.offset + row * lhs.rs;
-                for (kk, slot) in panel.iter_mut().skip(r).step_by(rows).enumerate() {
-                    *slot = lhs.data[at + kk * lhs.cs];
+            for (kk, column) in panel.chunks_exact_mut(rows).enumerate() {
+                let at = lhs.offset + r0 * lhs.rs + kk * lhs.cs;
+                for (r, slot) in column.iter_mut().enumerate() {
+                    *slot = lhs.data[at + r * lhs.rs];
                 }
             }
         }
         (self.m, self.k) = (m, k);
         Ok(())
+    }
+
+    /// The panels, for [`product`].
+    pub(crate) fn panels(&self) -> Panels<'_> {
+        Panels {
+            data: &self.data,
+            m: self.m,
+            k: self.k,
+            panel_stride: MR * self.k,
+            matrix: 0,
+        }
+    }
+}
+
+/// `count` matrices of `m x k`, each packed as [`PackedLhs`] packs one, stored panel by panel:
+/// panel `p` of every matrix together, `[p][matrix][k][rows]`, so one task writes one panel of
+/// all of them (Winograd's 36 transformed kernels, each output channel's at once).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PackedStack {
+    data: Vec<f32>,
+    count: usize,
+    m: usize,
+    k: usize,
+}
+
+impl PackedStack {
+    /// The stack written by `fill(p, rows, out)` for each panel `p` (rows `MR * p ..
+    /// MR * p + rows` of every matrix), in parallel: `out` is the panel of each matrix in
+    /// turn, `[matrix][k][rows]`.
+    pub(crate) fn build(
+        count: usize,
+        (m, k): (usize, usize),
+        fill: impl Fn(usize, usize, &mut [f32]) + Sync + Send,
+    ) -> Self {
+        let chunk = count * MR * k;
+        let data = output::try_by_chunk(count * m * k, chunk, true, |p, out| {
+            fill(p, MR.min(m - MR * p), out);
+            Ok::<(), std::convert::Infallible>(())
+        });
+        let Ok(data) = data;
+        Self { data, count, m, k }
+    }
+
+    /// The panels of matrix `i`.
+    pub(crate) fn panels(&self, i: usize) -> Panels<'_> {
+        Panels {
+            data: &self.data,
+            m: self.m,
+            k: self.k,
+            panel_stride: self.count * MR * self.k,
+            matrix: i.min(self.count.saturating_sub(1)),
+        }
+    }
+
+    /// The matrices unpacked, row-major, one after the other: `[matrix][m][k]`.
+    pub(crate) fn unpacked(&self) -> Vec<f32> {
+        let (m, k) = (self.m, self.k);
+        let mut out = vec![0f32; self.count * m * k];
+        for (i, matrix) in out.chunks_exact_mut((m * k).max(1)).enumerate() {
+            let panels = self.panels(i);
+            for r0 in (0..m).step_by(MR) {
+                let rows = MR.min(m - r0);
+                let panel = &self.data[panels.panel_start(r0 / MR, rows)..][..rows * k];
+                for (kk, column) in panel.chunks_exact(rows).enumerate() {
+                    for (r, v) in column.iter().enumerate() {
+                        matrix[(r0 + r) * k + kk] = *v;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The panels of one packed `m x k` matrix: panel `p` (rows `MR * p ..`, `rows` of them) holds
+/// `[k][rows]` at [`Self::panel_start`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Panels<'a> {
+    data: &'a [f32],
+    m: usize,
+    k: usize,
+    /// From one panel of the matrix to the next.
+    panel_stride: usize,
+    /// Which matrix of a [`PackedStack`] (0 for a [`PackedLhs`]).
+    matrix: usize,
+}
+
+impl Panels<'_> {
+    /// Where panel `p`, of `rows` rows, starts.
+    fn panel_start(&self, p: usize, rows: usize) -> usize {
+        p * self.panel_stride + self.matrix * rows * self.k
+    }
+
+    /// Whether every panel lies inside `data`.
+    fn fits(&self) -> bool {
+        if self.m == 0 {
+            return true;
+        }
+        let last = (self.m - 1) / MR;
+        let rows = self.m - MR * last;
+        let end = self.panel_start(last, rows) + rows * self.k;
+        (last == 0 || self.panel_stride >= MR * self.k) && end <= self.data.len()
     }
 }
 
@@ -111,15 +214,19 @@ impl PackedLhs {
 /// row stride. Returns an error (and touches nothing) when a matrix does not fit its slice, or
 /// the CPU lacks AVX2 and FMA.
 pub(crate) fn product(
-    lhs: &PackedLhs,
+    lhs: Panels<'_>,
     rhs: View<'_>,
     n: usize,
     dst: ViewMut<'_>,
     accumulate: bool,
 ) -> candle_core::Result<()> {
     let (m, k) = (lhs.m, lhs.k);
-    let fits =
-        rhs.cs == 1 && dst.cs == 1 && (m <= 1 || n <= dst.rs) && rhs.fits(k, n) && dst.fits(m, n);
+    let fits = lhs.fits()
+        && rhs.cs == 1
+        && dst.cs == 1
+        && (m <= 1 || n <= dst.rs)
+        && rhs.fits(k, n)
+        && dst.fits(m, n);
     if !fits {
         candle_core::bail!(
             "microkernel: a {m}x{k} by {k}x{n} product does not fit its buffers (rhs {}, dst {})",
@@ -136,16 +243,16 @@ pub(crate) fn product(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has AVX2 and FMA (checked above); every row the kernels read of `rhs`
     // (`k` rows of `n` values, `rhs.rs` apart) and write of `dst` (`m` rows of `n`, `dst.rs`
-    // apart) lies inside its slice (checked above), and the packed panels hold `m * k` values.
+    // apart) lies inside its slice (checked above), and so does every packed panel.
     unsafe {
         let b = rhs.data.as_ptr().add(rhs.offset);
         let c = dst.data.as_mut_ptr().add(dst.offset);
         if m > MR {
             with_strips(k, |strips| {
-                avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, Some(strips))
+                avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, Some(strips))
             });
         } else {
-            avx2::product(lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, None);
+            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, None);
         }
     }
     Ok(())
@@ -178,7 +285,7 @@ pub(crate) mod avx2 {
         _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
 
-    use super::{PackedLhs, COLUMN_CHUNK, MR, NR};
+    use super::{Panels, COLUMN_CHUNK, MR, NR};
 
     /// Eight lanes on, then eight off: [`mask`] reads eight of them.
     static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
@@ -199,7 +306,7 @@ pub(crate) mod avx2 {
     /// `dst` `lhs.m` rows of `n` values `ld_dst` apart.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn product(
-        lhs: &PackedLhs,
+        lhs: &Panels<'_>,
         (rhs, ld_rhs): (*const f32, usize),
         n: usize,
         (dst, ld_dst): (*mut f32, usize),
@@ -214,10 +321,9 @@ pub(crate) mod avx2 {
                 copy_strips((rhs.add(j0), ld_rhs), k, j1 - j0, strips);
             }
             for r0 in (0..lhs.m).step_by(MR) {
-                // Panels before this one are full, so this one starts at `r0 * k`.
-                let a = lhs.data.as_ptr().add(r0 * k);
-                let out = dst.add(r0 * ld_dst);
                 let rows = MR.min(lhs.m - r0);
+                let a = lhs.data.as_ptr().add(lhs.panel_start(r0 / MR, rows));
+                let out = dst.add(r0 * ld_dst);
                 for j in (j0..j1).step_by(NR) {
                     let width = NR.min(j1 - j);
                     let b = match strips {
@@ -410,7 +516,7 @@ mod tests {
                 from_t.data, packed.data,
                 "{m}x{k} packed from its transpose"
             );
-            product(&packed, rhs_view, n, dst_view, accumulate)?;
+            product(packed.panels(), rhs_view, n, dst_view, accumulate)?;
             for i in 0..m {
                 for j in 0..n {
                     let start = if accumulate {
@@ -459,7 +565,7 @@ mod tests {
                 rs: 16,
                 cs: 1,
             };
-            product(&lhs, view(&short), 16, dst, false).is_err()
+            product(lhs.panels(), view(&short), 16, dst, false).is_err()
         };
         assert!(short_rhs_refused(&mut dst));
         let whole = [0.0; 4 * 16];
@@ -473,7 +579,7 @@ mod tests {
             rs: 16,
             cs: 1,
         };
-        assert!(product(&lhs, by_columns, 4, dst_ok, false).is_err());
+        assert!(product(lhs.panels(), by_columns, 4, dst_ok, false).is_err());
         assert!(dst.iter().all(|v| *v == 0.0));
         Ok(())
     }

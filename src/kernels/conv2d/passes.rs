@@ -260,7 +260,7 @@ fn correlate_image(
         match (kernel.panels.get(t.call), parallelism) {
             (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
                 microkernel::product(
-                    panels,
+                    panels.panels(),
                     // The operand read as (depth x positions).
                     View {
                         rs: t.operand.cs,

@@ -19,10 +19,13 @@
 //! output rows come back out of the lanes as runs of eight columns (`pairs_avx2`, on CPUs with
 //! AVX2), or one tile per lane, gathered and scattered, where a pair is not adjacent.
 
-use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
-use super::microkernel::{self, PackedLhs, NR};
-use super::plan::Plan;
+use std::sync::OnceLock;
+
 use rayon::prelude::*;
+
+use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
+use super::microkernel::{self, PackedStack, MR, NR};
+use super::plan::Plan;
 
 mod pairs_avx2;
 
@@ -60,13 +63,21 @@ const LANE_TILE: [usize; LANES] = [0, 2, 4, 6, 1, 3, 5, 7];
 /// A 3x3, stride-1 correlation lowered to F(4x4, 3x3): the plan and the transformed kernel.
 pub(crate) struct Winograd {
     plan: Plan,
-    /// `U[e][o][c]`: element `e` of each transformed 3x3 kernel.
-    kernel: Vec<f32>,
-    /// `U[e]` packed for [`microkernel::product`], one per element; empty where the `gemm`
-    /// crate runs the products.
-    packed: Vec<PackedLhs>,
+    /// The transformed kernel `U`, 36 matrices `o x c`.
+    kernel: Kernel,
+    /// `U[e][o][c]` unpacked from a packed kernel, made when a product goes to the `gemm`
+    /// crate (one split over the pool).
+    unpacked: OnceLock<Vec<f32>>,
     /// Tiles per block (a multiple of [`NR`]).
     block: usize,
+}
+
+/// A transformed kernel: packed for [`microkernel::product`], or `[e][o][c]` for the `gemm`
+/// crate, or absent (a kernel gradient needs none).
+enum Kernel {
+    Packed(PackedStack),
+    Plain(Vec<f32>),
+    None,
 }
 
 /// The buffers of one task: its group's padded images (and output gradients), a block's transformed input
@@ -119,49 +130,55 @@ impl Winograd {
             return None;
         }
         let (o, c) = (plan.o, plan.c);
-        // Each output channel's transformed kernels `[e][c]`, in parallel, then laid out
-        // `[e][o][c]` a run of `c` at a time.
-        let per_channel: Vec<Vec<f32>> = (0..o)
-            .into_par_iter()
-            .map(|oi| {
-                let mut u = vec![0f32; ELEMENTS * c];
+        let transformed = |oi: usize, ci: usize| -> [f32; ELEMENTS] {
+            // G g: 6 rows of 3, then (G g) Gt: 6x6.
+            let mut gg = [[0f32; 3]; SIDE];
+            for kx in 0..3 {
+                let col = kernel_column([0, 1, 2].map(|ky| tap(oi, ci, ky, kx)));
+                for (row, v) in gg.iter_mut().zip(col) {
+                    row[kx] = v;
+                }
+            }
+            let mut u = [0f32; ELEMENTS];
+            for (a, row) in gg.iter().enumerate() {
+                u[a * SIDE..][..SIDE].copy_from_slice(&kernel_column(*row));
+            }
+            u
+        };
+        let kernel = if packed && microkernel::supported() {
+            // Each task transforms a panel's output channels and writes them straight into
+            // their panel of every element's packed matrix.
+            Kernel::Packed(PackedStack::build(ELEMENTS, (o, c), |p, rows, out| {
+                let per_element = rows * c;
                 for ci in 0..c {
-                    // G g: 6 rows of 3, then (G g) Gt: 6x6.
-                    let mut gg = [[0f32; 3]; SIDE];
-                    for kx in 0..3 {
-                        let col = kernel_column([0, 1, 2].map(|ky| tap(oi, ci, ky, kx)));
-                        for (row, v) in gg.iter_mut().zip(col) {
-                            row[kx] = v;
-                        }
-                    }
-                    for (a, row) in gg.iter().enumerate() {
-                        for (b, v) in kernel_column(*row).into_iter().enumerate() {
-                            u[(a * SIDE + b) * c + ci] = v;
+                    for r in 0..rows {
+                        let u = transformed(p * MR + r, ci);
+                        for (e, v) in u.into_iter().enumerate() {
+                            out[e * per_element + ci * rows + r] = v;
                         }
                     }
                 }
-                u
-            })
-            .collect();
-        let mut kernel = Vec::with_capacity(ELEMENTS * o * c);
-        for e in 0..ELEMENTS {
-            for u in &per_channel {
-                kernel.extend_from_slice(&u[e * c..(e + 1) * c]);
-            }
-        }
-        let packed = if packed && microkernel::supported() {
-            kernel
-                .par_chunks_exact(o * c)
-                .map(|u| PackedLhs::new(u, o, c))
-                .collect::<candle_core::Result<_>>()
-                .ok()?
+            }))
         } else {
-            Vec::new()
+            // `[e][o][c]`, each output channel's in parallel.
+            let per_channel: Vec<Vec<[f32; ELEMENTS]>> = (0..o)
+                .into_par_iter()
+                .map(|oi| (0..c).map(|ci| transformed(oi, ci)).collect())
+                .collect();
+            let mut kernel = vec![0f32; ELEMENTS * o * c];
+            for (oi, channel) in per_channel.iter().enumerate() {
+                for (ci, u) in channel.iter().enumerate() {
+                    for (e, v) in u.iter().enumerate() {
+                        kernel[(e * o + oi) * c + ci] = *v;
+                    }
+                }
+            }
+            Kernel::Plain(kernel)
         };
         Some(Self {
             plan: *plan,
             kernel,
-            packed,
+            unpacked: OnceLock::new(),
             block: Self::block(plan),
         })
     }
@@ -188,12 +205,21 @@ impl Winograd {
     pub(crate) fn for_kernel_grad(plan: &Plan) -> Option<Self> {
         Self::suits(plan).then(|| Self {
             plan: *plan,
-            kernel: Vec::new(),
-            packed: Vec::new(),
+            kernel: Kernel::None,
+            unpacked: OnceLock::new(),
             // The products add into the whole transformed kernel's gradient once per block:
             // the widest blocks make the fewest passes over it.
             block: MAX_BLOCK,
         })
+    }
+
+    /// `U[e][o][c]`, for the `gemm` crate (empty for a kernel gradient's lowering).
+    fn plain_kernel(&self) -> &[f32] {
+        match &self.kernel {
+            Kernel::Plain(kernel) => kernel,
+            Kernel::Packed(stack) => self.unpacked.get_or_init(|| stack.unpacked()),
+            Kernel::None => &[],
+        }
     }
 
     /// Tiles of one image: `(rows, columns)`.
@@ -311,9 +337,9 @@ impl Winograd {
         for e in 0..ELEMENTS {
             let (ve, me) = (&v[e * v_stride..][..c * width], &mut m[e * m_stride..]);
             // The micro-kernel runs on this thread: a product split over the pool goes to gemm.
-            match (self.packed.get(e), parallelism) {
-                (Some(u), Parallelism::None) => microkernel::product(
-                    u,
+            match (&self.kernel, parallelism) {
+                (Kernel::Packed(u), Parallelism::None) => microkernel::product(
+                    u.panels(e),
                     View {
                         data: ve,
                         offset: 0,
@@ -344,7 +370,7 @@ impl Winograd {
                         cs: 1,
                     },
                     View {
-                        data: &self.kernel,
+                        data: self.plain_kernel(),
                         offset: e * o * c,
                         rs: c,
                         cs: 1,
@@ -790,12 +816,15 @@ enum Transform<'a> {
 /// One column of `G g`: the 3 taps `g` to 6 values.
 #[inline(always)]
 fn kernel_column([g0, g1, g2]: [f32; 3]) -> [f32; SIDE] {
+    // Multiplications by the reciprocals: divisions would dominate the kernel's transform.
+    const SIXTH: f32 = 1.0 / 6.0;
+    let (outer, inner) = (g0 * (SIXTH / 4.0) + g2 * SIXTH, g1 * (SIXTH / 2.0));
     [
-        g0 / 4.0,
-        -(g0 + g1 + g2) / 6.0,
-        -(g0 - g1 + g2) / 6.0,
-        g0 / 24.0 + g1 / 12.0 + g2 / 6.0,
-        g0 / 24.0 - g1 / 12.0 + g2 / 6.0,
+        g0 * 0.25,
+        -(g0 + g1 + g2) * SIXTH,
+        -(g0 - g1 + g2) * SIXTH,
+        outer + inner,
+        outer - inner,
         g2,
     ]
 }

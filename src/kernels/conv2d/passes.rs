@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::super::output;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedLhs};
-use super::plan::Plan;
+use super::plan::{Operand, Plan};
 use super::winograd::{self, Winograd};
 
 /// The sizes of a convolution: input `(n, c, h, w)`, kernel `(o, c, kh, kw)`, strides, padding
@@ -65,6 +65,10 @@ struct Scratch {
     transposed: Vec<f32>,
     /// The transformed tiles of a group of images, for [`Winograd`].
     winograd: winograd::Buffers,
+    /// The operands of a group of small images side by side, for [`correlate_group`].
+    grouped: Vec<f32>,
+    /// The products of a group of small images, before they go to each image's output.
+    products: Vec<f32>,
 }
 
 thread_local! {
@@ -326,6 +330,111 @@ impl Epilogue<'_> {
     }
 }
 
+/// Columns a GEMM of [`correlate_group`] aims for: enough for the micro-kernel's column blocks
+/// to be nearly full.
+const GROUP_COLUMNS: usize = 256;
+
+/// Images per GEMM for `plan` out of `n`: one, unless an image's positions would leave much of
+/// the micro-kernel's last column block empty (7x7 planes fill 49 of 64 columns), the image is
+/// one tile, and the micro-kernel runs the products; then enough images for about
+/// [`GROUP_COLUMNS`] columns, with a group per thread at least.
+fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
+    let positions = plan.ho * plan.wo;
+    if kernel.panels.is_empty()
+        || microkernel::fills_blocks(positions)
+        || plan.tile_rows() < plan.ho
+        || positions == 0
+    {
+        return 1;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    GROUP_COLUMNS
+        .div_ceil(positions)
+        .min(n.div_ceil(threads))
+        .max(1)
+}
+
+/// `out = correlate(x, kernel) + bias` for `g` small images (see [`image_group`]) at once:
+/// each image's operand (its expansion, or itself) is copied beside the others', plane by
+/// plane, so one GEMM per call covers them all; the columns between two images' positions (a
+/// row-shift expansion's extra rows) give values nobody reads. The products go to a scratch
+/// buffer, then to each image's output.
+fn correlate_group(
+    plan: &Plan,
+    x: &[f32],
+    (kernel, bias): (&PackedKernel, Option<&[f32]>),
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) -> candle_core::Result<()> {
+    let (in_len, out_len) = (plan.input_len(), plan.output_len());
+    let g = out.len() / out_len.max(1);
+    let positions = plan.ho * plan.wo;
+    let Scratch {
+        expanded,
+        grouped,
+        products,
+        ..
+    } = scratch;
+    let buf = at_least(expanded, plan.expanded_len(plan.ho));
+    let mut layout = None;
+    for (i, xi) in x.chunks_exact(in_len).take(g).enumerate() {
+        let operand = plan.expand(xi, 0, plan.ho, buf);
+        let data: &[f32] = if operand.expanded { buf } else { xi };
+        let planes = plan.depth() * operand.k_stride / operand.plane.max(1);
+        let side_by_side = at_least(grouped, planes * g * operand.plane);
+        for q in 0..planes {
+            let from = &data[operand.base + q * operand.plane..][..operand.plane];
+            side_by_side[(q * g + i) * operand.plane..][..operand.plane].copy_from_slice(from);
+        }
+        layout = Some(operand);
+    }
+    let Some(one) = layout else {
+        return Ok(());
+    };
+    let operand = Operand {
+        expanded: true,
+        k_stride: one.k_stride * g,
+        base: 0,
+        plane: one.plane * g,
+    };
+    let width = operand.plane;
+    let columns = (g - 1) * one.plane + positions;
+    let products = at_least(products, plan.o * width);
+    if let Some(bias) = bias {
+        for (row, b) in products.chunks_exact_mut(width).zip(bias) {
+            row[..columns].fill(*b);
+        }
+    }
+    for (call, panels) in kernel.panels.iter().enumerate() {
+        microkernel::product(
+            panels.panels(),
+            View {
+                data: grouped,
+                offset: plan.call_offset(&operand, call),
+                rs: operand.k_stride,
+                cs: 1,
+            },
+            columns,
+            ViewMut {
+                data: products,
+                offset: 0,
+                rs: width,
+                cs: 1,
+            },
+            call > 0 || bias.is_some(),
+        )?;
+    }
+    for (i, image) in out.chunks_exact_mut(out_len).enumerate() {
+        for (plane, row) in image
+            .chunks_exact_mut(positions)
+            .zip(products.chunks_exact(width))
+        {
+            plane.copy_from_slice(&row[i * one.plane..][..positions]);
+        }
+    }
+    Ok(())
+}
+
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with
 /// `epilogue` applied to each output channel.
 pub(crate) fn forward(
@@ -349,8 +458,13 @@ pub(crate) fn forward(
         });
     }
     let kernel = PackedKernel::new(&plan, tap)?;
-    map_images(conv.n, input, out_len, |x, y, s, par| {
-        correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)?;
+    let group = image_group(&plan, &kernel, conv.n);
+    map_groups(conv.n, group, input, out_len, |x, y, s, par| {
+        if group > 1 {
+            correlate_group(&plan, x, (&kernel, bias), y, s)?;
+        } else {
+            correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)?;
+        }
         epilogue.finish(y);
         Ok(())
     })
@@ -487,6 +601,14 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
     {
         // A 3x3 kernel at unit strides: one phase, the whole image, through Winograd's.
         return winograd_images(wino, conv.n, (dy, dy_len), in_len, None);
+    }
+    if let (true, [phase]) = (direct, phases.as_slice()) {
+        let group = image_group(&phase.plan, &phase.kernel, conv.n);
+        if group > 1 {
+            return map_groups(conv.n, group, (dy, dy_len), in_len, |dy, dx, s, _| {
+                correlate_group(&phase.plan, dy, (&phase.kernel, None), dx, s)
+            });
+        }
     }
     map_images(conv.n, (dy, dy_len), in_len, |dy, dx, s, par| {
         if direct {

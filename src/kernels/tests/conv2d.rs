@@ -156,6 +156,13 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((2, 66, 18, 17), (64, 3, 3), (1, 1), (0, 0, 0, 0)),
         case((5, 20, 7, 7), (18, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((3, 17, 8, 8), (130, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // Planes too small to fill the micro-kernel's column blocks: several images per GEMM
+        // (a last group one image short, a row-shift expansion whose extra rows sit between
+        // the images, a folded one, a read of the input itself).
+        case((9, 40, 7, 7), (20, 1, 1), (1, 1), (0, 0, 0, 0)),
+        case((8, 30, 15, 15), (14, 3, 3), (2, 2), (0, 0, 0, 0)),
+        case((6, 5, 5, 6), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((7, 20, 6, 5), (9, 3, 1), (1, 1), (0, 0, 0, 0)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

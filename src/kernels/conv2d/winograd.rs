@@ -296,15 +296,17 @@ impl Winograd {
         {
             for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
                 let from = r as isize - plan.top;
-                if from < 0 || from >= plan.h as isize || lo >= hi {
+                let inside = from >= 0 && from < plan.h as isize && lo < hi;
+                let part = if inside {
+                    let s0 = (lo as isize - plan.left) as usize;
+                    &src[from as usize * plan.w + s0..][..hi - lo]
+                } else {
+                    &[]
+                };
+                if !pairs_avx2::padded_row(row, lo, part) {
                     row.fill(0.0);
-                    continue;
+                    row[lo..lo + part.len()].copy_from_slice(part);
                 }
-                let src = &src[from as usize * plan.w..][..plan.w];
-                row[..lo].fill(0.0);
-                let s0 = (lo as isize - plan.left) as usize;
-                row[lo..hi].copy_from_slice(&src[s0..s0 + (hi - lo)]);
-                row[hi..].fill(0.0);
             }
         }
     }

@@ -65,6 +65,22 @@ pub(super) fn output_tiles(
     false
 }
 
+/// Writes one row of a padded plane: `src` at columns `lo ..` of `dst`, zero elsewhere, in
+/// vector stores (a padded row is a few dozen values; three calls into `memset` and `memcpy`
+/// per row cost more than the copy). Returns `false`, touching nothing, where the CPU lacks
+/// AVX2 or `src` does not fit.
+pub(super) fn padded_row(dst: &mut [f32], lo: usize, src: &[f32]) -> bool {
+    let fits = lo + src.len() <= dst.len();
+    #[cfg(target_arch = "x86_64")]
+    if fits && avx2_fma() {
+        // SAFETY: the CPU has AVX2, and `dst` holds `lo + src.len()` values (checked above).
+        unsafe { avx2::padded_row((dst.as_mut_ptr(), dst.len()), lo, (src.as_ptr(), src.len())) };
+        return true;
+    }
+    let _ = (fits, dst, lo, src);
+    false
+}
+
 /// Whether the CPU has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 fn avx2_fma() -> bool {
@@ -75,12 +91,43 @@ fn avx2_fma() -> bool {
 mod avx2 {
     use std::arch::x86_64::{
         __m256, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_maskstore_ps, _mm256_set1_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps,
-        _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
     };
 
     use super::{SIDE, TILE};
     use crate::kernels::conv2d::microkernel::avx2::mask;
+
+    /// [`super::padded_row`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2; `dst` holds `len` values, `src` holds `n`, and `lo + n <= len`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn padded_row(
+        (dst, len): (*mut f32, usize),
+        lo: usize,
+        (src, n): (*const f32, usize),
+    ) {
+        let zero = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 8 <= len {
+            _mm256_storeu_ps(dst.add(i), zero);
+            i += 8;
+        }
+        if i < len {
+            _mm256_maskstore_ps(dst.add(i), mask(len - i), zero);
+        }
+        let mut j = 0;
+        while j + 8 <= n {
+            _mm256_storeu_ps(dst.add(lo + j), _mm256_loadu_ps(src.add(j)));
+            j += 8;
+        }
+        if j < n {
+            let m = mask(n - j);
+            _mm256_maskstore_ps(dst.add(lo + j), m, _mm256_maskload_ps(src.add(j), m));
+        }
+    }
 
     /// Within each 128-bit half, the 4x4 transpose of the four vectors' halves.
     #[inline(always)]

@@ -739,16 +739,33 @@ fn winograd_weight_grad(
         })?;
         Ok(acc)
     };
-    let partials = each_task(tasks, run)?;
-    let mut total = vec![0f32; grad_len + bias_len];
-    for partial in &partials {
-        for (t, p) in total.iter_mut().zip(partial) {
-            *t += p;
-        }
-    }
+    let mut partials = each_task(tasks, run)?;
+    let total = sum_partials(&mut partials);
     let mut dw = wino.kernel_grad(&total[..grad_len]);
     dw.extend_from_slice(&total[grad_len..]);
     Ok(dw)
+}
+
+/// The sum of equal-length `partials` in the first one's memory, added in order (so the result
+/// does not depend on the thread count's timing), in parallel over chunks.
+fn sum_partials(partials: &mut [Vec<f32>]) -> Vec<f32> {
+    /// Values per rayon task.
+    const CHUNK: usize = 16 * 1024;
+    let Some((first, rest)) = partials.split_first_mut() else {
+        return Vec::new();
+    };
+    let mut total = std::mem::take(first);
+    total
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            for partial in rest.iter() {
+                for (t, p) in chunk.iter_mut().zip(&partial[i * CHUNK..]) {
+                    *t += p;
+                }
+            }
+        });
+    total
 }
 
 /// The results of `run(t)` for each of `tasks` tasks, in order: in parallel when there are

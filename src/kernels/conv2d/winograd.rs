@@ -535,11 +535,14 @@ impl Winograd {
             .zip(dy.chunks_exact(plan.ho * plan.wo))
         {
             for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
-                if r < plan.ho {
-                    row[..plan.wo].copy_from_slice(&src[r * plan.wo..][..plan.wo]);
-                    row[plan.wo..].fill(0.0);
+                let part = if r < plan.ho {
+                    &src[r * plan.wo..][..plan.wo]
                 } else {
+                    &[]
+                };
+                if !pairs_avx2::padded_row(row, 0, part) {
                     row.fill(0.0);
+                    row[..part.len()].copy_from_slice(part);
                 }
             }
         }
@@ -842,10 +845,12 @@ fn gradient_column([g0, g1, g2, g3]: [f32; TILE]) -> [f32; SIDE] {
 /// One column of `Gt d`: 6 values of a transformed kernel's gradient to 3 taps'.
 #[inline(always)]
 fn kernel_grad_column([d0, d1, d2, d3, d4, d5]: [f32; SIDE]) -> [f32; 3] {
+    // Multiplications by the reciprocals, as in `kernel_column`.
+    const SIXTH: f32 = 1.0 / 6.0;
     [
-        d0 / 4.0 - (d1 + d2) / 6.0 + (d3 + d4) / 24.0,
-        (d2 - d1) / 6.0 + (d3 - d4) / 12.0,
-        (d3 + d4 - d1 - d2) / 6.0 + d5,
+        d0 * 0.25 - (d1 + d2) * SIXTH + (d3 + d4) * (SIXTH / 4.0),
+        (d2 - d1) * SIXTH + (d3 - d4) * (SIXTH / 2.0),
+        (d3 + d4 - d1 - d2) * SIXTH + d5,
     ]
 }
 

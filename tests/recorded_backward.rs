@@ -86,6 +86,16 @@ fn replicas() -> kandle::Result<(Replica, Replica)> {
     Ok((recorded, candle))
 }
 
+/// Whether variable `name` is the bias of a convolution that a BatchNorm follows: its
+/// gradient is zero, so both paths give rounding noise, which only an absolute bound compares
+/// (the two sum a concatenation's branch gradients in different orders).
+fn feeds_batch_norm(name: &str, names: &[String]) -> bool {
+    name.strip_suffix("conv2d_1.bias").is_some_and(|scope| {
+        let bn = format!("{scope}batch_normalization_1.");
+        names.iter().any(|n| n.starts_with(&bn))
+    })
+}
+
 /// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
 fn relative_difference(a: &Tensor, b: &Tensor) -> kandle::Result<f32> {
     let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -107,8 +117,24 @@ fn gradients_match_candle_autograd() -> kandle::Result<()> {
         .filter(|p| p.trainable)
         .map(|p| p.name.clone())
         .collect();
+    let largest = |t: &Tensor| -> kandle::Result<f32> { Ok(t.abs()?.max_all()?.to_scalar()?) };
+    let mut weights_scale = 0f32;
+    for (b, name) in theirs.grads.iter().zip(&names) {
+        if name.ends_with("weight") {
+            weights_scale = weights_scale.max(largest(b)?);
+        }
+    }
     for ((a, b), name) in ours.grads.iter().zip(&theirs.grads).zip(&names) {
         assert_eq!(a.dims(), b.dims(), "{name}");
+        if feeds_batch_norm(name, &names) {
+            // Zero in exact arithmetic: both must be negligible against the kernels' gradients.
+            let noise = largest(a)?.max(largest(b)?);
+            assert!(
+                noise < 1e-4 * weights_scale,
+                "{name}: {noise} is not negligible"
+            );
+            continue;
+        }
         let norm = b.sqr()?.sum_all()?.to_scalar::<f32>()?;
         assert!(norm > 0.0, "{name}: candle's gradient is zero");
         let rel = relative_difference(a, b)?;
@@ -137,10 +163,17 @@ fn training_reaches_the_same_weights() -> kandle::Result<()> {
         }
     }
     let (ours, theirs) = (recorded.store().weights()?, candle.store().weights()?);
+    let names: Vec<String> = recorded.store().iter().map(|p| p.name.clone()).collect();
     for (name, a) in ours.iter() {
         let b = theirs
             .get(name)
             .ok_or_else(|| kandle::Error::invalid(format!("no {name}")))?;
+        if feeds_batch_norm(name, &names) {
+            // Moved by rounding noise alone (see `feeds_batch_norm`).
+            let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(diff < 1e-6, "{name}: differs by {diff} after 5 steps");
+            continue;
+        }
         let rel = relative_difference(a, b)?;
         assert!(
             rel < 1e-4,

@@ -30,7 +30,7 @@ mod winograd;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::planes::f32_data;
+use super::planes::{f32_data, with_f32};
 use crate::{Error, Result};
 use passes::Conv;
 
@@ -40,7 +40,7 @@ const WEIGHT_GRAD: &str = "conv2d_weight_grad";
 
 /// Strides and padding of a convolution: `(vertical, horizontal)` and
 /// `(top, bottom, left, right)`.
-type Window = ((usize, usize), (usize, usize, usize, usize));
+pub type Window = ((usize, usize), (usize, usize, usize, usize));
 
 /// Whether [`conv2d`] can run on these tensors: both `f32` and on the CPU.
 pub fn supported(x: &Tensor, w: &Tensor) -> bool {
@@ -130,6 +130,7 @@ pub fn conv2d_input_grad(
         stride,
         padding,
         input_hw,
+        add: None,
     };
     apply_gradient_op(&op, ("output gradient", dy), ("weight", w))
 }
@@ -154,6 +155,14 @@ pub fn conv2d_weight_grad(
     apply_gradient_op(&op, ("input", x), ("output gradient", dy))
 }
 
+/// Whether [`conv2d_backward`] adds its `add` while it writes the input's gradient (the direct
+/// correlations), rather than in a pass of its own after Winograd's (3x3 unit-stride kernels
+/// with 16 channels or more on both sides).
+pub fn input_grad_adds_in_place(x: &Tensor, w: &Tensor, window: Window) -> bool {
+    forward_geometry(x.dims(), w.dims(), window)
+        .is_ok_and(|conv| passes::input_grad_adds_in_place(&conv))
+}
+
 /// The gradients of one [`conv2d`], from [`conv2d_backward`].
 #[derive(Debug, Clone)]
 pub struct Conv2dGrads {
@@ -167,7 +176,10 @@ pub struct Conv2dGrads {
 
 /// All gradients of [`conv2d`] at once, from its input `x`, its kernel `w` and the output
 /// gradient `dy`: the kernel's always, the input's when `input_grad` and the bias's when
-/// `bias_grad` (summed in the same pass as the kernel's). Not differentiable.
+/// `bias_grad` (summed in the same pass as the kernel's). With `add` (shaped as `x`), the
+/// input's gradient is returned plus `add`: where the input feeds several branches, the
+/// others' gradient is added as this one is written ([`input_grad_adds_in_place`]) instead of
+/// in a pass of its own. Not differentiable.
 pub fn conv2d_backward(
     x: &Tensor,
     w: &Tensor,
@@ -175,6 +187,7 @@ pub fn conv2d_backward(
     (input_grad, bias_grad): (bool, bool),
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
+    add: Option<&Tensor>,
 ) -> Result<Conv2dGrads> {
     check_tensors(
         WEIGHT_GRAD,
@@ -182,12 +195,23 @@ pub fn conv2d_backward(
     )?;
     let conv = forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
     check_output(WEIGHT_GRAD, &conv, dy.dims()).map_err(Error::invalid)?;
+    if let Some(add) = add {
+        check_tensors(INPUT_GRAD, &[("gradient to add", add)])?;
+        if add.dims() != x.dims() {
+            return Err(Error::invalid(format!(
+                "{INPUT_GRAD}: cannot add a gradient {:?} to the input's {:?}",
+                add.dims(),
+                x.dims()
+            )));
+        }
+    }
     let op = Forward { stride, padding };
     let [input, weight, bias] = op.grads(
         &x.contiguous()?,
         &w.contiguous()?,
         dy,
         [input_grad, true, bias_grad],
+        add,
     )?;
     let weight = weight.ok_or_else(|| Error::invalid(format!("{WEIGHT_GRAD}: no result")))?;
     Ok(Conv2dGrads {
@@ -362,6 +386,7 @@ impl Forward {
         w: &Tensor,
         dy: &Tensor,
         want: [bool; 3],
+        add: Option<&Tensor>,
     ) -> candle_core::Result<[Option<Tensor>; 3]> {
         let [want_input, want_weight, want_bias] = want;
         let dy = dy.contiguous()?;
@@ -371,6 +396,7 @@ impl Forward {
                 stride: self.stride,
                 padding: self.padding,
                 input_hw: (h, wd),
+                add: add.cloned(),
             };
             Some(dy.apply_op2_no_bwd(w, &op)?)
         } else {
@@ -419,7 +445,7 @@ impl CustomOp2 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, _] = self.grads(x, w, dy, [x.track_op(), w.track_op(), false])?;
+        let [dx, dw, _] = self.grads(x, w, dy, [x.track_op(), w.track_op(), false], None)?;
         Ok((dx, dw))
     }
 }
@@ -454,7 +480,8 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dx, dw, db] = self.grads(x, w, dy, [x.track_op(), w.track_op(), b.track_op()])?;
+        let [dx, dw, db] =
+            self.grads(x, w, dy, [x.track_op(), w.track_op(), b.track_op()], None)?;
         Ok((dx, dw, db))
     }
 }
@@ -499,6 +526,9 @@ struct InputGrad {
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
     input_hw: (usize, usize),
+    /// A gradient `(N, C, H, W)` the result is added to (another branch's, where the input
+    /// feeds several).
+    add: Option<Tensor>,
 }
 
 impl Operands for InputGrad {
@@ -518,7 +548,12 @@ impl Operands for InputGrad {
         dy: &[f32],
         w: &[f32],
     ) -> candle_core::Result<(Vec<f32>, Shape)> {
-        let dx = passes::input_grad(conv, dy, w)?;
+        let dx = match &self.add {
+            Some(add) => with_f32(INPUT_GRAD, add, |a| {
+                passes::input_grad(conv, dy, w, Some(a))
+            })?,
+            None => passes::input_grad(conv, dy, w, None)?,
+        };
         Ok((dx, Shape::from((conv.n, conv.c, conv.h, conv.w))))
     }
 }

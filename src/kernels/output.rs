@@ -67,24 +67,37 @@ impl<'p> Plane<'p> {
     }
 }
 
-/// A new vector of `len` values, chunks of `chunk` (the last may be shorter), each zeroed and
-/// then handed to `fill(index, chunk)`, in parallel when `parallel`. The first error ends the
-/// work and is returned.
+/// A new vector of `len` values, chunks of `chunk` (the last may be shorter), each zeroed (or,
+/// with `start`, set to `start`'s values) and then handed to `fill(index, chunk)`, in
+/// parallel when `parallel`. The first error ends the work and is returned. `start` holds at
+/// least `len` values.
 ///
-/// Each chunk is zeroed in the task that fills it, just before: those stores go to the cache
+/// Each chunk is set in the task that fills it, just before: those stores go to the cache
 /// that `fill`'s stores then hit, where zeroing the whole buffer at allocation would take a
 /// pass over memory of its own.
 pub(crate) fn try_by_chunk<E: Send>(
     len: usize,
     chunk: usize,
     parallel: bool,
+    start: Option<&[f32]>,
     fill: impl Fn(usize, &mut [f32]) -> Result<(), E> + Sync,
 ) -> Result<Vec<f32>, E> {
     let mut out = Vec::with_capacity(len);
     let slots = &mut out.spare_capacity_mut()[..len];
+    let chunk = chunk.max(1);
     let task = |(i, slots): (usize, &mut [MaybeUninit<f32>])| {
-        for slot in slots.iter_mut() {
-            slot.write(0.0);
+        let from = start.and_then(|s| s.get(i * chunk..i * chunk + slots.len()));
+        match from {
+            Some(from) => {
+                for (slot, v) in slots.iter_mut().zip(from) {
+                    slot.write(*v);
+                }
+            }
+            None => {
+                for slot in slots.iter_mut() {
+                    slot.write(0.0);
+                }
+            }
         }
         // SAFETY: every value was just written, and `MaybeUninit<f32>` has `f32`'s layout.
         fill(i, unsafe {
@@ -98,7 +111,8 @@ pub(crate) fn try_by_chunk<E: Send>(
         slots.chunks_mut(chunk).enumerate().try_for_each(task)?;
     }
     // SAFETY: the chunks cover the first `len` values; `try_for_each` returned `Ok`, so every
-    // chunk's task ran, and each zeroed its chunk first.
+    // chunk's task ran, and each set every value of its chunk first (`zip` stops at neither
+    // side early: `from` is as long as the chunk).
     unsafe { out.set_len(len) };
     Ok(out)
 }

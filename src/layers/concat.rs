@@ -164,12 +164,21 @@ impl Layer for ConcatLayer {
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
                 // Each branch gets its channels of the gradient; the input's gradient is the
-                // sum of the branches'.
+                // sum of the branches'. A branch that adds the others' sum as it writes its
+                // own gradient goes last, saving the sum a pass.
+                let mut parts: Vec<_> = branches
+                    .into_iter()
+                    .scan(0, |offset, (channels, backward)| {
+                        *offset += channels;
+                        Some((*offset - channels, channels, backward))
+                    })
+                    .collect();
+                let adds = parts.iter().rposition(|(_, _, b)| b.adds_in_place());
+                let last = adds.filter(|_| input_grad && parts.len() > 1);
+                let adder = last.map(|i| parts.remove(i));
                 let mut dx: Option<Tensor> = None;
-                let mut offset = 0;
-                for (channels, backward) in branches {
+                for (offset, channels, backward) in parts {
                     let part = channels_of(&dy, offset, channels, kernels)?;
-                    offset += channels;
                     let Some(d) = backward.backward(part, grads, input_grad)? else {
                         continue;
                     };
@@ -178,11 +187,115 @@ impl Layer for ConcatLayer {
                         Some(sum) => sum.add(&d)?,
                     });
                 }
+                if let Some((offset, channels, backward)) = adder {
+                    let part = channels_of(&dy, offset, channels, kernels)?;
+                    dx = match dx {
+                        Some(sum) => Some(backward.backward_adding(part, grads, sum)?),
+                        None => backward.backward(part, grads, input_grad)?,
+                    };
+                }
                 match dx {
                     None if input_grad => Err(missing_input_grad(&path)),
                     dx => Ok(dx),
                 }
             },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor, Var};
+
+    use crate::layers::{
+        Activation, BatchNormalization, BuildContext, Concat, Conv2D, Layer, LayerSpecExt,
+        MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
+    };
+    use crate::params::ParamStore;
+    use crate::{ComputePath, Result};
+
+    const INPUT: [usize; 3] = [16, 9, 9];
+
+    fn module(conv: Conv2D) -> Sequential {
+        Sequential::new()
+            .add(conv)
+            .add(BatchNormalization::new())
+            .add(Activation::Relu)
+    }
+
+    /// An inception-like module (a 1x1 branch, whose kernel adds the other branch's input
+    /// gradient in place, beside Winograd's 3x3), then a strided convolution beside a max pool.
+    fn build(path: ComputePath) -> Result<(SequentialNet, ParamStore)> {
+        let net = Sequential::new()
+            .add(Concat::new([
+                module(Conv2D::new(12, 1)),
+                module(Conv2D::new(16, 3).padding(Padding::Same)),
+            ]))
+            .add(Concat::new([
+                module(Conv2D::new(10, 3).stride(2)).boxed(),
+                MaxPooling2D::new(3).stride(2).boxed(),
+            ]));
+        let ctx = BuildContext::new(&Device::Cpu, 9).with_compute_path(path);
+        let (net, store, _) = net.build_in(ctx, &INPUT)?;
+        Ok((net, store))
+    }
+
+    fn relative_difference(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    }
+
+    #[test]
+    fn branch_gradients_summed_in_place_match_autograd() -> Result<()> {
+        let (recorded, store) = build(ComputePath::Auto)?;
+        let (generic, generic_store) = build(ComputePath::DeviceGeneric)?;
+        generic_store.assign(&store.weights()?)?;
+        let x = Tensor::randn(0f32, 1., (3, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+
+        let run = recorded.forward_recorded(&x)?;
+        let dy = Tensor::randn(0f32, 1., run.output.dims(), &Device::Cpu)?;
+        let mut grads = ParamGrads::new();
+        let dx = run.backward.backward(dy.clone(), &mut grads, true)?;
+        let dx = dx.expect("an input gradient");
+
+        let input = Var::from_tensor(&x)?;
+        let y = generic.forward_t(input.as_tensor(), true)?;
+        let autograd = (y * &dy)?.sum_all()?.backward()?;
+        let want = autograd
+            .get(input.as_tensor())
+            .expect("autograd's input gradient");
+        let err = relative_difference(&dx, want)?;
+        assert!(err < 1e-4, "input gradient: relative error {err}");
+        // A convolution's bias before a BatchNorm has a zero gradient that rounding makes
+        // noise: the kernels are compared.
+        let compared = |p: &&crate::params::Param| p.trainable && !p.name.ends_with("bias");
+        for (p, q) in store
+            .iter()
+            .zip(generic_store.iter())
+            .filter(|(p, _)| compared(p))
+        {
+            let got = grads.take(p.var.as_tensor()).expect("a parameter gradient");
+            let want = autograd
+                .get(q.var.as_tensor())
+                .expect("autograd's gradient");
+            let err = relative_difference(&got, want)?;
+            assert!(err < 1e-4, "{}: relative error {err}", p.name);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn only_direct_convolutions_add_in_place() -> Result<()> {
+        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let adds = |conv: Conv2D| -> Result<bool> {
+            let ctx = BuildContext::new(&Device::Cpu, 0);
+            let (net, _, _) = module(conv).build_in(ctx, &INPUT)?;
+            Ok(net.forward_recorded(&x)?.backward.adds_in_place())
+        };
+        assert!(adds(Conv2D::new(4, 1))?);
+        assert!(adds(Conv2D::new(4, 3).stride(2))?);
+        // Winograd's input gradient adds in a pass of its own.
+        assert!(!adds(Conv2D::new(16, 3).padding(Padding::Same))?);
+        Ok(())
     }
 }

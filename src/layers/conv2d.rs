@@ -9,8 +9,8 @@ use candle_core::Tensor;
 
 use super::window::{subsample, Padding, Window};
 use super::{
-    record_with_candle, Activation, BuildContext, Built, ChannelAffine, Layer, LayerSpec,
-    ParamGrads, Recorded,
+    missing_input_grad, record_with_candle, Activation, Backward, BuildContext, Built,
+    ChannelAffine, Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels;
 use crate::params::Init;
@@ -189,27 +189,85 @@ impl Conv2DLayer {
         let weight = self.weight.detach();
         let bias = self.bias.as_ref().map(Tensor::detach);
         let y = kernels::conv2d::conv2d(x, &weight, bias.as_ref(), self.stride, self.pad)?;
-        let (x, params) = (x.clone(), (self.weight.clone(), self.bias.clone()));
-        let (stride, pad) = (self.stride, self.pad);
+        let window = (self.stride, self.pad);
+        let adds_in_place = kernels::conv2d::input_grad_adds_in_place(x, &weight, window);
         Ok(Recorded::new(
             y,
-            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                let g = kernels::conv2d::conv2d_backward(
-                    &x,
-                    &weight,
-                    &dy,
-                    (input_grad, bias.is_some()),
-                    stride,
-                    pad,
-                )?;
-                let (weight_var, bias_var) = params;
-                grads.add(&weight_var, g.weight)?;
-                if let (Some(b), Some(db)) = (bias_var, g.bias) {
-                    grads.add(&b, db)?;
-                }
-                Ok(g.input)
+            ConvBackward {
+                x: x.clone(),
+                weight,
+                bias,
+                vars: (self.weight.clone(), self.bias.clone()),
+                window,
+                adds_in_place,
             },
         ))
+    }
+}
+
+/// The recorded backward pass of a kernel convolution: both gradients in one call of
+/// [`kernels::conv2d::conv2d_backward`], which adds another branch's input gradient as it
+/// writes its own when asked.
+struct ConvBackward {
+    x: Tensor,
+    /// The kernel and bias the forward pass used (detached).
+    weight: Tensor,
+    bias: Option<Tensor>,
+    /// The variables their gradients go to.
+    vars: (Tensor, Option<Tensor>),
+    window: kernels::conv2d::Window,
+    adds_in_place: bool,
+}
+
+impl ConvBackward {
+    /// Adds the parameters' gradients to `grads` and returns the input's, plus `add`.
+    fn run(
+        self,
+        dy: &Tensor,
+        grads: &mut ParamGrads,
+        (input_grad, add): (bool, Option<&Tensor>),
+    ) -> Result<Option<Tensor>> {
+        let (stride, pad) = self.window;
+        let g = kernels::conv2d::conv2d_backward(
+            &self.x,
+            &self.weight,
+            dy,
+            (input_grad, self.bias.is_some()),
+            stride,
+            pad,
+            add,
+        )?;
+        let (weight_var, bias_var) = self.vars;
+        grads.add(&weight_var, g.weight)?;
+        if let (Some(b), Some(db)) = (bias_var, g.bias) {
+            grads.add(&b, db)?;
+        }
+        Ok(g.input)
+    }
+}
+
+impl Backward for ConvBackward {
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        self.run(&dy, grads, (input_grad, None))
+    }
+
+    fn backward_adding(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        add: Tensor,
+    ) -> Result<Tensor> {
+        self.run(&dy, grads, (true, Some(&add)))?
+            .ok_or_else(|| missing_input_grad("conv2d"))
+    }
+
+    fn adds_in_place(&self) -> bool {
+        self.adds_in_place
     }
 }
 

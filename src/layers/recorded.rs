@@ -55,6 +55,27 @@ pub trait Backward {
         grads: &mut ParamGrads,
         input_grad: bool,
     ) -> Result<Option<Tensor>>;
+
+    /// The input's gradient plus `add`, another branch's gradient of the same input (a
+    /// concatenation's branches share their input). The default adds it to
+    /// [`Backward::backward`]'s result; a layer whose kernel adds it while writing the
+    /// gradient overrides this and [`Backward::adds_in_place`].
+    fn backward_adding(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        add: Tensor,
+    ) -> Result<Tensor> {
+        let dx = self
+            .backward(dy, grads, true)?
+            .ok_or_else(|| missing_input_grad("a concatenation's branch"))?;
+        Ok(dx.add(&add)?)
+    }
+
+    /// Whether [`Backward::backward_adding`] adds as it writes the gradient, saving a pass.
+    fn adds_in_place(&self) -> bool {
+        false
+    }
 }
 
 impl<F> Backward for F

@@ -9,8 +9,8 @@
 use candle_core::{Device, Tensor};
 
 use super::{
-    check_input, child_names, identity, missing_input_grad, run_layers, BuildContext, Built, Layer,
-    LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
+    check_input, child_names, identity, missing_input_grad, run_layers, Backward, BuildContext,
+    Built, Layer, LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -239,23 +239,75 @@ impl SequentialNet {
             logits = recorded.logits;
             steps.push((name.clone(), recorded.backward));
         }
-        let backward = move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-            let mut grad = dy;
-            for (i, (name, step)) in steps.into_iter().enumerate().rev() {
-                let wanted = input_grad || i > 0;
-                match step.backward(grad, grads, wanted)? {
-                    Some(dx) => grad = dx,
-                    None if !wanted => return Ok(None),
-                    None => return Err(missing_input_grad(&name)),
-                }
-            }
-            Ok(Some(grad))
-        };
         Ok(Recorded {
             output: h,
             logits,
-            backward: Box::new(backward),
+            backward: Box::new(StackBackward { steps }),
         })
+    }
+}
+
+/// A layer's full name and its recorded backward pass.
+type Step = (String, Box<dyn Backward>);
+
+/// The recorded backward pass of a stack: each layer's, last first.
+struct StackBackward {
+    steps: Vec<Step>,
+}
+
+impl StackBackward {
+    /// Every layer's backward pass but the first's, last first: the gradient of the first
+    /// layer's output, with that layer's name and backward pass.
+    fn down_to_first(
+        mut self,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+    ) -> Result<Option<(Tensor, Step)>> {
+        let mut grad = dy;
+        while self.steps.len() > 1 {
+            let Some((name, step)) = self.steps.pop() else {
+                break;
+            };
+            grad = step
+                .backward(grad, grads, true)?
+                .ok_or_else(|| missing_input_grad(&name))?;
+        }
+        Ok(self.steps.pop().map(|first| (grad, first)))
+    }
+}
+
+impl Backward for StackBackward {
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let Some((grad, (name, first))) = self.down_to_first(dy.clone(), grads)? else {
+            return Ok(input_grad.then_some(dy));
+        };
+        match first.backward(grad, grads, input_grad)? {
+            None if input_grad => Err(missing_input_grad(&name)),
+            dx => Ok(dx),
+        }
+    }
+
+    fn backward_adding(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        add: Tensor,
+    ) -> Result<Tensor> {
+        match self.down_to_first(dy.clone(), grads)? {
+            Some((grad, (_, first))) => first.backward_adding(grad, grads, add),
+            None => Ok(dy.add(&add)?),
+        }
+    }
+
+    fn adds_in_place(&self) -> bool {
+        self.steps
+            .first()
+            .is_some_and(|(_, first)| first.adds_in_place())
     }
 }
 

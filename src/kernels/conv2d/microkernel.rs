@@ -139,7 +139,7 @@ impl PackedStack {
         fill: impl Fn(usize, usize, &mut [f32]) + Sync + Send,
     ) -> Self {
         let chunk = count * MR * k;
-        let data = output::try_by_chunk(count * m * k, chunk, true, |p, out| {
+        let data = output::try_by_chunk(count * m * k, chunk, true, None, |p, out| {
             fill(p, MR.min(m - MR * p), out);
             Ok::<(), std::convert::Infallible>(())
         });

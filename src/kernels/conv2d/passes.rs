@@ -106,7 +106,7 @@ fn gemm_parallelism(images: usize) -> Parallelism {
     }
 }
 
-/// The signature of a task of [`map_images`]: `f(input, output, scratch, parallelism)`.
+/// The signature of a task of [`map_groups`]: `f(input, output, scratch, parallelism)`.
 trait ImageTask:
     Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
 {
@@ -117,25 +117,16 @@ impl<F> ImageTask for F where
 {
 }
 
-/// A new output of `n` images of `out_len` values each: `f(input, output, scratch,
-/// parallelism)` for each of the `n` images of `x` (`in_len` values each) and its output,
-/// zeroed, in parallel when there are enough images.
-fn map_images(
-    n: usize,
-    x: (&[f32], usize),
-    out_len: usize,
-    f: impl ImageTask,
-) -> candle_core::Result<Vec<f32>> {
-    map_groups(n, 1, x, out_len, f)
-}
-
-/// [`map_images`] over groups of `group` consecutive images (the last may be short): `f`
-/// gets the inputs and outputs of a whole group, in parallel when there are enough groups.
+/// A new output of `n` images of `out_len` values each, from the `n` images of `x` (`in_len`
+/// values each) in groups of `group` consecutive images (the last may be short):
+/// `f(input, output, scratch, parallelism)` for each group's inputs and outputs, the outputs
+/// zeroed (or, with `start`, set to `start`'s values), in parallel when there are enough
+/// groups.
 fn map_groups(
     n: usize,
     group: usize,
     (x, in_len): (&[f32], usize),
-    out_len: usize,
+    (out_len, start): (usize, Option<&[f32]>),
     f: impl ImageTask,
 ) -> candle_core::Result<Vec<f32>> {
     let group = group.max(1);
@@ -143,9 +134,13 @@ fn map_groups(
     let par = gemm_parallelism(groups);
     let (in_chunk, out_chunk) = (group * in_len, group * out_len);
     let input = |i: usize| x.get(i * in_chunk..((i + 1) * in_chunk).min(x.len()));
-    output::try_by_chunk(n * out_len, out_chunk, split_images(groups), |i, y| {
-        with_scratch(|s| f(input(i).unwrap_or(&[]), y, s, par))
-    })
+    output::try_by_chunk(
+        n * out_len,
+        out_chunk,
+        split_images(groups),
+        start,
+        |i, y| with_scratch(|s| f(input(i).unwrap_or(&[]), y, s, par)),
+    )
 }
 
 /// A new output of the 3x3, stride-1 correlation of the `n` images of `x` through
@@ -158,7 +153,7 @@ fn winograd_images(
     bias: Option<&[f32]>,
 ) -> candle_core::Result<Vec<f32>> {
     let group = wino.group(n, rayon::current_num_threads());
-    map_groups(n, group, x, out_len, |x, y, s, par| {
+    map_groups(n, group, x, (out_len, None), |x, y, s, par| {
         wino.correlate(x, bias, y, &mut s.winograd, par)
     })
 }
@@ -241,12 +236,12 @@ impl PackedKernel {
 }
 
 /// `out = correlate(x, kernel) + bias` for one image, `bias` one value per output channel
-/// (none: zero).
+/// (none: zero), or `out +=` that when `into`.
 fn correlate_image(
     plan: &Plan,
     x: &[f32],
     (kernel, bias): (&PackedKernel, Option<&[f32]>),
-    out: &mut [f32],
+    (out, into): (&mut [f32], bool),
     expanded: &mut Vec<f32>,
     parallelism: Parallelism,
 ) -> candle_core::Result<()> {
@@ -255,12 +250,17 @@ fn correlate_image(
     for_each_tile_gemm(plan, x, expanded, |t| {
         let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
         if let (Some(bias), 0) = (bias, t.call) {
-            // Start from the bias, so the tile's first GEMM adds to it.
+            // Start from the bias (added to what `out` holds when `into`), so the tile's first
+            // GEMM adds to it.
             for (plane, b) in out.chunks_exact_mut(positions).zip(bias) {
-                plane[tile.clone()].fill(*b);
+                if into {
+                    plane[tile.clone()].iter_mut().for_each(|v| *v += b);
+                } else {
+                    plane[tile.clone()].fill(*b);
+                }
             }
         }
-        let accumulate = t.call > 0 || bias.is_some();
+        let accumulate = t.call > 0 || bias.is_some() || into;
         match (kernel.panels.get(t.call), parallelism) {
             (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
                 microkernel::product(
@@ -358,12 +358,12 @@ fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
 /// each image's operand (its expansion, or itself) is copied beside the others', plane by
 /// plane, so one GEMM per call covers them all; the columns between two images' positions (a
 /// row-shift expansion's extra rows) give values nobody reads. The products go to a scratch
-/// buffer, then to each image's output.
+/// buffer, then to each image's output (added to what it holds when `into`).
 fn correlate_group(
     plan: &Plan,
     x: &[f32],
     (kernel, bias): (&PackedKernel, Option<&[f32]>),
-    out: &mut [f32],
+    (out, into): (&mut [f32], bool),
     scratch: &mut Scratch,
 ) -> candle_core::Result<()> {
     let (in_len, out_len) = (plan.input_len(), plan.output_len());
@@ -429,10 +429,36 @@ fn correlate_group(
             .chunks_exact_mut(positions)
             .zip(products.chunks_exact(width))
         {
-            plane.copy_from_slice(&row[i * one.plane..][..positions]);
+            let row = &row[i * one.plane..][..positions];
+            if into {
+                plane.iter_mut().zip(row).for_each(|(v, p)| *v += p);
+            } else {
+                plane.copy_from_slice(row);
+            }
         }
     }
     Ok(())
+}
+
+/// Whether [`input_grad`] adds its `add` as it writes the gradient (its direct correlations
+/// do), rather than in a pass of its own after Winograd's correlation.
+pub(crate) fn input_grad_adds_in_place(conv: &Conv) -> bool {
+    let winograd = conv.stride == (1, 1)
+        && Winograd::suits(&Plan {
+            c: conv.o,
+            h: conv.ho,
+            w: conv.wo,
+            o: conv.c,
+            kh: conv.kh,
+            kw: conv.kw,
+            sh: 1,
+            sw: 1,
+            top: conv.kh as isize - 1 - conv.pad.0 as isize,
+            left: conv.kw as isize - 1 - conv.pad.2 as isize,
+            ho: conv.h,
+            wo: conv.w,
+        });
+    !winograd
 }
 
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with
@@ -451,7 +477,7 @@ pub(crate) fn forward(
     let bias = epilogue.bias;
     if let Some(wino) = Winograd::new(&plan, tap) {
         let group = wino.group(conv.n, rayon::current_num_threads());
-        return map_groups(conv.n, group, input, out_len, |x, y, s, par| {
+        return map_groups(conv.n, group, input, (out_len, None), |x, y, s, par| {
             wino.correlate(x, bias, y, &mut s.winograd, par)?;
             epilogue.finish(y);
             Ok(())
@@ -459,11 +485,11 @@ pub(crate) fn forward(
     }
     let kernel = PackedKernel::new(&plan, tap)?;
     let group = image_group(&plan, &kernel, conv.n);
-    map_groups(conv.n, group, input, out_len, |x, y, s, par| {
+    map_groups(conv.n, group, input, (out_len, None), |x, y, s, par| {
         if group > 1 {
-            correlate_group(&plan, x, (&kernel, bias), y, s)?;
+            correlate_group(&plan, x, (&kernel, bias), (y, false), s)?;
         } else {
-            correlate_image(&plan, x, (&kernel, bias), y, &mut s.expanded, par)?;
+            correlate_image(&plan, x, (&kernel, bias), (y, false), &mut s.expanded, par)?;
         }
         epilogue.finish(y);
         Ok(())
@@ -570,10 +596,23 @@ fn transpose_channels(w: &[f32], o: usize, c: usize, taps: usize) -> Vec<f32> {
 /// The gradient of the input, `dx (n, c, h, w)`, from `dy (n, o, ho, wo)` and `w`. At unit
 /// strides it is one correlation of `dy` with the flipped, transposed kernel; otherwise each
 /// stride phase is one, written into its strided positions of `dx`.
-pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn input_grad(
+    conv: &Conv,
+    dy: &[f32],
+    w: &[f32],
+    add: Option<&[f32]>,
+) -> candle_core::Result<Vec<f32>> {
     let phases = conv.phases(w)?;
     let (sh, sw) = conv.stride;
     let in_len = conv.c * conv.h * conv.w;
+    if add.is_some_and(|a| a.len() != conv.n * in_len) {
+        candle_core::bail!(
+            "conv2d_input_grad: {} values to add to {} input-gradient values",
+            add.map_or(0, <[f32]>::len),
+            conv.n * in_len
+        );
+    }
+    let into = add.is_some();
     let direct = sh == 1 && sw == 1;
     let dy_len = conv.o * conv.ho * conv.wo;
     // Where each phase's result starts in the phase buffer, and the runs of phases that share
@@ -600,21 +639,29 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
     }] = phases.as_slice()
     {
         // A 3x3 kernel at unit strides: one phase, the whole image, through Winograd's.
-        return winograd_images(wino, conv.n, (dy, dy_len), in_len, None);
+        let mut dx = winograd_images(wino, conv.n, (dy, dy_len), in_len, None)?;
+        if let Some(add) = add {
+            dx.par_chunks_mut(in_len.max(1))
+                .zip(add.par_chunks(in_len.max(1)))
+                .for_each(|(d, a)| d.iter_mut().zip(a).for_each(|(d, a)| *d += a));
+        }
+        return Ok(dx);
     }
+    let dx_len = (in_len, add);
     if let (true, [phase]) = (direct, phases.as_slice()) {
         let group = image_group(&phase.plan, &phase.kernel, conv.n);
         if group > 1 {
-            return map_groups(conv.n, group, (dy, dy_len), in_len, |dy, dx, s, _| {
-                correlate_group(&phase.plan, dy, (&phase.kernel, None), dx, s)
+            return map_groups(conv.n, group, (dy, dy_len), dx_len, |dy, dx, s, _| {
+                correlate_group(&phase.plan, dy, (&phase.kernel, None), (dx, into), s)
             });
         }
     }
-    map_images(conv.n, (dy, dy_len), in_len, |dy, dx, s, par| {
+    map_groups(conv.n, 1, (dy, dy_len), dx_len, |dy, dx, s, par| {
         if direct {
             // One phase covering the whole image, in place (phases is never empty here: a
             // stride-1 convolution reads every input position).
             return phases.iter().try_for_each(|p| {
+                let dx = (&mut *dx, into);
                 correlate_image(&p.plan, dy, (&p.kernel, None), dx, &mut s.expanded, par)
             });
         }
@@ -627,6 +674,7 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
                 // No kernel tap lands on these positions: their gradient is zero.
                 zp.fill(0.0);
             } else {
+                let zp = (zp, false);
                 correlate_image(&p.plan, dy, (&p.kernel, None), zp, &mut s.expanded, par)?;
             }
         }
@@ -643,8 +691,14 @@ pub(crate) fn input_grad(conv: &Conv, dy: &[f32], w: &[f32]) -> candle_core::Res
                     {
                         let wb = p.plan.wo;
                         let zr = &z[at + (ci * rows + a) * wb..][..wb];
-                        for (b, v) in zr.iter().enumerate() {
-                            row[p.x0 + sw * b] = *v;
+                        if into {
+                            for (b, v) in zr.iter().enumerate() {
+                                row[p.x0 + sw * b] += *v;
+                            }
+                        } else {
+                            for (b, v) in zr.iter().enumerate() {
+                                row[p.x0 + sw * b] = *v;
+                            }
                         }
                     }
                 }

@@ -185,7 +185,7 @@ impl Winograd {
 
     /// Whether `plan` is a 3x3, stride-1 correlation with enough channels and positions for
     /// the transforms to pay.
-    fn suits(plan: &Plan) -> bool {
+    pub(crate) fn suits(plan: &Plan) -> bool {
         plan.kh == 3
             && plan.kw == 3
             && plan.sh == 1

@@ -1,7 +1,10 @@
 //! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
 //! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
 
-use crate::kernels::conv2d::{conv2d, conv2d_affine, conv2d_input_grad, conv2d_weight_grad};
+use crate::kernels::conv2d::{
+    conv2d, conv2d_affine, conv2d_backward, conv2d_input_grad, conv2d_weight_grad,
+    input_grad_adds_in_place,
+};
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::rngs::StdRng;
@@ -303,6 +306,61 @@ fn folded_affine_and_relu_match_candle() -> anyhow::Result<()> {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(err.contains("[5]") && err.contains("[4, 3, 3, 3]"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn input_gradient_adds_another_in_place() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(23);
+    // The direct correlation per image, several small images per GEMM, strided phases, and
+    // Winograd's (which adds in a pass of its own).
+    let cases = [
+        case((3, 10, 9, 9), (6, 1, 1), (1, 1), (0, 0, 0, 0)),
+        case((9, 24, 7, 7), (20, 1, 1), (1, 1), (0, 0, 0, 0)),
+        case((2, 6, 15, 15), (5, 3, 3), (2, 2), (0, 0, 0, 0)),
+        case((2, 16, 8, 8), (16, 3, 3), (1, 1), (1, 1, 1, 1)),
+    ];
+    for case in cases {
+        let x = random(&mut rng, &[case.n, case.c, case.h, case.w])?;
+        let w = random(&mut rng, &[case.o, case.c, case.kh, case.kw])?;
+        let dy = random(&mut rng, reference(&x, &w, &case)?.dims())?;
+        let add = random(&mut rng, x.dims())?;
+        let plain = conv2d_backward(&x, &w, &dy, (true, false), case.stride, case.pad, None)?;
+        let added = conv2d_backward(
+            &x,
+            &w,
+            &dy,
+            (true, false),
+            case.stride,
+            case.pad,
+            Some(&add),
+        )?;
+        let (plain, added) = (plain.input.context("dx")?, added.input.context("dx")?);
+        let err = rel_err(&added, &(plain + &add)?)?;
+        assert!(err < 1e-5, "{case:?}: relative error {err}");
+        let in_place = input_grad_adds_in_place(&x, &w, (case.stride, case.pad));
+        assert_eq!(in_place, case.kh == 1 || case.stride != (1, 1), "{case:?}");
+    }
+    let x = Tensor::zeros((2, 3, 6, 6), DType::F32, &Device::Cpu)?;
+    let w = Tensor::zeros((4, 3, 1, 1), DType::F32, &Device::Cpu)?;
+    let dy = Tensor::zeros((2, 4, 6, 6), DType::F32, &Device::Cpu)?;
+    let wrong = Tensor::zeros((2, 3, 5, 6), DType::F32, &Device::Cpu)?;
+    let err = conv2d_backward(
+        &x,
+        &w,
+        &dy,
+        (true, false),
+        (1, 1),
+        (0, 0, 0, 0),
+        Some(&wrong),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(
+        err.contains("[2, 3, 5, 6]") && err.contains("[2, 3, 6, 6]"),
+        "{err}"
+    );
     Ok(())
 }
 

@@ -130,18 +130,28 @@ impl Winograd {
             return None;
         }
         let (o, c) = (plan.o, plan.c);
-        let transformed = |oi: usize, ci: usize| -> [f32; ELEMENTS] {
+        // `U = G g Gt` of output channel `oi` and input channels `ci0 ..` (up to
+        // `KERNEL_LANES`, zero past `c`), one lane each, so the arithmetic vectorises.
+        let transformed = |oi: usize, ci0: usize| -> [[f32; KERNEL_LANES]; ELEMENTS] {
+            let mut g = [[[0f32; KERNEL_LANES]; 3]; 3];
+            for (l, ci) in (ci0..c.min(ci0 + KERNEL_LANES)).enumerate() {
+                for (ky, row) in g.iter_mut().enumerate() {
+                    for (kx, taps) in row.iter_mut().enumerate() {
+                        taps[l] = tap(oi, ci, ky, kx);
+                    }
+                }
+            }
             // G g: 6 rows of 3, then (G g) Gt: 6x6.
-            let mut gg = [[0f32; 3]; SIDE];
+            let mut gg = [[[0f32; KERNEL_LANES]; 3]; SIDE];
             for kx in 0..3 {
-                let col = kernel_column([0, 1, 2].map(|ky| tap(oi, ci, ky, kx)));
+                let col = kernel_columns([g[0][kx], g[1][kx], g[2][kx]]);
                 for (row, v) in gg.iter_mut().zip(col) {
                     row[kx] = v;
                 }
             }
-            let mut u = [0f32; ELEMENTS];
+            let mut u = [[0f32; KERNEL_LANES]; ELEMENTS];
             for (a, row) in gg.iter().enumerate() {
-                u[a * SIDE..][..SIDE].copy_from_slice(&kernel_column(*row));
+                u[a * SIDE..][..SIDE].copy_from_slice(&kernel_columns(*row));
             }
             u
         };
@@ -150,26 +160,38 @@ impl Winograd {
             // their panel of every element's packed matrix.
             Kernel::Packed(PackedStack::build(ELEMENTS, (o, c), |p, rows, out| {
                 let per_element = rows * c;
-                for ci in 0..c {
+                for ci0 in (0..c).step_by(KERNEL_LANES) {
+                    let lanes = KERNEL_LANES.min(c - ci0);
                     for r in 0..rows {
-                        let u = transformed(p * MR + r, ci);
-                        for (e, v) in u.into_iter().enumerate() {
-                            out[e * per_element + ci * rows + r] = v;
+                        let u = transformed(p * MR + r, ci0);
+                        for (e, values) in u.iter().enumerate() {
+                            let at = e * per_element + ci0 * rows + r;
+                            for (l, v) in values[..lanes].iter().enumerate() {
+                                out[at + l * rows] = *v;
+                            }
                         }
                     }
                 }
             }))
         } else {
             // `[e][o][c]`, each output channel's in parallel.
-            let per_channel: Vec<Vec<[f32; ELEMENTS]>> = (0..o)
+            let per_channel: Vec<Vec<[[f32; KERNEL_LANES]; ELEMENTS]>> = (0..o)
                 .into_par_iter()
-                .map(|oi| (0..c).map(|ci| transformed(oi, ci)).collect())
+                .map(|oi| {
+                    (0..c)
+                        .step_by(KERNEL_LANES)
+                        .map(|ci0| transformed(oi, ci0))
+                        .collect()
+                })
                 .collect();
             let mut kernel = vec![0f32; ELEMENTS * o * c];
             for (oi, channel) in per_channel.iter().enumerate() {
-                for (ci, u) in channel.iter().enumerate() {
-                    for (e, v) in u.iter().enumerate() {
-                        kernel[(e * o + oi) * c + ci] = *v;
+                for (block, u) in channel.iter().enumerate() {
+                    let ci0 = block * KERNEL_LANES;
+                    let lanes = KERNEL_LANES.min(c - ci0);
+                    for (e, values) in u.iter().enumerate() {
+                        let at = (e * o + oi) * c + ci0;
+                        kernel[at..at + lanes].copy_from_slice(&values[..lanes]);
                     }
                 }
             }
@@ -816,6 +838,22 @@ enum Transform<'a> {
         bias: Option<&'a [f32]>,
         out: &'a mut [f32],
     },
+}
+
+/// Input channels [`Winograd::new`] transforms at once, a lane each.
+const KERNEL_LANES: usize = 8;
+
+/// [`kernel_column`] of each lane: the taps of [`KERNEL_LANES`] kernels at once.
+#[inline(always)]
+fn kernel_columns(g: [[f32; KERNEL_LANES]; 3]) -> [[f32; KERNEL_LANES]; SIDE] {
+    let mut out = [[0f32; KERNEL_LANES]; SIDE];
+    for l in 0..KERNEL_LANES {
+        let column = kernel_column([g[0][l], g[1][l], g[2][l]]);
+        for (row, v) in out.iter_mut().zip(column) {
+            row[l] = v;
+        }
+    }
+    out
 }
 
 /// One column of `G g`: the 3 taps `g` to 6 values.

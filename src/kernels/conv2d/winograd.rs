@@ -316,19 +316,19 @@ impl Winograd {
             .chunks_exact_mut(ph * pw)
             .zip(x.chunks_exact(plan.h * plan.w))
         {
-            for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
-                let from = r as isize - plan.top;
-                let inside = from >= 0 && from < plan.h as isize && lo < hi;
-                let part = if inside {
-                    let s0 = (lo as isize - plan.left) as usize;
-                    &src[from as usize * plan.w + s0..][..hi - lo]
-                } else {
-                    &[]
-                };
-                if !pairs_avx2::padded_row(row, lo, part) {
-                    row.fill(0.0);
-                    row[lo..lo + part.len()].copy_from_slice(part);
-                }
+            // Padded rows `top ..` hold the image's rows.
+            let first = plan.top.max(0) as usize;
+            let end = (plan.h as isize + plan.top).clamp(0, ph as isize) as usize;
+            let part = pairs_avx2::PaddedRows {
+                rows: if lo < hi { first..end.max(first) } else { 0..0 },
+                src_row: (first as isize - plan.top) as usize,
+                src_stride: plan.w,
+                src_col: (lo as isize - plan.left).max(0) as usize,
+                len: hi - lo,
+                col: lo,
+            };
+            if !pairs_avx2::padded_plane(dst, pw, src, &part) {
+                fill_padded(dst, pw, src, &part);
             }
         }
     }
@@ -556,16 +556,16 @@ impl Winograd {
             .chunks_exact_mut(ph * pw)
             .zip(dy.chunks_exact(plan.ho * plan.wo))
         {
-            for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
-                let part = if r < plan.ho {
-                    &src[r * plan.wo..][..plan.wo]
-                } else {
-                    &[]
-                };
-                if !pairs_avx2::padded_row(row, 0, part) {
-                    row.fill(0.0);
-                    row[..part.len()].copy_from_slice(part);
-                }
+            let part = pairs_avx2::PaddedRows {
+                rows: 0..plan.ho,
+                src_row: 0,
+                src_stride: plan.wo,
+                src_col: 0,
+                len: plan.wo,
+                col: 0,
+            };
+            if !pairs_avx2::padded_plane(dst, pw, src, &part) {
+                fill_padded(dst, pw, src, &part);
             }
         }
     }
@@ -838,6 +838,17 @@ enum Transform<'a> {
         bias: Option<&'a [f32]>,
         out: &'a mut [f32],
     },
+}
+
+/// The portable [`pairs_avx2::padded_plane`].
+fn fill_padded(dst: &mut [f32], pw: usize, src: &[f32], part: &pairs_avx2::PaddedRows) {
+    for (r, row) in dst.chunks_exact_mut(pw).enumerate() {
+        row.fill(0.0);
+        if part.rows.contains(&r) {
+            let from = (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col;
+            row[part.col..part.col + part.len].copy_from_slice(&src[from..from + part.len]);
+        }
+    }
 }
 
 /// Input channels [`Winograd::new`] transforms at once, a lane each.

@@ -65,19 +65,41 @@ pub(super) fn output_tiles(
     false
 }
 
-/// Writes one row of a padded plane: `src` at columns `lo ..` of `dst`, zero elsewhere, in
-/// vector stores (a padded row is a few dozen values; three calls into `memset` and `memcpy`
+/// Which part of a source plane a padded plane holds: its rows `rows` hold the source rows
+/// from `src_row` on (`src_stride` apart), `len` values each from source column `src_col`,
+/// at the padded plane's column `col`; every other value is zero.
+#[derive(Debug, Clone)]
+pub(super) struct PaddedRows {
+    pub rows: std::ops::Range<usize>,
+    pub src_row: usize,
+    pub src_stride: usize,
+    pub src_col: usize,
+    pub len: usize,
+    pub col: usize,
+}
+
+/// Writes the padded plane `dst` (rows of `pw`) from `src` as `part` says, row by row in
+/// vector stores (a padded row is a few dozen values: three calls into `memset` and `memcpy`
 /// per row cost more than the copy). Returns `false`, touching nothing, where the CPU lacks
-/// AVX2 or `src` does not fit.
-pub(super) fn padded_row(dst: &mut [f32], lo: usize, src: &[f32]) -> bool {
-    let fits = lo + src.len() <= dst.len();
+/// AVX2 or a row does not fit.
+pub(super) fn padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &PaddedRows) -> bool {
+    let rows = dst.len() / pw.max(1);
+    let last_src = |r: usize| {
+        (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col + part.len
+    };
+    let fits = pw > 0
+        && dst.len() == rows * pw
+        && part.col + part.len <= pw
+        && part.rows.end <= rows
+        && (part.rows.is_empty() || last_src(part.rows.end - 1) <= src.len());
     #[cfg(target_arch = "x86_64")]
     if fits && avx2_fma() {
-        // SAFETY: the CPU has AVX2, and `dst` holds `lo + src.len()` values (checked above).
-        unsafe { avx2::padded_row((dst.as_mut_ptr(), dst.len()), lo, (src.as_ptr(), src.len())) };
+        // SAFETY: the CPU has AVX2; every row of `dst` lies inside it, and every row read of
+        // `src` inside it (checked above).
+        unsafe { avx2::padded_plane((dst.as_mut_ptr(), rows, pw), src.as_ptr(), part) };
         return true;
     }
-    let _ = (fits, dst, lo, src);
+    let _ = (fits, dst, src, part);
     false
 }
 
@@ -98,17 +120,38 @@ mod avx2 {
     use super::{SIDE, TILE};
     use crate::kernels::conv2d::microkernel::avx2::mask;
 
-    /// [`super::padded_row`].
+    /// [`super::padded_plane`].
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2; `dst` holds `rows` rows of `pw` values, `part.col + part.len <= pw`,
+    /// `part.rows` lies within them, and `src` holds every row `part` reads.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn padded_plane(
+        (dst, rows, pw): (*mut f32, usize, usize),
+        src: *const f32,
+        part: &super::PaddedRows,
+    ) {
+        for r in 0..rows {
+            let row = (dst.add(r * pw), pw);
+            if part.rows.contains(&r) {
+                let from = (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col;
+                padded_row(row, part.col, (src.add(from), part.len));
+            } else {
+                padded_row(row, 0, (src, 0));
+            }
+        }
+    }
+
+    /// One padded row: `n` values of `src` at column `lo` of the `len` values of `dst`, zero
+    /// elsewhere.
     ///
     /// # Safety
     ///
     /// The CPU has AVX2; `dst` holds `len` values, `src` holds `n`, and `lo + n <= len`.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn padded_row(
-        (dst, len): (*mut f32, usize),
-        lo: usize,
-        (src, n): (*const f32, usize),
-    ) {
+    #[inline]
+    unsafe fn padded_row((dst, len): (*mut f32, usize), lo: usize, (src, n): (*const f32, usize)) {
         let zero = _mm256_setzero_ps();
         let mut i = 0;
         while i + 8 <= len {

@@ -443,21 +443,11 @@ fn correlate_group(
 /// Whether [`input_grad`] adds its `add` as it writes the gradient (its direct correlations
 /// do), rather than in a pass of its own after Winograd's correlation.
 pub(crate) fn input_grad_adds_in_place(conv: &Conv) -> bool {
+    // Winograd's runs only where one phase covers the whole input.
     let winograd = conv.stride == (1, 1)
-        && Winograd::suits(&Plan {
-            c: conv.o,
-            h: conv.ho,
-            w: conv.wo,
-            o: conv.c,
-            kh: conv.kh,
-            kw: conv.kw,
-            sh: 1,
-            sw: 1,
-            top: conv.kh as isize - 1 - conv.pad.0 as isize,
-            left: conv.kw as isize - 1 - conv.pad.2 as isize,
-            ho: conv.h,
-            wo: conv.w,
-        });
+        && conv
+            .phase_plan(0, 0)
+            .is_some_and(|(plan, _)| Winograd::suits(&plan));
     !winograd
 }
 
@@ -521,6 +511,37 @@ fn phase_range(r: usize, s: usize, lo: usize, hi: usize) -> (usize, usize) {
 
 impl Conv {
     /// The stride phases of the input gradient that hold at least one input position.
+    /// The correlation of stride phase `(ry, rx)` of the input gradient (see [`Phase`]) and the
+    /// first padded-input row and column it covers, or `None` when no input position falls in
+    /// the phase.
+    fn phase_plan(&self, ry: usize, rx: usize) -> Option<(Plan, (usize, usize))> {
+        let (sh, sw) = self.stride;
+        let (pt, _, pl, _) = self.pad;
+        let (a0, a1) = phase_range(ry, sh, pt, pt + self.h);
+        let (b0, b1) = phase_range(rx, sw, pl, pl + self.w);
+        if a1 == a0 || b1 == b0 {
+            return None;
+        }
+        // Taps of this phase: ky = ry + sh * u for u < kh', likewise kx.
+        let khp = self.kh.saturating_sub(ry).div_ceil(sh);
+        let kwp = self.kw.saturating_sub(rx).div_ceil(sw);
+        let plan = Plan {
+            c: self.o,
+            h: self.ho,
+            w: self.wo,
+            o: self.c,
+            kh: khp,
+            kw: kwp,
+            sh: 1,
+            sw: 1,
+            top: khp as isize - 1 - a0 as isize,
+            left: kwp as isize - 1 - b0 as isize,
+            ho: a1 - a0,
+            wo: b1 - b0,
+        };
+        Some((plan, (a0, b0)))
+    }
+
     fn phases(&self, w: &[f32]) -> candle_core::Result<Vec<Phase>> {
         let (sh, sw) = self.stride;
         let (pt, _, pl, _) = self.pad;
@@ -530,28 +551,10 @@ impl Conv {
         let mut phases = Vec::new();
         for ry in 0..sh {
             for rx in 0..sw {
-                let (a0, a1) = phase_range(ry, sh, pt, pt + self.h);
-                let (b0, b1) = phase_range(rx, sw, pl, pl + self.w);
-                if a1 == a0 || b1 == b0 {
+                let Some((plan, (a0, b0))) = self.phase_plan(ry, rx) else {
                     continue;
-                }
-                // Taps of this phase: ky = ry + sh * u for u < kh', likewise kx.
-                let khp = kh.saturating_sub(ry).div_ceil(sh);
-                let kwp = kw.saturating_sub(rx).div_ceil(sw);
-                let plan = Plan {
-                    c: o,
-                    h: self.ho,
-                    w: self.wo,
-                    o: c,
-                    kh: khp,
-                    kw: kwp,
-                    sh: 1,
-                    sw: 1,
-                    top: khp as isize - 1 - a0 as isize,
-                    left: kwp as isize - 1 - b0 as isize,
-                    ho: a1 - a0,
-                    wo: b1 - b0,
                 };
+                let (khp, kwp) = (plan.kh, plan.kw);
                 let tap = |ci, oi, u, v| {
                     let ky = ry + sh * (khp - 1 - u);
                     let kx = rx + sw * (kwp - 1 - v);

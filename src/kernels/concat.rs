@@ -6,10 +6,15 @@
 //! that holds it ([`super::output::by_plane`]). [`concat_channels`] is a custom op whose backward
 //! hands autograd each part's channels of the output gradient (views, as candle's `cat` does);
 //! a recorded backward pass cuts them with [`channel_slice`].
+//!
+//! In inference nothing needs the parts on their own: a [`ConcatOutput`] is the joined
+//! output, allocated first, and each part writes its channels of every image straight into
+//! it through a [`ChannelSlot`] (the convolution and pooling kernels take one), so the parts
+//! are never copied.
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::output::by_plane;
+use super::output::{by_plane, PartedOutput};
 use super::planes::{f32_data, nc_plane, with_f32};
 use crate::{Error, Result};
 
@@ -111,5 +116,110 @@ impl CustomOp2 for Concat {
         // Views, as candle's own `cat` gives back: autograd adds them where they go.
         let (ca, cb) = (a.dim(1)?, b.dim(1)?);
         Ok((Some(grad.narrow(1, 0, ca)?), Some(grad.narrow(1, ca, cb)?)))
+    }
+}
+
+/// The output of a concatenation along channels, `(N, C, ...)` `f32` on the CPU, written in
+/// place by its parts: each takes a [`ChannelSlot`] of its channels ([`Self::part`]) and writes
+/// them in every image. Where a part writes first, its tasks zero their images whole just
+/// before, so the output is never zeroed in a pass of its own.
+#[doc(hidden)]
+pub struct ConcatOutput {
+    out: PartedOutput,
+    dims: Vec<usize>,
+}
+
+impl ConcatOutput {
+    /// An output of shape `dims`, `(N, C, ...)`, nothing written yet.
+    pub fn new(dims: &[usize]) -> Result<Self> {
+        if dims.len() < 2 {
+            return Err(Error::invalid(format!(
+                "{CONCAT}: an output of shape {dims:?} has no channel axis"
+            )));
+        }
+        let (n, c, s) = nc_plane(dims);
+        Ok(Self {
+            out: PartedOutput::new(n, c * s),
+            dims: dims.to_vec(),
+        })
+    }
+
+    /// Channels `offset .. offset + channels` of every image, for one part to write.
+    pub fn part(&mut self, offset: usize, channels: usize) -> Result<ChannelSlot<'_>> {
+        if offset + channels > self.dims[1] {
+            return Err(Error::invalid(format!(
+                "{CONCAT}: channels {offset}..{} of an output of shape {:?}",
+                offset + channels,
+                self.dims
+            )));
+        }
+        let mut dims = self.dims.clone();
+        dims[1] = channels;
+        Ok(ChannelSlot {
+            out: &mut self.out,
+            dims,
+            offset: offset * nc_plane(&self.dims).2,
+        })
+    }
+
+    /// The joined tensor: what the parts wrote, zero in channels no part did.
+    pub fn into_tensor(self) -> Result<Tensor> {
+        let values = self.out.into_vec();
+        Ok(Tensor::from_vec(
+            values,
+            self.dims,
+            &candle_core::Device::Cpu,
+        )?)
+    }
+}
+
+/// One part's channels of a [`ConcatOutput`]: what a kernel writes into instead of a tensor of
+/// its own.
+#[doc(hidden)]
+pub struct ChannelSlot<'a> {
+    out: &'a mut PartedOutput,
+    /// The part's own shape: the output's, with its channels.
+    dims: Vec<usize>,
+    /// Where the part starts in each image, in values.
+    offset: usize,
+}
+
+impl ChannelSlot<'_> {
+    /// The shape of the part, `(N, channels, ...)`.
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// The output to write and where in each image the part starts (in values), once `op`'s
+    /// result of shape `dims` is checked to be the part's.
+    pub(crate) fn target(
+        &mut self,
+        op: &str,
+        dims: &[usize],
+    ) -> candle_core::Result<(&mut PartedOutput, usize)> {
+        if dims != self.dims.as_slice() {
+            candle_core::bail!(
+                "{op}: its output {dims:?} does not fit the concatenation's part {:?}",
+                self.dims
+            );
+        }
+        Ok((&mut *self.out, self.offset))
+    }
+
+    /// Copies `t`, a part computed on its own, into the slot.
+    pub fn copy_from(&mut self, t: &Tensor) -> Result<()> {
+        let dims = t.dims().to_vec();
+        let (n, c, s) = nc_plane(&dims);
+        let (out, offset) = self.target(CONCAT, &dims)?;
+        let parallel = n > 1;
+        with_f32(CONCAT, t, |data| {
+            out.try_fill((1, parallel), (offset, c * s), None, |i, mut image| {
+                for dst in image.each() {
+                    dst.copy_from_slice(&data[i * c * s..][..c * s]);
+                }
+                Ok(())
+            })
+        })?;
+        Ok(())
     }
 }

@@ -30,6 +30,8 @@ mod winograd;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
+use super::concat::ChannelSlot;
+use super::output::PartedOutput;
 use super::planes::{f32_data, with_f32};
 use crate::{Error, Result};
 use passes::Conv;
@@ -113,6 +115,48 @@ pub fn conv2d_affine(
     };
     Ok(x.contiguous()?
         .apply_op3_no_bwd(&w.contiguous()?, &channels, &op)?)
+}
+
+/// [`conv2d_affine`] written into a concatenation's channels (`slot`) instead of a tensor of
+/// its own: inference's branches fill their concatenation's output with no copy after.
+///
+/// Errors as [`conv2d_affine`]'s, and when the result's shape is not the slot's.
+pub fn conv2d_affine_into(
+    x: &Tensor,
+    w: &Tensor,
+    (scale, shift): (&Tensor, &Tensor),
+    relu: bool,
+    stride: (usize, usize),
+    padding: (usize, usize, usize, usize),
+    slot: &mut ChannelSlot<'_>,
+) -> Result<()> {
+    let tensors = [
+        ("input", x),
+        ("weight", w),
+        ("scale", scale),
+        ("shift", shift),
+    ];
+    check_tensors(FORWARD, &tensors)?;
+    let conv = forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
+    for v in [scale, shift] {
+        check_bias(v.dims(), w.dims()).map_err(Error::invalid)?;
+    }
+    let (out, offset) = slot.target(FORWARD, &[conv.n, conv.o, conv.ho, conv.wo])?;
+    let channels = Tensor::stack(&[scale, shift], 0)?;
+    with_f32(FORWARD, x, |x| {
+        with_f32(FORWARD, w, |w| {
+            with_f32(FORWARD, &channels, |channels| {
+                let (scale, shift) = channels.split_at(conv.o);
+                let epilogue = passes::Epilogue {
+                    scale: Some(scale),
+                    bias: Some(shift),
+                    relu,
+                };
+                passes::forward(&conv, x, w, epilogue, (out, offset))
+            })
+        })
+    })?;
+    Ok(())
 }
 
 /// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
@@ -372,9 +416,10 @@ impl Forward {
             }
         }
         let x = f32_data(FORWARD, xs, xl)?;
-        let y = passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, epilogue)?;
+        let mut y = PartedOutput::new(conv.n, conv.o * conv.ho * conv.wo);
+        passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, epilogue, (&mut y, 0))?;
         Ok((
-            CpuStorage::F32(y),
+            CpuStorage::F32(y.into_vec()),
             Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
         ))
     }

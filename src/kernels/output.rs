@@ -117,6 +117,162 @@ pub(crate) fn try_by_chunk<E: Send>(
     Ok(out)
 }
 
+/// A new output of `images` images of `image_len` values each, written in parts: each part
+/// (a concatenation's branch, or a kernel's whole output) writes its own run of values of
+/// every image, the images split over tasks in groups ([`Self::try_fill`]). A part's task sets
+/// its runs (to zero, or to given values) just before handing them over, in cache; no value
+/// outside the parts' runs is touched until [`Self::into_vec`], which zeroes any a part left.
+pub(crate) struct PartedOutput {
+    /// Capacity for all `images * image_len` values; its length stays zero until
+    /// [`Self::into_vec`].
+    values: Vec<f32>,
+    images: usize,
+    image_len: usize,
+    /// The runs `(offset, len)` of every image that a part has set.
+    written: Vec<(usize, usize)>,
+}
+
+/// A task's images of a [`PartedOutput`]: each image's run of the part being written.
+pub(crate) struct ImagesMut<'a> {
+    images: Vec<&'a mut [f32]>,
+}
+
+impl<'a> ImagesMut<'a> {
+    /// Runs of images given as slices (a test's, or a caller's own buffers).
+    #[cfg(test)]
+    pub(crate) fn new(images: Vec<&'a mut [f32]>) -> Self {
+        Self { images }
+    }
+
+    /// How many images the task holds.
+    pub(crate) fn count(&self) -> usize {
+        self.images.len()
+    }
+
+    /// Each image's run, in order.
+    pub(crate) fn each(&mut self) -> impl Iterator<Item = &mut [f32]> + use<'_, 'a> {
+        self.images.iter_mut().map(|image| &mut **image)
+    }
+
+    /// Every image's run at once.
+    pub(crate) fn all(&mut self) -> &mut [&'a mut [f32]] {
+        &mut self.images
+    }
+}
+
+impl PartedOutput {
+    /// An output of `images` images of `image_len` values, none written yet.
+    pub(crate) fn new(images: usize, image_len: usize) -> Self {
+        Self {
+            values: Vec::with_capacity(images * image_len),
+            images,
+            image_len,
+            written: Vec::new(),
+        }
+    }
+
+    /// Images in the output.
+    pub(crate) fn images(&self) -> usize {
+        self.images
+    }
+
+    /// Values per image.
+    pub(crate) fn image_len(&self) -> usize {
+        self.image_len
+    }
+
+    /// Writes one part: values `offset .. offset + len` of every image, `fill(group index,
+    /// images)` for each group of `group` consecutive images (the last may be short), in
+    /// parallel when `parallel`. Each run is first set to zero, or with `start` (which holds
+    /// a value for every value of the output) to its values there. The first error ends the
+    /// work and is returned.
+    pub(crate) fn try_fill<E: Send>(
+        &mut self,
+        (group, parallel): (usize, bool),
+        (offset, len): (usize, usize),
+        start: Option<&[f32]>,
+        fill: impl Fn(usize, ImagesMut<'_>) -> Result<(), E> + Sync,
+    ) -> Result<(), E> {
+        let stride = self.image_len;
+        assert!(
+            offset + len <= stride,
+            "values {offset}..{} of images of {stride}",
+            offset + len
+        );
+        let all = self.images * stride;
+        let chunk = (group.max(1) * stride).max(1);
+        let slots = &mut self.values.spare_capacity_mut()[..all];
+        let task = |(i, chunk_slots): (usize, &mut [MaybeUninit<f32>])| {
+            let images = chunk_slots
+                .chunks_mut(stride.max(1))
+                .enumerate()
+                .map(|(k, image)| {
+                    let run = &mut image[offset..offset + len];
+                    let at = (i * group.max(1) + k) * stride + offset;
+                    match start.and_then(|s| s.get(at..at + len)) {
+                        Some(from) => {
+                            for (slot, v) in run.iter_mut().zip(from) {
+                                slot.write(*v);
+                            }
+                        }
+                        None => {
+                            for slot in run.iter_mut() {
+                                slot.write(0.0);
+                            }
+                        }
+                    }
+                    // SAFETY: every value of the run was just written (`zip` stops at neither
+                    // side early: `from` is as long as the run), and `MaybeUninit<f32>` has
+                    // `f32`'s layout.
+                    unsafe { &mut *(run as *mut [MaybeUninit<f32>] as *mut [f32]) }
+                })
+                .collect();
+            fill(i, ImagesMut { images })
+        };
+        if parallel {
+            slots.par_chunks_mut(chunk).enumerate().try_for_each(task)?;
+        } else {
+            slots.chunks_mut(chunk).enumerate().try_for_each(task)?;
+        }
+        // `try_for_each` returned `Ok`: every group's task ran and set its runs.
+        self.written.push((offset, len));
+        Ok(())
+    }
+
+    /// The values: each image's runs as its parts wrote them, zero outside every part's.
+    pub(crate) fn into_vec(mut self) -> Vec<f32> {
+        let stride = self.image_len;
+        let all = self.images * stride;
+        self.written.sort_unstable();
+        let mut gaps = Vec::new();
+        let mut covered = 0;
+        for &(offset, len) in &self.written {
+            if offset > covered {
+                gaps.push(covered..offset);
+            }
+            covered = covered.max(offset + len);
+        }
+        if covered < stride {
+            gaps.push(covered..stride);
+        }
+        let slots = &mut self.values.spare_capacity_mut()[..all];
+        if !gaps.is_empty() {
+            slots.par_chunks_mut(stride.max(1)).for_each(|image| {
+                for gap in &gaps {
+                    for slot in &mut image[gap.clone()] {
+                        slot.write(0.0);
+                    }
+                }
+            });
+        }
+        // SAFETY: every value of every image lies in a run a part set (`written` holds only
+        // runs whose `try_fill` returned `Ok`, so set in every image) or in a gap between them,
+        // zeroed just above; all `all` values, within the capacity, are initialised.
+        unsafe { self.values.set_len(all) };
+        self.values
+    }
+}
+
 /// A new vector of `len` values, planes of `s`: `fill` gets each plane's index, its channel
 /// (of `c`; 1 when channels do not matter) and the plane to write, in parallel as in
 /// [`for_each_plane`].

@@ -15,6 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
+use super::concat::ChannelSlot;
 use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, for_each_plane_with, with_f32};
 use super::replay::Replay1;
@@ -48,6 +49,29 @@ pub fn supported(x: &Tensor) -> bool {
 pub fn max_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
     let op = MaxPool::new(Plan::new(MAX_OP, x, window)?, false);
     Ok(x.contiguous()?.apply_op1(op)?)
+}
+
+/// [`max_pool2d`]'s maxima written into a concatenation's channels (`slot`) instead of a
+/// tensor of their own, for inference (not differentiable). Errors as [`max_pool2d`]'s, and
+/// when the result's shape is not the slot's.
+pub fn max_pool2d_into(x: &Tensor, window: &PoolWindow, slot: &mut ChannelSlot<'_>) -> Result<()> {
+    let plan = Plan::new(MAX_OP, x, window)?;
+    let (n, c, _, _) = x.dims4()?;
+    let (out, offset) = slot.target(MAX_OP, plan.out_shape(x.dims()).dims())?;
+    let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
+    with_f32(MAX_OP, x, |x| {
+        out.try_fill((1, n > 1), (offset, c * out_len), None, |i, mut image| {
+            let mut scratch = MaxScratch::new(&plan);
+            for y in image.each() {
+                for (ch, yp) in y.chunks_exact_mut(out_len).enumerate() {
+                    let xp = &x[(i * c + ch) * in_len..][..in_len];
+                    plan.max_plane::<false>(xp, yp, &mut [], &mut scratch);
+                }
+            }
+            Ok(())
+        })
+    })?;
+    Ok(())
 }
 
 /// [`max_pool2d`] recording where each maximum is as it runs, for a backward pass that follows,

@@ -1,12 +1,12 @@
 //! `Concat`: parallel branches over the same input, joined on the channel axis. Inception and
 //! downsample modules are built from it.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::{
     missing_input_grad, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded, SummaryRow,
 };
-use crate::kernels::concat;
+use crate::kernels::concat::{self, ConcatOutput};
 use crate::Result;
 
 /// Runs each branch on the same input and concatenates the outputs along channels (the first
@@ -50,6 +50,7 @@ impl LayerSpec for Concat {
             )));
         }
         let mut layers = Vec::with_capacity(self.branches.len());
+        let mut channels = Vec::with_capacity(self.branches.len());
         let mut rows = Vec::with_capacity(self.branches.len());
         let mut out: Option<Vec<usize>> = None;
         for (i, spec) in self.branches.iter().enumerate() {
@@ -59,6 +60,7 @@ impl LayerSpec for Concat {
                 .unwrap_or_else(|| format!("branch_{}", i + 1));
             let built = ctx.scoped(&name, |ctx| spec.build(ctx, input_shape))?;
             let shape = built.output_shape.clone();
+            channels.push(shape.first().copied().unwrap_or(0));
             out = Some(match out {
                 None => shape.clone(),
                 Some(mut acc) => {
@@ -89,13 +91,16 @@ impl LayerSpec for Concat {
             });
             layers.push(built.layer);
         }
+        let output_shape = out.unwrap_or_default();
         Ok(Built {
             layer: Box::new(ConcatLayer {
                 path: ctx.path(),
                 branches: layers,
+                channels,
+                output_shape: output_shape.clone(),
                 kernels: ctx.compute_path().uses_kernels(),
             }),
-            output_shape: out.unwrap_or_default(),
+            output_shape,
             children: rows,
         })
     }
@@ -117,6 +122,10 @@ impl Concat {
 struct ConcatLayer {
     path: String,
     branches: Vec<Box<dyn Layer>>,
+    /// The channels of each branch's output.
+    channels: Vec<usize>,
+    /// The joined output's shape, without the batch axis.
+    output_shape: Vec<usize>,
     /// Whether two `f32` CPU parts are joined (and their gradients cut) by
     /// [`crate::kernels::concat`] rather than candle's single-threaded copies.
     kernels: bool,
@@ -139,8 +148,31 @@ fn channels_of(dy: &Tensor, offset: usize, channels: usize, kernels: bool) -> Re
     Ok(dy.narrow(1, offset, channels)?.contiguous()?)
 }
 
+impl ConcatLayer {
+    /// Inference's forward pass on the CPU: the output allocated first, and each branch
+    /// writing its channels straight into it (or its output copied there, where it cannot).
+    fn forward_in_place(&self, x: &Tensor) -> Result<Tensor> {
+        let mut dims = vec![x.dim(0)?];
+        dims.extend(&self.output_shape);
+        let mut out = ConcatOutput::new(&dims)?;
+        let mut offset = 0;
+        for (branch, &channels) in self.branches.iter().zip(&self.channels) {
+            let mut slot = out.part(offset, channels)?;
+            if !branch.forward_into(x, None, &mut slot)? {
+                slot.copy_from(&branch.forward_t(x, false)?)?;
+            }
+            offset += channels;
+        }
+        out.into_tensor()
+    }
+}
+
 impl Layer for ConcatLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let in_place = self.kernels && x.device().is_cpu() && x.dtype() == DType::F32;
+        if !train && in_place && self.branches.len() > 1 {
+            return self.forward_in_place(x);
+        }
         let outs = self
             .branches
             .iter()
@@ -208,8 +240,8 @@ mod tests {
     use candle_core::{Device, Tensor, Var};
 
     use crate::layers::{
-        Activation, BatchNormalization, BuildContext, Concat, Conv2D, Layer, LayerSpecExt,
-        MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
+        Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Layer,
+        LayerSpecExt, MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
     };
     use crate::params::ParamStore;
     use crate::{ComputePath, Result};
@@ -281,6 +313,53 @@ mod tests {
             let err = relative_difference(&got, want)?;
             assert!(err < 1e-4, "{}: relative error {err}", p.name);
         }
+        Ok(())
+    }
+
+    #[test]
+    fn inference_writes_branches_in_place_like_the_layers_apart() -> Result<()> {
+        // Branches that write their channels in place (folded modules, a convolution with its
+        // own ReLU, a max pool) beside ones that cannot (an average pool, a nested concat),
+        // at 9x9 and at the 4x4 a strided module leaves.
+        let build = |path: ComputePath| -> Result<(SequentialNet, ParamStore)> {
+            let net = Sequential::new()
+                .add(Concat::new([
+                    module(Conv2D::new(12, 1)).boxed(),
+                    AveragePooling2D::new(3)
+                        .stride(1)
+                        .padding(Padding::Same)
+                        .boxed(),
+                    module(Conv2D::new(16, 3).padding(Padding::Same)).boxed(),
+                    Conv2D::new(5, 1).activation(Activation::Relu).boxed(),
+                ]))
+                .add(Concat::new([
+                    module(Conv2D::new(10, 3).stride(2)).boxed(),
+                    Concat::new([Conv2D::new(3, 3).stride(2), Conv2D::new(2, 3).stride(2)]).boxed(),
+                    MaxPooling2D::new(3).stride(2).boxed(),
+                ]));
+            let ctx = BuildContext::new(&Device::Cpu, 4).with_compute_path(path);
+            let (net, store, _) = net.build_in(ctx, &INPUT)?;
+            Ok((net, store))
+        };
+        let (in_place, store) = build(ComputePath::Auto)?;
+        let (apart, apart_store) = build(ComputePath::DeviceGeneric)?;
+        for (i, p) in store.iter().enumerate() {
+            let noise = Tensor::randn(0f32, 0.5, p.var.dims(), &Device::Cpu)?;
+            let value = if p.name.ends_with("running_var") {
+                (noise.abs()? + 0.5)?
+            } else {
+                (noise + (i % 3) as f64 * 0.1)?
+            };
+            p.var.set(&value)?;
+        }
+        apart_store.assign(&store.weights()?)?;
+        let x = Tensor::randn(0f32, 1., (3, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let got = in_place.forward_t(&x, false)?;
+        let want = apart.forward_t(&x, false)?;
+        assert_eq!(got.dims(), &[3, 10 + 5 + 16 + 12 + 16 + 5, 4, 4]);
+        assert_eq!(got.dims(), want.dims());
+        let err = relative_difference(&got, &want)?;
+        assert!(err < 1e-5, "relative error {err}");
         Ok(())
     }
 

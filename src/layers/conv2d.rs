@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use super::window::{subsample, Padding, Window};
 use super::{
     missing_input_grad, record_with_candle, Activation, Backward, BuildContext, Built,
-    ChannelAffine, Layer, LayerSpec, ParamGrads, Recorded,
+    ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels;
 use crate::params::Init;
@@ -155,6 +155,40 @@ impl Conv2DLayer {
         self.kernels && kernels::conv2d::supported(x, &self.weight)
     }
 
+    /// What the kernel's affine epilogue applies to each output channel for this layer's bias
+    /// and activation, followed by `affine` if given: `(scale, shift, relu)`. `None` when the
+    /// kernel does not take `x`, or the activation is neither linear nor (with no map to
+    /// follow) a ReLU.
+    fn output_affine(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+    ) -> Result<Option<(Tensor, Tensor, bool)>> {
+        if !self.kernel_takes(x) {
+            return Ok(None);
+        }
+        let bias = self.bias.as_ref().map(Tensor::detach);
+        Ok(match (affine, self.activation) {
+            (Some(a), Activation::Linear) => {
+                let shift = match bias {
+                    Some(b) => ((b * &a.scale)? + &a.shift)?,
+                    None => a.shift.clone(),
+                };
+                Some((a.scale.clone(), shift, a.relu))
+            }
+            (None, Activation::Linear | Activation::Relu) => {
+                let o = self.weight.dim(0)?;
+                let scale = Tensor::ones(o, self.weight.dtype(), self.weight.device())?;
+                let shift = match bias {
+                    Some(b) => b,
+                    None => scale.zeros_like()?,
+                };
+                Some((scale, shift, self.activation == Activation::Relu))
+            }
+            _ => None,
+        })
+    }
+
     /// The convolution with its bias, before the activation.
     fn convolve(&self, x: &Tensor) -> Result<Tensor> {
         if self.kernel_takes(x) {
@@ -295,24 +329,36 @@ impl Layer for Conv2DLayer {
     }
 
     fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
-        if !self.kernel_takes(x) || self.activation != Activation::Linear {
+        let Some((scale, shift, relu)) = self.output_affine(x, Some(affine))? else {
             return Ok(None);
-        }
-        let weight = self.weight.detach();
-        let shift = match &self.bias {
-            Some(b) => ((b.detach() * &affine.scale)? + &affine.shift)?,
-            None => affine.shift.clone(),
         };
-        let channels = (&affine.scale, &shift);
-        let y = kernels::conv2d::conv2d_affine(
+        let (weight, window) = (self.weight.detach(), (self.stride, self.pad));
+        let channels = (&scale, &shift);
+        let y = kernels::conv2d::conv2d_affine(x, &weight, channels, relu, window.0, window.1)?;
+        Ok(Some(y))
+    }
+
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        let Some((scale, shift, relu)) = self.output_affine(x, affine)? else {
+            return Ok(false);
+        };
+        let weight = self.weight.detach();
+        let channels = (&scale, &shift);
+        kernels::conv2d::conv2d_affine_into(
             x,
             &weight,
             channels,
-            affine.relu,
+            relu,
             self.stride,
             self.pad,
+            slot,
         )?;
-        Ok(Some(y))
+        Ok(true)
     }
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {

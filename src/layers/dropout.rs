@@ -123,6 +123,10 @@ impl Layer for DropoutLayer {
         Ok(x.mul(&self.mask(x)?)?)
     }
 
+    fn passes_through(&self) -> bool {
+        true
+    }
+
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         if self.rate == 0.0 {
             return Ok(identity(x));

@@ -8,7 +8,7 @@
 
 use candle_core::Tensor;
 
-use super::Layer;
+use super::{ChannelSlot, Layer};
 use crate::Result;
 
 /// A per-channel affine map and an optional ReLU after it: `max(scale[c] * x + shift[c], 0)`
@@ -26,29 +26,86 @@ pub struct ChannelAffine {
 
 /// Runs `layers` in order on `x`; in inference (`!train`), a layer whose successor offers its
 /// affine map and that can apply it runs both at once.
-pub(crate) fn run_layers(
-    layers: &[(String, Box<dyn Layer>)],
-    x: &Tensor,
-    train: bool,
-) -> Result<Tensor> {
+pub(crate) fn run_layers(layers: &[Named], x: &Tensor, train: bool) -> Result<Tensor> {
     let mut h = x.clone();
     let mut rest = layers;
-    while let Some(((_, layer), after)) = rest.split_first() {
+    while let Some((step, after)) = next_step(rest, &h, train)? {
         rest = after;
-        if !train {
-            if let Some((_, next)) = after.first() {
-                if let Some(affine) = next.inference_affine(&h)? {
-                    if let Some(y) = layer.forward_then_affine(&h, &affine)? {
-                        h = y;
-                        rest = &after[1..];
-                        continue;
-                    }
-                }
-            }
-        }
-        h = layer.forward_t(&h, train)?;
+        h = step.run(&h, train)?;
     }
     Ok(h)
+}
+
+/// Runs `layers` in inference on `x` with the output written into `slot` (its channels of a
+/// concatenation's output): by the last step itself where it can write there, otherwise
+/// copied.
+pub(crate) fn run_layers_into(
+    layers: &[Named],
+    x: &Tensor,
+    slot: &mut ChannelSlot<'_>,
+) -> Result<()> {
+    let mut h = x.clone();
+    let mut rest = layers;
+    while let Some((step, after)) = next_step(rest, &h, false)? {
+        rest = after;
+        let last = after.iter().all(|(_, layer)| layer.passes_through());
+        if last && step.layer.forward_into(&h, step.affine(), slot)? {
+            return Ok(());
+        }
+        h = step.run(&h, false)?;
+    }
+    slot.copy_from(&h)
+}
+
+/// A layer of a stack, with its name.
+type Named = (String, Box<dyn Layer>);
+
+/// One step of a stack's forward pass: a layer, and in inference the layer after it when that
+/// one offers an affine map to fold in, with the map.
+struct Step<'a> {
+    layer: &'a dyn Layer,
+    then: Option<(&'a dyn Layer, ChannelAffine)>,
+}
+
+impl Step<'_> {
+    /// The map to fold into the layer's output, if any.
+    fn affine(&self) -> Option<&ChannelAffine> {
+        self.then.as_ref().map(|(_, affine)| affine)
+    }
+
+    /// The step's output: the layer's with the map folded in where the layer can, otherwise
+    /// the two layers one after the other.
+    fn run(&self, h: &Tensor, train: bool) -> Result<Tensor> {
+        let Some((next, affine)) = &self.then else {
+            return self.layer.forward_t(h, train);
+        };
+        match self.layer.forward_then_affine(h, affine)? {
+            Some(y) => Ok(y),
+            None => next.forward_t(&self.layer.forward_t(h, train)?, train),
+        }
+    }
+}
+
+/// The first step of `layers` on the input `h`, and the layers after it; `None` when there
+/// are none.
+fn next_step<'a>(
+    layers: &'a [Named],
+    h: &Tensor,
+    train: bool,
+) -> Result<Option<(Step<'a>, &'a [Named])>> {
+    let Some(((_, layer), after)) = layers.split_first() else {
+        return Ok(None);
+    };
+    let layer = layer.as_ref();
+    if !train {
+        if let Some(((_, next), rest)) = after.split_first() {
+            if let Some(affine) = next.inference_affine(h)? {
+                let then = Some((next.as_ref(), affine));
+                return Ok(Some((Step { layer, then }, rest)));
+            }
+        }
+    }
+    Ok(Some((Step { layer, then: None }, after)))
 }
 
 #[cfg(test)]

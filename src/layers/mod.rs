@@ -47,6 +47,8 @@ mod summary;
 mod window;
 mod wrappers;
 
+#[doc(hidden)]
+pub use crate::kernels::concat::ChannelSlot;
 pub(crate) use activation::log_softmax as activation_log_softmax;
 pub use activation::Activation;
 pub use batch_norm::BatchNormalization;
@@ -56,9 +58,9 @@ pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
 pub use flatten::Flatten;
-pub(crate) use fold::run_layers;
 #[doc(hidden)]
 pub use fold::ChannelAffine;
+pub(crate) use fold::{run_layers, run_layers_into};
 pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 // The recorded backward pass is kandle's own machinery: public only because `Layer`'s defaulted
@@ -135,6 +137,29 @@ pub trait Layer: Send + Sync {
         let _ = (x, affine);
         Ok(None)
     }
+
+    #[doc(hidden)]
+    /// Writes this layer's inference output, with `affine` (if any) applied to it, straight
+    /// into `slot`, its channels of a concatenation's output, and returns `true`; or returns
+    /// `false` having written nothing, when it cannot (the default), and the caller copies
+    /// the output [`Self::forward_t`] gives.
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        let _ = (x, affine, slot);
+        Ok(false)
+    }
+
+    #[doc(hidden)]
+    /// Whether, in inference, the layer hands its input on unchanged (a dropout, a ReLU that
+    /// the layer before absorbed), so that the layer before it gives the stack's output.
+    /// `false` by default.
+    fn passes_through(&self) -> bool {
+        false
+    }
 }
 
 impl<L: Layer + ?Sized> Layer for Box<L> {
@@ -161,6 +186,17 @@ impl<L: Layer + ?Sized> Layer for Box<L> {
     }
     fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
         (**self).forward_then_affine(x, affine)
+    }
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        (**self).forward_into(x, affine, slot)
+    }
+    fn passes_through(&self) -> bool {
+        (**self).passes_through()
     }
 }
 

@@ -13,7 +13,8 @@ use candle_core::{Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded,
+    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, ChannelSlot, Layer,
+    LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels::pooling::{self as kernels, PoolWindow};
 use crate::kernels::replay::Replay1;
@@ -188,6 +189,19 @@ impl Layer for PoolLayer {
         let replay = self.replay(x)?;
         let y = replay.output().clone();
         Ok(record_replay(replay, y))
+    }
+
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        if affine.is_some() || self.kind != PoolKind::Max || !self.kernel_takes(x) {
+            return Ok(false);
+        }
+        kernels::max_pool2d_into(x, &self.geometry.kernel_window(), slot)?;
+        Ok(true)
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {

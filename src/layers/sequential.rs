@@ -9,8 +9,9 @@
 use candle_core::{Device, Tensor};
 
 use super::{
-    check_input, child_names, identity, missing_input_grad, run_layers, Backward, BuildContext,
-    Built, Layer, LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
+    check_input, child_names, identity, missing_input_grad, run_layers, run_layers_into, Backward,
+    BuildContext, Built, ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
+    Summary, SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -166,6 +167,10 @@ impl Layer for Absorbed {
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
         Ok(identity(x))
+    }
+
+    fn passes_through(&self) -> bool {
+        true
     }
 }
 
@@ -323,6 +328,20 @@ impl Layer for SequentialNet {
             return Ok((x.clone(), None));
         };
         last.forward_with_logits(&run_layers(init, x, train)?, train)
+    }
+
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        if affine.is_some() {
+            return Ok(false);
+        }
+        check_input(&self.path, x, &self.input_shape)?;
+        run_layers_into(&self.layers, x, slot)?;
+        Ok(true)
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {

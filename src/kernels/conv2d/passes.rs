@@ -11,7 +11,7 @@ use std::cell::Cell;
 
 use rayon::prelude::*;
 
-use super::super::output;
+use super::super::output::{ImagesMut, PartedOutput};
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedLhs};
 use super::plan::{Operand, Plan};
@@ -106,41 +106,63 @@ fn gemm_parallelism(images: usize) -> Parallelism {
     }
 }
 
-/// The signature of a task of [`map_groups`]: `f(input, output, scratch, parallelism)`.
+/// The signature of a task of [`fill_groups`]: `f(input, output, scratch, parallelism)`.
 trait ImageTask:
-    Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
+    Fn(&[f32], ImagesMut<'_>, &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
 {
 }
 
 impl<F> ImageTask for F where
-    F: Fn(&[f32], &mut [f32], &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
+    F: Fn(&[f32], ImagesMut<'_>, &mut Scratch, Parallelism) -> candle_core::Result<()> + Sync
 {
 }
 
-/// A new output of `n` images of `out_len` values each, from the `n` images of `x` (`in_len`
-/// values each) in groups of `group` consecutive images (the last may be short):
-/// `f(input, output, scratch, parallelism)` for each group's inputs and outputs, the outputs
-/// zeroed (or, with `start`, set to `start`'s values), in parallel when there are enough
-/// groups.
-fn map_groups(
-    n: usize,
+/// Writes a part of `out`, values `offset .. offset + out_len` of each of its images, from
+/// the images of `x` (`in_len` values each) in groups of `group` consecutive images (the last
+/// may be short): `f(input, output, scratch, parallelism)` for each group's inputs and
+/// outputs, in parallel when there are enough groups. Where no part of `out` was written
+/// yet, its images are first zeroed (or, with `start`, set to `start`'s values).
+fn fill_groups(
+    out: &mut PartedOutput,
+    (offset, out_len): (usize, usize),
     group: usize,
     (x, in_len): (&[f32], usize),
-    (out_len, start): (usize, Option<&[f32]>),
+    start: Option<&[f32]>,
     f: impl ImageTask,
-) -> candle_core::Result<Vec<f32>> {
+) -> candle_core::Result<()> {
+    let n = out.images();
+    if offset + out_len > out.image_len() || x.len() < n * in_len {
+        candle_core::bail!(
+            "conv2d: {n} images of {out_len} values at {offset} do not fit an output of images \
+             of {}, or {} input values hold fewer than {n} images of {in_len}",
+            out.image_len(),
+            x.len()
+        );
+    }
     let group = group.max(1);
     let groups = n.div_ceil(group);
     let par = gemm_parallelism(groups);
-    let (in_chunk, out_chunk) = (group * in_len, group * out_len);
-    let input = |i: usize| x.get(i * in_chunk..((i + 1) * in_chunk).min(x.len()));
-    output::try_by_chunk(
-        n * out_len,
-        out_chunk,
-        split_images(groups),
+    let in_chunk = group * in_len;
+    let input = |i: usize| x.get(i * in_chunk..((i + 1) * in_chunk).min(n * in_len));
+    out.try_fill(
+        (group, split_images(groups)),
+        (offset, out_len),
         start,
         |i, y| with_scratch(|s| f(input(i).unwrap_or(&[]), y, s, par)),
     )
+}
+
+/// A new output of `n` images of `out_len` values each, written by [`fill_groups`].
+fn map_groups(
+    n: usize,
+    group: usize,
+    x: (&[f32], usize),
+    (out_len, start): (usize, Option<&[f32]>),
+    f: impl ImageTask,
+) -> candle_core::Result<Vec<f32>> {
+    let mut out = PartedOutput::new(n, out_len);
+    fill_groups(&mut out, (0, out_len), group, x, start, f)?;
+    Ok(out.into_vec())
 }
 
 /// A new output of the 3x3, stride-1 correlation of the `n` images of `x` through
@@ -153,8 +175,8 @@ fn winograd_images(
     bias: Option<&[f32]>,
 ) -> candle_core::Result<Vec<f32>> {
     let group = wino.group(n, rayon::current_num_threads());
-    map_groups(n, group, x, (out_len, None), |x, y, s, par| {
-        wino.correlate(x, bias, y, &mut s.winograd, par)
+    map_groups(n, group, x, (out_len, None), |x, mut y, s, par| {
+        wino.correlate(x, bias, &mut y, &mut s.winograd, par)
     })
 }
 
@@ -363,11 +385,11 @@ fn correlate_group(
     plan: &Plan,
     x: &[f32],
     (kernel, bias): (&PackedKernel, Option<&[f32]>),
-    (out, into): (&mut [f32], bool),
+    (out, into): (&mut ImagesMut<'_>, bool),
     scratch: &mut Scratch,
 ) -> candle_core::Result<()> {
-    let (in_len, out_len) = (plan.input_len(), plan.output_len());
-    let g = out.len() / out_len.max(1);
+    let in_len = plan.input_len();
+    let g = out.count();
     let positions = plan.ho * plan.wo;
     let Scratch {
         expanded,
@@ -424,7 +446,7 @@ fn correlate_group(
             call > 0 || bias.is_some(),
         )?;
     }
-    for (i, image) in out.chunks_exact_mut(out_len).enumerate() {
+    for (i, image) in out.each().enumerate() {
         for (plane, row) in image
             .chunks_exact_mut(positions)
             .zip(products.chunks_exact(width))
@@ -452,36 +474,45 @@ pub(crate) fn input_grad_adds_in_place(conv: &Conv) -> bool {
 }
 
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with
-/// `epilogue` applied to each output channel.
+/// `epilogue` applied to each output channel, written to values `offset .. offset + o * ho *
+/// wo` of each image of `out` (its own output, or its channels of a concatenation's).
 pub(crate) fn forward(
     conv: &Conv,
     x: &[f32],
     w: &[f32],
     epilogue: Epilogue<'_>,
-) -> candle_core::Result<Vec<f32>> {
+    (out, offset): (&mut PartedOutput, usize),
+) -> candle_core::Result<()> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
     let scale = |o: usize| epilogue.scale.map_or(1.0, |s| s[o]);
     let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx] * scale(o);
-    let (input, out_len) = ((x, plan.input_len()), plan.output_len());
+    let (input, part) = ((x, plan.input_len()), (offset, plan.output_len()));
     let bias = epilogue.bias;
     if let Some(wino) = Winograd::new(&plan, tap) {
         let group = wino.group(conv.n, rayon::current_num_threads());
-        return map_groups(conv.n, group, input, (out_len, None), |x, y, s, par| {
-            wino.correlate(x, bias, y, &mut s.winograd, par)?;
-            epilogue.finish(y);
+        return fill_groups(out, part, group, input, None, |x, mut y, s, par| {
+            wino.correlate(x, bias, &mut y, &mut s.winograd, par)?;
+            y.each().for_each(|image| epilogue.finish(image));
             Ok(())
         });
     }
     let kernel = PackedKernel::new(&plan, tap)?;
     let group = image_group(&plan, &kernel, conv.n);
-    map_groups(conv.n, group, input, (out_len, None), |x, y, s, par| {
+    fill_groups(out, part, group, input, None, |x, mut y, s, par| {
         if group > 1 {
-            correlate_group(&plan, x, (&kernel, bias), (y, false), s)?;
-        } else {
-            correlate_image(&plan, x, (&kernel, bias), (y, false), &mut s.expanded, par)?;
+            correlate_group(&plan, x, (&kernel, bias), (&mut y, false), s)?;
+        } else if let Some(image) = y.each().next() {
+            correlate_image(
+                &plan,
+                x,
+                (&kernel, bias),
+                (image, false),
+                &mut s.expanded,
+                par,
+            )?;
         }
-        epilogue.finish(y);
+        y.each().for_each(|image| epilogue.finish(image));
         Ok(())
     })
 }
@@ -654,12 +685,15 @@ pub(crate) fn input_grad(
     if let (true, [phase]) = (direct, phases.as_slice()) {
         let group = image_group(&phase.plan, &phase.kernel, conv.n);
         if group > 1 {
-            return map_groups(conv.n, group, (dy, dy_len), dx_len, |dy, dx, s, _| {
-                correlate_group(&phase.plan, dy, (&phase.kernel, None), (dx, into), s)
+            return map_groups(conv.n, group, (dy, dy_len), dx_len, |dy, mut dx, s, _| {
+                correlate_group(&phase.plan, dy, (&phase.kernel, None), (&mut dx, into), s)
             });
         }
     }
-    map_groups(conv.n, 1, (dy, dy_len), dx_len, |dy, dx, s, par| {
+    map_groups(conv.n, 1, (dy, dy_len), dx_len, |dy, mut dx, s, par| {
+        let Some(dx) = dx.each().next() else {
+            return Ok(());
+        };
         if direct {
             // One phase covering the whole image, in place (phases is never empty here: a
             // stride-1 convolution reads every input position).

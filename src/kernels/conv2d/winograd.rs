@@ -23,6 +23,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::super::output::ImagesMut;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedStack, MR, NR};
 use super::plan::Plan;
@@ -281,19 +282,19 @@ impl Winograd {
         &self,
         x: &[f32],
         bias: Option<&[f32]>,
-        out: &mut [f32],
+        out: &mut ImagesMut<'_>,
         buffers: &mut Buffers,
         parallelism: Parallelism,
     ) -> candle_core::Result<()> {
         let plan = &self.plan;
         let (in_len, out_len) = (plan.input_len(), plan.output_len());
-        let images = out.len() / out_len.max(1);
-        if x.len() != images * in_len || out.len() != images * out_len {
+        let images = out.count();
+        if x.len() != images * in_len || out.each().any(|image| image.len() != out_len) {
             candle_core::bail!(
-                "winograd: {} input and {} output values do not hold whole images of {in_len} \
-                 and {out_len}",
+                "winograd: {} input values and {} output images do not hold whole images of \
+                 {in_len} and {out_len}",
                 x.len(),
-                out.len()
+                images,
             );
         }
         self.pad(x, images, &mut buffers.padded);
@@ -339,7 +340,7 @@ impl Winograd {
         &self,
         range: std::ops::Range<usize>,
         bias: Option<&[f32]>,
-        out: &mut [f32],
+        out: &mut ImagesMut<'_>,
         buffers: &mut Buffers,
         parallelism: Parallelism,
     ) -> candle_core::Result<()> {
@@ -408,7 +409,11 @@ impl Winograd {
                 )?,
             }
         }
-        let job = Transform::Outputs { m, bias, out };
+        let job = Transform::Outputs {
+            m,
+            bias,
+            out: out.all(),
+        };
         self.transform(job, tiles, width);
         Ok(())
     }
@@ -572,7 +577,7 @@ impl Winograd {
 
     /// Runs a transform of a block, compiled for AVX2 when the CPU has it.
     #[allow(unsafe_code)]
-    fn transform(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
+    fn transform(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, checked just above.
@@ -590,7 +595,7 @@ impl Winograd {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     #[allow(unsafe_code)]
-    unsafe fn transform_avx2(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
+    unsafe fn transform_avx2(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
         self.transform_any(job, tiles, width);
     }
 
@@ -598,7 +603,7 @@ impl Winograd {
     /// or writes them to each output channel from `m` (`[e][o][width]`), [`LANES`] tiles at a
     /// time (see [`Transform`]).
     #[inline(always)]
-    fn transform_any(&self, job: Transform<'_>, tiles: &[Tile], width: usize) {
+    fn transform_any(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
         let plan = &self.plan;
         let (ph, pw) = self.padded_plane();
         match job {
@@ -660,28 +665,31 @@ impl Winograd {
             }
             Transform::Outputs { m, bias, out } => {
                 let stride = element_stride(plan.o * width);
-                let plane = plan.ho * plan.wo;
+                let (plane, wo) = (plan.ho * plan.wo, plan.wo);
+                let mut rows = [[0f32; 2 * TILE]; 4 * TILE];
                 for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
                     let pairs = adjacent_pairs(lanes) && lanes.iter().all(|t| t.real);
-                    // Where each lane's tile starts in the first output channel.
-                    let first = lanes.map_lanes(|t| {
-                        t.image * plan.output_len() + TILE * (t.ti * plan.wo + t.tj)
-                    });
+                    // Where each lane's tile starts in its image's first output channel.
+                    let first = lanes.map_lanes(|t| TILE * (t.ti * wo + t.tj));
                     for oi in 0..plan.o {
                         let at = oi * width + g * LANES;
                         let b = bias.map_or(0.0, |b| b[oi]);
-                        if pairs {
-                            let pair = |j: usize| {
+                        if pairs && pairs_avx2::output_tiles(&m[at..], stride, b, &mut rows) {
+                            for (j, pair) in rows.chunks_exact(TILE).enumerate() {
                                 let t = lanes[j];
-                                let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
+                                let image = &mut out[t.image][first[j] + oi * plane..];
+                                let height = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
                                 let cols = plan.wo.saturating_sub(TILE * t.tj).min(2 * TILE);
-                                (first[j] + oi * plane, rows, cols)
-                            };
-                            let pairs = [0, 1, 2, 3].map(pair);
-                            let (m, wo) = (&m[at..], plan.wo);
-                            if pairs_avx2::output_tiles(m, stride, b, out, pairs, wo) {
-                                continue;
+                                for (r, row) in pair.iter().take(height).enumerate() {
+                                    let dst = &mut image[r * wo..];
+                                    if cols == 2 * TILE {
+                                        dst[..2 * TILE].copy_from_slice(row);
+                                    } else {
+                                        dst[..cols].copy_from_slice(&row[..cols]);
+                                    }
+                                }
                             }
+                            continue;
                         }
                         let mut products = [[0f32; LANES]; ELEMENTS];
                         for (e, p) in products.iter_mut().enumerate() {
@@ -689,12 +697,12 @@ impl Winograd {
                         }
                         let y = transform_output(&products, b);
                         for (l, t) in lanes.iter().enumerate().filter(|(_, t)| t.real) {
-                            let base = first[l] + oi * plane;
+                            let image = &mut out[t.image][first[l] + oi * plane..];
                             let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
                             let cols = plan.wo.saturating_sub(TILE * t.tj).min(TILE);
                             for r in 0..rows {
                                 for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
-                                    out[base + r * plan.wo + k] = yv[l];
+                                    image[r * wo + k] = yv[l];
                                 }
                             }
                         }
@@ -823,7 +831,7 @@ fn transform_gradient(d: &[[f32; LANES]; TILE * TILE]) -> [[f32; LANES]; ELEMENT
 
 /// A transform of a block: the group's padded inputs into `V`, its output gradients into
 /// `dM`, or the products `M` into the group's outputs.
-enum Transform<'a> {
+enum Transform<'a, 'o> {
     /// The padded images `padded` into `v`.
     Inputs { padded: &'a [f32], v: &'a mut [f32] },
     /// The padded output gradients `padded` into `dm = A dY At`, zero in the columns that
@@ -836,7 +844,7 @@ enum Transform<'a> {
     Outputs {
         m: &'a [f32],
         bias: Option<&'a [f32]>,
-        out: &'a mut [f32],
+        out: &'a mut [&'o mut [f32]],
     },
 }
 
@@ -1004,7 +1012,14 @@ mod tests {
                 .ok_or_else(|| candle_core::Error::Msg("not lowered".into()))?;
             let mut out = vec![f32::NAN; images * plan.output_len()];
             let mut buffers = Buffers::default();
-            wino.correlate(&x, Some(&bias), &mut out, &mut buffers, Parallelism::None)?;
+            let mut images_out = ImagesMut::new(out.chunks_mut(plan.output_len()).collect());
+            wino.correlate(
+                &x,
+                Some(&bias),
+                &mut images_out,
+                &mut buffers,
+                Parallelism::None,
+            )?;
             for (i, got) in out.chunks_exact(plan.output_len()).enumerate() {
                 let want = direct(&plan, &x[i * plan.input_len()..][..plan.input_len()], &wt);
                 for (k, (g, w)) in got.iter().zip(&want).enumerate() {

@@ -1,6 +1,6 @@
 //! Joining along channels and cutting gradients back, against `Tensor::cat` and `narrow`.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::support::{gradients, random, random_var, weighted_sum};
 use crate::kernels::concat::{channel_slice, concat_channels, supported};
@@ -88,5 +88,78 @@ fn parts_that_do_not_fit_are_errors() -> anyhow::Result<()> {
         err.contains("2..4") && err.contains("[2, 3, 4, 4]"),
         "{err}"
     );
+    Ok(())
+}
+
+#[test]
+fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
+    use crate::kernels::concat::ConcatOutput;
+    use crate::kernels::conv2d::{conv2d_affine, conv2d_affine_into};
+    use crate::kernels::pooling::{max_pool2d, max_pool2d_into, PoolWindow};
+
+    // 12x12 planes one image per task; 7x7 planes several images to a GEMM (the 1x1), and
+    // Winograd's lanes spanning images (the 3x3).
+    for (i, (n, hw)) in [(3, 12), (9, 7)].into_iter().enumerate() {
+        let seed = 100 * i as u64;
+        let x = random(&[n, 20, hw, hw], seed, 0.0)?;
+        let w3 = random(&[24, 20, 3, 3], seed + 1, 0.0)?;
+        let w1 = random(&[8, 20, 1, 1], seed + 2, 0.0)?;
+        let (scale, shift) = (random(&[24], seed + 3, 0.5)?, random(&[24], seed + 4, 0.0)?);
+        let (ones, bias) = (
+            Tensor::ones(8, DType::F32, &Device::Cpu)?,
+            random(&[8], 5, 0.0)?,
+        );
+        let pool = PoolWindow {
+            window: (3, 3),
+            stride: (1, 1),
+            pad: (1, 1, 1, 1),
+        };
+        let other = random(&[n, 5, hw, hw], seed + 6, 0.0)?;
+        let same = ((1, 1), (1, 1, 1, 1));
+        let unit = ((1, 1), (0, 0, 0, 0));
+        let want = Tensor::cat(
+            &[
+                conv2d_affine(&x, &w3, (&scale, &shift), true, same.0, same.1)?,
+                max_pool2d(&x, &pool)?,
+                other.clone(),
+                conv2d_affine(&x, &w1, (&ones, &bias), false, unit.0, unit.1)?,
+                Tensor::zeros((n, 2, hw, hw), DType::F32, &Device::Cpu)?,
+            ],
+            1,
+        )?;
+        // Written out of order; the last two channels by no part.
+        let mut out = ConcatOutput::new(&[n, 24 + 20 + 5 + 8 + 2, hw, hw])?;
+        max_pool2d_into(&x, &pool, &mut out.part(24, 20)?)?;
+        let conv_in = |out: &mut ConcatOutput, w: &Tensor, at, channels, window: (_, _)| {
+            let affine = if channels == 24 {
+                (&scale, &shift)
+            } else {
+                (&ones, &bias)
+            };
+            let mut slot = out.part(at, channels)?;
+            conv2d_affine_into(&x, w, affine, channels == 24, window.0, window.1, &mut slot)
+        };
+        conv_in(&mut out, &w1, 49, 8, unit)?;
+        out.part(44, 5)?.copy_from(&other)?;
+        conv_in(&mut out, &w3, 0, 24, same)?;
+        let got = out.into_tensor()?;
+        assert_eq!(got.dims(), want.dims());
+        let diff = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(
+            diff < 1e-4,
+            "{n} images of {hw}x{hw}: max difference {diff}"
+        );
+    }
+
+    // A part of other channels, or beyond the output's, is refused with both shapes.
+    let x = random(&[2, 20, 6, 6], 1, 0.0)?;
+    let mut out = ConcatOutput::new(&[2, 10, 6, 6])?;
+    let err = out.part(0, 4)?.copy_from(&x).err().map(|e| e.to_string());
+    let err = err.unwrap_or_default();
+    assert!(
+        err.contains("[2, 20, 6, 6]") && err.contains("[2, 4, 6, 6]"),
+        "{err}"
+    );
+    assert!(out.part(8, 3).is_err());
     Ok(())
 }

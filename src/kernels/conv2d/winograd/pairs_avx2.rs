@@ -39,29 +39,23 @@ pub(super) fn input_tiles(
     false
 }
 
-/// Writes the outputs `At M A + bias` of four pairs of adjacent tiles: element `e` of lane
-/// `l`'s products is `m[e * stride + l]`; pair `j = (at, rows, cols)` writes the first `rows`
-/// of its four output rows, `wo` apart from `out[at]`, each `cols` (at most eight) long.
-pub(super) fn output_tiles(
-    m: &[f32],
-    stride: usize,
-    bias: f32,
-    out: &mut [f32],
-    pairs: [(usize, usize, usize); 4],
-    wo: usize,
-) -> bool {
-    let inside = |&(at, rows, cols): &(usize, usize, usize)| {
-        rows <= TILE && cols <= 2 * TILE && (rows == 0 || at + (rows - 1) * wo + cols <= out.len())
-    };
-    let fits = pairs.iter().all(inside) && m.len() >= (ELEMENTS - 1) * stride + LANES;
+/// The output rows of four pairs of adjacent tiles: row `r` of pair `j` is `[TILE * j + r]`,
+/// its first tile's four values, then its second tile's.
+pub(super) type PairRows = [[f32; 2 * TILE]; 4 * TILE];
+
+/// Computes the outputs `At M A + bias` of four pairs of adjacent tiles into `rows`: element
+/// `e` of lane `l`'s products is `m[e * stride + l]`. The caller stores each row where it
+/// goes (the pairs may lie in different images).
+pub(super) fn output_tiles(m: &[f32], stride: usize, bias: f32, rows: &mut PairRows) -> bool {
+    let fits = m.len() >= (ELEMENTS - 1) * stride + LANES;
     #[cfg(target_arch = "x86_64")]
     if fits && avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA, and both slices hold what the kernel reads and
-        // writes (checked above).
-        unsafe { avx2::output_tiles(m.as_ptr(), stride, bias, out.as_mut_ptr(), pairs, wo) };
+        // SAFETY: the CPU has AVX2 and FMA, and `m` holds what the kernel reads (checked
+        // above); `rows` is whole.
+        unsafe { avx2::output_tiles(m.as_ptr(), stride, bias, rows) };
         return true;
     }
-    let _ = (fits, m, stride, bias, out, pairs, wo);
+    let _ = (fits, m, stride, bias, rows);
     false
 }
 
@@ -254,15 +248,13 @@ mod avx2 {
     ///
     /// # Safety
     ///
-    /// AVX2 and FMA; `m` holds `35 * stride + 8` values, and each pair's rows lie in `out`.
+    /// AVX2 and FMA; `m` holds `35 * stride + 8` values.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn output_tiles(
         m: *const f32,
         stride: usize,
         bias: f32,
-        out: *mut f32,
-        pairs: [(usize, usize, usize); 4],
-        wo: usize,
+        rows: &mut super::PairRows,
     ) {
         let el = |e: usize| _mm256_loadu_ps(m.add(e * stride));
         let mut s = [[_mm256_set1_ps(0.0); SIDE]; TILE];
@@ -276,16 +268,8 @@ mod avx2 {
         for (r, sr) in s.iter().enumerate() {
             let y = output_column(*sr).map(|v| _mm256_add_ps(v, bias));
             // Pair j's row r: its first tile's four columns, then its second tile's.
-            for ((at, rows, cols), row) in pairs.into_iter().zip(transpose4(y)) {
-                if r >= rows {
-                    continue;
-                }
-                let dst = out.add(at + r * wo);
-                if cols == 2 * TILE {
-                    _mm256_storeu_ps(dst, row);
-                } else {
-                    _mm256_maskstore_ps(dst, mask(cols), row);
-                }
+            for (j, row) in transpose4(y).into_iter().enumerate() {
+                _mm256_storeu_ps(rows[TILE * j + r].as_mut_ptr(), row);
             }
         }
     }

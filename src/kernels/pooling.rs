@@ -19,6 +19,7 @@ use super::concat::ChannelSlot;
 use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, for_each_plane_with, with_f32};
 use super::replay::Replay1;
+use super::simd::vectorized;
 use crate::{Error, Result};
 
 const MAX_OP: &str = "max_pool2d";
@@ -61,12 +62,17 @@ pub fn max_pool2d_into(x: &Tensor, window: &PoolWindow, slot: &mut ChannelSlot<'
     let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
     with_f32(MAX_OP, x, |x| {
         out.try_fill((1, n > 1), (offset, c * out_len), None, |i, mut image| {
-            let mut scratch = MaxScratch::new(&plan);
+            let mut columns = vec![0f32; plan.input.1];
             for y in image.each() {
-                for (ch, yp) in y.chunks_exact_mut(out_len).enumerate() {
-                    let xp = &x[(i * c + ch) * in_len..][..in_len];
-                    plan.max_plane::<false>(xp, yp, &mut [], &mut scratch);
-                }
+                vectorized(
+                    #[inline(always)]
+                    || {
+                        for (ch, yp) in y.chunks_exact_mut(out_len).enumerate() {
+                            let xp = &x[(i * c + ch) * in_len..][..in_len];
+                            plan.max_values(xp, yp, &mut columns);
+                        }
+                    },
+                );
             }
             Ok(())
         })
@@ -162,19 +168,41 @@ impl Plan {
         Shape::from((dims[0], dims[1], self.rows.len(), self.cols.len()))
     }
 
-    /// The maximum of each window of the plane `xp` into `y`, and when `ARGMAX` its index in the
-    /// plane into `argmax` (otherwise left empty).
+    /// The maximum of each window of the plane `xp` into `y`, without the positions: for each
+    /// output row, the maximum of every column over the window's rows (`column_max`, the
+    /// plane's width), then of those over each window's columns. Inference's path; as
+    /// [`Self::max_plane`] but for the positions, NaNs winning alike.
+    #[inline(always)]
+    fn max_values(&self, xp: &[f32], y: &mut [f32], column_max: &mut [f32]) {
+        let width = self.input.1;
+        let ow = self.cols.len();
+        let column_max = &mut column_max[..width];
+        for (&(r0, r1), y_row) in self.rows.iter().zip(y.chunks_mut(ow)) {
+            if r0 == r1 {
+                y_row.fill(f32::NEG_INFINITY);
+                continue;
+            }
+            column_max.copy_from_slice(&xp[r0 * width..][..width]);
+            for r in (r0 + 1)..r1 {
+                fold_values(column_max, &xp[r * width..][..width]);
+            }
+            for (yv, &(c0, c1)) in y_row.iter_mut().zip(&self.cols) {
+                *yv = column_max[c0..c1]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |max, &v| nan_max(max, v));
+            }
+        }
+    }
+
+    /// The maximum of each window of the plane `xp` into `y` and its index in the plane into
+    /// `argmax`, for the backward pass.
     ///
     /// For each output row it first takes the maximum of every column over the window's rows,
     /// then splits those by column modulo the stride, so that the maximum over each window's
-    /// columns is a few passes over contiguous memory. Every loop vectorises.
-    fn max_plane<const ARGMAX: bool>(
-        &self,
-        xp: &[f32],
-        y: &mut [f32],
-        argmax: &mut [u32],
-        scratch: &mut MaxScratch,
-    ) {
+    /// columns is a few passes over contiguous memory. Every loop vectorises (inlined into
+    /// [`vectorized`], at the CPU's widest vectors).
+    #[inline(always)]
+    fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32], scratch: &mut MaxScratch) {
         let width = self.input.1;
         let (_, _, left, right) = self.window.pad;
         let (kw, sw) = (self.window.window.1, self.window.stride.1);
@@ -186,10 +214,8 @@ impl Plan {
             if r0 < r1 {
                 real.0.copy_from_slice(&xp[r0 * width..(r0 + 1) * width]);
                 let base = (r0 * width) as u32;
-                if ARGMAX {
-                    for (c, at) in real.1.iter_mut().enumerate() {
-                        *at = base + c as u32;
-                    }
+                for (c, at) in real.1.iter_mut().enumerate() {
+                    *at = base + c as u32;
                 }
             } else {
                 real.0.fill(f32::NEG_INFINITY);
@@ -198,18 +224,12 @@ impl Plan {
             for r in (r0 + 1)..r1 {
                 let row = &xp[r * width..(r + 1) * width];
                 let base = (r * width) as u32;
-                if ARGMAX {
-                    fold(real, &row[..width], |c| base + c as u32);
-                } else {
-                    fold_values(real.0, &row[..width]);
-                }
+                fold(real, &row[..width], |c| base + c as u32);
             }
             for (p, phase) in phases.iter_mut().enumerate() {
                 for (j, c) in (p..padded).step_by(sw).enumerate() {
                     phase.max[j] = cols.max[c];
-                    if ARGMAX {
-                        phase.at[j] = cols.at[c];
-                    }
+                    phase.at[j] = cols.at[c];
                 }
             }
             // Window `o` covers the padded columns `o * sw + k`, entry `o + k / sw` of phase
@@ -220,19 +240,13 @@ impl Plan {
                 let (max, at) = (&phase.max[k / sw..], &phase.at[k / sw..]);
                 if k == 0 {
                     all.0.copy_from_slice(&max[..ow]);
-                    if ARGMAX {
-                        all.1.copy_from_slice(&at[..ow]);
-                    }
-                } else if ARGMAX {
-                    fold(all, &max[..ow], |o| at[o]);
+                    all.1.copy_from_slice(&at[..ow]);
                 } else {
-                    fold_values(all.0, &max[..ow]);
+                    fold(all, &max[..ow], |o| at[o]);
                 }
             }
             y_row.copy_from_slice(all.0);
-            if ARGMAX {
-                argmax[i * ow..(i + 1) * ow].copy_from_slice(all.1);
-            }
+            argmax[i * ow..(i + 1) * ow].copy_from_slice(all.1);
         }
     }
 
@@ -315,14 +329,24 @@ impl MaxPool {
         let (in_len, out_len) = (plan.in_plane(), plan.out_plane());
         let mut y = vec![0f32; outputs];
         let mut argmax = vec![0u32; if ARGMAX { outputs } else { 0 }];
-        let scratch = || MaxScratch::new(plan);
-        let fill = |scratch: &mut MaxScratch, i: usize, yp: &mut [f32], ap: &mut [u32]| {
-            plan.max_plane::<ARGMAX>(&x[i * in_len..(i + 1) * in_len], yp, ap, scratch);
-        };
+        let plane = |i: usize| &x[i * in_len..(i + 1) * in_len];
         if ARGMAX {
+            let scratch = || MaxScratch::new(plan);
+            let fill = |scratch: &mut MaxScratch, i: usize, yp: &mut [f32], ap: &mut [u32]| {
+                vectorized(
+                    #[inline(always)]
+                    || plan.max_plane(plane(i), yp, ap, scratch),
+                );
+            };
             for_each_plane_pair(&mut y, &mut argmax, out_len, scratch, fill);
         } else {
-            for_each_plane_with(&mut y, out_len, scratch, |s, i, yp| fill(s, i, yp, &mut []));
+            let columns = || vec![0f32; plan.input.1];
+            for_each_plane_with(&mut y, out_len, columns, |columns, i, yp| {
+                vectorized(
+                    #[inline(always)]
+                    || plan.max_values(plane(i), yp, columns),
+                );
+            });
         }
         (y, argmax)
     }
@@ -440,11 +464,25 @@ fn wins((v, at): (f32, u32), (max, max_at): (f32, u32)) -> bool {
 
 /// Folds `values[i]` into each running maximum `max[i]` (the values [`fold`] keeps, without
 /// their positions).
+///
+/// Both sides of the select are new values, so every maximum is stored whole: a select
+/// between a value and the old maximum is compiled to a masked store, which AMD's cores run
+/// slowly.
 #[inline(always)]
 fn fold_values(max: &mut [f32], values: &[f32]) {
     for (m, &v) in max.iter_mut().zip(values) {
-        let take = 0u32.wrapping_sub(beats(v, *m) as u32);
-        *m = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
+        *m = nan_max(*m, v);
+    }
+}
+
+/// The larger of `a` and `b`, NaN when either is (the maximum [`beats`] keeps, up to which
+/// NaN): `f32::max` drops a NaN, the sum keeps it.
+#[inline(always)]
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() | b.is_nan() {
+        a + b
+    } else {
+        a.max(b)
     }
 }
 

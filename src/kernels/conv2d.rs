@@ -22,6 +22,7 @@
 //! backward pass ([`crate::layers::Recorded`]). The gradient ops are not themselves
 //! differentiable (no second derivatives).
 
+mod cache;
 mod gemm;
 mod microkernel;
 mod passes;
@@ -34,6 +35,7 @@ use super::concat::ChannelSlot;
 use super::output::PartedOutput;
 use super::planes::{f32_data, with_f32};
 use crate::{Error, Result};
+pub use cache::KernelCache;
 use passes::Conv;
 
 const FORWARD: &str = "conv2d";
@@ -78,40 +80,46 @@ pub fn conv2d(
     Ok(x.apply_op3(&w, &b.contiguous()?, op)?)
 }
 
+/// What inference's folded convolution applies to each output channel `o` after the
+/// correlation: `max(scale[o] * y + shift[o], 0)` (the ReLU when `relu`), `scale` and `shift`
+/// of shape `(O,)`; and where it keeps its lowered kernel between calls, if anywhere.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct FoldedAffine<'a> {
+    /// What each output channel is multiplied by.
+    pub scale: &'a Tensor,
+    /// What is then added to it.
+    pub shift: &'a Tensor,
+    /// Whether a ReLU follows.
+    pub relu: bool,
+    /// The layer's cache of its lowered kernel (see [`KernelCache`]).
+    pub cache: Option<&'a KernelCache>,
+}
+
 /// Inference's convolution with a per-output-channel affine map folded in (a BatchNorm's, from
-/// its running statistics) and an optional ReLU:
-/// `max(scale[o] * (x ⋆ w)[o] + shift[o], 0)`, `x`, `w`, strides and padding as in [`conv2d`],
-/// `scale` and `shift` of shape `(O,)`. The scale multiplies the kernel's taps as they are
-/// packed and the ReLU runs on each image's output while it is in cache, so a convolution,
-/// BatchNorm and ReLU cost one pass. Not differentiable: training runs the layers apart.
+/// its running statistics) and an optional ReLU: `max(scale[o] * (x ⋆ w)[o] + shift[o], 0)`,
+/// `x`, `w` and the window (strides, padding) as in [`conv2d`]. The scale multiplies the
+/// kernel's taps as they are lowered and the ReLU runs on each image's output while it is in
+/// cache, so a convolution, BatchNorm and ReLU cost one pass. Not differentiable: training
+/// runs the layers apart.
 ///
 /// Errors as [`conv2d`]'s, and name `scale` or `shift` when it does not hold one value per
 /// output channel.
 pub fn conv2d_affine(
     x: &Tensor,
     w: &Tensor,
-    (scale, shift): (&Tensor, &Tensor),
-    relu: bool,
-    stride: (usize, usize),
-    padding: (usize, usize, usize, usize),
+    affine: FoldedAffine<'_>,
+    window: Window,
 ) -> Result<Tensor> {
-    check_tensors(
-        FORWARD,
-        &[
-            ("input", x),
-            ("weight", w),
-            ("scale", scale),
-            ("shift", shift),
-        ],
-    )?;
-    forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
-    for v in [scale, shift] {
-        check_bias(v.dims(), w.dims()).map_err(Error::invalid)?;
-    }
-    let channels = Tensor::stack(&[scale, shift], 0)?;
+    check_affine(x, w, &affine, window)?;
+    let channels = Tensor::stack(&[affine.scale, affine.shift], 0)?;
     let op = AffineForward {
-        window: Forward { stride, padding },
-        relu,
+        window: Forward {
+            stride: window.0,
+            padding: window.1,
+        },
+        relu: affine.relu,
+        cache: affine.cache,
     };
     Ok(x.contiguous()?
         .apply_op3_no_bwd(&w.contiguous()?, &channels, &op)?)
@@ -124,25 +132,13 @@ pub fn conv2d_affine(
 pub fn conv2d_affine_into(
     x: &Tensor,
     w: &Tensor,
-    (scale, shift): (&Tensor, &Tensor),
-    relu: bool,
-    stride: (usize, usize),
-    padding: (usize, usize, usize, usize),
+    affine: FoldedAffine<'_>,
+    window: Window,
     slot: &mut ChannelSlot<'_>,
 ) -> Result<()> {
-    let tensors = [
-        ("input", x),
-        ("weight", w),
-        ("scale", scale),
-        ("shift", shift),
-    ];
-    check_tensors(FORWARD, &tensors)?;
-    let conv = forward_geometry(x.dims(), w.dims(), (stride, padding)).map_err(Error::invalid)?;
-    for v in [scale, shift] {
-        check_bias(v.dims(), w.dims()).map_err(Error::invalid)?;
-    }
+    let conv = check_affine(x, w, &affine, window)?;
     let (out, offset) = slot.target(FORWARD, &[conv.n, conv.o, conv.ho, conv.wo])?;
-    let channels = Tensor::stack(&[scale, shift], 0)?;
+    let channels = Tensor::stack(&[affine.scale, affine.shift], 0)?;
     with_f32(FORWARD, x, |x| {
         with_f32(FORWARD, w, |w| {
             with_f32(FORWARD, &channels, |channels| {
@@ -150,13 +146,29 @@ pub fn conv2d_affine_into(
                 let epilogue = passes::Epilogue {
                     scale: Some(scale),
                     bias: Some(shift),
-                    relu,
+                    relu: affine.relu,
                 };
-                passes::forward(&conv, x, w, epilogue, (out, offset))
+                passes::forward(&conv, (x, w), epilogue, (out, offset), affine.cache)
             })
         })
     })?;
     Ok(())
+}
+
+/// The geometry of a folded convolution, once its tensors are checked.
+fn check_affine(x: &Tensor, w: &Tensor, affine: &FoldedAffine<'_>, window: Window) -> Result<Conv> {
+    let tensors = [
+        ("input", x),
+        ("weight", w),
+        ("scale", affine.scale),
+        ("shift", affine.shift),
+    ];
+    check_tensors(FORWARD, &tensors)?;
+    let conv = forward_geometry(x.dims(), w.dims(), window).map_err(Error::invalid)?;
+    for v in [affine.scale, affine.shift] {
+        check_bias(v.dims(), w.dims()).map_err(Error::invalid)?;
+    }
+    Ok(conv)
 }
 
 /// The gradient of [`conv2d`]'s input: from the output gradient `dy (N, O, Ho, Wo)` and the
@@ -403,6 +415,7 @@ impl Forward {
         (xs, xl): (&CpuStorage, &Layout),
         (ws, wl): (&CpuStorage, &Layout),
         epilogue: passes::Epilogue<'_>,
+        cache: Option<&KernelCache>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
             .map_err(candle_core::Error::Msg)?;
@@ -417,7 +430,8 @@ impl Forward {
         }
         let x = f32_data(FORWARD, xs, xl)?;
         let mut y = PartedOutput::new(conv.n, conv.o * conv.ho * conv.wo);
-        passes::forward(&conv, x, f32_data(FORWARD, ws, wl)?, epilogue, (&mut y, 0))?;
+        let w = f32_data(FORWARD, ws, wl)?;
+        passes::forward(&conv, (x, w), epilogue, (&mut y, 0), cache)?;
         Ok((
             CpuStorage::F32(y.into_vec()),
             Shape::from((conv.n, conv.o, conv.ho, conv.wo)),
@@ -480,7 +494,7 @@ impl CustomOp2 for Forward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), passes::Epilogue::default())
+        self.run((xs, xl), (ws, wl), passes::Epilogue::default(), None)
     }
 
     fn bwd(
@@ -514,7 +528,7 @@ impl CustomOp3 for Forward {
             bias: Some(f32_data(FORWARD, bs, bl)?),
             ..Default::default()
         };
-        self.run((xs, xl), (ws, wl), bias)
+        self.run((xs, xl), (ws, wl), bias, None)
     }
 
     fn bwd(
@@ -533,12 +547,13 @@ impl CustomOp3 for Forward {
 
 /// [`conv2d_affine`]'s op: the forward pass with the third operand `(2, O)` holding the
 /// scale and the shift of each output channel.
-struct AffineForward {
+struct AffineForward<'a> {
     window: Forward,
     relu: bool,
+    cache: Option<&'a KernelCache>,
 }
 
-impl CustomOp3 for AffineForward {
+impl CustomOp3 for AffineForward<'_> {
     fn name(&self) -> &'static str {
         FORWARD
     }
@@ -562,6 +577,7 @@ impl CustomOp3 for AffineForward {
                 bias: Some(shift),
                 relu: self.relu,
             },
+            self.cache,
         )
     }
 }

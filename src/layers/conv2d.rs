@@ -13,6 +13,7 @@ use super::{
     ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels;
+use crate::kernels::conv2d::{FoldedAffine, KernelCache};
 use crate::params::Init;
 use crate::Result;
 
@@ -129,6 +130,7 @@ impl LayerSpec for Conv2D {
             pad: window.pad,
             activation: self.activation,
             kernels: ctx.compute_path().uses_kernels(),
+            lowered: KernelCache::default(),
         };
         Ok(Built::leaf(layer, vec![self.filters, oh, ow]))
     }
@@ -147,6 +149,9 @@ struct Conv2DLayer {
     activation: Activation,
     /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
+    /// The kernel inference's folded convolution last lowered, for the next call with the
+    /// same weights and BatchNorm scale.
+    lowered: KernelCache,
 }
 
 impl Conv2DLayer {
@@ -187,6 +192,16 @@ impl Conv2DLayer {
             }
             _ => None,
         })
+    }
+
+    /// The folded convolution's epilogue, with this layer's kernel cache.
+    fn folded<'a>(&'a self, scale: &'a Tensor, shift: &'a Tensor, relu: bool) -> FoldedAffine<'a> {
+        FoldedAffine {
+            scale,
+            shift,
+            relu,
+            cache: Some(&self.lowered),
+        }
     }
 
     /// The convolution with its bias, before the activation.
@@ -332,9 +347,9 @@ impl Layer for Conv2DLayer {
         let Some((scale, shift, relu)) = self.output_affine(x, Some(affine))? else {
             return Ok(None);
         };
-        let (weight, window) = (self.weight.detach(), (self.stride, self.pad));
-        let channels = (&scale, &shift);
-        let y = kernels::conv2d::conv2d_affine(x, &weight, channels, relu, window.0, window.1)?;
+        let folded = self.folded(&scale, &shift, relu);
+        let window = (self.stride, self.pad);
+        let y = kernels::conv2d::conv2d_affine(x, &self.weight.detach(), folded, window)?;
         Ok(Some(y))
     }
 
@@ -347,17 +362,9 @@ impl Layer for Conv2DLayer {
         let Some((scale, shift, relu)) = self.output_affine(x, affine)? else {
             return Ok(false);
         };
-        let weight = self.weight.detach();
-        let channels = (&scale, &shift);
-        kernels::conv2d::conv2d_affine_into(
-            x,
-            &weight,
-            channels,
-            relu,
-            self.stride,
-            self.pad,
-            slot,
-        )?;
+        let (weight, window) = (self.weight.detach(), (self.stride, self.pad));
+        let folded = self.folded(&scale, &shift, relu);
+        kernels::conv2d::conv2d_affine_into(x, &weight, folded, window, slot)?;
         Ok(true)
     }
 
@@ -427,6 +434,7 @@ mod tests {
             pad: (0, 1, 1, 1),
             activation: Activation::Linear,
             kernels: false,
+            lowered: KernelCache::default(),
         };
         let x = Tensor::randn(0f32, 1., (2, 4, 10, 9), &Device::Cpu)?;
         let y = built.layer.forward_t(&x, true)?;

@@ -12,6 +12,7 @@ use std::cell::Cell;
 use rayon::prelude::*;
 
 use super::super::output::{ImagesMut, PartedOutput};
+use super::cache::KernelCache;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedLhs};
 use super::plan::{Operand, Plan};
@@ -224,7 +225,7 @@ fn for_each_tile_gemm(
 /// panels, one per call. The micro-kernel runs on one thread, so a GEMM split over the pool
 /// (fewer images than threads) goes to `gemm`, as does a tile of positions that would leave
 /// much of the micro-kernel's last block of columns empty.
-struct PackedKernel {
+pub(crate) struct PackedKernel {
     gemm: Vec<f32>,
     panels: Vec<PackedLhs>,
 }
@@ -473,48 +474,79 @@ pub(crate) fn input_grad_adds_in_place(conv: &Conv) -> bool {
     !winograd
 }
 
+/// A forward kernel lowered for its plan: Winograd's transformed taps, or the direct
+/// correlation's packed ones.
+pub(crate) enum Lowered {
+    Winograd(Winograd),
+    Direct(PackedKernel),
+}
+
+impl Lowered {
+    /// The kernel whose tap `(o, c, ky, kx)` is `tap(o, c, ky, kx)`, lowered for `plan`.
+    fn new(
+        plan: &Plan,
+        tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
+    ) -> candle_core::Result<Self> {
+        Ok(match Winograd::new(plan, &tap) {
+            Some(wino) => Self::Winograd(wino),
+            None => Self::Direct(PackedKernel::new(plan, tap)?),
+        })
+    }
+}
+
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with
 /// `epilogue` applied to each output channel, written to values `offset .. offset + o * ho *
-/// wo` of each image of `out` (its own output, or its channels of a concatenation's).
+/// wo` of each image of `out` (its own output, or its channels of a concatenation's). With a
+/// `cache`, the kernel is lowered only when the cache's was made from other values.
 pub(crate) fn forward(
     conv: &Conv,
-    x: &[f32],
-    w: &[f32],
+    (x, w): (&[f32], &[f32]),
     epilogue: Epilogue<'_>,
     (out, offset): (&mut PartedOutput, usize),
+    cache: Option<&KernelCache>,
 ) -> candle_core::Result<()> {
     let plan = conv.forward_plan();
     let (c, kh, kw) = (conv.c, conv.kh, conv.kw);
     let scale = |o: usize| epilogue.scale.map_or(1.0, |s| s[o]);
     let tap = |o, ci, ky, kx| w[((o * c + ci) * kh + ky) * kw + kx] * scale(o);
+    let lower = || Lowered::new(&plan, tap);
+    let cached;
+    let fresh;
+    let lowered = match cache {
+        Some(cache) => {
+            cached = cache.lowered(&plan, (w, epilogue.scale), lower)?;
+            &cached.lowered
+        }
+        None => {
+            fresh = lower()?;
+            &fresh
+        }
+    };
     let (input, part) = ((x, plan.input_len()), (offset, plan.output_len()));
     let bias = epilogue.bias;
-    if let Some(wino) = Winograd::new(&plan, tap) {
-        let group = wino.group(conv.n, rayon::current_num_threads());
-        return fill_groups(out, part, group, input, None, |x, mut y, s, par| {
-            wino.correlate(x, bias, &mut y, &mut s.winograd, par)?;
-            y.each().for_each(|image| epilogue.finish(image));
-            Ok(())
-        });
-    }
-    let kernel = PackedKernel::new(&plan, tap)?;
-    let group = image_group(&plan, &kernel, conv.n);
-    fill_groups(out, part, group, input, None, |x, mut y, s, par| {
-        if group > 1 {
-            correlate_group(&plan, x, (&kernel, bias), (&mut y, false), s)?;
-        } else if let Some(image) = y.each().next() {
-            correlate_image(
-                &plan,
-                x,
-                (&kernel, bias),
-                (image, false),
-                &mut s.expanded,
-                par,
-            )?;
+    match lowered {
+        Lowered::Winograd(wino) => {
+            let group = wino.group(conv.n, rayon::current_num_threads());
+            fill_groups(out, part, group, input, None, |x, mut y, s, par| {
+                wino.correlate(x, bias, &mut y, &mut s.winograd, par)?;
+                y.each().for_each(|image| epilogue.finish(image));
+                Ok(())
+            })
         }
-        y.each().for_each(|image| epilogue.finish(image));
-        Ok(())
-    })
+        Lowered::Direct(kernel) => {
+            let group = image_group(&plan, kernel, conv.n);
+            fill_groups(out, part, group, input, None, |x, mut y, s, par| {
+                if group > 1 {
+                    correlate_group(&plan, x, (kernel, bias), (&mut y, false), s)?;
+                } else if let Some(image) = y.each().next() {
+                    let out = (image, false);
+                    correlate_image(&plan, x, (kernel, bias), out, &mut s.expanded, par)?;
+                }
+                y.each().for_each(|image| epilogue.finish(image));
+                Ok(())
+            })
+        }
+    }
 }
 
 /// One stride phase `(ry, rx)` of the input gradient: the padded-input positions

@@ -94,7 +94,7 @@ fn parts_that_do_not_fit_are_errors() -> anyhow::Result<()> {
 #[test]
 fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
     use crate::kernels::concat::ConcatOutput;
-    use crate::kernels::conv2d::{conv2d_affine, conv2d_affine_into};
+    use crate::kernels::conv2d::{conv2d_affine, conv2d_affine_into, FoldedAffine};
     use crate::kernels::pooling::{max_pool2d, max_pool2d_into, PoolWindow};
 
     // 12x12 planes one image per task; 7x7 planes several images to a GEMM (the 1x1), and
@@ -115,14 +115,20 @@ fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
             pad: (1, 1, 1, 1),
         };
         let other = random(&[n, 5, hw, hw], seed + 6, 0.0)?;
+        let folded = |(scale, shift), relu| FoldedAffine {
+            scale,
+            shift,
+            relu,
+            cache: None,
+        };
         let same = ((1, 1), (1, 1, 1, 1));
         let unit = ((1, 1), (0, 0, 0, 0));
         let want = Tensor::cat(
             &[
-                conv2d_affine(&x, &w3, (&scale, &shift), true, same.0, same.1)?,
+                conv2d_affine(&x, &w3, folded((&scale, &shift), true), same)?,
                 max_pool2d(&x, &pool)?,
                 other.clone(),
-                conv2d_affine(&x, &w1, (&ones, &bias), false, unit.0, unit.1)?,
+                conv2d_affine(&x, &w1, folded((&ones, &bias), false), unit)?,
                 Tensor::zeros((n, 2, hw, hw), DType::F32, &Device::Cpu)?,
             ],
             1,
@@ -130,14 +136,14 @@ fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
         // Written out of order; the last two channels by no part.
         let mut out = ConcatOutput::new(&[n, 24 + 20 + 5 + 8 + 2, hw, hw])?;
         max_pool2d_into(&x, &pool, &mut out.part(24, 20)?)?;
-        let conv_in = |out: &mut ConcatOutput, w: &Tensor, at, channels, window: (_, _)| {
+        let conv_in = |out: &mut ConcatOutput, w: &Tensor, at, channels, window| {
             let affine = if channels == 24 {
-                (&scale, &shift)
+                folded((&scale, &shift), true)
             } else {
-                (&ones, &bias)
+                folded((&ones, &bias), false)
             };
             let mut slot = out.part(at, channels)?;
-            conv2d_affine_into(&x, w, affine, channels == 24, window.0, window.1, &mut slot)
+            conv2d_affine_into(&x, w, affine, window, &mut slot)
         };
         conv_in(&mut out, &w1, 49, 8, unit)?;
         out.part(44, 5)?.copy_from(&other)?;

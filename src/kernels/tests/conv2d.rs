@@ -3,7 +3,7 @@
 
 use crate::kernels::conv2d::{
     conv2d, conv2d_affine, conv2d_backward, conv2d_input_grad, conv2d_weight_grad,
-    input_grad_adds_in_place,
+    input_grad_adds_in_place, FoldedAffine, KernelCache,
 };
 use anyhow::Context;
 use candle_core::{DType, Device, Tensor, Var};
@@ -282,7 +282,13 @@ fn folded_affine_and_relu_match_candle() -> anyhow::Result<()> {
         let w = random(&mut rng, &[case.o, case.c, case.kh, case.kw])?;
         let scale = random(&mut rng, &[case.o])?;
         let shift = random(&mut rng, &[case.o])?;
-        let got = conv2d_affine(&x, &w, (&scale, &shift), relu, case.stride, case.pad)?;
+        let affine = FoldedAffine {
+            scale: &scale,
+            shift: &shift,
+            relu,
+            cache: None,
+        };
+        let got = conv2d_affine(&x, &w, affine, (case.stride, case.pad))?;
         let per_channel = |v: &Tensor| v.reshape((1, case.o, 1, 1));
         let want = reference(&x, &w, &case)?
             .broadcast_mul(&per_channel(&scale)?)?
@@ -301,11 +307,62 @@ fn folded_affine_and_relu_match_candle() -> anyhow::Result<()> {
         Tensor::ones(4, DType::F32, &Device::Cpu)?,
         Tensor::ones(5, DType::F32, &Device::Cpu)?,
     );
-    let err = conv2d_affine(&x, &w, (&four, &five), true, (1, 1), (0, 0, 0, 0))
+    let affine = FoldedAffine {
+        scale: &four,
+        shift: &five,
+        relu: true,
+        cache: None,
+    };
+    let err = conv2d_affine(&x, &w, affine, ((1, 1), (0, 0, 0, 0)))
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(err.contains("[5]") && err.contains("[4, 3, 3, 3]"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_cached_kernel_serves_only_the_values_it_was_made_from() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(29);
+    // Winograd's lowering and the direct correlation's packing.
+    for case in [
+        case((2, 16, 8, 8), (16, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((2, 12, 9, 9), (10, 1, 1), (1, 1), (0, 0, 0, 0)),
+    ] {
+        let cache = KernelCache::default();
+        let x = random(&mut rng, &[case.n, case.c, case.h, case.w])?;
+        let shift = random(&mut rng, &[case.o])?;
+        let run = |x: &Tensor, w: &Tensor, scale: &Tensor, cache| -> anyhow::Result<Tensor> {
+            let affine = FoldedAffine {
+                scale,
+                shift: &shift,
+                relu: false,
+                cache,
+            };
+            Ok(conv2d_affine(x, w, affine, (case.stride, case.pad))?)
+        };
+        let check = |x: &Tensor, w: &Tensor, scale: &Tensor, what: &str| -> anyhow::Result<()> {
+            let got = run(x, w, scale, Some(&cache))?;
+            let want = run(x, w, scale, None)?;
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{case:?}: {what}");
+            Ok(())
+        };
+        let var = Var::from_tensor(&random(&mut rng, &[case.o, case.c, case.kh, case.kw])?)?;
+        let scale = random(&mut rng, &[case.o])?;
+        check(&x, var.as_tensor(), &scale, "first call")?;
+        check(&x, var.as_tensor(), &scale, "same values again")?;
+        // One weight changed in place, as an optimizer step does.
+        let mut values = var.flatten_all()?.to_vec1::<f32>()?;
+        let middle = values.len() / 2;
+        values[middle] += 0.5;
+        var.set(&Tensor::from_vec(values, var.dims(), &Device::Cpu)?)?;
+        check(&x, var.as_tensor(), &scale, "a weight changed")?;
+        check(&x, var.as_tensor(), &(&scale * 2.0)?, "the scale changed")?;
+        // Another input size is another plan.
+        let wider = random(&mut rng, &[case.n, case.c, case.h, case.w + 4])?;
+        check(&wider, var.as_tensor(), &scale, "a wider input")?;
+    }
     Ok(())
 }
 

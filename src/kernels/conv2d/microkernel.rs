@@ -209,16 +209,16 @@ impl Panels<'_> {
     }
 }
 
-/// `dst = lhs * rhs`, or `dst += lhs * rhs` when `accumulate`, for the `lhs.m x n` matrix
-/// `dst` and the `lhs.k x n` matrix `rhs`, both with unit column strides (`cs == 1`) and any
-/// row stride. Returns an error (and touches nothing) when a matrix does not fit its slice, or
-/// the CPU lacks AVX2 and FMA.
+/// `dst = lhs * rhs`, or `dst += lhs * rhs` when `accumulate`, then `max(dst, 0)` when `relu`
+/// (a NaN stays a NaN), for the `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs`,
+/// both with unit column strides (`cs == 1`) and any row stride. Returns an error (and touches
+/// nothing) when a matrix does not fit its slice, or the CPU lacks AVX2 and FMA.
 pub(crate) fn product(
     lhs: Panels<'_>,
     rhs: View<'_>,
     n: usize,
     dst: ViewMut<'_>,
-    accumulate: bool,
+    (accumulate, relu): (bool, bool),
 ) -> candle_core::Result<()> {
     let (m, k) = (lhs.m, lhs.k);
     let fits = lhs.fits()
@@ -249,10 +249,11 @@ pub(crate) fn product(
         let c = dst.data.as_mut_ptr().add(dst.offset);
         if m > MR {
             with_strips(k, |strips| {
-                avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, Some(strips))
+                let write = (accumulate, relu);
+                avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, Some(strips))
             });
         } else {
-            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), accumulate, None);
+            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), (accumulate, relu), None);
         }
     }
     Ok(())
@@ -282,7 +283,8 @@ const COLUMN_CHUNK: usize = 8 * NR;
 pub(crate) mod avx2 {
     use std::arch::x86_64::{
         __m256, __m256i, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
-        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
     };
 
     use super::{Panels, COLUMN_CHUNK, MR, NR};
@@ -298,7 +300,8 @@ pub(crate) mod avx2 {
     }
 
     /// Every panel of `lhs` against every `NR` columns of `rhs`, a chunk of columns at a time;
-    /// a last block narrower than `NR` is read and written through masks.
+    /// a last block narrower than `NR` is read and written through masks. `write` is
+    /// `(accumulate, relu)`, as for [`super::product`].
     ///
     /// # Safety
     ///
@@ -310,7 +313,7 @@ pub(crate) mod avx2 {
         (rhs, ld_rhs): (*const f32, usize),
         n: usize,
         (dst, ld_dst): (*mut f32, usize),
-        accumulate: bool,
+        write: (bool, bool),
         strips: Option<&mut [f32]>,
     ) {
         let k = lhs.k;
@@ -334,14 +337,12 @@ pub(crate) mod avx2 {
                     macro_rules! run {
                         ($rows:literal) => {
                             match (width == NR, strips.is_some()) {
-                                (true, _) => {
-                                    block::<$rows, false, false>(k, a, b, c, accumulate, width)
-                                }
+                                (true, _) => block::<$rows, false, false>(k, a, b, c, write, width),
                                 (false, true) => {
-                                    block::<$rows, true, false>(k, a, b, c, accumulate, width)
+                                    block::<$rows, true, false>(k, a, b, c, write, width)
                                 }
                                 (false, false) => {
-                                    block::<$rows, true, true>(k, a, b, c, accumulate, width)
+                                    block::<$rows, true, true>(k, a, b, c, write, width)
                                 }
                             }
                         };
@@ -394,7 +395,8 @@ pub(crate) mod avx2 {
 
     /// One `R x NR` block (the first `width` columns of `c` when `MASKED`, of `b` too when
     /// `MASKED_B`):
-    /// `c[r][..] (+)= sum over p of a[p * R + r] * b[p * ldb..][..]`.
+    /// `c[r][..] (+)= sum over p of a[p * R + r] * b[p * ldb..][..]`, then `max(c, 0)` when
+    /// `relu` (`write` is `(accumulate, relu)`).
     ///
     /// # Safety
     ///
@@ -406,7 +408,7 @@ pub(crate) mod avx2 {
         a: *const f32,
         (b, ldb): (*const f32, usize),
         (c, ldc): (*mut f32, usize),
-        accumulate: bool,
+        (accumulate, relu): (bool, bool),
         width: usize,
     ) {
         let masks = (mask(width), mask(width.saturating_sub(8)));
@@ -436,6 +438,13 @@ pub(crate) mod avx2 {
                 acc[1] = _mm256_fmadd_ps(v, b1, acc[1]);
             }
         }
+        if relu {
+            // `max` returns its second operand when either is NaN: a NaN stays.
+            let zero = _mm256_setzero_ps();
+            for acc in &mut acc {
+                *acc = [_mm256_max_ps(zero, acc[0]), _mm256_max_ps(zero, acc[1])];
+            }
+        }
         for (r, acc) in acc.iter().enumerate() {
             let row = c.add(r * ldc);
             if MASKED {
@@ -461,7 +470,7 @@ mod tests {
         }
         // Full and partial panels and column blocks (masked tails of 1 to 15 columns), more
         // columns than a chunk, strided rows, a zero-depth product, one panel (read in place)
-        // and several (read from strips); replacing and adding.
+        // and several (read from strips); replacing and adding, with and without the ReLU.
         let cases = [
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),
@@ -472,9 +481,10 @@ mod tests {
             (5, 3, 225, 230, 225),
             (8, 20, 130, 1024, 131),
         ];
-        for ((m, k, n, ld_rhs, ld_dst), accumulate) in cases
+        let writes = [(false, false), (true, false), (false, true), (true, true)];
+        for ((m, k, n, ld_rhs, ld_dst), (accumulate, relu)) in cases
             .into_iter()
-            .flat_map(|case| [(case, false), (case, true)])
+            .flat_map(|case| writes.map(|write| (case, write)))
         {
             let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
             let lhs: Vec<f32> = (0..m * k).map(value).collect();
@@ -516,7 +526,7 @@ mod tests {
                 from_t.data, packed.data,
                 "{m}x{k} packed from its transpose"
             );
-            product(packed.panels(), rhs_view, n, dst_view, accumulate)?;
+            product(packed.panels(), rhs_view, n, dst_view, (accumulate, relu))?;
             for i in 0..m {
                 for j in 0..n {
                     let start = if accumulate {
@@ -524,14 +534,16 @@ mod tests {
                     } else {
                         0.0
                     };
-                    let want: f64 = start
+                    let sum: f64 = start
                         + (0..k)
                             .map(|p| f64::from(lhs[i * k + p]) * f64::from(rhs[p * ld_rhs + j]))
                             .sum::<f64>();
+                    let want = if relu { sum.max(0.0) } else { sum };
                     let got = dst[i * ld_dst + j];
                     assert!(
                         (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "{m}x{k}x{n} (accumulate: {accumulate}) at ({i}, {j}): {got} vs {want}"
+                        "{m}x{k}x{n} (accumulate {accumulate}, relu {relu}) at ({i}, {j}): {got} \
+                         vs {want}"
                     );
                 }
                 assert!(
@@ -565,7 +577,7 @@ mod tests {
                 rs: 16,
                 cs: 1,
             };
-            product(lhs.panels(), view(&short), 16, dst, false).is_err()
+            product(lhs.panels(), view(&short), 16, dst, (false, false)).is_err()
         };
         assert!(short_rhs_refused(&mut dst));
         let whole = [0.0; 4 * 16];
@@ -579,7 +591,7 @@ mod tests {
             rs: 16,
             cs: 1,
         };
-        assert!(product(lhs.panels(), by_columns, 4, dst_ok, false).is_err());
+        assert!(product(lhs.panels(), by_columns, 4, dst_ok, (false, false)).is_err());
         assert!(dst.iter().all(|v| *v == 0.0));
         Ok(())
     }

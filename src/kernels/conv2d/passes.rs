@@ -177,7 +177,11 @@ fn winograd_images(
 ) -> candle_core::Result<Vec<f32>> {
     let group = wino.group(n, rayon::current_num_threads());
     map_groups(n, group, x, (out_len, None), |x, mut y, s, par| {
-        wino.correlate(x, bias, &mut y, &mut s.winograd, par)
+        let epilogue = Epilogue {
+            bias,
+            ..Default::default()
+        };
+        wino.correlate(x, epilogue, &mut y, &mut s.winograd, par)
     })
 }
 
@@ -259,17 +263,21 @@ impl PackedKernel {
 }
 
 /// `out = correlate(x, kernel) + bias` for one image, `bias` one value per output channel
-/// (none: zero), or `out +=` that when `into`.
+/// (none: zero), or `out +=` that when `into`; then the epilogue's ReLU, if any (its scale is
+/// the kernel's already).
 fn correlate_image(
     plan: &Plan,
     x: &[f32],
-    (kernel, bias): (&PackedKernel, Option<&[f32]>),
+    (kernel, epilogue): (&PackedKernel, Epilogue<'_>),
     (out, into): (&mut [f32], bool),
     expanded: &mut Vec<f32>,
     parallelism: Parallelism,
 ) -> candle_core::Result<()> {
     let positions = plan.ho * plan.wo;
     let depth = plan.depth();
+    let bias = epilogue.bias;
+    // Whether a product went to `gemm`, whose outputs the ReLU then takes in a pass of its own.
+    let mut unfinished = false;
     for_each_tile_gemm(plan, x, expanded, |t| {
         let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
         if let (Some(bias), 0) = (bias, t.call) {
@@ -284,6 +292,7 @@ fn correlate_image(
             }
         }
         let accumulate = t.call > 0 || bias.is_some() || into;
+        let relu = epilogue.relu && t.call + 1 == plan.calls();
         match (kernel.panels.get(t.call), parallelism) {
             (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
                 microkernel::product(
@@ -301,39 +310,47 @@ fn correlate_image(
                         rs: positions,
                         cs: 1,
                     },
-                    accumulate,
+                    (accumulate, relu),
                 )
             }
-            _ => matmul(
-                Product {
-                    m: tile.len(),
-                    n: plan.o,
-                    k: depth,
-                    accumulate,
-                    parallelism,
-                },
-                ViewMut {
-                    data: out,
-                    offset: tile.start,
-                    rs: 1,
-                    cs: positions,
-                },
-                t.operand,
-                View {
-                    data: &kernel.gemm,
-                    offset: t.call * plan.o * depth,
-                    rs: 1,
-                    cs: depth,
-                },
-            ),
+            _ => {
+                unfinished = true;
+                matmul(
+                    Product {
+                        m: tile.len(),
+                        n: plan.o,
+                        k: depth,
+                        accumulate,
+                        parallelism,
+                    },
+                    ViewMut {
+                        data: out,
+                        offset: tile.start,
+                        rs: 1,
+                        cs: positions,
+                    },
+                    t.operand,
+                    View {
+                        data: &kernel.gemm,
+                        offset: t.call * plan.o * depth,
+                        rs: 1,
+                        cs: depth,
+                    },
+                )
+            }
         }
-    })
+    })?;
+    if unfinished {
+        epilogue.finish(out);
+    }
+    Ok(())
 }
 
 /// What the forward pass does to each output channel `o` besides the correlation:
 /// `y[o] = scale[o] * (x ⋆ w)[o] + bias[o]`, then `max(y, 0)` when `relu`. A missing `scale`
-/// is one and a missing `bias` zero. The scale is applied to the kernel's taps, and the ReLU to
-/// each image's output while it is still in cache, so neither costs a pass over memory.
+/// is one and a missing `bias` zero. The scale is applied to the kernel's taps, and the ReLU
+/// as the outputs are written (by the micro-kernel, Winograd's output transform, or the copy
+/// out of a group's products), so neither costs a pass over memory.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Epilogue<'a> {
     pub scale: Option<&'a [f32]>,
@@ -342,14 +359,24 @@ pub(crate) struct Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    /// Applies the ReLU, if any, to finished outputs (a NaN stays a NaN).
+    /// Applies the ReLU, if any, to finished outputs (a NaN stays a NaN): for outputs no
+    /// fused write took it.
     fn finish(&self, y: &mut [f32]) {
         if self.relu {
             for v in y {
-                // A select and an unconditional store, which vectorise.
-                *v = if *v < 0.0 { 0.0 } else { *v };
+                *v = relu(*v);
             }
         }
+    }
+}
+
+/// `max(v, 0)`, a NaN staying a NaN.
+#[inline(always)]
+pub(crate) fn relu(v: f32) -> f32 {
+    if v < 0.0 {
+        0.0
+    } else {
+        v
     }
 }
 
@@ -385,11 +412,12 @@ fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
 fn correlate_group(
     plan: &Plan,
     x: &[f32],
-    (kernel, bias): (&PackedKernel, Option<&[f32]>),
+    (kernel, epilogue): (&PackedKernel, Epilogue<'_>),
     (out, into): (&mut ImagesMut<'_>, bool),
     scratch: &mut Scratch,
 ) -> candle_core::Result<()> {
     let in_len = plan.input_len();
+    let bias = epilogue.bias;
     let g = out.count();
     let positions = plan.ho * plan.wo;
     let Scratch {
@@ -444,7 +472,10 @@ fn correlate_group(
                 rs: width,
                 cs: 1,
             },
-            call > 0 || bias.is_some(),
+            (
+                call > 0 || bias.is_some(),
+                epilogue.relu && call + 1 == kernel.panels.len(),
+            ),
         )?;
     }
     for (i, image) in out.each().enumerate() {
@@ -523,26 +554,22 @@ pub(crate) fn forward(
         }
     };
     let (input, part) = ((x, plan.input_len()), (offset, plan.output_len()));
-    let bias = epilogue.bias;
     match lowered {
         Lowered::Winograd(wino) => {
             let group = wino.group(conv.n, rayon::current_num_threads());
             fill_groups(out, part, group, input, None, |x, mut y, s, par| {
-                wino.correlate(x, bias, &mut y, &mut s.winograd, par)?;
-                y.each().for_each(|image| epilogue.finish(image));
-                Ok(())
+                wino.correlate(x, epilogue, &mut y, &mut s.winograd, par)
             })
         }
         Lowered::Direct(kernel) => {
             let group = image_group(&plan, kernel, conv.n);
             fill_groups(out, part, group, input, None, |x, mut y, s, par| {
                 if group > 1 {
-                    correlate_group(&plan, x, (kernel, bias), (&mut y, false), s)?;
+                    correlate_group(&plan, x, (kernel, epilogue), (&mut y, false), s)?;
                 } else if let Some(image) = y.each().next() {
                     let out = (image, false);
-                    correlate_image(&plan, x, (kernel, bias), out, &mut s.expanded, par)?;
+                    correlate_image(&plan, x, (kernel, epilogue), out, &mut s.expanded, par)?;
                 }
-                y.each().for_each(|image| epilogue.finish(image));
                 Ok(())
             })
         }
@@ -718,7 +745,8 @@ pub(crate) fn input_grad(
         let group = image_group(&phase.plan, &phase.kernel, conv.n);
         if group > 1 {
             return map_groups(conv.n, group, (dy, dy_len), dx_len, |dy, mut dx, s, _| {
-                correlate_group(&phase.plan, dy, (&phase.kernel, None), (&mut dx, into), s)
+                let kernel = (&phase.kernel, Epilogue::default());
+                correlate_group(&phase.plan, dy, kernel, (&mut dx, into), s)
             });
         }
     }
@@ -731,7 +759,8 @@ pub(crate) fn input_grad(
             // stride-1 convolution reads every input position).
             return phases.iter().try_for_each(|p| {
                 let dx = (&mut *dx, into);
-                correlate_image(&p.plan, dy, (&p.kernel, None), dx, &mut s.expanded, par)
+                let kernel = (&p.kernel, Epilogue::default());
+                correlate_image(&p.plan, dy, kernel, dx, &mut s.expanded, par)
             });
         }
         // Every phase into its own part of one buffer, then `dx` a row at a time, each row
@@ -744,7 +773,8 @@ pub(crate) fn input_grad(
                 zp.fill(0.0);
             } else {
                 let zp = (zp, false);
-                correlate_image(&p.plan, dy, (&p.kernel, None), zp, &mut s.expanded, par)?;
+                let kernel = (&p.kernel, Epilogue::default());
+                correlate_image(&p.plan, dy, kernel, zp, &mut s.expanded, par)?;
             }
         }
         let z = &*z;

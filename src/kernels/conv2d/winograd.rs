@@ -26,6 +26,7 @@ use rayon::prelude::*;
 use super::super::output::ImagesMut;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedStack, MR, NR};
+use super::passes::{self, Epilogue};
 use super::plan::Plan;
 
 mod pairs_avx2;
@@ -276,12 +277,14 @@ impl Winograd {
         (TILE * th + 2, TILE * tw + 2 * TILE)
     }
 
-    /// `out = correlate(x) + bias` for a group of whole images: `x` holds them back to back
-    /// (`plan.input_len()` each) and `out` their outputs (`plan.output_len()` each).
+    /// `out = correlate(x) + bias`, then the ReLU if any, for a group of whole images, the
+    /// bias and the ReLU the `epilogue`'s (its scale is the kernel's already): `x` holds the
+    /// images back to back (`plan.input_len()` each) and `out` their outputs
+    /// (`plan.output_len()` each).
     pub(crate) fn correlate(
         &self,
         x: &[f32],
-        bias: Option<&[f32]>,
+        epilogue: Epilogue<'_>,
         out: &mut ImagesMut<'_>,
         buffers: &mut Buffers,
         parallelism: Parallelism,
@@ -299,7 +302,7 @@ impl Winograd {
         }
         self.pad(x, images, &mut buffers.padded);
         for range in self.blocks(images) {
-            self.correlate_block(range, bias, out, buffers, parallelism)?;
+            self.correlate_block(range, epilogue, out, buffers, parallelism)?;
         }
         Ok(())
     }
@@ -339,7 +342,7 @@ impl Winograd {
     fn correlate_block(
         &self,
         range: std::ops::Range<usize>,
-        bias: Option<&[f32]>,
+        epilogue: Epilogue<'_>,
         out: &mut ImagesMut<'_>,
         buffers: &mut Buffers,
         parallelism: Parallelism,
@@ -378,7 +381,7 @@ impl Winograd {
                         rs: width,
                         cs: 1,
                     },
-                    false,
+                    (false, false),
                 )?,
                 _ => matmul(
                     Product {
@@ -411,7 +414,8 @@ impl Winograd {
         }
         let job = Transform::Outputs {
             m,
-            bias,
+            bias: epilogue.bias,
+            relu: epilogue.relu,
             out: out.all(),
         };
         self.transform(job, tiles, width);
@@ -663,7 +667,7 @@ impl Winograd {
                     }
                 }
             }
-            Transform::Outputs { m, bias, out } => {
+            Transform::Outputs { m, bias, relu, out } => {
                 let stride = element_stride(plan.o * width);
                 let (plane, wo) = (plan.ho * plan.wo, plan.wo);
                 let mut rows = [[0f32; 2 * TILE]; 4 * TILE];
@@ -674,7 +678,9 @@ impl Winograd {
                     for oi in 0..plan.o {
                         let at = oi * width + g * LANES;
                         let b = bias.map_or(0.0, |b| b[oi]);
-                        if pairs && pairs_avx2::output_tiles(&m[at..], stride, b, &mut rows) {
+                        let (products, pair_rows) = (&m[at..], &mut rows);
+                        let write = (b, relu);
+                        if pairs && pairs_avx2::output_tiles(products, stride, write, pair_rows) {
                             for (j, pair) in rows.chunks_exact(TILE).enumerate() {
                                 let t = lanes[j];
                                 let image = &mut out[t.image][first[j] + oi * plane..];
@@ -702,7 +708,8 @@ impl Winograd {
                             let cols = plan.wo.saturating_sub(TILE * t.tj).min(TILE);
                             for r in 0..rows {
                                 for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
-                                    image[r * wo + k] = yv[l];
+                                    image[r * wo + k] =
+                                        if relu { passes::relu(yv[l]) } else { yv[l] };
                                 }
                             }
                         }
@@ -840,10 +847,12 @@ enum Transform<'a, 'o> {
         padded: &'a [f32],
         dm: &'a mut [f32],
     },
-    /// The products `m`, plus the bias, into the output images `out`.
+    /// The products `m`, plus the bias, then the ReLU when `relu`, into the output images
+    /// `out`.
     Outputs {
         m: &'a [f32],
         bias: Option<&'a [f32]>,
+        relu: bool,
         out: &'a mut [&'o mut [f32]],
     },
 }
@@ -1013,9 +1022,13 @@ mod tests {
             let mut out = vec![f32::NAN; images * plan.output_len()];
             let mut buffers = Buffers::default();
             let mut images_out = ImagesMut::new(out.chunks_mut(plan.output_len()).collect());
+            let epilogue = Epilogue {
+                bias: Some(&bias),
+                ..Default::default()
+            };
             wino.correlate(
                 &x,
-                Some(&bias),
+                epilogue,
                 &mut images_out,
                 &mut buffers,
                 Parallelism::None,

@@ -128,7 +128,7 @@ fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
                 conv2d_affine(&x, &w3, folded((&scale, &shift), true), same)?,
                 max_pool2d(&x, &pool)?,
                 other.clone(),
-                conv2d_affine(&x, &w1, folded((&ones, &bias), false), unit)?,
+                conv2d_affine(&x, &w1, folded((&ones, &bias), true), unit)?,
                 Tensor::zeros((n, 2, hw, hw), DType::F32, &Device::Cpu)?,
             ],
             1,
@@ -140,7 +140,7 @@ fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
             let affine = if channels == 24 {
                 folded((&scale, &shift), true)
             } else {
-                folded((&ones, &bias), false)
+                folded((&ones, &bias), true)
             };
             let mut slot = out.part(at, channels)?;
             conv2d_affine_into(&x, w, affine, window, &mut slot)

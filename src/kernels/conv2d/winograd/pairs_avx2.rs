@@ -43,19 +43,25 @@ pub(super) fn input_tiles(
 /// its first tile's four values, then its second tile's.
 pub(super) type PairRows = [[f32; 2 * TILE]; 4 * TILE];
 
-/// Computes the outputs `At M A + bias` of four pairs of adjacent tiles into `rows`: element
-/// `e` of lane `l`'s products is `m[e * stride + l]`. The caller stores each row where it
-/// goes (the pairs may lie in different images).
-pub(super) fn output_tiles(m: &[f32], stride: usize, bias: f32, rows: &mut PairRows) -> bool {
+/// Computes the outputs `At M A + bias` of four pairs of adjacent tiles into `rows`, then
+/// their ReLU when `relu` (a NaN stays a NaN): element `e` of lane `l`'s products is
+/// `m[e * stride + l]`. The caller stores each row where it goes (the pairs may lie in
+/// different images).
+pub(super) fn output_tiles(
+    m: &[f32],
+    stride: usize,
+    (bias, relu): (f32, bool),
+    rows: &mut PairRows,
+) -> bool {
     let fits = m.len() >= (ELEMENTS - 1) * stride + LANES;
     #[cfg(target_arch = "x86_64")]
     if fits && avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA, and `m` holds what the kernel reads (checked
         // above); `rows` is whole.
-        unsafe { avx2::output_tiles(m.as_ptr(), stride, bias, rows) };
+        unsafe { avx2::output_tiles(m.as_ptr(), stride, (bias, relu), rows) };
         return true;
     }
-    let _ = (fits, m, stride, bias, rows);
+    let _ = (fits, m, stride, bias, relu, rows);
     false
 }
 
@@ -107,7 +113,7 @@ fn avx2_fma() -> bool {
 mod avx2 {
     use std::arch::x86_64::{
         __m256, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_set1_ps, _mm256_setzero_ps,
         _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
     };
 
@@ -253,7 +259,7 @@ mod avx2 {
     pub(super) unsafe fn output_tiles(
         m: *const f32,
         stride: usize,
-        bias: f32,
+        (bias, relu): (f32, bool),
         rows: &mut super::PairRows,
     ) {
         let el = |e: usize| _mm256_loadu_ps(m.add(e * stride));
@@ -264,11 +270,13 @@ mod avx2 {
                 sr[k] = value;
             }
         }
-        let bias = _mm256_set1_ps(bias);
+        let (bias, zero) = (_mm256_set1_ps(bias), _mm256_setzero_ps());
         for (r, sr) in s.iter().enumerate() {
             let y = output_column(*sr).map(|v| _mm256_add_ps(v, bias));
             // Pair j's row r: its first tile's four columns, then its second tile's.
             for (j, row) in transpose4(y).into_iter().enumerate() {
+                // `max` returns its second operand when either is NaN: a NaN stays.
+                let row = if relu { _mm256_max_ps(zero, row) } else { row };
                 _mm256_storeu_ps(rows[TILE * j + r].as_mut_ptr(), row);
             }
         }

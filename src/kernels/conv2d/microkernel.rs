@@ -209,19 +209,43 @@ impl Panels<'_> {
     }
 }
 
-/// `dst = lhs * rhs`, or `dst += lhs * rhs` when `accumulate`, then `max(dst, 0)` when `relu`
-/// (a NaN stays a NaN), for the `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs`,
-/// both with unit column strides (`cs == 1`) and any row stride. Returns an error (and touches
-/// nothing) when a matrix does not fit its slice, or the CPU lacks AVX2 and FMA.
+/// What a product's outputs start from, before the product is added.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Start<'a> {
+    /// Zero: `dst = lhs * rhs`.
+    Zero,
+    /// What `dst` holds: `dst += lhs * rhs`.
+    Dst,
+    /// One value per row of `dst` (a bias), set in the registers: `dst = row + lhs * rhs`.
+    Rows(&'a [f32]),
+}
+
+/// How a product writes `dst`: what it starts from, and whether `max(dst, 0)` follows (a NaN
+/// staying a NaN).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Write<'a> {
+    pub start: Start<'a>,
+    pub relu: bool,
+}
+
+/// `dst = start + lhs * rhs` (see [`Start`]), then its ReLU when `write.relu`, for the
+/// `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs`, both with unit column strides
+/// (`cs == 1`) and any row stride. Returns an error (and touches nothing) when a matrix does
+/// not fit its slice (or a start row is missing), or the CPU lacks AVX2 and FMA.
 pub(crate) fn product(
     lhs: Panels<'_>,
     rhs: View<'_>,
     n: usize,
     dst: ViewMut<'_>,
-    (accumulate, relu): (bool, bool),
+    write: Write<'_>,
 ) -> candle_core::Result<()> {
     let (m, k) = (lhs.m, lhs.k);
-    let fits = lhs.fits()
+    let rows_fit = match write.start {
+        Start::Rows(rows) => rows.len() >= m,
+        Start::Zero | Start::Dst => true,
+    };
+    let fits = rows_fit
+        && lhs.fits()
         && rhs.cs == 1
         && dst.cs == 1
         && (m <= 1 || n <= dst.rs)
@@ -249,11 +273,10 @@ pub(crate) fn product(
         let c = dst.data.as_mut_ptr().add(dst.offset);
         if m > MR {
             with_strips(k, |strips| {
-                let write = (accumulate, relu);
                 avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, Some(strips))
             });
         } else {
-            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), (accumulate, relu), None);
+            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, None);
         }
     }
     Ok(())
@@ -287,7 +310,7 @@ pub(crate) mod avx2 {
         _mm256_storeu_ps,
     };
 
-    use super::{Panels, COLUMN_CHUNK, MR, NR};
+    use super::{Panels, Start, Write, COLUMN_CHUNK, MR, NR};
 
     /// Eight lanes on, then eight off: [`mask`] reads eight of them.
     static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
@@ -300,8 +323,8 @@ pub(crate) mod avx2 {
     }
 
     /// Every panel of `lhs` against every `NR` columns of `rhs`, a chunk of columns at a time;
-    /// a last block narrower than `NR` is read and written through masks. `write` is
-    /// `(accumulate, relu)`, as for [`super::product`].
+    /// a last block narrower than `NR` is read and written through masks. `write` as for
+    /// [`super::product`].
     ///
     /// # Safety
     ///
@@ -313,7 +336,7 @@ pub(crate) mod avx2 {
         (rhs, ld_rhs): (*const f32, usize),
         n: usize,
         (dst, ld_dst): (*mut f32, usize),
-        write: (bool, bool),
+        write: Write<'_>,
         strips: Option<&mut [f32]>,
     ) {
         let k = lhs.k;
@@ -327,6 +350,13 @@ pub(crate) mod avx2 {
                 let rows = MR.min(lhs.m - r0);
                 let a = lhs.data.as_ptr().add(lhs.panel_start(r0 / MR, rows));
                 let out = dst.add(r0 * ld_dst);
+                // The panel's rows of the start values, if any.
+                let start = match write.start {
+                    Start::Zero => BlockStart::Zero,
+                    Start::Dst => BlockStart::Dst,
+                    Start::Rows(values) => BlockStart::Rows(values.as_ptr().add(r0)),
+                };
+                let write = (start, write.relu);
                 for j in (j0..j1).step_by(NR) {
                     let width = NR.min(j1 - j);
                     let b = match strips {
@@ -393,10 +423,18 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// Where a block's sums start: zero, `c`, or a value per row.
+    #[derive(Clone, Copy)]
+    enum BlockStart {
+        Zero,
+        Dst,
+        Rows(*const f32),
+    }
+
     /// One `R x NR` block (the first `width` columns of `c` when `MASKED`, of `b` too when
     /// `MASKED_B`):
-    /// `c[r][..] (+)= sum over p of a[p * R + r] * b[p * ldb..][..]`, then `max(c, 0)` when
-    /// `relu` (`write` is `(accumulate, relu)`).
+    /// `c[r][..] = start + sum over p of a[p * R + r] * b[p * ldb..][..]`, then `max(c, 0)`
+    /// when `relu` (`write` is `(start, relu)`).
     ///
     /// # Safety
     ///
@@ -408,7 +446,7 @@ pub(crate) mod avx2 {
         a: *const f32,
         (b, ldb): (*const f32, usize),
         (c, ldc): (*mut f32, usize),
-        (accumulate, relu): (bool, bool),
+        (start, relu): (BlockStart, bool),
         width: usize,
     ) {
         let masks = (mask(width), mask(width.saturating_sub(8)));
@@ -423,10 +461,19 @@ pub(crate) mod avx2 {
             }
         };
         let mut acc: [[__m256; 2]; R] = [[_mm256_setzero_ps(); 2]; R];
-        if accumulate {
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let (v0, v1) = load(c.add(r * ldc), MASKED);
-                *acc = [v0, v1];
+        match start {
+            BlockStart::Zero => {}
+            BlockStart::Dst => {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let (v0, v1) = load(c.add(r * ldc), MASKED);
+                    *acc = [v0, v1];
+                }
+            }
+            BlockStart::Rows(values) => {
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let v = _mm256_broadcast_ss(&*values.add(r));
+                    *acc = [v, v];
+                }
             }
         }
         for p in 0..k {
@@ -481,11 +528,21 @@ mod tests {
             (5, 3, 225, 230, 225),
             (8, 20, 130, 1024, 131),
         ];
-        let writes = [(false, false), (true, false), (false, true), (true, true)];
-        for ((m, k, n, ld_rhs, ld_dst), (accumulate, relu)) in cases
+        // How each product starts: 0 zero, 1 from `dst`, 2 from a value per row.
+        let writes = [
+            (0, false),
+            (1, false),
+            (2, false),
+            (0, true),
+            (1, true),
+            (2, true),
+        ];
+        for ((m, k, n, ld_rhs, ld_dst), (from, relu)) in cases
             .into_iter()
             .flat_map(|case| writes.map(|write| (case, write)))
         {
+            let row_start: Vec<f32> = (0..m).map(|i| i as f32 * 0.5 - 1.0).collect();
+            let start = [Start::Zero, Start::Dst, Start::Rows(&row_start)][from];
             let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
             let lhs: Vec<f32> = (0..m * k).map(value).collect();
             let rhs: Vec<f32> = (0..k * ld_rhs).map(|i| value(i * 13 + 1)).collect();
@@ -526,13 +583,19 @@ mod tests {
                 from_t.data, packed.data,
                 "{m}x{k} packed from its transpose"
             );
-            product(packed.panels(), rhs_view, n, dst_view, (accumulate, relu))?;
+            product(
+                packed.panels(),
+                rhs_view,
+                n,
+                dst_view,
+                Write { start, relu },
+            )?;
             for i in 0..m {
                 for j in 0..n {
-                    let start = if accumulate {
-                        f64::from(before[i * ld_dst + j])
-                    } else {
-                        0.0
+                    let start = match start {
+                        Start::Zero => 0.0,
+                        Start::Dst => f64::from(before[i * ld_dst + j]),
+                        Start::Rows(rows) => f64::from(rows[i]),
                     };
                     let sum: f64 = start
                         + (0..k)
@@ -542,8 +605,7 @@ mod tests {
                     let got = dst[i * ld_dst + j];
                     assert!(
                         (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "{m}x{k}x{n} (accumulate {accumulate}, relu {relu}) at ({i}, {j}): {got} \
-                         vs {want}"
+                        "{m}x{k}x{n} (start {from}, relu {relu}) at ({i}, {j}): {got} vs {want}"
                     );
                 }
                 assert!(
@@ -559,6 +621,10 @@ mod tests {
 
     #[test]
     fn refuses_operands_that_do_not_fit() -> candle_core::Result<()> {
+        const ZERO: Write<'static> = Write {
+            start: Start::Zero,
+            relu: false,
+        };
         let lhs = PackedLhs::new(&[1.0; 12], 3, 4)?;
         assert!(PackedLhs::new(&[1.0; 11], 3, 4).is_err());
         let mut dst = vec![0f32; 3 * 16];
@@ -577,7 +643,7 @@ mod tests {
                 rs: 16,
                 cs: 1,
             };
-            product(lhs.panels(), view(&short), 16, dst, (false, false)).is_err()
+            product(lhs.panels(), view(&short), 16, dst, ZERO).is_err()
         };
         assert!(short_rhs_refused(&mut dst));
         let whole = [0.0; 4 * 16];
@@ -591,7 +657,19 @@ mod tests {
             rs: 16,
             cs: 1,
         };
-        assert!(product(lhs.panels(), by_columns, 4, dst_ok, (false, false)).is_err());
+        assert!(product(lhs.panels(), by_columns, 4, dst_ok, ZERO).is_err());
+        // Start values for two of the three rows.
+        let two_rows = Write {
+            start: Start::Rows(&[1.0, 2.0]),
+            relu: false,
+        };
+        let dst_ok = ViewMut {
+            data: &mut dst,
+            offset: 0,
+            rs: 16,
+            cs: 1,
+        };
+        assert!(product(lhs.panels(), view(&whole), 16, dst_ok, two_rows).is_err());
         assert!(dst.iter().all(|v| *v == 0.0));
         Ok(())
     }

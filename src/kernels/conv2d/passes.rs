@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use super::super::output::{ImagesMut, PartedOutput};
 use super::cache::KernelCache;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
-use super::microkernel::{self, PackedLhs};
+use super::microkernel::{self, PackedLhs, Start, Write};
 use super::plan::{Operand, Plan};
 use super::winograd::{self, Winograd};
 
@@ -280,9 +280,16 @@ fn correlate_image(
     let mut unfinished = false;
     for_each_tile_gemm(plan, x, expanded, |t| {
         let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
-        if let (Some(bias), 0) = (bias, t.call) {
-            // Start from the bias (added to what `out` holds when `into`), so the tile's first
-            // GEMM adds to it.
+        let panels = match (kernel.panels.get(t.call), parallelism) {
+            (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
+                Some(panels)
+            }
+            _ => None,
+        };
+        // The micro-kernel starts a tile's first product from the bias in its registers;
+        // otherwise the tile's outputs start from it (added to what `out` holds when `into`).
+        let bias_in_registers = panels.is_some() && !into;
+        if let (Some(bias), 0, false) = (bias, t.call, bias_in_registers) {
             for (plane, b) in out.chunks_exact_mut(positions).zip(bias) {
                 if into {
                     plane[tile.clone()].iter_mut().for_each(|v| *v += b);
@@ -293,8 +300,13 @@ fn correlate_image(
         }
         let accumulate = t.call > 0 || bias.is_some() || into;
         let relu = epilogue.relu && t.call + 1 == plan.calls();
-        match (kernel.panels.get(t.call), parallelism) {
-            (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
+        let start = match (bias, t.call, bias_in_registers) {
+            (Some(bias), 0, true) => Start::Rows(bias),
+            _ if accumulate => Start::Dst,
+            _ => Start::Zero,
+        };
+        match panels {
+            Some(panels) => {
                 microkernel::product(
                     panels.panels(),
                     // The operand read as (depth x positions).
@@ -310,7 +322,7 @@ fn correlate_image(
                         rs: positions,
                         cs: 1,
                     },
-                    (accumulate, relu),
+                    Write { start, relu },
                 )
             }
             _ => {
@@ -451,12 +463,13 @@ fn correlate_group(
     let width = operand.plane;
     let columns = (g - 1) * one.plane + positions;
     let products = at_least(products, plan.o * width);
-    if let Some(bias) = bias {
-        for (row, b) in products.chunks_exact_mut(width).zip(bias) {
-            row[..columns].fill(*b);
-        }
-    }
     for (call, panels) in kernel.panels.iter().enumerate() {
+        // The first product starts from the bias, in the micro-kernel's registers.
+        let start = match (call, bias) {
+            (0, Some(bias)) => Start::Rows(bias),
+            (0, None) => Start::Zero,
+            _ => Start::Dst,
+        };
         microkernel::product(
             panels.panels(),
             View {
@@ -472,10 +485,10 @@ fn correlate_group(
                 rs: width,
                 cs: 1,
             },
-            (
-                call > 0 || bias.is_some(),
-                epilogue.relu && call + 1 == kernel.panels.len(),
-            ),
+            Write {
+                start,
+                relu: epilogue.relu && call + 1 == kernel.panels.len(),
+            },
         )?;
     }
     for (i, image) in out.each().enumerate() {

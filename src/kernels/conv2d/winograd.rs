@@ -381,7 +381,10 @@ impl Winograd {
                         rs: width,
                         cs: 1,
                     },
-                    (false, false),
+                    microkernel::Write {
+                        start: microkernel::Start::Zero,
+                        relu: false,
+                    },
                 )?,
                 _ => matmul(
                     Product {

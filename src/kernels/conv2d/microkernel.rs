@@ -8,10 +8,12 @@
 //! so the two FMA pipes stay busy; a last block narrower than sixteen columns goes through
 //! masked loads and stores. The left operand (a kernel) is packed once per layer instead of
 //! once per call. Columns of `rhs` are taken a chunk at a time; when more than one panel reads
-//! them, the chunk is first copied into strips of `NR` columns laid end to end, so the kernel
-//! reads them as one stream. Read in place, the rows of an image's channels lie a power of two
-//! apart (4 KiB for 32x32 planes) and every row of a strip falls in the same L1 set: copied,
-//! a 1x1 convolution over 32x32 planes runs 1.9x faster. A single panel reads `rhs` in place.
+//! them and its rows lie far apart, the chunk is first copied into strips of `NR` columns laid
+//! end to end, so the kernel reads them as one stream. Read in place, the rows of an image's
+//! channels lie a power of two apart (4 KiB for 32x32 planes) and every row of a strip falls in
+//! the same L1 set: copied, a 1x1 convolution over 32x32 planes runs 1.9x faster. A single
+//! panel, and rows at most [`IN_PLACE_STRIDE`] apart (Winograd's blocks), read `rhs` in
+//! place.
 //!
 //! The `gemm` crate runs the products on other CPUs (AVX-512 kernels where present), and the
 //! kernel gradient's products, whose operands are read across their rows.
@@ -271,7 +273,7 @@ pub(crate) fn product(
     unsafe {
         let b = rhs.data.as_ptr().add(rhs.offset);
         let c = dst.data.as_mut_ptr().add(dst.offset);
-        if m > MR {
+        if m > MR && rhs.rs > IN_PLACE_STRIDE {
             with_strips(k, |strips| {
                 avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, Some(strips))
             });
@@ -297,6 +299,11 @@ fn with_strips<R>(k: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     STRIPS.with(|s| s.set(strips));
     result
 }
+
+/// The widest row stride of `rhs` read in place by several panels: rows this close (a
+/// Winograd block's transformed tiles, 256 bytes apart) spread over the L1 sets, and copying
+/// them into strips would cost more than it saves.
+const IN_PLACE_STRIDE: usize = 4 * NR;
 
 /// Columns of `rhs` per pass over the panels of `lhs`, so the part of `rhs` the panels read
 /// stays in cache from one panel to the next.
@@ -517,7 +524,8 @@ mod tests {
         }
         // Full and partial panels and column blocks (masked tails of 1 to 15 columns), more
         // columns than a chunk, strided rows, a zero-depth product, one panel (read in place)
-        // and several (read from strips); replacing and adding, with and without the ReLU.
+        // and several (rows close together read in place, rows far apart from strips); each
+        // start, with and without the ReLU.
         let cases = [
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),

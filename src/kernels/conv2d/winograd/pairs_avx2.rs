@@ -168,7 +168,14 @@ mod avx2 {
         }
         if j < n {
             let m = mask(n - j);
-            _mm256_maskstore_ps(dst.add(lo + j), m, _mm256_maskload_ps(src.add(j), m));
+            let tail = _mm256_maskload_ps(src.add(j), m);
+            if lo + j + 8 <= len {
+                // The lanes past `n` load as zero, which the row holds there: a whole store,
+                // where a masked one is slow on AMD's cores.
+                _mm256_storeu_ps(dst.add(lo + j), tail);
+            } else {
+                _mm256_maskstore_ps(dst.add(lo + j), m, tail);
+            }
         }
     }
 

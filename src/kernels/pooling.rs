@@ -199,9 +199,7 @@ impl Plan {
     ///
     /// For each output row it first takes the maximum of every column over the window's rows,
     /// then splits those by column modulo the stride, so that the maximum over each window's
-    /// columns is a few passes over contiguous memory. Every loop vectorises (inlined into
-    /// [`vectorized`], at the CPU's widest vectors).
-    #[inline(always)]
+    /// columns is a few passes over contiguous memory. Every loop vectorises.
     fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32], scratch: &mut MaxScratch) {
         let width = self.input.1;
         let (_, _, left, right) = self.window.pad;
@@ -332,11 +330,10 @@ impl MaxPool {
         let plane = |i: usize| &x[i * in_len..(i + 1) * in_len];
         if ARGMAX {
             let scratch = || MaxScratch::new(plan);
+            // At the baseline width: AVX2 compiles the positions' selects into masked stores,
+            // which AMD's cores run slowly.
             let fill = |scratch: &mut MaxScratch, i: usize, yp: &mut [f32], ap: &mut [u32]| {
-                vectorized(
-                    #[inline(always)]
-                    || plan.max_plane(plane(i), yp, ap, scratch),
-                );
+                plan.max_plane(plane(i), yp, ap, scratch);
             };
             for_each_plane_pair(&mut y, &mut argmax, out_len, scratch, fill);
         } else {

@@ -343,16 +343,7 @@ mod tests {
         };
         let (in_place, store) = build(ComputePath::Auto)?;
         let (apart, apart_store) = build(ComputePath::DeviceGeneric)?;
-        for (i, p) in store.iter().enumerate() {
-            let noise = Tensor::randn(0f32, 0.5, p.var.dims(), &Device::Cpu)?;
-            let value = if p.name.ends_with("running_var") {
-                (noise.abs()? + 0.5)?
-            } else {
-                (noise + (i % 3) as f64 * 0.1)?
-            };
-            p.var.set(&value)?;
-        }
-        apart_store.assign(&store.weights()?)?;
+        crate::layers::fold::move_variables(&store, &apart_store)?;
         let x = Tensor::randn(0f32, 1., (3, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
         let got = in_place.forward_t(&x, false)?;
         let want = apart.forward_t(&x, false)?;

@@ -108,6 +108,27 @@ fn next_step<'a>(
     Ok(Some((Step { layer, then: None }, after)))
 }
 
+/// Moves every variable of `store` away from its initial value (biases start at zero,
+/// statistics at zero and one), then copies them all to `other`: for tests that compare
+/// inference's fused paths with the layers run apart, which must carry each variable.
+#[cfg(test)]
+pub(crate) fn move_variables(
+    store: &crate::params::ParamStore,
+    other: &crate::params::ParamStore,
+) -> Result<()> {
+    for (i, p) in store.iter().enumerate() {
+        let noise = Tensor::randn(0f32, 0.5, p.var.dims(), p.var.device())?;
+        let value = if p.name.ends_with("running_var") {
+            (noise.abs()? + 0.5)?
+        } else {
+            (noise + (i % 3) as f64 * 0.1)?
+        };
+        p.var.set(&value)?;
+    }
+    other.assign(&store.weights()?)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use candle_core::{Device, Tensor};
@@ -142,18 +163,7 @@ mod tests {
     fn folded_inference_matches_the_layers_run_apart() -> crate::Result<()> {
         let (folded, store) = build(ComputePath::Auto)?;
         let (apart, apart_store) = build(ComputePath::DeviceGeneric)?;
-        // Every variable away from its initial value (biases start at zero, statistics at
-        // zero and one): the fold must carry each of them.
-        for (i, p) in store.iter().enumerate() {
-            let noise = Tensor::randn(0f32, 0.5, p.var.dims(), &Device::Cpu)?;
-            let value = if p.name.ends_with("running_var") {
-                (noise.abs()? + 0.5)?
-            } else {
-                (noise + (i % 3) as f64 * 0.1)?
-            };
-            p.var.set(&value)?;
-        }
-        apart_store.assign(&store.weights()?)?;
+        super::move_variables(&store, &apart_store)?;
         let x = Tensor::randn(0f32, 1., (5, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
         let got = folded.forward_t(&x, false)?;
         let want = apart.forward_t(&x, false)?;

@@ -2,15 +2,20 @@
 """PyTorch reference for kandle's `bench` binary.
 
 Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it (1,656,250
-parameters) on the CPU: a training step (forward, cross-entropy, backward, SGD with momentum 0.9)
-and inference, at the same batch and thread count as the kandle side, in each configuration of
+parameters) on the CPU or a CUDA GPU (`--device`): a training step (forward, cross-entropy,
+backward, SGD with momentum 0.9) and inference, at the same batch and thread count as the kandle
+side, in each configuration of
 `--configs` (default all): the default layout (`eager`), `channels_last`, and both under
 `torch.compile`. A configuration that cannot run here is reported with its error. With `--ops`, it also
 times the individual ops listed in a JSON file (or `-` for stdin) written by `bench`: conv
 forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
 same way kandle's are (forward alone, then forward and backward with the input's gradient off and
 on, the passes taken as differences; the fastest of the timed runs, where whole steps report the
-median).
+median). With `--epoch-images N`, it also times N images of training steps (an epoch of random
+images already on the device, no input pipeline) in the configuration whose step was fastest.
+
+On a GPU every timed call ends with the device synchronised: the training step reads the loss and
+the accuracy back, and inference copies the probabilities to the host, as kandle's side does.
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -152,13 +157,7 @@ CONFIGS = {
 
 def time_config(args, name):
     """One configuration's training step and inference, each the median of `--iters` runs."""
-    memory_format, compiled = CONFIGS[name]
-    torch.manual_seed(0)
-    model = MiniGoogLeNet(10).to(memory_format=memory_format)
-    x = torch.randn(args.batch, 3, 32, 32).contiguous(memory_format=memory_format)
-    y = torch.randint(0, 10, (args.batch,))
-    opt = torch.optim.SGD(model.parameters(), lr=5e-3, momentum=0.9)
-    net = torch.compile(model) if compiled else model
+    model, net, opt, x, y = setup(args, name)
 
     def train_step():
         opt.zero_grad(set_to_none=True)
@@ -171,7 +170,7 @@ def time_config(args, name):
 
     def inference():
         with torch.inference_mode():
-            return F.softmax(net(x), 1)
+            return F.softmax(net(x), 1).cpu()
 
     # Compilation happens in the first calls: more warm-up for compiled configurations.
     warmup = args.warmup + (3 if compiled else 0)
@@ -182,6 +181,45 @@ def time_config(args, name):
     model.eval()
     infer = median_time(inference, warmup, args.iters)
     return {"name": name, "train_step_s": train, "inference_s": infer}
+
+
+def setup(args, name):
+    """MiniGoogLeNet on the device in configuration `name`, its SGD and a random batch."""
+    memory_format, compiled = CONFIGS[name]
+    torch.manual_seed(0)
+    model = MiniGoogLeNet(10).to(args.device).to(memory_format=memory_format)
+    x = torch.randn(args.batch, 3, 32, 32, device=args.device)
+    x = x.contiguous(memory_format=memory_format)
+    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    opt = torch.optim.SGD(model.parameters(), lr=5e-3, momentum=0.9)
+    net = torch.compile(model) if compiled else model
+    return model, net, opt, x, y
+
+
+def time_epoch(args, name):
+    """Seconds of `--epoch-images` images of training steps in configuration `name`: full
+    batches of random images already on the device, then a short last one; the loss is read
+    back after every step, as `fit` does."""
+    model, net, opt, x, y = setup(args, name)
+    model.train()
+    full, rest = divmod(args.epoch_images, args.batch)
+
+    def step(xb, yb):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(net(xb), yb)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(args.warmup + (3 if CONFIGS[name][1] else 0)):
+        step(x, y)
+    log(f"pytorch {name}: an epoch of {args.epoch_images} images")
+    start = time.perf_counter()
+    for _ in range(full):
+        step(x, y)
+    if rest:
+        step(x[:rest], y[:rest])
+    return {"config": name, "images": args.epoch_images, "seconds": time.perf_counter() - start}
 
 
 def time_model(args):
@@ -284,12 +322,20 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ops", help="JSON list of ops to time (a file, or - for stdin)")
     parser.add_argument("--no-model", action="store_true", help="time only the ops")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument(
+        "--epoch-images",
+        type=int,
+        default=0,
+        help="also time this many images of training steps in the fastest configuration",
+    )
     parser.add_argument(
         "--configs",
         default=",".join(CONFIGS),
         help="comma-separated configurations of the model to time: " + ", ".join(CONFIGS),
     )
     args = parser.parse_args()
+    args.device = torch.device(args.device)
 
     torch.set_num_threads(args.threads)
     result = {
@@ -298,9 +344,25 @@ def main():
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkldnn": torch.backends.mkldnn.is_available(),
         "batch": args.batch,
+        "device": str(args.device),
     }
+    if args.device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(args.device)
+        result["cudnn"] = torch.backends.cudnn.version()
+        # At its best in float32: cuDNN times its algorithms per shape (benchmark mode), and
+        # float32 stays float32 (TF32, on by default for convolutions, is a lower precision:
+        # kandle's side computes in float32 throughout).
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     if not args.no_model:
         result["model"] = time_model(args)
+        timed = [c for c in result["model"]["configs"] if "train_step_s" in c]
+        if args.epoch_images and timed:
+            fastest = min(timed, key=lambda c: c["train_step_s"])["name"]
+            result["epoch"] = time_epoch(args, fastest)
+    if args.ops and args.device.type != "cpu":
+        raise SystemExit("--ops times the CPU's ops only")
     if args.ops:
         ops = json.load(sys.stdin if args.ops == "-" else open(args.ops))
         timed = []

@@ -5,6 +5,9 @@
 //! pooling, concatenation, dense layers, dropout, a softmax head) its outputs and gradients
 //! match the default path's (kernels and the recorded backward pass) and the kernels'
 //! differentiated by candle's autograd; and it really calls no kernel.
+//!
+//! With the `cuda` feature, the same network on a GPU matches the CPU's default path: that test
+//! needs a GPU, so it is `#[ignore]`d and run by `gpu/check.sh` on a GPU machine.
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -80,7 +83,11 @@ fn network() -> Sequential {
 }
 
 fn build(path: ComputePath) -> crate::Result<(SequentialNet, ParamStore)> {
-    let ctx = BuildContext::new(&Device::Cpu, 11).with_compute_path(path);
+    build_on(&Device::Cpu, path)
+}
+
+fn build_on(device: &Device, path: ComputePath) -> crate::Result<(SequentialNet, ParamStore)> {
+    let ctx = BuildContext::new(device, 11).with_compute_path(path);
     let (net, store, _) = network().build_in(ctx, &INPUT)?;
     Ok((net, store))
 }
@@ -171,9 +178,11 @@ fn autograd_step(
     })
 }
 
-/// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
+/// The largest difference between `a` and `b` relative to `b`'s largest magnitude, on the CPU
+/// (`a` may live on another device).
 fn relative_difference(a: &Tensor, b: &Tensor) -> crate::Result<f32> {
     assert_eq!(a.dims(), b.dims());
+    let a = &a.to_device(b.device())?;
     let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
     let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
     Ok(diff / scale)
@@ -249,6 +258,43 @@ fn device_generic_outputs_and_gradients_match_the_default_path() -> crate::Resul
             (Some(a), Some(b)) => assert_close("inference logits", &a, &b, 1e-4)?,
             other => panic!("inference logits: {other:?}"),
         }
+    }
+    Ok(())
+}
+
+/// The network on CUDA (candle's device-generic ops and autograd there) against the CPU's default
+/// path: the same variables, the outputs and every gradient of two training steps within 1e-4
+/// (float32 in two summation orders: cuBLAS's and the CPU kernels', as the device-generic path
+/// against the kernels above), the moving statistics, and inference.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn cuda_outputs_and_gradients_match_the_cpu() -> crate::Result<()> {
+    let _turn = serial();
+    let gpu = crate::devices::cuda(0)?;
+    let (cpu_net, cpu_store) = build(ComputePath::Auto)?;
+    let (gpu_net, gpu_store) = build_on(&gpu, ComputePath::Auto)?;
+    assert_eq!(cpu_store.len(), gpu_store.len());
+    for (a, b) in cpu_store.iter().zip(gpu_store.iter()) {
+        assert_eq!((&a.name, a.trainable), (&b.name, b.trainable));
+        assert!(b.var.device().same_device(&gpu), "{} is not on the GPU", b.name);
+        assert_eq!(
+            a.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            b.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
+            "{}: the same seed gives other variables on the GPU",
+            a.name
+        );
+    }
+    for (step, n) in [6, 3].into_iter().enumerate() {
+        let (x, y) = batch(n, step as u32)?;
+        let cpu = recorded_step(&cpu_net, &cpu_store, &x, &y)?;
+        let on_gpu = autograd_step(&gpu_net, &gpu_store, &x.to_device(&gpu)?, &y.to_device(&gpu)?)?;
+        let label = format!("step {step}, cuda vs cpu");
+        assert_steps_agree(&label, &on_gpu, &cpu)?;
+        assert_statistics_agree(&label, &gpu_store, &cpu_store)?;
+        let want = cpu_net.forward_t(&x, false)?;
+        let got = gpu_net.forward_t(&x.to_device(&gpu)?, false)?;
+        assert_close(&format!("step {step}: inference"), &got, &want, 1e-4)?;
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! kandle against PyTorch on this CPU, measured side by side in one run: MiniGoogLeNet's
+//! kandle against PyTorch on this CPU (or a CUDA GPU), measured side by side in one run: MiniGoogLeNet's
 //! training step (forward, loss, backward, SGD update, as `fit` runs it) and inference as
 //! images/s, then every distinct op shape of the network (convolution forward, backward-input
 //! and backward-weight, batch norm, pooling, concatenation), and the convolutions' achieved
@@ -7,9 +7,14 @@
 //! iterations. `--threads-study` adds two CPU replicas against one device, with and without a
 //! per-replica thread budget.
 //!
+//! `--device cuda:0` (a build with the `cuda` feature) times the training step and inference on
+//! that GPU instead, PyTorch's too; `--epoch-images 50000` adds PyTorch's epoch of training steps.
+//! The per-op tables, the backward-pass comparison and the threads study are the CPU's only.
+//!
 //! ```text
 //! cargo run --release -p kandle-examples --bin bench
 //! cargo run --release -p kandle-examples --bin bench -- --no-ops --threads-study --json bench.json
+//! cargo run --release -p kandle-examples --features cuda --bin bench -- --device cuda:0 --batch 256
 //! ```
 //!
 //! Whole steps report the median of the timed runs, single ops the fastest (see `timing`); they
@@ -27,7 +32,8 @@ mod timing;
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
 use clap::Parser;
 use kandle::ComputePath;
 use kandle::OneDeviceStrategy;
@@ -38,8 +44,15 @@ use crate::report::{ms, ratio, OpTimes};
 use crate::timing::Timer;
 
 #[derive(Parser, Debug)]
-#[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU, side by side")]
+#[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU or a GPU, side by side")]
 struct Args {
+    /// Where both sides run: `cpu`, or `cuda:N` (a build with the `cuda` feature; the model's
+    /// step and inference only).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Also time PyTorch's epoch of this many images of training steps (0: none).
+    #[arg(long, default_value_t = 0)]
+    epoch_images: usize,
     /// Images per batch.
     #[arg(long, default_value_t = 64)]
     batch: usize,
@@ -95,6 +108,13 @@ struct Sections {
 
 impl Args {
     fn sections(&self) -> Sections {
+        if self.device != "cpu" {
+            return Sections {
+                model: true,
+                ops: false,
+                threads_study: false,
+            };
+        }
         if self.threads_study_only {
             return Sections {
                 model: false,
@@ -108,6 +128,19 @@ impl Args {
             threads_study: self.threads_study && !self.ops_only,
         }
     }
+}
+
+/// The device `--device` names: `cpu`, `cuda` (the first GPU) or `cuda:N`.
+fn parse_device(name: &str) -> Result<Device> {
+    let index = match name.split_once(':') {
+        None if name == "cpu" => return Ok(Device::Cpu),
+        None if name == "cuda" => 0,
+        Some(("cuda", i)) => i
+            .parse()
+            .with_context(|| format!("--device {name}: `{i}` is not a GPU index"))?,
+        _ => bail!("--device {name}: expected `cpu`, `cuda` or `cuda:N`"),
+    };
+    Ok(kandle::devices::cuda(index)?)
 }
 
 fn load_line() -> String {
@@ -126,13 +159,21 @@ fn main() -> Result<()> {
     }
     let threads = candle_core::utils::get_num_threads();
     let sections = args.sections();
+    let device = parse_device(&args.device)?;
+    let on_cpu = device.is_cpu();
+    if !on_cpu && (args.ops_only || args.threads_study || args.threads_study_only) {
+        bail!("--ops-only and the threads study time the CPU: leave out --device");
+    }
     let timer = Timer {
         warmup: args.warmup,
         iters: args.iters,
     };
     let peak = machine::peak(threads, args.peak_gflops);
     let load_at_start = load_line();
-    println!("# kandle vs PyTorch: MiniGoogLeNet on the CPU");
+    println!(
+        "# kandle vs PyTorch: MiniGoogLeNet on {}",
+        if on_cpu { "the CPU".to_string() } else { kandle::devices::label(&device) }
+    );
     println!();
     println!(
         "- machine: {}, {} logical cores; load average (1/5/15 min) at start: {load_at_start}",
@@ -158,16 +199,18 @@ fn main() -> Result<()> {
     let mut kandle_model = None;
     let mut backward_paths = None;
     if sections.model {
-        let strategy = OneDeviceStrategy::cpu();
+        let strategy = OneDeviceStrategy::new(device.clone());
         eprintln!("kandle: training step, batch {}", args.batch);
-        let train = model::train_step_time(&strategy, args.batch, timer)?;
+        let train = model::train_step_time(&strategy, &device, args.batch, timer)?;
         eprintln!("kandle: inference, batch {}", args.batch);
-        let infer = model::inference_time(&strategy, args.batch, timer)?;
+        let infer = model::inference_time(&strategy, &device, args.batch, timer)?;
         kandle_model = Some((train, infer));
-        eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
-        let recorded = model::replica_step_time(ComputePath::Auto, args.batch, timer)?;
-        let autograd = model::replica_step_time(ComputePath::Autograd, args.batch, timer)?;
-        backward_paths = Some((recorded, autograd));
+        if on_cpu {
+            eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
+            let recorded = model::replica_step_time(ComputePath::Auto, args.batch, timer)?;
+            let autograd = model::replica_step_time(ComputePath::Autograd, args.batch, timer)?;
+            backward_paths = Some((recorded, autograd));
+        }
     }
     let mut kandle_ops = Vec::with_capacity(ops.len());
     for op in &ops {
@@ -184,6 +227,7 @@ fn main() -> Result<()> {
         "machine": {"cpu": machine::cpu_name(), "cores": machine::cores(),
                     "load_average_at_start": load_at_start,
                     "peak_gflops": peak.gflops, "peak": peak.how},
+        "device": args.device,
         "threads": threads, "batch": args.batch, "warmup": args.warmup, "iters": args.iters,
     });
     if let Some((train, infer)) = kandle_model {
@@ -200,6 +244,7 @@ fn main() -> Result<()> {
         out["kandle"]["replica_step_candle_autograd_s"] = json!(autograd);
     }
     if let Some(t) = &torch {
+        print_pytorch_device(t);
         out["pytorch"] = t.clone();
     }
     if sections.ops {
@@ -273,8 +318,32 @@ fn reference(
             .enumerate()
             .map(|(i, op)| op.to_json(&format!("op_{i}")))
             .collect(),
+        device: &args.device,
+        epoch_images: args.epoch_images,
     };
     Ok(Some(pytorch::run(&request)?))
+}
+
+/// The GPU PyTorch ran on, and its epoch when it timed one.
+fn print_pytorch_device(torch: &Value) {
+    if let Some(name) = torch.get("device_name").and_then(Value::as_str) {
+        let cudnn = torch.get("cudnn").map_or("-".into(), Value::to_string);
+        println!("PyTorch ran on {name} (cuDNN {cudnn}, float32, no TF32).");
+        println!();
+    }
+    if let Some(epoch) = torch.get("epoch") {
+        let (images, seconds) = (
+            pytorch::f64_at(epoch, &["images"]).unwrap_or(f64::NAN),
+            pytorch::f64_at(epoch, &["seconds"]).unwrap_or(f64::NAN),
+        );
+        println!(
+            "PyTorch's epoch of {images} images of training steps ({}, data already on the \
+             device): {seconds:.1} s, {:.0} images/s.",
+            epoch.get("config").and_then(Value::as_str).unwrap_or("?"),
+            images / seconds
+        );
+        println!();
+    }
 }
 
 /// kandle's two ways to compute gradients, side by side.

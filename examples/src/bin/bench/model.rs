@@ -34,19 +34,25 @@ fn spec_on(compute_path: ComputePath) -> ModelSpec {
     }
 }
 
-/// A batch of `n` CIFAR-shaped random images with labels.
-pub fn random_batch(n: usize) -> Result<Batch> {
+/// A batch of `n` CIFAR-shaped random images with labels, on `device`.
+pub fn random_batch(n: usize, device: &Device) -> Result<Batch> {
     let labels: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
     Ok(Batch::new(
-        Tensor::randn(0f32, 1., (n, 3, 32, 32), &Device::Cpu)?,
-        Tensor::from_vec(labels, n, &Device::Cpu)?,
+        Tensor::randn(0f32, 1., (n, 3, 32, 32), &Device::Cpu)?.to_device(device)?,
+        Tensor::from_vec(labels, n, &Device::Cpu)?.to_device(device)?,
     ))
 }
 
-/// Median seconds of one training step at global batch `batch` under `strategy`.
-pub fn train_step_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> Result<f64> {
+/// Median seconds of one training step at global batch `batch` under `strategy`, its batch
+/// already on `device` (as PyTorch's is).
+pub fn train_step_time(
+    strategy: &dyn Strategy,
+    device: &Device,
+    batch: usize,
+    timer: Timer,
+) -> Result<f64> {
     let mut model = strategy.distribute(&spec())?;
-    let batch = random_batch(batch)?;
+    let batch = random_batch(batch, device)?;
     timer.median(|| {
         model.train_step(&batch, LR)?;
         Ok(())
@@ -58,7 +64,7 @@ pub fn train_step_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> R
 /// against candle's autograd over the whole network ([`ComputePath::Autograd`]).
 pub fn replica_step_time(path: ComputePath, batch: usize, timer: Timer) -> Result<f64> {
     let mut replica = Replica::new(&spec_on(path), &Device::Cpu)?;
-    let batch = random_batch(batch)?;
+    let batch = random_batch(batch, &Device::Cpu)?;
     timer.median(|| {
         let step = replica.step_buffer(&batch)?;
         let totals = replica.layout().read(&step.fused)?;
@@ -67,12 +73,19 @@ pub fn replica_step_time(path: ComputePath, batch: usize, timer: Timer) -> Resul
     })
 }
 
-/// Median seconds of inference (the softmax outputs) on `batch` images under `strategy`.
-pub fn inference_time(strategy: &dyn Strategy, batch: usize, timer: Timer) -> Result<f64> {
+/// Median seconds of inference (the softmax outputs, read back to the host) on `batch` images
+/// already on `device` under `strategy`.
+pub fn inference_time(
+    strategy: &dyn Strategy,
+    device: &Device,
+    batch: usize,
+    timer: Timer,
+) -> Result<f64> {
     let mut model = strategy.distribute(&spec())?;
-    let x = random_batch(batch)?.x;
+    let x = random_batch(batch, device)?.x;
     timer.median(|| {
-        std::hint::black_box(model.predict_step(&x)?);
+        // Read back to the host: on a GPU this waits for the computation, as PyTorch's side does.
+        std::hint::black_box(model.predict_step(&x)?.to_device(&Device::Cpu)?);
         Ok(())
     })
 }

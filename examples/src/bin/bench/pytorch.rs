@@ -52,6 +52,10 @@ pub struct Request<'a> {
     pub configs: Option<&'a str>,
     /// The ops to time, as the script reads them (empty for none).
     pub ops: Vec<Value>,
+    /// Where the script runs: `cpu`, or `cuda:N`.
+    pub device: &'a str,
+    /// Images of an epoch to time in the fastest configuration (0: none).
+    pub epoch_images: usize,
 }
 
 /// Runs the script and parses its JSON.
@@ -61,7 +65,11 @@ pub fn run(req: &Request<'_>) -> Result<Value> {
         .args(["--batch", &req.batch.to_string()])
         .args(["--threads", &req.threads.to_string()])
         .args(["--warmup", &req.warmup.to_string()])
-        .args(["--iters", &req.iters.to_string()]);
+        .args(["--iters", &req.iters.to_string()])
+        .args(["--device", req.device]);
+    if req.epoch_images > 0 {
+        cmd.args(["--epoch-images", &req.epoch_images.to_string()]);
+    }
     if !req.model {
         cmd.arg("--no-model");
     }

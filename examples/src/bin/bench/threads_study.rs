@@ -46,7 +46,7 @@ pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
     let mut one_device = None;
     for (name, threads, strategy) in configs {
         eprintln!("kandle: threads study, {name}, {threads}");
-        let step = train_step_time(strategy.as_ref(), batch, timer)?;
+        let step = train_step_time(strategy.as_ref(), &candle_core::Device::Cpu, batch, timer)?;
         let base = *one_device.get_or_insert(step);
         rows.push((name, threads, step, base / step));
     }

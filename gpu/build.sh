@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU, everything `gpu/check.sh` runs on a GPU machine, and packs
+# it into gpu-bin/ (xz, about 30 MiB in all) to be carried there with the working tree.
+#
+# Usage: bash gpu/build.sh            (from anywhere; about 25 minutes cold on 2 cores, most of it
+#                                      nvcc compiling candle's kernels, then a few per change)
+#   CUDA_COMPUTE_CAP   default 90: sm_90a, for the H100 and H200 only
+#   KANDLE_CUDA_VENV   the CUDA 13.0 toolchain venv (default ~/.cache/kandle-cuda13)
+#
+# What it builds, with the CUDA 13.0 toolchain of .ci/setup-cuda.sh (the sonames the GPU machine's
+# PyTorch brings) plus cuDNN 9 to link against:
+#   - kandle-lib: kandle's unit tests with `cuda` (the layers on CUDA against the CPU);
+#   - strategies-gpu: kandle-strategies' `tests/gpu.rs` with `cuda,nccl`;
+#   - bench, train_cifar10: the example binaries with `cuda,nccl`;
+#   - bench-cudnn, train_cifar10-cudnn: the same with `cudnn` (candle's convolutions through
+#     cuDNN instead of its own im2col and cuBLAS).
+# Binaries are stripped (CARGO_PROFILE_RELEASE_STRIP) and built in target/gpu, apart from the
+# CPU build's artifacts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+VENV=${KANDLE_CUDA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/kandle-cuda13}
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+t0=$SECONDS
+
+cargo fetch --locked
+bash .ci/setup-cuda.sh "$VENV"
+# shellcheck source=/dev/null
+source "$VENV/env.sh"
+# cuDNN, to link the `cudnn` builds against (the GPU machine brings its own libcudnn.so.9).
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if [[ ! -e "$SITE/nvidia/cudnn/lib/libcudnn.so.9" ]]; then
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps 'nvidia-cudnn-cu13==9.13.0.50'
+fi
+ln -sf "$SITE/nvidia/cudnn/lib/libcudnn.so.9" "$CUDA_HOME/lib/libcudnn.so"
+
+export CARGO_TARGET_DIR=$REPO/target/gpu CARGO_PROFILE_RELEASE_STRIP=true
+mkdir -p gpu-bin
+rm -f gpu-bin/*.xz
+
+# Builds with `cargo $@ --message-format=json` and prints "package:target path" for each
+# executable made.
+executables() {
+  cargo "$@" --message-format=json-render-diagnostics \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        # path+file:///repo/strategies#kandle-strategies@0.1.0, or .../kandle#0.1.0 when the
+        # folder has the package'"'"'s name
+        url, fragment = m["package_id"].rsplit("#", 1)
+        package = fragment.split("@")[0] if "@" in fragment else url.rsplit("/", 1)[-1]
+        print(package + ":" + m["target"]["name"], m["executable"])'
+}
+
+pack() { # pack NAME PATH
+  echo "== gpu-bin/$1.xz ($(du -h "$2" | cut -f1) stripped)"
+  xz -6 -T2 -c "$2" > "gpu-bin/$1.xz"
+}
+
+echo "== tests and binaries with cuda,nccl"
+# One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
+built=$(executables test --release --locked --no-run -p kandle -p kandle-strategies \
+  --features kandle/cuda,kandle-strategies/nccl --lib --test gpu)
+echo "$built"
+pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
+pack strategies-gpu "$(awk '$1 == "kandle-strategies:gpu" { print $2 }' <<<"$built")"
+executables build --release --locked -p kandle-examples --features cuda,nccl \
+  --bin bench --bin train_cifar10 >/dev/null
+pack bench "$CARGO_TARGET_DIR/release/bench"
+pack train_cifar10 "$CARGO_TARGET_DIR/release/train_cifar10"
+
+echo "== binaries with cudnn"
+# Another feature set: candle-core and the crates above it are compiled again, and these
+# binaries replace the ones packed above in the release folder.
+executables build --release --locked -p kandle-examples --features cuda,cudnn \
+  --bin bench --bin train_cifar10 >/dev/null
+pack bench-cudnn "$CARGO_TARGET_DIR/release/bench"
+pack train_cifar10-cudnn "$CARGO_TARGET_DIR/release/train_cifar10"
+
+du -ch gpu-bin/*.xz | tail -n 1
+echo "== gpu/build.sh done in $((SECONDS - t0)) s: carry gpu-bin/ and run gpu/check.sh there"

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU check: runs on a machine with an NVIDIA GPU (driver 580 / CUDA 13, PyTorch in python3,
+# no Rust toolchain), from the repository root, with gpu-bin/ built by gpu/build.sh carried there.
+# One command, about 6 minutes:
+#
+#   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
+#                                # bench-*.json (5), epoch.json
+#
+# In order, each step under its own time limit, every step run whatever the ones before did:
+#   1. nvidia-smi;
+#   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
+#   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
+#      ignored CUDA test included) and the rest of kandle's unit tests on this machine;
+#   4. digits to 97% on the GPU, 20 steps against the CPU, Mirrored with two replicas on the GPU,
+#      CentralStorage, training states between GPU and CPU, NCCL with one rank (tests/gpu.rs);
+#   5. MiniGoogLeNet's training step and inference at batch 64 and 256, kandle with candle's own
+#      convolutions and with cuDNN, against PyTorch on the same GPU (eager, channels_last), and
+#      PyTorch's epoch of 50,000 images;
+#   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
+#   7. PyTorch channels_last + torch.compile at batch 64, last because it compiles for minutes.
+# results.json lists each step with its exit status and seconds; the script exits non-zero when
+# any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/check.log") 2>&1
+
+NV=/opt/torch/.venv/lib/python3.12/site-packages/nvidia
+if [[ -d $NV ]]; then
+  LD_LIBRARY_PATH=$(ls -d "$NV"/*/lib | paste -sd:)
+  export LD_LIBRARY_PATH
+fi
+PYTHON=${PYTHON:-python3}
+BIN=${KANDLE_GPU_BIN:-/tmp/kandle-gpu}
+mkdir -p "$BIN"
+for f in gpu-bin/*.xz; do
+  name=$(basename "$f" .xz)
+  if command -v xz >/dev/null; then
+    xz -dc "$f" > "$BIN/$name"
+  else
+    "$PYTHON" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$f" "$BIN/$name"
+  fi
+  chmod +x "$BIN/$name"
+  missing=$(ldd "$BIN/$name" | grep 'not found' || true)
+  [[ -z $missing ]] || echo "$name: missing libraries: $missing"
+done
+
+STEPS="$OUT/steps.tsv"
+: > "$STEPS"
+failed=0
+# step NAME SECONDS COMMAND...: runs COMMAND under a time limit and records how it ended.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "=== $name (limit ${limit} s)"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  local took=$((SECONDS - start))
+  echo "=== $name: exit $rc after $took s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$took" >> "$STEPS"
+  [[ $rc == 0 ]] || failed=1
+}
+
+step nvidia-smi 30 nvidia-smi
+step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
+  "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
+step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
+  "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
+step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
+  layers::device_generic_tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
+  --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
+
+bench() { # bench NAME LIMIT BINARY ARGS...
+  local name=$1 limit=$2 binary=$3
+  shift 3
+  step "$name" "$limit" "$BIN/$binary" --device cuda:0 --warmup 3 --iters 10 \
+    --pytorch-script bench/pytorch_minigooglenet.py --python "$PYTHON" \
+    --json "$OUT/$name.json" "$@"
+}
+bench bench-64 120 bench --batch 64 --pytorch-configs eager,channels_last --epoch-images 50000
+bench bench-64-cudnn 60 bench-cudnn --batch 64 --no-pytorch
+bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
+bench bench-256-cudnn 60 bench-cudnn --batch 256 --no-pytorch
+
+# One epoch through train_cifar10, with cuDNN (candle's own convolutions when that one fails).
+FIXTURE=/tmp/kandle-cifar-fixture
+step cifar-fixture 60 "$PYTHON" gpu/cifar_fixture.py "$FIXTURE"
+for binary in train_cifar10-cudnn train_cifar10; do
+  step "epoch-$binary" 150 "$BIN/$binary" --epochs 1 --data-dir "$FIXTURE" \
+    --output "/tmp/kandle-epoch-$binary/epoch.png" --title "one epoch of noise" &&
+    cp "/tmp/kandle-epoch-$binary/epoch.json" "$OUT/epoch.json" && break
+done
+
+# Last, as it compiles for a minute or two: PyTorch's best-known GPU configuration.
+bench bench-64-compile 180 bench-cudnn --batch 64 --pytorch-configs channels_last+compile
+
+"$PYTHON" - "$STEPS" "$OUT/results.json" <<'PY'
+import json, sys
+steps = [dict(zip(("name", "exit", "seconds"), line.rstrip("\n").split("\t")))
+         for line in open(sys.argv[1]) if line.strip()]
+for s in steps:
+    s["exit"], s["seconds"] = int(s["exit"]), int(s["seconds"])
+json.dump({"steps": steps, "passed": all(s["exit"] == 0 for s in steps)},
+          open(sys.argv[2], "w"), indent=1)
+print()
+print("| step | exit | seconds |")
+print("|---|---|---|")
+for s in steps:
+    print(f"| {s['name']} | {s['exit']} | {s['seconds']} |")
+PY
+rm -f "$STEPS"
+exit $failed

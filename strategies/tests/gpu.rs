@@ -1,0 +1,245 @@
+//! kandle on a real CUDA GPU: the GPUs are found and `CUDA_VISIBLE_DEVICES` is honoured; digits
+//! training under `OneDeviceStrategy::gpu(0)` reaches 97% test accuracy, and the equivalence
+//! run's 20 steps on the GPU match the CPU's; two Mirrored replicas sharing the one GPU, and
+//! CentralStorage (variables on the CPU, compute on the GPU), match one GPU; a training state
+//! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces.
+//!
+//! Built with `--features cuda` (and `nccl` for the NCCL tests). Every test needs a GPU, so each
+//! is `#[ignore]`d and run by `gpu/check.sh` on a GPU machine with `--include-ignored`.
+//!
+//! Tolerances: the CPU strategies agree with one another within 1e-5 of each tensor's scale
+//! after the 20 steps (`equivalence.rs`), the spread of float32 sums taken in other orders. The
+//! GPU sums in cuBLAS's and candle's kernels' orders instead of the CPU kernels', so the GPU
+//! against the CPU, and strategies on the GPU against one GPU, are held to 1e-4, ten times that
+//! spread, as the issue that asked for these checks says; the measured differences are printed.
+
+#![cfg(feature = "cuda")]
+
+use candle_core::{Device, Tensor};
+use kandle::params::Weights;
+use kandle::prelude::*;
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+
+mod support;
+use support::assert_within;
+use support::equivalence_run::{bn_cnn, compile, plain_cnn, train, SAMPLES};
+
+/// Strategies on one GPU against one GPU, and one GPU against the CPU.
+const TOLERANCE: f32 = 1e-4;
+
+fn gpu() -> kandle::Result<Device> {
+    kandle::devices::cuda(0)
+}
+
+fn weights<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> kandle::Result<Weights> {
+    train(net, strategy, SAMPLES)?.get_weights()
+}
+
+/// The largest difference between two sets of weights relative to each tensor's scale (at
+/// least 1e-2), for the log.
+fn largest_difference(a: &Weights, b: &Weights) -> anyhow::Result<f64> {
+    let mut largest = 0f64;
+    for (name, want) in a {
+        let want = want.to_dtype(candle_core::DType::F64)?;
+        let got = b[name].to_dtype(candle_core::DType::F64)?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-2);
+        largest = largest.max(diff / scale);
+    }
+    Ok(largest)
+}
+
+fn assert_matches(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
+    eprintln!(
+        "{what}: largest relative difference {:.3e}",
+        largest_difference(reference, other)?
+    );
+    assert_within(reference, other, TOLERANCE, what)
+}
+
+/// `KANDLE_EXPECT_GPUS` GPUs are visible: `gpu/check.sh` runs this with every GPU visible and
+/// with `CUDA_VISIBLE_DEVICES=` (none).
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn the_expected_gpus_are_visible() -> anyhow::Result<()> {
+    let expected: usize = std::env::var("KANDLE_EXPECT_GPUS")
+        .map_err(|_| anyhow::anyhow!("set KANDLE_EXPECT_GPUS to the number of visible GPUs"))?
+        .parse()?;
+    let gpus = kandle::devices::gpus()?;
+    assert_eq!(gpus.len(), expected, "visible GPUs");
+    assert_eq!(kandle::devices::gpu_count()?, expected);
+    for (i, device) in gpus.iter().enumerate() {
+        assert_eq!(kandle::devices::label(device), format!("cuda:{i}"));
+    }
+    let err = OneDeviceStrategy::gpu(expected)
+        .expect_err("one past the last GPU")
+        .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+    if expected == 0 {
+        assert!(err.contains("CUDA_VISIBLE_DEVICES"), "{err}");
+        let err = MirroredStrategy::all_gpus()
+            .expect_err("no GPU")
+            .to_string();
+        assert!(err.contains("found no GPU"), "{err}");
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn digits_on_the_gpu_reach_97_percent() -> anyhow::Result<()> {
+    let (train_set, test_set) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
+    let net = Sequential::new()
+        .add(Conv2D::new(16, 3).padding(Padding::Same).use_bias(false))
+        .add(BatchNormalization::new())
+        .add(Activation::Relu)
+        .add(MaxPooling2D::new(2))
+        .add(Flatten)
+        .add(Dense::new(64).activation(Activation::Relu))
+        .add(Dropout::new(0.2))
+        .add(Dense::new(10).activation(Activation::Softmax));
+    let mut model = net
+        .compile(
+            Adam::new(3e-3),
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
+            &OneDeviceStrategy::gpu(0)?,
+        )?
+        .with_seed(1)?;
+    let history = model.fit(
+        &train_set,
+        FitOptions {
+            epochs: 12,
+            batch_size_per_replica: 32,
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    let losses = history.series("loss");
+    assert!(losses[11] < losses[0] / 3.0, "loss did not fall: {losses:?}");
+    let accuracy = model.evaluate(&test_set, 128)?.get("accuracy").unwrap_or(0.0);
+    eprintln!("digits on cuda:0: test accuracy {accuracy:.4}");
+    assert!(accuracy >= 0.97, "test accuracy {accuracy}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn twenty_steps_on_the_gpu_match_the_cpu() -> anyhow::Result<()> {
+    let on_gpu = OneDeviceStrategy::gpu(0)?;
+    let cpu = OneDeviceStrategy::cpu();
+    for (name, net) in [("plain", plain_cnn as fn() -> Sequential), ("batch norm", bn_cnn)] {
+        let reference = weights(net(), &cpu)?;
+        assert_matches(&reference, &weights(net(), &on_gpu)?, &format!("{name}: cuda:0 vs cpu"))?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()> {
+    let gpu = gpu()?;
+    let reference = weights(plain_cnn(), &OneDeviceStrategy::new(gpu.clone()))?;
+    let two = vec![gpu.clone(), gpu.clone()];
+    assert_matches(
+        &reference,
+        &weights(plain_cnn(), &MirroredStrategy::new(two.clone())?)?,
+        "mirrored, two replicas on cuda:0",
+    )?;
+    assert_matches(
+        &reference,
+        &weights(plain_cnn(), &CentralStorageStrategy::new(vec![gpu.clone()])?)?,
+        "central storage: variables on the cpu, cuda:0 computes",
+    )?;
+    assert_matches(
+        &reference,
+        &weights(plain_cnn(), &CentralStorageStrategy::new(two.clone())?)?,
+        "central storage: variables on the cpu, two replicas on cuda:0",
+    )?;
+
+    let reference = weights(bn_cnn(), &OneDeviceStrategy::new(gpu))?;
+    let synced = MirroredStrategy::new(two)?.sync_batch_norm(true);
+    assert_matches(
+        &reference,
+        &weights(bn_cnn(), &synced)?,
+        "mirrored sync bn, two replicas on cuda:0",
+    )?;
+    Ok(())
+}
+
+/// A model trained under `from`, saved whole (weights and optimizer state), then loaded into a
+/// fresh model under `to`: the same weights and optimizer state bit for bit, and the same
+/// predictions within the tolerance.
+fn state_moves<A, B>(from: &A, to: &B, what: &str) -> anyhow::Result<()>
+where
+    A: Strategy + Clone + 'static,
+    B: Strategy + Clone + 'static,
+{
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("state.safetensors");
+    let mut trained = train(bn_cnn(), from, SAMPLES)?;
+    trained.save(&path)?;
+    let mut moved = compile(bn_cnn(), Sgd::new(0.05).momentum(0.9), to, 77)?;
+    moved.load(&path)?;
+    let (a, b) = (trained.training_state()?, moved.training_state()?);
+    assert_within(&a.weights, &b.weights, 0.0, what)?;
+    for (slot, w) in &a.optimizer.slots {
+        assert_within(w, &b.optimizer.slots[slot], 0.0, &format!("{what}: {slot}"))?;
+    }
+    assert_eq!(a.optimizer.scalars, b.optimizer.scalars, "{what}");
+
+    let x = Tensor::randn(0f32, 1., (16, 1, 8, 8), &Device::Cpu)?;
+    let want = trained.predict(&x, 16)?;
+    let got = moved.predict(&x, 16)?;
+    let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    eprintln!("{what}: predictions differ by {diff:.3e}");
+    assert!(diff <= TOLERANCE, "{what}: predictions differ by {diff}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn training_states_move_between_the_gpu_and_the_cpu() -> anyhow::Result<()> {
+    let on_gpu = OneDeviceStrategy::gpu(0)?;
+    let cpu = OneDeviceStrategy::cpu();
+    state_moves(&on_gpu, &cpu, "saved on cuda:0, loaded on the cpu")?;
+    state_moves(&cpu, &on_gpu, "saved on the cpu, loaded on cuda:0")?;
+    Ok(())
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn nccl_with_one_rank() -> anyhow::Result<()> {
+    use kandle_strategies::CrossDeviceOps;
+
+    let gpu = gpu()?;
+    let buffer = Tensor::randn(0f32, 1., 1000, &Device::Cpu)?;
+    let reduced = CrossDeviceOps::NcclAllReduce.all_reduce(
+        vec![buffer.to_device(&gpu)?],
+        std::slice::from_ref(&gpu),
+    )?;
+    assert_eq!(reduced.len(), 1);
+    assert!(reduced[0].device().same_device(&gpu));
+    assert_eq!(
+        reduced[0].to_vec1::<f32>()?,
+        buffer.to_vec1::<f32>()?,
+        "the sum over one rank is the buffer"
+    );
+
+    // A whole run through NCCL with one replica is the one-GPU run.
+    let reference = weights(plain_cnn(), &OneDeviceStrategy::new(gpu.clone()))?;
+    let nccl = MirroredStrategy::new(vec![gpu.clone()])?
+        .cross_device_ops(CrossDeviceOps::NcclAllReduce);
+    assert_within(&reference, &weights(plain_cnn(), &nccl)?, 1e-6, "nccl, one rank")?;
+
+    // Two replicas on one GPU cannot be two NCCL ranks: a clear error, not a hang.
+    let shared = MirroredStrategy::new(vec![gpu.clone(), gpu])?
+        .cross_device_ops(CrossDeviceOps::NcclAllReduce);
+    let err = train(plain_cnn(), &shared, SAMPLES)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("one replica per GPU"), "{err}");
+    Ok(())
+}

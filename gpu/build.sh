@@ -60,7 +60,7 @@ pack() { # pack NAME PATH
 
 echo "== tests and binaries with cuda,nccl"
 # One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
-built=$(executables test --release --locked --no-run -p kandle -p kandle-strategies \
+built=$(executables test --profile release --locked --no-run -p kandle -p kandle-strategies \
   --features kandle/cuda,kandle-strategies/nccl --lib --test gpu)
 echo "$built"
 pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"

@@ -50,10 +50,21 @@ done
 STEPS="$OUT/steps.tsv"
 : > "$STEPS"
 failed=0
+# The whole check ends within KANDLE_GPU_CHECK_SECONDS (default 530): a step gets at most what is
+# left, and a step with under 15 s left is recorded as skipped (exit 125).
+DEADLINE=$((SECONDS + ${KANDLE_GPU_CHECK_SECONDS:-530}))
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit and records how it ended.
 step() {
   local name=$1 limit=$2
   shift 2
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 15)); then
+    echo "=== $name: skipped, ${left} s left"
+    printf '%s\t%s\t%s\n' "$name" 125 0 >> "$STEPS"
+    failed=1
+    return 125
+  fi
+  ((limit <= left)) || limit=$left
   echo
   echo "=== $name (limit ${limit} s)"
   local start=$SECONDS
@@ -72,7 +83,7 @@ step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
   layers::device_generic_tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
-step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
+step gpu-training-and-strategies 150 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
 
 bench() { # bench NAME LIMIT BINARY ARGS...
@@ -95,6 +106,13 @@ for binary in train_cifar10-cudnn train_cifar10; do
     --output "/tmp/kandle-epoch-$binary/epoch.png" --title "one epoch of noise" &&
     cp "/tmp/kandle-epoch-$binary/epoch.json" "$OUT/epoch.json" && break
 done
+
+# Where kandle's GPU step goes: each kernel's time over one training step (cuDNN build), by name.
+if command -v ncu >/dev/null; then
+  step ncu-profile 90 ncu --clock-control none --metrics gpu__time_duration.sum \
+    --launch-count 600 --print-summary per-kernel --csv "$BIN/bench-cudnn" --device cuda:0 --batch 64 \
+    --warmup 0 --iters 1 --no-pytorch
+fi
 
 # Last, as it compiles for a minute or two: PyTorch's best-known GPU configuration.
 bench bench-64-compile 180 bench-cudnn --batch 64 --pytorch-configs channels_last+compile

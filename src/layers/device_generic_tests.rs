@@ -277,7 +277,11 @@ fn cuda_outputs_and_gradients_match_the_cpu() -> crate::Result<()> {
     assert_eq!(cpu_store.len(), gpu_store.len());
     for (a, b) in cpu_store.iter().zip(gpu_store.iter()) {
         assert_eq!((&a.name, a.trainable), (&b.name, b.trainable));
-        assert!(b.var.device().same_device(&gpu), "{} is not on the GPU", b.name);
+        assert!(
+            b.var.device().same_device(&gpu),
+            "{} is not on the GPU",
+            b.name
+        );
         assert_eq!(
             a.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
             b.var.as_tensor().flatten_all()?.to_vec1::<f32>()?,
@@ -288,7 +292,12 @@ fn cuda_outputs_and_gradients_match_the_cpu() -> crate::Result<()> {
     for (step, n) in [6, 3].into_iter().enumerate() {
         let (x, y) = batch(n, step as u32)?;
         let cpu = recorded_step(&cpu_net, &cpu_store, &x, &y)?;
-        let on_gpu = autograd_step(&gpu_net, &gpu_store, &x.to_device(&gpu)?, &y.to_device(&gpu)?)?;
+        let on_gpu = autograd_step(
+            &gpu_net,
+            &gpu_store,
+            &x.to_device(&gpu)?,
+            &y.to_device(&gpu)?,
+        )?;
         let label = format!("step {step}, cuda vs cpu");
         assert_steps_agree(&label, &on_gpu, &cpu)?;
         assert_statistics_agree(&label, &gpu_store, &cpu_store)?;

@@ -31,7 +31,10 @@ fn gpu() -> kandle::Result<Device> {
     kandle::devices::cuda(0)
 }
 
-fn weights<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> kandle::Result<Weights> {
+fn weights<S: Strategy + Clone + 'static>(
+    net: Sequential,
+    strategy: &S,
+) -> kandle::Result<Weights> {
     train(net, strategy, SAMPLES)?.get_weights()
 }
 
@@ -116,8 +119,14 @@ fn digits_on_the_gpu_reach_97_percent() -> anyhow::Result<()> {
         },
     )?;
     let losses = history.series("loss");
-    assert!(losses[11] < losses[0] / 3.0, "loss did not fall: {losses:?}");
-    let accuracy = model.evaluate(&test_set, 128)?.get("accuracy").unwrap_or(0.0);
+    assert!(
+        losses[11] < losses[0] / 3.0,
+        "loss did not fall: {losses:?}"
+    );
+    let accuracy = model
+        .evaluate(&test_set, 128)?
+        .get("accuracy")
+        .unwrap_or(0.0);
     eprintln!("digits on cuda:0: test accuracy {accuracy:.4}");
     assert!(accuracy >= 0.97, "test accuracy {accuracy}");
     Ok(())
@@ -128,9 +137,16 @@ fn digits_on_the_gpu_reach_97_percent() -> anyhow::Result<()> {
 fn twenty_steps_on_the_gpu_match_the_cpu() -> anyhow::Result<()> {
     let on_gpu = OneDeviceStrategy::gpu(0)?;
     let cpu = OneDeviceStrategy::cpu();
-    for (name, net) in [("plain", plain_cnn as fn() -> Sequential), ("batch norm", bn_cnn)] {
+    for (name, net) in [
+        ("plain", plain_cnn as fn() -> Sequential),
+        ("batch norm", bn_cnn),
+    ] {
         let reference = weights(net(), &cpu)?;
-        assert_matches(&reference, &weights(net(), &on_gpu)?, &format!("{name}: cuda:0 vs cpu"))?;
+        assert_matches(
+            &reference,
+            &weights(net(), &on_gpu)?,
+            &format!("{name}: cuda:0 vs cpu"),
+        )?;
     }
     Ok(())
 }
@@ -148,7 +164,10 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
     )?;
     assert_matches(
         &reference,
-        &weights(plain_cnn(), &CentralStorageStrategy::new(vec![gpu.clone()])?)?,
+        &weights(
+            plain_cnn(),
+            &CentralStorageStrategy::new(vec![gpu.clone()])?,
+        )?,
         "central storage: variables on the cpu, cuda:0 computes",
     )?;
     assert_matches(
@@ -215,10 +234,8 @@ fn nccl_with_one_rank() -> anyhow::Result<()> {
 
     let gpu = gpu()?;
     let buffer = Tensor::randn(0f32, 1., 1000, &Device::Cpu)?;
-    let reduced = CrossDeviceOps::NcclAllReduce.all_reduce(
-        vec![buffer.to_device(&gpu)?],
-        std::slice::from_ref(&gpu),
-    )?;
+    let reduced = CrossDeviceOps::NcclAllReduce
+        .all_reduce(vec![buffer.to_device(&gpu)?], std::slice::from_ref(&gpu))?;
     assert_eq!(reduced.len(), 1);
     assert!(reduced[0].device().same_device(&gpu));
     assert_eq!(
@@ -229,9 +246,14 @@ fn nccl_with_one_rank() -> anyhow::Result<()> {
 
     // A whole run through NCCL with one replica is the one-GPU run.
     let reference = weights(plain_cnn(), &OneDeviceStrategy::new(gpu.clone()))?;
-    let nccl = MirroredStrategy::new(vec![gpu.clone()])?
-        .cross_device_ops(CrossDeviceOps::NcclAllReduce);
-    assert_within(&reference, &weights(plain_cnn(), &nccl)?, 1e-6, "nccl, one rank")?;
+    let nccl =
+        MirroredStrategy::new(vec![gpu.clone()])?.cross_device_ops(CrossDeviceOps::NcclAllReduce);
+    assert_within(
+        &reference,
+        &weights(plain_cnn(), &nccl)?,
+        1e-6,
+        "nccl, one rank",
+    )?;
 
     // Two replicas on one GPU cannot be two NCCL ranks: a clear error, not a hang.
     let shared = MirroredStrategy::new(vec![gpu.clone(), gpu])?

@@ -172,7 +172,11 @@ fn main() -> Result<()> {
     let load_at_start = load_line();
     println!(
         "# kandle vs PyTorch: MiniGoogLeNet on {}",
-        if on_cpu { "the CPU".to_string() } else { kandle::devices::label(&device) }
+        if on_cpu {
+            "the CPU".to_string()
+        } else {
+            kandle::devices::label(&device)
+        }
     );
     println!();
     println!(

@@ -37,7 +37,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rayon::prelude::*;
 
-use super::{Augment, Batch, Dataset, Targets};
+use super::{weighting, Augment, Batch, Dataset, Targets};
 use crate::{Error, Result};
 
 /// How a [`Loader`] cuts an epoch into batches.
@@ -363,7 +363,14 @@ impl<'d> Loader<'d> {
         x_shape.push(m);
         x_shape.extend_from_slice(&self.sample_shape);
         let x = Tensor::from_vec(x, x_shape, &Device::Cpu)?;
-        let weights = self.weights(indices, &y)?;
+        let weights = weighting::batch_weights(
+            self.options.sample_weight.as_deref(),
+            self.options.class_weight.as_deref(),
+            self.dataset.name(),
+            indices,
+            &y,
+            self.width,
+        )?;
         let y = match &self.targets {
             Targets::Classes(k) => {
                 let mut labels = Vec::with_capacity(m);
@@ -389,60 +396,6 @@ impl<'d> Loader<'d> {
             }
         };
         Ok(Batch { x, y, weights })
-    }
-
-    /// The weights of the samples at `indices`, whose targets are `y` (as read), when sample or
-    /// class weights are set.
-    fn weights(&self, indices: &[usize], y: &[f32]) -> Result<Option<Tensor>> {
-        let (samples, classes) = (&self.options.sample_weight, &self.options.class_weight);
-        if samples.is_none() && classes.is_none() {
-            return Ok(None);
-        }
-        let weights = indices
-            .iter()
-            .zip(y.chunks(self.width.max(1)))
-            .map(|(&index, target)| {
-                let by_sample = match samples {
-                    Some(w) => *w.get(index).ok_or_else(|| {
-                        Error::invalid(format!(
-                            "sample_weight has {} values but `{}` has sample {index}",
-                            w.len(),
-                            self.dataset.name()
-                        ))
-                    })?,
-                    None => 1.0,
-                };
-                let by_class = match classes {
-                    Some(w) => w.get(class_of(target)).copied().unwrap_or(1.0),
-                    None => 1.0,
-                };
-                Ok(by_sample * by_class)
-            })
-            .collect::<Result<Vec<f32>>>()?;
-        Ok(Some(Tensor::from_vec(
-            weights,
-            indices.len(),
-            &Device::Cpu,
-        )?))
-    }
-}
-
-/// A target's class: the index itself for a class-index target, the argmax of a one-hot row.
-fn class_of(target: &[f32]) -> usize {
-    match target {
-        [index] => index.max(0.0) as usize,
-        row => {
-            row.iter()
-                .enumerate()
-                .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                    if v > best.1 {
-                        (i, v)
-                    } else {
-                        best
-                    }
-                })
-                .0
-        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! Data: the [`Dataset`] trait, datasets held in memory, the batching loader with a background
 //! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, and the CIFAR-10
 //! tutorial's pipeline: mean-image subtraction ([`MeanImage`]), one-hot targets and
-//! augmentation ([`RandomShiftFlip`], applied by the loader).
+//! augmentation ([`RandomShiftFlip`], applied by the loader). Sample and class weights are
+//! checked and applied in one private module, `weighting`.
 //!
 //! A dataset hands out samples by index into caller-provided buffers, so batches are assembled
 //! without a per-sample allocation. Images are `f32` in `(channels, height, width)` order.
@@ -21,6 +22,7 @@ mod in_memory;
 mod loader;
 mod mean_image;
 mod subset;
+pub(crate) mod weighting;
 
 pub use augment::{Augment, RandomShiftFlip};
 pub use cifar10::{Cifar10, Cifar10Dataset};

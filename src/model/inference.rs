@@ -1,0 +1,186 @@
+//! Inference and single batches: `evaluate` (loss and metrics over a dataset, also `fit`'s
+//! validation pass), `predict`, and Keras's one-batch forms `train_on_batch`, `test_on_batch`
+//! and `predict_on_batch`, which take tensors, check them as `fit` checks a dataset, and run
+//! one step. Each public method is one call of the strategy (`Model::strategy_call`): on a
+//! process that serves the others it returns empty logs or no rows.
+
+use candle_core::Tensor;
+
+use super::totals::Totals;
+use super::{EvaluateOptions, Model, PredictOptions};
+use crate::callbacks::{Callback, CallbackList, Logs};
+use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
+use crate::{Error, Result};
+
+impl Model {
+    /// Loss and metrics over `data` in inference mode. `options` is a batch size per replica,
+    /// or [`EvaluateOptions`] with callbacks and sample weights.
+    pub fn evaluate<'a>(
+        &mut self,
+        data: &dyn Dataset,
+        options: impl Into<EvaluateOptions<'a>>,
+    ) -> Result<Logs> {
+        let options = options.into();
+        self.prepare_for(data)?;
+        let logs = self.strategy_call(|model| {
+            let loader = model.loader(
+                data,
+                options.batch_size_per_replica,
+                LoaderOptions {
+                    sample_weight: weighting::sample_weights(data, options.sample_weight)?,
+                    ..LoaderOptions::default()
+                },
+            )?;
+            let mut callbacks = CallbackList::new(options.callbacks, model.is_chief());
+            model.run_evaluation(&loader, &mut callbacks)
+        })?;
+        Ok(logs.unwrap_or_else(Logs::new))
+    }
+
+    /// One pass of `loader` in inference mode, with the callbacks' `on_test_*` hooks: the loss
+    /// and metrics over its data. `evaluate` and `fit`'s validation run it.
+    pub(super) fn run_evaluation(
+        &mut self,
+        loader: &Loader<'_>,
+        callbacks: &mut CallbackList,
+    ) -> Result<Logs> {
+        let mut totals = Totals::new(&self.metrics);
+        callbacks.on_test_begin(self)?;
+        std::thread::scope(|scope| -> Result<()> {
+            for (step, batch) in loader.spawn(scope, 0).enumerate() {
+                callbacks.on_test_batch_begin(step, self)?;
+                totals.add(&self.replicas()?.test_step(&batch?)?);
+                callbacks.on_test_batch_end(step, &totals.logs(), self)?;
+            }
+            Ok(())
+        })?;
+        let logs = totals.logs();
+        callbacks.on_test_end(&logs, self)?;
+        Ok(logs)
+    }
+
+    /// The model's outputs for `x` (`(n, input_shape...)`, any device) on the CPU, computed in
+    /// global batches of `batch_size_per_replica * num_replicas_in_sync()` (each replica takes
+    /// its part). `options` is that batch size, or [`PredictOptions`] with callbacks. Under
+    /// multi-worker training each worker predicts all of `x` on its own replicas.
+    pub fn predict(&mut self, x: &Tensor, options: impl Into<PredictOptions>) -> Result<Tensor> {
+        let options = options.into();
+        if options.batch_size_per_replica == 0 {
+            return Err(Error::invalid("batch size must be positive, got 0"));
+        }
+        let n = self.prepare_inputs(x)?;
+        let outputs = self.strategy_call(|model| {
+            let x = x.to_dtype(candle_core::DType::F32)?;
+            let batch = options.batch_size_per_replica * model.strategy.local_replicas();
+            let mut callbacks = CallbackList::new(options.callbacks, model.is_chief());
+            callbacks.on_predict_begin(model)?;
+            let mut outputs = Vec::with_capacity(n.div_ceil(batch));
+            for (step, start) in (0..n).step_by(batch).enumerate() {
+                callbacks.on_predict_batch_begin(step, model)?;
+                let part = x.narrow(0, start, batch.min(n - start))?;
+                let out = model.replicas()?.predict_step(&part)?;
+                callbacks.on_predict_batch_end(step, &out, model)?;
+                outputs.push(out);
+            }
+            callbacks.on_predict_end(model)?;
+            Ok(outputs)
+        })?;
+        match outputs {
+            Some(outputs) => Ok(Tensor::cat(&outputs, 0)?),
+            None => self.no_predictions(),
+        }
+    }
+
+    /// Checks that `x` has a batch dimension and samples, builds for its sample shape if
+    /// needed, and returns its sample count.
+    fn prepare_inputs(&mut self, x: &Tensor) -> Result<usize> {
+        let dims = x.dims();
+        let Some((&n, sample)) = dims.split_first() else {
+            return Err(Error::invalid("the inputs need a batch dimension"));
+        };
+        if n == 0 {
+            return Err(Error::EmptyDataset("the inputs".into()));
+        }
+        self.build(sample)?;
+        Ok(n)
+    }
+
+    /// One batch as `fit` would see it: checked against the loss, on the CPU, `f32` inputs.
+    fn one_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Batch> {
+        let n = self.prepare_inputs(x)?;
+        let data = crate::data::InMemoryDataset::new(x.clone(), y.clone())?.named("the batch");
+        let output_shape = self.built()?.output_shape.clone();
+        self.loss.check_targets(&data.targets(), &output_shape)?;
+        let (x, y) = data.to_tensors()?;
+        let batch = Batch::new(x, y);
+        Ok(match sample_weight {
+            Some(w) => batch.with_weights(weighting::batch_sample_weight(w, n)?),
+            None => batch,
+        })
+    }
+
+    /// One training step on this batch, as Keras's `train_on_batch`: the whole batch is the
+    /// global batch (split across this process's replicas; under multi-worker training each
+    /// worker passes its own part). Returns the batch's loss and metrics. An update whose loss
+    /// or gradients are not finite is not applied, and the loss is then NaN. On a process that
+    /// serves the others (a parameter server), it and the other `*_on_batch` methods serve that
+    /// one batch and return nothing (empty logs, no rows), as `fit` does.
+    pub fn train_on_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Logs> {
+        let batch = self.one_batch(x, y, sample_weight)?;
+        let stats = self.strategy_call(|model| {
+            let lr = model.learning_rate;
+            model.replicas()?.train_step(&batch, lr)
+        })?;
+        Ok(stats.map_or_else(Logs::new, |stats| {
+            Totals::of(&self.metrics, &stats, true).logs()
+        }))
+    }
+
+    /// Loss and metrics of this batch in inference mode, as Keras's `test_on_batch`.
+    pub fn test_on_batch(
+        &mut self,
+        x: &Tensor,
+        y: &Tensor,
+        sample_weight: Option<&Tensor>,
+    ) -> Result<Logs> {
+        let batch = self.one_batch(x, y, sample_weight)?;
+        let stats = self.strategy_call(|model| model.replicas()?.test_step(&batch))?;
+        Ok(stats.map_or_else(Logs::new, |stats| {
+            Totals::of(&self.metrics, &stats, false).logs()
+        }))
+    }
+
+    /// The outputs for this batch in one step, as Keras's `predict_on_batch`.
+    pub fn predict_on_batch(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.prepare_inputs(x)?;
+        let out = self.strategy_call(|model| {
+            let x = x.to_dtype(candle_core::DType::F32)?;
+            model.replicas()?.predict_step(&x)
+        })?;
+        match out {
+            Some(out) => Ok(out),
+            None => self.no_predictions(),
+        }
+    }
+
+    /// What `predict` returns on a process that serves the others: no rows.
+    fn no_predictions(&self) -> Result<Tensor> {
+        let mut empty = vec![0];
+        empty.extend(&self.built()?.output_shape);
+        Ok(Tensor::zeros(
+            empty,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )?)
+    }
+}

@@ -1,0 +1,332 @@
+//! `Model`: a compiled network. It owns the epoch loop (`fit`), `evaluate`, `predict`, their
+//! one-batch forms, weight I/O and the training state (`save`, `load`); the strategy it was
+//! compiled with owns placement and the training step.
+//!
+//! `fit` stays short, as Keras's does: build the loader, wrap the callbacks, and for each epoch
+//! run `train_step` per batch, reduce the statistics, validate, and hand the logs to the
+//! callbacks. Everything observable happens in callbacks.
+//!
+//! **Batch size** means the same everywhere: samples per replica per step. `fit`, `evaluate`
+//! and `predict` each run global batches of `batch_size_per_replica * num_replicas_in_sync()`
+//! samples (split across replicas and workers), so one number fits the model's memory on each
+//! device whatever the strategy.
+//!
+//! This file holds the type, `compile`, building and the small queries and requests; the rest
+//! is split by concern: `options` (`FitOptions`, `EvaluateOptions`, `PredictOptions`), `fit`
+//! (the epoch loop, resuming and backups), `inference` (`evaluate`, `predict`, the `*_on_batch`
+//! methods), `state` (weights and training-state I/O) and `totals` (running sums into logs).
+//! Every public call that runs steps goes through [`Model::strategy_call`], which brackets it
+//! with the strategy's `serve` and `end_call`. Sample and class weights are checked and applied
+//! in `crate::data::weighting`.
+
+use std::sync::Arc;
+
+use crate::data::{Dataset, Loader, LoaderOptions};
+use crate::layers::{Sequential, Summary};
+use crate::losses::Loss;
+use crate::metrics::Metrics;
+use crate::optimizers::OptimizerConfig;
+use crate::resume::FitRequests;
+use crate::strategy::{DistributedModel, ModelSpec, Strategy, WorkerInfo};
+use crate::{ComputePath, Error, Result};
+
+mod fit;
+mod inference;
+mod options;
+mod state;
+mod totals;
+
+pub use options::{EvaluateOptions, FitOptions, PredictOptions};
+
+/// The model once built: its replicas and the shapes it was built for.
+struct BuiltModel {
+    input_shape: Vec<usize>,
+    output_shape: Vec<usize>,
+    replicas: Box<dyn DistributedModel>,
+}
+
+/// A compiled model.
+pub struct Model {
+    network: Sequential,
+    optimizer: Box<dyn OptimizerConfig>,
+    loss: Arc<dyn Loss>,
+    metrics: Metrics,
+    strategy: Arc<dyn Strategy>,
+    seed: u64,
+    compute_path: ComputePath,
+    built: Option<BuiltModel>,
+    learning_rate: f64,
+    stop_training: bool,
+    requests: FitRequests,
+}
+
+impl Sequential {
+    /// Compiles the network with an optimizer, a loss, metrics and a strategy. The model is
+    /// built now if an input shape was declared, otherwise on first use.
+    ///
+    /// `loss` is any [`Loss`] (Keras's built-ins live in [`crate::losses`]); `metrics` is an
+    /// array (`[Accuracy]`), a tuple of different metrics, `()`, or anything else that
+    /// converts into [`Metrics`].
+    pub fn compile<S, O, L, M>(
+        self,
+        optimizer: O,
+        loss: L,
+        metrics: M,
+        strategy: &S,
+    ) -> Result<Model>
+    where
+        S: Strategy + Clone + 'static,
+        O: OptimizerConfig,
+        L: Loss + 'static,
+        M: Into<Metrics>,
+    {
+        let learning_rate = optimizer.learning_rate();
+        let metrics = metrics.into();
+        let mut names = vec!["loss"];
+        for m in metrics.iter() {
+            let reserved = ["lr", "batch_loss"].contains(&m.name()) || m.name().starts_with("val_");
+            if reserved || names.contains(&m.name()) {
+                return Err(Error::invalid(format!(
+                    "metric name `{}` is taken or reserved: every metric needs its own log key, \
+                     not `loss`, `lr`, `batch_loss` or a `val_` prefix",
+                    m.name()
+                )));
+            }
+            names.push(m.name());
+        }
+        let mut model = Model {
+            network: self,
+            optimizer: Box::new(optimizer),
+            loss: Arc::new(loss),
+            metrics,
+            strategy: Arc::new(strategy.clone()),
+            seed: 0,
+            compute_path: ComputePath::from_env(),
+            built: None,
+            learning_rate,
+            stop_training: false,
+            requests: FitRequests::default(),
+        };
+        if let Some(shape) = model.network.declared_input_shape().map(<[usize]>::to_vec) {
+            model.build(&shape)?;
+        }
+        Ok(model)
+    }
+}
+
+impl Model {
+    /// Seeds the initial weights (default 0) and rebuilds the model if it was built.
+    pub fn with_seed(mut self, seed: u64) -> Result<Self> {
+        self.seed = seed;
+        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
+            self.build(&shape)?;
+        }
+        Ok(self)
+    }
+
+    /// Chooses the code the model runs (default: [`ComputePath::from_env`], so
+    /// [`ComputePath::Auto`] unless `KANDLE_COMPUTE` says otherwise) and rebuilds the model if
+    /// it was built. [`ComputePath::DeviceGeneric`] runs on the CPU the candle ops a GPU runs.
+    pub fn with_compute_path(mut self, path: ComputePath) -> Result<Self> {
+        self.compute_path = path;
+        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
+            self.build(&shape)?;
+        }
+        Ok(self)
+    }
+
+    /// The code the model runs.
+    pub fn compute_path(&self) -> ComputePath {
+        self.compute_path
+    }
+
+    /// Builds the model for inputs of `input_shape` (without the batch dimension) on the
+    /// strategy's devices. Building again for the same shape does nothing; another shape is an
+    /// error.
+    pub fn build(&mut self, input_shape: &[usize]) -> Result<()> {
+        if let Some(b) = &self.built {
+            if b.input_shape == input_shape {
+                return Ok(());
+            }
+            return Err(Error::Shape {
+                layer: "model".into(),
+                expected: crate::error::shape_with_batch(&b.input_shape),
+                got: crate::error::shape_with_batch(input_shape),
+            });
+        }
+        let spec = ModelSpec {
+            network: self.network.clone(),
+            input_shape: input_shape.to_vec(),
+            optimizer: self.optimizer.clone(),
+            loss: Arc::clone(&self.loss),
+            metrics: self.metrics.clone(),
+            seed: self.seed,
+            compute_path: self.compute_path,
+        };
+        let replicas = self.strategy.distribute(&spec)?;
+        let output_shape = replicas
+            .summary()
+            .rows
+            .last()
+            .map(|r| r.output_shape.clone())
+            .unwrap_or_default();
+        self.built = Some(BuiltModel {
+            input_shape: input_shape.to_vec(),
+            output_shape,
+            replicas,
+        });
+        Ok(())
+    }
+
+    /// Whether the model has been built.
+    pub fn is_built(&self) -> bool {
+        self.built.is_some()
+    }
+
+    fn built(&self) -> Result<&BuiltModel> {
+        self.built.as_ref().ok_or_else(|| {
+            Error::NotReady(
+                "the model is not built yet: call build(input_shape), declare \
+                 Sequential::input_shape, or fit it first"
+                    .into(),
+            )
+        })
+    }
+
+    fn built_mut(&mut self) -> Result<&mut BuiltModel> {
+        self.built()?;
+        self.built
+            .as_mut()
+            .ok_or_else(|| Error::NotReady("the model is not built".into()))
+    }
+
+    fn replicas(&mut self) -> Result<&mut dyn DistributedModel> {
+        Ok(self.built_mut()?.replicas.as_mut())
+    }
+
+    /// Builds for `data`'s sample shape if needed, and checks that its targets fit the loss,
+    /// the metrics and the model's output.
+    fn prepare_for(&mut self, data: &dyn Dataset) -> Result<()> {
+        if data.is_empty() {
+            return Err(Error::EmptyDataset(data.name().to_string()));
+        }
+        let shape = data.sample_shape().to_vec();
+        self.build(&shape).map_err(|e| match e {
+            Error::Shape { expected, got, .. } => Error::Shape {
+                layer: format!("model (input from `{}`)", data.name()),
+                expected,
+                got,
+            },
+            other => other,
+        })?;
+        let output_shape = self.built()?.output_shape.clone();
+        let targets = data.targets();
+        self.loss.check_targets(&targets, &output_shape)?;
+        for m in self.metrics.iter() {
+            m.check_targets(&targets, &output_shape)?;
+        }
+        Ok(())
+    }
+
+    /// The layer table: output shapes and trainable / non-trainable parameter counts.
+    pub fn summary(&self) -> Result<&Summary> {
+        Ok(self.built()?.replicas.summary())
+    }
+
+    /// The strategy's name and size, this worker's rank.
+    pub fn worker(&self) -> WorkerInfo {
+        self.strategy.worker()
+    }
+
+    /// Whether this process is the chief worker (always, outside multi-worker training).
+    pub fn is_chief(&self) -> bool {
+        self.strategy.worker().is_chief()
+    }
+
+    /// Replicas taking part in each step, across all workers.
+    pub fn num_replicas_in_sync(&self) -> usize {
+        self.strategy.num_replicas_in_sync()
+    }
+
+    /// The learning rate the next step uses.
+    pub fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    /// Sets the learning rate for the following steps. It must be finite and non-negative.
+    pub fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        if !lr.is_finite() || lr < 0.0 {
+            return Err(Error::invalid(format!(
+                "learning rate must be finite and >= 0, got {lr}"
+            )));
+        }
+        self.learning_rate = lr;
+        Ok(())
+    }
+
+    /// Asks `fit` to stop after the current step (Keras's `model.stop_training = True`).
+    pub fn stop_training(&mut self) {
+        self.stop_training = true;
+    }
+
+    /// Asks `fit` to write a backup (the training state and where `fit` is) to `path` once the
+    /// current step's or epoch's callbacks have run, moving the backup already there to
+    /// `previous` first when given. Under multi-worker training only the chief writes. For
+    /// callbacks such as [`BackupAndRestore`](crate::callbacks::BackupAndRestore).
+    pub fn request_backup(
+        &mut self,
+        path: std::path::PathBuf,
+        previous: Option<std::path::PathBuf>,
+    ) {
+        self.requests.backup = Some((path, previous));
+    }
+
+    /// Asks `fit`, from `on_train_begin`, to resume from the first of `candidates` that is a
+    /// readable backup of this run, at the exact step where it was taken. For callbacks such as
+    /// [`BackupAndRestore`](crate::callbacks::BackupAndRestore).
+    pub fn request_resume(&mut self, candidates: Vec<std::path::PathBuf>) {
+        self.requests.resume = Some(candidates);
+    }
+
+    /// Whether a stop was requested during the current `fit`.
+    pub fn stop_requested(&self) -> bool {
+        self.stop_training
+    }
+
+    /// A loader over `data` in global batches of `batch_size_per_replica` times the replicas in
+    /// sync, yielding this worker's part of each under multi-worker training.
+    fn loader<'d>(
+        &self,
+        data: &'d dyn Dataset,
+        batch_size_per_replica: usize,
+        options: LoaderOptions,
+    ) -> Result<Loader<'d>> {
+        if batch_size_per_replica == 0 {
+            return Err(Error::invalid("batch size must be positive, got 0"));
+        }
+        let worker = self.strategy.worker();
+        Loader::new(
+            data,
+            LoaderOptions {
+                batch_size: batch_size_per_replica * self.strategy.num_replicas_in_sync(),
+                shard: (worker.size > 1).then_some((worker.rank, worker.size)),
+                ..options
+            },
+        )
+    }
+
+    /// Runs `call`, one call of the strategy (`fit`, `evaluate`, `predict` or a `*_on_batch`
+    /// method, the model built), between [`DistributedModel::serve`] and
+    /// [`DistributedModel::end_call`]. Returns `None`, without running `call`, on a process
+    /// that served the others (the caller then returns its empty result); otherwise `call`'s
+    /// result once the call is ended. An error from `call` is returned as is, without ending
+    /// the call.
+    fn strategy_call<T>(&mut self, call: impl FnOnce(&mut Self) -> Result<T>) -> Result<Option<T>> {
+        if self.replicas()?.serve()? {
+            return Ok(None);
+        }
+        let result = call(self)?;
+        self.replicas()?.end_call()?;
+        Ok(Some(result))
+    }
+}

@@ -158,6 +158,7 @@ CONFIGS = {
 def time_config(args, name):
     """One configuration's training step and inference, each the median of `--iters` runs."""
     model, net, opt, x, y = setup(args, name)
+    compiled = CONFIGS[name][1]
 
     def train_step():
         opt.zero_grad(set_to_none=True)

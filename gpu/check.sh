@@ -13,11 +13,12 @@
 #      ignored CUDA test included) and the rest of kandle's unit tests on this machine;
 #   4. digits to 97% on the GPU, 20 steps against the CPU, Mirrored with two replicas on the GPU,
 #      CentralStorage, training states between GPU and CPU, NCCL with one rank (tests/gpu.rs);
-#   5. MiniGoogLeNet's training step and inference at batch 64 and 256, kandle with candle's own
-#      convolutions and with cuDNN, against PyTorch on the same GPU (eager, channels_last), and
-#      PyTorch's epoch of 50,000 images;
+#   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the
+#      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
-#   7. PyTorch channels_last + torch.compile at batch 64, last because it compiles for minutes.
+#   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
+#   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
+#      inference with cuDNN convolutions.
 # results.json lists each step with its exit status and seconds; the script exits non-zero when
 # any step failed.
 set -uo pipefail
@@ -94,28 +95,30 @@ bench() { # bench NAME LIMIT BINARY ARGS...
     --json "$OUT/$name.json" "$@"
 }
 bench bench-64 120 bench --batch 64 --pytorch-configs eager,channels_last --epoch-images 50000
-bench bench-64-cudnn 60 bench-cudnn --batch 64 --no-pytorch
 bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
-bench bench-256-cudnn 60 bench-cudnn --batch 256 --no-pytorch
 
-# One epoch through train_cifar10, with cuDNN (candle's own convolutions when that one fails).
+# One epoch through train_cifar10 (candle's own convolutions: its cuDNN build's training step is
+# several times slower, see bench-*-cudnn).
 FIXTURE=/tmp/kandle-cifar-fixture
 step cifar-fixture 60 "$PYTHON" gpu/cifar_fixture.py "$FIXTURE"
-for binary in train_cifar10-cudnn train_cifar10; do
-  step "epoch-$binary" 150 "$BIN/$binary" --epochs 1 --data-dir "$FIXTURE" \
-    --output "/tmp/kandle-epoch-$binary/epoch.png" --title "one epoch of noise" &&
-    cp "/tmp/kandle-epoch-$binary/epoch.json" "$OUT/epoch.json" && break
-done
+step epoch 150 "$BIN/train_cifar10" --epochs 1 --data-dir "$FIXTURE" \
+  --output /tmp/kandle-epoch/epoch.png --title "one epoch of noise" &&
+  cp /tmp/kandle-epoch/epoch.json "$OUT/epoch.json"
 
-# Where kandle's GPU step goes: each kernel's time over one training step (cuDNN build), by name.
+# PyTorch's best-known GPU configuration; it compiles for a minute or two.
+bench bench-64-compile 180 bench --batch 64 --pytorch-configs channels_last+compile
+
+# Where kandle's GPU step goes: each kernel's time over the first launches of a training step
+# (the forward pass and most of the backward), by name.
 if command -v ncu >/dev/null; then
   step ncu-profile 90 ncu --clock-control none --metrics gpu__time_duration.sum \
-    --launch-count 600 --print-summary per-kernel --csv "$BIN/bench-cudnn" --device cuda:0 --batch 64 \
-    --warmup 0 --iters 1 --no-pytorch
+    --launch-count 1500 --print-summary per-kernel --csv "$BIN/bench" --device cuda:0 \
+    --batch 64 --warmup 0 --iters 1 --no-pytorch
 fi
 
-# Last, as it compiles for a minute or two: PyTorch's best-known GPU configuration.
-bench bench-64-compile 180 bench-cudnn --batch 64 --pytorch-configs channels_last+compile
+# candle's convolutions through cuDNN.
+bench bench-64-cudnn 60 bench-cudnn --batch 64 --no-pytorch
+bench bench-256-cudnn 60 bench-cudnn --batch 256 --no-pytorch
 
 "$PYTHON" - "$STEPS" "$OUT/results.json" <<'PY'
 import json, sys

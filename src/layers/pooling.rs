@@ -9,7 +9,7 @@
 //! [`crate::kernels::pooling`] instead, with the same results, unless they are built for
 //! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric).
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{
@@ -53,7 +53,7 @@ impl Pool2D {
         let divisor = match self.kind {
             PoolKind::Average if geometry.padded() => {
                 let ones = Tensor::ones((1, 1, h, w), candle_core::DType::F32, &Device::Cpu)?;
-                let counts = geometry.reduce(&ones, PoolKind::Average)?;
+                let counts = geometry.reduce(&ones, PoolKind::Average, false)?;
                 Some(counts.to_device(ctx.device())?)
             }
             _ => None,
@@ -90,8 +90,10 @@ impl Geometry {
         }
     }
 
-    /// Max or sum over each window, by combining the strided views of the padded input.
-    fn reduce(&self, x: &Tensor, kind: PoolKind) -> Result<Tensor> {
+    /// Max or sum over each window, by combining the strided views of the padded input. With
+    /// `routed`, a max pool's gradient goes to each window's first maximum, as the CPU kernel's
+    /// does (training); without, it is candle's (inference, where no gradient is taken).
+    fn reduce(&self, x: &Tensor, kind: PoolKind, routed: bool) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
         let x = if self.padded() {
             let fill = match kind {
@@ -105,19 +107,65 @@ impl Geometry {
         let (kh, kw) = self.window;
         let (sh, sw) = self.stride;
         let (oh, ow) = self.out;
-        let mut acc: Option<Tensor> = None;
+        // The window's strided views in row-major window order.
+        let mut views = Vec::with_capacity(kh * kw);
         for i in 0..kh {
             let rows = subsample(&x.narrow(2, i, sh * (oh - 1) + 1)?, 2, sh)?;
             for j in 0..kw {
-                let view = subsample(&rows.narrow(3, j, sw * (ow - 1) + 1)?, 3, sw)?;
-                acc = Some(match (acc, kind) {
-                    (None, _) => view,
-                    (Some(a), PoolKind::Max) => a.maximum(&view)?,
-                    (Some(a), PoolKind::Average) => (a + view)?,
-                });
+                views.push(subsample(&rows.narrow(3, j, sw * (ow - 1) + 1)?, 3, sw)?);
             }
         }
-        acc.ok_or_else(|| crate::Error::invalid("empty pooling window"))
+        let mut acc: Option<Tensor> = None;
+        for view in &views {
+            acc = Some(match (acc, kind) {
+                (None, _) => view.clone(),
+                (Some(a), PoolKind::Max) => a.maximum(view)?,
+                (Some(a), PoolKind::Average) => (a + view)?,
+            });
+        }
+        let acc = acc.ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
+        match kind {
+            PoolKind::Max if routed => first_maximum(&views, &acc.detach()),
+            _ => Ok(acc),
+        }
+    }
+}
+
+/// The maxima `max` of `views` (a window's strided views, in row-major window order) as a sum
+/// that candle's autograd differentiates the way the CPU kernel's backward pass does: each output
+/// gradient goes to the first view that holds the maximum, and to no other. (Candle's `maximum`
+/// splits the gradient between equal operands, so a chain of them spreads it over every tied
+/// position: flat regions of an image, a ReLU's zeros.) The value is `max` exactly: one view per
+/// output is selected, the others contribute zeros. A window that holds a NaN gives a NaN, as
+/// the kernel's does.
+fn first_maximum(views: &[Tensor], max: &Tensor) -> Result<Tensor> {
+    let zeros = max.zeros_like()?;
+    // 1 where no earlier view held the maximum.
+    let mut free = max.ones_like()?.to_dtype(DType::U8)?;
+    let mut sum: Option<Tensor> = None;
+    for view in views {
+        let first = (view.eq(max)? * &free)?;
+        free = (&free - &first)?;
+        let part = first.where_cond(view, &zeros)?;
+        sum = Some(match sum {
+            None => part,
+            Some(s) => (s + part)?,
+        });
+    }
+    let sum = sum.ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
+    let routed = free.where_cond(max, &sum)?;
+    // Candle's `maximum` passes over NaNs; the kernel's maximum is NaN when the window holds one.
+    let mut nan: Option<Tensor> = None;
+    for view in views {
+        let here = view.ne(view)?;
+        nan = Some(match nan {
+            None => here,
+            Some(n) => n.maximum(&here)?,
+        });
+    }
+    match nan {
+        Some(nan) => Ok(nan.where_cond(&(zeros + f64::NAN)?, &routed)?),
+        None => Ok(routed),
     }
 }
 
@@ -221,9 +269,9 @@ impl Layer for PoolLayer {
         let (kh, kw) = g.window;
         Ok(match self.kind {
             PoolKind::Average if native => x.avg_pool2d((kh, kw))?,
-            PoolKind::Max => g.reduce(x, PoolKind::Max)?,
+            PoolKind::Max => g.reduce(x, PoolKind::Max, train)?,
             PoolKind::Average => {
-                let sum = g.reduce(x, PoolKind::Average)?;
+                let sum = g.reduce(x, PoolKind::Average, false)?;
                 match &self.divisor {
                     Some(d) => sum.broadcast_div(&d.to_dtype(x.dtype())?)?,
                     None => (sum / (kh * kw) as f64)?,
@@ -390,6 +438,7 @@ impl Layer for GlobalPoolLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ComputePath;
     use candle_core::Var;
 
     fn pool(spec: &dyn LayerSpec, x: &Tensor) -> Result<Tensor> {
@@ -427,6 +476,55 @@ mod tests {
             want[i] = 1.0;
         }
         assert_eq!(g, Some(want));
+        Ok(())
+    }
+
+    /// The max pool's gradient with tied maxima (flat regions, repeated values, a NaN) on the
+    /// device-generic path, candle's ops and autograd, is the CPU kernel's: each output gradient
+    /// goes to the window's first maximum in row-major order, and a NaN propagates.
+    #[test]
+    fn max_pool_ties_route_the_gradient_like_the_kernel() -> Result<()> {
+        let x = Var::new(
+            &[[[
+                [0f32, 0., 0., 0., 0.],
+                [0., 2., 2., 1., 0.],
+                [0., 2., 2., 1., 1.],
+                [5., 5., 5., 1., 1.],
+                [5., 5., 5., 1., f32::NAN],
+            ]]],
+            &Device::Cpu,
+        )?;
+        let upstream = Tensor::new(&[1f32, 2., 3., 4., 5., 6., 7., 8., 9.], &Device::Cpu)?;
+        let run = |path: ComputePath, spec: &dyn LayerSpec| -> Result<(Vec<f32>, Vec<f32>)> {
+            let mut ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);
+            let layer = spec.build(&mut ctx, &[1, 5, 5])?.layer;
+            let y = layer.forward_t(x.as_tensor(), true)?;
+            let n = y.elem_count();
+            let weighted = (y.flatten_all()? * upstream.narrow(0, 0, n)?)?;
+            // NaN outputs carry no gradient in either path: leave them out of the loss.
+            let finite = weighted.eq(&weighted)?;
+            let loss = finite.where_cond(&weighted, &weighted.zeros_like()?)?.sum_all()?;
+            let grads = loss.backward()?;
+            let g = grads.get(x.as_tensor()).expect("a gradient for x");
+            Ok((y.flatten_all()?.to_vec1()?, g.flatten_all()?.to_vec1()?))
+        };
+        // Whether a window covers the NaN in the corner.
+        let specs: [(Box<dyn LayerSpec>, bool); 3] = [
+            (Box::new(MaxPooling2D::new(2)), false),
+            (Box::new(MaxPooling2D::new(3).stride(2)), true),
+            (
+                Box::new(MaxPooling2D::new(2).stride(2).padding(Padding::Same)),
+                true,
+            ),
+        ];
+        for (spec, covers_nan) in &specs {
+            let (want_y, want_g) = run(ComputePath::Auto, spec.as_ref())?;
+            let (got_y, got_g) = run(ComputePath::DeviceGeneric, spec.as_ref())?;
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got_y), bits(&want_y), "{spec:?}: outputs");
+            assert_eq!(got_g, want_g, "{spec:?}: gradients");
+            assert_eq!(want_y.iter().any(|v| v.is_nan()), *covers_nan, "{spec:?}: NaN");
+        }
         Ok(())
     }
 

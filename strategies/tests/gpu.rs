@@ -20,6 +20,8 @@ use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
+// This crate uses part of the support module.
+#[allow(dead_code)]
 mod support;
 use support::assert_within;
 use support::equivalence_run::{bn_cnn, compile, plain_cnn, train, SAMPLES};

@@ -3,6 +3,8 @@
 //! replicas compute their step buffers, the buffers are summed on the central device and the
 //! step's final phase runs there.
 
+use std::time::Duration;
+
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::layers::Summary;
@@ -12,26 +14,41 @@ use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy
 use kandle::{Error, Result};
 
 use crate::replica_set::{
-    cpu_weights, fuse_store, local_constructors, local_strategy, replica_builders, unzip,
-    LocalReplicas, ReplicaSet,
+    all_gpus, cpu_weights, fuse_store, replica_devices, unzip, ReplicaOptions, ReplicaSet,
 };
+use crate::ReplicaThreads;
+
+/// The strategy's name in messages.
+const NAME: &str = "CentralStorageStrategy";
 
 /// Data parallelism with the variables kept in one place.
 #[derive(Debug, Clone)]
 pub struct CentralStorageStrategy {
-    local: LocalReplicas,
+    devices: Vec<Device>,
+    options: ReplicaOptions,
     central: Device,
 }
 
 impl CentralStorageStrategy {
-    local_constructors!("CentralStorageStrategy");
-
-    /// The variables on the CPU until [`Self::central_device`] says otherwise.
-    fn with_local(local: LocalReplicas) -> Self {
-        Self {
-            local,
+    /// One replica per device, the variables on the CPU until [`Self::central_device`] says
+    /// otherwise. Fails on an empty list.
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        Ok(Self {
+            devices: replica_devices(devices, NAME)?,
+            options: ReplicaOptions::default(),
             central: Device::Cpu,
-        }
+        })
+    }
+
+    /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there is
+    /// none or kandle was built without `cuda`.
+    pub fn all_gpus() -> Result<Self> {
+        Self::new(all_gpus(NAME)?)
+    }
+
+    /// `replicas` replicas on the CPU.
+    pub fn cpu(replicas: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; replicas])
     }
 
     /// Where the variables live (default: the CPU).
@@ -40,14 +57,56 @@ impl CentralStorageStrategy {
         self
     }
 
-    replica_builders!();
+    /// Batch normalisation with the statistics of the whole global batch, over every replica,
+    /// instead of each replica's part (`SyncBatchNorm`); default false. See
+    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
+    pub fn sync_batch_norm(self, sync: bool) -> Self {
+        Self {
+            options: self.options.sync_batch_norm(sync),
+            ..self
+        }
+    }
+
+    /// How long a step waits for a replica before failing with an error that names it (default
+    /// 60 s).
+    pub fn timeout(self, timeout: Duration) -> Self {
+        Self {
+            options: self.options.timeout(timeout),
+            ..self
+        }
+    }
+
+    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`]
+    /// (default [`ReplicaThreads::Auto`]: the cores divided evenly among the CPU replicas).
+    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
+        Self {
+            options: self.options.threads_per_replica(threads),
+            ..self
+        }
+    }
+
+    /// All of the replicas' options at once.
+    pub fn with_options(self, options: ReplicaOptions) -> Self {
+        Self { options, ..self }
+    }
+
+    /// The replicas' options.
+    pub fn options(&self) -> &ReplicaOptions {
+        &self.options
+    }
 }
 
 impl Strategy for CentralStorageStrategy {
-    local_strategy!("central_storage");
+    fn name(&self) -> &str {
+        "central_storage"
+    }
+
+    fn num_replicas_in_sync(&self) -> usize {
+        self.devices.len()
+    }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let set = self.local.build(spec)?;
+        let set = ReplicaSet::build(spec, &self.devices, &self.options)?;
         let central = Replica::new(spec, &self.central)?;
         central.store().assign(&set.weights()?)?;
         Ok(Box::new(CentralModel { set, central }))

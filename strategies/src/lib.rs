@@ -18,7 +18,9 @@
 //!
 //! Every strategy trains as one device would at the same global batch (for models without
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
-//! replicas, and writes checkpoints with the same names as one device.
+//! replicas, and writes checkpoints with the same names as one device. Mirrored, CentralStorage
+//! and MultiWorkerMirrored run their replicas with the same [`ReplicaOptions`] (SyncBatchNorm,
+//! the timeout, threads per replica), set through each one's builder methods.
 //!
 //! ```
 //! use kandle::prelude::*;
@@ -54,3 +56,4 @@ pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy}
 #[cfg(feature = "mpi")]
 pub use parameter_server::ParameterServerStrategy;
 pub use replica_pool::ReplicaThreads;
+pub use replica_set::ReplicaOptions;

@@ -2,16 +2,18 @@
 //! replica; each step the global batch is split across replicas, their step buffers are summed
 //! as one fused buffer, and every replica runs the same final phase on the sum.
 
+use std::time::Duration;
+
 use candle_core::Device;
-use kandle::data::Batch;
-use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy};
+use kandle::strategy::{DistributedModel, ModelSpec, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
-use crate::replica_set::{
-    local_constructors, local_strategy, replica_builders, replica_set_queries, LocalReplicas,
-    ReplicaSet,
-};
+use crate::replica_set::{all_gpus, replica_devices, ReplicaModel, ReplicaOptions, ReplicaSet};
+use crate::ReplicaThreads;
+
+/// The strategy's name in messages.
+const NAME: &str = "MirroredStrategy";
 
 /// Synchronous data parallelism over the devices of one process.
 ///
@@ -25,18 +27,30 @@ use crate::replica_set::{
 /// ```
 #[derive(Debug, Clone)]
 pub struct MirroredStrategy {
-    local: LocalReplicas,
+    devices: Vec<Device>,
+    options: ReplicaOptions,
     ops: CrossDeviceOps,
 }
 
 impl MirroredStrategy {
-    local_constructors!("MirroredStrategy");
-
-    fn with_local(local: LocalReplicas) -> Self {
-        Self {
-            local,
+    /// One replica per device. Fails on an empty list.
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        Ok(Self {
+            devices: replica_devices(devices, NAME)?,
+            options: ReplicaOptions::default(),
             ops: CrossDeviceOps::default(),
-        }
+        })
+    }
+
+    /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there is
+    /// none or kandle was built without `cuda`.
+    pub fn all_gpus() -> Result<Self> {
+        Self::new(all_gpus(NAME)?)
+    }
+
+    /// `replicas` replicas on the CPU.
+    pub fn cpu(replicas: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; replicas])
     }
 
     /// How replicas sum their step buffers (default [`CrossDeviceOps::ReductionToOneDevice`]).
@@ -45,51 +59,89 @@ impl MirroredStrategy {
         self
     }
 
-    replica_builders!();
+    /// Batch normalisation with the statistics of the whole global batch, over every replica,
+    /// instead of each replica's part (`SyncBatchNorm`); default false. See
+    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
+    pub fn sync_batch_norm(self, sync: bool) -> Self {
+        Self {
+            options: self.options.sync_batch_norm(sync),
+            ..self
+        }
+    }
+
+    /// How long a step waits for a replica before failing with an error that names it (default
+    /// 60 s).
+    pub fn timeout(self, timeout: Duration) -> Self {
+        Self {
+            options: self.options.timeout(timeout),
+            ..self
+        }
+    }
+
+    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`]
+    /// (default [`ReplicaThreads::Auto`]: the cores divided evenly among the CPU replicas).
+    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
+        Self {
+            options: self.options.threads_per_replica(threads),
+            ..self
+        }
+    }
+
+    /// All of the replicas' options at once.
+    pub fn with_options(self, options: ReplicaOptions) -> Self {
+        Self { options, ..self }
+    }
+
+    /// The replicas' options.
+    pub fn options(&self) -> &ReplicaOptions {
+        &self.options
+    }
 
     /// The replicas' devices.
     pub fn devices(&self) -> &[Device] {
-        &self.local.devices
+        &self.devices
     }
 }
 
 impl Strategy for MirroredStrategy {
-    local_strategy!("mirrored");
+    fn name(&self) -> &str {
+        "mirrored"
+    }
+
+    fn num_replicas_in_sync(&self) -> usize {
+        self.devices.len()
+    }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        Ok(Box::new(MirroredModel {
-            set: self.local.build(spec)?,
-            ops: self.ops,
+        Ok(Box::new(ReplicaModel {
+            set: ReplicaSet::build(spec, &self.devices, &self.options)?,
+            reduce: self.ops,
         }))
     }
-}
-
-struct MirroredModel {
-    set: ReplicaSet,
-    ops: CrossDeviceOps,
-}
-
-impl DistributedModel for MirroredModel {
-    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let (reduced, before) = self.set.compute_reduced(batch, self.ops)?;
-        let totals = self.set.layout.read(&reduced[0])?;
-        self.set.finish(reduced, &totals, before, lr)
-    }
-
-    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
-        self.set.evaluate(batch)
-    }
-
-    replica_set_queries!();
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kandle::data::Batch;
     use kandle::layers::{Activation, BatchNormalization, Conv2D, Dense, Flatten, Sequential};
     use kandle::losses::SparseCategoricalCrossentropy;
     use kandle::metrics::Accuracy;
     use kandle::optimizers::Sgd;
+
+    type MirroredModel = ReplicaModel<CrossDeviceOps>;
+
+    /// `spec` on three CPU replicas, as `MirroredStrategy::cpu(3)` distributes it.
+    fn three_replicas(spec: &ModelSpec) -> Result<MirroredModel> {
+        Ok(ReplicaModel {
+            set: ReplicaSet::build(
+                spec,
+                &[Device::Cpu, Device::Cpu, Device::Cpu],
+                &ReplicaOptions::default(),
+            )?,
+            reduce: CrossDeviceOps::default(),
+        })
+    }
 
     fn statistics_of(model: &MirroredModel) -> Result<Vec<Vec<f32>>> {
         model
@@ -124,10 +176,7 @@ mod tests {
             seed: 1,
             compute_path: kandle::ComputePath::Auto,
         };
-        let mut model = MirroredModel {
-            set: LocalReplicas::new(vec![Device::Cpu; 3], "test")?.build(&spec)?,
-            ops: CrossDeviceOps::default(),
-        };
+        let mut model = three_replicas(&spec)?;
         let data = kandle::data::digits::load()?;
         let (x, y) = data.to_tensors()?;
         for step in 0..3 {
@@ -161,10 +210,7 @@ mod tests {
                 seed,
                 ..spec.clone()
             };
-            Ok(MirroredModel {
-                set: LocalReplicas::new(vec![Device::Cpu; 3], "test")?.build(&spec)?,
-                ops: CrossDeviceOps::default(),
-            })
+            three_replicas(&spec)
         };
         let data = kandle::data::digits::load()?;
         let (x, y) = data.to_tensors()?;

@@ -1,7 +1,9 @@
 //! `ReplicaSet`: the replicas of one process, one thread each, and what every strategy of this
 //! crate does with them: split a batch, turn each part into a step buffer in parallel, run the
-//! step's final phase on every replica, evaluate and predict. [`LocalReplicas`] is the
-//! configuration the strategies share, with its builder methods ([`replica_builders!`]).
+//! step's final phase on every replica, evaluate and predict. [`ReplicaOptions`] is the
+//! configuration of the replicas that every strategy holds, and [`ReplicaModel`] the model of
+//! the strategies whose replicas all hold the variables, parameterised by how it sums their step
+//! buffers ([`Reduce`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +15,9 @@ use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
 use kandle::strategy::fused::{fuse, FusedLayout};
 use kandle::strategy::step::{StepLayout, StepTotals};
-use kandle::strategy::{ModelSpec, Replica, ReplicaGroup, ReplicaHandle, StepBuffer, StepStats};
+use kandle::strategy::{
+    DistributedModel, ModelSpec, Replica, ReplicaGroup, ReplicaHandle, StepBuffer, StepStats,
+};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
@@ -23,171 +27,101 @@ use crate::replica_pool::{ReplicaPool, ReplicaThreads};
 /// How long a step waits for a silent replica (or worker) before failing, unless set otherwise.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The replicas a strategy runs in this process: their devices, whether batch norm uses the
-/// statistics of the whole global batch, how long a step waits for a replica, and how many
-/// threads each replica may use.
-#[derive(Debug, Clone)]
-pub(crate) struct LocalReplicas {
-    pub(crate) devices: Vec<Device>,
-    pub(crate) sync_batch_norm: bool,
-    pub(crate) timeout: Duration,
-    pub(crate) threads: ReplicaThreads,
+/// How a strategy runs its replicas: whether batch norm uses the statistics of the whole global
+/// batch, how long a step waits for a replica, and how many threads each replica may use.
+///
+/// Every strategy with replicas in this process holds one, set through its own builder methods
+/// of the same names ([`MirroredStrategy::sync_batch_norm`](crate::MirroredStrategy::sync_batch_norm),
+/// ...) or all at once with `with_options`, and read back with `options`.
+///
+/// ```
+/// use std::time::Duration;
+/// use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
+///
+/// let options = ReplicaOptions::default()
+///     .sync_batch_norm(true)
+///     .timeout(Duration::from_secs(120))
+///     .threads_per_replica(1);
+/// let mirrored = MirroredStrategy::cpu(2)?.with_options(options);
+/// let central = CentralStorageStrategy::cpu(2)?.with_options(options);
+/// assert_eq!(mirrored.options(), central.options());
+/// assert_eq!(
+///     MirroredStrategy::cpu(2)?.sync_batch_norm(true).options().sync_batch_norm,
+///     true
+/// );
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaOptions {
+    /// Batch normalisation with the statistics of the whole global batch, over every replica
+    /// (and worker), instead of each replica's part (`SyncBatchNorm`). Either way the moving
+    /// statistics agree on every replica. Default false.
+    pub sync_batch_norm: bool,
+    /// How long a step waits for a replica (or a worker) before failing with an error that
+    /// names it. Default 60 s.
+    pub timeout: Duration,
+    /// How many threads each replica's CPU work may use. The default,
+    /// [`ReplicaThreads::Auto`], divides the cores evenly among this process's CPU replicas, so
+    /// replicas sharing the CPU do not oversubscribe it.
+    pub threads_per_replica: ReplicaThreads,
 }
 
-/// The builder methods every strategy of this crate shares, on a struct with a
-/// `local: LocalReplicas` field.
-macro_rules! replica_builders {
-    () => {
-        /// Batch normalisation with the statistics of the whole global batch, over every
-        /// replica (and worker), instead of each replica's part (`SyncBatchNorm`). Either way
-        /// the moving statistics agree on every replica. Default false.
-        pub fn sync_batch_norm(mut self, sync: bool) -> Self {
-            self.local.sync_batch_norm = sync;
-            self
-        }
-
-        /// How long a step waits for a replica (or a worker) before failing with an error that
-        /// names it (default 60 s).
-        pub fn timeout(mut self, timeout: std::time::Duration) -> Self {
-            self.local.timeout = timeout;
-            self
-        }
-
-        /// How many threads each replica's CPU work may use: a count, or a
-        /// [`ReplicaThreads`](crate::ReplicaThreads). The default,
-        /// [`ReplicaThreads::Auto`](crate::ReplicaThreads::Auto), divides the cores evenly among
-        /// this process's CPU replicas, so replicas sharing the CPU do not oversubscribe it.
-        pub fn threads_per_replica(mut self, threads: impl Into<crate::ReplicaThreads>) -> Self {
-            self.local.threads = threads.into();
-            self
-        }
-    };
-}
-pub(crate) use replica_builders;
-
-/// The constructors of a strategy that runs one process's replicas, on a struct with a
-/// `fn with_local(local: LocalReplicas) -> Self`; `$name` names the strategy in errors.
-macro_rules! local_constructors {
-    ($name:literal) => {
-        /// One replica per device. Fails on an empty list.
-        pub fn new(devices: Vec<candle_core::Device>) -> kandle::Result<Self> {
-            Ok(Self::with_local(crate::replica_set::LocalReplicas::new(
-                devices, $name,
-            )?))
-        }
-
-        /// One replica per visible GPU (`CUDA_VISIBLE_DEVICES` is honoured). Fails when there
-        /// is none or kandle was built without `cuda`.
-        pub fn all_gpus() -> kandle::Result<Self> {
-            Ok(Self::with_local(
-                crate::replica_set::LocalReplicas::all_gpus($name)?,
-            ))
-        }
-
-        /// `replicas` replicas on the CPU.
-        pub fn cpu(replicas: usize) -> kandle::Result<Self> {
-            Self::new(vec![candle_core::Device::Cpu; replicas])
-        }
-    };
-}
-pub(crate) use local_constructors;
-
-/// The [`Strategy`](kandle::Strategy) methods of a strategy whose replicas are the devices of
-/// its `local: LocalReplicas`; `$name` is its name in logs.
-macro_rules! local_strategy {
-    ($name:literal) => {
-        fn name(&self) -> &str {
-            $name
-        }
-
-        fn num_replicas_in_sync(&self) -> usize {
-            self.local.devices.len()
-        }
-    };
-}
-pub(crate) use local_strategy;
-
-/// The [`DistributedModel`](kandle::strategy::DistributedModel) methods of a model whose
-/// replicas all hold the variables, in a `set: ReplicaSet` field.
-macro_rules! replica_set_queries {
-    () => {
-        fn predict_step(&mut self, x: &candle_core::Tensor) -> kandle::Result<candle_core::Tensor> {
-            self.set.predict(x)
-        }
-
-        fn weights(&self) -> kandle::Result<kandle::params::Weights> {
-            self.set.weights()
-        }
-
-        fn summary(&self) -> &kandle::layers::Summary {
-            self.set.summary()
-        }
-
-        fn set_weights(&mut self, weights: &kandle::params::Weights) -> kandle::Result<()> {
-            self.set.set_weights(weights)
-        }
-
-        fn optimizer_state(&mut self) -> kandle::Result<kandle::optimizers::NamedOptimizerState> {
-            self.set.optimizer_state()
-        }
-
-        fn set_optimizer_state(
-            &mut self,
-            state: &kandle::optimizers::NamedOptimizerState,
-        ) -> kandle::Result<()> {
-            self.set.set_optimizer_state(state)
-        }
-    };
-}
-pub(crate) use replica_set_queries;
-
-impl LocalReplicas {
-    /// One replica per device; `strategy` names the caller in errors.
-    pub(crate) fn new(devices: Vec<Device>, strategy: &str) -> Result<Self> {
-        if devices.is_empty() {
-            return Err(kandle::Error::invalid(format!(
-                "{strategy} needs at least one device"
-            )));
-        }
-        Ok(Self {
-            devices,
+impl Default for ReplicaOptions {
+    fn default() -> Self {
+        Self {
             sync_batch_norm: false,
             timeout: DEFAULT_TIMEOUT,
-            threads: ReplicaThreads::default(),
-        })
-    }
-
-    /// One replica per visible GPU.
-    pub(crate) fn all_gpus(strategy: &str) -> Result<Self> {
-        let gpus = kandle::devices::gpus()?;
-        if gpus.is_empty() {
-            return Err(kandle::Error::Device(format!(
-                "{strategy}::all_gpus found no GPU (built without the `cuda` feature, or \
-                 CUDA_VISIBLE_DEVICES hides them); use {strategy}::cpu(n) for CPU replicas"
-            )));
+            threads_per_replica: ReplicaThreads::default(),
         }
-        Self::new(gpus, strategy)
+    }
+}
+
+impl ReplicaOptions {
+    /// Sets [`sync_batch_norm`](Self#structfield.sync_batch_norm).
+    pub fn sync_batch_norm(self, sync: bool) -> Self {
+        Self {
+            sync_batch_norm: sync,
+            ..self
+        }
     }
 
-    /// Builds the replicas of `spec`, with an in-process rendezvous for `SyncBatchNorm` when
-    /// asked.
-    pub(crate) fn build(&self, spec: &ModelSpec) -> Result<ReplicaSet> {
-        let rendezvous = self
-            .sync_batch_norm
-            .then(|| Arc::new(Rendezvous::new(self.devices.len(), self.timeout)));
-        self.build_with(spec, rendezvous, self.timeout)
+    /// Sets [`timeout`](Self#structfield.timeout).
+    pub fn timeout(self, timeout: Duration) -> Self {
+        Self { timeout, ..self }
     }
 
-    /// Builds the replicas of `spec`, batch normalisation synchronised through `rendezvous`
-    /// when given (one member per device), each call on the replicas waiting up to `timeout`.
-    pub(crate) fn build_with(
-        &self,
-        spec: &ModelSpec,
-        rendezvous: Option<Arc<Rendezvous>>,
-        timeout: Duration,
-    ) -> Result<ReplicaSet> {
-        ReplicaSet::new(spec, &self.devices, rendezvous, timeout, self.threads)
+    /// Sets [`threads_per_replica`](Self#structfield.threads_per_replica): a count, or a
+    /// [`ReplicaThreads`].
+    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
+        Self {
+            threads_per_replica: threads.into(),
+            ..self
+        }
     }
+}
+
+/// `devices`, one replica each, unless the list is empty; `strategy` names the caller in the
+/// error.
+pub(crate) fn replica_devices(devices: Vec<Device>, strategy: &str) -> Result<Vec<Device>> {
+    if devices.is_empty() {
+        return Err(kandle::Error::invalid(format!(
+            "{strategy} needs at least one device"
+        )));
+    }
+    Ok(devices)
+}
+
+/// Every visible GPU, one replica each; fails when there is none. `strategy` names the caller
+/// in the error.
+pub(crate) fn all_gpus(strategy: &str) -> Result<Vec<Device>> {
+    let gpus = kandle::devices::gpus()?;
+    if gpus.is_empty() {
+        return Err(kandle::Error::Device(format!(
+            "{strategy}::all_gpus found no GPU (built without the `cuda` feature, or \
+             CUDA_VISIBLE_DEVICES hides them); use {strategy}::cpu(n) for CPU replicas"
+        )));
+    }
+    replica_devices(gpus, strategy)
 }
 
 /// The replicas of one process.
@@ -211,9 +145,29 @@ fn labels(devices: &[Device]) -> Vec<String> {
 }
 
 impl ReplicaSet {
+    /// Builds one replica of `spec` per device as `options` say, with an in-process rendezvous
+    /// for `SyncBatchNorm` when asked.
+    pub(crate) fn build(
+        spec: &ModelSpec,
+        devices: &[Device],
+        options: &ReplicaOptions,
+    ) -> Result<Self> {
+        let rendezvous = options
+            .sync_batch_norm
+            .then(|| Arc::new(Rendezvous::new(devices.len(), options.timeout)));
+        Self::new(
+            spec,
+            devices,
+            rendezvous,
+            options.timeout,
+            options.threads_per_replica,
+        )
+    }
+
     /// Builds one replica of `spec` per device, all starting from the first replica's weights,
-    /// batch normalisation synchronised through `rendezvous` when given.
-    fn new(
+    /// batch normalisation synchronised through `rendezvous` when given (one member per
+    /// device), each call on the replicas waiting up to `timeout`.
+    pub(crate) fn new(
         spec: &ModelSpec,
         devices: &[Device],
         rendezvous: Option<Arc<Rendezvous>>,
@@ -407,6 +361,135 @@ impl ReplicaSet {
             s.assign(weights)?;
         }
         Ok(())
+    }
+}
+
+/// How a [`ReplicaModel`] sums what its replicas computed: over the replicas of this process
+/// ([`CrossDeviceOps`]), or over every replica of every worker (the multi-worker strategy's
+/// communication). The rest of a step is the same for both.
+pub(crate) trait Reduce: Send {
+    /// Computes every replica's step buffer for its part of `batch` and sums the buffers over
+    /// every replica this reduction reaches. Returns the total for each replica of `set` (on
+    /// any device) and each replica's moving statistics from before the step.
+    fn reduce_step(
+        &mut self,
+        set: &mut ReplicaSet,
+        batch: &Batch,
+    ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)>;
+
+    /// The evaluation sums over every replica reached, from those over `set`'s replicas. The
+    /// default, for one process, returns them.
+    fn reduce_evaluation(&mut self, local: StepStats) -> Result<StepStats> {
+        Ok(local)
+    }
+
+    /// [`DistributedModel::all_gather_workers`]; the default, for one process, returns
+    /// `values`.
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        Ok(values.to_vec())
+    }
+
+    /// Told that a step or a gather failed. The default does nothing.
+    fn failed(&self) {}
+
+    /// Told that a call of `fit`, `evaluate`, `predict` or a single batch begins
+    /// ([`DistributedModel::serve`]). The default does nothing.
+    fn begin_call(&mut self) {}
+
+    /// Told that such a call ended without error ([`DistributedModel::end_call`]). The default
+    /// does nothing.
+    fn end_call(&mut self) {}
+}
+
+/// The replicas of this process sum their buffers with the chosen algorithm.
+impl Reduce for CrossDeviceOps {
+    fn reduce_step(
+        &mut self,
+        set: &mut ReplicaSet,
+        batch: &Batch,
+    ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
+        set.compute_reduced(batch, *self)
+    }
+}
+
+/// A model replicated on every replica of a [`ReplicaSet`], each holding the variables and
+/// applying the same update: every step, the replicas' buffers are summed by `R`, and every
+/// replica runs the step's final phase on the total.
+pub(crate) struct ReplicaModel<R> {
+    pub(crate) set: ReplicaSet,
+    pub(crate) reduce: R,
+}
+
+impl<R: Reduce> ReplicaModel<R> {
+    /// Passes `result` on, telling the reduction when it is an error.
+    fn checked<T>(&self, result: Result<T>) -> Result<T> {
+        if result.is_err() {
+            self.reduce.failed();
+        }
+        result
+    }
+
+    fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let (totals, before) = self.reduce.reduce_step(&mut self.set, batch)?;
+        // Every replica (of every worker) holds the same sum, so all decide alike.
+        let read = self.set.layout.read(&totals[0])?;
+        self.set.finish(totals, &read, before, lr)
+    }
+
+    fn test(&mut self, batch: &Batch) -> Result<StepStats> {
+        let local = self.set.evaluate(batch)?;
+        self.reduce.reduce_evaluation(local)
+    }
+}
+
+impl<R: Reduce> DistributedModel for ReplicaModel<R> {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let result = self.train(batch, lr);
+        self.checked(result)
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        let result = self.test(batch);
+        self.checked(result)
+    }
+
+    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
+        self.set.predict(x)
+    }
+
+    fn serve(&mut self) -> Result<bool> {
+        self.reduce.begin_call();
+        Ok(false)
+    }
+
+    fn end_call(&mut self) -> Result<()> {
+        self.reduce.end_call();
+        Ok(())
+    }
+
+    fn weights(&self) -> Result<Weights> {
+        self.set.weights()
+    }
+
+    fn summary(&self) -> &Summary {
+        self.set.summary()
+    }
+
+    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        self.set.set_weights(weights)
+    }
+
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        self.set.optimizer_state()
+    }
+
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        let result = self.reduce.all_gather_workers(values);
+        self.checked(result)
+    }
+
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        self.set.set_optimizer_state(state)
     }
 }
 

@@ -22,8 +22,9 @@ use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
 #[cfg(feature = "nccl")]
 use crate::replica_set::unzip;
 use crate::replica_set::{
-    fuse_store, load_fused, replica_builders, replica_set_queries, LocalReplicas, ReplicaSet,
+    fuse_store, load_fused, replica_devices, Reduce, ReplicaModel, ReplicaOptions, ReplicaSet,
 };
+use crate::ReplicaThreads;
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -85,7 +86,8 @@ use crate::replica_set::{
 #[derive(Clone)]
 pub struct MultiWorkerMirroredStrategy {
     world: Arc<World>,
-    local: LocalReplicas,
+    devices: Vec<Device>,
+    options: ReplicaOptions,
     ops: CrossDeviceOps,
     communication: CommunicationImplementation,
 }
@@ -95,7 +97,8 @@ impl std::fmt::Debug for MultiWorkerMirroredStrategy {
         f.debug_struct("MultiWorkerMirroredStrategy")
             .field("rank", &self.world.rank())
             .field("size", &self.world.size())
-            .field("local", &self.local)
+            .field("devices", &self.devices)
+            .field("options", &self.options)
             .field("ops", &self.ops)
             .field("communication", &self.communication)
             .finish()
@@ -114,7 +117,8 @@ impl MultiWorkerMirroredStrategy {
     pub fn from_env() -> Result<Self> {
         Ok(Self {
             world: World::get()?,
-            local: LocalReplicas::new(vec![Device::Cpu], NAME)?,
+            devices: vec![Device::Cpu],
+            options: ReplicaOptions::default(),
             ops: CrossDeviceOps::default(),
             communication: CommunicationImplementation::default(),
         })
@@ -123,11 +127,7 @@ impl MultiWorkerMirroredStrategy {
     /// One replica per device in this worker (Mirrored inside the worker). Fails on an empty
     /// list.
     pub fn local_devices(mut self, devices: Vec<Device>) -> Result<Self> {
-        let local = LocalReplicas::new(devices, NAME)?;
-        self.local = LocalReplicas {
-            devices: local.devices,
-            ..self.local
-        };
+        self.devices = replica_devices(devices, NAME)?;
         Ok(self)
     }
 
@@ -153,11 +153,48 @@ impl MultiWorkerMirroredStrategy {
         self
     }
 
-    replica_builders!();
+    /// Batch normalisation with the statistics of the whole global batch, over every replica
+    /// of every worker, instead of each replica's part (`SyncBatchNorm`); default false. See
+    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
+    pub fn sync_batch_norm(self, sync: bool) -> Self {
+        Self {
+            options: self.options.sync_batch_norm(sync),
+            ..self
+        }
+    }
+
+    /// How long a step waits for a replica or a worker before failing with an error that names
+    /// it (default 60 s).
+    pub fn timeout(self, timeout: Duration) -> Self {
+        Self {
+            options: self.options.timeout(timeout),
+            ..self
+        }
+    }
+
+    /// How many threads each local replica's CPU work may use: a count, or a
+    /// [`ReplicaThreads`] (default [`ReplicaThreads::Auto`]: the cores divided evenly among
+    /// this worker's CPU replicas).
+    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
+        Self {
+            options: self.options.threads_per_replica(threads),
+            ..self
+        }
+    }
+
+    /// All of the local replicas' options at once.
+    pub fn with_options(self, options: ReplicaOptions) -> Self {
+        Self { options, ..self }
+    }
+
+    /// The local replicas' options.
+    pub fn options(&self) -> &ReplicaOptions {
+        &self.options
+    }
 
     /// This worker's local devices.
     pub fn devices(&self) -> &[Device] {
-        &self.local.devices
+        &self.devices
     }
 
     /// Sums `buffer` element-wise over all workers, in place, by exactly the guarded path that
@@ -175,7 +212,7 @@ impl MultiWorkerMirroredStrategy {
     /// the MPI world is unusable afterwards.
     pub fn all_reduce_sum(&self, buffer: &mut Vec<f32>) -> Result<()> {
         self.world
-            .all_reduce_sum(buffer, Phase::Direct, self.local.timeout)
+            .all_reduce_sum(buffer, Phase::Direct, self.options.timeout)
     }
 }
 
@@ -188,11 +225,11 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 
     fn num_replicas_in_sync(&self) -> usize {
-        self.world.size() * self.local.devices.len()
+        self.world.size() * self.devices.len()
     }
 
     fn local_replicas(&self) -> usize {
-        self.local.devices.len()
+        self.devices.len()
     }
 
     fn worker(&self) -> WorkerInfo {
@@ -203,10 +240,10 @@ impl Strategy for MultiWorkerMirroredStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let (devices, timeout) = (&self.local.devices, self.local.timeout);
+        let (devices, timeout) = (&self.devices, self.options.timeout);
         let nccl = self.communication.uses_nccl(devices)?;
         let cross_worker_bn = self
-            .local
+            .options
             .sync_batch_norm
             .then(|| Arc::new(CrossWorkerSum::new(Arc::clone(&self.world), timeout)));
         let rendezvous = cross_worker_bn.as_ref().map(|sum| {
@@ -221,7 +258,13 @@ impl Strategy for MultiWorkerMirroredStrategy {
         } else {
             timeout
         };
-        let set = self.local.build_with(spec, rendezvous, replica_timeout)?;
+        let set = ReplicaSet::new(
+            spec,
+            devices,
+            rendezvous,
+            replica_timeout,
+            self.options.threads_per_replica,
+        )?;
         self.check_agreement(&set.layout, nccl)?;
         // Every worker built the same seeded model; the chief's weights make sure of it.
         let mut weights = host_vec(&fuse_store(&set.stores[0])?)?;
@@ -237,17 +280,19 @@ impl Strategy for MultiWorkerMirroredStrategy {
         } else {
             Transport::Mpi
         };
-        Ok(Box::new(MultiWorkerModel {
-            world: Arc::clone(&self.world),
+        Ok(Box::new(ReplicaModel {
             set,
-            ops: self.ops,
-            transport,
-            cross_worker_bn,
-            timeout,
-            train_steps: 0,
-            test_steps: 0,
-            host: Vec::new(),
-            in_call: false,
+            reduce: CrossWorker {
+                world: Arc::clone(&self.world),
+                ops: self.ops,
+                transport,
+                cross_worker_bn,
+                timeout,
+                train_steps: 0,
+                test_steps: 0,
+                host: Vec::new(),
+                in_call: false,
+            },
         }))
     }
 }
@@ -258,14 +303,14 @@ impl MultiWorkerMirroredStrategy {
     /// their collectives would not match.
     fn check_agreement(&self, layout: &StepLayout, nccl: bool) -> Result<()> {
         let mine = [
-            self.local.devices.len() as u64,
+            self.devices.len() as u64,
             layout.len() as u64,
             u64::from(nccl),
-            u64::from(self.local.sync_batch_norm),
+            u64::from(self.options.sync_batch_norm),
         ];
         let all = self
             .world
-            .all_gather(&mine, Phase::Distribute, self.local.timeout)?;
+            .all_gather(&mine, Phase::Distribute, self.options.timeout)?;
         let chief = &all[..mine.len()];
         for (rank, theirs) in all.chunks(mine.len()).enumerate().skip(1) {
             if theirs != chief {
@@ -320,10 +365,11 @@ fn nccl_transport(_world: &World, _devices: &[Device], _timeout: Duration) -> Re
     ))
 }
 
-/// A model replicated on every local device of every worker.
-struct MultiWorkerModel {
+/// How a multi-worker model sums its step buffers: over every replica of every worker, through
+/// the MPI world or an NCCL clique. The model is a [`ReplicaModel`] over this worker's replicas.
+struct CrossWorker {
     world: Arc<World>,
-    set: ReplicaSet,
+    /// How the local replicas sum their buffers before they cross workers over MPI.
     ops: CrossDeviceOps,
     transport: Transport,
     /// SyncBatchNorm's sums across workers, when batch norm is synchronised.
@@ -337,7 +383,7 @@ struct MultiWorkerModel {
     in_call: bool,
 }
 
-impl Drop for MultiWorkerModel {
+impl Drop for CrossWorker {
     /// A model dropped in the middle of a call is being dropped on its way out with an error
     /// of this worker's own (a callback's, a file's): the other workers will not meet it at the
     /// next collective, so MPI is not finalised (which would wait for them), and the process
@@ -349,27 +395,24 @@ impl Drop for MultiWorkerModel {
     }
 }
 
-impl MultiWorkerModel {
-    /// Marks the world broken when `result` is an error: after a failed step the workers are
-    /// out of step, so no further collective may run.
-    fn check<T>(&self, result: Result<T>) -> Result<T> {
-        if result.is_err() {
-            self.world.mark_broken();
-        }
-        result
-    }
-
+impl Reduce for CrossWorker {
     /// Computes this worker's step buffers and sums the buffers of every replica of every
     /// worker. Returns the sum for each local replica (on the host or on its device) and each
     /// local replica's moving statistics from before the step.
-    fn reduce(&mut self, batch: &Batch, step: u64) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
+    fn reduce_step(
+        &mut self,
+        set: &mut ReplicaSet,
+        batch: &Batch,
+    ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
+        self.train_steps += 1;
+        let step = self.train_steps;
         if let Some(bn) = &self.cross_worker_bn {
             bn.begin_step(step, !batch.is_empty())?;
         }
         let phase = Phase::Train(step);
         match &mut self.transport {
             Transport::Mpi => {
-                let (local, before) = self.set.compute_reduced(batch, self.ops)?;
+                let (local, before) = set.compute_reduced(batch, self.ops)?;
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
                 let first = local
                     .first()
@@ -382,7 +425,7 @@ impl MultiWorkerModel {
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(clique) => {
-                let (fused, before) = unzip(self.set.compute(batch, None)?);
+                let (fused, before) = unzip(set.compute(batch, None)?);
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
                 let reduced = self.world.guarded_external(phase, self.timeout, |vigil| {
                     clique.all_reduce(&fused, vigil, phase)
@@ -392,17 +435,9 @@ impl MultiWorkerModel {
         }
     }
 
-    fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        self.train_steps += 1;
-        let (totals, before) = self.reduce(batch, self.train_steps)?;
-        // Every worker holds the same sum, so all decide alike.
-        let read = self.set.layout.read(&totals[0])?;
-        self.set.finish(totals, &read, before, lr)
-    }
-
-    fn test(&mut self, batch: &Batch) -> Result<StepStats> {
+    /// Sums this worker's evaluation sums and sample count over every worker.
+    fn reduce_evaluation(&mut self, local: StepStats) -> Result<StepStats> {
         self.test_steps += 1;
-        let local = self.set.evaluate(batch)?;
         self.host.clear();
         self.host.extend(local.sums.iter().map(|&s| s as f32));
         self.host.push(local.samples as f32);
@@ -418,35 +453,23 @@ impl MultiWorkerModel {
             applied: false,
         })
     }
-}
-
-impl DistributedModel for MultiWorkerModel {
-    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let result = self.train(batch, lr);
-        self.check(result)
-    }
-
-    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
-        let result = self.test(batch);
-        self.check(result)
-    }
 
     fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
-        let result = self.world.all_gather(values, Phase::Resume, self.timeout);
-        self.check(result)
+        self.world.all_gather(values, Phase::Resume, self.timeout)
     }
 
-    fn serve(&mut self) -> Result<bool> {
+    /// After a failed step the workers are out of step, so no further collective may run.
+    fn failed(&self) {
+        self.world.mark_broken();
+    }
+
+    fn begin_call(&mut self) {
         self.in_call = true;
-        Ok(false)
     }
 
-    fn end_call(&mut self) -> Result<()> {
+    fn end_call(&mut self) {
         self.in_call = false;
-        Ok(())
     }
-
-    replica_set_queries!();
 }
 
 /// A worker without samples in this step joins the SyncBatchNorm exchanges that the others run.

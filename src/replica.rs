@@ -60,18 +60,19 @@ impl ModelSpec {
     }
 }
 
-/// The gradients of one replica's share of a step, and the statistics it summed.
-pub struct Gradients {
+/// The gradients of one replica's share of a step, and the statistics it summed, before
+/// [`Replica::step_buffer`] fuses them.
+struct Gradients {
     /// One detached gradient of the (weighted) loss *sum* per trainable variable, in
     /// [`Replica::trainable_vars`] order.
-    pub grads: Vec<Tensor>,
+    grads: Vec<Tensor>,
     /// `[loss_sum, metric states...]` over the replica's samples, an `f32` vector on its device.
-    pub stats: Tensor,
+    stats: Tensor,
     /// Samples the replica processed.
-    pub samples: usize,
+    samples: usize,
     /// The moving statistics as they were before this forward pass, to undo its updates when
     /// the step is not applied.
-    pub statistics_before: Vec<Tensor>,
+    statistics_before: Vec<Tensor>,
 }
 
 /// A replica's share of a step as one buffer laid out by [`StepLayout`], ready to be summed
@@ -206,7 +207,7 @@ impl Replica {
     /// Forward and backward on `x`, `y` (already on this device), each sample's loss weighted
     /// by `weights` when given. The gradients are those of the weighted loss *sum*; the final
     /// phase of the step divides them by the global batch's sample count.
-    pub fn compute_gradients(
+    fn compute_gradients(
         &self,
         x: &Tensor,
         y: &Tensor,
@@ -387,12 +388,6 @@ impl Replica {
         let mut parts = vec![loss_sum.detach().to_dtype(DType::F32)?.reshape(1)?];
         parts.extend(self.metrics.batch_states(y, output)?);
         Ok(Tensor::cat(&parts, 0)?)
-    }
-
-    /// Applies one optimizer step with these gradients (in [`Self::trainable_vars`] order),
-    /// as they are.
-    pub fn apply_gradients(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
-        self.optimizer.step(grads, lr)
     }
 
     /// `[loss_sum, metric states...]` of `part` (on the CPU) in inference mode, on this

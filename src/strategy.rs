@@ -38,7 +38,7 @@ pub use one_device::OneDeviceStrategy;
 
 pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 pub use crate::error::panic_message;
-pub use crate::replica::{Gradients, ModelSpec, Replica, StepBuffer};
+pub use crate::replica::{ModelSpec, Replica, StepBuffer};
 
 use candle_core::Tensor;
 

@@ -216,3 +216,57 @@ fn unbuilt_models_and_bad_rates_are_errors() -> anyhow::Result<()> {
         .is_err());
     Ok(())
 }
+
+/// Six one-record CIFAR-10 files in `dir`.
+fn tiny_cifar10(dir: &std::path::Path) -> anyhow::Result<()> {
+    use kandle::data::cifar10::{self, Cifar10, Cifar10Dataset, IMAGE_LEN};
+    let set = |n: usize| Cifar10Dataset::new(vec![7; n * IMAGE_LEN], vec![3; n]);
+    cifar10::save(
+        dir,
+        &Cifar10 {
+            train: set(5)?,
+            test: set(1)?,
+        },
+    )?;
+    Ok(())
+}
+
+#[test]
+#[cfg(unix)]
+fn a_cifar10_file_linked_to_dev_zero_is_named_not_missing_and_not_read() -> anyhow::Result<()> {
+    use kandle::data::cifar10;
+    let dir = tempfile::tempdir()?;
+    tiny_cifar10(dir.path())?;
+    let file = dir.path().join(cifar10::TEST_FILE);
+    std::fs::remove_file(&file)?;
+    std::os::unix::fs::symlink("/dev/zero", &file)?;
+    // It would never end if read: the error comes from what the file is.
+    let err = cifar10::load(dir.path()).expect_err("a device").to_string();
+    assert!(
+        err.contains(&file.display().to_string())
+            && err.contains("not a regular file")
+            && err.contains("/dev/zero")
+            && !err.contains("not found"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_truncated_cifar10_file_gives_its_size() -> anyhow::Result<()> {
+    use kandle::data::cifar10;
+    let dir = tempfile::tempdir()?;
+    tiny_cifar10(dir.path())?;
+    let file = dir.path().join("data_batch_5.bin");
+    std::fs::write(&file, vec![1u8; 1000])?;
+    let err = cifar10::load_file(&file)
+        .expect_err("truncated")
+        .to_string();
+    assert!(
+        err.contains(&file.display().to_string())
+            && err.contains("wrong size")
+            && err.contains("got 1000 bytes"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -6,6 +6,10 @@ use std::sync::Arc;
 
 use kandle::data::{cifar10, Dataset, Loader, LoaderOptions, MeanImage, RandomShiftFlip, Targets};
 
+#[path = "support/cifar10_fixture.rs"]
+mod cifar10_fixture;
+use cifar10_fixture::write_fixture;
+
 fn epoch_inputs(loader: &Loader, epoch: usize) -> anyhow::Result<Vec<f32>> {
     std::thread::scope(|s| {
         let mut all = Vec::new();
@@ -19,7 +23,7 @@ fn epoch_inputs(loader: &Loader, epoch: usize) -> anyhow::Result<Vec<f32>> {
 #[test]
 fn tutorial_pipeline_on_a_fixture() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    cifar10::write_fixture(dir.path(), 40, 30, 1)?;
+    write_fixture(dir.path(), 40, 30, 1)?;
     let data = cifar10::load(dir.path())?.one_hot();
     let mean = MeanImage::compute(&data.train)?;
     assert_eq!(mean.shape(), &[3, 32, 32]);

@@ -39,6 +39,10 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
+#[path = "support/cifar10_fixture.rs"]
+mod cifar10_fixture;
+use cifar10_fixture::write_fixture;
+
 /// Cases per parser when `KANDLE_FUZZ_CASES` is not set: the whole file takes about a minute in
 /// a debug test build on two busy cores.
 const DEFAULT_CASES: u32 = 25_000;
@@ -533,7 +537,7 @@ fn fuzz_cifar10() {
     let single = dir.path().join("case.bin");
     // Six valid files of one record each; a case replaces one of them, then restores it.
     let set = dir.path().join("set");
-    cifar10::write_fixture(&set, 1, 1, 17).expect("fixture");
+    write_fixture(&set, 1, 1, 17).expect("fixture");
     let names: Vec<&str> = cifar10::TRAIN_FILES
         .into_iter()
         .chain([cifar10::TEST_FILE])

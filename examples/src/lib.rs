@@ -1,8 +1,11 @@
 //! Shared pieces of the example binaries: choosing a strategy and its devices from the command
 //! line, so every binary switches strategies the same way; measuring training throughput
-//! ([`throughput`]); and the scaling model and picture of the `scaling` binary
-//! ([`scaling_model`], [`scaling_plot`]).
+//! ([`throughput`]); the scaling model and picture of the `scaling` binary
+//! ([`scaling_model`], [`scaling_plot`]); and a small CIFAR-format set for the benchmarks and
+//! the binaries' tests ([`cifar10_fixture`], shared with kandle's own tests).
 
+#[path = "../../tests/support/cifar10_fixture.rs"]
+pub mod cifar10_fixture;
 pub mod scaling_model;
 pub mod scaling_plot;
 pub mod throughput;
@@ -15,6 +18,27 @@ use candle_core::Device;
 use clap::ValueEnum;
 use kandle::Strategy;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+
+/// The value parser of a flag that counts something and must be at least 1 (a batch size, a
+/// number of replicas, steps or repetitions): `0` is refused with an error that names the flag,
+/// instead of being quietly raised to 1.
+///
+/// ```
+/// use clap::Parser;
+///
+/// #[derive(Parser)]
+/// struct Args {
+///     #[arg(long, value_parser = kandle_examples::at_least_one())]
+///     batch_size: usize,
+/// }
+///
+/// let err = Args::try_parse_from(["prog", "--batch-size", "0"]).err().unwrap().to_string();
+/// assert!(err.contains("--batch-size") && err.contains("0"), "{err}");
+/// assert_eq!(Args::try_parse_from(["prog", "--batch-size", "3"]).unwrap().batch_size, 3);
+/// ```
+pub fn at_least_one() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
 
 /// What every example binary does first, since a library leaves both to the program: install a
 /// logger for kandle's diagnostics (the `log` facade: warnings about skipped steps, early
@@ -69,10 +93,10 @@ pub enum StrategyKind {
     Mirrored,
     /// Variables on the CPU, replicas compute gradients.
     CentralStorage,
-    /// Mirrored inside each `mpirun` worker, all-reduced across workers (feature `mpi`).
+    /// Mirrored inside each mpirun worker, all-reduced across workers (feature mpi).
     MultiWorker,
-    /// Variables on parameter-server ranks of the `mpirun` job, workers push gradients and pull
-    /// weights (feature `mpi`; see [`PsArgs`]).
+    /// Variables on parameter-server ranks of the mpirun job, workers push gradients and pull
+    /// weights (feature mpi; set up with --num-ps, --sync or --async, and --max-staleness).
     ParameterServer,
 }
 

@@ -281,7 +281,7 @@ fn train_cifar10(data: &Path, dir: &Path, backups: Option<(&Path, usize)>) -> Co
 /// CIFAR-format fixtures, and the CSV log of an uninterrupted `train_cifar10` on them.
 fn uninterrupted_train_cifar10() -> anyhow::Result<(tempfile::TempDir, String)> {
     let data = tempfile::tempdir()?;
-    kandle::data::cifar10::write_fixture(data.path(), 8, 8, 3)?;
+    kandle_examples::cifar10_fixture::write_fixture(data.path(), 8, 8, 3)?;
     let plain = tempfile::tempdir()?;
     run(train_cifar10(data.path(), plain.path(), None))?;
     let csv = std::fs::read_to_string(plain.path().join("cifar.csv"))?;

@@ -8,7 +8,7 @@ use kandle::prelude::*;
 
 fn run(dir: &Path, extra: &[&str]) -> anyhow::Result<String> {
     let data = dir.join("cifar");
-    kandle::data::cifar10::write_fixture(&data, 8, 16, 3)?;
+    kandle_examples::cifar10_fixture::write_fixture(&data, 8, 16, 3)?;
     let output = dir.join("plots").join("cifar.png");
     let out = Command::new(env!("CARGO_BIN_EXE_train_cifar10"))
         .args([
@@ -111,6 +111,63 @@ fn missing_data_says_where_to_put_it() -> anyhow::Result<()> {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("data_batch_1.bin") && err.contains("test_batch.bin"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn zero_epochs_writes_nothing_and_says_so() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("cifar");
+    kandle_examples::cifar10_fixture::write_fixture(&data, 1, 1, 3)?;
+    let plots = dir.path().join("plots");
+    let out = Command::new(env!("CARGO_BIN_EXE_train_cifar10"))
+        .args([
+            "--data-dir",
+            &data.to_string_lossy(),
+            "--output",
+            &plots.join("cifar.png").to_string_lossy(),
+            "--epochs",
+            "0",
+        ])
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("trained no epoch, so wrote no curves, CSV, JSON history or checkpoint"),
+        "{text}"
+    );
+    assert!(!text.contains("total wall time"), "{text}");
+    for ext in ["png", "csv", "json", "safetensors"] {
+        let file = plots.join("cifar").with_extension(ext);
+        assert!(!file.exists(), "{} written: {text}", file.display());
+    }
+    Ok(())
+}
+
+#[test]
+#[cfg(unix)]
+fn a_data_file_linked_to_dev_zero_is_named() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("cifar");
+    kandle_examples::cifar10_fixture::write_fixture(&data, 1, 1, 3)?;
+    let file = data.join("data_batch_3.bin");
+    std::fs::remove_file(&file)?;
+    std::os::unix::fs::symlink("/dev/zero", &file)?;
+    let out = Command::new(env!("CARGO_BIN_EXE_train_cifar10"))
+        .args(["--data-dir", &data.to_string_lossy(), "--epochs", "1"])
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&file.display().to_string())
+            && err.contains("not a regular file")
+            && !err.contains("not found"),
         "{err}"
     );
     Ok(())

@@ -8,8 +8,7 @@
 //! `cifar-10-batches-bin/` subdirectory, as the official archive unpacks); [`load_or_download`]
 //! first fetches and verifies the official archive when the files are missing (cargo feature
 //! `download`, on by default). Without the files and without a download, the error says which
-//! files to put where. [`save`] writes any set of 32×32 colour images in the same format, and
-//! [`write_fixture`] a small learnable one for tests.
+//! files to put where. [`save`] writes any set of 32×32 colour images in the same format.
 //!
 //! A [`Cifar10Dataset`] keeps the pixels as bytes (150 MB for the training set, against 600 MB
 //! as `f32`) and converts one sample at a time in [`read`](Dataset::read), inside the loader's
@@ -24,7 +23,11 @@
 //! use kandle::data::{cifar10, Dataset, Loader, LoaderOptions, MeanImage, RandomShiftFlip};
 //!
 //! # let dir = std::env::temp_dir().join(format!("kandle-cifar-doc-{}", std::process::id()));
-//! # cifar10::write_fixture(&dir, 20, 10, 0)?;
+//! # let set = |n: usize| {
+//! #     let pixels = (0..n * cifar10::IMAGE_LEN).map(|i| (i % 251) as u8).collect();
+//! #     cifar10::Cifar10Dataset::new(pixels, (0..n).map(|i| (i % 10) as u8).collect())
+//! # };
+//! # cifar10::save(&dir, &cifar10::Cifar10 { train: set(100)?, test: set(10)? })?;
 //! let data = cifar10::load(&dir)?.one_hot();
 //! let mean = MeanImage::compute(&data.train)?; // on the training set only
 //! let (train, test) = (mean.subtract_from(data.train)?, mean.subtract_from(data.test)?);
@@ -47,8 +50,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-use rand::{Rng, RngCore, SeedableRng};
 
 use super::{Dataset, MeanImage, MeanSubtracted, Targets};
 use crate::{Error, Result};
@@ -308,11 +309,19 @@ impl Dataset for Cifar10Dataset {
 
 /// The directory under `dir` that holds all six files: `dir` itself or
 /// `dir/cifar-10-batches-bin`, or `None` when neither does.
+///
+/// A file counts as there when an entry of its name is, whatever it is: [`load`] then says
+/// what is wrong with one that is not a regular file rather than calling it missing.
 pub fn find(dir: impl AsRef<Path>) -> Option<PathBuf> {
     let dir = dir.as_ref();
     [dir.to_path_buf(), dir.join(ARCHIVE_DIR)]
         .into_iter()
-        .find(|d| all_files().all(|f| d.join(f).is_file()))
+        .find(|d| all_files().all(|f| present(&d.join(f))))
+}
+
+/// Whether `path` names an entry of any kind (a broken symbolic link included).
+fn present(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
 }
 
 /// Loads the training and test sets from `dir` or `dir/cifar-10-batches-bin`. Never touches
@@ -325,9 +334,11 @@ pub fn find(dir: impl AsRef<Path>) -> Option<PathBuf> {
 /// - [`Error::Data`] naming `dir` when a file is missing, saying which six files to put where
 ///   and where to get them;
 /// - [`Error::Io`] naming the file when it cannot be read;
-/// - [`Error::Data`] naming the file when it is empty, is not a whole number of 3,073-byte
-///   records (truncated: the message names the record cut short), or holds a label byte above
-///   9 (the message names the record).
+/// - [`Error::Data`] naming the file when it is not a regular file (a directory, a device such
+///   as `/dev/zero`, a pipe, or a symbolic link to one of those or to nothing; none is read),
+///   is empty, is not a whole number of 3,073-byte records (truncated: the message gives the
+///   size and names the record cut short; nothing is read), or holds a label byte above 9 (the
+///   message names the record).
 pub fn load(dir: impl AsRef<Path>) -> Result<Cifar10> {
     let dir = dir.as_ref();
     let Some(found) = find(dir) else {
@@ -405,9 +416,9 @@ pub fn download(dir: impl AsRef<Path>) -> Result<PathBuf> {
 fn missing_files(dir: &Path, note: &str) -> Error {
     // Report the place that holds more of the files (the archive's layout when neither does).
     let sub = dir.join(ARCHIVE_DIR);
-    let count = |d: &Path| all_files().filter(|f| d.join(f).is_file()).count();
+    let count = |d: &Path| all_files().filter(|f| present(&d.join(f))).count();
     let place = if count(dir) > count(&sub) { dir } else { &sub };
-    let missing: Vec<&str> = all_files().filter(|f| !place.join(f).is_file()).collect();
+    let missing: Vec<&str> = all_files().filter(|f| !present(&place.join(f))).collect();
     let files = format!("{}, {TEST_FILE}", TRAIN_FILES.join(", "));
     Error::Data {
         path: dir.to_path_buf(),
@@ -430,11 +441,107 @@ fn read_files(paths: &[PathBuf]) -> Result<Cifar10Dataset> {
     let mut labels = Vec::new();
     let mut pixels = Vec::new();
     for path in paths {
-        let bytes =
-            std::fs::read(path).map_err(|e| Error::io("cannot read the CIFAR-10 file", path, e))?;
+        let bytes = read_file(path)?;
         parse_records(&bytes, path, &mut labels, &mut pixels)?;
     }
     Cifar10Dataset::new(pixels, labels)
+}
+
+/// The bytes of the CIFAR-10 file at `path`, after checking, before reading anything, that it
+/// is a regular file (after symbolic links) of a size that holds whole records. Reads no more
+/// than the size it checked, so a file that grows (or a device that never ends) is not read
+/// to the end.
+fn read_file(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let io_error = |e| Error::io("cannot read the CIFAR-10 file", path, e);
+    let data_error = |reason: String| Error::Data {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) => {
+            return Err(match std::fs::read_link(path) {
+                Ok(target) => data_error(format!(
+                    "it is a symbolic link to `{}`, which cannot be read: {e}",
+                    target.display()
+                )),
+                Err(_) => io_error(e),
+            });
+        }
+    };
+    if !meta.is_file() {
+        let link = std::fs::read_link(path)
+            .map(|target| format!(" (a symbolic link to `{}`)", target.display()))
+            .unwrap_or_default();
+        return Err(data_error(format!(
+            "not a regular file: it is {}{link}; CIFAR-10 files are regular files of \
+             {RECORD_LEN}-byte records",
+            kind_of(&meta.file_type())
+        )));
+    }
+    check_size(meta.len(), path)?;
+    let file = std::fs::File::open(path).map_err(io_error)?;
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0));
+    file.take(meta.len())
+        .read_to_end(&mut bytes)
+        .map_err(io_error)?;
+    if bytes.len() as u64 != meta.len() {
+        return Err(data_error(format!(
+            "the file changed while it was read: expected {} bytes, read {}",
+            meta.len(),
+            bytes.len()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// What kind of entry `kind` is, with its article, for "not a regular file" errors.
+fn kind_of(kind: &std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_char_device() {
+            return "a character device";
+        }
+        if kind.is_block_device() {
+            return "a block device";
+        }
+        if kind.is_fifo() {
+            return "a named pipe";
+        }
+        if kind.is_socket() {
+            return "a socket";
+        }
+    }
+    if kind.is_dir() {
+        "a directory"
+    } else {
+        "neither a regular file nor a directory"
+    }
+}
+
+/// Checks that a CIFAR-10 file of `len` bytes holds a whole, non-zero number of records;
+/// `path` names the file in errors.
+fn check_size(len: u64, path: &Path) -> Result<()> {
+    let data_error = |reason: String| Error::Data {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if len == 0 {
+        return Err(data_error("the file is empty: it holds no record".into()));
+    }
+    let record = RECORD_LEN as u64;
+    let (whole, rest) = (len / record, len % record);
+    if rest != 0 {
+        return Err(data_error(format!(
+            "wrong size: expected a whole number of {RECORD_LEN}-byte records ({} bytes for \
+             the official {RECORDS_PER_FILE}), got {len} bytes: record {whole} (counting from \
+             0) is cut short after {rest} bytes. Truncated download?",
+            RECORDS_PER_FILE * RECORD_LEN
+        )));
+    }
+    Ok(())
 }
 
 /// Appends the records in `bytes` to `labels` and `pixels`; `path` names the file in errors.
@@ -448,20 +555,8 @@ fn parse_records(
         path: path.to_path_buf(),
         reason,
     };
-    if bytes.is_empty() {
-        return Err(data_error("the file is empty: it holds no record".into()));
-    }
+    check_size(bytes.len() as u64, path)?;
     let whole = bytes.len() / RECORD_LEN;
-    let rest = bytes.len() % RECORD_LEN;
-    if rest != 0 {
-        return Err(data_error(format!(
-            "the file is {} bytes, not a whole number of {RECORD_LEN}-byte records: record \
-             {whole} (counting from 0) is cut short after {rest} bytes. Truncated download? \
-             Official files hold {RECORDS_PER_FILE} records ({} bytes)",
-            bytes.len(),
-            RECORDS_PER_FILE * RECORD_LEN
-        )));
-    }
     labels.reserve(whole);
     pixels.reserve(whole * IMAGE_LEN);
     for (i, record) in bytes.chunks_exact(RECORD_LEN).enumerate() {
@@ -525,52 +620,6 @@ fn write_records(path: &Path, data: &Cifar10Dataset, range: std::ops::Range<usiz
     crate::checkpoint::write_atomically(path, &bytes)
 }
 
-/// Writes a small CIFAR-10 set in the official binary format into `dir` (created if needed):
-/// the five training files with `train_per_batch` records each and `test_batch.bin` with
-/// `test_records`, directly in `dir`, so [`load`]`(dir)` reads them. For tests and benchmarks.
-///
-/// The same `seed` writes the same bytes. Labels are uniform over the 10 classes. Each image is
-/// noise (bytes 0..127) plus 100 on one band of 8 rows of one colour plane that depends on the
-/// label (plane `label % 3`, rows `8 * (label / 3)..` onwards), so a small model can learn the
-/// classes.
-///
-/// Errors when a count is 0 (the reader rejects empty files) or a file cannot be written.
-pub fn write_fixture(
-    dir: impl AsRef<Path>,
-    train_per_batch: usize,
-    test_records: usize,
-    seed: u64,
-) -> Result<()> {
-    if train_per_batch == 0 || test_records == 0 {
-        return Err(Error::invalid(format!(
-            "a CIFAR-10 fixture needs at least one record per file, got {train_per_batch} per \
-             training file and {test_records} test records"
-        )));
-    }
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut images = |n: usize| {
-        let mut labels = Vec::with_capacity(n);
-        let mut pixels = vec![0u8; n * IMAGE_LEN];
-        for image in pixels.chunks_exact_mut(IMAGE_LEN) {
-            let label: u8 = rng.random_range(0..NUM_CLASSES as u8);
-            labels.push(label);
-            rng.fill_bytes(image);
-            let plane = usize::from(label % 3) * 32 * 32;
-            let rows = usize::from(label / 3) * 8 * 32;
-            for (k, p) in image.iter_mut().enumerate() {
-                *p >>= 1;
-                if (plane + rows..plane + rows + 8 * 32).contains(&k) {
-                    *p += 100;
-                }
-            }
-        }
-        Cifar10Dataset::new(pixels, labels)
-    };
-    let train = images(TRAIN_FILES.len() * train_per_batch)?;
-    let test = images(test_records)?;
-    save(dir, &Cifar10 { train, test })
-}
-
 /// The download and atomic install of the official archive.
 #[cfg(feature = "download")]
 mod fetch {
@@ -612,10 +661,17 @@ mod fetch {
     }
 }
 
+/// The fixture kandle's tests share (`tests/support/`), for this module's tests.
+#[cfg(test)]
+#[path = "../../tests/support/cifar10_fixture.rs"]
+mod cifar10_fixture;
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    use super::cifar10_fixture::write_fixture;
 
     fn fixture(train: usize, test: usize) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
@@ -817,6 +873,89 @@ mod tests {
         assert!(
             err.contains("data_batch_3.bin") && err.contains("empty"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn a_truncated_file_is_the_wrong_size_not_missing() {
+        let dir = fixture(2, 2);
+        let path = dir.path().join(TEST_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..RECORD_LEN + 7]).unwrap();
+        for err in [load(dir.path()).unwrap_err(), load_file(&path).unwrap_err()] {
+            let Error::Data { path: p, reason } = &err else {
+                panic!("expected Error::Data, got {err:?}");
+            };
+            assert_eq!(p, &path);
+            assert!(
+                reason.contains("wrong size")
+                    && reason.contains(&format!("got {} bytes", RECORD_LEN + 7))
+                    && reason.contains(&format!("{}-byte records", RECORD_LEN))
+                    && reason.contains("record 1")
+                    && reason.contains("after 7 bytes"),
+                "{reason}"
+            );
+        }
+    }
+
+    #[test]
+    #[cfg(unix)]
+    fn a_symlink_to_dev_zero_is_named_and_never_read() {
+        let dir = fixture(1, 1);
+        let path = dir.path().join("data_batch_2.bin");
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        // Present, so not reported missing: the error says what the file really is.
+        assert_eq!(find(dir.path()).as_deref(), Some(dir.path()));
+        for err in [load(dir.path()).unwrap_err(), load_file(&path).unwrap_err()] {
+            let Error::Data { path: p, reason } = &err else {
+                panic!("expected Error::Data, got {err:?}");
+            };
+            assert_eq!(p, &path);
+            assert!(
+                reason.contains("not a regular file")
+                    && reason.contains("character device")
+                    && reason.contains("symbolic link to `/dev/zero`"),
+                "{reason}"
+            );
+            assert!(!reason.contains("not found"), "{reason}");
+        }
+        // Every file a link to /dev/zero: the first one read is named, none is missing.
+        for name in all_files() {
+            let file = dir.path().join(name);
+            std::fs::remove_file(&file).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", &file).unwrap();
+        }
+        let text = load(dir.path()).unwrap_err().to_string();
+        assert!(
+            text.contains("data_batch_1.bin") && text.contains("not a regular file"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    #[cfg(unix)]
+    fn a_directory_or_a_broken_link_in_place_of_a_file_is_named() {
+        let dir = fixture(1, 1);
+        let path = dir.path().join(TEST_FILE);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        let err = load(dir.path()).unwrap_err().to_string();
+        assert!(
+            err.contains(TEST_FILE) && err.contains("not a regular file: it is a directory"),
+            "{err}"
+        );
+        std::fs::remove_dir(&path).unwrap();
+        let nowhere = dir.path().join("nowhere");
+        std::os::unix::fs::symlink(&nowhere, &path).unwrap();
+        let err = load(dir.path()).unwrap_err();
+        let Error::Data { path: p, reason } = &err else {
+            panic!("expected Error::Data, got {err:?}");
+        };
+        assert_eq!(p, &path);
+        assert!(
+            reason.contains(&format!("symbolic link to `{}`", nowhere.display())),
+            "{reason}"
         );
     }
 

@@ -2,8 +2,8 @@
 //!
 //! [`conv2d`] correlates an `(N, C, H, W)` `f32` CPU tensor with an `(O, C, kh, kw)` kernel at
 //! any strides and `(top, bottom, left, right)` zero padding, and adds an optional bias, as a
-//! candle custom op whose backward pass runs two more custom ops: [`conv2d_input_grad`] and
-//! [`conv2d_weight_grad`] (which also sums the bias gradient).
+//! candle custom op whose backward pass runs two more custom ops: one for the input's gradient
+//! and one for the kernel's (which also sums the bias gradient).
 //! Training through candle's autograd therefore uses these kernels in both directions; the
 //! gradient of an input that does not depend on a variable (the images fed to the first layer)
 //! is not computed at all.
@@ -175,7 +175,7 @@ fn check_affine(x: &Tensor, w: &Tensor, affine: &FoldedAffine<'_>, window: Windo
 /// kernel `w (O, C, kh, kw)`, the `(N, C, H, W)` gradient of an input of height and width
 /// `input_hw`. Not differentiable.
 #[cfg(test)]
-pub fn conv2d_input_grad(
+pub(crate) fn conv2d_input_grad(
     dy: &Tensor,
     w: &Tensor,
     input_hw: (usize, usize),
@@ -195,7 +195,7 @@ pub fn conv2d_input_grad(
 /// `dy (N, O, Ho, Wo)`, the `(O, C, kh, kw)` gradient summed over the batch, for a kernel of
 /// size `kernel_hw`. Not differentiable.
 #[cfg(test)]
-pub fn conv2d_weight_grad(
+pub(crate) fn conv2d_weight_grad(
     x: &Tensor,
     dy: &Tensor,
     kernel_hw: (usize, usize),

@@ -222,7 +222,8 @@ impl SequentialNet {
     }
 
     /// The full names of the layers, in order.
-    pub fn layer_names(&self) -> impl Iterator<Item = &str> {
+    #[cfg(test)]
+    pub(crate) fn layer_names(&self) -> impl Iterator<Item = &str> {
         self.layers.iter().map(|(n, _)| n.as_str())
     }
 

@@ -50,14 +50,13 @@ impl StepLayout {
         self.samples_offset() + 1
     }
 
-    /// The buffer's length.
+    /// The buffer's length, never 0: a buffer holds at least the sample count.
+    #[expect(
+        clippy::len_without_is_empty,
+        reason = "a layout is not a collection and no buffer it lays out is empty"
+    )]
     pub fn len(&self) -> usize {
         self.statistics_offset() + self.statistics.len()
-    }
-
-    /// Whether the buffer is empty (it never is: it holds at least the sample count).
-    pub fn is_empty(&self) -> bool {
-        false
     }
 
     /// Reads a (summed) step buffer's loss and metric sums and its sample count to the host

@@ -40,14 +40,15 @@ struct Args {
     /// size in a temporary directory.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Records per synthetic file (the real files hold 10,000).
-    #[arg(long, default_value_t = 10_000)]
+    /// Records per synthetic training file (the real files hold 10,000), 5 at least: the test
+    /// file holds a fifth as many.
+    #[arg(long, default_value_t = 10_000, value_parser = at_least_five())]
     records_per_file: usize,
     /// Samples per batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = kandle_examples::at_least_one())]
     batch_size: usize,
     /// Timed epochs of the loader per configuration.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = kandle_examples::at_least_one())]
     epochs: usize,
     /// Batches the prefetch thread may hold ready.
     #[arg(long, default_value_t = 2)]
@@ -64,6 +65,11 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The value parser of `--records-per-file`: 0 to 4 are refused, naming the flag.
+fn at_least_five() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(5..)
 }
 
 /// Runs `epochs` epochs through the prefetching loader, taking every batch; returns images/s.
@@ -136,7 +142,12 @@ fn main() -> Result<()> {
             let dir =
                 std::env::temp_dir().join(format!("kandle-bench-cifar-{}", std::process::id()));
             let t = Instant::now();
-            cifar10::write_fixture(&dir, args.records_per_file, args.records_per_file / 5, 0)?;
+            kandle_examples::cifar10_fixture::write_fixture(
+                &dir,
+                args.records_per_file,
+                args.records_per_file / 5,
+                0,
+            )?;
             println!(
                 "Wrote a synthetic CIFAR-10 set ({} training records) to `{}` in {:.1} s",
                 5 * args.records_per_file,

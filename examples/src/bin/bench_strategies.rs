@@ -36,17 +36,17 @@ struct Args {
     #[arg(long, value_enum, default_value_t = ModelKind::DigitsCnn)]
     model: ModelKind,
     /// Samples per replica per step.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = kandle_examples::at_least_one())]
     batch_size_per_replica: usize,
     /// Timed steps per configuration (after one warm-up step).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = kandle_examples::at_least_one())]
     steps: usize,
     /// Elements in the fused buffer for the reduction benchmark (MiniGoogLeNet's gradients are
     /// 1,652,826).
-    #[arg(long, default_value_t = 1_652_826)]
+    #[arg(long, default_value_t = 1_652_826, value_parser = kandle_examples::at_least_one())]
     buffer_len: usize,
     /// Repetitions of each reduction.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_parser = kandle_examples::at_least_one())]
     reps: usize,
 }
 

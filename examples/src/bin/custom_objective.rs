@@ -134,10 +134,10 @@ struct Args {
     #[arg(long, value_enum, default_value_t = StrategyKind::OneDevice)]
     strategy: StrategyKind,
     /// Replicas (per worker for multi-worker).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = kandle_examples::at_least_one())]
     replicas: usize,
     /// Samples per replica per step.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = kandle_examples::at_least_one())]
     batch_size_per_replica: usize,
     /// The focal loss's focusing parameter (0 gives cross-entropy).
     #[arg(long, default_value_t = 2.0)]
@@ -183,16 +183,22 @@ fn main() -> Result<()> {
     let logs = model.evaluate(&test, 64)?;
     if model.is_chief() {
         println!(
-            "test focal loss {:.4}, accuracy {:.4}, macro F1 {:.4} after {} epochs on {} replica(s); \
-             wrote {} and {}",
+            "test focal loss {:.4}, accuracy {:.4}, macro F1 {:.4} after {} epochs on {} replica(s)",
             logs.get("loss").unwrap_or(f64::NAN),
             logs.get("accuracy").unwrap_or(f64::NAN),
             logs.get("macro_f1").unwrap_or(f64::NAN),
             history.epochs.len(),
             model.num_replicas_in_sync(),
-            args.plot,
-            csv.display()
         );
+        if history.epochs.is_empty() {
+            println!(
+                "trained no epoch, so wrote no plot or CSV ({}, {})",
+                args.plot,
+                csv.display()
+            );
+        } else {
+            println!("wrote {} and {}", args.plot, csv.display());
+        }
     }
     Ok(())
 }

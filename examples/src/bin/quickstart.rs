@@ -10,9 +10,11 @@
 //! ```
 //!
 //! With `--backup-dir`, running the same command again after a crash resumes where the last
-//! backup was taken, and says so on its first line.
+//! backup was taken, and says so on its first line. With `--epochs 0` it trains nothing (as
+//! Keras's `fit` with `epochs=0`), writes no checkpoint, plot or CSV, and says so.
+//! `--batch-size` is the global batch: a multiple of the replicas in sync, which share it.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
@@ -21,17 +23,18 @@ use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
 struct Args {
-    /// Epochs to train.
+    /// Epochs to train (0 trains nothing and writes no checkpoint, plot or CSV).
     #[arg(long, default_value_t = 12)]
     epochs: usize,
     /// How training is distributed.
     #[arg(long, value_enum, default_value_t = StrategyKind::OneDevice)]
     strategy: StrategyKind,
-    /// Replicas (per worker for multi-worker): GPUs when built with `cuda`, else CPU replicas.
-    #[arg(long, default_value_t = 1)]
+    /// Replicas (per worker for multi-worker): GPUs when built with the cuda feature, else CPU replicas.
+    #[arg(long, default_value_t = 1, value_parser = kandle_examples::at_least_one())]
     replicas: usize,
-    /// Samples per step across all replicas.
-    #[arg(long, default_value_t = 32)]
+    /// Samples per step across all replicas: a multiple of the number of replicas, which share
+    /// each batch equally.
+    #[arg(long, default_value_t = 32, value_parser = kandle_examples::at_least_one())]
     batch_size: usize,
     /// Adam learning rate.
     #[arg(long, default_value_t = 2e-3)]
@@ -45,7 +48,7 @@ struct Args {
     /// Seed for the split, the weights and the shuffling.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// Also write the final training state (weights and optimizer state, `Model::save`) here.
+    /// Also write the final training state (weights and optimizer state, as Model::save writes it) here.
     #[arg(long)]
     save: Option<std::path::PathBuf>,
     #[command(flatten)]
@@ -58,6 +61,14 @@ fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
     let strategy = args.ps.build_strategy(args.strategy, args.replicas)?;
+    let replicas = strategy.num_replicas_in_sync();
+    if args.batch_size % replicas != 0 {
+        bail!(
+            "--batch-size {} does not split evenly over the {replicas} replicas in sync: use a \
+             multiple of {replicas}",
+            args.batch_size
+        );
+    }
     let backup = args.backup.callback(&strategy);
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
     let mut model = kandle_models::digits_cnn(10)
@@ -89,7 +100,7 @@ fn main() -> Result<()> {
         &train,
         FitOptions {
             epochs: args.epochs,
-            batch_size_per_replica: (args.batch_size / model.num_replicas_in_sync()).max(1),
+            batch_size_per_replica: args.batch_size / replicas,
             validation: Some(&test),
             seed: Some(args.seed),
             callbacks,
@@ -110,12 +121,22 @@ fn main() -> Result<()> {
             args.strategy.to_possible_value().map_or("?".into(), |v| v.get_name().to_string()),
             model.num_replicas_in_sync(),
         );
-        println!(
-            "wrote {}, {} (best val_accuracy) and {}",
-            args.plot,
-            args.checkpoint,
-            csv.display()
-        );
+        if history.epochs.is_empty() {
+            // As Keras's fit with epochs=0: nothing trained, so no epoch-end file either.
+            println!(
+                "trained no epoch, so wrote no checkpoint, plot or CSV ({}, {}, {})",
+                args.checkpoint,
+                args.plot,
+                csv.display()
+            );
+        } else {
+            println!(
+                "wrote {}, {} (best val_accuracy) and {}",
+                args.plot,
+                args.checkpoint,
+                csv.display()
+            );
+        }
     }
     Ok(())
 }

@@ -40,24 +40,24 @@ use kandle_examples::{build_strategy_on, StrategyKind};
 #[command(about = "Measure and project the scaling efficiency of data-parallel training")]
 struct Args {
     /// Images per replica per step.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = kandle_examples::at_least_one())]
     batch_size_per_replica: usize,
     /// Timed steps per configuration.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = kandle_examples::at_least_one())]
     steps: usize,
     /// Untimed steps before them.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
     /// Measure every configuration this many times, interleaved, and keep the median (for a
     /// machine whose load changes during the run).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = kandle_examples::at_least_one())]
     rounds: usize,
     /// How long a replica (or worker) may take to answer before the step fails, in seconds:
     /// well above the strategies' 60 s, as a step of 4 replicas on a busy CPU can take longer.
     #[arg(long, default_value_t = 600)]
     replica_timeout_s: u64,
     /// Replica counts to measure (per worker for multi-worker).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4", value_parser = kandle_examples::at_least_one())]
     replicas: Vec<usize>,
     /// Strategies to measure; one-device (N = 1) is always measured as the baseline.
     #[arg(
@@ -67,14 +67,14 @@ struct Args {
         default_value = "one-device,mirrored,central-storage,multi-worker"
     )]
     strategies: Vec<StrategyKind>,
-    /// Put replicas on GPUs (needs the `cuda` feature and enough visible GPUs) instead of
+    /// Put replicas on GPUs (needs the cuda feature and enough visible GPUs) instead of
     /// the CPU.
     #[arg(long)]
     gpus: bool,
     /// The PNG to write.
     #[arg(long, default_value = "plots/scaling.png")]
     output: PathBuf,
-    /// The CSV of every measured and projected point (default: `--output` with `.csv`).
+    /// The CSV of every measured and projected point (default: --output with .csv).
     #[arg(long)]
     csv: Option<PathBuf>,
     /// Link bandwidth between replicas for the projection, in Gbit/s (Horovod's benchmarks

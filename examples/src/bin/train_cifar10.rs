@@ -14,7 +14,9 @@
 //! Defaults follow the tutorial: 70 epochs, SGD with learning rate 5e-3 and momentum 0.9, batch
 //! 64 per replica, `alpha = base_lr * (1 - epoch / epochs)^1`, per-pixel mean subtraction,
 //! one-hot labels, random shifts of up to 10% and horizontal flips, validation on the test set.
-//! It writes the training curves (PNG), a CSV and a JSON history, and a checkpoint.
+//! It writes the training curves (PNG), a CSV and a JSON history, and a checkpoint; with
+//! `--epochs 0` it trains nothing (as Keras's `fit` with `epochs=0`), writes none of them, and
+//! says so.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,25 +35,25 @@ struct Args {
     /// The training-curve PNG; the CSV, JSON and checkpoint are written beside it.
     #[arg(long, default_value = "plots/minigooglenet_cifar10.png")]
     output: PathBuf,
-    /// Replicas per worker: GPUs when built with `cuda`, otherwise CPU replicas.
-    #[arg(long, default_value_t = 1)]
+    /// Replicas per worker: GPUs when built with the cuda feature, otherwise CPU replicas.
+    #[arg(long, default_value_t = 1, value_parser = kandle_examples::at_least_one())]
     gpus: usize,
     /// How training is distributed (default: one-device for one replica, mirrored otherwise).
     #[arg(long, value_enum)]
     strategy: Option<StrategyKind>,
-    /// Epochs to train.
+    /// Epochs to train (0 trains nothing and writes nothing).
     #[arg(long, default_value_t = 70)]
     epochs: usize,
     /// Base learning rate of SGD (momentum 0.9).
     #[arg(long, default_value_t = 5e-3)]
     lr: f64,
     /// Samples per replica per step.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = kandle_examples::at_least_one())]
     batch_size_per_replica: usize,
-    /// Where the CIFAR-10 binary files are (`data_batch_1.bin` ... `test_batch.bin`).
+    /// Where the CIFAR-10 binary files are (data_batch_1.bin ... test_batch.bin).
     #[arg(long, default_value = "data/cifar-10")]
     data_dir: PathBuf,
-    /// Download the official archive into `--data-dir` when the files are missing.
+    /// Download the official archive into --data-dir when the files are missing.
     #[arg(long)]
     download: bool,
     /// Epochs of linear warm-up before the polynomial decay takes over (0: none).
@@ -61,7 +63,7 @@ struct Args {
     #[arg(long)]
     scale_lr: bool,
     /// Stop each epoch after this many steps (smoke runs).
-    #[arg(long)]
+    #[arg(long, value_parser = kandle_examples::at_least_one())]
     max_steps_per_epoch: Option<usize>,
     /// Seed for the weights, shuffling and augmentation.
     #[arg(long, default_value_t = 42)]
@@ -268,7 +270,17 @@ fn main() -> Result<()> {
         },
     )?;
 
-    if chief {
+    if chief && history.epochs.is_empty() {
+        // As Keras's fit with epochs=0: nothing trained, so no epoch-end file either.
+        println!(
+            "trained no epoch, so wrote no curves, CSV, JSON history or checkpoint ({}, {}, {}, \
+             {})",
+            args.output.display(),
+            sibling(&args.output, "csv").display(),
+            sibling(&args.output, "json").display(),
+            checkpoint.display()
+        );
+    } else if chief {
         let times = epoch_times.lock().map(|t| t.clone()).unwrap_or_default();
         let seconds: Vec<f64> = times.iter().map(|t| t.seconds).collect();
         let mut json: serde_json::Value = serde_json::from_str(&history.to_json())?;

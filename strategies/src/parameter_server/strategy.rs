@@ -182,19 +182,6 @@ impl ParameterServerStrategy {
         self
     }
 
-    /// Whether updates are synchronous.
-    pub fn is_synchronous(&self) -> bool {
-        self.mode == Mode::Synchronous
-    }
-
-    /// The staleness bound, in asynchronous mode.
-    pub fn staleness_bound(&self) -> Option<u64> {
-        match self.mode {
-            Mode::Asynchronous(k) => k,
-            Mode::Synchronous => None,
-        }
-    }
-
     /// Number of parameter servers.
     pub fn servers(&self) -> usize {
         self.num_ps

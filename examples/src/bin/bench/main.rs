@@ -46,7 +46,7 @@ use crate::timing::Timer;
 #[derive(Parser, Debug)]
 #[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU or a GPU, side by side")]
 struct Args {
-    /// Where both sides run: `cpu`, or `cuda:N` (a build with the `cuda` feature; the model's
+    /// Where both sides run: cpu, or cuda:N (a build with the cuda feature; the model's
     /// step and inference only).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -54,17 +54,17 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     epoch_images: usize,
     /// Images per batch.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = kandle_examples::at_least_one())]
     batch: usize,
     /// Timed runs per measurement (whole steps report the median, single ops the fastest).
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, value_parser = kandle_examples::at_least_one())]
     iters: usize,
     /// Untimed runs before each measurement.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Threads for kandle (rayon and candle's matmul) and PyTorch; default: candle's count (the
     /// physical cores, or RAYON_NUM_THREADS).
-    #[arg(long)]
+    #[arg(long, value_parser = kandle_examples::at_least_one())]
     threads: Option<usize>,
     /// Skip the PyTorch reference.
     #[arg(long)]

@@ -503,7 +503,9 @@ mod tests {
             let weighted = (y.flatten_all()? * upstream.narrow(0, 0, n)?)?;
             // NaN outputs carry no gradient in either path: leave them out of the loss.
             let finite = weighted.eq(&weighted)?;
-            let loss = finite.where_cond(&weighted, &weighted.zeros_like()?)?.sum_all()?;
+            let loss = finite
+                .where_cond(&weighted, &weighted.zeros_like()?)?
+                .sum_all()?;
             let grads = loss.backward()?;
             let g = grads.get(x.as_tensor()).expect("a gradient for x");
             Ok((y.flatten_all()?.to_vec1()?, g.flatten_all()?.to_vec1()?))
@@ -523,7 +525,11 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got_y), bits(&want_y), "{spec:?}: outputs");
             assert_eq!(got_g, want_g, "{spec:?}: gradients");
-            assert_eq!(want_y.iter().any(|v| v.is_nan()), *covers_nan, "{spec:?}: NaN");
+            assert_eq!(
+                want_y.iter().any(|v| v.is_nan()),
+                *covers_nan,
+                "{spec:?}: NaN"
+            );
         }
         Ok(())
     }

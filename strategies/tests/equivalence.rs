@@ -1,13 +1,16 @@
 //! Every strategy trains as one device does at the same global batch: after 20 steps (the last
 //! one short) the weights match `OneDeviceStrategy` within 1e-5, relative to each tensor's scale.
+//! So does the device-generic path (what CUDA runs) against the CPU kernels, max pooling's ties
+//! included.
 
 use kandle::params::Weights;
 use kandle::prelude::*;
+use kandle::ComputePath;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
 mod support;
 use support::assert_close;
-use support::equivalence_run::{bn_cnn, plain_cnn, SAMPLES};
+use support::equivalence_run::{bn_cnn, plain_cnn, train_on, SAMPLES};
 
 fn train<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> anyhow::Result<Weights> {
     let model = support::equivalence_run::train(net, strategy, SAMPLES)?;
@@ -62,5 +65,26 @@ fn sync_batch_norm_matches_one_device() -> anyhow::Result<()> {
         &train(bn_cnn(), &central)?,
         "central storage x2 sync bn",
     )?;
+    Ok(())
+}
+
+/// The device-generic path (candle's ops and autograd, as on CUDA) trains as the CPU kernels do.
+/// The digits' flat regions tie many maxima in each pooling window: both paths send the gradient
+/// to the first one (candle's own `maximum` would split it, and 20 steps then differ by 13%).
+#[test]
+fn device_generic_path_trains_as_the_kernels() -> anyhow::Result<()> {
+    let cpu = OneDeviceStrategy::cpu();
+    for (name, net) in [
+        ("plain", plain_cnn as fn() -> Sequential),
+        ("batch norm", bn_cnn),
+    ] {
+        let kernels = train_on(net(), &cpu, SAMPLES, ComputePath::Auto)?.get_weights()?;
+        let generic = train_on(net(), &cpu, SAMPLES, ComputePath::DeviceGeneric)?.get_weights()?;
+        assert_close(
+            &kernels,
+            &generic,
+            &format!("{name}: device-generic vs kernels"),
+        )?;
+    }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! It uses kandle alone, so that the worker program can include it too.
 
 use kandle::prelude::*;
+use kandle::ComputePath;
 
 /// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
 pub const SAMPLES: usize = 470;
@@ -85,6 +86,27 @@ pub fn fit<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<(Model, History)> {
+    fit_on(net, strategy, samples, None)
+}
+
+/// The run of [`train`] on compute path `path` (instead of `KANDLE_COMPUTE`'s).
+// The worker programs that include this file do not call it.
+#[allow(dead_code)]
+pub fn train_on<S: Strategy + Clone + 'static>(
+    net: Sequential,
+    strategy: &S,
+    samples: usize,
+    path: ComputePath,
+) -> kandle::Result<Model> {
+    Ok(fit_on(net, strategy, samples, Some(path))?.0)
+}
+
+fn fit_on<S: Strategy + Clone + 'static>(
+    net: Sequential,
+    strategy: &S,
+    samples: usize,
+    path: Option<ComputePath>,
+) -> kandle::Result<(Model, History)> {
     let replicas = strategy.num_replicas_in_sync();
     if GLOBAL_BATCH % replicas != 0 {
         return Err(kandle::Error::invalid(format!(
@@ -93,6 +115,9 @@ pub fn fit<S: Strategy + Clone + 'static>(
     }
     let data = kandle::data::digits::load()?.subset(&(0..samples).collect::<Vec<_>>())?;
     let mut model = compile(net, Sgd::new(0.05).momentum(0.9), strategy, 5)?;
+    if let Some(path) = path {
+        model = model.with_compute_path(path)?;
+    }
     let history = model.fit(
         &data,
         FitOptions {

@@ -5,7 +5,7 @@ use kandle::prelude::*;
 
 fn cnn() -> Sequential {
     Sequential::new()
-        .add(Conv2D::new(16, 3).padding(Padding::Same))
+        .add(Conv2D::new(32, 3).padding(Padding::Same))
         .add(BatchNormalization::new())
         .add(Activation::Relu)
         .add(MaxPooling2D::new(2))

@@ -2,7 +2,7 @@
 # Builds, on a machine without a GPU, everything `gpu/check.sh` runs on a GPU machine, and packs
 # it into gpu-bin/ (xz, about 30 MiB in all) to be carried there with the working tree.
 #
-# Usage: bash gpu/build.sh            (from anywhere; about 25 minutes cold on 2 cores, most of it
+# Usage: bash gpu/build.sh            (from anywhere; about 40 minutes cold on 2 cores, most of it
 #                                      nvcc compiling candle's kernels, then a few per change)
 #   CUDA_COMPUTE_CAP   default 90: sm_90a, for the H100 and H200 only
 #   KANDLE_CUDA_VENV   the CUDA 13.0 toolchain venv (default ~/.cache/kandle-cuda13)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: runs on a machine with an NVIDIA GPU (driver 580 / CUDA 13, PyTorch in python3,
 # no Rust toolchain), from the repository root, with gpu-bin/ built by gpu/build.sh carried there.
-# One command, about 6 minutes:
+# One command, about 4 minutes on an H100:
 #
 #   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
 #                                # bench-*.json (5), epoch.json

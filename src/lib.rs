@@ -67,6 +67,7 @@ pub mod training_state;
 pub use allocator::keep_freed_memory;
 pub use compute_path::ComputePath;
 pub use error::{Error, Result};
+pub use kernels::simd::SimdLevel;
 
 /// The README's code, compiled as a doc test so it stays true.
 #[cfg(doctest)]

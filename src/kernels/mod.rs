@@ -18,7 +18,7 @@ pub mod pooling;
 mod output;
 mod planes;
 pub(crate) mod replay;
-mod simd;
+pub(crate) mod simd;
 #[cfg(test)]
 mod tests;
 mod two_pass;

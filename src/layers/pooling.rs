@@ -142,10 +142,14 @@ fn first_maximum(views: &[Tensor], max: &Tensor) -> Result<Tensor> {
     let zeros = max.zeros_like()?;
     // 1 where no earlier view held the maximum.
     let mut free = max.ones_like()?.to_dtype(DType::U8)?;
+    // 1 where a view so far held a NaN: candle's `maximum` passes over NaNs, the kernel's
+    // maximum is NaN when the window holds one.
+    let mut nan = zeros.to_dtype(DType::U8)?;
     let mut sum: Option<Tensor> = None;
     for view in views {
         let first = (view.eq(max)? * &free)?;
         free = (&free - &first)?;
+        nan = nan.maximum(&view.ne(view)?)?;
         let part = first.where_cond(view, &zeros)?;
         sum = Some(match sum {
             None => part,
@@ -153,20 +157,7 @@ fn first_maximum(views: &[Tensor], max: &Tensor) -> Result<Tensor> {
         });
     }
     let sum = sum.ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
-    let routed = free.where_cond(max, &sum)?;
-    // Candle's `maximum` passes over NaNs; the kernel's maximum is NaN when the window holds one.
-    let mut nan: Option<Tensor> = None;
-    for view in views {
-        let here = view.ne(view)?;
-        nan = Some(match nan {
-            None => here,
-            Some(n) => n.maximum(&here)?,
-        });
-    }
-    match nan {
-        Some(nan) => Ok(nan.where_cond(&(zeros + f64::NAN)?, &routed)?),
-        None => Ok(routed),
-    }
+    Ok(nan.where_cond(&(zeros + f64::NAN)?, &sum)?)
 }
 
 /// Pads `dim` with `before` and `after` elements of `value`.

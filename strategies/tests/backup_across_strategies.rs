@@ -1,6 +1,7 @@
 //! `BackupAndRestore` across strategies: a run under `MirroredStrategy::cpu(2)` that fails
 //! mid-epoch resumes under `OneDeviceStrategy` (and the reverse) at the same global batch, and
-//! ends within float tolerance of an uninterrupted one-device run.
+//! ends within ten times the float32 spread of an uninterrupted one-device run (the spread of
+//! the same run with each batch's samples reversed).
 
 use std::path::Path;
 
@@ -14,9 +15,17 @@ use kandle_strategies::MirroredStrategy;
 mod crash_support;
 use crash_support::Crash;
 mod support;
+use support::equivalence_run::Order;
+use support::Reference;
 
 const GLOBAL_BATCH: usize = 40;
 
+/// The first 410 digits in `order`, for batches of [`GLOBAL_BATCH`].
+fn data(order: Order) -> kandle::Result<InMemoryDataset> {
+    digits::load()?.subset(&order.indices(410, GLOBAL_BATCH))
+}
+
+/// Three epochs of the samples in the order `data` holds them.
 fn train<S: Strategy + Clone + 'static>(
     strategy: &S,
     data: &InMemoryDataset,
@@ -41,6 +50,7 @@ fn train<S: Strategy + Clone + 'static>(
         FitOptions {
             epochs: 3,
             batch_size_per_replica: GLOBAL_BATCH / strategy.num_replicas_in_sync(),
+            shuffle: false,
             seed: Some(4),
             verbosity: Verbosity::Silent,
             callbacks: vec![
@@ -60,9 +70,17 @@ fn train<S: Strategy + Clone + 'static>(
 
 #[test]
 fn a_backup_resumes_under_another_strategy() -> anyhow::Result<()> {
-    let data = digits::load()?.subset(&(0..410).collect::<Vec<_>>())?;
+    let data = data(Order::Fixed)?;
     let none = tempfile::tempdir()?;
-    let reference = train(&OneDeviceStrategy::cpu(), &data, none.path(), None)?;
+    let reference = Reference::new(
+        train(&OneDeviceStrategy::cpu(), &data, none.path(), None)?,
+        &train(
+            &OneDeviceStrategy::cpu(),
+            &self::data(Order::ReversedInBatches)?,
+            none.path(),
+            None,
+        )?,
+    )?;
     let mirrored = MirroredStrategy::cpu(2)?;
     for (first, second) in [(true, false), (false, true)] {
         let dir = tempfile::tempdir()?;
@@ -83,7 +101,7 @@ fn a_backup_resumes_under_another_strategy() -> anyhow::Result<()> {
         } else {
             "one device -> mirrored"
         };
-        support::assert_close(&reference, &resumed, what)?;
+        reference.assert_matches(&resumed, what)?;
     }
     Ok(())
 }

@@ -40,26 +40,12 @@ fn weights<S: Strategy + Clone + 'static>(
     train(net, strategy, SAMPLES)?.get_weights()
 }
 
-/// The largest difference between two sets of weights relative to each tensor's scale (at
-/// least 1e-2), for the log.
-fn largest_difference(a: &Weights, b: &Weights) -> anyhow::Result<f64> {
-    let mut largest = 0f64;
-    for (name, want) in a {
-        let want = want.to_dtype(candle_core::DType::F64)?;
-        let got = b[name].to_dtype(candle_core::DType::F64)?;
-        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f64>()?;
-        let scale = want.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-2);
-        largest = largest.max(diff / scale);
-    }
-    Ok(largest)
-}
-
 fn assert_matches(reference: &Weights, other: &Weights, what: &str) -> anyhow::Result<()> {
     eprintln!(
         "{what}: largest relative difference {:.3e}",
-        largest_difference(reference, other)?
+        support::relative_difference(reference, other)?
     );
-    assert_within(reference, other, TOLERANCE, what)
+    assert_within(reference, other, TOLERANCE.into(), what)
 }
 
 /// `KANDLE_EXPECT_GPUS` GPUs are visible: `gpu/check.sh` runs this with every GPU visible and

@@ -14,15 +14,12 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kandle::params::Weights;
-use kandle::prelude::*;
-
 mod support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{
     self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,
 };
-use support::{assert_close, assert_resumed_as_uninterrupted};
+use support::{assert_resumed_as_uninterrupted, one_device_reference, Reference};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_kandle-mpi-check");
 
@@ -43,22 +40,21 @@ fn alone<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Command {
 
 // ---- equivalence ---------------------------------------------------------------------------
 
-/// One device's weights after the equivalence run of `model` (`plain` or `bn`) on `samples`
+/// One device's [`Reference`] for the equivalence run of `model` (`plain` or `bn`) on `samples`
 /// digits, as `equivalence.rs` and the worker program's `equivalence` task run it.
-fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Weights> {
+fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Reference> {
     let net = match model {
-        "bn" => equivalence_run::bn_cnn(),
-        _ => equivalence_run::plain_cnn(),
+        "bn" => equivalence_run::bn_cnn,
+        _ => equivalence_run::plain_cnn,
     };
-    let model = equivalence_run::train(net, &OneDeviceStrategy::cpu(), samples)?;
-    Ok(model.get_weights()?)
+    one_device_reference(net, samples)
 }
 
 /// Runs the worker program's `equivalence` task under `mpirun -n 2` for each of `runs`
 /// (`(local replicas, extra arguments, what)`) and compares the chief's weights with
 /// `reference`.
 fn check_equivalence(
-    reference: &Weights,
+    reference: &Reference,
     common: &[&str],
     runs: &[(&str, &[&str], &str)],
 ) -> anyhow::Result<()> {
@@ -75,7 +71,7 @@ fn check_equivalence(
         args.extend(common);
         let outcome = run(mpirun(2, &args))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
-        assert_close(reference, &kandle::checkpoint::load(&out)?, what)?;
+        reference.assert_matches(&kandle::checkpoint::load(&out)?, what)?;
     }
     Ok(())
 }
@@ -132,7 +128,7 @@ fn sync_batch_norm_across_two_workers_trains_as_one_device() -> anyhow::Result<(
     assert!(outcome.status.success(), "{}", outcome.output);
     let per_replica = kandle::checkpoint::load(&out)?;
     let mut differs = 0f32;
-    for (name, want) in &reference {
+    for (name, want) in &reference.weights {
         let diff = (&per_replica[name] - want)?
             .abs()?
             .max_all()?

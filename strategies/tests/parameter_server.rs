@@ -14,14 +14,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use kandle::prelude::*;
-
 mod support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{
     self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,
 };
-use support::{assert_close, assert_resumed_as_uninterrupted};
+use support::{assert_resumed_as_uninterrupted, one_device_reference};
 
 const PROGRAM: &str = env!("CARGO_BIN_EXE_kandle-ps-check");
 
@@ -36,12 +34,7 @@ fn mpirun(ranks: usize, args: &[&str]) -> Command {
 /// workers; the servers sum the workers' buffers and divide by the global sample count.
 #[test]
 fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
-    let model = equivalence_run::train(
-        equivalence_run::plain_cnn(),
-        &OneDeviceStrategy::cpu(),
-        SAMPLES,
-    )?;
-    let reference = model.get_weights()?;
+    let reference = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
     for (ranks, servers, what) in [
@@ -65,13 +58,13 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
             ],
         ))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
-        assert_close(&reference, &kandle::checkpoint::load(&out)?, what)?;
+        reference.assert_matches(&kandle::checkpoint::load(&out)?, what)?;
         // Every server ends the fit holding the whole model, the other servers' variables too.
         let workers = ranks - servers.parse::<usize>()?;
         for rank in workers..ranks {
             let held = PathBuf::from(format!("{out_arg}.rank{rank}"));
             let what = format!("{what}: the weights rank {rank} (a server) holds");
-            assert_close(&reference, &kandle::checkpoint::load(&held)?, &what)?;
+            reference.assert_matches(&kandle::checkpoint::load(&held)?, &what)?;
         }
     }
     Ok(())

@@ -29,26 +29,17 @@ pub(crate) const MR: usize = 6;
 /// Columns of `dst` per kernel call: two AVX2 vectors.
 pub(crate) const NR: usize = 16;
 
-/// Whether this CPU runs [`product`]: x86-64 with AVX2 and FMA.
+/// Whether this CPU runs [`product`]: x86-64 with AVX2 and FMA, which the SIMD cap allows
+/// ([`SimdLevel`](crate::SimdLevel)).
 pub(crate) fn supported() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::kernels::simd::avx2_fma()
 }
 
-/// Whether the convolutions run their products here on this CPU: it has AVX2 and FMA, and no
-/// AVX-512, whose wider kernels the `gemm` crate runs.
+/// Whether the convolutions run their products here: the kernels run AVX2
+/// ([`SimdLevel::in_use`](crate::SimdLevel::in_use)); with AVX-512, the `gemm` crate's wider
+/// kernels run them.
 pub(crate) fn preferred() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        return false;
-    }
-    supported()
+    crate::SimdLevel::in_use() == crate::SimdLevel::Avx2
 }
 
 /// Whether `n` columns fill the kernel's blocks of [`NR`] columns well: the last, partial

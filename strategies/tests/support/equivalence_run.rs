@@ -1,6 +1,8 @@
 //! The equivalence run that the strategy tests and the multi-worker program
 //! (`src/bin/mpi_check.rs`, which includes this file) share: the models, and one epoch on digits
-//! at a fixed global batch whose last step is short.
+//! at a fixed global batch whose last step is short, in a fixed order of the samples or in the
+//! same batches with each batch's samples reversed (an equivalent ordering, whose float32
+//! spread sets the tests' tolerances).
 //!
 //! It uses kandle alone, so that the worker program can include it too.
 
@@ -62,8 +64,32 @@ where
     Ok(model)
 }
 
+/// The order in which an equivalence run takes the samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// A fixed pseudo-random order, the same in every run.
+    Fixed,
+    /// The batches of [`Order::Fixed`], each with its samples reversed: the same steps in exact
+    /// arithmetic, summed in another order in float32.
+    ReversedInBatches,
+}
+
+impl Order {
+    /// The first `samples` digits in this order, for batches of `batch`.
+    pub fn indices(self, samples: usize, batch: usize) -> Vec<usize> {
+        // Knuth's multiplicative hash is a bijection on u32: distinct keys, a fixed shuffle.
+        let mut order: Vec<usize> = (0..samples).collect();
+        order.sort_by_key(|&i| (i as u32).wrapping_mul(2_654_435_761));
+        if self == Order::ReversedInBatches {
+            order.chunks_mut(batch).for_each(<[usize]>::reverse);
+        }
+        order
+    }
+}
+
 /// Trains `net` under `strategy` for one epoch on the first `samples` digits at a global batch
-/// of [`GLOBAL_BATCH`] (SGD with momentum, fixed seeds) and returns the model. Fails if the
+/// of [`GLOBAL_BATCH`] in [`Order::Fixed`] (SGD with momentum, fixed seeds) and returns the
+/// model. Fails if the
 /// strategy's replicas do not divide the global batch, or the loss is not finite.
 pub fn train<S: Strategy + Clone + 'static>(
     net: Sequential,
@@ -86,19 +112,21 @@ pub fn fit<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<(Model, History)> {
-    fit_on(net, strategy, samples, None)
+    fit_on(net, strategy, samples, None, Order::Fixed)
 }
 
-/// The run of [`train`] on compute path `path` (instead of `KANDLE_COMPUTE`'s).
+/// The run of [`train`] on compute path `path` (`None`: `KANDLE_COMPUTE`'s) with the samples in
+/// `order`.
 // The worker programs that include this file do not call it.
 #[allow(dead_code)]
 pub fn train_on<S: Strategy + Clone + 'static>(
     net: Sequential,
     strategy: &S,
     samples: usize,
-    path: ComputePath,
+    path: Option<ComputePath>,
+    order: Order,
 ) -> kandle::Result<Model> {
-    Ok(fit_on(net, strategy, samples, Some(path))?.0)
+    Ok(fit_on(net, strategy, samples, path, order)?.0)
 }
 
 fn fit_on<S: Strategy + Clone + 'static>(
@@ -106,6 +134,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
     path: Option<ComputePath>,
+    order: Order,
 ) -> kandle::Result<(Model, History)> {
     let replicas = strategy.num_replicas_in_sync();
     if GLOBAL_BATCH % replicas != 0 {
@@ -113,7 +142,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
             "{replicas} replicas do not divide the global batch of {GLOBAL_BATCH}"
         )));
     }
-    let data = kandle::data::digits::load()?.subset(&(0..samples).collect::<Vec<_>>())?;
+    let data = kandle::data::digits::load()?.subset(&order.indices(samples, GLOBAL_BATCH))?;
     let mut model = compile(net, Sgd::new(0.05).momentum(0.9), strategy, 5)?;
     if let Some(path) = path {
         model = model.with_compute_path(path)?;
@@ -123,6 +152,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
         FitOptions {
             epochs: 1,
             batch_size_per_replica: GLOBAL_BATCH / replicas,
+            shuffle: false,
             seed: Some(9),
             verbosity: Verbosity::Silent,
             ..Default::default()

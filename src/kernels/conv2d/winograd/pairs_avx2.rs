@@ -103,10 +103,10 @@ pub(super) fn padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &Padde
     false
 }
 
-/// Whether the CPU has AVX2 and FMA.
+/// Whether the kernels may use AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 fn avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    crate::kernels::simd::avx2_fma()
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -44,7 +44,7 @@ const COMPUTE_ENV: &str = "KANDLE_COMPUTE";
 /// let conv = Conv2D::new(4, 3).padding(Padding::Same).activation(Activation::Relu);
 /// let built = conv.build(&mut ctx, &[2, 5, 5])?;
 /// let x = Tensor::ones((1, 2, 5, 5), DType::F32, &Device::Cpu)?;
-/// assert_eq!(built.layer.forward_t(&x, true)?.dims(), &[1, 4, 5, 5]);
+/// assert_eq!(built.layer().forward_t(&x, true)?.dims(), &[1, 4, 5, 5]);
 /// # Ok::<(), kandle::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::cross_replica::ReplicaHandle;
 use crate::data::Batch;
-use crate::layers::{Activation, Layer, ParamGrads, Sequential, SequentialNet, Summary};
+use crate::layers::{Activation, FastPath, Layer, ParamGrads, Sequential, SequentialNet, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};

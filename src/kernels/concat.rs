@@ -185,11 +185,6 @@ pub struct ChannelSlot<'a> {
 }
 
 impl ChannelSlot<'_> {
-    /// The shape of the part, `(N, channels, ...)`.
-    pub fn dims(&self) -> &[usize] {
-        &self.dims
-    }
-
     /// The output to write and where in each image the part starts (in values), once `op`'s
     /// result of shape `dims` is checked to be the part's.
     pub(crate) fn target(

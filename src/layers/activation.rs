@@ -4,8 +4,8 @@
 use candle_core::{Tensor, D};
 
 use super::{
-    identity, missing_input_grad, pass_through, record_with_candle, BuildContext, Built, Layer,
-    LayerSpec, ParamGrads, Recorded,
+    identity, missing_input_grad, pass_through, record_with_candle, BuildContext, Built, FastPath,
+    Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::Result;
 
@@ -70,7 +70,7 @@ impl Activation {
 
     /// The recorded activation of the recorded `inner` output: the activation's backward pass
     /// runs first, then `inner`'s. With `with_logits`, a softmax gives `inner`'s output as the
-    /// logits (as [`Layer::forward_recorded_with_logits`] does for the separate layer).
+    /// logits (as [`FastPath::forward_recorded_with_logits`] does for the separate layer).
     pub(crate) fn after_recorded(self, inner: Recorded, with_logits: bool) -> Result<Recorded> {
         if self == Activation::Linear {
             return Ok(inner);
@@ -116,7 +116,7 @@ impl LayerSpec for Activation {
     }
 
     fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        Ok(Built::leaf(*self, input_shape.to_vec()))
+        Ok(Built::fast(*self, input_shape.to_vec(), Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -133,7 +133,9 @@ impl Layer for Activation {
         let logits = (*self == Activation::Softmax).then(|| x.clone());
         Ok((self.apply(x)?, logits))
     }
+}
 
+impl FastPath for Activation {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         match self {
             Activation::Linear => Ok(identity(x)),

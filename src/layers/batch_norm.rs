@@ -17,8 +17,8 @@
 use candle_core::{Tensor, Var};
 
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, Layer, LayerSpec,
-    ParamGrads, Recorded,
+    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, FastPath, Layer,
+    LayerSpec, ParamGrads, Recorded,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm as kernels;
@@ -125,7 +125,7 @@ impl LayerSpec for BatchNormalization {
             relu: false,
             kernels: ctx.compute_path().uses_kernels(),
         };
-        Ok(Built::leaf(layer, input_shape.to_vec()))
+        Ok(Built::fast(layer, input_shape.to_vec(), Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -144,7 +144,7 @@ struct BatchNormLayer {
     rank: usize,
     /// Set under `SyncBatchNorm`: statistics are summed over the replica group.
     sync: Option<ReplicaHandle>,
-    /// Whether the ReLU that follows the layer is applied here (see [`Layer::fuse_relu`]).
+    /// Whether the ReLU that follows the layer is applied here (see [`FastPath::fuse_relu`]).
     relu: bool,
     /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
@@ -276,7 +276,9 @@ impl Layer for BatchNormLayer {
         };
         Ok(if self.relu { y.relu()? } else { y })
     }
+}
 
+impl FastPath for BatchNormLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         if !self.kernels || !kernels::supported(x) || self.frozen || self.sync.is_some() {
             return record_with_candle(self, x, false);

@@ -3,9 +3,8 @@
 
 use candle_core::{DType, Tensor};
 
-use super::{
-    missing_input_grad, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded, SummaryRow,
-};
+use super::branches::{branch_name, Branches};
+use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::kernels::concat::{self, ConcatOutput};
 use crate::Result;
 
@@ -43,66 +42,36 @@ impl LayerSpec for Concat {
     }
 
     fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        if self.branches.is_empty() {
-            return Err(crate::Error::invalid(format!(
-                "layer `{}` has no branches",
-                ctx.path()
-            )));
+        let built = Branches::build(&self.branches, ctx, input_shape)?;
+        let mut output_shape = built.shapes[0].clone();
+        for (i, shape) in built.shapes.iter().enumerate().skip(1) {
+            let agree = !shape.is_empty()
+                && shape.len() == output_shape.len()
+                && shape[1..] == output_shape[1..];
+            if !agree {
+                return Err(crate::Error::Shape {
+                    layer: ctx.path(),
+                    expected: format!(
+                        "branches whose outputs agree on all but channels, but `{}` gives {}",
+                        branch_name(&self.branches, 0),
+                        crate::error::shape_with_batch(&built.shapes[0])
+                    ),
+                    got: format!(
+                        "{} from `{}`",
+                        crate::error::shape_with_batch(shape),
+                        branch_name(&self.branches, i)
+                    ),
+                });
+            }
+            output_shape[0] += shape[0];
         }
-        let mut layers = Vec::with_capacity(self.branches.len());
-        let mut channels = Vec::with_capacity(self.branches.len());
-        let mut rows = Vec::with_capacity(self.branches.len());
-        let mut out: Option<Vec<usize>> = None;
-        for (i, spec) in self.branches.iter().enumerate() {
-            let name = spec
-                .name()
-                .map(str::to_string)
-                .unwrap_or_else(|| format!("branch_{}", i + 1));
-            let built = ctx.scoped(&name, |ctx| spec.build(ctx, input_shape))?;
-            let shape = built.output_shape.clone();
-            channels.push(shape.first().copied().unwrap_or(0));
-            out = Some(match out {
-                None => shape.clone(),
-                Some(mut acc) => {
-                    if acc.len() != shape.len() || acc.is_empty() || acc[1..] != shape[1..] {
-                        return Err(crate::Error::Shape {
-                            layer: ctx.path(),
-                            expected: format!(
-                                "branches whose outputs agree on all but channels, but `{}` gives {}",
-                                self.branch_name(0),
-                                crate::error::shape_with_batch(&acc)
-                            ),
-                            got: format!("{} from `{name}`", crate::error::shape_with_batch(&shape)),
-                        });
-                    }
-                    acc[0] += shape[0];
-                    acc
-                }
-            });
-            let (trainable, non_trainable) = ctx.count_in(&name);
-            rows.push(SummaryRow {
-                name,
-                kind: spec.kind().to_string(),
-                class_name: spec.class_name().to_string(),
-                output_shape: shape,
-                trainable,
-                non_trainable,
-                children: built.children,
-            });
-            layers.push(built.layer);
-        }
-        let output_shape = out.unwrap_or_default();
-        Ok(Built {
-            layer: Box::new(ConcatLayer {
-                path: ctx.path(),
-                branches: layers,
-                channels,
-                output_shape: output_shape.clone(),
-                kernels: ctx.compute_path().uses_kernels(),
-            }),
-            output_shape,
-            children: rows,
-        })
+        let layer = ConcatLayer {
+            branches: built.branches,
+            channels: built.shapes.iter().map(|s| s[0]).collect(),
+            output_shape: output_shape.clone(),
+            kernels: ctx.compute_path().uses_kernels(),
+        };
+        Ok(Built::fast(layer, output_shape, built.rows))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -110,18 +79,8 @@ impl LayerSpec for Concat {
     }
 }
 
-impl Concat {
-    fn branch_name(&self, i: usize) -> String {
-        self.branches[i]
-            .name()
-            .map(str::to_string)
-            .unwrap_or_else(|| format!("branch_{}", i + 1))
-    }
-}
-
 struct ConcatLayer {
-    path: String,
-    branches: Vec<Box<dyn Layer>>,
+    branches: Branches,
     /// The channels of each branch's output.
     channels: Vec<usize>,
     /// The joined output's shape, without the batch axis.
@@ -156,7 +115,7 @@ impl ConcatLayer {
         dims.extend(&self.output_shape);
         let mut out = ConcatOutput::new(&dims)?;
         let mut offset = 0;
-        for (branch, &channels) in self.branches.iter().zip(&self.channels) {
+        for (branch, &channels) in self.branches.layers().iter().zip(&self.channels) {
             let mut slot = out.part(offset, channels)?;
             if !branch.forward_into(x, None, &mut slot)? {
                 slot.copy_from(&branch.forward_t(x, false)?)?;
@@ -170,66 +129,33 @@ impl ConcatLayer {
 impl Layer for ConcatLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let in_place = self.kernels && x.device().is_cpu() && x.dtype() == DType::F32;
-        if !train && in_place && self.branches.len() > 1 {
+        if !train && in_place && self.channels.len() > 1 {
             return self.forward_in_place(x);
         }
-        let outs = self
-            .branches
-            .iter()
-            .map(|b| b.forward_t(x, train))
-            .collect::<Result<Vec<_>>>()?;
-        join(&outs, self.kernels)
+        join(&self.branches.forward_t(x, train)?, self.kernels)
     }
+}
 
+impl FastPath for ConcatLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        let mut outs = Vec::with_capacity(self.branches.len());
-        let mut branches = Vec::with_capacity(self.branches.len());
-        for branch in &self.branches {
-            let recorded = branch.forward_recorded(x)?;
-            branches.push((recorded.output.dim(1)?, recorded.backward));
-            outs.push(recorded.output);
-        }
+        let (outs, backward) = self.branches.record(x)?;
         let y = join(&outs, self.kernels)?;
-        let path = self.path.clone();
         let kernels = self.kernels;
+        let offsets: Vec<usize> = self
+            .channels
+            .iter()
+            .scan(0, |offset, &channels| {
+                *offset += channels;
+                Some(*offset - channels)
+            })
+            .collect();
+        let channels = self.channels.clone();
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                // Each branch gets its channels of the gradient; the input's gradient is the
-                // sum of the branches'. A branch that adds the others' sum as it writes its
-                // own gradient goes last, saving the sum a pass.
-                let mut parts: Vec<_> = branches
-                    .into_iter()
-                    .scan(0, |offset, (channels, backward)| {
-                        *offset += channels;
-                        Some((*offset - channels, channels, backward))
-                    })
-                    .collect();
-                let adds = parts.iter().rposition(|(_, _, b)| b.adds_in_place());
-                let last = adds.filter(|_| input_grad && parts.len() > 1);
-                let adder = last.map(|i| parts.remove(i));
-                let mut dx: Option<Tensor> = None;
-                for (offset, channels, backward) in parts {
-                    let part = channels_of(&dy, offset, channels, kernels)?;
-                    let Some(d) = backward.backward(part, grads, input_grad)? else {
-                        continue;
-                    };
-                    dx = Some(match dx {
-                        None => d,
-                        Some(sum) => sum.add(&d)?,
-                    });
-                }
-                if let Some((offset, channels, backward)) = adder {
-                    let part = channels_of(&dy, offset, channels, kernels)?;
-                    dx = match dx {
-                        Some(sum) => Some(backward.backward_adding(part, grads, sum)?),
-                        None => backward.backward(part, grads, input_grad)?,
-                    };
-                }
-                match dx {
-                    None if input_grad => Err(missing_input_grad(&path)),
-                    dx => Ok(dx),
-                }
+                // Each branch gets its channels of the gradient.
+                let part = |i: usize| channels_of(&dy, offsets[i], channels[i], kernels);
+                backward.backward(part, grads, input_grad)
             },
         ))
     }
@@ -237,11 +163,12 @@ impl Layer for ConcatLayer {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Tensor, Var};
+    use crate::layers::FastPath;
+    use candle_core::{Device, Tensor};
 
     use crate::layers::{
         Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Layer,
-        LayerSpecExt, MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
+        LayerSpecExt, MaxPooling2D, Padding, Sequential, SequentialNet,
     };
     use crate::params::ParamStore;
     use crate::{ComputePath, Result};
@@ -279,41 +206,7 @@ mod tests {
 
     #[test]
     fn branch_gradients_summed_in_place_match_autograd() -> Result<()> {
-        let (recorded, store) = build(ComputePath::Auto)?;
-        let (generic, generic_store) = build(ComputePath::DeviceGeneric)?;
-        generic_store.assign(&store.weights()?)?;
-        let x = Tensor::randn(0f32, 1., (3, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
-
-        let run = recorded.forward_recorded(&x)?;
-        let dy = Tensor::randn(0f32, 1., run.output.dims(), &Device::Cpu)?;
-        let mut grads = ParamGrads::new();
-        let dx = run.backward.backward(dy.clone(), &mut grads, true)?;
-        let dx = dx.expect("an input gradient");
-
-        let input = Var::from_tensor(&x)?;
-        let y = generic.forward_t(input.as_tensor(), true)?;
-        let autograd = (y * &dy)?.sum_all()?.backward()?;
-        let want = autograd
-            .get(input.as_tensor())
-            .expect("autograd's input gradient");
-        let err = relative_difference(&dx, want)?;
-        assert!(err < 1e-4, "input gradient: relative error {err}");
-        // A convolution's bias before a BatchNorm has a zero gradient that rounding makes
-        // noise: the kernels are compared.
-        let compared = |p: &&crate::params::Param| p.trainable && !p.name.ends_with("bias");
-        for (p, q) in store
-            .iter()
-            .zip(generic_store.iter())
-            .filter(|(p, _)| compared(p))
-        {
-            let got = grads.take(p.var.as_tensor()).expect("a parameter gradient");
-            let want = autograd
-                .get(q.var.as_tensor())
-                .expect("autograd's gradient");
-            let err = relative_difference(&got, want)?;
-            assert!(err < 1e-4, "{}: relative error {err}", p.name);
-        }
-        Ok(())
+        crate::layers::branches::assert_recorded_matches_autograd(build, &INPUT)
     }
 
     #[test]

@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use super::window::{subsample, Padding, Window};
 use super::{
     missing_input_grad, record_with_candle, Activation, Backward, BuildContext, Built,
-    ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
+    ChannelAffine, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels;
 use crate::kernels::conv2d::{FoldedAffine, KernelCache};
@@ -132,7 +132,7 @@ impl LayerSpec for Conv2D {
             kernels: ctx.compute_path().uses_kernels(),
             lowered: KernelCache::default(),
         };
-        Ok(Built::leaf(layer, vec![self.filters, oh, ow]))
+        Ok(Built::fast(layer, vec![self.filters, oh, ow], Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -337,7 +337,9 @@ impl Layer for Conv2DLayer {
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
         self.activation.after_with_logits(self.convolve(x)?)
     }
+}
 
+impl FastPath for Conv2DLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         self.activation
             .after_recorded(self.record_convolution(x)?, false)

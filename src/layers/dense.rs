@@ -3,7 +3,9 @@
 
 use candle_core::Tensor;
 
-use super::{shape_error, Activation, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    shape_error, Activation, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded,
+};
 use crate::params::Init;
 use crate::Result;
 
@@ -97,7 +99,7 @@ impl LayerSpec for Dense {
             bias: bias.map(|b| b.as_tensor().clone()),
             activation: self.activation,
         };
-        Ok(Built::leaf(layer, vec![self.units]))
+        Ok(Built::fast(layer, vec![self.units], Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -154,7 +156,9 @@ impl Layer for DenseLayer {
         self.activation
             .after_with_logits(Self::affine(x, &self.weight, self.bias.as_ref())?)
     }
+}
 
+impl FastPath for DenseLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         self.activation
             .after_recorded(self.record_affine(x)?, false)

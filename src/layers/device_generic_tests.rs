@@ -11,6 +11,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use crate::layers::FastPath;
 use crate::layers::{
     Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Dense, Dropout,
     Flatten, GlobalAveragePooling2D, Layer, LayerSpecExt, MaxPooling2D, Padding, ParamGrads,

@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{identity, BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{identity, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
 /// Inverted dropout.
@@ -49,7 +49,7 @@ impl LayerSpec for Dropout {
             seed,
             position: ctx.generator_position("generator")?,
         };
-        Ok(Built::leaf(layer, input_shape.to_vec()))
+        Ok(Built::fast(layer, input_shape.to_vec(), Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -122,7 +122,9 @@ impl Layer for DropoutLayer {
         }
         Ok(x.mul(&self.mask(x)?)?)
     }
+}
 
+impl FastPath for DropoutLayer {
     fn passes_through(&self) -> bool {
         true
     }

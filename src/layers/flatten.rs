@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::{BuildContext, Built, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
 /// Flattens everything but the batch axis.
@@ -19,7 +19,11 @@ impl LayerSpec for Flatten {
     }
 
     fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        Ok(Built::leaf(Flatten, vec![input_shape.iter().product()]))
+        Ok(Built::fast(
+            Flatten,
+            vec![input_shape.iter().product()],
+            Vec::new(),
+        ))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -31,7 +35,9 @@ impl Layer for Flatten {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
         Ok(x.flatten_from(1)?)
     }
+}
 
+impl FastPath for Flatten {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         let shape = x.shape().clone();
         Ok(Recorded::new(

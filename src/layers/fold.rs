@@ -2,13 +2,13 @@
 //! with its running statistics (and the ReLU it absorbed) is `y = max(scale * x + shift, 0)`
 //! per channel, which a convolution can apply to its own output as it writes it, so the two
 //! layers cost one pass over memory instead of two. A [`SequentialNet`](super::SequentialNet)
-//! in inference asks each layer's successor for its map ([`Layer::inference_affine`]) and the
-//! layer whether it can apply it ([`Layer::forward_then_affine`]); training runs every layer
+//! in inference asks each layer's successor for its map ([`FastPath::inference_affine`]) and the
+//! layer whether it can apply it ([`FastPath::forward_then_affine`]); training runs every layer
 //! on its own, so its recorded backward pass is untouched.
 
 use candle_core::Tensor;
 
-use super::{ChannelSlot, Layer};
+use super::{ChannelSlot, FastPath};
 use crate::Result;
 
 /// A per-channel affine map and an optional ReLU after it: `max(scale[c] * x + shift[c], 0)`
@@ -58,13 +58,13 @@ pub(crate) fn run_layers_into(
 }
 
 /// A layer of a stack, with its name.
-type Named = (String, Box<dyn Layer>);
+type Named = (String, Box<dyn FastPath>);
 
 /// One step of a stack's forward pass: a layer, and in inference the layer after it when that
 /// one offers an affine map to fold in, with the map.
 struct Step<'a> {
-    layer: &'a dyn Layer,
-    then: Option<(&'a dyn Layer, ChannelAffine)>,
+    layer: &'a dyn FastPath,
+    then: Option<(&'a dyn FastPath, ChannelAffine)>,
 }
 
 impl Step<'_> {
@@ -131,6 +131,7 @@ pub(crate) fn move_variables(
 
 #[cfg(test)]
 mod tests {
+    use crate::layers::FastPath;
     use candle_core::{Device, Tensor};
 
     use crate::layers::{
@@ -179,7 +180,7 @@ mod tests {
     #[test]
     fn only_a_kernel_convolution_folds() -> crate::Result<()> {
         let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
-        let conv = |path, activation| -> crate::Result<Box<dyn Layer>> {
+        let conv = |path, activation| -> crate::Result<Box<dyn FastPath>> {
             let spec = Conv2D::new(4, 3).activation(activation);
             let ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);
             Ok(crate::layers::LayerSpec::build(&spec, &mut { ctx }, &INPUT)?.layer)
@@ -189,7 +190,7 @@ mod tests {
             shift: Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu)?,
             relu: false,
         };
-        let takes = |layer: Box<dyn Layer>| -> crate::Result<bool> {
+        let takes = |layer: Box<dyn FastPath>| -> crate::Result<bool> {
             Ok(layer.forward_then_affine(&x, &affine)?.is_some())
         };
         assert!(takes(conv(ComputePath::Auto, Activation::Linear)?)?);

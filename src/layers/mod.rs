@@ -30,7 +30,9 @@
 //! ```
 
 mod activation;
+mod add;
 mod batch_norm;
+mod branches;
 mod candle_adapter;
 mod concat;
 mod conv2d;
@@ -38,8 +40,10 @@ mod dense;
 #[cfg(test)]
 mod device_generic_tests;
 mod dropout;
+mod fast_path;
 mod flatten;
 mod fold;
+mod identity;
 mod pooling;
 mod recorded;
 mod sequential;
@@ -47,26 +51,27 @@ mod summary;
 mod window;
 mod wrappers;
 
-#[doc(hidden)]
-pub use crate::kernels::concat::ChannelSlot;
+pub(crate) use crate::kernels::concat::ChannelSlot;
 pub(crate) use activation::log_softmax as activation_log_softmax;
 pub use activation::Activation;
+pub use add::Add;
 pub use batch_norm::BatchNormalization;
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;
 pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
+pub(crate) use fast_path::FastPath;
+use fast_path::Foreign;
 pub use flatten::Flatten;
-#[doc(hidden)]
-pub use fold::ChannelAffine;
+pub(crate) use fold::ChannelAffine;
 pub(crate) use fold::{run_layers, run_layers_into};
-pub use pooling::{AveragePooling2D, GlobalAveragePooling2D, MaxPooling2D};
+pub use identity::Identity;
+pub use pooling::{
+    Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,
+};
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
-// The recorded backward pass is kandle's own machinery: public only because `Layer`'s defaulted
-// methods name it, and hidden from the documentation.
-#[doc(hidden)]
-pub use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
+pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
@@ -78,6 +83,46 @@ pub use crate::params::BuildContext;
 use crate::Result;
 
 /// A built layer: variables on a device and the computation that uses them.
+///
+/// A layer author writes [`Layer::forward_t`] (and, for a softmax output,
+/// [`Layer::forward_with_logits`]); the layer then trains under every strategy. On the CPU a
+/// replica trains through kandle's recorded backward pass, which runs such a layer alone under
+/// candle's autograd. kandle's own layers also fuse with their neighbours and record their
+/// kernels' backward passes; that machinery is the crate's own and not part of this trait.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use kandle::layers::{BuildContext, Built, Layer, LayerSpec};
+///
+/// /// `y = 2x`.
+/// struct Double;
+///
+/// impl Layer for Double {
+///     fn forward_t(&self, x: &Tensor, _train: bool) -> kandle::Result<Tensor> {
+///         Ok((x * 2.0)?)
+///     }
+/// }
+///
+/// #[derive(Clone)]
+/// struct DoubleSpec;
+///
+/// impl LayerSpec for DoubleSpec {
+///     fn kind(&self) -> &'static str {
+///         "double"
+///     }
+///     fn build(&self, _: &mut BuildContext, input_shape: &[usize]) -> kandle::Result<Built> {
+///         Ok(Built::leaf(Double, input_shape.to_vec()))
+///     }
+///     fn clone_spec(&self) -> Box<dyn LayerSpec> {
+///         Box::new(self.clone())
+///     }
+/// }
+///
+/// let built = DoubleSpec.build(&mut BuildContext::new(&Device::Cpu, 0), &[3])?;
+/// let x = Tensor::new(&[[1f32, 2., 3.]], &Device::Cpu)?;
+/// assert_eq!(built.layer().forward_t(&x, false)?.to_vec2::<f32>()?, [[2., 4., 6.]]);
+/// # Ok::<(), kandle::Error>(())
+/// ```
 pub trait Layer: Send + Sync {
     /// Runs the layer. `train` selects training behaviour (batch statistics, dropout).
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor>;
@@ -88,78 +133,6 @@ pub trait Layer: Send + Sync {
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
         Ok((self.forward_t(x, train)?, None))
     }
-
-    #[doc(hidden)]
-    /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]).
-    /// The output is `forward_t(x, true)`'s, without logits. The default runs this layer alone
-    /// under candle's autograd ([`record_with_candle`]); layers with CPU kernels record their
-    /// kernels' backward passes instead.
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        record_with_candle(self, x, false)
-    }
-
-    #[doc(hidden)]
-    /// [`Self::forward_recorded`] for the last layer of a network, which may also return the
-    /// logits of a softmax output (as [`Self::forward_with_logits`] does); the backward pass
-    /// then takes the gradient of the logits. The default keeps the logits the layer gives
-    /// through candle's autograd.
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        record_with_candle(self, x, true)
-    }
-
-    #[doc(hidden)]
-    /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
-    fn is_relu(&self) -> bool {
-        false
-    }
-
-    #[doc(hidden)]
-    /// Asks the layer to apply `max(y, 0)` to its own output from now on, because a ReLU
-    /// follows it; returns whether it will (the ReLU is then skipped). The default declines.
-    fn fuse_relu(&mut self) -> bool {
-        false
-    }
-
-    #[doc(hidden)]
-    /// In inference, the per-channel affine map (and ReLU) this layer applies, when it is one
-    /// that the layer before it may fold into its own output (a BatchNorm with its running
-    /// statistics is); `like` is the input of the layer before, for its device and type.
-    /// `None` by default.
-    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
-        let _ = like;
-        Ok(None)
-    }
-
-    #[doc(hidden)]
-    /// This layer's inference output with `affine` applied to it, computed at once, or `None`
-    /// when the layer cannot fold it in (the default).
-    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
-        let _ = (x, affine);
-        Ok(None)
-    }
-
-    #[doc(hidden)]
-    /// Writes this layer's inference output, with `affine` (if any) applied to it, straight
-    /// into `slot`, its channels of a concatenation's output, and returns `true`; or returns
-    /// `false` having written nothing, when it cannot (the default), and the caller copies
-    /// the output [`Self::forward_t`] gives.
-    fn forward_into(
-        &self,
-        x: &Tensor,
-        affine: Option<&ChannelAffine>,
-        slot: &mut ChannelSlot<'_>,
-    ) -> Result<bool> {
-        let _ = (x, affine, slot);
-        Ok(false)
-    }
-
-    #[doc(hidden)]
-    /// Whether, in inference, the layer hands its input on unchanged (a dropout, a ReLU that
-    /// the layer before absorbed), so that the layer before it gives the stack's output.
-    /// `false` by default.
-    fn passes_through(&self) -> bool {
-        false
-    }
 }
 
 impl<L: Layer + ?Sized> Layer for Box<L> {
@@ -169,41 +142,13 @@ impl<L: Layer + ?Sized> Layer for Box<L> {
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
         (**self).forward_with_logits(x, train)
     }
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        (**self).forward_recorded(x)
-    }
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        (**self).forward_recorded_with_logits(x)
-    }
-    fn is_relu(&self) -> bool {
-        (**self).is_relu()
-    }
-    fn fuse_relu(&mut self) -> bool {
-        (**self).fuse_relu()
-    }
-    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
-        (**self).inference_affine(like)
-    }
-    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
-        (**self).forward_then_affine(x, affine)
-    }
-    fn forward_into(
-        &self,
-        x: &Tensor,
-        affine: Option<&ChannelAffine>,
-        slot: &mut ChannelSlot<'_>,
-    ) -> Result<bool> {
-        (**self).forward_into(x, affine, slot)
-    }
-    fn passes_through(&self) -> bool {
-        (**self).passes_through()
-    }
 }
 
-/// What building a recipe produces.
+/// What building a recipe produces: the runnable layer, its output shape and, for composites,
+/// the summary rows of its children.
 pub struct Built {
-    /// The runnable layer.
-    pub layer: Box<dyn Layer>,
+    /// The runnable layer, with kandle's fast path where it is one of kandle's own.
+    layer: Box<dyn FastPath>,
     /// The output shape, without the batch dimension.
     pub output_shape: Vec<usize>,
     /// For composites: one row per direct child, for [`Summary`].
@@ -211,13 +156,41 @@ pub struct Built {
 }
 
 impl Built {
-    /// A leaf layer with no children.
+    /// A layer with no children.
     pub fn leaf(layer: impl Layer + 'static, output_shape: Vec<usize>) -> Self {
+        Self::composite(layer, output_shape, Vec::new())
+    }
+
+    /// A layer made of others, whose summary rows are `children`.
+    pub fn composite(
+        layer: impl Layer + 'static,
+        output_shape: Vec<usize>,
+        children: Vec<SummaryRow>,
+    ) -> Self {
+        Self::fast(Foreign(layer), output_shape, children)
+    }
+
+    /// One of kandle's own layers, with its fast path.
+    pub(crate) fn fast(
+        layer: impl FastPath + 'static,
+        output_shape: Vec<usize>,
+        children: Vec<SummaryRow>,
+    ) -> Self {
         Self {
             layer: Box::new(layer),
             output_shape,
-            children: Vec::new(),
+            children,
         }
+    }
+
+    /// The layer.
+    pub fn layer(&self) -> &dyn Layer {
+        self.layer.as_layer()
+    }
+
+    /// The layer, owned.
+    pub fn into_layer(self) -> Box<dyn Layer> {
+        self.layer.into_layer()
     }
 }
 
@@ -325,6 +298,38 @@ mod tests {
         }
     }
 
+    /// kandle's own layers keep their fast path when built; only layers from outside (here
+    /// candle's, through `CandleLayer`) take the defaults.
+    #[test]
+    fn kandle_layers_build_with_their_fast_path() -> Result<()> {
+        let images: Vec<Box<dyn LayerSpec>> = vec![
+            Conv2D::new(2, 3).boxed(),
+            BatchNormalization::new().boxed(),
+            MaxPooling2D::new(2).boxed(),
+            AveragePooling2D::new(2).boxed(),
+            GlobalAveragePooling2D.boxed(),
+            Activation::Relu.boxed(),
+            Concat::new([Identity, Identity]).boxed(),
+            Add::new([Identity, Identity]).boxed(),
+            Identity.boxed(),
+            Flatten.boxed(),
+            Dropout::new(0.5).boxed(),
+            Sequential::new().add(Flatten).boxed(),
+            Conv2D::new(2, 3).named("named").trainable(false).boxed(),
+        ];
+        let foreign = |spec: &dyn LayerSpec, shape: &[usize]| -> Result<bool> {
+            let mut ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
+            Ok(spec.build(&mut ctx, shape)?.layer.foreign())
+        };
+        for spec in &images {
+            assert!(!foreign(spec.as_ref(), &[1, 4, 4])?, "{}", spec.kind());
+        }
+        assert!(!foreign(&Dense::new(2), &[3])?);
+        let candle = CandleLayer::new(|vb| candle_nn::linear(3, 2, vb));
+        assert!(foreign(&candle, &[3])?);
+        Ok(())
+    }
+
     #[test]
     fn class_names() {
         assert_eq!(short_type_name("a::b::C<d::E<f::G>>"), "C");
@@ -343,6 +348,8 @@ mod tests {
             (Activation::Relu.boxed(), "Activation"),
             (Activation::Softmax.trainable(false).boxed(), "Activation"),
             (Concat::new([Flatten]).boxed(), "Concatenate"),
+            (Add::new([Flatten]).boxed(), "Add"),
+            (Identity.boxed(), "Identity"),
             (Flatten.boxed(), "Flatten"),
             (Dropout::new(0.5).boxed(), "Dropout"),
             (Sequential::new().boxed(), "Sequential"),

@@ -13,16 +13,19 @@ use candle_core::{DType, Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, ChannelSlot, Layer,
-    LayerSpec, ParamGrads, Recorded,
+    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath,
+    Layer, LayerSpec, ParamGrads, Recorded,
 };
 use crate::kernels::pooling::{self as kernels, PoolWindow};
 use crate::kernels::replay::Replay1;
 use crate::Result;
 
+/// The reduction a pooling layer applies (public only to the sealed [`Reduction`] trait).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PoolKind {
+pub enum PoolKind {
+    /// The maximum of each window.
     Max,
+    /// The mean of each window.
     Average,
 }
 
@@ -64,7 +67,7 @@ impl Pool2D {
             divisor,
             kernels: ctx.compute_path().uses_kernels(),
         };
-        Ok(Built::leaf(layer, vec![c, oh, ow]))
+        Ok(Built::fast(layer, vec![c, oh, ow], Vec::new()))
     }
 }
 
@@ -221,28 +224,6 @@ fn record_replay(replay: Replay1, output: Tensor) -> Recorded {
 }
 
 impl Layer for PoolLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !self.kernel_takes(x) {
-            return record_with_candle(self, x, false);
-        }
-        let replay = self.replay(x)?;
-        let y = replay.output().clone();
-        Ok(record_replay(replay, y))
-    }
-
-    fn forward_into(
-        &self,
-        x: &Tensor,
-        affine: Option<&ChannelAffine>,
-        slot: &mut ChannelSlot<'_>,
-    ) -> Result<bool> {
-        if affine.is_some() || self.kind != PoolKind::Max || !self.kernel_takes(x) {
-            return Ok(false);
-        }
-        kernels::max_pool2d_into(x, &self.geometry.kernel_window(), slot)?;
-        Ok(true)
-    }
-
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let g = &self.geometry;
         if self.kernel_takes(x) {
@@ -272,82 +253,140 @@ impl Layer for PoolLayer {
     }
 }
 
-macro_rules! pooling_layer {
-    ($(#[$doc:meta])* $name:ident, $kind:expr, $label:literal, $class:literal) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone)]
-        pub struct $name(Pool2D);
-
-        impl $name {
-            /// A square `pool_size` window; the stride defaults to the window, padding to `valid`.
-            pub fn new(pool_size: usize) -> Self {
-                Self(Pool2D {
-                    kind: $kind,
-                    window: (pool_size, pool_size),
-                    stride: None,
-                    padding: Padding::Valid,
-                })
-            }
-
-            /// A rectangular `(height, width)` window.
-            pub fn window(mut self, kh: usize, kw: usize) -> Self {
-                self.0.window = (kh, kw);
-                self
-            }
-
-            /// The same stride along both axes.
-            pub fn stride(mut self, stride: usize) -> Self {
-                self.0.stride = Some((stride, stride));
-                self
-            }
-
-            /// `(vertical, horizontal)` strides.
-            pub fn strides(mut self, sh: usize, sw: usize) -> Self {
-                self.0.stride = Some((sh, sw));
-                self
-            }
-
-            /// Border handling.
-            pub fn padding(mut self, padding: Padding) -> Self {
-                self.0.padding = padding;
-                self
-            }
+impl FastPath for PoolLayer {
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        if !self.kernel_takes(x) {
+            return record_with_candle(self, x, false);
         }
+        let replay = self.replay(x)?;
+        let y = replay.output().clone();
+        Ok(record_replay(replay, y))
+    }
 
-        impl LayerSpec for $name {
-            fn kind(&self) -> &'static str {
-                $label
-            }
-
-            fn class_name(&self) -> &'static str {
-                $class
-            }
-
-            fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-                self.0.build(ctx, input_shape)
-            }
-
-            fn clone_spec(&self) -> Box<dyn LayerSpec> {
-                Box::new(self.clone())
-            }
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        if affine.is_some() || self.kind != PoolKind::Max || !self.kernel_takes(x) {
+            return Ok(false);
         }
-    };
+        kernels::max_pool2d_into(x, &self.geometry.kernel_window(), slot)?;
+        Ok(true)
+    }
 }
 
-pooling_layer!(
-    /// Maximum over each window.
-    MaxPooling2D,
-    PoolKind::Max,
-    "max_pooling2d",
-    "MaxPooling2D"
-);
-pooling_layer!(
-    /// Mean over each window.
-    AveragePooling2D,
-    PoolKind::Average,
-    "average_pooling2d",
-    "AveragePooling2D"
-);
+/// A pooling layer over windows of the image, reducing each window as `R` says:
+/// [`MaxPooling2D`] (`R` = [`Max`]) or [`AveragePooling2D`] (`R` = [`Average`]).
+#[derive(Debug, Clone)]
+pub struct Pooling2D<R> {
+    config: Pool2D,
+    reduction: std::marker::PhantomData<R>,
+}
+
+/// Maximum over each window.
+pub type MaxPooling2D = Pooling2D<Max>;
+
+/// Mean over each window.
+pub type AveragePooling2D = Pooling2D<Average>;
+
+/// The reduction of [`MaxPooling2D`]: the maximum of each window.
+#[derive(Debug, Clone, Copy)]
+pub struct Max;
+
+/// The reduction of [`AveragePooling2D`]: the mean of each window.
+#[derive(Debug, Clone, Copy)]
+pub struct Average;
+
+/// How a [`Pooling2D`] reduces a window: [`Max`] or [`Average`] (no other).
+pub trait Reduction: reduction::Sealed + std::fmt::Debug + Clone + Send + Sync + 'static {}
+
+impl Reduction for Max {}
+impl Reduction for Average {}
+
+mod reduction {
+    use super::PoolKind;
+
+    /// What a [`Reduction`](super::Reduction) is to the pooling code; only kandle implements it.
+    pub trait Sealed {
+        /// The reduction.
+        const KIND: PoolKind;
+        /// The layer's kind, for its automatic name.
+        const LABEL: &'static str;
+        /// The Keras class the summary prints.
+        const CLASS: &'static str;
+    }
+
+    impl Sealed for super::Max {
+        const KIND: PoolKind = PoolKind::Max;
+        const LABEL: &'static str = "max_pooling2d";
+        const CLASS: &'static str = "MaxPooling2D";
+    }
+
+    impl Sealed for super::Average {
+        const KIND: PoolKind = PoolKind::Average;
+        const LABEL: &'static str = "average_pooling2d";
+        const CLASS: &'static str = "AveragePooling2D";
+    }
+}
+
+impl<R: Reduction> Pooling2D<R> {
+    /// A square `pool_size` window; the stride defaults to the window, padding to `valid`.
+    pub fn new(pool_size: usize) -> Self {
+        Self {
+            config: Pool2D {
+                kind: R::KIND,
+                window: (pool_size, pool_size),
+                stride: None,
+                padding: Padding::Valid,
+            },
+            reduction: std::marker::PhantomData,
+        }
+    }
+
+    /// A rectangular `(height, width)` window.
+    pub fn window(mut self, kh: usize, kw: usize) -> Self {
+        self.config.window = (kh, kw);
+        self
+    }
+
+    /// The same stride along both axes.
+    pub fn stride(mut self, stride: usize) -> Self {
+        self.config.stride = Some((stride, stride));
+        self
+    }
+
+    /// `(vertical, horizontal)` strides.
+    pub fn strides(mut self, sh: usize, sw: usize) -> Self {
+        self.config.stride = Some((sh, sw));
+        self
+    }
+
+    /// Border handling.
+    pub fn padding(mut self, padding: Padding) -> Self {
+        self.config.padding = padding;
+        self
+    }
+}
+
+impl<R: Reduction> LayerSpec for Pooling2D<R> {
+    fn kind(&self) -> &'static str {
+        R::LABEL
+    }
+
+    fn class_name(&self) -> &'static str {
+        R::CLASS
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        self.config.build(ctx, input_shape)
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
 
 /// Mean over the spatial axes: `(batch, C, H, W)` to `(batch, C)`.
 #[derive(Debug, Clone, Copy, Default)]
@@ -373,7 +412,7 @@ impl LayerSpec for GlobalAveragePooling2D {
         let layer = GlobalPoolLayer {
             kernels: ctx.compute_path().uses_kernels(),
         };
-        Ok(Built::leaf(layer, vec![c]))
+        Ok(Built::fast(layer, vec![c], Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -402,7 +441,9 @@ impl Layer for GlobalAveragePooling2D {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         GlobalPoolLayer { kernels: true }.forward_t(x, train)
     }
+}
 
+impl FastPath for GlobalAveragePooling2D {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         GlobalPoolLayer { kernels: true }.forward_recorded(x)
     }
@@ -415,7 +456,9 @@ impl Layer for GlobalPoolLayer {
         }
         Ok(x.mean((2, 3))?)
     }
+}
 
+impl FastPath for GlobalPoolLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         if !self.kernels || !kernels::supported(x) {
             return record_with_candle(self, x, false);

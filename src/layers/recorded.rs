@@ -126,23 +126,13 @@ impl ParamGrads {
     pub fn take(&mut self, param: &Tensor) -> Option<Tensor> {
         self.grads.remove(&param.id())
     }
-
-    /// How many variables have a gradient.
-    pub fn len(&self) -> usize {
-        self.grads.len()
-    }
-
-    /// Whether no variable has a gradient.
-    pub fn is_empty(&self) -> bool {
-        self.grads.is_empty()
-    }
 }
 
 /// Records `layer` by running it alone under candle's autograd: the input becomes a variable,
 /// and the backward pass differentiates `sum(output * dy)` (or `sum(logits * dy)`), which
 /// gives the input's gradient and every variable's. With `with_logits`, the layer's
 /// [`Layer::forward_with_logits`] runs and its logits are kept; otherwise its
-/// [`Layer::forward_t`]. This is the default of [`Layer::forward_recorded`]; it costs a copy of
+/// [`Layer::forward_t`]. This is the default of [`FastPath::forward_recorded`]; it costs a copy of
 /// the input, so layers with a CPU kernel record their own backward instead.
 pub fn record_with_candle<L: Layer + ?Sized>(
     layer: &L,
@@ -207,6 +197,7 @@ pub(crate) fn missing_input_grad(layer: &str) -> crate::Error {
 
 #[cfg(test)]
 mod tests {
+    use crate::layers::FastPath;
     use candle_core::{Device, Tensor};
 
     use super::ParamGrads;

@@ -1,7 +1,7 @@
 //! `Sequential`: a stack of layers, each feeding the next. It is the model recipe users build,
 //! and also a layer, so stacks nest (an inception branch is a `Sequential` inside a `Concat`).
 //!
-//! When built, a layer followed by a ReLU may absorb it ([`Layer::fuse_relu`]): BatchNorm then
+//! When built, a layer followed by a ReLU may absorb it ([`FastPath::fuse_relu`]): BatchNorm then
 //! Relu runs as one fused kernel. In inference, a convolution folds the BatchNorm (and ReLU)
 //! after it into its own output (see [`super::fold`]). Names, variables and the summary are
 //! those of the recipe.
@@ -9,10 +9,11 @@
 use candle_core::{Device, Tensor};
 
 use super::{
-    check_input, child_names, identity, missing_input_grad, run_layers, run_layers_into, Backward,
+    check_input, child_names, missing_input_grad, run_layers, run_layers_into, Backward,
     BuildContext, Built, ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
     Summary, SummaryRow,
 };
+use super::{FastPath, Identity};
 use crate::params::ParamStore;
 use crate::Result;
 
@@ -144,33 +145,12 @@ impl Sequential {
 
 /// Lets each layer absorb the ReLU that follows it, when it can compute both in one pass
 /// (BatchNorm does). The ReLU keeps its place and name in the stack but passes its input on.
-fn absorb_relus(layers: &mut [(String, Box<dyn Layer>)]) {
+fn absorb_relus(layers: &mut [(String, Box<dyn FastPath>)]) {
     for i in 1..layers.len() {
         let (before, after) = layers.split_at_mut(i);
         if after[0].1.is_relu() && before[i - 1].1.fuse_relu() {
-            after[0].1 = Box::new(Absorbed);
+            after[0].1 = Box::new(Identity);
         }
-    }
-}
-
-/// A layer whose work the previous layer does.
-struct Absorbed;
-
-impl Layer for Absorbed {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        Ok(x.clone())
-    }
-
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        Ok(identity(x))
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        Ok(identity(x))
-    }
-
-    fn passes_through(&self) -> bool {
-        true
     }
 }
 
@@ -207,7 +187,7 @@ pub struct SequentialNet {
     path: String,
     input_shape: Vec<usize>,
     output_shape: Vec<usize>,
-    layers: Vec<(String, Box<dyn Layer>)>,
+    layers: Vec<(String, Box<dyn FastPath>)>,
 }
 
 impl SequentialNet {
@@ -228,7 +208,7 @@ impl SequentialNet {
     }
 
     /// The recorded forward pass through every layer; with `with_logits`, the last layer may
-    /// give logits (see [`Layer::forward_recorded_with_logits`]).
+    /// give logits (see [`FastPath::forward_recorded_with_logits`]).
     fn record(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {
         check_input(&self.path, x, &self.input_shape)?;
         let last = self.layers.len().saturating_sub(1);
@@ -330,7 +310,9 @@ impl Layer for SequentialNet {
         };
         last.forward_with_logits(&run_layers(init, x, train)?, train)
     }
+}
 
+impl FastPath for SequentialNet {
     fn forward_into(
         &self,
         x: &Tensor,

@@ -185,7 +185,7 @@ fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltB
         p.var.set(&value)?;
     }
     Ok(BuiltBn {
-        layer: built.layer,
+        layer: built.into_layer(),
         store,
     })
 }

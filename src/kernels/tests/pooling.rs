@@ -34,7 +34,7 @@ const CASES: &[Case] = &[
 fn run(spec: &dyn LayerSpec, x: &Var, seed: u64) -> anyhow::Result<(Tensor, Tensor)> {
     let mut ctx = BuildContext::new(&Device::Cpu, 0);
     let built = spec.build(&mut ctx, &x.dims()[1..])?;
-    let y = built.layer.forward_t(x.as_tensor(), true)?;
+    let y = built.layer().forward_t(x.as_tensor(), true)?;
     anyhow::ensure!(y.dims()[1..] == built.output_shape[..], "output shape");
     let grads = gradients(&weighted_sum(&y, seed)?, &[x.as_tensor()])?;
     Ok((y, grads[0].clone()))
@@ -63,7 +63,7 @@ fn max_pooling_matches_the_composed_path() -> anyhow::Result<()> {
         // Inference finds the maxima without their positions: the same values.
         let x = random(shape, 50 + i as u64, 0.0)?;
         let mut ctx = BuildContext::new(&Device::Cpu, 0);
-        let layer = spec.build(&mut ctx, &shape[1..])?.layer;
+        let layer = spec.build(&mut ctx, &shape[1..])?.into_layer();
         let (train, infer) = (layer.forward_t(&x, true)?, layer.forward_t(&x, false)?);
         assert_eq!(
             train.flatten_all()?.to_vec1::<f32>()?,

@@ -85,7 +85,7 @@ fn spec_of(kind: &OpKind) -> Result<Box<dyn LayerSpec>> {
 fn build(spec: Box<dyn LayerSpec>, input: &[usize]) -> Result<(Box<dyn Layer>, ParamStore)> {
     let mut ctx = BuildContext::new(&Device::Cpu, 0);
     let built = spec.build(&mut ctx, input)?;
-    Ok((built.layer, ctx.into_store()))
+    Ok((built.into_layer(), ctx.into_store()))
 }
 
 /// A `Concat` layer whose branches return fixed tensors of the given shapes (variables when

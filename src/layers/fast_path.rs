@@ -1,0 +1,127 @@
+//! The fast path of kandle's own layers: their recorded backward passes and how they fuse with
+//! their neighbours, behind one crate-private trait.
+//!
+//! The public [`Layer`] is what a layer author writes. Composites ([`SequentialNet`], the
+//! layers with branches) hold their children as [`FastPath`] objects: kandle's layers implement
+//! it themselves, and any other layer enters through [`Built::leaf`](super::Built::leaf) wrapped
+//! in [`Foreign`], which takes every default (recorded under candle's autograd, no fusion).
+//!
+//! [`SequentialNet`]: super::SequentialNet
+
+use candle_core::Tensor;
+
+use super::{record_with_candle, ChannelAffine, ChannelSlot, Layer, Recorded};
+use crate::Result;
+
+/// What kandle's own layers add to [`Layer`]: a recorded training forward for kandle's backward
+/// pass, and the hooks that let neighbouring layers run as one in inference.
+pub(crate) trait FastPath: Layer + AsLayer {
+    /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]).
+    /// The output is `forward_t(x, true)`'s, without logits. The default runs this layer alone
+    /// under candle's autograd ([`record_with_candle`]); layers with CPU kernels record their
+    /// kernels' backward passes instead.
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        record_with_candle(self, x, false)
+    }
+
+    /// [`Self::forward_recorded`] for the last layer of a network, which may also return the
+    /// logits of a softmax output (as [`Layer::forward_with_logits`] does); the backward pass
+    /// then takes the gradient of the logits. The default keeps the logits the layer gives
+    /// through candle's autograd.
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        record_with_candle(self, x, true)
+    }
+
+    /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
+    fn is_relu(&self) -> bool {
+        false
+    }
+
+    /// Asks the layer to apply `max(y, 0)` to its own output from now on, because a ReLU
+    /// follows it; returns whether it will (the ReLU is then skipped). The default declines.
+    fn fuse_relu(&mut self) -> bool {
+        false
+    }
+
+    /// In inference, the per-channel affine map (and ReLU) this layer applies, when it is one
+    /// that the layer before it may fold into its own output (a BatchNorm with its running
+    /// statistics is); `like` is the input of the layer before, for its device and type.
+    /// `None` by default.
+    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        let _ = like;
+        Ok(None)
+    }
+
+    /// This layer's inference output with `affine` applied to it, computed at once, or `None`
+    /// when the layer cannot fold it in (the default).
+    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
+        let _ = (x, affine);
+        Ok(None)
+    }
+
+    /// Writes this layer's inference output, with `affine` (if any) applied to it, straight
+    /// into `slot`, its channels of a concatenation's output, and returns `true`; or returns
+    /// `false` having written nothing, when it cannot (the default), and the caller copies
+    /// the output [`Layer::forward_t`] gives.
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        let _ = (x, affine, slot);
+        Ok(false)
+    }
+
+    /// Whether, in inference, the layer hands its input on unchanged (a dropout, a ReLU that
+    /// the layer before absorbed), so that the layer before it gives the stack's output.
+    /// `false` by default.
+    fn passes_through(&self) -> bool {
+        false
+    }
+
+    /// Whether the layer came from outside kandle ([`Foreign`]).
+    #[cfg(test)]
+    fn foreign(&self) -> bool {
+        false
+    }
+}
+
+/// A [`FastPath`] object seen as the public [`Layer`] it is.
+pub(crate) trait AsLayer {
+    /// This layer as a [`Layer`].
+    fn as_layer(&self) -> &dyn Layer;
+
+    /// This layer, boxed, as a [`Layer`].
+    fn into_layer(self: Box<Self>) -> Box<dyn Layer>;
+}
+
+impl<L: Layer + 'static> AsLayer for L {
+    fn as_layer(&self) -> &dyn Layer {
+        self
+    }
+
+    fn into_layer(self: Box<Self>) -> Box<dyn Layer> {
+        self
+    }
+}
+
+/// A layer from outside kandle: recorded under candle's autograd, fused with nothing.
+pub(crate) struct Foreign<L>(pub(crate) L);
+
+impl<L: Layer> Layer for Foreign<L> {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.0.forward_t(x, train)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.0.forward_with_logits(x, train)
+    }
+}
+
+impl<L: Layer + 'static> FastPath for Foreign<L> {
+    #[cfg(test)]
+    fn foreign(&self) -> bool {
+        true
+    }
+}

@@ -38,11 +38,6 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
-// Unit tests include test-support files from `tests/support/`, written against the public
-// paths (`kandle::...`) that integration tests use.
-#[cfg(test)]
-extern crate self as kandle;
-
 mod allocator;
 pub mod callbacks;
 pub mod checkpoint;

@@ -12,8 +12,7 @@ use kandle::data::{digits, InMemoryDataset};
 use kandle::params::Weights;
 use kandle::prelude::*;
 
-mod crash_support;
-use crash_support::Crash;
+use kandle_testing::crash::Crash;
 
 fn model() -> kandle::Result<Model> {
     Sequential::new()

@@ -6,9 +6,7 @@ use std::sync::Arc;
 
 use kandle::data::{cifar10, Dataset, Loader, LoaderOptions, MeanImage, RandomShiftFlip, Targets};
 
-#[path = "support/cifar10_fixture.rs"]
-mod cifar10_fixture;
-use cifar10_fixture::write_fixture;
+use kandle_testing::cifar10_fixture::write_fixture;
 
 fn epoch_inputs(loader: &Loader, epoch: usize) -> anyhow::Result<Vec<f32>> {
     std::thread::scope(|s| {

@@ -39,9 +39,7 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
-#[path = "support/cifar10_fixture.rs"]
-mod cifar10_fixture;
-use cifar10_fixture::write_fixture;
+use kandle_testing::cifar10_fixture::write_fixture;
 
 /// Cases per parser when `KANDLE_FUZZ_CASES` is not set: the whole file takes about a minute in
 /// a debug test build on two busy cores.

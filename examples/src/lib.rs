@@ -4,8 +4,7 @@
 //! ([`scaling_model`], [`scaling_plot`]); and a small CIFAR-format set for the benchmarks and
 //! the binaries' tests ([`cifar10_fixture`], shared with kandle's own tests).
 
-#[path = "../../tests/support/cifar10_fixture.rs"]
-pub mod cifar10_fixture;
+pub use kandle_testing::cifar10_fixture;
 pub mod scaling_model;
 pub mod scaling_plot;
 pub mod throughput;

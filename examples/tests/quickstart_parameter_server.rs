@@ -6,9 +6,7 @@
 
 #![cfg(feature = "mpi")]
 
-#[path = "../../strategies/tests/support/launch.rs"]
-#[allow(dead_code)]
-mod launch;
+use kandle_testing::launch;
 
 #[test]
 fn quickstart_reaches_97_percent_with_asynchronous_parameter_servers() -> anyhow::Result<()> {

@@ -661,17 +661,12 @@ mod fetch {
     }
 }
 
-/// The fixture kandle's tests share (`tests/support/`), for this module's tests.
-#[cfg(test)]
-#[path = "../../tests/support/cifar10_fixture.rs"]
-mod cifar10_fixture;
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
-    use super::cifar10_fixture::write_fixture;
+    use kandle_testing::cifar10_fixture::write_fixture;
 
     fn fixture(train: usize, test: usize) -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();

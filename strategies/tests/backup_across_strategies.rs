@@ -11,9 +11,7 @@ use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle_strategies::MirroredStrategy;
 
-#[path = "../../tests/crash_support/mod.rs"]
-mod crash_support;
-use crash_support::Crash;
+use kandle_testing::crash::Crash;
 mod support;
 use support::equivalence_run::Order;
 use support::Reference;

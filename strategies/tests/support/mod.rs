@@ -4,9 +4,7 @@
 // Each test crate uses its own part of the run.
 #[allow(dead_code)]
 pub mod equivalence_run;
-// Only the tests that launch mpirun use it.
-#[allow(dead_code)]
-pub mod launch;
+pub use kandle_testing::launch;
 
 use std::path::Path;
 

@@ -1,12 +1,14 @@
-//! A crash on cue, for the tests of `BackupAndRestore` (here and in `kandle-strategies`, which
-//! includes this file): a callback that fails one training step.
+//! A crash on cue, for the tests of `BackupAndRestore` (kandle's and `kandle-strategies`'): a
+//! callback that fails one training step.
 
 use kandle::callbacks::{Callback, Logs};
 use kandle::Model;
 
 /// Fails the step `at` (epoch, step) once armed: a crash in the middle of an epoch.
 pub struct Crash {
+    /// The `(epoch, step)` to fail, or `None` for a run that does not crash.
     pub at: Option<(usize, usize)>,
+    /// The epoch under way (set as each epoch begins; start it at 0).
     pub epoch: usize,
 }
 

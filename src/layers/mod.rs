@@ -40,6 +40,8 @@ mod device_generic_tests;
 mod dropout;
 mod flatten;
 mod fold;
+#[cfg(test)]
+mod kernel_path_tests;
 mod pooling;
 mod recorded;
 mod sequential;

@@ -586,7 +586,7 @@ impl Winograd {
     #[allow(unsafe_code)]
     fn transform(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::simd::avx2_fma() {
+        if crate::simd::avx2_fma() {
             // SAFETY: the CPU has AVX2, checked just above.
             unsafe { self.transform_avx2(job, tiles, width) };
             return;

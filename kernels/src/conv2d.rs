@@ -19,7 +19,7 @@
 //! the zeros a dilated transposed convolution would multiply.
 //!
 //! [`conv2d_backward`] returns all three gradients at once, for a caller that runs its own
-//! backward pass ([`crate::layers::Recorded`]). The gradient ops are not themselves
+//! backward pass (kandle's recorded training forward, `Recorded`). The gradient ops are not themselves
 //! differentiable (no second derivatives).
 
 mod cache;

@@ -47,6 +47,9 @@ pub fn keep_freed_memory() -> bool {
     *APPLIED.get_or_init(apply)
 }
 
+/// Raises glibc's `mmap` and trim thresholds; whether both took. The one item of kandle that
+/// uses `unsafe` (`mallopt` is a C function): it allows `unsafe_code`, which the crate root
+/// denies everywhere else, and each call says why it is sound.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn apply() -> bool {

@@ -108,6 +108,17 @@ impl Error {
     }
 }
 
+/// The CPU kernels' errors, as kandle reports them: the same variant, the same message.
+impl From<kandle_kernels::Error> for Error {
+    fn from(e: kandle_kernels::Error) -> Self {
+        match e {
+            kandle_kernels::Error::Candle(e) => Error::Candle(e),
+            kandle_kernels::Error::InvalidInput(msg) => Error::InvalidInput(msg),
+            other => Error::InvalidInput(other.to_string()),
+        }
+    }
+}
+
 /// Formats a shape with the batch dimension shown as `batch`, as in error messages.
 pub(crate) fn shape_with_batch(dims: &[usize]) -> String {
     let inner: Vec<String> = dims.iter().map(|d| d.to_string()).collect();

@@ -38,6 +38,10 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+// The one item that needs `unsafe` (the allocator setting, `mallopt`) allows it itself, with
+// its SAFETY comments; the CPU kernels' unsafe code lives in the `kandle-kernels` crate.
+#![deny(unsafe_code)]
+
 mod allocator;
 pub mod callbacks;
 pub mod checkpoint;
@@ -46,7 +50,6 @@ mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;
-mod kernels;
 pub mod layers;
 pub mod losses;
 pub mod metrics;
@@ -62,7 +65,23 @@ pub mod training_state;
 pub use allocator::keep_freed_memory;
 pub use compute_path::ComputePath;
 pub use error::{Error, Result};
-pub use kernels::simd::SimdLevel;
+/// The CPU kernels the layers call for `f32` tensors on the CPU (the `kandle-kernels` crate).
+use kandle_kernels as kernels;
+/// The vector instruction sets kandle's CPU kernels run; a cap on them (`KANDLE_MAX_SIMD`, or
+/// [`SimdLevel::set_cap`]) makes a CPU with AVX-512 run the AVX2 kernels.
+///
+/// ```
+/// use kandle::SimdLevel;
+///
+/// assert!(SimdLevel::in_use() <= SimdLevel::detected());
+/// assert_eq!("avx2".parse::<SimdLevel>()?, SimdLevel::Avx2);
+/// assert!("avx1024".parse::<SimdLevel>().is_err());
+///
+/// SimdLevel::Avx2.set_cap();
+/// assert!(SimdLevel::in_use() <= SimdLevel::Avx2);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+pub use kandle_kernels::SimdLevel;
 
 /// The README's code, compiled as a doc test so it stays true.
 #[cfg(doctest)]

@@ -213,7 +213,7 @@ impl BatchNormLayer {
     /// scale and shift, which stay differentiable in `weight` and `bias`.
     fn affine_with_running_stats(&self, x: &Tensor) -> Result<Tensor> {
         let (scale, shift) = self.running_affine()?;
-        kernels::channel_affine(x, &scale, &shift, self.relu)
+        Ok(kernels::channel_affine(x, &scale, &shift, self.relu)?)
     }
 
     /// The per-channel scale and shift of inference: the running statistics, then `weight`

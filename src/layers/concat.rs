@@ -94,7 +94,7 @@ struct ConcatLayer {
 /// it takes them.
 fn join(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
     match outs {
-        [a, b] if kernels && concat::supported(a, b) => concat::concat_channels(a, b),
+        [a, b] if kernels && concat::supported(a, b) => Ok(concat::concat_channels(a, b)?),
         _ => Ok(Tensor::cat(outs, 1)?),
     }
 }
@@ -102,7 +102,7 @@ fn join(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
 /// Channels `offset .. offset + channels` of the gradient `dy`, contiguous.
 fn channels_of(dy: &Tensor, offset: usize, channels: usize, kernels: bool) -> Result<Tensor> {
     if kernels && dy.device().is_cpu() && dy.dtype() == candle_core::DType::F32 {
-        return concat::channel_slice(dy, offset, channels);
+        return Ok(concat::channel_slice(dy, offset, channels)?);
     }
     Ok(dy.narrow(1, offset, channels)?.contiguous()?)
 }
@@ -122,7 +122,7 @@ impl ConcatLayer {
             }
             offset += channels;
         }
-        out.into_tensor()
+        Ok(out.into_tensor()?)
     }
 }
 

@@ -208,7 +208,8 @@ impl Conv2DLayer {
     fn convolve(&self, x: &Tensor) -> Result<Tensor> {
         if self.kernel_takes(x) {
             let bias = self.bias.as_ref();
-            return kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad);
+            let y = kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad)?;
+            return Ok(y);
         }
         let y = self.candle_conv(x)?;
         Ok(match &self.bias {

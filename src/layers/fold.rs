@@ -54,7 +54,7 @@ pub(crate) fn run_layers_into(
         }
         h = step.run(&h, false)?;
     }
-    slot.copy_from(&h)
+    Ok(slot.copy_from(&h)?)
 }
 
 /// A layer of a stack, with its name.

@@ -44,6 +44,8 @@ mod fast_path;
 mod flatten;
 mod fold;
 mod identity;
+#[cfg(test)]
+mod kernel_path_tests;
 mod pooling;
 mod recorded;
 mod sequential;

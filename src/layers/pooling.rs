@@ -202,8 +202,8 @@ impl PoolLayer {
     fn replay(&self, x: &Tensor) -> Result<Replay1> {
         let window = self.geometry.kernel_window();
         match self.kind {
-            PoolKind::Max => kernels::max_pool2d_replay(x, &window),
-            PoolKind::Average => kernels::avg_pool2d_replay(x, &window),
+            PoolKind::Max => Ok(kernels::max_pool2d_replay(x, &window)?),
+            PoolKind::Average => Ok(kernels::avg_pool2d_replay(x, &window)?),
         }
     }
 }
@@ -229,7 +229,7 @@ impl Layer for PoolLayer {
         if self.kernel_takes(x) {
             if !train && self.kind == PoolKind::Max {
                 // No backward pass is expected: the maxima alone (one still works if it comes).
-                return kernels::max_pool2d(x, &g.kernel_window());
+                return Ok(kernels::max_pool2d(x, &g.kernel_window())?);
             }
             return Ok(self.replay(x)?.output().clone());
         }

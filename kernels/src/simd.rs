@@ -28,7 +28,7 @@ const CAP_ENV: &str = "KANDLE_MAX_SIMD";
 /// covers kandle's kernels only: the `gemm` crate behind some matrix products picks its own.
 ///
 /// ```
-/// use kandle::SimdLevel;
+/// use kandle_kernels::SimdLevel;
 ///
 /// assert!(SimdLevel::in_use() <= SimdLevel::detected());
 /// assert_eq!("avx2".parse::<SimdLevel>()?, SimdLevel::Avx2);
@@ -36,7 +36,7 @@ const CAP_ENV: &str = "KANDLE_MAX_SIMD";
 ///
 /// SimdLevel::Avx2.set_cap();
 /// assert!(SimdLevel::in_use() <= SimdLevel::Avx2);
-/// # Ok::<(), kandle::Error>(())
+/// # Ok::<(), kandle_kernels::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum SimdLevel {

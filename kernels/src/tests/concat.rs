@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::support::{gradients, random, random_var, weighted_sum};
-use crate::kernels::concat::{channel_slice, concat_channels, supported};
+use crate::concat::{channel_slice, concat_channels, supported};
 
 #[test]
 fn joins_like_cat_with_the_same_gradients() -> anyhow::Result<()> {
@@ -93,9 +93,9 @@ fn parts_that_do_not_fit_are_errors() -> anyhow::Result<()> {
 
 #[test]
 fn parts_write_their_channels_in_place() -> anyhow::Result<()> {
-    use crate::kernels::concat::ConcatOutput;
-    use crate::kernels::conv2d::{conv2d_affine, conv2d_affine_into, FoldedAffine};
-    use crate::kernels::pooling::{max_pool2d, max_pool2d_into, PoolWindow};
+    use crate::concat::ConcatOutput;
+    use crate::conv2d::{conv2d_affine, conv2d_affine_into, FoldedAffine};
+    use crate::pooling::{max_pool2d, max_pool2d_into, PoolWindow};
 
     // 12x12 planes one image per task; 7x7 planes several images to a GEMM (the 1x1), and
     // Winograd's lanes spanning images (the 3x3).

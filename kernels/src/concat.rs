@@ -3,7 +3,7 @@
 //!
 //! Candle's `cat` and `narrow(..).contiguous()` copy on one thread into a zeroed buffer; here
 //! each plane of the result is copied once, by the pool's threads, from the plane of the part
-//! that holds it ([`super::output::by_plane`]). [`concat_channels`] is a custom op whose backward
+//! that holds it (`output::by_plane`). [`concat_channels`] is a custom op whose backward
 //! hands autograd each part's channels of the output gradient (views, as candle's `cat` does);
 //! a recorded backward pass cuts them with [`channel_slice`].
 //!

@@ -27,17 +27,17 @@ pub(crate) fn nc_plane(dims: &[usize]) -> (usize, usize, usize) {
     (n, c, s)
 }
 
-#[cfg(test)]
+#[cfg(feature = "test-support")]
 thread_local! {
     /// How many times, on this thread, a kernel has borrowed a tensor's data through
     /// [`f32_data`]: every kernel does, forward and backward, on the thread that runs the op,
     /// so a count that does not move means no kernel ran. Per thread, so that tests running
-    /// side by side do not count each other's kernels. Counted in test builds only.
+    /// side by side do not count each other's kernels. Counted with the `test-support` feature only.
     static DATA_READS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// The current value of [`DATA_READS`] on this thread.
-#[cfg(test)]
+#[cfg(feature = "test-support")]
 pub(crate) fn data_reads() -> usize {
     DATA_READS.with(std::cell::Cell::get)
 }
@@ -48,7 +48,7 @@ pub(crate) fn f32_data<'a>(
     storage: &'a CpuStorage,
     layout: &Layout,
 ) -> candle_core::Result<&'a [f32]> {
-    #[cfg(test)]
+    #[cfg(feature = "test-support")]
     DATA_READS.with(|reads| reads.set(reads.get() + 1));
     match (storage, layout.contiguous_offsets()) {
         (CpuStorage::F32(data), Some((start, end))) => Ok(&data[start..end]),

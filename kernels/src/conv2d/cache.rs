@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::passes::Lowered;
+use super::lowered::Lowered;
 use super::plan::Plan;
 
 /// The last lowered kernel of one convolution (a layer keeps one), with the values it was

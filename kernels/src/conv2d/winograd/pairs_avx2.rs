@@ -106,7 +106,7 @@ pub(super) fn padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &Padde
 /// Whether the kernels may use AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 fn avx2_fma() -> bool {
-    crate::kernels::simd::avx2_fma()
+    crate::simd::avx2_fma()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -118,7 +118,7 @@ mod avx2 {
     };
 
     use super::{SIDE, TILE};
-    use crate::kernels::conv2d::microkernel::avx2::mask;
+    use crate::conv2d::microkernel::avx2::mask;
 
     /// [`super::padded_plane`].
     ///

@@ -19,11 +19,13 @@
 //! the zeros a dilated transposed convolution would multiply.
 //!
 //! [`conv2d_backward`] returns all three gradients at once, for a caller that runs its own
-//! backward pass ([`crate::layers::Recorded`]). The gradient ops are not themselves
+//! backward pass (kandle's recorded training forward, `Recorded`). The gradient ops are not themselves
 //! differentiable (no second derivatives).
 
 mod cache;
+mod epilogue;
 mod gemm;
+mod lowered;
 mod microkernel;
 mod passes;
 mod plan;
@@ -36,6 +38,7 @@ use super::output::PartedOutput;
 use super::planes::{f32_data, with_f32};
 use crate::{Error, Result};
 pub use cache::KernelCache;
+use epilogue::Epilogue;
 use passes::Conv;
 
 const FORWARD: &str = "conv2d";
@@ -143,7 +146,7 @@ pub fn conv2d_affine_into(
         with_f32(FORWARD, w, |w| {
             with_f32(FORWARD, &channels, |channels| {
                 let (scale, shift) = channels.split_at(conv.o);
-                let epilogue = passes::Epilogue {
+                let epilogue = Epilogue {
                     scale: Some(scale),
                     bias: Some(shift),
                     relu: affine.relu,
@@ -414,7 +417,7 @@ impl Forward {
         &self,
         (xs, xl): (&CpuStorage, &Layout),
         (ws, wl): (&CpuStorage, &Layout),
-        epilogue: passes::Epilogue<'_>,
+        epilogue: Epilogue<'_>,
         cache: Option<&KernelCache>,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let conv = forward_geometry(xl.dims(), wl.dims(), (self.stride, self.padding))
@@ -494,7 +497,7 @@ impl CustomOp2 for Forward {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.run((xs, xl), (ws, wl), passes::Epilogue::default(), None)
+        self.run((xs, xl), (ws, wl), Epilogue::default(), None)
     }
 
     fn bwd(
@@ -524,7 +527,7 @@ impl CustomOp3 for Forward {
         bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         check_bias(bl.dims(), wl.dims()).map_err(candle_core::Error::Msg)?;
-        let bias = passes::Epilogue {
+        let bias = Epilogue {
             bias: Some(f32_data(FORWARD, bs, bl)?),
             ..Default::default()
         };
@@ -572,7 +575,7 @@ impl CustomOp3 for AffineForward<'_> {
         self.window.run(
             (xs, xl),
             (ws, wl),
-            passes::Epilogue {
+            Epilogue {
                 scale: Some(scale),
                 bias: Some(shift),
                 relu: self.relu,

@@ -5,4 +5,5 @@ mod batch_norm;
 mod concat;
 mod conv2d;
 mod pooling;
-mod support;
+
+use crate::test_support as support;

@@ -1,6 +1,6 @@
-//! What the kernel tests share: seeded random tensors, gradients of a weighted sum, and
-//! closeness checks that name what differs.
-#![allow(dead_code)]
+//! What the kernel tests, and kandle's tests of the layers that call the kernels, share: seeded
+//! random tensors, gradients of a weighted sum, and closeness checks that name what differs.
+//! Only in this crate's tests and with the `test-support` feature.
 
 use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;

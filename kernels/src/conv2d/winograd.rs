@@ -24,9 +24,9 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use super::super::output::ImagesMut;
+use super::epilogue::{self, Epilogue};
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedStack, MR, NR};
-use super::passes::{self, Epilogue};
 use super::plan::Plan;
 
 mod pairs_avx2;
@@ -586,7 +586,7 @@ impl Winograd {
     #[allow(unsafe_code)]
     fn transform(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::simd::avx2_fma() {
+        if crate::simd::avx2_fma() {
             // SAFETY: the CPU has AVX2, checked just above.
             unsafe { self.transform_avx2(job, tiles, width) };
             return;
@@ -712,7 +712,7 @@ impl Winograd {
                             for r in 0..rows {
                                 for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
                                     image[r * wo + k] =
-                                        if relu { passes::relu(yv[l]) } else { yv[l] };
+                                        if relu { epilogue::relu(yv[l]) } else { yv[l] };
                                 }
                             }
                         }

@@ -1,5 +1,5 @@
-//! Custom ops kept after their forward pass, so that kandle's own backward pass
-//! ([`crate::layers::Recorded`]) calls their `bwd` directly instead of going through candle's
+//! Custom ops kept after their forward pass, so that a caller's own backward pass (kandle's
+//! recorded training forward, `Recorded`) calls their `bwd` directly instead of going through candle's
 //! autograd. Applying an op this way also records it in candle's graph when an operand is a
 //! variable, so the public, autograd-facing functions share the same code.
 
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{CustomOp1, CustomOp3, Tensor};
 
 /// A unary op applied to `input`, with its output.
-pub(crate) struct Replay1 {
+pub struct Replay1 {
     op: Arc<Box<dyn CustomOp1 + Send + Sync>>,
     input: Tensor,
     output: Tensor,
@@ -30,18 +30,18 @@ impl Replay1 {
     }
 
     /// The op's result.
-    pub(crate) fn output(&self) -> &Tensor {
+    pub fn output(&self) -> &Tensor {
         &self.output
     }
 
     /// The gradient of the input, from the gradient of the output.
-    pub(crate) fn backward(&self, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    pub fn backward(&self, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
         self.op.bwd(&self.input, &self.output, dy)
     }
 }
 
 /// A ternary op applied to three operands, with its output.
-pub(crate) struct Replay3 {
+pub struct Replay3 {
     op: Arc<Box<dyn CustomOp3 + Send + Sync>>,
     operands: [Tensor; 3],
     output: Tensor,
@@ -63,12 +63,12 @@ impl Replay3 {
     }
 
     /// The op's result.
-    pub(crate) fn output(&self) -> &Tensor {
+    pub fn output(&self) -> &Tensor {
         &self.output
     }
 
     /// The gradients of the three operands, from the gradient of the output.
-    pub(crate) fn backward(
+    pub fn backward(
         &self,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {

@@ -62,7 +62,7 @@ pub fn batch_norm_train(
 
 /// [`batch_norm_train`], kept for calling its backward pass directly; the backward gives the
 /// gradients of `x`, the weight and the bias (of ones and zeros when those are missing).
-pub(crate) fn batch_norm_train_replay(
+pub fn batch_norm_train_replay(
     x: &Tensor,
     weight: Option<&Tensor>,
     bias: Option<&Tensor>,
@@ -559,7 +559,7 @@ fn select(mask: u32, on: f32, off: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::simd::Width;
+    use crate::simd::Width;
 
     /// Deterministic values in `[-2, 2)`.
     fn values(len: usize, seed: u32) -> Vec<f32> {

@@ -13,8 +13,10 @@ use rayon::prelude::*;
 
 use super::super::output::{ImagesMut, PartedOutput};
 use super::cache::KernelCache;
+use super::epilogue::Epilogue;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
-use super::microkernel::{self, PackedLhs, Start, Write};
+use super::lowered::{Lowered, PackedKernel};
+use super::microkernel::{self, Start, Write};
 use super::plan::{Operand, Plan};
 use super::winograd::{self, Winograd};
 
@@ -224,44 +226,6 @@ fn for_each_tile_gemm(
     Ok(())
 }
 
-/// A kernel packed for the GEMMs of a plan: [`Plan::pack`]'s `[call][o][depth]`, as the `gemm`
-/// crate reads it, and on CPUs where [`microkernel`] runs the products, the same in its
-/// panels, one per call. The micro-kernel runs on one thread, so a GEMM split over the pool
-/// (fewer images than threads) goes to `gemm`, as does a tile of positions that would leave
-/// much of the micro-kernel's last block of columns empty.
-pub(crate) struct PackedKernel {
-    gemm: Vec<f32>,
-    panels: Vec<PackedLhs>,
-}
-
-impl PackedKernel {
-    /// The kernel whose tap `(o, c, ky, kx)` is `tap(o, c, ky, kx)`, packed for `plan`.
-    fn new(
-        plan: &Plan,
-        tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
-    ) -> candle_core::Result<Self> {
-        let gemm = plan.pack(tap);
-        let per_call = plan.o * plan.depth();
-        let panels = if microkernel::preferred() && per_call > 0 {
-            let calls = gemm.chunks_exact(per_call);
-            calls
-                .map(|w| PackedLhs::new(w, plan.o, plan.depth()))
-                .collect::<candle_core::Result<_>>()?
-        } else {
-            Vec::new()
-        };
-        Ok(Self { gemm, panels })
-    }
-
-    /// A placeholder for a plan lowered otherwise (to Winograd's).
-    fn none() -> Self {
-        Self {
-            gemm: Vec::new(),
-            panels: Vec::new(),
-        }
-    }
-}
-
 /// `out = correlate(x, kernel) + bias` for one image, `bias` one value per output channel
 /// (none: zero), or `out +=` that when `into`; then the epilogue's ReLU, if any (its scale is
 /// the kernel's already).
@@ -356,40 +320,6 @@ fn correlate_image(
         epilogue.finish(out);
     }
     Ok(())
-}
-
-/// What the forward pass does to each output channel `o` besides the correlation:
-/// `y[o] = scale[o] * (x ⋆ w)[o] + bias[o]`, then `max(y, 0)` when `relu`. A missing `scale`
-/// is one and a missing `bias` zero. The scale is applied to the kernel's taps, and the ReLU
-/// as the outputs are written (by the micro-kernel, Winograd's output transform, or the copy
-/// out of a group's products), so neither costs a pass over memory.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Epilogue<'a> {
-    pub scale: Option<&'a [f32]>,
-    pub bias: Option<&'a [f32]>,
-    pub relu: bool,
-}
-
-impl Epilogue<'_> {
-    /// Applies the ReLU, if any, to finished outputs (a NaN stays a NaN): for outputs no
-    /// fused write took it.
-    fn finish(&self, y: &mut [f32]) {
-        if self.relu {
-            for v in y {
-                *v = relu(*v);
-            }
-        }
-    }
-}
-
-/// `max(v, 0)`, a NaN staying a NaN.
-#[inline(always)]
-pub(crate) fn relu(v: f32) -> f32 {
-    if v < 0.0 {
-        0.0
-    } else {
-        v
-    }
 }
 
 /// Columns a GEMM of [`correlate_group`] aims for: enough for the micro-kernel's column blocks
@@ -516,26 +446,6 @@ pub(crate) fn input_grad_adds_in_place(conv: &Conv) -> bool {
             .phase_plan(0, 0)
             .is_some_and(|(plan, _)| Winograd::suits(&plan));
     !winograd
-}
-
-/// A forward kernel lowered for its plan: Winograd's transformed taps, or the direct
-/// correlation's packed ones.
-pub(crate) enum Lowered {
-    Winograd(Winograd),
-    Direct(PackedKernel),
-}
-
-impl Lowered {
-    /// The kernel whose tap `(o, c, ky, kx)` is `tap(o, c, ky, kx)`, lowered for `plan`.
-    fn new(
-        plan: &Plan,
-        tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync,
-    ) -> candle_core::Result<Self> {
-        Ok(match Winograd::new(plan, &tap) {
-            Some(wino) => Self::Winograd(wino),
-            None => Self::Direct(PackedKernel::new(plan, tap)?),
-        })
-    }
 }
 
 /// The forward pass: `y (n, o, ho, wo)` from `x (n, c, h, w)` and `w (o, c, kh, kw)`, with

@@ -32,7 +32,7 @@ pub(crate) const NR: usize = 16;
 /// Whether this CPU runs [`product`]: x86-64 with AVX2 and FMA, which the SIMD cap allows
 /// ([`SimdLevel`](crate::SimdLevel)).
 pub(crate) fn supported() -> bool {
-    crate::kernels::simd::avx2_fma()
+    crate::simd::avx2_fma()
 }
 
 /// Whether the convolutions run their products here: the kernels run AVX2

@@ -82,7 +82,7 @@ pub fn max_pool2d_into(x: &Tensor, window: &PoolWindow, slot: &mut ChannelSlot<'
 
 /// [`max_pool2d`] recording where each maximum is as it runs, for a backward pass that follows,
 /// kept for calling that backward pass directly.
-pub(crate) fn max_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
+pub fn max_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
     let op = MaxPool::new(Plan::new(MAX_OP, x, window)?, true);
     Ok(Replay1::apply(&x.contiguous()?, op)?)
 }
@@ -94,7 +94,7 @@ pub fn avg_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
 }
 
 /// [`avg_pool2d`], kept for calling its backward pass directly.
-pub(crate) fn avg_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
+pub fn avg_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
     let plan = Plan::new(AVG_OP, x, window)?;
     Ok(Replay1::apply(&x.contiguous()?, AvgPool { plan })?)
 }

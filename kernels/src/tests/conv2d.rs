@@ -1,7 +1,7 @@
 //! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
 //! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
 
-use crate::kernels::conv2d::{
+use crate::conv2d::{
     conv2d, conv2d_affine, conv2d_backward, conv2d_input_grad, conv2d_weight_grad,
     input_grad_adds_in_place, FoldedAffine, KernelCache,
 };
@@ -489,7 +489,7 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> anyhow::Result<Tensor>) -> anyh
 /// Times the three passes of every convolution of MiniGoogLeNet at batch 64 against candle's
 /// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
 /// `conv2d` for the kernel). Run with
-/// `cargo test --release -p kandle --test kernels_conv2d -- --ignored --nocapture`.
+/// `cargo test --release -p kandle-kernels --lib timings_mini_googlenet -- --ignored --nocapture`.
 #[test]
 #[ignore = "timing, run by hand in a release build"]
 fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {

@@ -1,0 +1,208 @@
+//! The BatchNorm layer's fused path (the kernels) against its composed one (the
+//! `SyncBatchNorm` code path over a single replica), moving statistics and inference included;
+//! and a `Sequential` that lets BatchNorm absorb the ReLU after it against one that does not.
+
+use std::sync::Arc;
+
+use super::support::{assert_close, gradients, random, random_var, weighted_sum};
+use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
+use crate::layers::{
+    Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
+    SequentialNet,
+};
+use candle_core::Device;
+use candle_core::Var;
+
+/// `(shape, mean offset, seed)`: odd sizes, batch 1, one channel, a single value per channel,
+/// flat features, planes the kernels walk channel by channel and planes they stream (the shapes
+/// of the kernels' own tests), with means small enough for the composed path, which sums in
+/// `f32`, to keep its precision.
+const CASES: &[(&[usize], f32, u64)] = &[
+    (&[2, 3, 5, 7], 0.0, 200),
+    (&[1, 1, 4, 4], 0.5, 210),
+    (&[4, 6, 3, 3], -2.0, 220),
+    (&[3, 5, 1, 1], 0.0, 230),
+    (&[1, 4, 1, 1], 0.0, 240),
+    (&[7, 5], 1.0, 250),
+    (&[5, 3, 7, 7], 0.0, 270),
+    (&[6, 16, 7, 7], 0.0, 280),
+    (&[2, 5, 33, 33], -1.0, 300),
+];
+
+/// A group of one replica: its sums are its own values, so `SyncBatchNorm` runs the composed
+/// path on exactly this replica's batch.
+struct Alone;
+
+impl ReplicaGroup for Alone {
+    fn all_reduce_sum(&self, _replica: usize, values: Vec<f32>) -> crate::Result<Vec<f32>> {
+        Ok(values)
+    }
+}
+
+struct BuiltBn {
+    layer: Box<dyn Layer>,
+    store: crate::params::ParamStore,
+}
+
+fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltBn> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    if composed {
+        ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
+    }
+    let built = BatchNormalization::new()
+        .momentum(0.9)
+        .build(&mut ctx, &shape[1..])?;
+    let store = ctx.into_store();
+    let c = shape[1];
+    for (name, offset, s) in [
+        ("weight", 1.0, 1),
+        ("bias", 0.0, 2),
+        ("running_mean", 0.0, 3),
+        ("running_var", 1.5, 4),
+    ] {
+        let p = store
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
+        let value = random(&[c], seed + s, offset)?;
+        p.var.set(&value)?;
+    }
+    Ok(BuiltBn {
+        layer: built.layer,
+        store,
+    })
+}
+
+fn param(store: &crate::params::ParamStore, name: &str) -> anyhow::Result<Var> {
+    Ok(store
+        .get(name)
+        .ok_or_else(|| anyhow::anyhow!("no {name}"))?
+        .var
+        .clone())
+}
+
+#[test]
+fn layer_fused_path_matches_composed_path_with_moving_statistics() -> anyhow::Result<()> {
+    for &(shape, offset, seed) in CASES {
+        let fused = build_bn(shape, false, seed)?;
+        let composed = build_bn(shape, true, seed)?;
+        for step in 0..2u64 {
+            let x = random_var(shape, seed + 5 + step, offset)?;
+            let mut outputs = Vec::new();
+            for bn in [&fused, &composed] {
+                let y = bn.layer.forward_t(x.as_tensor(), true)?;
+                let (w, b) = (param(&bn.store, "weight")?, param(&bn.store, "bias")?);
+                let grads = gradients(
+                    &weighted_sum(&y, seed + 7)?,
+                    &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+                )?;
+                outputs.push((y, grads));
+            }
+            let what = |part: &str| format!("{part} of {shape:?}, step {step}");
+            assert_close(&what("y"), &outputs[0].0, &outputs[1].0, 1e-5)?;
+            for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                .iter()
+                .zip(outputs[0].1.iter().zip(&outputs[1].1))
+            {
+                assert_close(&what(name), g, r, 1e-4)?;
+            }
+            for name in ["running_mean", "running_var"] {
+                let got = param(&fused.store, name)?;
+                let want = param(&composed.store, name)?;
+                assert_close(&what(name), got.as_tensor(), want.as_tensor(), 1e-5)?;
+            }
+        }
+        // Inference uses the moving statistics, differentiably in the input and parameters.
+        let x = random_var(shape, seed + 9, offset)?;
+        let mut outputs = Vec::new();
+        for bn in [&fused, &composed] {
+            let y = bn.layer.forward_t(x.as_tensor(), false)?;
+            let w = param(&bn.store, "weight")?;
+            let grads = gradients(&weighted_sum(&y, seed)?, &[x.as_tensor(), w.as_tensor()])?;
+            outputs.push((y, grads));
+        }
+        assert_close("inference y", &outputs[0].0, &outputs[1].0, 1e-5)?;
+        assert_close("inference dx", &outputs[0].1[0], &outputs[1].1[0], 1e-5)?;
+        assert_close(
+            "inference dweight",
+            &outputs[0].1[1],
+            &outputs[1].1[1],
+            1e-4,
+        )?;
+    }
+    Ok(())
+}
+
+/// Builds `net` for `shape` (optionally as the only replica of a `SyncBatchNorm` group, which
+/// takes the composed path) with seeded random values for every BatchNorm variable.
+fn build_net(
+    net: &Sequential,
+    shape: &[usize],
+    composed: bool,
+) -> anyhow::Result<(SequentialNet, crate::params::ParamStore)> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    if composed {
+        ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
+    }
+    let (net, store, _) = net.build_in(ctx, &shape[1..])?;
+    for (i, p) in store.iter().enumerate() {
+        let offset = if p.name.ends_with("var") { 1.5 } else { 0.0 };
+        p.var.set(&random(p.var.dims(), 300 + i as u64, offset)?)?;
+    }
+    Ok((net, store))
+}
+
+#[test]
+fn sequential_absorbs_relu_into_batch_norm_keeping_names_and_results() -> anyhow::Result<()> {
+    let shape = [3, 4, 5, 6];
+    let bn_relu = Sequential::new()
+        .add(BatchNormalization::new().named("bn"))
+        .add(Activation::Relu.named("relu"));
+    let bn_alone = Sequential::new().add(BatchNormalization::new().named("bn"));
+
+    let summary = bn_relu.summary(&shape[1..])?;
+    let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["bn", "relu"]);
+    assert_eq!((summary.trainable, summary.non_trainable), (8, 8));
+
+    let (fused, fused_store) = build_net(&bn_relu, &shape, false)?;
+    let (composed, composed_store) = build_net(&bn_relu, &shape, true)?;
+    let (plain, plain_store) = build_net(&bn_alone, &shape, false)?;
+    assert_eq!(fused.layer_names().collect::<Vec<_>>(), ["bn", "relu"]);
+
+    for train in [true, false] {
+        let x = random_var(&shape, 9, 0.3)?;
+        let mut results = Vec::new();
+        for (net, store, relu_after) in [
+            (&fused, &fused_store, false),
+            (&composed, &composed_store, false),
+            (&plain, &plain_store, true),
+        ] {
+            let y = net.forward_t(x.as_tensor(), train)?;
+            let y = if relu_after { y.relu()? } else { y };
+            let (w, b) = (param(store, "bn.weight")?, param(store, "bn.bias")?);
+            let grads = gradients(
+                &weighted_sum(&y, 11)?,
+                &[x.as_tensor(), w.as_tensor(), b.as_tensor()],
+            )?;
+            let stats = [
+                param(store, "bn.running_mean")?.as_tensor().clone(),
+                param(store, "bn.running_var")?.as_tensor().clone(),
+            ];
+            results.push((y, grads, stats));
+        }
+        for other in &results[1..] {
+            let what = |part: &str| format!("{part} (train {train})");
+            assert_close(&what("y"), &results[0].0, &other.0, 1e-5)?;
+            for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                .iter()
+                .zip(results[0].1.iter().zip(&other.1))
+            {
+                assert_close(&what(name), g, r, 1e-4)?;
+            }
+            for (g, r) in results[0].2.iter().zip(&other.2) {
+                assert_close(&what("moving statistics"), g, r, 1e-5)?;
+            }
+        }
+    }
+    Ok(())
+}

@@ -36,7 +36,8 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
-use std::fmt::Debug;
+use std::fmt::{self, Debug};
+use std::marker::PhantomData;
 
 use candle_core::{DType, Tensor, D};
 
@@ -132,35 +133,114 @@ fn check_dense_targets(loss: &str, targets: &Targets, output_shape: &[usize]) ->
     }
 }
 
-/// A cross-entropy loss type with Keras's `from_logits` option, and its constructors.
-macro_rules! cross_entropy {
-    ($(#[$doc:meta])* $name:ident) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-        pub struct $name {
-            from_logits: bool,
-        }
-
-        impl $name {
-            /// From probabilities.
-            pub fn new() -> Self {
-                Self::default()
-            }
-
-            /// Whether the model outputs logits rather than probabilities (default false).
-            pub fn from_logits(mut self, from_logits: bool) -> Self {
-                self.from_logits = from_logits;
-                self
-            }
-        }
-    };
+/// A cross-entropy loss with Keras's `from_logits` option, `K` saying what it compares:
+/// [`CategoricalCrossentropy`] (`K` = [`Categorical`]), [`SparseCategoricalCrossentropy`]
+/// (`K` = [`SparseCategorical`]) or [`BinaryCrossentropy`] (`K` = [`Binary`]).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use kandle::losses::{Loss, SparseCategoricalCrossentropy};
+///
+/// let logits = Tensor::new(&[[0f32, 0.]], &Device::Cpu)?;
+/// let label = Tensor::new(&[1u32], &Device::Cpu)?;
+/// let loss = SparseCategoricalCrossentropy::new().from_logits(true);
+/// let value = loss.call(&label, &logits)?.to_vec1::<f32>()?[0];
+/// assert!((value - 2f32.ln()).abs() < 1e-6);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct CrossEntropy<K> {
+    from_logits: bool,
+    kind: PhantomData<K>,
 }
 
-cross_entropy!(
-    /// Cross-entropy between one-hot (or soft) targets and predicted class probabilities (or
-    /// logits, with [`from_logits`](Self::from_logits)). Keras's `CategoricalCrossentropy`.
-    CategoricalCrossentropy
-);
+/// Cross-entropy between one-hot (or soft) targets and predicted class probabilities (or
+/// logits, with [`from_logits`](CrossEntropy::from_logits)). Keras's `CategoricalCrossentropy`.
+pub type CategoricalCrossentropy = CrossEntropy<Categorical>;
+
+/// Cross-entropy between class-index targets and predicted class probabilities (or logits,
+/// with [`from_logits`](CrossEntropy::from_logits)). Keras's `SparseCategoricalCrossentropy`.
+pub type SparseCategoricalCrossentropy = CrossEntropy<SparseCategorical>;
+
+/// Cross-entropy of independent yes/no outputs: targets in `[0, 1]`, predictions are
+/// probabilities (a sigmoid's output) or, with [`from_logits`](CrossEntropy::from_logits),
+/// logits. The loss of a sample is the mean over its outputs. Keras's `BinaryCrossentropy`.
+///
+/// Class-index labels of two classes (`0`/`1`) work with a model of one output unit.
+pub type BinaryCrossentropy = CrossEntropy<Binary>;
+
+/// The targets of [`CategoricalCrossentropy`]: one-hot (or soft) class probabilities.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Categorical;
+
+/// The targets of [`SparseCategoricalCrossentropy`]: class indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SparseCategorical;
+
+/// The targets of [`BinaryCrossentropy`]: one value in `[0, 1]` per output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Binary;
+
+/// What a [`CrossEntropy`] compares: [`Categorical`], [`SparseCategorical`] or [`Binary`] (no
+/// other).
+pub trait CrossEntropyKind: kind::Sealed + Copy + Eq + Send + Sync + 'static {}
+
+impl CrossEntropyKind for Categorical {}
+impl CrossEntropyKind for SparseCategorical {}
+impl CrossEntropyKind for Binary {}
+
+mod kind {
+    /// What a [`CrossEntropyKind`](super::CrossEntropyKind) is to the loss code; only kandle
+    /// implements it.
+    pub trait Sealed {
+        /// The loss type's name, as `Debug` writes it.
+        const TYPE_NAME: &'static str;
+    }
+
+    impl Sealed for super::Categorical {
+        const TYPE_NAME: &'static str = "CategoricalCrossentropy";
+    }
+
+    impl Sealed for super::SparseCategorical {
+        const TYPE_NAME: &'static str = "SparseCategoricalCrossentropy";
+    }
+
+    impl Sealed for super::Binary {
+        const TYPE_NAME: &'static str = "BinaryCrossentropy";
+    }
+}
+
+impl<K: CrossEntropyKind> CrossEntropy<K> {
+    /// From probabilities.
+    pub fn new() -> Self {
+        Self {
+            from_logits: false,
+            kind: PhantomData,
+        }
+    }
+
+    /// Whether the model outputs logits rather than probabilities (default false).
+    pub fn from_logits(mut self, from_logits: bool) -> Self {
+        self.from_logits = from_logits;
+        self
+    }
+}
+
+impl<K: CrossEntropyKind> Default for CrossEntropy<K> {
+    /// From probabilities, as [`CrossEntropy::new`].
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Written as the loss type's name: `SparseCategoricalCrossentropy { from_logits: false }`.
+impl<K: CrossEntropyKind> fmt::Debug for CrossEntropy<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(K::TYPE_NAME)
+            .field("from_logits", &self.from_logits)
+            .finish()
+    }
+}
 
 impl Loss for CategoricalCrossentropy {
     fn name(&self) -> &str {
@@ -180,12 +260,6 @@ impl Loss for CategoricalCrossentropy {
         check_dense_targets(self.name(), targets, output_shape)
     }
 }
-
-cross_entropy!(
-    /// Cross-entropy between class-index targets and predicted class probabilities (or logits,
-    /// with [`from_logits`](Self::from_logits)). Keras's `SparseCategoricalCrossentropy`.
-    SparseCategoricalCrossentropy
-);
 
 impl Loss for SparseCategoricalCrossentropy {
     fn name(&self) -> &str {
@@ -220,15 +294,6 @@ impl Loss for SparseCategoricalCrossentropy {
         }
     }
 }
-
-cross_entropy!(
-    /// Cross-entropy of independent yes/no outputs: targets in `[0, 1]`, predictions are
-    /// probabilities (a sigmoid's output) or, with [`from_logits`](Self::from_logits), logits.
-    /// The loss of a sample is the mean over its outputs. Keras's `BinaryCrossentropy`.
-    ///
-    /// Class-index labels of two classes (`0`/`1`) work with a model of one output unit.
-    BinaryCrossentropy
-);
 
 /// `y_true` as `f32` values shaped like `y_pred` (class indices become a column).
 fn as_values_like(y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
@@ -474,5 +539,28 @@ mod tests {
         assert!(bce.check_targets(&Targets::Classes(2), &[1]).is_ok());
         assert!(bce.check_targets(&Targets::Classes(3), &[1]).is_err());
         Ok(())
+    }
+
+    #[test]
+    fn cross_entropies_debug_as_their_type_names() {
+        assert_eq!(
+            format!("{:?}", CategoricalCrossentropy::default()),
+            "CategoricalCrossentropy { from_logits: false }"
+        );
+        assert_eq!(
+            format!(
+                "{:?}",
+                SparseCategoricalCrossentropy::new().from_logits(true)
+            ),
+            "SparseCategoricalCrossentropy { from_logits: true }"
+        );
+        assert_eq!(
+            format!("{:?}", BinaryCrossentropy::new()),
+            "BinaryCrossentropy { from_logits: false }"
+        );
+        assert_ne!(
+            BinaryCrossentropy::new(),
+            BinaryCrossentropy::new().from_logits(true)
+        );
     }
 }

@@ -486,6 +486,12 @@ fn configs_report_their_settings() {
 
     let boxed: Box<dyn OptimizerConfig> = Box::new(AdamW::new(0.2));
     assert_eq!(boxed.clone().learning_rate(), 0.2);
+
+    assert_eq!(
+        format!("{:?}", Adam::new(0.5)),
+        "Adam { learning_rate: 0.5, beta_1: 0.9, beta_2: 0.999, epsilon: 1e-7, weight_decay: 0.0 }"
+    );
+    assert!(format!("{adamw:?}").starts_with("AdamW { learning_rate: 0.001,"));
 }
 
 #[test]

@@ -1,7 +1,9 @@
 //! Adam and AdamW: adaptive moment estimation, with L2 or decoupled weight decay.
 //!
 //! [`Adam`] and [`AdamW`] are the recipes that `compile` stores; each builds a stateful
-//! optimizer holding the first and second moments of every variable. The update is PyTorch's
+//! optimizer holding the first and second moments of every variable. Both are
+//! [`AdamFamily`], told apart by the [`WeightDecay`] they apply: [`Adam`] is
+//! `AdamFamily<L2Penalty>`, [`AdamW`] is `AdamFamily<DecoupledDecay>`. The update is PyTorch's
 //! `torch.optim.Adam` / `AdamW`: at step `t` (from 1), with gradient `g`, variable `p` and
 //! learning rate `lr`,
 //!
@@ -17,6 +19,9 @@
 //! the uncorrected one, which differs only while `eps` is large against `sqrt(v)`. Defaults are
 //! Keras's: `eps = 1e-7`, and AdamW's weight decay 0.004.
 
+use std::fmt;
+use std::marker::PhantomData;
+
 use candle_core::{Tensor, Var};
 
 use super::{
@@ -25,117 +30,171 @@ use super::{
 };
 use crate::{Error, Result};
 
-/// Declares an Adam-family recipe: the struct, Keras's defaults, the builder methods and its
-/// `OptimizerConfig`, differing only in name, default weight decay and kind of decay.
-macro_rules! adam_variant {
-    (
-        $(#[$doc:meta])*
-        $name:ident, default_weight_decay = $wd:expr, decoupled = $decoupled:expr,
-        weight_decay_doc = $wd_doc:literal
-    ) => {
-        $(#[$doc])*
-        #[derive(Debug, Clone, Copy, PartialEq)]
-        pub struct $name {
-            /// The initial learning rate.
-            pub learning_rate: f64,
-            /// Decay rate of the first moment (the running mean of gradients).
-            pub beta_1: f64,
-            /// Decay rate of the second moment (the running mean of squared gradients).
-            pub beta_2: f64,
-            /// Added to the denominator for numerical stability.
-            pub epsilon: f64,
-            #[doc = $wd_doc]
-            pub weight_decay: f64,
-        }
+/// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
+/// `.weight_decay(wd)` added to the gradient (as `torch.optim.Adam` does).
+///
+/// Defaults: betas 0.9 and 0.999, epsilon 1e-7 (Keras's), no weight decay. Hyper-parameters
+/// are checked when the optimizer is built: the learning rate and weight decay must be finite
+/// and `>= 0`, the betas in `[0, 1)` and epsilon finite and `> 0`.
+///
+/// ```
+/// use kandle::optimizers::{Adam, OptimizerConfig};
+///
+/// let adam = Adam::new(1e-3).betas(0.9, 0.99).weight_decay(1e-4);
+/// assert_eq!((adam.learning_rate(), adam.beta_2, adam.weight_decay), (1e-3, 0.99, 1e-4));
+/// assert_eq!(Adam::default(), Adam::new(1e-3));
+/// ```
+pub type Adam = AdamFamily<L2Penalty>;
 
-        impl Default for $name {
-            /// Keras's default: learning rate 0.001.
-            fn default() -> Self {
-                Self::new(1e-3)
-            }
-        }
+/// AdamW: Adam with decoupled weight decay, `AdamW::new(1e-3).weight_decay(1e-2)`.
+///
+/// Before each Adam update, every variable is scaled by `1 - lr * weight_decay`, as in
+/// `torch.optim.AdamW`. Defaults: betas 0.9 and 0.999, epsilon 1e-7 and weight decay 0.004
+/// (Keras's). Hyper-parameters are checked when the optimizer is built, as for [`Adam`].
+///
+/// ```
+/// use kandle::optimizers::AdamW;
+///
+/// assert_eq!(AdamW::new(1e-3).weight_decay, 0.004);
+/// assert_eq!(AdamW::new(1e-3).weight_decay(1e-2).weight_decay, 1e-2);
+/// ```
+pub type AdamW = AdamFamily<DecoupledDecay>;
 
-        impl $name {
-            /// With learning rate `lr` and Keras's other defaults.
-            pub fn new(lr: f64) -> Self {
-                Self {
-                    learning_rate: lr,
-                    beta_1: 0.9,
-                    beta_2: 0.999,
-                    epsilon: 1e-7,
-                    weight_decay: $wd,
-                }
-            }
-
-            /// Sets the decay rates of the first and second moments.
-            pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
-                self.beta_1 = beta_1;
-                self.beta_2 = beta_2;
-                self
-            }
-
-            /// Sets the epsilon added to the denominator.
-            pub fn epsilon(mut self, epsilon: f64) -> Self {
-                self.epsilon = epsilon;
-                self
-            }
-
-            /// Sets the weight decay.
-            pub fn weight_decay(mut self, weight_decay: f64) -> Self {
-                self.weight_decay = weight_decay;
-                self
-            }
-        }
-
-        impl OptimizerConfig for $name {
-            fn learning_rate(&self) -> f64 {
-                self.learning_rate
-            }
-
-            fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
-                let hyper = Hyper {
-                    name: stringify!($name),
-                    beta_1: self.beta_1,
-                    beta_2: self.beta_2,
-                    epsilon: self.epsilon,
-                    weight_decay: self.weight_decay,
-                    decoupled: $decoupled,
-                };
-                hyper.validate(self.learning_rate)?;
-                Ok(Box::new(AdamState::new(hyper, params)?))
-            }
-
-            fn clone_config(&self) -> Box<dyn OptimizerConfig> {
-                Box::new(*self)
-            }
-        }
-    };
+/// An Adam-family recipe: the hyper-parameters, with the kind of weight decay `D` in the type.
+/// Written as [`Adam`] (`D` = [`L2Penalty`]) or [`AdamW`] (`D` = [`DecoupledDecay`]).
+#[derive(Clone, Copy, PartialEq)]
+pub struct AdamFamily<D> {
+    /// The initial learning rate.
+    pub learning_rate: f64,
+    /// Decay rate of the first moment (the running mean of gradients).
+    pub beta_1: f64,
+    /// Decay rate of the second moment (the running mean of squared gradients).
+    pub beta_2: f64,
+    /// Added to the denominator for numerical stability.
+    pub epsilon: f64,
+    /// The weight decay, applied as `D` says: for [`Adam`] an L2 penalty, `weight_decay * p`
+    /// added to each gradient; for [`AdamW`] decoupled, each step scaling the variables by
+    /// `1 - lr * weight_decay`.
+    pub weight_decay: f64,
+    decay: PhantomData<D>,
 }
 
-adam_variant!(
-    /// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
-    /// `.weight_decay(wd)` added to the gradient (as `torch.optim.Adam` does).
-    ///
-    /// Defaults: betas 0.9 and 0.999, epsilon 1e-7 (Keras's), no weight decay. Hyper-parameters
-    /// are checked when the optimizer is built: the learning rate and weight decay must be finite
-    /// and `>= 0`, the betas in `[0, 1)` and epsilon finite and `> 0`.
-    Adam,
-    default_weight_decay = 0.0,
-    decoupled = false,
-    weight_decay_doc = "L2 penalty: `weight_decay * p` is added to each gradient."
-);
+/// [`Adam`]'s weight decay: an L2 penalty, `weight_decay * p` added to each gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct L2Penalty;
 
-adam_variant!(
-    /// AdamW: Adam with decoupled weight decay, `AdamW::new(1e-3).weight_decay(1e-2)`.
-    ///
-    /// Before each Adam update, every variable is scaled by `1 - lr * weight_decay`, as in
-    /// `torch.optim.AdamW`. Defaults: betas 0.9 and 0.999, epsilon 1e-7 and weight decay 0.004
-    /// (Keras's). Hyper-parameters are checked when the optimizer is built, as for [`Adam`].
-    AdamW,
-    default_weight_decay = 0.004,
-    decoupled = true,
-    weight_decay_doc = "Decoupled weight decay: each step scales the variables by `1 - lr * weight_decay`."
-);
+/// [`AdamW`]'s weight decay: decoupled, each step scales the variables by
+/// `1 - lr * weight_decay` before the Adam update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecoupledDecay;
+
+/// How an [`AdamFamily`] applies its weight decay: [`L2Penalty`] or [`DecoupledDecay`] (no
+/// other).
+pub trait WeightDecay: decay::Sealed + Copy + PartialEq + Send + Sync + 'static {}
+
+impl WeightDecay for L2Penalty {}
+impl WeightDecay for DecoupledDecay {}
+
+mod decay {
+    /// What a [`WeightDecay`](super::WeightDecay) is to the Adam code; only kandle implements
+    /// it.
+    pub trait Sealed {
+        /// The optimizer's name, in messages and as the kind of its saved state.
+        const NAME: &'static str;
+        /// Keras's default weight decay.
+        const DEFAULT: f64;
+        /// Whether the decay is decoupled from the gradient.
+        const DECOUPLED: bool;
+    }
+
+    impl Sealed for super::L2Penalty {
+        const NAME: &'static str = "Adam";
+        const DEFAULT: f64 = 0.0;
+        const DECOUPLED: bool = false;
+    }
+
+    impl Sealed for super::DecoupledDecay {
+        const NAME: &'static str = "AdamW";
+        const DEFAULT: f64 = 0.004;
+        const DECOUPLED: bool = true;
+    }
+}
+
+impl<D: WeightDecay> Default for AdamFamily<D> {
+    /// Keras's default: learning rate 0.001.
+    fn default() -> Self {
+        Self::new(1e-3)
+    }
+}
+
+/// Written as the variant's name: `Adam { learning_rate: 0.001, .. }` or `AdamW { .. }`.
+impl<D: WeightDecay> fmt::Debug for AdamFamily<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(D::NAME)
+            .field("learning_rate", &self.learning_rate)
+            .field("beta_1", &self.beta_1)
+            .field("beta_2", &self.beta_2)
+            .field("epsilon", &self.epsilon)
+            .field("weight_decay", &self.weight_decay)
+            .finish()
+    }
+}
+
+impl<D: WeightDecay> AdamFamily<D> {
+    /// With learning rate `lr` and Keras's other defaults.
+    pub fn new(lr: f64) -> Self {
+        Self {
+            learning_rate: lr,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-7,
+            weight_decay: D::DEFAULT,
+            decay: PhantomData,
+        }
+    }
+
+    /// Sets the decay rates of the first and second moments.
+    pub fn betas(mut self, beta_1: f64, beta_2: f64) -> Self {
+        self.beta_1 = beta_1;
+        self.beta_2 = beta_2;
+        self
+    }
+
+    /// Sets the epsilon added to the denominator.
+    pub fn epsilon(mut self, epsilon: f64) -> Self {
+        self.epsilon = epsilon;
+        self
+    }
+
+    /// Sets the weight decay.
+    pub fn weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+}
+
+impl<D: WeightDecay> OptimizerConfig for AdamFamily<D> {
+    fn learning_rate(&self) -> f64 {
+        self.learning_rate
+    }
+
+    fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+        let hyper = Hyper {
+            name: D::NAME,
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            decoupled: D::DECOUPLED,
+        };
+        hyper.validate(self.learning_rate)?;
+        Ok(Box::new(AdamState::new(hyper, params)?))
+    }
+
+    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+        Box::new(*self)
+    }
+}
 
 /// The hyper-parameters both variants share, and which kind of weight decay applies.
 #[derive(Debug, Clone, Copy)]

@@ -12,7 +12,7 @@ mod adam;
 mod sgd;
 mod state;
 
-pub use adam::{Adam, AdamW};
+pub use adam::{Adam, AdamFamily, AdamW, DecoupledDecay, L2Penalty, WeightDecay};
 pub use sgd::Sgd;
 pub(crate) use state::{check_slot_name, describe_kind};
 pub use state::{NamedOptimizerState, OptimizerState};

@@ -511,7 +511,7 @@ impl Server {
     /// The rank of the worker that sent `m`, or the error of a notice or a stray message.
     fn expect_worker(&self, m: &Incoming) -> Result<usize> {
         if let Some(error) = &m.abort {
-            return Err(error.clone_error());
+            return Err(error.clone());
         }
         if m.source < self.roles.workers {
             Ok(m.source)
@@ -984,21 +984,4 @@ fn append_values(t: &Tensor, out: &mut Vec<f32>) -> Result<()> {
             .to_vec1::<f32>()?,
     );
     Ok(())
-}
-
-/// A copy of an error for a second owner (kandle's `Error` is not `Clone`).
-trait CloneError {
-    fn clone_error(&self) -> Error;
-}
-
-impl CloneError for Error {
-    fn clone_error(&self) -> Error {
-        match self {
-            Error::Replica { replica, reason } => Error::Replica {
-                replica: replica.clone(),
-                reason: reason.clone(),
-            },
-            other => Error::Device(other.to_string()),
-        }
-    }
 }

@@ -34,7 +34,8 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 
 use kandle::{Error, Result};
 
-use crate::multi_worker::world::abort_job;
+use crate::mpi::abort::abort_job;
+use crate::mpi::poll::SendPace;
 
 /// Worker to server: the model's signature when the model is built.
 pub(crate) const HELLO: i32 = 0x5001;
@@ -311,24 +312,6 @@ pub(crate) fn send_all_while(
             pace.wait();
         }
     })
-}
-
-/// How a sender waits between tests of a send under way. A large message moves in pieces as
-/// both sides call MPI, so the sender calls it often: it yields for a while, then sleeps only
-/// briefly (the watchdog's back-off, which grows to 1 ms, would make every piece wait).
-#[derive(Default)]
-pub(crate) struct SendPace(u32);
-
-impl SendPace {
-    /// Yields, or sleeps 20 µs after the first few hundred calls.
-    pub(crate) fn wait(&mut self) {
-        if self.0 < 256 {
-            self.0 += 1;
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-    }
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ mod worker;
 
 pub use strategy::{ParameterServerStrategy, NUM_PS_ENV};
 
-use crate::multi_worker::watchdog::worker_label;
+use crate::mpi::worker_label;
 
 /// Which ranks are workers and which are servers: workers first, servers last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -36,8 +36,9 @@ use kandle::{Error, Result};
 use super::messages::{self as msg, Incoming};
 use super::shards::Sharding;
 use super::Roles;
-use crate::multi_worker::watchdog::{seconds, worker_label, Backoff};
-use crate::multi_worker::world::World;
+use crate::mpi::poll::Backoff;
+use crate::mpi::world::World;
+use crate::mpi::{seconds, worker_label};
 
 /// How a server applies the workers' gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -282,7 +283,7 @@ impl Server {
     ) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         let mut greeted = vec![false; self.roles.workers];
-        let mut backoff = Backoff(0);
+        let mut backoff = Backoff::default();
         while greeted.iter().any(|g| !g) {
             let Some(m) = msg::try_receive(comm, None) else {
                 if Instant::now() >= deadline {
@@ -357,7 +358,7 @@ impl Server {
     }
 
     fn serve_call(&mut self, comm: &SimpleCommunicator) -> Result<()> {
-        let mut backoff = Backoff(0);
+        let mut backoff = Backoff::default();
         loop {
             if self.states.iter().all(|s| *s == State::Ended) {
                 let reply = self.weights_message(msg::NOT_STALE, None)?;
@@ -378,7 +379,7 @@ impl Server {
             }
             progressed |= self.apply_ready(comm)?;
             if progressed {
-                backoff = Backoff(0);
+                backoff = Backoff::default();
                 continue;
             }
             self.check_silence()?;
@@ -445,7 +446,7 @@ impl Server {
         let deadline = Instant::now() + patience;
         let me = self.index;
         let roles = self.roles;
-        let mut backoff = Backoff(0);
+        let mut backoff = Backoff::default();
         msg::send_all_while(
             comm,
             to,

@@ -28,8 +28,10 @@ use super::messages as msg;
 use super::server::{shard_of_message, Mode};
 use super::shards::Sharding;
 use super::Roles;
-use crate::multi_worker::watchdog::{seconds, worker_label, Backoff};
-use crate::multi_worker::world::{abort_job, World};
+use crate::mpi::abort::abort_job;
+use crate::mpi::poll::{Backoff, SendPace};
+use crate::mpi::world::World;
+use crate::mpi::{seconds, worker_label};
 use crate::replica_set::cpu_weights;
 
 /// One worker.
@@ -547,8 +549,8 @@ fn exchange(
                 )
             })
             .collect();
-        let mut backoff = Backoff(0);
-        let mut pace = msg::SendPace::default();
+        let mut backoff = Backoff::default();
+        let mut pace = SendPace::default();
         let outcome = loop {
             let mut progressed = false;
             for slot in sends.iter_mut() {
@@ -574,7 +576,7 @@ fn exchange(
                 break Ok(());
             }
             if progressed {
-                backoff = Backoff(0);
+                backoff = Backoff::default();
                 continue;
             }
             let now = Instant::now();

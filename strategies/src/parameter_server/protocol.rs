@@ -6,9 +6,9 @@
 //! `fit`, `evaluate` or `predict` it belongs to, the kind's fields in order, then its payload.
 //! Integers and floats travel as the bits of `f32` words: a `u32` in one word, a `u64` or an
 //! `f64` in two (high, low); bytes travel four to a word (the last word zero-padded) after the
-//! fields that count them. Every kind's payload has a length its fields fix, so a message whose
-//! length, tag or fields do not fit is refused by [`Message::decode`] with an error naming its
-//! sender.
+//! fields that count them. A message whose tag is unknown, or whose length or fields do not fit
+//! its kind, is refused by [`Message::decode`] with an error naming its sender; the lengths a
+//! kind leaves open (a push's buffer, the sums) are checked by the receiver against its model.
 //!
 //! | kind | from | fields after the call number | payload | answer |
 //! |---|---|---|---|---|
@@ -23,7 +23,7 @@
 //! | `Load` | worker | what it loads (weights or optimizer state), bytes | a training state's bytes | `Weights` once every worker sent its own (the chief's is loaded) |
 //! | `Gather` | worker, to server 0 | | 64-bit values | `Gathered` once every worker sent its own |
 //! | `Alive` | worker | | | (keeps the other servers from taking a worker that waits on one server for a stalled one) |
-//! | `Weights` | server | version, applied, staleness, samples, sums | loss and metric sums, then the server's variables | |
+//! | `Weights` | server | version, applied (0 or 1), staleness, samples, number of sums | loss and metric sums, then the server's variables | |
 //! | `TestTotals` | server 0 | samples | the sums over every worker | |
 //! | `EpochTotals` | server 0 | as `Epoch`, without the epoch | the sums over every worker | |
 //! | `Gathered` | server 0 | | every worker's values, in rank order | |
@@ -427,10 +427,12 @@ impl Message {
 struct Writer(Vec<f32>);
 
 impl Writer {
+    /// One word.
     fn u32(&mut self, value: u32) {
         self.0.push(f32::from_bits(value));
     }
 
+    /// Two words, high then low.
     fn u64(&mut self, value: u64) {
         self.u32((value >> 32) as u32);
         self.u32(value as u32);
@@ -450,11 +452,13 @@ impl Writer {
         }
     }
 
+    /// Samples, then the sums.
     fn step_totals(&mut self, totals: &StepTotals) {
         self.u64(totals.samples);
         self.0.extend_from_slice(&totals.sums);
     }
 
+    /// Staleness sum, count and max, samples, then the sums.
     fn epoch_totals(&mut self, totals: &EpochTotals) {
         let s = totals.staleness;
         for v in [s.sum, s.count, s.max, totals.samples] {
@@ -463,6 +467,7 @@ impl Writer {
         self.0.extend_from_slice(&totals.sums);
     }
 
+    /// Version, applied flag, staleness, samples, number of sums, then the sums and values.
     fn snapshot(&mut self, s: &Snapshot) {
         self.u64(s.version);
         self.u32(u32::from(s.staleness.is_some()));
@@ -486,10 +491,12 @@ struct Reader {
 type Fit<T> = std::result::Result<T, String>;
 
 impl Reader {
+    /// A reader of `words`, a message of `kind`, from its first word.
     fn new(kind: Kind, words: Vec<f32>) -> Self {
         Self { kind, words, at: 0 }
     }
 
+    /// One word, `field`.
     fn u32(&mut self, field: &str) -> Fit<u32> {
         let word = self.words.get(self.at).ok_or_else(|| {
             format!(
@@ -502,6 +509,7 @@ impl Reader {
         Ok(word.to_bits())
     }
 
+    /// Two words, high then low, `field`.
     fn u64(&mut self, field: &str) -> Fit<u64> {
         let high = self.u32(field)?;
         let low = self.u32(field)?;
@@ -533,11 +541,19 @@ impl Reader {
         Ok(rest)
     }
 
-    /// `n` words.
-    fn take(&mut self, n: usize) -> Vec<f32> {
-        let taken = self.words[self.at..self.at + n].to_vec();
-        self.at += n;
-        taken
+    /// The next `n` words, of `field`.
+    fn take(&mut self, field: &str, n: usize) -> Fit<Vec<f32>> {
+        let end = self.at.saturating_add(n);
+        let taken = self.words.get(self.at..end).ok_or_else(|| {
+            format!(
+                "of {} words ends inside its {field} (words {} to {end})",
+                self.words.len(),
+                self.at
+            )
+        })?;
+        let taken = taken.to_vec();
+        self.at = end;
+        Ok(taken)
     }
 
     /// Texts or byte strings counted by one field each, packed together after the counts.
@@ -563,12 +579,16 @@ impl Reader {
         let mut parts: [Vec<u8>; N] = std::array::from_fn(|_| Vec::new());
         let mut start = 0;
         for (part, n) in parts.iter_mut().zip(counts) {
-            *part = all[start..start + n].to_vec();
+            let bytes = all
+                .get(start..start + n)
+                .ok_or_else(|| format!("ends inside its bytes ({start} to {})", start + n))?;
+            *part = bytes.to_vec();
             start += n;
         }
         Ok(parts)
     }
 
+    /// `bytes` as text, `field`.
     fn text(bytes: Vec<u8>, field: &str) -> Fit<String> {
         String::from_utf8(bytes).map_err(|_| format!("has a {field} that is not UTF-8"))
     }
@@ -586,6 +606,7 @@ impl Reader {
         Ok(())
     }
 
+    /// What [`Writer::step_totals`] wrote.
     fn step_totals(&mut self) -> Fit<StepTotals> {
         let samples = self.u64("sample count")?;
         Ok(StepTotals {
@@ -594,6 +615,7 @@ impl Reader {
         })
     }
 
+    /// What [`Writer::epoch_totals`] wrote.
     fn epoch_totals(&mut self) -> Fit<EpochTotals> {
         let staleness = Staleness {
             sum: self.u64("staleness sum")?,
@@ -608,6 +630,7 @@ impl Reader {
         })
     }
 
+    /// What [`Writer::snapshot`] wrote.
     fn snapshot(&mut self) -> Fit<Snapshot> {
         let version = self.u64("version")?;
         let applied = match self.u32("applied flag")? {
@@ -619,7 +642,7 @@ impl Reader {
         let staleness = applied.then_some(staleness);
         let samples = self.u64("sample count")?;
         let sums = self.count("sums", 1)?;
-        let sums = self.take(sums);
+        let sums = self.take("sums", sums)?;
         Ok(Snapshot {
             version,
             staleness,
@@ -629,6 +652,7 @@ impl Reader {
         })
     }
 
+    /// The words left, as 64-bit values.
     fn u64s(&mut self) -> Fit<Vec<u64>> {
         let words = self.rest("64-bit values", 2)?;
         Ok(words

@@ -98,8 +98,8 @@ impl Worker {
             signature: worker.sharding.signature,
             buffer_len: worker.replica.layout().len() as u64,
         };
-        let replies = worker.exchange(
-            vec![hello; servers],
+        let replies = worker.ask_all(
+            &hello,
             Kind::Weights,
             weights_of,
             "the model's construction",
@@ -119,11 +119,11 @@ impl Worker {
         cpu_weights(self.replica.store())
     }
 
-    /// Sends `messages[s]` to every server `s` and waits for each one's answer of kind
-    /// `answer`, whose contents `take` takes (see [`exchange`]).
+    /// Sends `messages[s]` to server `s`, for each message, and waits for each of those
+    /// servers' answer of kind `answer`, whose contents `take` takes (see [`exchange`]).
     fn exchange<T>(
-        &mut self,
-        messages: Vec<Message>,
+        &self,
+        messages: &[Message],
         answer: Kind,
         take: fn(Message) -> Option<T>,
         what: &str,
@@ -132,6 +132,21 @@ impl Worker {
         let to: Vec<(usize, &Encoded)> = encoded.iter().enumerate().collect();
         let awaited: Vec<usize> = (0..messages.len()).collect();
         self.exchange_with(&to, &awaited, answer, take, what)
+    }
+
+    /// Sends `message` to every server and waits for each one's answer of kind `answer`, whose
+    /// contents `take` takes (see [`exchange`]).
+    fn ask_all<T>(
+        &self,
+        message: &Message,
+        answer: Kind,
+        take: fn(Message) -> Option<T>,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let encoded = message.encode(self.call);
+        let servers: Vec<usize> = (0..self.sharding.servers()).collect();
+        let to: Vec<(usize, &Encoded)> = servers.iter().map(|&s| (s, &encoded)).collect();
+        self.exchange_with(&to, &servers, answer, take, what)
     }
 
     /// Sends each `(server, message)` of `to` and waits for one answer of kind `answer` from
@@ -183,8 +198,7 @@ impl Worker {
     /// Sends `note` (a message with no payload) to every server and loads the weights they
     /// answer with.
     fn pull(&mut self, note: Message, what: &str) -> Result<()> {
-        let servers = self.sharding.servers();
-        let replies = self.exchange(vec![note; servers], Kind::Weights, weights_of, what)?;
+        let replies = self.ask_all(&note, Kind::Weights, weights_of, what)?;
         self.load(&replies)
     }
 
@@ -198,7 +212,7 @@ impl Worker {
         let buffer = self.replica.step_buffer(batch)?;
         copy_to_host(&buffer.fused, &mut self.host)?;
         let finite = self.host.iter().all(|v| v.is_finite());
-        let messages = (0..self.sharding.servers())
+        let messages: Vec<Message> = (0..self.sharding.servers())
             .map(|s| {
                 let mut buffer = Vec::with_capacity(self.sharding.layouts[s].len());
                 self.sharding.cut(s, &self.host, &mut buffer);
@@ -217,7 +231,7 @@ impl Worker {
             })
             .collect();
         let what = format!("the push of step {}", self.steps);
-        let replies = self.exchange(messages, Kind::Weights, weights_of, &what)?;
+        let replies = self.exchange(&messages, Kind::Weights, weights_of, &what)?;
         self.load(&replies)?;
         self.fetched = false;
         let Some(first) = replies.first() else {
@@ -265,7 +279,7 @@ impl Worker {
             },
         };
         let what = format!("evaluation step {}", self.test_steps);
-        let replies = self.exchange(vec![m], Kind::TestTotals, test_totals_of, &what)?;
+        let replies = self.exchange(&[m], Kind::TestTotals, test_totals_of, &what)?;
         let total = replies
             .into_iter()
             .next()
@@ -356,8 +370,8 @@ impl Worker {
     pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
         let servers = self.sharding.servers();
         let replies = if self.in_call {
-            self.exchange(
-                vec![Message::StateRequest; servers],
+            self.ask_all(
+                &Message::StateRequest,
                 Kind::State,
                 state_of,
                 "a request for the training state",
@@ -420,8 +434,7 @@ impl Worker {
             part,
             state: state.to_bytes()?,
         };
-        let servers = self.sharding.servers();
-        let replies = self.exchange(vec![message; servers], Kind::Weights, weights_of, what)?;
+        let replies = self.ask_all(&message, Kind::Weights, weights_of, what)?;
         self.load(&replies)?;
         self.fresh = self.mode == Mode::Synchronous;
         self.fetched = true;

@@ -182,7 +182,11 @@ impl Workers {
     /// passed since they were last told: those waiting for the others at the call's end, and
     /// at an epoch's end on the server that answers it (`answers_epochs`). So a waiting
     /// worker's deadline measures this server's silence, not the others' remaining work.
-    pub(super) fn due_reassurance(&mut self, timeout: Duration, answers_epochs: bool) -> Vec<usize> {
+    pub(super) fn due_reassurance(
+        &mut self,
+        timeout: Duration,
+        answers_epochs: bool,
+    ) -> Vec<usize> {
         if self.reassured.elapsed() < timeout / 4 {
             return Vec::new();
         }

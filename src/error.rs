@@ -138,3 +138,41 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         "(no message)".to_string()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy keeps the variant and the message; the sources shared behind an `Arc` read as
+    /// before.
+    #[test]
+    fn copies_keep_the_variant_and_the_message() {
+        let io = Error::io(
+            "cannot read checkpoint",
+            "w.safetensors",
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        );
+        assert_eq!(
+            io.to_string(),
+            "cannot read checkpoint `w.safetensors`: no such file"
+        );
+        assert!(std::error::Error::source(&io).is_some());
+        let candle = Error::from(candle_core::Error::Msg("bad shape".into()));
+        assert_eq!(
+            candle.to_string(),
+            candle_core::Error::Msg("bad shape".into()).to_string()
+        );
+        let replica = Error::Replica {
+            replica: "worker 1".into(),
+            reason: "stalled".into(),
+        };
+        for error in [io, candle, replica, Error::invalid("no labels")] {
+            let copy = error.clone();
+            assert_eq!(copy.to_string(), error.to_string());
+            assert_eq!(
+                std::mem::discriminant(&copy),
+                std::mem::discriminant(&error)
+            );
+        }
+    }
+}

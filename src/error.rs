@@ -3,16 +3,21 @@
 //! Every fallible function in `kandle` returns [`Result`]. Variants carry enough context to act
 //! on: a shape error names the layer and both shapes, an I/O error names the file, a checkpoint
 //! error names the tensors that did not match.
+//!
+//! [`Error`] is `Clone`, so that one failure can be handed to every party that must hear of it
+//! (the ranks of a distributed job, the replicas of a step): the sources that are not `Clone`
+//! themselves (Candle's errors, I/O errors) are shared behind an [`Arc`].
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// What went wrong.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// A tensor operation inside Candle failed.
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(Arc<candle_core::Error>),
 
     /// A layer received an input whose shape it cannot take.
     #[error("layer `{layer}` expected input of shape {expected} but got {got}")]
@@ -41,7 +46,7 @@ pub enum Error {
         /// The file.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
 
     /// A checkpoint that cannot be read or does not fit the model.
@@ -92,6 +97,12 @@ pub enum Error {
 /// `Result` with kandle's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl From<candle_core::Error> for Error {
+    fn from(error: candle_core::Error) -> Self {
+        Error::Candle(Arc::new(error))
+    }
+}
+
 impl Error {
     /// An [`Error::InvalidInput`] from anything printable.
     pub fn invalid(msg: impl Into<String>) -> Self {
@@ -103,7 +114,7 @@ impl Error {
         Error::Io {
             action,
             path: path.into(),
-            source,
+            source: Arc::new(source),
         }
     }
 }
@@ -136,5 +147,43 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "(no message)".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy keeps the variant and the message; the sources shared behind an `Arc` read as
+    /// before.
+    #[test]
+    fn copies_keep_the_variant_and_the_message() {
+        let io = Error::io(
+            "cannot read checkpoint",
+            "w.safetensors",
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file"),
+        );
+        assert_eq!(
+            io.to_string(),
+            "cannot read checkpoint `w.safetensors`: no such file"
+        );
+        assert!(std::error::Error::source(&io).is_some());
+        let candle = Error::from(candle_core::Error::Msg("bad shape".into()));
+        assert_eq!(
+            candle.to_string(),
+            candle_core::Error::Msg("bad shape".into()).to_string()
+        );
+        let replica = Error::Replica {
+            replica: "worker 1".into(),
+            reason: "stalled".into(),
+        };
+        for error in [io, candle, replica, Error::invalid("no labels")] {
+            let copy = error.clone();
+            assert_eq!(copy.to_string(), error.to_string());
+            assert_eq!(
+                std::mem::discriminant(&copy),
+                std::mem::discriminant(&error)
+            );
+        }
     }
 }

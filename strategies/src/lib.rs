@@ -39,6 +39,8 @@ mod central_storage;
 mod cross_device_ops;
 mod mirrored;
 #[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(feature = "mpi")]
 mod multi_worker;
 mod nccl;
 #[cfg(feature = "mpi")]

@@ -6,10 +6,10 @@
 //! statistics]` are summed across every replica of every worker with one all-reduce: in process
 //! and then with `MPI_Allreduce` on the host, or all at once with NCCL on the GPUs.
 //!
-//! - [`world`]: MPI initialisation (once per process), rank and size, and the guarded
-//!   collectives (all-reduce, broadcast and gather, and a guard for NCCL's);
-//! - [`watchdog`]: the heartbeat protocol that makes a dead or stalled worker fail the others
-//!   within the timeout, with an error naming it;
+//! Every collective is guarded by the shared [`mpi`](crate::mpi) module: its world (one per
+//! process, shared with the parameter servers) and its watchdog, which makes a dead or stalled
+//! worker fail the others within the timeout, with an error naming it.
+//!
 //! - [`strategy`]: the strategy and the model it distributes;
 //! - [`communication`]: which library carries the fused buffer between workers;
 //! - `nccl` (feature `nccl`): the NCCL communicators that join every GPU of every worker, with
@@ -24,8 +24,6 @@ mod communication;
 mod nccl;
 mod strategy;
 mod sync_batch_norm;
-pub(crate) mod watchdog;
-pub(crate) mod world;
 
 pub use communication::CommunicationImplementation;
 pub use strategy::MultiWorkerMirroredStrategy;

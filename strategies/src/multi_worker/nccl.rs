@@ -35,8 +35,8 @@ use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor};
 use kandle::{Error, Result};
 
-use super::watchdog::{Phase, Vigil};
-use super::world::World;
+use crate::mpi::watchdog::{Phase, Vigil};
+use crate::mpi::world::World;
 use crate::nccl::{check_buffers, cuda_devices, nccl_error, sum_into_new};
 
 /// Bytes of NCCL's unique id.

@@ -15,9 +15,9 @@ use super::communication::CommunicationImplementation;
 #[cfg(feature = "nccl")]
 use super::nccl::Clique;
 use super::sync_batch_norm::CrossWorkerSum;
-use super::watchdog::Phase;
-use super::world::World;
 use crate::cross_device_ops::CrossDeviceOps;
+use crate::mpi::watchdog::Phase;
+use crate::mpi::world::World;
 use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
 #[cfg(feature = "nccl")]
 use crate::replica_set::unzip;

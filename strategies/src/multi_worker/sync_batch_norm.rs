@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use kandle::{Error, Result};
 
-use super::watchdog::Phase;
-use super::world::World;
+use crate::mpi::watchdog::Phase;
+use crate::mpi::world::World;
 use crate::rendezvous::OuterSum;
 
 /// The exchanges of the current step and the lengths of those of the last step with samples.

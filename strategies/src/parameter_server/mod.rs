@@ -7,21 +7,28 @@
 //! - [`partition`](crate::partition): the greedy placement of whole variables on the servers,
 //!   balanced by size;
 //! - `shards`: what each server holds, and how a step buffer is cut for it;
-//! - `messages`: the message tags, headers and polled, deadline-bound sends and receives;
-//! - `server`: a server's shard, its optimizer state, and the loop that applies pushes
-//!   (synchronously, or asynchronously with an optional staleness bound);
+//! - `protocol`: every message between workers and servers, typed, and its encoding on the
+//!   wire (one MPI message each);
+//! - `transport`: the polled, deadline-bound sends and receives both sides use;
+//! - `server`: a server's shard, its optimizer state, what it knows of each worker, and the
+//!   loop that applies pushes (synchronously, or asynchronously with an optional staleness
+//!   bound);
 //! - `worker`: a worker's copy of the model and its pushes and pulls;
 //! - `strategy`: the strategy and the model it distributes.
+//!
+//! Both sides run in the process's one MPI world, shared with any other MPI strategy, and wait
+//! for, name and give up on the other ranks as the crate's `mpi` module does.
 
-mod messages;
+mod protocol;
 mod server;
 mod shards;
 mod strategy;
+mod transport;
 mod worker;
 
 pub use strategy::{ParameterServerStrategy, NUM_PS_ENV};
 
-use crate::multi_worker::watchdog::worker_label;
+use crate::mpi::worker_label;
 
 /// Which ranks are workers and which are servers: workers first, servers last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use super::server::{Mode, Server};
 use super::shards::Sharding;
 use super::worker::Worker;
 use super::Roles;
-use crate::multi_worker::world::World;
+use crate::mpi::world::World;
 use crate::replica_set::DEFAULT_TIMEOUT;
 
 /// The environment variable that gives the number of parameter servers when the program does

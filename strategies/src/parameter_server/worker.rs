@@ -24,12 +24,17 @@ use kandle::strategy::{Replica, StepStats};
 use kandle::training_state::TrainingState;
 use kandle::{Error, Result};
 
-use super::messages as msg;
-use super::server::{shard_of_message, Mode};
+use super::protocol::{
+    Encoded, EpochTotals, Kind, LoadPart, Message, Snapshot, Staleness, StepTotals,
+};
+use super::server::{read_shard_state, Mode};
 use super::shards::Sharding;
+use super::transport;
 use super::Roles;
-use crate::multi_worker::watchdog::{seconds, worker_label, Backoff};
-use crate::multi_worker::world::{abort_job, World};
+use crate::mpi::abort::abort_job;
+use crate::mpi::poll::{Backoff, SendPace};
+use crate::mpi::world::World;
+use crate::mpi::{seconds, worker_label};
 use crate::replica_set::cpu_weights;
 
 /// One worker.
@@ -54,8 +59,8 @@ pub(crate) struct Worker {
     steps: u32,
     test_steps: u32,
     epochs: u32,
-    /// Staleness of this worker's applied updates in the current epoch: sum, count, max.
-    staleness: [f64; 3],
+    /// Staleness of this worker's applied updates in the current epoch.
+    staleness: Staleness,
     host: Vec<f32>,
 }
 
@@ -86,16 +91,17 @@ impl Worker {
             steps: 0,
             test_steps: 0,
             epochs: 0,
-            staleness: [0.0; 3],
+            staleness: Staleness::default(),
             host: Vec::new(),
         };
-        let signature = worker.sharding.signature;
-        let len = worker.replica.layout().len() as u32;
-        let hello = msg::header([0, (signature >> 32) as u32, signature as u32, len, 0, 0]);
-        let replies = worker.exchange(
-            (0..servers).map(|_| hello.clone()).collect(),
-            msg::HELLO,
-            msg::WEIGHTS,
+        let hello = Message::Hello {
+            signature: worker.sharding.signature,
+            buffer_len: worker.replica.layout().len() as u64,
+        };
+        let replies = worker.ask_all(
+            &hello,
+            Kind::Weights,
+            weights_of,
             "the model's construction",
         )?;
         worker.call = 1;
@@ -113,37 +119,63 @@ impl Worker {
         cpu_weights(self.replica.store())
     }
 
-    /// Sends `messages[s]` with `tag` to every server `s` and waits for each one's answer with
-    /// tag `answer` (see [`exchange`]).
-    fn exchange(
-        &mut self,
-        messages: Vec<Vec<f32>>,
-        tag: i32,
-        answer: i32,
+    /// Sends `messages[s]` to server `s`, for each message, and waits for each of those
+    /// servers' answer of kind `answer`, whose contents `take` takes (see [`exchange`]).
+    fn exchange<T>(
+        &self,
+        messages: &[Message],
+        answer: Kind,
+        take: fn(Message) -> Option<T>,
         what: &str,
-    ) -> Result<Vec<Vec<f32>>> {
-        let roles = self.roles;
-        let (timeout, call) = (self.timeout, self.call);
-        let to: Vec<(usize, &[f32])> = messages
-            .iter()
-            .enumerate()
-            .map(|(s, m)| (s, &m[..]))
-            .collect();
+    ) -> Result<Vec<T>> {
+        let encoded: Vec<Encoded> = messages.iter().map(|m| m.encode(self.call)).collect();
+        let to: Vec<(usize, &Encoded)> = encoded.iter().enumerate().collect();
         let awaited: Vec<usize> = (0..messages.len()).collect();
-        let world = Arc::clone(&self.world);
-        world.point_to_point(|comm| {
-            exchange(comm, roles, &to, tag, &awaited, answer, call, timeout, what)
-        })
+        self.exchange_with(&to, &awaited, answer, take, what)
     }
 
-    /// Loads each server's variables from its `WEIGHTS` answer.
-    fn load(&mut self, replies: &[Vec<f32>]) -> Result<()> {
-        let num_stats = self.replica.layout().num_stats;
+    /// Sends `message` to every server and waits for each one's answer of kind `answer`, whose
+    /// contents `take` takes (see [`exchange`]).
+    fn ask_all<T>(
+        &self,
+        message: &Message,
+        answer: Kind,
+        take: fn(Message) -> Option<T>,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let encoded = message.encode(self.call);
+        let servers: Vec<usize> = (0..self.sharding.servers()).collect();
+        let to: Vec<(usize, &Encoded)> = servers.iter().map(|&s| (s, &encoded)).collect();
+        self.exchange_with(&to, &servers, answer, take, what)
+    }
+
+    /// Sends each `(server, message)` of `to` and waits for one answer of kind `answer` from
+    /// each server of `awaited`, whose contents `take` takes (see [`exchange`]).
+    fn exchange_with<T>(
+        &self,
+        to: &[(usize, &Encoded)],
+        awaited: &[usize],
+        answer: Kind,
+        take: fn(Message) -> Option<T>,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let expected = Expected {
+            answer,
+            take,
+            call: self.call,
+            what,
+        };
+        let (roles, timeout) = (self.roles, self.timeout);
+        self.world
+            .point_to_point(|comm| exchange(comm, roles, to, awaited, &expected, timeout))
+    }
+
+    /// Loads each server's variables from its `Weights` answer.
+    fn load(&mut self, replies: &[Snapshot]) -> Result<()> {
         let params: Vec<_> = self.replica.store().iter().cloned().collect();
         for (s, reply) in replies.iter().enumerate() {
-            let h = msg::read_header(reply)?;
-            self.base[s] = u64::from(h[1]);
-            let body = &reply[msg::HEADER + num_stats..];
+            self.base[s] = reply.version;
+            let body = &reply.values[..];
             let layout = &self.sharding.weights[s];
             if body.len() != layout.len() {
                 return Err(Error::Replica {
@@ -163,11 +195,10 @@ impl Worker {
         Ok(())
     }
 
-    /// Sends `tag` with no payload to every server and loads the weights they answer with.
-    fn pull(&mut self, tag: i32, what: &str) -> Result<()> {
-        let note = msg::header([self.call, 0, 0, 0, 0, 0]);
-        let servers = self.sharding.servers();
-        let replies = self.exchange(vec![note; servers], tag, msg::WEIGHTS, what)?;
+    /// Sends `note` (a message with no payload) to every server and loads the weights they
+    /// answer with.
+    fn pull(&mut self, note: Message, what: &str) -> Result<()> {
+        let replies = self.ask_all(&note, Kind::Weights, weights_of, what)?;
         self.load(&replies)
     }
 
@@ -175,56 +206,47 @@ impl Worker {
     pub(crate) fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         self.steps += 1;
         if !self.fresh {
-            self.pull(msg::PULL, "a pull of the weights")?;
+            self.pull(Message::Pull, "a pull of the weights")?;
             self.fresh = true;
         }
         let buffer = self.replica.step_buffer(batch)?;
         copy_to_host(&buffer.fused, &mut self.host)?;
         let finite = self.host.iter().all(|v| v.is_finite());
-        let [lr_hi, lr_lo] = msg::lr_words(lr);
-        let messages = (0..self.sharding.servers())
+        let messages: Vec<Message> = (0..self.sharding.servers())
             .map(|s| {
-                let mut m = msg::header([
-                    self.call,
-                    self.base[s].min(u64::from(u32::MAX)) as u32,
-                    self.steps,
-                    lr_hi,
-                    lr_lo,
-                    0,
-                ]);
-                self.sharding.cut(s, &self.host, &mut m);
+                let mut buffer = Vec::with_capacity(self.sharding.layouts[s].len());
+                self.sharding.cut(s, &self.host, &mut buffer);
                 if !finite {
                     // Every server then reads a non-finite step and leaves it out.
-                    m[msg::HEADER + self.sharding.layouts[s].stats_offset()] = f32::NAN;
+                    if let Some(loss) = buffer.get_mut(self.sharding.layouts[s].stats_offset()) {
+                        *loss = f32::NAN;
+                    }
                 }
-                m
+                Message::Push {
+                    base: self.base[s],
+                    step: self.steps,
+                    lr,
+                    buffer,
+                }
             })
             .collect();
         let what = format!("the push of step {}", self.steps);
-        let replies = self.exchange(messages, msg::PUSH, msg::WEIGHTS, &what)?;
+        let replies = self.exchange(&messages, Kind::Weights, weights_of, &what)?;
         self.load(&replies)?;
         self.fetched = false;
-        let h = msg::read_header(&replies[0])?;
-        let applied = h[2] == 1;
+        let Some(first) = replies.first() else {
+            return Err(Error::invalid(
+                "a parameter-server step without a server (internal error)",
+            ));
+        };
+        let applied = first.staleness.is_some();
         if applied {
-            let stale = replies
-                .iter()
-                .filter_map(|r| msg::read_header(r).ok())
-                .map(|h| h[3])
-                .filter(|&s| s != msg::NOT_STALE)
-                .max()
-                .unwrap_or(0);
-            self.staleness[0] += f64::from(stale);
-            self.staleness[1] += 1.0;
-            self.staleness[2] = self.staleness[2].max(f64::from(stale));
+            let stale = replies.iter().filter_map(|r| r.staleness).max();
+            self.staleness.record(stale.unwrap_or(0));
         }
-        let num_stats = self.replica.layout().num_stats;
         Ok(StepStats {
-            samples: h[4] as usize,
-            sums: replies[0][msg::HEADER..msg::HEADER + num_stats]
-                .iter()
-                .map(|&v| f64::from(v))
-                .collect(),
+            samples: first.samples as usize,
+            sums: first.sums.iter().map(|&v| f64::from(v)).collect(),
             applied,
         })
     }
@@ -232,7 +254,7 @@ impl Worker {
     /// Fetches the servers' current weights once per evaluation or prediction.
     fn fetch(&mut self) -> Result<()> {
         if !self.fetched {
-            self.pull(msg::FETCH, "a fetch of the weights")?;
+            self.pull(Message::Fetch, "a fetch of the weights")?;
             self.fetched = true;
             self.fresh = self.mode == Mode::Synchronous;
         }
@@ -249,18 +271,22 @@ impl Worker {
             .evaluate(batch)?
             .to_dtype(DType::F64)?
             .to_vec1::<f64>()?;
-        let mut m = msg::header([self.call, self.test_steps, 0, 0, 0, 0]);
-        m.extend(sums.iter().map(|&v| v as f32));
-        m.push(batch.len() as f32);
+        let m = Message::Test {
+            step: self.test_steps,
+            totals: StepTotals {
+                samples: batch.len() as u64,
+                sums: sums.iter().map(|&v| v as f32).collect(),
+            },
+        };
         let what = format!("evaluation step {}", self.test_steps);
-        let replies = self.exchange(vec![m], msg::TEST, msg::TOTALS, &what)?;
-        let total = &replies[0][msg::HEADER..];
-        let (samples, sums) = total
-            .split_last()
+        let replies = self.exchange(&[m], Kind::TestTotals, test_totals_of, &what)?;
+        let total = replies
+            .into_iter()
+            .next()
             .ok_or_else(|| Error::invalid("an empty evaluation answer"))?;
         Ok(StepStats {
-            samples: samples.round().max(0.0) as usize,
-            sums: sums.iter().map(|&v| f64::from(v)).collect(),
+            samples: total.samples as usize,
+            sums: total.sums.iter().map(|&v| f64::from(v)).collect(),
             applied: false,
         })
     }
@@ -282,52 +308,38 @@ impl Worker {
             return Ok(Vec::new());
         }
         self.epochs += 1;
-        let mut m = msg::header([self.call, self.epochs, 0, 0, 0, 0]);
-        m.extend(self.staleness.iter().map(|&v| v as f32));
-        m.push(totals.samples as f32);
-        m.extend(totals.sums.iter().map(|&v| v as f32));
-        self.staleness = [0.0; 3];
-        let servers = self.sharding.servers();
-        let roles = self.roles;
-        let (timeout, call) = (self.timeout, self.call);
+        let sent = totals.sums.len();
+        let m = Message::Epoch {
+            epoch: self.epochs,
+            totals: EpochTotals {
+                staleness: std::mem::take(&mut self.staleness),
+                samples: totals.samples as u64,
+                sums: totals.sums.iter().map(|&v| v as f32).collect(),
+            },
+        }
+        .encode(self.call);
         let what = format!("the end of epoch {}", self.epochs);
-        let world = Arc::clone(&self.world);
-        let to: Vec<(usize, &[f32])> = (0..servers).map(|s| (s, &m[..])).collect();
-        let replies = world.point_to_point(|comm| {
-            exchange(
-                comm,
-                roles,
-                &to,
-                msg::EPOCH,
-                &[0],
-                msg::TOTALS,
-                call,
-                timeout,
-                &what,
-            )
-        })?;
+        let to: Vec<(usize, &Encoded)> = (0..self.sharding.servers()).map(|s| (s, &m)).collect();
+        let replies = self.exchange_with(&to, &[0], Kind::EpochTotals, epoch_totals_of, &what)?;
         self.fresh = false;
-        let t = &replies[0][msg::HEADER..];
-        if t.len() != m.len() - msg::HEADER {
+        let Some(t) = replies.into_iter().next() else {
+            return Err(Error::invalid("an empty answer to the end of an epoch"));
+        };
+        if t.sums.len() != sent {
             return Err(Error::Replica {
-                replica: roles.server_label(0),
+                replica: self.roles.server_label(0),
                 reason: format!(
-                    "answered the end of epoch {} with {} totals where {} were sent",
+                    "answered the end of epoch {} with {} sums where {sent} were sent",
                     self.epochs,
-                    t.len(),
-                    m.len() - msg::HEADER
+                    t.sums.len(),
                 ),
             });
         }
-        let (sum, count, max) = (f64::from(t[0]), f64::from(t[1]), f64::from(t[2]));
-        totals.samples = t[3].round().max(0.0) as usize;
-        totals.sums = t[4..].iter().map(|&v| f64::from(v)).collect();
+        totals.samples = t.samples as usize;
+        totals.sums = t.sums.iter().map(|&v| f64::from(v)).collect();
         Ok(vec![
-            (
-                "staleness_mean".to_string(),
-                if count > 0.0 { sum / count } else { 0.0 },
-            ),
-            ("staleness_max".to_string(), max),
+            ("staleness_mean".to_string(), t.staleness.mean()),
+            ("staleness_max".to_string(), t.staleness.max as f64),
         ])
     }
 
@@ -339,7 +351,7 @@ impl Worker {
     /// Tells every server this worker ended the call, and loads the final weights they send
     /// once every worker has.
     pub(crate) fn end_call(&mut self) -> Result<()> {
-        self.pull(msg::END, "the end of the call")?;
+        self.pull(Message::End, "the end of the call")?;
         self.in_call = false;
         self.call += 1;
         self.steps = 0;
@@ -358,41 +370,26 @@ impl Worker {
     pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
         let servers = self.sharding.servers();
         let replies = if self.in_call {
-            let note = msg::header([self.call, 0, 0, 0, 0, 0]);
-            self.exchange(
-                vec![note; servers],
-                msg::STATE,
-                msg::STATE,
+            self.ask_all(
+                &Message::StateRequest,
+                Kind::State,
+                state_of,
                 "a request for the training state",
             )?
         } else {
-            let (roles, timeout, call) = (self.roles, self.timeout, self.call);
             let awaited: Vec<usize> = (0..servers).collect();
-            let world = Arc::clone(&self.world);
-            world.point_to_point(|comm| {
-                exchange(
-                    comm,
-                    roles,
-                    &[],
-                    msg::STATE,
-                    &awaited,
-                    msg::STATE,
-                    call,
-                    timeout,
-                    "the optimizer state",
-                )
-            })?
+            self.exchange_with(&[], &awaited, Kind::State, state_of, "the optimizer state")?
         };
         let mut parts = Vec::with_capacity(servers);
-        for (s, reply) in replies.iter().enumerate() {
-            let shard = shard_of_message(reply, &self.roles.server_label(s))?;
+        for (s, (version, bytes)) in replies.into_iter().enumerate() {
+            let shard = read_shard_state(&bytes, &self.roles.server_label(s))?;
             if self.in_call {
                 for p in self.replica.store().iter() {
                     if let Some(value) = shard.weights.get(&p.name) {
                         p.var.set(&value.to_dtype(p.var.dtype())?)?;
                     }
                 }
-                self.base[s] = u64::from(msg::read_header(reply)?[1]);
+                self.base[s] = version;
             }
             parts.push(shard.optimizer);
         }
@@ -412,7 +409,7 @@ impl Worker {
             weights: weights.clone(),
             ..TrainingState::default()
         };
-        self.load_on_servers(msg::LOAD_WEIGHTS, &state, "a load of the weights")
+        self.load_on_servers(LoadPart::Weights, &state, "a load of the weights")
     }
 
     /// Checks `state` against the model's optimizer and, during a call, loads it on the
@@ -424,18 +421,20 @@ impl Worker {
             optimizer: state.clone(),
             ..TrainingState::default()
         };
-        self.load_on_servers(msg::LOAD_OPTIMIZER, &state, "a load of the optimizer state")
+        self.load_on_servers(LoadPart::Optimizer, &state, "a load of the optimizer state")
     }
 
     /// During a call, sends `state` to every server to load its `part`, and takes the weights
     /// they answer with; between calls, nothing.
-    fn load_on_servers(&mut self, part: u32, state: &TrainingState, what: &str) -> Result<()> {
+    fn load_on_servers(&mut self, part: LoadPart, state: &TrainingState, what: &str) -> Result<()> {
         if !self.in_call {
             return Ok(());
         }
-        let message = msg::with_bytes([self.call, part, 0, 0, 0, 0], 2, &state.to_bytes()?);
-        let servers = self.sharding.servers();
-        let replies = self.exchange(vec![message; servers], msg::LOAD, msg::WEIGHTS, what)?;
+        let message = Message::Load {
+            part,
+            state: state.to_bytes()?,
+        };
+        let replies = self.ask_all(&message, Kind::Weights, weights_of, what)?;
         self.load(&replies)?;
         self.fresh = self.mode == Mode::Synchronous;
         self.fetched = true;
@@ -450,24 +449,14 @@ impl Worker {
                  evaluate or predict",
             ));
         }
-        let mut m = msg::header([self.call, 0, 0, 0, 0, 0]);
-        m.extend(msg::u64_words(values));
-        let (roles, timeout, call) = (self.roles, self.timeout, self.call);
-        let world = Arc::clone(&self.world);
-        let replies = world.point_to_point(|comm| {
-            exchange(
-                comm,
-                roles,
-                &[(0, &m[..])],
-                msg::GATHER,
-                &[0],
-                msg::TOTALS,
-                call,
-                timeout,
-                "a gather across the workers",
-            )
-        })?;
-        let all = msg::u64s_from(&replies[0][msg::HEADER..]);
+        let m = Message::Gather {
+            values: values.to_vec(),
+        }
+        .encode(self.call);
+        let what = "a gather across the workers";
+        let replies = self.exchange_with(&[(0, &m)], &[0], Kind::Gathered, gathered_of, what)?;
+        let all = replies.into_iter().next().unwrap_or_default();
+        let roles = self.roles;
         if all.len() != values.len() * roles.workers {
             return Err(Error::Replica {
                 replica: roles.server_label(0),
@@ -501,54 +490,63 @@ impl Drop for Worker {
         };
         let servers = (0..self.roles.servers).map(|s| self.roles.server_rank(s));
         let _ = self.world.point_to_point(|comm| {
-            msg::send_abort(comm, servers, &error);
+            transport::send_abort(comm, servers, &error);
             Ok(())
         });
         self.world.mark_broken();
     }
 }
 
-/// Sends each `(server, words)` of `to` with `tag` and waits for one answer with tag `answer`
-/// from each server of `awaited`, in one loop that also takes the answers of the servers that
+/// The answer an exchange waits for from each server.
+struct Expected<'a, T> {
+    /// Its kind.
+    answer: Kind,
+    /// Takes its contents out of a message of that kind.
+    take: fn(Message) -> Option<T>,
+    /// The call it belongs to.
+    call: u32,
+    /// What it answers, for errors: `the push of step 3`.
+    what: &'a str,
+}
+
+/// Sends each `(server, message)` of `to` and waits for one answer as `expected` says from
+/// each server of `awaited`, in one loop that also takes the answers of the servers that
 /// already have their message while a send to another is still under way.
 ///
 /// Each server gets twice the timeout (it may itself wait one timeout for another worker; a
-/// `WAITING` note from it starts its wait again). Meanwhile the worker tells every server, a few
-/// times per timeout, that it is alive, so that a server does not take a worker that waits on
-/// another, stalled server for a stalled worker. An abort notice fails the exchange with the
+/// `Waiting` note from it starts its wait again). Meanwhile the worker tells every server, a
+/// few times per timeout, that it is alive, so that a server does not take a worker that waits
+/// on another, stalled server for a stalled worker. An abort notice fails the exchange with the
 /// error it carries. A server that does not take its message in time cannot be answered by
 /// cancelling the send, so the job is ended naming it; one that takes it but does not answer is
 /// named in the error.
-#[allow(clippy::too_many_arguments)]
-fn exchange(
+fn exchange<T>(
     comm: &SimpleCommunicator,
     roles: Roles,
-    to: &[(usize, &[f32])],
-    tag: i32,
+    to: &[(usize, &Encoded)],
     awaited: &[usize],
-    answer: i32,
-    call: u32,
+    expected: &Expected<'_, T>,
     timeout: Duration,
-    what: &str,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Vec<T>> {
+    let what = expected.what;
     let patience = timeout * 2;
     let start = Instant::now();
-    let mut answers: Vec<Option<Vec<f32>>> = vec![None; awaited.len()];
+    let mut answers: Vec<Option<T>> = awaited.iter().map(|_| None).collect();
     let mut deadlines = vec![start + patience; awaited.len()];
     let mut alive_sent = start;
-    let alive = msg::header([call, 0, 0, 0, 0, 0]);
+    let alive = Message::Alive.encode(expected.call);
     mpi::request::scope(|scope| {
         let mut sends: Vec<_> = to
             .iter()
-            .map(|&(s, words)| {
+            .map(|&(s, message)| {
                 Some(
                     comm.process_at_rank(roles.server_rank(s) as i32)
-                        .immediate_send_with_tag(scope, words, tag),
+                        .immediate_send_with_tag(scope, &message.words[..], message.tag),
                 )
             })
             .collect();
-        let mut backoff = Backoff(0);
-        let mut pace = msg::SendPace::default();
+        let mut backoff = Backoff::default();
+        let mut pace = SendPace::default();
         let outcome = loop {
             let mut progressed = false;
             for slot in sends.iter_mut() {
@@ -559,7 +557,7 @@ fn exchange(
                     }
                 }
             }
-            match receive_answers(comm, roles, awaited, answer, call, what, &mut answers) {
+            match receive_answers(comm, roles, awaited, expected, &mut answers) {
                 Ok(Some(waiting)) => {
                     for i in waiting {
                         deadlines[i] = Instant::now() + patience;
@@ -574,7 +572,7 @@ fn exchange(
                 break Ok(());
             }
             if progressed {
-                backoff = Backoff(0);
+                backoff = Backoff::default();
                 continue;
             }
             let now = Instant::now();
@@ -582,7 +580,7 @@ fn exchange(
                 alive_sent = now;
                 for s in 0..roles.servers {
                     comm.process_at_rank(roles.server_rank(s) as i32)
-                        .buffered_send_with_tag(&alive[..], msg::ALIVE);
+                        .buffered_send_with_tag(&alive.words[..], alive.tag);
                 }
             }
             let unsent = to
@@ -627,27 +625,25 @@ fn exchange(
 }
 
 /// Takes the answers that have arrived from the servers of `awaited` into `answers`; returns
-/// which of them sent a `WAITING` note (or `None` when nothing arrived), or the error of an
+/// which of them sent a `Waiting` note (or `None` when nothing arrived), or the error of an
 /// abort notice or a stray message.
-fn receive_answers(
+fn receive_answers<T>(
     comm: &SimpleCommunicator,
     roles: Roles,
     awaited: &[usize],
-    answer: i32,
-    call: u32,
-    what: &str,
-    answers: &mut [Option<Vec<f32>>],
+    expected: &Expected<'_, T>,
+    answers: &mut [Option<T>],
 ) -> Result<Option<Vec<usize>>> {
     let mut arrived = None;
     for (i, &s) in awaited.iter().enumerate() {
         if answers[i].is_some() {
             continue;
         }
-        let Some(m) = msg::try_receive(comm, Some(roles.server_rank(s))) else {
+        let Some(m) = transport::try_receive(comm, &roles, Some(roles.server_rank(s)))? else {
             continue;
         };
         let waiting: &mut Vec<usize> = arrived.get_or_insert_with(Vec::new);
-        if let Some(error) = m.abort {
+        if let Some(error) = m.abort_error() {
             return Err(match error {
                 Error::Replica { replica, reason } => Error::Replica {
                     replica,
@@ -656,24 +652,70 @@ fn receive_answers(
                 other => other,
             });
         }
-        let h = msg::read_header(&m.words)?;
-        if m.tag == msg::WAITING {
+        if m.message == Message::Waiting {
             waiting.push(i);
             continue;
         }
-        if m.tag != answer || h[0] != call {
+        let (kind, call) = (m.message.kind(), m.call);
+        let taken = (call == expected.call)
+            .then(|| (expected.take)(m.message))
+            .flatten();
+        let Some(answer) = taken else {
             return Err(Error::Replica {
                 replica: roles.server_label(s),
                 reason: format!(
-                    "answered {what} with message tag {:#x} of call {} (expected tag \
-                     {answer:#x} of call {call})",
-                    m.tag, h[0]
+                    "answered {} with message tag {:#x} of call {call} (expected tag {:#x} of \
+                     call {})",
+                    expected.what,
+                    kind.tag(),
+                    expected.answer.tag(),
+                    expected.call
                 ),
             });
-        }
-        answers[i] = Some(m.words);
+        };
+        answers[i] = Some(answer);
     }
     Ok(arrived)
+}
+
+/// The variables a `Weights` answer carries.
+fn weights_of(message: Message) -> Option<Snapshot> {
+    match message {
+        Message::Weights(snapshot) => Some(snapshot),
+        _ => None,
+    }
+}
+
+/// The sums a `TestTotals` answer carries.
+fn test_totals_of(message: Message) -> Option<StepTotals> {
+    match message {
+        Message::TestTotals(totals) => Some(totals),
+        _ => None,
+    }
+}
+
+/// The totals an `EpochTotals` answer carries.
+fn epoch_totals_of(message: Message) -> Option<EpochTotals> {
+    match message {
+        Message::EpochTotals(totals) => Some(totals),
+        _ => None,
+    }
+}
+
+/// Every worker's values, which a `Gathered` answer carries.
+fn gathered_of(message: Message) -> Option<Vec<u64>> {
+    match message {
+        Message::Gathered { values } => Some(values),
+        _ => None,
+    }
+}
+
+/// The version and training state bytes a `State` message carries.
+fn state_of(message: Message) -> Option<(u64, Vec<u8>)> {
+    match message {
+        Message::State { version, state } => Some((version, state)),
+        _ => None,
+    }
 }
 
 /// Copies a 1-D `f32` CPU tensor into `out` (cleared first).

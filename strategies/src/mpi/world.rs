@@ -1,5 +1,5 @@
 //! `World`: this process's handle on `MPI_COMM_WORLD`, shared by every
-//! [`MultiWorkerMirroredStrategy`](super::MultiWorkerMirroredStrategy) and
+//! [`MultiWorkerMirroredStrategy`](crate::MultiWorkerMirroredStrategy) and
 //! [`ParameterServerStrategy`](crate::ParameterServerStrategy) of the process.
 //!
 //! MPI is initialised once per process, at thread level `MPI_THREAD_SERIALIZED`: any thread may
@@ -24,20 +24,17 @@ use std::time::Duration;
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::datatype::Equivalence;
 use mpi::environment::Universe;
-use mpi::request::{Request, Scope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 
 use kandle::{Error, Result};
 
+use super::abort::complete_or_abort;
 use super::watchdog::{self, Phase, Vigil};
 
 /// Bytes attached for buffered sends: the watchdog's small messages go out with `MPI_Bsend`,
 /// which never waits for the receiver.
 const SEND_BUFFER_BYTES: usize = 1 << 20;
-
-/// The error code `MPI_Abort` reports when a collective that already started cannot complete.
-const ABORT_CODE: i32 = 70;
 
 /// The one world of this process, while a strategy holds it.
 static WORLD: Mutex<Weak<World>> = Mutex::new(Weak::new());
@@ -195,7 +192,7 @@ impl World {
                     &mut scratch[..],
                     SystemOperation::sum(),
                 );
-                finish(&mut vigil, request, phase, "all-reduce");
+                complete_or_abort(&mut vigil, request, phase, "all-reduce");
             });
             std::mem::swap(data, scratch);
             Ok(())
@@ -216,7 +213,7 @@ impl World {
             let chief = comm.process_at_rank(0);
             mpi::request::scope(|scope| {
                 let request = chief.immediate_broadcast_into(scope, data);
-                finish(&mut vigil, request, phase, "broadcast");
+                complete_or_abort(&mut vigil, request, phase, "broadcast");
             });
             Ok(())
         })
@@ -237,7 +234,7 @@ impl World {
             let mut vigil = Vigil::new(comm, sequence, timeout);
             mpi::request::scope(|scope| {
                 let request = comm.immediate_all_gather_into(scope, values, &mut all[..]);
-                finish(&mut vigil, request, phase, "gather");
+                complete_or_abort(&mut vigil, request, phase, "gather");
             });
             Ok(all)
         })
@@ -262,7 +259,8 @@ impl World {
 
     /// Runs `f` under the MPI lock with the world communicator, for point-to-point messages
     /// (the parameter servers' protocol), marking the world broken if it fails. `f` must not
-    /// leave a message half sent: a send it cannot complete ends the job ([`abort_job`]).
+    /// leave a message half sent: a send it cannot complete ends the job
+    /// ([`abort_job`](super::abort::abort_job)).
     pub(crate) fn point_to_point<R>(
         &self,
         f: impl FnOnce(&SimpleCommunicator) -> Result<R>,
@@ -274,36 +272,6 @@ impl World {
     pub(crate) fn mark_broken(&self) {
         self.broken.store(true, Ordering::SeqCst);
     }
-}
-
-/// Waits for a started MPI collective; if it cannot complete, ends the whole job, since MPI can
-/// neither take it back nor release its buffers. Names the workers that no longer answer first.
-fn finish<'a, D: ?Sized, S: Scope<'a>>(
-    vigil: &mut Vigil<'_>,
-    request: Request<'a, D, S>,
-    phase: Phase,
-    what: &str,
-) {
-    if let Err(unfinished) = watchdog::complete(vigil, request) {
-        let diagnosis = vigil.diagnosis();
-        let comm = vigil.communicator();
-        log::error!(
-            "worker {}: the {what} of {phase} started but did not complete within {}: \
-             {diagnosis}; MPI cannot cancel a collective, so the job is aborted",
-            comm.rank(),
-            vigil.patience(),
-        );
-        // MPI still owns the request's buffers; `MPI_Abort` never returns, so they stay valid.
-        std::mem::forget(unfinished);
-        comm.abort(ABORT_CODE)
-    }
-}
-
-/// Ends the whole job after logging `why`: for a started MPI operation that cannot complete,
-/// since MPI can neither take it back nor release its buffers. Never returns.
-pub(crate) fn abort_job(comm: &SimpleCommunicator, why: &str) -> ! {
-    log::error!("rank {}: {why}; the job is aborted", comm.rank());
-    comm.abort(ABORT_CODE)
 }
 
 impl Drop for World {

@@ -36,6 +36,9 @@ use mpi::topology::{Communicator, SimpleCommunicator};
 
 use kandle::{Error, Result};
 
+use super::poll::Backoff;
+use super::{seconds, worker_label};
+
 /// Tag of a worker's heartbeat to the chief: `[operation, phase kind, step]`.
 const HEARTBEAT: i32 = 0x4b01;
 /// Tag of the chief's go-ahead: `[operation, 0, 0]`.
@@ -77,7 +80,7 @@ pub(crate) enum Phase {
     /// The check, when `fit` starts, that every worker resumes from the same backup.
     Resume,
     /// A direct call of
-    /// [`MultiWorkerMirroredStrategy::all_reduce_sum`](super::MultiWorkerMirroredStrategy::all_reduce_sum),
+    /// [`MultiWorkerMirroredStrategy::all_reduce_sum`](crate::MultiWorkerMirroredStrategy::all_reduce_sum),
     /// outside any model.
     Direct,
 }
@@ -129,38 +132,6 @@ impl fmt::Display for Phase {
     }
 }
 
-/// Yields for the first polls (each poll is an MPI call, which is also what moves a
-/// non-blocking collective forward), then sleeps a little longer each time, up to 1 ms, so a
-/// long wait costs little CPU (the other workers may share the cores).
-pub(crate) struct Backoff(pub(crate) u32);
-
-/// Polls that only yield before the first sleep.
-const YIELDING_POLLS: u32 = 2000;
-
-impl Backoff {
-    pub(crate) fn wait(&mut self) {
-        if self.0 < YIELDING_POLLS {
-            std::thread::yield_now();
-        } else {
-            let micros = 50u64 << (self.0 - YIELDING_POLLS).min(5);
-            std::thread::sleep(Duration::from_micros(micros.min(1000)));
-        }
-        self.0 = self.0.saturating_add(1);
-    }
-}
-
-pub(crate) fn worker_label(rank: usize) -> String {
-    if rank == 0 {
-        "worker 0 (chief)".into()
-    } else {
-        format!("worker {rank}")
-    }
-}
-
-pub(crate) fn seconds(d: Duration) -> String {
-    format!("{:.0} s", d.as_secs_f64())
-}
-
 /// Blocks until every worker has reached operation `sequence` at `phase`, or fails naming the
 /// one that has not (see the module documentation).
 pub(crate) fn rendezvous(
@@ -196,7 +167,7 @@ fn gather(
     let deadline = Instant::now() + timeout;
     let mut arrived = vec![false; size as usize];
     arrived[0] = true;
-    let mut backoff = Backoff(0);
+    let mut backoff = Backoff::default();
     while arrived.iter().any(|a| !a) {
         let mut progressed = false;
         for rank in 1..size {
@@ -337,7 +308,7 @@ fn worker_reports(
     chief.buffered_send_with_tag(&[sequence, kind, step][..], HEARTBEAT);
     let patience = timeout * 2;
     let deadline = Instant::now() + patience;
-    let mut backoff = Backoff(0);
+    let mut backoff = Backoff::default();
     loop {
         if let Some((message, status)) = chief.immediate_matched_probe() {
             let mut words = [0u64; 3];
@@ -413,7 +384,7 @@ impl<'c> Vigil<'c> {
             sequence,
             deadline: Instant::now() + patience,
             patience,
-            backoff: Backoff(0),
+            backoff: Backoff::default(),
         }
     }
 
@@ -488,7 +459,7 @@ fn unresponsive(comm: &SimpleCommunicator, sequence: u64) -> Vec<String> {
     }
     let mut answered: Vec<bool> = (0..size).map(|r| r == me).collect();
     let deadline = Instant::now() + PING_WAIT;
-    let mut backoff = Backoff(0);
+    let mut backoff = Backoff::default();
     while answered.iter().any(|a| !a) && Instant::now() < deadline {
         answer_pings(comm);
         for rank in 0..size {

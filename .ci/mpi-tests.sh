@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-process tests: builds kandle-strategies with the `mpi` feature and runs the tests that
-# launch `mpirun` (strategies/tests/multi_worker.rs: `-n 2`; strategies/tests/parameter_server.rs:
+# launch `mpirun` (testing/tests/multi_worker.rs: `-n 2`; testing/tests/parameter_server.rs:
 # `-n 2` to `-n 5`, and one `-n 10` that fails at once), plus the feature's unit and doc tests.
 # Installs nothing: it needs Open MPI (`openmpi-bin`, `libopenmpi-dev`) and `libclang-dev`.
 set -euo pipefail
@@ -16,10 +16,11 @@ if ! command -v mpirun >/dev/null; then
 fi
 echo "== $(mpirun --version | head -n 1)"
 
-echo "== cargo test -p kandle-strategies --features mpi (unit tests, multi-worker and parameter-server tests)"
+echo "== cargo test --features mpi: kandle-strategies' unit tests; kandle-testing's multi-worker, parameter-server and resume tests"
 # The multi-worker tests serialise their mpirun launches themselves; one test thread keeps the
 # timings they assert meaningful on a small machine.
-cargo test -p kandle-strategies --features mpi --lib --test multi_worker --test parameter_server --test training_state_across_strategies -- --test-threads=1
+cargo test -p kandle-strategies --features mpi --lib
+cargo test -p kandle-testing --features mpi --test multi_worker --test parameter_server --test mpi_resume -- --test-threads=1
 
 echo "== cargo test -p kandle-examples --features mpi (quickstart under mpirun -n 3 with a parameter server)"
 cargo test -p kandle-examples --features mpi --test quickstart_parameter_server

@@ -123,7 +123,7 @@ impl Error {
 impl From<kandle_kernels::Error> for Error {
     fn from(e: kandle_kernels::Error) -> Self {
         match e {
-            kandle_kernels::Error::Candle(e) => Error::Candle(e),
+            kandle_kernels::Error::Candle(e) => Error::Candle(Arc::new(e)),
             kandle_kernels::Error::InvalidInput(msg) => Error::InvalidInput(msg),
             other => Error::InvalidInput(other.to_string()),
         }

@@ -12,7 +12,7 @@ use kandle::prelude::*;
 use kandle_strategies::MirroredStrategy;
 
 use kandle_testing::crash::Crash;
-mod support;
+use kandle_testing::strategies as support;
 use support::equivalence_run::Order;
 use support::Reference;
 

@@ -8,7 +8,7 @@ use kandle::prelude::*;
 use kandle::ComputePath;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
-mod support;
+use kandle_testing::strategies as support;
 use support::equivalence_run::{bn_cnn, plain_cnn, train_on, Order, SAMPLES};
 use support::one_device_reference;
 

@@ -22,7 +22,7 @@ use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
 // This crate uses part of the support module.
 #[allow(dead_code)]
-mod support;
+use kandle_testing::strategies as support;
 use support::assert_within;
 use support::equivalence_run::{bn_cnn, compile, plain_cnn, train, SAMPLES};
 

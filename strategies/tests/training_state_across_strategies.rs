@@ -6,34 +6,17 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
 use kandle::optimizers::OptimizerConfig;
 use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
-mod support;
-use support::equivalence_run::{bn_cnn, plain_cnn, Order, GLOBAL_BATCH};
+use kandle_testing::strategies as support;
+use support::equivalence_run::{bn_cnn, plain_cnn, Order};
 use support::{assert_within, Reference};
 
 const K: usize = 6;
 const M: usize = 6;
-
-/// Global batch `i` of digits, its samples in `order`.
-fn batch(i: usize, order: Order) -> anyhow::Result<(Tensor, Tensor)> {
-    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
-    let (x, y) = (
-        x.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
-        y.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
-    );
-    let at = order
-        .indices(GLOBAL_BATCH, GLOBAL_BATCH)
-        .into_iter()
-        .map(|i| i as u32)
-        .collect::<Vec<_>>();
-    let at = Tensor::new(at, x.device())?;
-    Ok((x.index_select(&at, 0)?, y.index_select(&at, 0)?))
-}
 
 fn model<S, O>(net: Sequential, optimizer: O, strategy: &S, seed: u64) -> anyhow::Result<Model>
 where
@@ -46,15 +29,7 @@ where
 }
 
 fn train(model: &mut Model, steps: std::ops::Range<usize>) -> anyhow::Result<()> {
-    train_in(model, steps, Order::Fixed)
-}
-
-fn train_in(model: &mut Model, steps: std::ops::Range<usize>, order: Order) -> anyhow::Result<()> {
-    for i in steps {
-        let (x, y) = batch(i, order)?;
-        model.train_on_batch(&x, &y, None)?;
-    }
-    Ok(())
+    support::train_steps(model, steps, Order::Fixed)
 }
 
 /// K + M steps on one device, with the spread of the same steps in reversed batches.
@@ -62,12 +37,7 @@ fn uninterrupted<O: OptimizerConfig + Clone>(
     net: fn() -> Sequential,
     optimizer: O,
 ) -> anyhow::Result<Reference> {
-    let run = |order| -> anyhow::Result<Weights> {
-        let mut m = model(net(), optimizer.clone(), &OneDeviceStrategy::cpu(), 5)?;
-        train_in(&mut m, 0..K + M, order)?;
-        Ok(m.get_weights()?)
-    };
-    Reference::new(run(Order::Fixed)?, &run(Order::ReversedInBatches)?)
+    support::uninterrupted(net, optimizer, K + M)
 }
 
 /// K steps under `first`, saved, loaded under `second` into a model of other initial weights,
@@ -202,55 +172,6 @@ fn a_refused_state_leaves_a_mirrored_model_unchanged() -> anyhow::Result<()> {
             .zip(after[name].flatten_all()?.to_vec1::<f32>()?)
             .all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "`{name}` changed");
-    }
-    Ok(())
-}
-
-/// The worker programs' `resume` task under `mpirun -n <ranks>`: 6 `train_on_batch` steps,
-/// `Model::save` with every process taking part, `Model::load` on every process into a fresh
-/// model, 6 more steps; returns the final weights, to compare with one device's.
-#[cfg(feature = "mpi")]
-fn resume_under_mpirun(program: &str, ranks: usize, options: &[&str]) -> anyhow::Result<Weights> {
-    let dir = tempfile::tempdir()?;
-    let state = dir.path().join("state.safetensors");
-    let out = dir.path().join("weights.safetensors");
-    let (state_arg, out_arg) = (state.to_string_lossy(), out.to_string_lossy());
-    let mut args = options.to_vec();
-    args.extend(["resume", "--state", &state_arg, "--out", &out_arg]);
-    let _one = support::launch::lock();
-    let outcome = support::launch::run(support::launch::mpirun(program, ranks, &args))?;
-    assert!(outcome.status.success(), "{}", outcome.output);
-    // The worker programs' steps: 6 before the save and 6 after, as K and M here.
-    assert_eq!((K, M), (6, 6));
-    Ok(kandle::checkpoint::load(&out)?)
-}
-
-/// Under `MultiWorkerMirroredStrategy` (2 workers launched by `mpirun`) the chief saves, every
-/// worker loads, and training continues as one device's does. Needs Open MPI's `mpirun`.
-#[cfg(feature = "mpi")]
-#[test]
-fn multi_worker_saves_on_the_chief_and_resumes_on_every_worker() -> anyhow::Result<()> {
-    let weights = resume_under_mpirun(env!("CARGO_BIN_EXE_kandle-mpi-check"), 2, &[])?;
-    let reference = uninterrupted(plain_cnn, Sgd::new(0.05).momentum(0.9))?;
-    reference.assert_matches(&weights, "multi-worker x2 save -> load")?;
-    Ok(())
-}
-
-/// Under synchronous `ParameterServerStrategy` the optimizer state lives on the servers:
-/// `Model::save` gathers it from them (every rank takes part), `Model::load` gives each server
-/// its part back, and training continues as one device's does, with 1 and 2 servers. Needs
-/// Open MPI's `mpirun`.
-#[cfg(feature = "mpi")]
-#[test]
-fn parameter_servers_save_and_resume_their_optimizer_state() -> anyhow::Result<()> {
-    let reference = uninterrupted(plain_cnn, Sgd::new(0.05).momentum(0.9))?;
-    for (ranks, servers, what) in [
-        (3, "1", "2 workers, 1 server"),
-        (4, "2", "2 workers, 2 servers"),
-    ] {
-        let options = ["--sync", "--num-ps", servers, "--timeout-secs", "20"];
-        let weights = resume_under_mpirun(env!("CARGO_BIN_EXE_kandle-ps-check"), ranks, &options)?;
-        reference.assert_matches(&weights, &format!("{what}: save -> load"))?;
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use kandle::prelude::*;
 use kandle::ComputePath;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
-mod support;
+use kandle_testing::strategies as support;
 use support::equivalence_run::{train, train_on, Order, SAMPLES};
 use support::Reference;
 

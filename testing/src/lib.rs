@@ -3,11 +3,18 @@
 //! - [`cifar10_fixture`]: a small, learnable CIFAR-10 set in the official binary format, for
 //!   tests and benchmarks where the real set is not available;
 //! - [`crash`]: a callback that fails one training step, for the tests of `BackupAndRestore`;
-//! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print.
+//! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print;
+//! - [`strategies`]: the strategy tests' equivalence run, the steps of a resumed run, and
+//!   comparing weights with one device's within the float32 spread of an equivalent ordering.
 //!
-//! `kandle`, `kandle-strategies` and `kandle-examples` take it as a dev-dependency (the
-//! examples' input-pipeline benchmark uses the fixture too).
+//! With the `mpi` feature it also builds the programs the MPI tests (`tests/`) launch under
+//! `mpirun`: `kandle-mpi-check` (multi-worker) and `kandle-ps-check` (parameter servers), test
+//! programs rather than binaries of `kandle-strategies`.
+//!
+//! `kandle` and `kandle-strategies` take it as a dev-dependency, `kandle-examples` as a
+//! dependency (its input-pipeline benchmark writes the fixture).
 
 pub mod cifar10_fixture;
 pub mod crash;
 pub mod launch;
+pub mod strategies;

@@ -1,10 +1,9 @@
-//! What the strategy tests share: the equivalence run, and comparing trained weights with one
-//! device's.
+//! What the strategy tests share: the equivalence run, the steps of a resumed run, and
+//! comparing trained weights with one device's within the float32 spread of an equivalent
+//! ordering.
 
-// Each test crate uses its own part of the run.
-#[allow(dead_code)]
 pub mod equivalence_run;
-pub use kandle_testing::launch;
+pub use crate::launch;
 
 use std::path::Path;
 
@@ -65,8 +64,6 @@ impl Reference {
 }
 
 /// One device's [`Reference`] for the equivalence run of `net` on `samples` digits.
-// The tests that train through their own steps do not use it.
-#[allow(dead_code)]
 pub fn one_device_reference(
     net: fn() -> kandle::layers::Sequential,
     samples: usize,
@@ -131,8 +128,6 @@ fn scale(t: &candle_core::Tensor) -> anyhow::Result<f64> {
 
 /// Asserts that two final training states in files (weights, optimizer slots and scalars)
 /// agree within `tolerance` relative to each tensor's scale.
-// Only the tests that resume runs use it.
-#[allow(dead_code)]
 pub fn assert_states_within(a: &Path, b: &Path, tolerance: f64) -> anyhow::Result<()> {
     let (a, b) = (TrainingState::load(a)?, TrainingState::load(b)?);
     assert_within(&a.weights, &b.weights, tolerance, "weights")?;
@@ -146,8 +141,6 @@ pub fn assert_states_within(a: &Path, b: &Path, tolerance: f64) -> anyhow::Resul
 /// Asserts that `outcome`, a job run again after it was killed, resumed from `backup`,
 /// completed (deleting the backup), and left the final training state `out` within
 /// `tolerance` of `uninterrupted`'s.
-// Only the tests that resume runs use it.
-#[allow(dead_code)]
 pub fn assert_resumed_as_uninterrupted(
     outcome: &launch::Outcome,
     backup: &Path,
@@ -163,4 +156,58 @@ pub fn assert_resumed_as_uninterrupted(
     );
     assert!(!backup.exists(), "the backup is deleted when fit completes");
     assert_states_within(uninterrupted, out, tolerance)
+}
+
+/// Global batch `i` of digits (batches of [`GLOBAL_BATCH`](equivalence_run::GLOBAL_BATCH) in
+/// the set's order), its samples in `order`.
+pub fn global_batch(
+    i: usize,
+    order: equivalence_run::Order,
+) -> anyhow::Result<(candle_core::Tensor, candle_core::Tensor)> {
+    use equivalence_run::GLOBAL_BATCH;
+    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
+    let (x, y) = (
+        x.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
+        y.narrow(0, i * GLOBAL_BATCH, GLOBAL_BATCH)?,
+    );
+    let at = order
+        .indices(GLOBAL_BATCH, GLOBAL_BATCH)
+        .into_iter()
+        .map(|i| i as u32)
+        .collect::<Vec<_>>();
+    let at = candle_core::Tensor::new(at, x.device())?;
+    Ok((x.index_select(&at, 0)?, y.index_select(&at, 0)?))
+}
+
+/// Trains `model` with `train_on_batch` on the global batches `steps`, in `order`.
+pub fn train_steps(
+    model: &mut kandle::Model,
+    steps: std::ops::Range<usize>,
+    order: equivalence_run::Order,
+) -> anyhow::Result<()> {
+    for i in steps {
+        let (x, y) = global_batch(i, order)?;
+        model.train_on_batch(&x, &y, None)?;
+    }
+    Ok(())
+}
+
+/// `steps` steps of `net` under `optimizer` on one device, from the initial weights of seed 5:
+/// the [`Reference`] a resumed run of the same steps ends within.
+pub fn uninterrupted<O>(
+    net: fn() -> kandle::layers::Sequential,
+    optimizer: O,
+    steps: usize,
+) -> anyhow::Result<Reference>
+where
+    O: kandle::optimizers::OptimizerConfig + Clone,
+{
+    use equivalence_run::Order;
+    let run = |order| -> anyhow::Result<Weights> {
+        let one = kandle::OneDeviceStrategy::cpu();
+        let mut m = equivalence_run::compile(net(), optimizer.clone(), &one, 5)?;
+        train_steps(&mut m, 0..steps, order)?;
+        Ok(m.get_weights()?)
+    };
+    Reference::new(run(Order::Fixed)?, &run(Order::ReversedInBatches)?)
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-mod support;
+use kandle_testing::strategies as support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{
     self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,

@@ -1,5 +1,5 @@
 //! `kandle-ps-check`: the program behind the parameter-server tests, run by `mpirun` on every
-//! rank, workers and servers alike (`strategies/tests/parameter_server.rs`,
+//! rank, workers and servers alike (`testing/tests/parameter_server.rs`,
 //! `.ci/mpi-tests.sh`).
 //!
 //! ```text
@@ -14,8 +14,8 @@
 //!         | mismatch>
 //! ```
 //!
-//! - `equivalence` runs the equivalence run of the strategy tests (`tests/support/
-//!   equivalence_run.rs`, included here); the chief writes the weights to `FILE`, and each
+//! - `equivalence` runs the equivalence run of the strategy tests (`kandle_testing::strategies::
+//!   equivalence_run`); the chief writes the weights to `FILE`, and each
 //!   server rank `R` the weights it holds after `fit` to `FILE.rankR`;
 //! - `staleness` trains on digits with every worker sleeping `C` ms before each step (a stand-in
 //!   for computation) and worker `R` `M` ms; every worker prints each epoch's loss, and the
@@ -37,8 +37,7 @@ use std::time::Duration;
 use kandle::prelude::*;
 use kandle_strategies::ParameterServerStrategy;
 
-#[path = "../../tests/support/equivalence_run.rs"]
-mod equivalence_run;
+use kandle_testing::strategies::equivalence_run;
 mod worker_program;
 
 use worker_program::{number, tasks, Common};

@@ -1,10 +1,10 @@
-//! The equivalence run that the strategy tests and the multi-worker program
-//! (`src/bin/mpi_check.rs`, which includes this file) share: the models, and one epoch on digits
+//! The equivalence run that the strategy tests and the worker programs (`kandle-mpi-check`,
+//! `kandle-ps-check`) share: the models, and one epoch on digits
 //! at a fixed global batch whose last step is short, in a fixed order of the samples or in the
 //! same batches with each batch's samples reversed (an equivalent ordering, whose float32
 //! spread sets the tests' tolerances).
 //!
-//! It uses kandle alone, so that the worker program can include it too.
+//! It uses kandle alone.
 
 use kandle::prelude::*;
 use kandle::ComputePath;
@@ -117,8 +117,6 @@ pub fn fit<S: Strategy + Clone + 'static>(
 
 /// The run of [`train`] on compute path `path` (`None`: `KANDLE_COMPUTE`'s) with the samples in
 /// `order`.
-// The worker programs that include this file do not call it.
-#[allow(dead_code)]
 pub fn train_on<S: Strategy + Clone + 'static>(
     net: Sequential,
     strategy: &S,

@@ -1,5 +1,5 @@
 //! `kandle-mpi-check`: the worker program behind the multi-worker tests, run by `mpirun`
-//! (`strategies/tests/multi_worker.rs`, `.ci/mpi-tests.sh`).
+//! (`testing/tests/multi_worker.rs`, `.ci/mpi-tests.sh`).
 //!
 //! ```text
 //! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
@@ -14,8 +14,8 @@
 //! ```
 //!
 //! - `world` prints this worker's rank and the world size;
-//! - `equivalence` runs the equivalence run of the strategy tests (`tests/support/
-//!   equivalence_run.rs`, included here): the BN-free CNN (`plain`) or the CNN with batch norms
+//! - `equivalence` runs the equivalence run of the strategy tests (`kandle_testing::strategies::
+//!   equivalence_run`): the BN-free CNN (`plain`) or the CNN with batch norms
 //!   (`bn`), one epoch on the first `S` digits (default 470) at a global batch of 24; the chief
 //!   writes the weights to `FILE` (safetensors);
 //! - `digits`, `train`, `resume` and `backup` are the tasks both worker programs run
@@ -36,8 +36,7 @@ use std::process::ExitCode;
 use kandle::prelude::*;
 use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy};
 
-#[path = "../../tests/support/equivalence_run.rs"]
-mod equivalence_run;
+use kandle_testing::strategies::equivalence_run;
 mod worker_program;
 
 use worker_program::{number, tasks, Common};

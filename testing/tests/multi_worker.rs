@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-mod support;
+use kandle_testing::strategies as support;
 use support::equivalence_run::{self, SAMPLES};
 use support::launch::{
     self, bound, lock, run, signal_after, stalled_run, Outcome, TIMEOUT_SECS, WORKER_1_FAILS,

@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 
-use super::branches::{branch_name, Branches};
+use super::branches::{boxed_specs, branch_name, Branches};
 use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
@@ -43,10 +43,7 @@ impl Add {
         L: LayerSpec,
     {
         Self {
-            branches: branches
-                .into_iter()
-                .map(|b| Box::new(b) as Box<dyn LayerSpec>)
-                .collect(),
+            branches: boxed_specs(branches),
         }
     }
 }

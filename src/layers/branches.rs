@@ -10,7 +10,8 @@
 use candle_core::Tensor;
 
 use super::{
-    missing_input_grad, Backward, BuildContext, FastPath, LayerSpec, ParamGrads, SummaryRow,
+    build_child, missing_input_grad, Backward, BuildContext, FastPath, LayerSpec, ParamGrads,
+    SummaryRow,
 };
 use crate::Result;
 
@@ -28,6 +29,18 @@ pub(crate) struct BuiltBranches {
     pub(crate) shapes: Vec<Vec<usize>>,
     /// Each branch's summary row.
     pub(crate) rows: Vec<SummaryRow>,
+}
+
+/// The recipes of `branches`, boxed: what a merge layer's constructor keeps.
+pub(crate) fn boxed_specs<I, L>(branches: I) -> Vec<Box<dyn LayerSpec>>
+where
+    I: IntoIterator<Item = L>,
+    L: LayerSpec,
+{
+    branches
+        .into_iter()
+        .map(|b| Box::new(b) as Box<dyn LayerSpec>)
+        .collect()
 }
 
 /// The name of branch `i` of `specs`: the user's, or `branch_<i + 1>`.
@@ -57,19 +70,10 @@ impl Branches {
         let mut rows = Vec::with_capacity(specs.len());
         for (i, spec) in specs.iter().enumerate() {
             let name = branch_name(specs, i);
-            let built = ctx.scoped(&name, |ctx| spec.build(ctx, input_shape))?;
-            let (trainable, non_trainable) = ctx.count_in(&name);
-            rows.push(SummaryRow {
-                name,
-                kind: spec.kind().to_string(),
-                class_name: spec.class_name().to_string(),
-                output_shape: built.output_shape.clone(),
-                trainable,
-                non_trainable,
-                children: built.children,
-            });
-            shapes.push(built.output_shape);
-            layers.push(built.layer);
+            let child = build_child(ctx, spec.as_ref(), &name, input_shape)?;
+            rows.push(child.row);
+            shapes.push(child.output_shape);
+            layers.push(child.layer);
         }
         let branches = Branches {
             path: ctx.path(),

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::branches::{branch_name, Branches};
+use super::branches::{boxed_specs, branch_name, Branches};
 use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::kernels::concat::{self, ConcatOutput};
 use crate::Result;
@@ -24,10 +24,7 @@ impl Concat {
         L: LayerSpec,
     {
         Self {
-            branches: branches
-                .into_iter()
-                .map(|b| Box::new(b) as Box<dyn LayerSpec>)
-                .collect(),
+            branches: boxed_specs(branches),
         }
     }
 }

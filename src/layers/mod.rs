@@ -259,6 +259,41 @@ pub(crate) fn child_names(children: &[Box<dyn LayerSpec>]) -> Vec<String> {
         .collect()
 }
 
+/// A child of a composite layer, built in a scope named after it.
+pub(crate) struct BuiltChild {
+    /// The child, with its fast path.
+    pub(crate) layer: Box<dyn FastPath>,
+    /// Its output shape, without the batch axis.
+    pub(crate) output_shape: Vec<usize>,
+    /// Its summary row, with its own children's.
+    pub(crate) row: SummaryRow,
+}
+
+/// Builds `spec` for `input_shape` in the scope `name` of `ctx`, with its summary row.
+pub(crate) fn build_child(
+    ctx: &mut BuildContext,
+    spec: &dyn LayerSpec,
+    name: &str,
+    input_shape: &[usize],
+) -> Result<BuiltChild> {
+    let built = ctx.scoped(name, |ctx| spec.build(ctx, input_shape))?;
+    let (trainable, non_trainable) = ctx.count_in(name);
+    let row = SummaryRow {
+        name: name.to_string(),
+        kind: spec.kind().to_string(),
+        class_name: spec.class_name().to_string(),
+        output_shape: built.output_shape.clone(),
+        trainable,
+        non_trainable,
+        children: built.children,
+    };
+    Ok(BuiltChild {
+        layer: built.layer,
+        output_shape: built.output_shape,
+        row,
+    })
+}
+
 /// The shape error for the layer being built in `ctx`.
 pub(crate) fn shape_error(ctx: &BuildContext, expected: &str, got: &[usize]) -> crate::Error {
     crate::Error::Shape {

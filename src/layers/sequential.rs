@@ -9,11 +9,10 @@
 use candle_core::{Device, Tensor};
 
 use super::{
-    check_input, child_names, missing_input_grad, run_layers, run_layers_into, Backward,
-    BuildContext, Built, ChannelAffine, ChannelSlot, Layer, LayerSpec, ParamGrads, Recorded,
-    Summary, SummaryRow,
+    build_child, check_input, child_names, missing_input_grad, run_layers, run_layers_into,
+    Backward, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath, Identity, Layer,
+    LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
 };
-use super::{FastPath, Identity};
 use crate::params::ParamStore;
 use crate::Result;
 
@@ -111,24 +110,15 @@ impl Sequential {
         let mut layers = Vec::with_capacity(self.layers.len());
         let mut rows = Vec::with_capacity(self.layers.len());
         for (spec, name) in self.layers.iter().zip(child_names(&self.layers)) {
-            let built = ctx.scoped(&name, |ctx| spec.build(ctx, &shape))?;
+            let child = build_child(ctx, spec.as_ref(), &name, &shape)?;
             let full = if ctx.path().is_empty() {
-                name.clone()
+                name
             } else {
                 format!("{}.{name}", ctx.path())
             };
-            let (trainable, non_trainable) = ctx.count_in(&name);
-            rows.push(SummaryRow {
-                name: name.clone(),
-                kind: spec.kind().to_string(),
-                class_name: spec.class_name().to_string(),
-                output_shape: built.output_shape.clone(),
-                trainable,
-                non_trainable,
-                children: built.children,
-            });
-            shape = built.output_shape;
-            layers.push((full, built.layer));
+            rows.push(child.row);
+            shape = child.output_shape;
+            layers.push((full, child.layer));
         }
         absorb_relus(&mut layers);
         Ok(BuiltStack {

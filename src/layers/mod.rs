@@ -52,6 +52,7 @@ mod sequential;
 mod summary;
 mod window;
 mod wrappers;
+mod zero_padding;
 
 pub(crate) use crate::kernels::concat::ChannelSlot;
 pub(crate) use activation::log_softmax as activation_log_softmax;
@@ -78,6 +79,7 @@ pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
 pub use wrappers::{LayerSpecExt, Named, Trainable};
+pub use zero_padding::ZeroPadding2D;
 
 use candle_core::Tensor;
 
@@ -349,6 +351,7 @@ mod tests {
             Concat::new([Identity, Identity]).boxed(),
             Add::new([Identity, Identity]).boxed(),
             Identity.boxed(),
+            ZeroPadding2D::new(1, 1).boxed(),
             Flatten.boxed(),
             Dropout::new(0.5).boxed(),
             Sequential::new().add(Flatten).boxed(),
@@ -387,6 +390,7 @@ mod tests {
             (Concat::new([Flatten]).boxed(), "Concatenate"),
             (Add::new([Flatten]).boxed(), "Add"),
             (Identity.boxed(), "Identity"),
+            (ZeroPadding2D::new(1, 1).boxed(), "ZeroPadding2D"),
             (Flatten.boxed(), "Flatten"),
             (Dropout::new(0.5).boxed(), "Dropout"),
             (Sequential::new().boxed(), "Sequential"),

@@ -208,6 +208,7 @@ fn padding_name(p: Padding) -> &'static str {
     match p {
         Padding::Same => "same",
         Padding::Valid => "valid",
+        Padding::Explicit { .. } => "explicit",
     }
 }
 
@@ -239,11 +240,20 @@ impl Walk {
         stride: usize,
         padding: Padding,
     ) -> [usize; 3] {
-        let size = |n: usize| match padding {
+        let size = |n: usize, (before, after): (usize, usize)| match padding {
             Padding::Same => n.div_ceil(stride),
-            Padding::Valid => (n - kernel) / stride + 1,
+            Padding::Valid | Padding::Explicit { .. } => (n + before + after - kernel) / stride + 1,
         };
-        let output = [filters, size(input[1]), size(input[2])];
+        let (rows, columns) = match padding {
+            Padding::Explicit {
+                top,
+                bottom,
+                left,
+                right,
+            } => ((top, bottom), (left, right)),
+            Padding::Same | Padding::Valid => ((0, 0), (0, 0)),
+        };
+        let output = [filters, size(input[1], rows), size(input[2], columns)];
         let conv = OpKind::Conv {
             filters,
             kernel,

@@ -1,5 +1,6 @@
 //! `Add`: parallel branches over the same input, summed. With an [`Identity`](super::Identity)
-//! branch it is a residual block.
+//! branch it is a residual block; a ReLU after it is absorbed into the sum's step, so the
+//! recorded pass keeps one output and one gradient mask for both.
 
 use candle_core::Tensor;
 
@@ -74,6 +75,7 @@ impl LayerSpec for Add {
         let output_shape = first.clone();
         let layer = AddLayer {
             branches: built.branches,
+            relu: false,
         };
         Ok(Built::fast(layer, output_shape, built.rows))
     }
@@ -85,6 +87,8 @@ impl LayerSpec for Add {
 
 struct AddLayer {
     branches: Branches,
+    /// Whether the ReLU after the sum is applied here ([`FastPath::fuse_relu`]).
+    relu: bool,
 }
 
 /// The sum of `outs`, which are not empty (a merge layer has branches).
@@ -96,22 +100,44 @@ fn sum(outs: Vec<Tensor>) -> Result<Tensor> {
     outs.try_fold(first, |acc, out| Ok(acc.add(&out)?))
 }
 
+impl AddLayer {
+    /// The sum, and the ReLU after it when this layer absorbed one.
+    fn output(&self, sum: Tensor) -> Result<Tensor> {
+        Ok(if self.relu { sum.relu()? } else { sum })
+    }
+}
+
 impl Layer for AddLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        sum(self.branches.forward_t(x, train)?)
+        self.output(sum(self.branches.forward_t(x, train)?)?)
     }
 }
 
 impl FastPath for AddLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         let (outs, backward) = self.branches.record(x)?;
+        let sum = sum(outs)?;
+        // Candle's ReLU passes the gradient where its input is >= 0; so does the absorbed one.
+        let passes = match self.relu {
+            true => Some(sum.ge(0.0)?.to_dtype(sum.dtype())?),
+            false => None,
+        };
         Ok(Recorded::new(
-            sum(outs)?,
+            self.output(sum)?,
             // Every branch gets the whole gradient, shared rather than copied.
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                let dy = match &passes {
+                    Some(passes) => dy.mul(passes)?,
+                    None => dy,
+                };
                 backward.backward(|_| Ok(dy.clone()), grads, input_grad)
             },
         ))
+    }
+
+    fn fuse_relu(&mut self) -> bool {
+        self.relu = true;
+        true
     }
 }
 
@@ -120,7 +146,7 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use crate::layers::{
-        Activation, Add, BatchNormalization, BuildContext, Conv2D, FastPath, Identity,
+        Activation, Add, BatchNormalization, BuildContext, Conv2D, FastPath, Identity, Layer,
         LayerSpecExt, MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
     };
     use crate::params::ParamStore;
@@ -159,6 +185,25 @@ mod tests {
     #[test]
     fn residual_gradients_match_autograd() -> Result<()> {
         crate::layers::branches::assert_recorded_matches_autograd(build, &INPUT)
+    }
+
+    #[test]
+    fn the_relu_after_a_sum_is_absorbed_and_keeps_its_row() -> Result<()> {
+        let (net, _) = build(ComputePath::Auto)?;
+        let names: Vec<&str> = net.layer_names().collect();
+        assert_eq!(names, ["add_1", "relu_1", "add_2", "relu_2"]);
+        assert_eq!(net.passing_through(), [false, true, false, true]);
+        let (apart, _) = build(ComputePath::DeviceGeneric)?;
+        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        for net in [&net, &apart] {
+            let y = net.forward_t(&x, false)?;
+            assert_eq!(
+                y.lt(0f32)?.max_all()?.to_scalar::<u8>()?,
+                0,
+                "a ReLU output"
+            );
+        }
+        Ok(())
     }
 
     #[test]

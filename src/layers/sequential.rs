@@ -197,6 +197,16 @@ impl SequentialNet {
         self.layers.iter().map(|(n, _)| n.as_str())
     }
 
+    /// Which layers hand their input on unchanged in inference (a ReLU the layer before absorbed
+    /// does), in order.
+    #[cfg(test)]
+    pub(crate) fn passing_through(&self) -> Vec<bool> {
+        self.layers
+            .iter()
+            .map(|(_, l)| l.passes_through())
+            .collect()
+    }
+
     /// The recorded forward pass through every layer; with `with_logits`, the last layer may
     /// give logits (see [`FastPath::forward_recorded_with_logits`]).
     fn record(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {

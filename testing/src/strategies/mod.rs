@@ -48,10 +48,10 @@ impl Reference {
 
     /// Asserts that `other` has the reference's tensors, each within [`Self::tolerance`].
     pub fn assert_matches(&self, other: &Weights, what: &str) -> anyhow::Result<()> {
+        let difference = relative_difference(&self.weights, other)?;
         eprintln!(
-            "{what}: largest relative difference {:.2e}, {:.1}x the reordered run's {:.2e}",
-            relative_difference(&self.weights, other)?,
-            relative_difference(&self.weights, other)? / self.spread,
+            "{what}: largest relative difference {difference:.2e}, {:.1}x the reordered run's {:.2e}",
+            difference / self.spread,
             self.spread
         );
         let what = format!(

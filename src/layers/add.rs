@@ -38,11 +38,7 @@ pub struct Add {
 
 impl Add {
     /// Sums the given branches.
-    pub fn new<I, L>(branches: I) -> Self
-    where
-        I: IntoIterator<Item = L>,
-        L: LayerSpec,
-    {
+    pub fn new(branches: impl IntoIterator<Item = impl LayerSpec>) -> Self {
         Self {
             branches: boxed_specs(branches),
         }

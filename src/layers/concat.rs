@@ -18,11 +18,7 @@ pub struct Concat {
 
 impl Concat {
     /// Joins the given branches.
-    pub fn new<I, L>(branches: I) -> Self
-    where
-        I: IntoIterator<Item = L>,
-        L: LayerSpec,
-    {
+    pub fn new(branches: impl IntoIterator<Item = impl LayerSpec>) -> Self {
         Self {
             branches: boxed_specs(branches),
         }

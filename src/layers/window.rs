@@ -76,8 +76,9 @@ impl Padding {
         }
     }
 
-    /// The `(before, after)` padding [`Padding::Explicit`] gives the rows and the columns.
-    fn explicit(self) -> ((usize, usize), (usize, usize)) {
+    /// The `((top, bottom), (left, right))` rows and columns of [`Padding::Explicit`]; zeros
+    /// for `Valid` and `Same`, whose padding depends on the input.
+    pub fn explicit(self) -> ((usize, usize), (usize, usize)) {
         match self {
             Padding::Explicit {
                 top,

@@ -244,15 +244,7 @@ impl Walk {
             Padding::Same => n.div_ceil(stride),
             Padding::Valid | Padding::Explicit { .. } => (n + before + after - kernel) / stride + 1,
         };
-        let (rows, columns) = match padding {
-            Padding::Explicit {
-                top,
-                bottom,
-                left,
-                right,
-            } => ((top, bottom), (left, right)),
-            Padding::Same | Padding::Valid => ((0, 0), (0, 0)),
-        };
+        let (rows, columns) = padding.explicit();
         let output = [filters, size(input[1], rows), size(input[2], columns)];
         let conv = OpKind::Conv {
             filters,

@@ -64,6 +64,17 @@ impl Outcome {
         assert!(self.output.contains(want), "{}", self.output);
     }
 
+    /// Asserts that the launch failed and that one line of its output said one of `wants`
+    /// (a failure that can surface at more than one rank, each saying it in its own words).
+    pub fn assert_failed_with_one_of(&self, wants: &[&str]) {
+        assert!(!self.status.success(), "{}", self.output);
+        let said = self
+            .output
+            .lines()
+            .any(|line| wants.iter().any(|want| line.contains(want)));
+        assert!(said, "none of {wants:?} in:\n{}", self.output);
+    }
+
     /// Asserts that the launch ended within `limit`.
     pub fn assert_took_less_than(&self, limit: Duration) {
         assert!(self.elapsed < limit, "took {:?}", self.elapsed);

@@ -332,7 +332,12 @@ fn signal_rank(rank: usize, signal: &str) -> anyhow::Result<Outcome> {
 fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     let _one = lock();
     let outcome = signal_rank(1, "-STOP")?;
-    outcome.assert_failed_with("worker 1: sent nothing to parameter server");
+    // A server waiting for the worker's next push names it as silent; one whose reply the
+    // stopped worker never takes aborts the job naming it. Which comes first is a race.
+    outcome.assert_failed_with_one_of(&[
+        "worker 1: sent nothing to parameter server",
+        "worker 1 did not take a parameter-server message",
+    ]);
     outcome.assert_took_less_than(bound(1) + Duration::from_secs(10));
     Ok(())
 }
@@ -341,14 +346,12 @@ fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
 fn a_stopped_server_is_named_within_twice_the_timeout() -> anyhow::Result<()> {
     let _one = lock();
     let outcome = signal_rank(3, "-STOP")?;
-    assert!(!outcome.status.success(), "{}", outcome.output);
     // A push the stopped server has not taken cannot be cancelled (the job is aborted, naming
     // it); one it took but did not answer fails the step.
-    let named = outcome.output.lines().any(|l| {
-        l.contains("parameter server 1 (rank 3): did not answer")
-            || l.contains("parameter server 1 (rank 3): did not take")
-    });
-    assert!(named, "{}", outcome.output);
+    outcome.assert_failed_with_one_of(&[
+        "parameter server 1 (rank 3): did not answer",
+        "parameter server 1 (rank 3): did not take",
+    ]);
     outcome.assert_took_less_than(bound(2) + Duration::from_secs(10));
     Ok(())
 }

@@ -50,6 +50,7 @@ mod cross_replica;
 pub mod data;
 pub mod devices;
 mod error;
+pub mod functional;
 pub mod layers;
 pub mod losses;
 pub mod metrics;
@@ -89,7 +90,7 @@ pub use kandle_kernels::SimdLevel;
 pub struct ReadmeDoctests;
 pub use losses::Loss;
 pub use metrics::{Metric, Metrics};
-pub use model::{EvaluateOptions, FitOptions, Model, PredictOptions};
+pub use model::{EvaluateOptions, FitOptions, Model, Network, PredictOptions};
 pub use strategy::{OneDeviceStrategy, Strategy};
 
 /// The names most programs need, in one import.

@@ -293,6 +293,9 @@ pub struct BuildContext {
     trainable: bool,
     replica: Option<ReplicaHandle>,
     compute_path: ComputePath,
+    /// Variables start at zero rather than from their initialiser (a context that only works
+    /// out shapes).
+    zeros: bool,
 }
 
 impl BuildContext {
@@ -306,7 +309,15 @@ impl BuildContext {
             trainable: true,
             replica: None,
             compute_path: ComputePath::Auto,
+            zeros: false,
         }
+    }
+
+    /// Variables start at zero, without drawing from their initialisers: for a context that
+    /// only works out shapes.
+    pub(crate) fn zero_initialised(mut self) -> Self {
+        self.zeros = true;
+        self
     }
 
     /// Builds layers for `path`: with [`ComputePath::DeviceGeneric`] they never call kandle's
@@ -426,6 +437,9 @@ impl BuildContext {
     }
 
     fn new_var(&mut self, shape: &[usize], init: Init) -> Result<Var> {
+        if self.zeros {
+            return Ok(Var::zeros(shape, DType::F32, &self.device)?);
+        }
         let count = shape.iter().product();
         let values = init.sample(count, &mut self.rng);
         let tensor = Tensor::from_vec(values, shape, &Device::Cpu)?

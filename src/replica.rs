@@ -12,9 +12,10 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::cross_replica::ReplicaHandle;
 use crate::data::Batch;
-use crate::layers::{Activation, FastPath, Layer, ParamGrads, Sequential, SequentialNet, Summary};
+use crate::layers::{Activation, FastPath, Layer, ParamGrads, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
+use crate::model::Network;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
@@ -25,8 +26,8 @@ use crate::{ComputePath, Result};
 /// Everything needed to build a replica: the recipe, the input shape and the training setup.
 #[derive(Clone)]
 pub struct ModelSpec {
-    /// The network recipe.
-    pub network: Sequential,
+    /// The network recipe (`Sequential::new()....into()`, or a functional model's).
+    pub network: Network,
     /// Input shape without the batch dimension.
     pub input_shape: Vec<usize>,
     /// The optimizer recipe.
@@ -87,7 +88,7 @@ pub struct StepBuffer {
 /// One copy of the model on one device.
 pub struct Replica {
     device: Device,
-    net: SequentialNet,
+    net: Box<dyn FastPath>,
     store: ParamStore,
     trainable: Vec<Var>,
     /// The canonical names of `trainable`, in the same order.
@@ -120,7 +121,7 @@ impl Replica {
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
-        let (net, store, summary) = spec.network.build_in(ctx, &spec.input_shape)?;
+        let (net, store, summary) = spec.network.build(ctx, &spec.input_shape)?;
         let trainable = store.trainable_vars();
         let trainable_names = store
             .iter()
@@ -195,8 +196,8 @@ impl Replica {
     }
 
     /// The built network.
-    pub fn network(&self) -> &SequentialNet {
-        &self.net
+    pub fn network(&self) -> &dyn Layer {
+        self.net.as_layer()
     }
 
     /// How this replica's step buffers are laid out (the same for every replica of a spec).

@@ -59,7 +59,7 @@ fn network() -> Sequential {
 
 fn spec(network: Sequential, compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
-        network,
+        network: network.into(),
         input_shape: vec![3, 11, 11],
         optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
         loss: std::sync::Arc::new(CategoricalCrossentropy::new()),

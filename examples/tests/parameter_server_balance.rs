@@ -11,7 +11,7 @@ use kandle_strategies::partition::{partition, server_loads};
 #[test]
 fn mini_googlenet_is_balanced_over_one_two_and_three_servers() -> anyhow::Result<()> {
     let spec = ModelSpec {
-        network: kandle_models::mini_googlenet(10),
+        network: kandle_models::mini_googlenet(10).into(),
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(0.01).momentum(0.9)),
         loss: Arc::new(CategoricalCrossentropy::new()),

@@ -85,7 +85,7 @@ struct ConcatLayer {
 
 /// The branches' outputs joined along channels, by kandle's kernel when `kernels` allows and
 /// it takes them.
-fn join(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
+pub(crate) fn join_channels(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
     match outs {
         [a, b] if kernels && concat::supported(a, b) => Ok(concat::concat_channels(a, b)?),
         _ => Ok(Tensor::cat(outs, 1)?),
@@ -93,7 +93,12 @@ fn join(outs: &[Tensor], kernels: bool) -> Result<Tensor> {
 }
 
 /// Channels `offset .. offset + channels` of the gradient `dy`, contiguous.
-fn channels_of(dy: &Tensor, offset: usize, channels: usize, kernels: bool) -> Result<Tensor> {
+pub(crate) fn channel_part(
+    dy: &Tensor,
+    offset: usize,
+    channels: usize,
+    kernels: bool,
+) -> Result<Tensor> {
     if kernels && dy.device().is_cpu() && dy.dtype() == candle_core::DType::F32 {
         return Ok(concat::channel_slice(dy, offset, channels)?);
     }
@@ -125,14 +130,14 @@ impl Layer for ConcatLayer {
         if !train && in_place && self.channels.len() > 1 {
             return self.forward_in_place(x);
         }
-        join(&self.branches.forward_t(x, train)?, self.kernels)
+        join_channels(&self.branches.forward_t(x, train)?, self.kernels)
     }
 }
 
 impl FastPath for ConcatLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         let (outs, backward) = self.branches.record(x)?;
-        let y = join(&outs, self.kernels)?;
+        let y = join_channels(&outs, self.kernels)?;
         let kernels = self.kernels;
         let offsets: Vec<usize> = self
             .channels
@@ -147,7 +152,7 @@ impl FastPath for ConcatLayer {
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
                 // Each branch gets its channels of the gradient.
-                let part = |i: usize| channels_of(&dy, offsets[i], channels[i], kernels);
+                let part = |i: usize| channel_part(&dy, offsets[i], channels[i], kernels);
                 backward.backward(part, grads, input_grad)
             },
         ))

@@ -59,8 +59,11 @@ pub(crate) use activation::log_softmax as activation_log_softmax;
 pub use activation::Activation;
 pub use add::Add;
 pub use batch_norm::BatchNormalization;
+#[cfg(test)]
+pub(crate) use branches::assert_recorded_matches_autograd;
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;
+pub(crate) use concat::{channel_part, join_channels};
 pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
@@ -196,6 +199,11 @@ impl Built {
     pub fn into_layer(self) -> Box<dyn Layer> {
         self.layer.into_layer()
     }
+
+    /// The layer with its fast path, owned.
+    pub(crate) fn into_fast_path(self) -> Box<dyn FastPath> {
+        self.layer
+    }
 }
 
 /// A layer recipe: declared without input sizes, built for an input shape.
@@ -288,6 +296,7 @@ pub(crate) fn build_child(
         trainable,
         non_trainable,
         children: built.children,
+        connected_to: Vec::new(),
     };
     Ok(BuiltChild {
         layer: built.layer,

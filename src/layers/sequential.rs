@@ -181,6 +181,28 @@ pub struct SequentialNet {
 }
 
 impl SequentialNet {
+    /// Built layers run one after the other, under `path` (for errors), each letting the
+    /// layer before it absorb it where it is a ReLU: a chain of a functional model.
+    pub(crate) fn chain(
+        path: String,
+        input_shape: Vec<usize>,
+        output_shape: Vec<usize>,
+        mut layers: Vec<(String, Box<dyn FastPath>)>,
+    ) -> Self {
+        absorb_relus(&mut layers);
+        Self {
+            path,
+            input_shape,
+            output_shape,
+            layers,
+        }
+    }
+
+    /// The name errors give it.
+    pub(crate) fn path(&self) -> &str {
+        &self.path
+    }
+
     /// The shape it was built for, without the batch dimension.
     pub fn input_shape(&self) -> &[usize] {
         &self.input_shape

@@ -21,6 +21,10 @@ pub struct SummaryRow {
     pub non_trainable: usize,
     /// The rows of nested layers, for composites.
     pub children: Vec<SummaryRow>,
+    /// In a functional model that is not a chain, what each call of the layer takes, as
+    /// Keras's "Connected to" column writes it (`conv2d_1[0][0]`: the layer, which of its
+    /// calls, which output); empty otherwise.
+    pub connected_to: Vec<String>,
 }
 
 /// What `summary()` reports: one row per layer and the totals.
@@ -63,42 +67,52 @@ fn shape(dims: &[usize]) -> String {
 
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fn lines(rows: &[SummaryRow], depth: usize, out: &mut Vec<[String; 3]>) {
+        fn lines(rows: &[SummaryRow], depth: usize, out: &mut Vec<[String; 4]>) {
             for r in rows {
+                let mut connected = r.connected_to.iter();
                 out.push([
                     format!("{}{} ({})", "  ".repeat(depth), r.name, r.class_name),
                     shape(&r.output_shape),
                     thousands(r.trainable + r.non_trainable),
+                    connected.next().cloned().unwrap_or_default(),
                 ]);
+                // Keras writes one connection a line.
+                for more in connected {
+                    out.push([String::new(), String::new(), String::new(), more.clone()]);
+                }
                 lines(&r.children, depth + 1, out);
             }
         }
         let mut body = Vec::new();
         lines(&self.rows, 0, &mut body);
+        let connections = body.iter().any(|r| !r[3].is_empty());
         let header = [
             "Layer (type)".to_string(),
             "Output Shape".into(),
             "Param #".into(),
+            if connections { "Connected to" } else { "" }.into(),
         ];
-        let mut widths = [0usize; 3];
+        let mut widths = [0usize; 4];
         for row in body.iter().chain(std::iter::once(&header)) {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());
             }
         }
-        let width = widths.iter().sum::<usize>() + 4;
+        let gaps = if connections { 6 } else { 4 };
+        let width = widths.iter().sum::<usize>() + gaps;
         let rule = |c: char| c.to_string().repeat(width);
-        let row = |f: &mut fmt::Formatter<'_>, r: &[String; 3]| {
-            writeln!(
-                f,
-                "{:<a$}  {:<b$}  {:>c$}",
+        let row = |f: &mut fmt::Formatter<'_>, r: &[String; 4]| {
+            let line = format!(
+                "{:<a$}  {:<b$}  {:>c$}  {}",
                 r[0],
                 r[1],
                 r[2],
+                r[3],
                 a = widths[0],
                 b = widths[1],
                 c = widths[2]
-            )
+            );
+            writeln!(f, "{}", line.trim_end())
         };
         writeln!(f, "Model input: {}", shape(&self.input_shape))?;
         writeln!(f, "{}", rule('─'))?;

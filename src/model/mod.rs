@@ -22,6 +22,7 @@
 use std::sync::Arc;
 
 use crate::data::{Dataset, Loader, LoaderOptions};
+use crate::functional::Functional;
 use crate::layers::{Sequential, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
@@ -32,10 +33,12 @@ use crate::{ComputePath, Error, Result};
 
 mod fit;
 mod inference;
+mod network;
 mod options;
 mod state;
 mod totals;
 
+pub use network::Network;
 pub use options::{EvaluateOptions, FitOptions, PredictOptions};
 
 /// The model once built: its replicas and the shapes it was built for.
@@ -47,7 +50,7 @@ struct BuiltModel {
 
 /// A compiled model.
 pub struct Model {
-    network: Sequential,
+    network: Network,
     optimizer: Box<dyn OptimizerConfig>,
     loss: Arc<dyn Loss>,
     metrics: Metrics,
@@ -61,6 +64,46 @@ pub struct Model {
 }
 
 impl Sequential {
+    /// Compiles the stack with an optimizer, a loss, metrics and a strategy: see
+    /// [`Network::compile`].
+    pub fn compile<S, O, L, M>(
+        self,
+        optimizer: O,
+        loss: L,
+        metrics: M,
+        strategy: &S,
+    ) -> Result<Model>
+    where
+        S: Strategy + Clone + 'static,
+        O: OptimizerConfig,
+        L: Loss + 'static,
+        M: Into<Metrics>,
+    {
+        Network::from(self).compile(optimizer, loss, metrics, strategy)
+    }
+}
+
+impl Functional {
+    /// Compiles the functional model with an optimizer, a loss, metrics and a strategy: see
+    /// [`Network::compile`]. It is built now, for its inputs' shapes.
+    pub fn compile<S, O, L, M>(
+        self,
+        optimizer: O,
+        loss: L,
+        metrics: M,
+        strategy: &S,
+    ) -> Result<Model>
+    where
+        S: Strategy + Clone + 'static,
+        O: OptimizerConfig,
+        L: Loss + 'static,
+        M: Into<Metrics>,
+    {
+        Network::from(self).compile(optimizer, loss, metrics, strategy)
+    }
+}
+
+impl Network {
     /// Compiles the network with an optimizer, a loss, metrics and a strategy. The model is
     /// built now if an input shape was declared, otherwise on first use.
     ///

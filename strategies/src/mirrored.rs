@@ -168,7 +168,8 @@ mod tests {
                 .add(Activation::Relu)
                 .add(Flatten)
                 .add(Dense::new(10))
-                .add(Activation::Softmax),
+                .add(Activation::Softmax)
+                .into(),
             input_shape: vec![1, 8, 8],
             optimizer: Box::new(Sgd::new(0.1)),
             loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
@@ -197,7 +198,8 @@ mod tests {
             network: Sequential::new()
                 .add(Flatten)
                 .add(Dense::new(10))
-                .add(Activation::Softmax),
+                .add(Activation::Softmax)
+                .into(),
             input_shape: vec![1, 8, 8],
             optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
             loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),

@@ -91,7 +91,7 @@ fn loader_rate(loader: &Loader, epochs: usize) -> Result<f64> {
 /// Returns (images/s of the timed steps, mean time a timed step waited for its batch).
 fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
     let spec = ModelSpec {
-        network: kandle_models::mini_googlenet(10),
+        network: kandle_models::mini_googlenet(10).into(),
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(1e-2).momentum(0.9)),
         loss: std::sync::Arc::new(CategoricalCrossentropy::new()),

@@ -116,7 +116,7 @@ fn spec(args: &Args) -> ModelSpec {
         ModelKind::MiniGooglenet => (kandle_models::mini_googlenet(10), vec![3, 32, 32]),
     };
     ModelSpec {
-        network,
+        network: network.into(),
         input_shape,
         optimizer: Box::new(Sgd::new(1e-3).momentum(0.9)),
         loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),

@@ -159,7 +159,8 @@ mod tests {
             network: Sequential::new()
                 .add(Dense::new(4))
                 .add(BatchNormalization::new())
-                .add(Dense::new(3)),
+                .add(Dense::new(3))
+                .into(),
             input_shape: vec![5],
             optimizer: Box::new(Sgd::new(0.1)),
             loss: std::sync::Arc::new(MeanSquaredError),

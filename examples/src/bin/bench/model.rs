@@ -24,7 +24,7 @@ pub fn spec() -> ModelSpec {
 /// [`spec`] running `compute_path`.
 fn spec_on(compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
-        network: kandle_models::mini_googlenet(10),
+        network: kandle_models::mini_googlenet(10).into(),
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(LR).momentum(0.9)),
         loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),

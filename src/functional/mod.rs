@@ -1,0 +1,34 @@
+//! The functional API: models as graphs of layer calls, as Keras's functional `keras.Model`.
+//!
+//! An [`Input`] gives a [`SymbolicTensor`]; calling a layer recipe on symbolic tensors
+//! ([`LayerSpecExt::call`](crate::layers::LayerSpecExt::call)) gives new ones and records the
+//! call; [`Functional::new`] makes a model recipe from the inputs and outputs. Merges ([`add`],
+//! [`subtract`], [`multiply`], [`average`], [`concatenate`]) join several tensors, so residual
+//! blocks, several inputs and several outputs are written as in Keras; a layer made
+//! [`shared`](crate::layers::LayerSpecExt::shared) keeps one set of variables over its calls,
+//! and their gradients add up.
+//!
+//! ```
+//! use kandle::functional::{add, Functional, Input};
+//! use kandle::layers::{Activation, Dense, LayerSpecExt};
+//!
+//! let x = Input::new(&[16]).tensor();
+//! let h = Dense::new(16).call(&x)?;
+//! let h = Activation::Relu.call(&add(&[&x, &h])?)?;
+//! let y = Dense::new(3).call(&h)?;
+//! let model = Functional::new([&x], [&y])?;
+//! assert_eq!(model.output_shapes(), [vec![3]]);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+mod graph;
+mod merge;
+mod net;
+mod symbolic;
+#[cfg(test)]
+mod tests;
+
+pub use graph::Functional;
+pub use merge::{add, average, concatenate, multiply, subtract, Merge, MergeKind};
+pub(crate) use symbolic::{GraphLayer, Op};
+pub use symbolic::{Input, SharedLayer, SymbolicTensor};

@@ -1,0 +1,617 @@
+//! The built functional model: what a replica runs.
+//!
+//! The calls become steps over numbered slots (the inputs first, then one slot per step's
+//! output). Calls that follow one another with nothing else taking the value between them run
+//! as one chain, a [`SequentialNet`], so inside a graph a BatchNorm still absorbs its ReLU, a
+//! convolution still folds the BatchNorm after it in inference, and the chain's recorded
+//! backward pass hands each gradient straight down. A sum or an average absorbs the ReLU that
+//! alone takes its output.
+//!
+//! The forward pass drops each value once its last taker has run. The backward pass walks the
+//! steps last first: a value taken by several steps gets the first gradient as it is and adds
+//! the others to it (a 1x1 convolution's kernel adds it while writing its own, where it is the
+//! last to give one), so no gradient is zero-filled and then added to; an input of the model
+//! gets no gradient unless the caller asks for one, so the first layer does not compute it.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use super::graph::{Functional, Source};
+use super::merge::{MergeBackward, MergeLayer};
+use super::symbolic::Op;
+use crate::error::shape_with_batch;
+use crate::layers::{
+    build_child, check_input, missing_input_grad, Backward, BuildContext, ChannelAffine,
+    ChannelSlot, FastPath, Identity, Layer, ParamGrads, Recorded, SequentialNet, SummaryRow,
+};
+use crate::{Error, Result};
+
+/// A built functional model.
+pub(crate) struct GraphNet {
+    path: String,
+    inputs: Vec<(String, Vec<usize>)>,
+    steps: Vec<Step>,
+    /// The slots of the outputs, in order.
+    outputs: Vec<usize>,
+    /// For each slot, how many steps take it (once per time they take it) and how many outputs
+    /// it is.
+    uses: Vec<usize>,
+}
+
+/// A step: a chain of layers or a merge, from its input slots to its output slot.
+struct Step {
+    run: StepRun,
+    inputs: Vec<usize>,
+    output: usize,
+}
+
+enum StepRun {
+    Chain(SequentialNet),
+    Merge(MergeLayer),
+}
+
+/// A chain while the graph is laid out: its layers with their full names, and its shapes.
+struct ChainParts {
+    layers: Vec<(String, Box<dyn FastPath>)>,
+    input_shape: Vec<usize>,
+    output_shape: Vec<usize>,
+}
+
+enum PartsRun {
+    Chain(ChainParts),
+    Merge(MergeLayer),
+}
+
+/// A layer once built: owned by its one call, shared by several, or a merge to make per call.
+enum BuiltLayer {
+    Unique(Option<Box<dyn FastPath>>),
+    Shared(Arc<dyn FastPath>),
+    Merge(super::merge::Merge),
+}
+
+impl GraphNet {
+    /// Builds every layer of `graph` once in `ctx` (a shared layer too) and lays out the steps;
+    /// returns the net and the summary rows.
+    pub(crate) fn build(
+        graph: &Functional,
+        ctx: &mut BuildContext,
+        path: String,
+    ) -> Result<(Self, Vec<SummaryRow>)> {
+        let kernels = ctx.compute_path().uses_kernels();
+        let mut built = Vec::with_capacity(graph.layers().len());
+        let mut rows = Vec::with_capacity(graph.layers().len());
+        for (l, layer) in graph.layers().iter().enumerate() {
+            let first =
+                graph.calls().iter().find(|c| c.layer == l).ok_or_else(|| {
+                    Error::invalid(format!("layer `{}` is never called", layer.name))
+                })?;
+            match &layer.op {
+                Op::Spec(spec) => {
+                    let shape = graph.shape_of(first.inputs[0]);
+                    let child = build_child(ctx, spec.as_ref(), &layer.name, shape)?;
+                    if child.output_shape != first.output_shape {
+                        return Err(Error::invalid(format!(
+                            "layer `{}` gives {} when built but {} when called",
+                            layer.name,
+                            shape_with_batch(&child.output_shape),
+                            shape_with_batch(&first.output_shape)
+                        )));
+                    }
+                    rows.push(child.row);
+                    built.push(match layer.calls {
+                        1 => BuiltLayer::Unique(Some(child.layer)),
+                        _ => BuiltLayer::Shared(Arc::from(child.layer)),
+                    });
+                }
+                Op::Merge(merge) => {
+                    rows.push(SummaryRow {
+                        name: layer.name.clone(),
+                        kind: layer.op.kind().to_string(),
+                        class_name: layer.op.class_name().to_string(),
+                        output_shape: first.output_shape.clone(),
+                        trainable: 0,
+                        non_trainable: 0,
+                        children: Vec::new(),
+                        connected_to: Vec::new(),
+                    });
+                    built.push(BuiltLayer::Merge(merge.clone()));
+                }
+            }
+        }
+        let net = Self::lay_out(graph, built, &path, ctx.path(), kernels)?;
+        Ok((net, graph.rows(rows)))
+    }
+
+    /// Turns the calls into steps, joining calls into chains where nothing else takes the
+    /// value between them.
+    fn lay_out(
+        graph: &Functional,
+        mut built: Vec<BuiltLayer>,
+        path: &str,
+        scope: String,
+        kernels: bool,
+    ) -> Result<Self> {
+        let calls = graph.calls();
+        // How many calls take each call's output, and whether it is an output.
+        let mut takers = vec![0usize; calls.len()];
+        for call in calls {
+            for source in &call.inputs {
+                if let Source::Call(p) = source {
+                    takers[*p] += 1;
+                }
+            }
+        }
+        for source in graph.outputs() {
+            if let Source::Call(p) = source {
+                takers[*p] += 1;
+            }
+        }
+        let inputs = graph.inputs().len();
+        let mut slot_of_call = vec![0usize; calls.len()];
+        let mut step_of_slot: Vec<Option<usize>> = vec![None; inputs];
+        let mut parts: Vec<(PartsRun, Vec<usize>, usize)> = Vec::new();
+        let slot = |source: Source, slot_of_call: &[usize]| match source {
+            Source::Input(i) => i,
+            Source::Call(c) => slot_of_call[c],
+        };
+        for (c, call) in calls.iter().enumerate() {
+            let layer = &graph.layers()[call.layer];
+            let full = match scope.is_empty() {
+                true => layer.name.clone(),
+                false => format!("{scope}.{}", layer.name),
+            };
+            let input_slots: Vec<usize> = call
+                .inputs
+                .iter()
+                .map(|&s| slot(s, &slot_of_call))
+                .collect();
+            let run = match &mut built[call.layer] {
+                BuiltLayer::Merge(merge) => {
+                    let shapes: Vec<Vec<usize>> = call
+                        .inputs
+                        .iter()
+                        .map(|&s| graph.shape_of(s).to_vec())
+                        .collect();
+                    PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
+                }
+                BuiltLayer::Unique(layer) => {
+                    let layer = layer
+                        .take()
+                        .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice")))?;
+                    // The call extends the chain that gives its input when nothing else takes
+                    // that value.
+                    if let [Source::Call(p)] = call.inputs[..] {
+                        let step = step_of_slot[slot_of_call[p]];
+                        if let (1, Some(step)) = (takers[p], step) {
+                            if let PartsRun::Chain(chain) = &mut parts[step].0 {
+                                chain.layers.push((full, layer));
+                                chain.output_shape = call.output_shape.clone();
+                                slot_of_call[c] = slot_of_call[p];
+                                continue;
+                            }
+                        }
+                    }
+                    PartsRun::Chain(ChainParts {
+                        layers: vec![(full, layer)],
+                        input_shape: graph.shape_of(call.inputs[0]).to_vec(),
+                        output_shape: call.output_shape.clone(),
+                    })
+                }
+                BuiltLayer::Shared(layer) => PartsRun::Chain(ChainParts {
+                    layers: vec![(full, Box::new(SharedCall(Arc::clone(layer))))],
+                    input_shape: graph.shape_of(call.inputs[0]).to_vec(),
+                    output_shape: call.output_shape.clone(),
+                }),
+            };
+            let output = step_of_slot.len();
+            step_of_slot.push(Some(parts.len()));
+            slot_of_call[c] = output;
+            parts.push((run, input_slots, output));
+        }
+        let outputs: Vec<usize> = graph
+            .outputs()
+            .iter()
+            .map(|&s| slot(s, &slot_of_call))
+            .collect();
+        let mut uses = vec![0usize; step_of_slot.len()];
+        for (_, inputs, _) in &parts {
+            for &s in inputs {
+                uses[s] += 1;
+            }
+        }
+        for &s in &outputs {
+            uses[s] += 1;
+        }
+        absorb_relus_after_merges(&mut parts, &uses);
+        let steps = parts
+            .into_iter()
+            .map(|(run, inputs, output)| {
+                let run = match run {
+                    PartsRun::Merge(merge) => StepRun::Merge(merge),
+                    PartsRun::Chain(chain) => StepRun::Chain(SequentialNet::chain(
+                        chain.layers[0].0.clone(),
+                        chain.input_shape,
+                        chain.output_shape,
+                        chain.layers,
+                    )),
+                };
+                Step {
+                    run,
+                    inputs,
+                    output,
+                }
+            })
+            .collect();
+        let inputs = graph
+            .inputs()
+            .iter()
+            .map(|i| (i.name.clone(), i.shape.clone()))
+            .collect();
+        Ok(Self {
+            path: path.to_string(),
+            inputs,
+            steps,
+            outputs,
+            uses,
+        })
+    }
+
+    /// Checks the inputs' number and shapes, naming the input that does not fit.
+    fn check_inputs(&self, xs: &[Tensor]) -> Result<()> {
+        if xs.len() != self.inputs.len() {
+            return Err(Error::invalid(format!(
+                "`{}` takes {} inputs, not {}",
+                self.path,
+                self.inputs.len(),
+                xs.len()
+            )));
+        }
+        for (x, (name, shape)) in xs.iter().zip(&self.inputs) {
+            check_input(&format!("{}: input `{name}`", self.path), x, shape)?;
+        }
+        Ok(())
+    }
+
+    /// The step whose output is the only output and that nothing else takes, when it is a
+    /// chain: the one that may give logits.
+    fn logits_step(&self) -> Option<usize> {
+        let [out] = self.outputs[..] else {
+            return None;
+        };
+        if self.uses[out] != 1 {
+            return None;
+        }
+        self.steps
+            .iter()
+            .rposition(|s| s.output == out && matches!(s.run, StepRun::Chain(_)))
+    }
+
+    /// Every step's inputs, taken from `slots`; a slot is dropped once its last taker has it.
+    fn take_inputs(
+        &self,
+        step: &Step,
+        slots: &mut [Option<Tensor>],
+        left: &mut [usize],
+    ) -> Result<Vec<Tensor>> {
+        let mut xs = Vec::with_capacity(step.inputs.len());
+        for &s in &step.inputs {
+            let x = slots[s]
+                .clone()
+                .ok_or_else(|| Error::invalid(format!("`{}`: a value was used up", self.path)))?;
+            xs.push(x);
+        }
+        for &s in &step.inputs {
+            left[s] -= 1;
+            if left[s] == 0 {
+                slots[s] = None;
+            }
+        }
+        Ok(xs)
+    }
+
+    fn start(&self, xs: &[Tensor]) -> Result<(Vec<Option<Tensor>>, Vec<usize>)> {
+        self.check_inputs(xs)?;
+        let mut slots: Vec<Option<Tensor>> = vec![None; self.uses.len()];
+        for (slot, x) in slots.iter_mut().zip(xs) {
+            *slot = Some(x.clone());
+        }
+        Ok((slots, self.uses.clone()))
+    }
+
+    /// The outputs, from the slots after the last step.
+    fn finish(&self, slots: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+        self.outputs
+            .iter()
+            .map(|&o| {
+                slots[o]
+                    .clone()
+                    .ok_or_else(|| Error::invalid(format!("`{}`: an output is missing", self.path)))
+            })
+            .collect()
+    }
+
+    /// The outputs for the inputs `xs`, and with `with_logits` the logits of the only output
+    /// where its last layer gives them.
+    pub(crate) fn run(
+        &self,
+        xs: &[Tensor],
+        train: bool,
+        with_logits: bool,
+    ) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+        let (mut slots, mut left) = self.start(xs)?;
+        let logits_step = with_logits.then(|| self.logits_step()).flatten();
+        let mut logits = None;
+        for (i, step) in self.steps.iter().enumerate() {
+            let xs = self.take_inputs(step, &mut slots, &mut left)?;
+            let y = match &step.run {
+                StepRun::Chain(chain) if logits_step == Some(i) => {
+                    let (y, l) = chain.forward_with_logits(&xs[0], train)?;
+                    logits = l;
+                    y
+                }
+                StepRun::Chain(chain) => chain.forward_t(&xs[0], train)?,
+                StepRun::Merge(merge) => merge.forward(&xs)?,
+            };
+            slots[step.output] = Some(y);
+        }
+        Ok((self.finish(&slots)?, logits))
+    }
+
+    /// The recorded training forward for the inputs `xs`: the outputs, the logits of the only
+    /// output when asked for and given, and the backward pass.
+    pub(crate) fn record(
+        &self,
+        xs: &[Tensor],
+        with_logits: bool,
+    ) -> Result<(Vec<Tensor>, Option<Tensor>, GraphBackward)> {
+        let (mut slots, mut left) = self.start(xs)?;
+        let logits_step = with_logits.then(|| self.logits_step()).flatten();
+        let mut logits = None;
+        let mut backwards = Vec::with_capacity(self.steps.len());
+        for (i, step) in self.steps.iter().enumerate() {
+            let xs = self.take_inputs(step, &mut slots, &mut left)?;
+            let (y, backward) = match &step.run {
+                StepRun::Chain(chain) => {
+                    let recorded = match logits_step == Some(i) {
+                        true => chain.forward_recorded_with_logits(&xs[0])?,
+                        false => chain.forward_recorded(&xs[0])?,
+                    };
+                    logits = recorded.logits;
+                    let name = chain.path().to_string();
+                    (
+                        recorded.output,
+                        StepBackward::Chain(name, recorded.backward),
+                    )
+                }
+                StepRun::Merge(merge) => {
+                    let (y, backward) = merge.record(&xs)?;
+                    (y, StepBackward::Merge(backward))
+                }
+            };
+            slots[step.output] = Some(y);
+            backwards.push((step.inputs.clone(), step.output, backward));
+        }
+        let backward = GraphBackward {
+            path: self.path.clone(),
+            inputs: self.inputs.len(),
+            slots: self.uses.len(),
+            outputs: self.outputs.clone(),
+            steps: backwards,
+        };
+        let logits = if logits_step.is_some() { logits } else { None };
+        Ok((self.finish(&slots)?, logits, backward))
+    }
+}
+
+/// Lets a sum or an average absorb the ReLU that alone takes its output: the chain that takes
+/// it then starts with an [`Identity`].
+fn absorb_relus_after_merges(parts: &mut [(PartsRun, Vec<usize>, usize)], uses: &[usize]) {
+    for m in 0..parts.len() {
+        let out = parts[m].2;
+        if uses[out] != 1 {
+            continue;
+        }
+        let Some(t) = parts
+            .iter()
+            .position(|(_, inputs, _)| inputs.contains(&out))
+        else {
+            continue;
+        };
+        let starts_with_relu = match &parts[t].0 {
+            PartsRun::Chain(chain) => chain.layers[0].1.is_relu(),
+            PartsRun::Merge(_) => false,
+        };
+        if !starts_with_relu {
+            continue;
+        }
+        let fused = match &mut parts[m].0 {
+            PartsRun::Merge(merge) => merge.fuse_relu(),
+            PartsRun::Chain(_) => false,
+        };
+        if let (true, PartsRun::Chain(chain)) = (fused, &mut parts[t].0) {
+            chain.layers[0].1 = Box::new(Identity);
+        }
+    }
+}
+
+/// A step's recorded backward pass.
+enum StepBackward {
+    /// A chain's, with the chain's name for errors.
+    Chain(String, Box<dyn Backward>),
+    Merge(MergeBackward),
+}
+
+/// A functional model's recorded backward pass.
+pub(crate) struct GraphBackward {
+    path: String,
+    inputs: usize,
+    slots: usize,
+    outputs: Vec<usize>,
+    /// Each step's input slots, output slot and backward pass, in the forward order.
+    steps: Vec<(Vec<usize>, usize, StepBackward)>,
+}
+
+/// Adds `grad` to a slot's gradient: the first is taken as it is.
+fn accumulate(slot: &mut Option<Tensor>, grad: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => grad,
+        Some(sum) => sum.add(&grad)?,
+    });
+    Ok(())
+}
+
+impl GraphBackward {
+    /// From the outputs' gradients `dys`, adds the variables' gradients to `grads` and, when
+    /// `input_grad`, returns each input's gradient.
+    pub(crate) fn backward(
+        self,
+        dys: Vec<Tensor>,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut g: Vec<Option<Tensor>> = vec![None; self.slots];
+        for (&o, dy) in self.outputs.iter().zip(dys) {
+            accumulate(&mut g[o], dy)?;
+        }
+        let needs = |slot: usize| slot >= self.inputs || input_grad;
+        for (inputs, output, backward) in self.steps.into_iter().rev() {
+            let dy = g[output].take().ok_or_else(|| {
+                Error::invalid(format!("`{}`: a value got no gradient", self.path))
+            })?;
+            match backward {
+                StepBackward::Chain(name, backward) => {
+                    let s = inputs[0];
+                    if !needs(s) {
+                        backward.backward(dy, grads, false)?;
+                    } else if g[s].is_some() && backward.adds_in_place() {
+                        let sum = g[s].take().ok_or_else(|| missing_input_grad(&name))?;
+                        g[s] = Some(backward.backward_adding(dy, grads, sum)?);
+                    } else {
+                        let dx = backward
+                            .backward(dy, grads, true)?
+                            .ok_or_else(|| missing_input_grad(&name))?;
+                        accumulate(&mut g[s], dx)?;
+                    }
+                }
+                StepBackward::Merge(backward) => {
+                    for (s, dx) in inputs.into_iter().zip(backward.backward(dy)?) {
+                        if needs(s) {
+                            accumulate(&mut g[s], dx)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(g.into_iter()
+            .take(self.inputs)
+            .map(|d| if input_grad { d } else { None })
+            .collect())
+    }
+}
+
+impl GraphNet {
+    /// The only input's gradient from the only output's: the backward pass of the graph as a
+    /// layer.
+    fn layer_backward(backward: GraphBackward) -> impl Backward {
+        move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+            let path = backward.path.clone();
+            let mut dxs = backward.backward(vec![dy], grads, input_grad)?;
+            match dxs.pop().flatten() {
+                None if input_grad => Err(missing_input_grad(&path)),
+                dx => Ok(dx),
+            }
+        }
+    }
+
+    fn record_as_layer(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {
+        let (mut outputs, logits, backward) = self.record(std::slice::from_ref(x), with_logits)?;
+        let output = outputs
+            .pop()
+            .ok_or_else(|| Error::invalid(format!("`{}` has no output", self.path)))?;
+        Ok(Recorded {
+            output,
+            logits,
+            backward: Box::new(Self::layer_backward(backward)),
+        })
+    }
+
+    fn only_output(&self, outputs: Vec<Tensor>) -> Result<Tensor> {
+        outputs
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::invalid(format!("`{}` has no output", self.path)))
+    }
+}
+
+/// A graph with one input and one output is a layer.
+impl Layer for GraphNet {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (outputs, _) = self.run(std::slice::from_ref(x), train, false)?;
+        self.only_output(outputs)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        let (outputs, logits) = self.run(std::slice::from_ref(x), train, true)?;
+        Ok((self.only_output(outputs)?, logits))
+    }
+}
+
+impl FastPath for GraphNet {
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        self.record_as_layer(x, false)
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.record_as_layer(x, true)
+    }
+}
+
+/// One call of a layer that several calls share: the layer's fast path, without fusing a ReLU
+/// into it (another call may not be followed by one).
+struct SharedCall(Arc<dyn FastPath>);
+
+impl Layer for SharedCall {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.0.forward_t(x, train)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.0.forward_with_logits(x, train)
+    }
+}
+
+impl FastPath for SharedCall {
+    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+        self.0.forward_recorded(x)
+    }
+
+    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+        self.0.forward_recorded_with_logits(x)
+    }
+
+    fn is_relu(&self) -> bool {
+        self.0.is_relu()
+    }
+
+    fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        self.0.inference_affine(like)
+    }
+
+    fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
+        self.0.forward_then_affine(x, affine)
+    }
+
+    fn forward_into(
+        &self,
+        x: &Tensor,
+        affine: Option<&ChannelAffine>,
+        slot: &mut ChannelSlot<'_>,
+    ) -> Result<bool> {
+        self.0.forward_into(x, affine, slot)
+    }
+
+    fn passes_through(&self) -> bool {
+        self.0.passes_through()
+    }
+}

@@ -1,0 +1,302 @@
+//! Symbolic tensors: what an [`Input`] and every layer call of a functional model give. Each
+//! knows its shape and where it came from (the call that made it and that call's inputs), so
+//! [`Functional::new`](super::Functional::new) can walk back from the outputs and record the
+//! graph.
+//!
+//! A call computes its output shape at once, by building the layer for its input shape in a
+//! throwaway context whose variables are zeros, so a shape the layer cannot take fails at the
+//! call that gives it, naming the layer, as in Keras.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use super::merge::Merge;
+use crate::layers::{BuildContext, LayerSpec};
+use crate::{ComputePath, Error, Result};
+
+/// A model input of a given shape (without the batch dimension): the start of a functional
+/// model, as Keras's `keras.Input`.
+///
+/// ```
+/// use kandle::functional::Input;
+///
+/// let image = Input::new(&[3, 32, 32]).named("image").tensor();
+/// assert_eq!(image.shape(), [3, 32, 32]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Input {
+    shape: Vec<usize>,
+    name: Option<String>,
+}
+
+impl Input {
+    /// An input of `shape`, without the batch dimension.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(shape: &[usize]) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            name: None,
+        }
+    }
+
+    /// Names the input (the default is `input_1`, `input_2`, ... in the model).
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The symbolic tensor that stands for this input.
+    pub fn tensor(self) -> SymbolicTensor {
+        let node = Node {
+            id: next_id(),
+            call: Call::Input { name: self.name },
+            inputs: Vec::new(),
+            output_shape: self.shape,
+        };
+        SymbolicTensor {
+            node: Arc::new(node),
+        }
+    }
+}
+
+impl From<Input> for SymbolicTensor {
+    fn from(input: Input) -> Self {
+        input.tensor()
+    }
+}
+
+/// A tensor of a functional model under construction: a shape (without the batch dimension)
+/// and the calls that lead to it from the model's inputs. Cloning it is cheap.
+#[derive(Clone)]
+pub struct SymbolicTensor {
+    node: Arc<Node>,
+}
+
+impl std::fmt::Debug for SymbolicTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SymbolicTensor({}, {})",
+            self.node.describe(),
+            crate::error::shape_with_batch(&self.node.output_shape)
+        )
+    }
+}
+
+impl SymbolicTensor {
+    /// The shape, without the batch dimension.
+    pub fn shape(&self) -> &[usize] {
+        &self.node.output_shape
+    }
+
+    pub(crate) fn node(&self) -> &Arc<Node> {
+        &self.node
+    }
+}
+
+/// One call in the graph: an input, a layer called on one tensor, or a merge of several.
+pub(crate) struct Node {
+    /// Unique in the process: what the graph's walk keys nodes by.
+    pub(crate) id: u64,
+    pub(crate) call: Call,
+    pub(crate) inputs: Vec<SymbolicTensor>,
+    pub(crate) output_shape: Vec<usize>,
+}
+
+impl Node {
+    /// The layer (or input) as an error names it before the model names it: the user's name,
+    /// or the kind.
+    pub(crate) fn describe(&self) -> String {
+        match &self.call {
+            Call::Input { name } => format!("`{}`", name.as_deref().unwrap_or("input")),
+            Call::Layer(layer) => format!("`{}`", layer.display_name()),
+        }
+    }
+}
+
+/// What a node does.
+pub(crate) enum Call {
+    /// A model input, with the user's name, if any.
+    Input { name: Option<String> },
+    /// A call of a layer, which other calls may share.
+    Layer(Arc<GraphLayer>),
+}
+
+/// A layer of a graph: a recipe or a merge, with the input shapes it takes once called.
+pub(crate) struct GraphLayer {
+    /// Unique in the process: calls of one shared layer have the same id.
+    pub(crate) id: u64,
+    pub(crate) op: Op,
+    /// The input shapes of its first call, and the output shape: every later call must give
+    /// the same input shapes.
+    shapes: OnceLock<(Vec<Vec<usize>>, Vec<usize>)>,
+}
+
+/// A graph layer's operation.
+#[derive(Clone)]
+pub(crate) enum Op {
+    /// A recipe called on one tensor.
+    Spec(Box<dyn LayerSpec>),
+    /// A merge of several tensors.
+    Merge(Merge),
+}
+
+impl Op {
+    pub(crate) fn name(&self) -> Option<&str> {
+        match self {
+            Op::Spec(spec) => spec.name(),
+            Op::Merge(merge) => merge.name(),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Op::Spec(spec) => spec.kind(),
+            Op::Merge(merge) => merge.kind(),
+        }
+    }
+
+    pub(crate) fn class_name(&self) -> &'static str {
+        match self {
+            Op::Spec(spec) => spec.class_name(),
+            Op::Merge(merge) => merge.class_name(),
+        }
+    }
+}
+
+impl GraphLayer {
+    pub(crate) fn new(op: Op) -> Arc<Self> {
+        Arc::new(Self {
+            id: next_id(),
+            op,
+            shapes: OnceLock::new(),
+        })
+    }
+
+    /// The user's name, or the kind.
+    pub(crate) fn display_name(&self) -> &str {
+        self.op.name().unwrap_or(self.op.kind())
+    }
+
+    /// Calls the layer on `inputs`: checks their shapes, computes the output's, and records
+    /// the call.
+    pub(crate) fn call(self: &Arc<Self>, inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
+        let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.shape().to_vec()).collect();
+        let output_shape = match self.shapes.get() {
+            Some((first, output)) if *first == shapes => output.clone(),
+            Some((first, _)) => {
+                let show = |shapes: &[Vec<usize>]| -> String {
+                    let each: Vec<String> = shapes
+                        .iter()
+                        .map(|s| crate::error::shape_with_batch(s))
+                        .collect();
+                    each.join(" and ")
+                };
+                return Err(Error::invalid(format!(
+                    "shared layer `{}` was called on {} and is now called on {}: a shared \
+                     layer has one set of variables, so every call takes the same shapes",
+                    self.display_name(),
+                    show(first),
+                    show(&shapes)
+                )));
+            }
+            None => {
+                let output = self.output_shape(inputs)?;
+                let _ = self.shapes.set((shapes, output.clone()));
+                output
+            }
+        };
+        let node = Node {
+            id: next_id(),
+            call: Call::Layer(Arc::clone(self)),
+            inputs: inputs.iter().map(|&t| t.clone()).collect(),
+            output_shape,
+        };
+        Ok(SymbolicTensor {
+            node: Arc::new(node),
+        })
+    }
+
+    /// The output shape for `inputs`, or the error that building the layer for them gives.
+    fn output_shape(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<usize>> {
+        match &self.op {
+            Op::Spec(spec) => {
+                let [input] = inputs else {
+                    return Err(Error::invalid(format!(
+                        "layer `{}` takes one input, not {}",
+                        self.display_name(),
+                        inputs.len()
+                    )));
+                };
+                let mut ctx = BuildContext::for_shapes();
+                let built =
+                    ctx.scoped(self.display_name(), |ctx| spec.build(ctx, input.shape()))?;
+                Ok(built.output_shape)
+            }
+            Op::Merge(merge) => {
+                let parts: Vec<(String, &[usize])> = inputs
+                    .iter()
+                    .map(|t| (t.node.describe(), t.shape()))
+                    .collect();
+                merge.output_shape(self.display_name(), &parts)
+            }
+        }
+    }
+}
+
+/// A layer that keeps one set of variables over every call, as calling one Keras layer object
+/// several times does. Made by [`LayerSpecExt::shared`](crate::layers::LayerSpecExt::shared);
+/// cloning it gives another handle on the same layer.
+///
+/// ```
+/// use kandle::functional::{Functional, Input};
+/// use kandle::layers::{Dense, LayerSpecExt};
+///
+/// let left = Input::new(&[8]).named("left").tensor();
+/// let right = Input::new(&[8]).named("right").tensor();
+/// let encoder = Dense::new(4).shared();
+/// let a = encoder.call(&left)?;
+/// let b = encoder.call(&right)?;
+/// let distance = kandle::functional::subtract(&a, &b)?;
+/// let model = Functional::new([&left, &right], [&distance])?;
+/// assert_eq!(model.summary()?.trainable, 8 * 4 + 4);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct SharedLayer {
+    layer: Arc<GraphLayer>,
+}
+
+impl SharedLayer {
+    pub(crate) fn new(spec: Box<dyn LayerSpec>) -> Self {
+        Self {
+            layer: GraphLayer::new(Op::Spec(spec)),
+        }
+    }
+
+    /// Calls the layer on `x`. Every call must take the shape of the first.
+    pub fn call(&self, x: &SymbolicTensor) -> Result<SymbolicTensor> {
+        self.layer.call(&[x])
+    }
+}
+
+impl std::fmt::Debug for SharedLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedLayer({})", self.layer.display_name())
+    }
+}
+
+/// A fresh id for a node or a layer.
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+impl BuildContext {
+    /// A CPU context whose variables are zeros, for working out shapes only.
+    pub(crate) fn for_shapes() -> Self {
+        BuildContext::new(&candle_core::Device::Cpu, 0)
+            .with_compute_path(ComputePath::DeviceGeneric)
+            .zero_initialised()
+    }
+}

@@ -1,0 +1,246 @@
+//! The functional API's construction checks, its summary, and its recorded backward pass
+//! against candle's autograd.
+
+use candle_core::{Device, Tensor};
+
+use super::{add, average, concatenate, multiply, subtract, Functional, Input};
+use crate::layers::{
+    Activation, BatchNormalization, Conv2D, Dense, Flatten, Layer, LayerSpecExt, Padding,
+    Sequential,
+};
+use crate::{ComputePath, Result};
+
+fn message(result: Result<impl std::fmt::Debug>) -> String {
+    result.expect_err("an error").to_string()
+}
+
+fn assert_names(err: &str, parts: &[&str]) {
+    for part in parts {
+        assert!(err.contains(part), "`{part}` missing from: {err}");
+    }
+}
+
+/// A graph with every merge, a shared convolution called on two tensors, a residual sum
+/// whose ReLU it absorbs, and a chain where a BatchNorm absorbs its ReLU.
+fn every_merge() -> Result<Functional> {
+    let x = Input::new(&[16, 6, 6]).named("image").tensor();
+    let conv = |filters| Conv2D::new(filters, 3).padding(Padding::Same);
+    let a = conv(16).use_bias(false).call(&x)?;
+    let a = BatchNormalization::new().call(&a)?;
+    let a = Activation::Relu.call(&a)?;
+    let shared = conv(16).named("shared").shared();
+    let b = shared.call(&a)?;
+    let c = shared.call(&x)?;
+    let residual = Activation::Relu.call(&add(&[&x, &b])?)?;
+    let product = multiply(&[&residual, &c])?;
+    let difference = subtract(&product, &a)?;
+    let mean = average(&[&difference, &residual, &c])?;
+    let joined = concatenate(&[&mean, &Conv2D::new(8, 1).call(&x)?])?;
+    let y = Flatten.call(&joined)?;
+    let y = Dense::new(5).call(&y)?;
+    Functional::new([&x], [&y])
+}
+
+#[test]
+fn recorded_gradients_of_a_graph_match_autograd() -> Result<()> {
+    let graph = every_merge()?;
+    crate::layers::assert_recorded_matches_autograd(
+        |path| {
+            let ctx = crate::params::BuildContext::new(&Device::Cpu, 3).with_compute_path(path);
+            let (net, store, _) = Sequential::new()
+                .add(graph.clone())
+                .build_in(ctx, &[16, 6, 6])?;
+            Ok((net, store))
+        },
+        &[16, 6, 6],
+    )
+}
+
+#[test]
+fn a_shared_layer_has_one_set_of_variables() -> Result<()> {
+    let summary = every_merge()?.summary()?;
+    let shared: Vec<_> = summary.rows.iter().filter(|r| r.name == "shared").collect();
+    assert_eq!(shared.len(), 1);
+    assert_eq!(shared[0].trainable, 16 * 16 * 9 + 16);
+    assert_eq!(shared[0].connected_to, ["relu_1[0][0]", "image[0][0]"]);
+    Ok(())
+}
+
+#[test]
+fn the_graph_gives_what_its_layers_give_one_after_the_other() -> Result<()> {
+    let x = Input::new(&[4]).tensor();
+    let dense = Dense::new(4).named("dense").shared();
+    let once = dense.call(&x)?;
+    let twice = dense.call(&once)?;
+    let y = add(&[&x, &twice])?;
+    let graph = Functional::new([&x], [&y])?;
+    let ctx = crate::params::BuildContext::new(&Device::Cpu, 0);
+    let (net, store, _) = Sequential::new().add(graph).build_in(ctx, &[4])?;
+    let kernel = store
+        .get("functional_1.dense.weight")
+        .expect("the weight")
+        .var
+        .as_tensor()
+        .clone();
+    let bias = store
+        .get("functional_1.dense.bias")
+        .expect("the bias")
+        .var
+        .as_tensor()
+        .clone();
+    let input = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+    let layer =
+        |h: &Tensor| -> Result<Tensor> { Ok(h.matmul(&kernel.t()?)?.broadcast_add(&bias)?) };
+    let want = (&input + layer(&layer(&input)?)?)?;
+    let got = net.forward_t(&input, false)?;
+    let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff < 1e-6, "{diff}");
+    Ok(())
+}
+
+#[test]
+fn the_summary_shows_connections_only_for_graphs_that_are_not_chains() -> Result<()> {
+    let text = every_merge()?.summary()?.to_string();
+    assert_names(
+        &text,
+        &[
+            "Connected to",
+            "add_1 (Add)",
+            "image[0][0]",
+            "shared[1][0]",
+            "InputLayer",
+        ],
+    );
+    let x = Input::new(&[3]).tensor();
+    let y = Dense::new(2).call(&Dense::new(3).call(&x)?)?;
+    let chain = Functional::new([&x], [&y])?.summary()?;
+    assert!(!chain.to_string().contains("Connected to"), "{chain}");
+    assert_eq!(chain.trainable, 3 * 3 + 3 + 3 * 2 + 2);
+    Ok(())
+}
+
+#[test]
+fn shapes_that_do_not_merge_name_the_layer_and_both_shapes() -> Result<()> {
+    let x = Input::new(&[4, 8, 8]).tensor();
+    let pooled = crate::layers::MaxPooling2D::new(2).named("pool").call(&x)?;
+    let err = message(add(&[&x, &pooled]));
+    assert_names(
+        &err,
+        &["`add`", "(batch, 4, 8, 8)", "`pool`", "(batch, 4, 4, 4)"],
+    );
+    let err = message(concatenate(&[&x, &pooled]));
+    assert_names(
+        &err,
+        &["Concatenate", "(batch, 4, 4, 4)", "every axis but channels"],
+    );
+    let flat = Flatten.call(&x)?;
+    let err = message(subtract(&x, &flat));
+    assert_names(&err, &["Subtract", "(batch, 256)"]);
+    Ok(())
+}
+
+#[test]
+fn a_shared_layer_called_on_another_shape_is_refused() -> Result<()> {
+    let a = Input::new(&[4]).tensor();
+    let b = Input::new(&[5]).tensor();
+    let dense = Dense::new(3).named("encoder").shared();
+    dense.call(&a)?;
+    let err = message(dense.call(&b));
+    assert_names(&err, &["`encoder`", "(batch, 4)", "(batch, 5)"]);
+    Ok(())
+}
+
+#[test]
+fn a_layer_that_cannot_take_its_input_fails_at_the_call() {
+    let x = Input::new(&[4]).tensor();
+    let err = message(Conv2D::new(2, 3).named("conv").call(&x));
+    assert_names(&err, &["conv", "(batch, 4)"]);
+}
+
+#[test]
+fn graphs_that_are_not_models_are_refused_naming_the_layers() -> Result<()> {
+    let x = Input::new(&[4]).named("x").tensor();
+    let other = Input::new(&[4]).named("other").tensor();
+    let y = Dense::new(2).named("head").call(&add(&[&x, &other])?)?;
+    let err = message(Functional::new([&x], [&y]));
+    assert_names(&err, &["disconnected", "`other`", "`add`"]);
+
+    let unused = Input::new(&[7]).named("unused").tensor();
+    let err = message(Functional::new([&x, &other, &unused], [&y]));
+    assert_names(&err, &["`unused`", "(batch, 7)", "not used"]);
+
+    let err = message(Functional::new([&y], [&y]));
+    assert_names(&err, &["`head`", "not an Input"]);
+
+    let a = Dense::new(2).named("twin").call(&x)?;
+    let b = Dense::new(2).named("twin").call(&x)?;
+    let err = message(Functional::new([&x], [&add(&[&a, &b])?]));
+    assert_names(&err, &["two layers", "`twin`"]);
+    Ok(())
+}
+
+/// The graph's layers are named per model, in the order they were called; a graph used as a
+/// layer nests its variables under its own name.
+#[test]
+fn layers_are_numbered_in_the_order_they_were_called() -> Result<()> {
+    let x = Input::new(&[3]).tensor();
+    let first = Dense::new(2).call(&x)?;
+    let second = Dense::new(2).call(&x)?;
+    let y = add(&[&second, &first])?;
+    let graph = Functional::new([&x], [&y])?;
+    let summary = graph.summary()?;
+    let names: Vec<&str> = summary.rows.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["input_1", "dense_1", "dense_2", "add_1"]);
+    assert_eq!(
+        summary.rows[3].connected_to,
+        ["dense_2[0][0]", "dense_1[0][0]"]
+    );
+    let outer = Sequential::new()
+        .add(graph.named("block"))
+        .add(Dense::new(1));
+    let ctx = crate::params::BuildContext::new(&Device::Cpu, 0);
+    let (_, store, _) = outer.build_in(ctx, &[3])?;
+    assert!(store.get("block.dense_2.weight").is_some());
+    Ok(())
+}
+
+/// A functional model is a layer of another functional model too.
+#[test]
+fn a_functional_model_is_called_like_a_layer() -> Result<()> {
+    let block = |width| -> Result<Functional> {
+        let x = Input::new(&[width]).tensor();
+        let h = Activation::Relu.call(&Dense::new(width).call(&x)?)?;
+        Functional::new([&x], [&add(&[&x, &h])?])
+    };
+    let x = Input::new(&[6]).tensor();
+    let h = block(6)?.call(&x)?;
+    let y = block(6)?.call(&h)?;
+    let model = Functional::new([&x], [&y])?;
+    let summary = model.summary()?;
+    assert_eq!(summary.trainable, 2 * (6 * 6 + 6));
+    assert_eq!(summary.rows[1].name, "functional_1");
+    assert_eq!(summary.rows[1].class_name, "Functional");
+    let several = Functional::new([&x], [&h, &y])?;
+    let err = message(several.call(&x));
+    assert_names(&err, &["1 inputs and 2 outputs"]);
+    Ok(())
+}
+
+#[test]
+fn a_graph_runs_on_the_device_generic_path_as_on_the_kernels() -> Result<()> {
+    let graph = every_merge()?;
+    let run = |path: ComputePath| -> Result<Tensor> {
+        let ctx = crate::params::BuildContext::new(&Device::Cpu, 1).with_compute_path(path);
+        let (net, _, _) = Sequential::new()
+            .add(graph.clone())
+            .build_in(ctx, &[16, 6, 6])?;
+        let x = Tensor::arange(0f32, 2. * 16. * 36., &Device::Cpu)?.reshape((2, 16, 6, 6))?;
+        net.forward_t(&(x / 500.)?.sin()?, false)
+    };
+    let a = run(ComputePath::Auto)?;
+    let b = run(ComputePath::DeviceGeneric)?;
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?;
+    let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    assert!(diff <= 1e-5 * scale.max(1.0), "{diff} against {scale}");
+    Ok(())
+}

@@ -1,13 +1,15 @@
 //! # kandle-models
 //!
-//! Ready-made networks built from kandle layers. Each is a plain
-//! [`Sequential`](kandle::layers::Sequential) recipe: compile it with any strategy.
+//! Ready-made networks built from kandle layers: [`Sequential`](kandle::layers::Sequential)
+//! recipes and [`Functional`](kandle::functional::Functional) models. Compile any of them with
+//! any strategy.
 //!
 //! - [`mini_googlenet`]: MiniGoogLeNet for 32x32 colour images (CIFAR-10), with its building
 //!   blocks [`conv_module`], [`inception_module`] and [`downsample_module`];
 //! - [`digits_cnn`]: a small convolutional network for the 8x8 digits set;
-//! - [`resnet18`] and [`resnet34`]: torchvision's ResNets of basic blocks ([`basic_block`]),
-//!   residual blocks written as an `Add` of a residual branch and a shortcut.
+//! - [`ResNet`] (and [`resnet18`] ... [`resnet152`]): torchvision's ResNets as functional
+//!   models, with torchvision's variable names, a choice of [`Head`] and a small-image variant
+//!   for 32x32 inputs; their blocks [`basic_block`] and [`bottleneck_block`].
 //!
 //! ```
 //! let summary = kandle_models::mini_googlenet(10).summary(&[3, 32, 32])?;
@@ -21,4 +23,7 @@ mod resnet;
 
 pub use digits_cnn::digits_cnn;
 pub use mini_googlenet::{conv_module, downsample_module, inception_module, mini_googlenet};
-pub use resnet::{basic_block, resnet18, resnet34};
+pub use resnet::{
+    basic_block, bottleneck_block, resnet101, resnet152, resnet18, resnet34, resnet50, Depth, Head,
+    ResNet,
+};

@@ -9,10 +9,13 @@ use kandle::ComputePath;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
 use kandle_testing::strategies as support;
-use support::equivalence_run::{bn_cnn, plain_cnn, train_on, Order, SAMPLES};
+use support::equivalence_run::{bn_cnn, graph_cnn, plain_cnn, train_on, Order, SAMPLES};
 use support::one_device_reference;
 
-fn train<S: Strategy + Clone + 'static>(net: Sequential, strategy: &S) -> anyhow::Result<Weights> {
+fn train<S: Strategy + Clone + 'static>(
+    net: impl Into<kandle::Network>,
+    strategy: &S,
+) -> anyhow::Result<Weights> {
     let model = support::equivalence_run::train(net, strategy, SAMPLES)?;
     Ok(model.get_weights()?)
 }
@@ -36,6 +39,33 @@ fn mirrored_and_central_storage_match_one_device() -> anyhow::Result<()> {
     reference.assert_matches(
         &train(plain_cnn(), &CentralStorageStrategy::cpu(2)?)?,
         "central storage x2",
+    )?;
+    Ok(())
+}
+
+/// A functional model with a residual sum, a convolution shared by two calls and a
+/// concatenation.
+#[test]
+fn a_functional_model_matches_one_device() -> anyhow::Result<()> {
+    let reference = one_device_reference(graph_cnn, SAMPLES)?;
+    reference.assert_matches(
+        &train(graph_cnn(), &MirroredStrategy::cpu(2)?)?,
+        "functional model, mirrored x2",
+    )?;
+    reference.assert_matches(
+        &train(graph_cnn(), &CentralStorageStrategy::cpu(2)?)?,
+        "functional model, central storage x2",
+    )?;
+    let generic = train_on(
+        graph_cnn(),
+        &OneDeviceStrategy::cpu(),
+        SAMPLES,
+        Some(ComputePath::DeviceGeneric),
+        Order::Fixed,
+    )?;
+    reference.assert_matches(
+        &generic.get_weights()?,
+        "functional model, device-generic path",
     )?;
     Ok(())
 }

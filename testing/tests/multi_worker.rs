@@ -40,14 +40,14 @@ fn alone<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Command {
 
 // ---- equivalence ---------------------------------------------------------------------------
 
-/// One device's [`Reference`] for the equivalence run of `model` (`plain` or `bn`) on `samples`
+/// One device's [`Reference`] for the equivalence run of `model` (`plain`, `bn` or `graph`) on `samples`
 /// digits, as `equivalence.rs` and the worker program's `equivalence` task run it.
 fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Reference> {
-    let net = match model {
-        "bn" => equivalence_run::bn_cnn,
-        _ => equivalence_run::plain_cnn,
-    };
-    one_device_reference(net, samples)
+    match model {
+        "bn" => one_device_reference(equivalence_run::bn_cnn, samples),
+        "graph" => one_device_reference(equivalence_run::graph_cnn, samples),
+        _ => one_device_reference(equivalence_run::plain_cnn, samples),
+    }
 }
 
 /// Runs the worker program's `equivalence` task under `mpirun -n 2` for each of `runs`
@@ -91,6 +91,18 @@ fn two_workers_train_as_one_device() -> anyhow::Result<()> {
                 "2 workers x 2 replicas, hierarchical copy",
             ),
         ],
+    )
+}
+
+/// A functional model (a residual sum, a shared layer, a concatenation) trains on two workers
+/// as on one device.
+#[test]
+fn a_functional_model_trains_on_two_workers_as_one_device() -> anyhow::Result<()> {
+    let reference = one_device_weights("graph", SAMPLES)?;
+    check_equivalence(
+        &reference,
+        &["--model", "graph"],
+        &[("2", &[], "functional model, 2 workers x 2 replicas")],
     )
 }
 

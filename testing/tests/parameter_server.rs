@@ -34,15 +34,20 @@ fn mpirun(ranks: usize, args: &[&str]) -> Command {
 /// workers; the servers sum the workers' buffers and divide by the global sample count.
 #[test]
 fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
-    let reference = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
+    let plain = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
+    let graph = one_device_reference(equivalence_run::graph_cnn, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
-    for (ranks, servers, what) in [
-        (3, "1", "2 workers, 1 server"),
-        (4, "2", "2 workers, 2 servers"),
-        (4, "1", "3 workers, 1 server"),
+    for (ranks, servers, model, what) in [
+        (3, "1", "plain", "2 workers, 1 server"),
+        (4, "2", "plain", "2 workers, 2 servers"),
+        (4, "1", "plain", "3 workers, 1 server"),
+        (4, "2", "graph", "a functional model, 2 workers, 2 servers"),
     ] {
-        let out = dir.path().join(format!("{ranks}_{servers}.safetensors"));
+        let reference = if model == "graph" { &graph } else { &plain };
+        let out = dir
+            .path()
+            .join(format!("{ranks}_{servers}_{model}.safetensors"));
         let out_arg = out.to_string_lossy().to_string();
         let outcome = run(mpirun(
             ranks,
@@ -55,6 +60,8 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
                 "equivalence",
                 "--out",
                 &out_arg,
+                "--model",
+                model,
             ],
         ))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);

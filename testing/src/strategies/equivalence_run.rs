@@ -6,8 +6,9 @@
 //!
 //! It uses kandle alone.
 
+use kandle::functional::{add, concatenate, Functional, Input};
 use kandle::prelude::*;
-use kandle::ComputePath;
+use kandle::{ComputePath, Network};
 
 /// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
 pub const SAMPLES: usize = 470;
@@ -40,10 +41,35 @@ pub fn bn_cnn() -> Sequential {
         .add(Activation::Softmax)
 }
 
+/// A functional model with a residual sum whose ReLU it absorbs, a convolution shared by two
+/// calls (its gradient the sum of both) and a concatenation of two branches.
+pub fn graph_cnn() -> Functional {
+    let build = || -> kandle::Result<Functional> {
+        let image = Input::new(&[1, 8, 8]).tensor();
+        let stem = Conv2D::new(4, 3).padding(Padding::Same).call(&image)?;
+        let stem = Activation::Relu.call(&stem)?;
+        let shared = Conv2D::new(4, 3)
+            .padding(Padding::Same)
+            .named("shared")
+            .shared();
+        let once = Activation::Relu.call(&shared.call(&stem)?)?;
+        let twice = shared.call(&once)?;
+        let residual = Activation::Relu.call(&add(&[&stem, &twice])?)?;
+        let side = Conv2D::new(2, 1).call(&image)?;
+        let joined = concatenate(&[&residual, &side])?;
+        let pooled = MaxPooling2D::new(2).call(&joined)?;
+        let flat = Flatten.call(&pooled)?;
+        let probabilities = Activation::Softmax.call(&Dense::new(10).call(&flat)?)?;
+        Functional::new([&image], [&probabilities])
+    };
+    // The graph is fixed: its checks cannot fail.
+    build().expect("the equivalence graph is a valid model")
+}
+
 /// `net` compiled under `strategy` with `optimizer`, sparse cross-entropy and accuracy, its
 /// initial weights drawn from `seed`, built for digits (8x8 images).
 pub fn compile<S, O>(
-    net: Sequential,
+    net: impl Into<Network>,
     optimizer: O,
     strategy: &S,
     seed: u64,
@@ -53,6 +79,7 @@ where
     O: kandle::optimizers::OptimizerConfig,
 {
     let mut model = net
+        .into()
         .compile(
             optimizer,
             SparseCategoricalCrossentropy::new(),
@@ -92,7 +119,7 @@ impl Order {
 /// model. Fails if the
 /// strategy's replicas do not divide the global batch, or the loss is not finite.
 pub fn train<S: Strategy + Clone + 'static>(
-    net: Sequential,
+    net: impl Into<Network>,
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<Model> {
@@ -108,7 +135,7 @@ pub fn train<S: Strategy + Clone + 'static>(
 /// The run of [`train`], with its history and without checking the loss (a parameter
 /// server's `fit` serves the workers and has no history).
 pub fn fit<S: Strategy + Clone + 'static>(
-    net: Sequential,
+    net: impl Into<Network>,
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<(Model, History)> {
@@ -118,7 +145,7 @@ pub fn fit<S: Strategy + Clone + 'static>(
 /// The run of [`train`] on compute path `path` (`None`: `KANDLE_COMPUTE`'s) with the samples in
 /// `order`.
 pub fn train_on<S: Strategy + Clone + 'static>(
-    net: Sequential,
+    net: impl Into<Network>,
     strategy: &S,
     samples: usize,
     path: Option<ComputePath>,
@@ -128,7 +155,7 @@ pub fn train_on<S: Strategy + Clone + 'static>(
 }
 
 fn fit_on<S: Strategy + Clone + 'static>(
-    net: Sequential,
+    net: impl Into<Network>,
     strategy: &S,
     samples: usize,
     path: Option<ComputePath>,

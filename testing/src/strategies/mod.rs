@@ -64,8 +64,8 @@ impl Reference {
 }
 
 /// One device's [`Reference`] for the equivalence run of `net` on `samples` digits.
-pub fn one_device_reference(
-    net: fn() -> kandle::layers::Sequential,
+pub fn one_device_reference<N: Into<kandle::Network>>(
+    net: fn() -> N,
     samples: usize,
 ) -> anyhow::Result<Reference> {
     use equivalence_run::{train_on, Order};
@@ -194,8 +194,8 @@ pub fn train_steps(
 
 /// `steps` steps of `net` under `optimizer` on one device, from the initial weights of seed 5:
 /// the [`Reference`] a resumed run of the same steps ends within.
-pub fn uninterrupted<O>(
-    net: fn() -> kandle::layers::Sequential,
+pub fn uninterrupted<N: Into<kandle::Network>, O>(
+    net: fn() -> N,
     optimizer: O,
     steps: usize,
 ) -> anyhow::Result<Reference>

@@ -48,7 +48,7 @@ pub struct Common {
     pub timeout_secs: Option<f64>,
     /// `--out FILE`: where the chief writes its result.
     pub out: Option<String>,
-    /// `--model plain|bn` (default `plain`).
+    /// `--model plain|bn|graph` (default `plain`).
     pub model: String,
     /// `--samples S`: digits in the equivalence run.
     pub samples: usize,
@@ -116,12 +116,13 @@ impl Common {
     }
 
     /// The equivalence run's network that `--model` names.
-    pub fn equivalence_model(&self) -> Result<kandle::layers::Sequential> {
+    pub fn equivalence_model(&self) -> Result<kandle::Network> {
         match self.model.as_str() {
-            "plain" => Ok(crate::equivalence_run::plain_cnn()),
-            "bn" => Ok(crate::equivalence_run::bn_cnn()),
+            "plain" => Ok(crate::equivalence_run::plain_cnn().into()),
+            "bn" => Ok(crate::equivalence_run::bn_cnn().into()),
+            "graph" => Ok(crate::equivalence_run::graph_cnn().into()),
             other => Err(Error::invalid(format!(
-                "--model: `{other}` is not plain or bn"
+                "--model: `{other}` is not plain, bn or graph"
             ))),
         }
     }

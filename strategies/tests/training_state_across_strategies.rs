@@ -12,13 +12,18 @@ use kandle::prelude::*;
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
 
 use kandle_testing::strategies as support;
-use support::equivalence_run::{bn_cnn, plain_cnn, Order};
+use support::equivalence_run::{bn_cnn, graph_cnn, plain_cnn, Order};
 use support::{assert_within, Reference};
 
 const K: usize = 6;
 const M: usize = 6;
 
-fn model<S, O>(net: Sequential, optimizer: O, strategy: &S, seed: u64) -> anyhow::Result<Model>
+fn model<S, O>(
+    net: impl Into<kandle::Network>,
+    optimizer: O,
+    strategy: &S,
+    seed: u64,
+) -> anyhow::Result<Model>
 where
     S: Strategy + Clone + 'static,
     O: OptimizerConfig,
@@ -33,8 +38,8 @@ fn train(model: &mut Model, steps: std::ops::Range<usize>) -> anyhow::Result<()>
 }
 
 /// K + M steps on one device, with the spread of the same steps in reversed batches.
-fn uninterrupted<O: OptimizerConfig + Clone>(
-    net: fn() -> Sequential,
+fn uninterrupted<N: Into<kandle::Network>, O: OptimizerConfig + Clone>(
+    net: fn() -> N,
     optimizer: O,
 ) -> anyhow::Result<Reference> {
     support::uninterrupted(net, optimizer, K + M)
@@ -42,14 +47,15 @@ fn uninterrupted<O: OptimizerConfig + Clone>(
 
 /// K steps under `first`, saved, loaded under `second` into a model of other initial weights,
 /// M more steps.
-fn resumed<A, B, O>(
-    net: fn() -> Sequential,
+fn resumed<N, A, B, O>(
+    net: fn() -> N,
     optimizer: O,
     first: &A,
     second: &B,
     path: &Path,
 ) -> anyhow::Result<Weights>
 where
+    N: Into<kandle::Network>,
     A: Strategy + Clone + 'static,
     B: Strategy + Clone + 'static,
     O: OptimizerConfig + Clone,
@@ -99,6 +105,23 @@ fn mirrored_and_one_device_resume_each_other() -> anyhow::Result<()> {
     reference.assert_matches(
         &resumed(plain_cnn, adam, &one, &mirrored, &path)?,
         "adam: one device -> mirrored x2",
+    )?;
+    Ok(())
+}
+
+/// A functional model's training state (a shared layer's variables and slots among them)
+/// resumes across strategies as a `Sequential`'s does.
+#[test]
+fn a_functional_model_resumes_across_strategies() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let adam = Adam::new(1e-2);
+    let reference = uninterrupted(graph_cnn, adam)?;
+    let one = OneDeviceStrategy::cpu();
+    let mirrored = MirroredStrategy::cpu(2)?;
+    let path = dir.path().join("state.safetensors");
+    reference.assert_matches(
+        &resumed(graph_cnn, adam, &mirrored, &one, &path)?,
+        "functional model, adam: mirrored x2 -> one device",
     )?;
     Ok(())
 }

@@ -2,7 +2,7 @@
 """PyTorch reference for kandle's `bench` binary.
 
 Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it (1,656,250
-parameters) on the CPU or a CUDA GPU (`--device`): a training step (forward, cross-entropy,
+parameters), or with `--model resnet18` torchvision's ResNet-18 with a small-image stem, on the CPU or a CUDA GPU (`--device`): a training step (forward, cross-entropy,
 backward, SGD with momentum 0.9) and inference, at the same batch and thread count as the kandle
 side, in each configuration of
 `--configs` (default all): the default layout (`eager`), `channels_last`, and both under
@@ -94,6 +94,57 @@ STAGES = [
     ([(112, 48), (96, 64), (80, 80), (48, 96)], 96),
     ([(176, 160), (176, 160)], None),
 ]
+
+
+class BasicBlock(nn.Module):
+    """torchvision's basic block: two 3x3 convs with batch norms, the first with `stride`, added
+    to the input or to a 1x1 projection of it, then a ReLU."""
+
+    def __init__(self, cin, filters, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, filters, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(filters)
+        self.conv2 = nn.Conv2d(filters, filters, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(filters)
+        self.downsample = None
+        if stride != 1 or cin != filters:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, filters, 1, stride=stride, bias=False), nn.BatchNorm2d(filters)
+            )
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class CifarResNet18(nn.Module):
+    """torchvision's ResNet-18 with the small-image stem kandle_models::ResNet::small_images
+    builds: a 3x3 stride-1 convolution and no max pool (11,173,962 parameters for 10 classes)."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        blocks, cin = [], 64
+        for stage, filters in enumerate([64, 128, 256, 512]):
+            for block in range(2):
+                stride = 2 if block == 0 and stage > 0 else 1
+                blocks.append(BasicBlock(cin, filters, stride))
+                cin = filters
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+# The parameters (trainable and moving statistics) each model must have.
+MODELS = {
+    "mini_googlenet": (lambda: MiniGoogLeNet(10), KERAS_PARAMETERS),
+    "resnet18": (lambda: CifarResNet18(10), 11_173_962 + 2 * 4_800),
+}
 
 
 class MiniGoogLeNet(nn.Module):
@@ -188,7 +239,7 @@ def setup(args, name):
     """MiniGoogLeNet on the device in configuration `name`, its SGD and a random batch."""
     memory_format, compiled = CONFIGS[name]
     torch.manual_seed(0)
-    model = MiniGoogLeNet(10).to(args.device).to(memory_format=memory_format)
+    model = MODELS[args.model][0]().to(args.device).to(memory_format=memory_format)
     x = torch.randn(args.batch, 3, 32, 32, device=args.device)
     x = x.contiguous(memory_format=memory_format)
     y = torch.randint(0, 10, (args.batch,), device=args.device)
@@ -225,11 +276,12 @@ def time_epoch(args, name):
 
 def time_model(args):
     torch.manual_seed(0)
-    trainable, moving = parameter_counts(MiniGoogLeNet(10))
-    if trainable + moving != KERAS_PARAMETERS:
+    make, parameters = MODELS[args.model]
+    trainable, moving = parameter_counts(make())
+    if trainable + moving != parameters:
         raise SystemExit(
-            f"PyTorch MiniGoogLeNet has {trainable + moving} parameters, "
-            f"Keras's has {KERAS_PARAMETERS}"
+            f"PyTorch's {args.model} has {trainable + moving} parameters, "
+            f"kandle's has {parameters}"
         )
     configs = []
     for name in args.configs.split(","):
@@ -324,6 +376,12 @@ def main():
     parser.add_argument("--ops", help="JSON list of ops to time (a file, or - for stdin)")
     parser.add_argument("--no-model", action="store_true", help="time only the ops")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument(
+        "--model",
+        default="mini_googlenet",
+        choices=sorted(MODELS),
+        help="the model to time (default mini_googlenet)",
+    )
     parser.add_argument(
         "--epoch-images",
         type=int,

@@ -65,7 +65,10 @@ fn a_residual_functional_model_learns_digits_and_round_trips_through_a_checkpoin
         },
     )?;
     let losses = history.series("loss");
-    assert!(losses[11] < losses[0] / 3.0, "loss did not fall: {losses:?}");
+    assert!(
+        losses[11] < losses[0] / 3.0,
+        "loss did not fall: {losses:?}"
+    );
     let logs = model.evaluate(&test, 128)?;
     let accuracy = logs.get("accuracy").unwrap_or(0.0);
     eprintln!("functional digits test accuracy: {accuracy:.4}");

@@ -1,9 +1,12 @@
 //! Shared pieces of the example binaries: choosing a strategy and its devices from the command
-//! line, so every binary switches strategies the same way; measuring training throughput
+//! line, so every binary switches strategies the same way; the CIFAR-10 networks
+//! ([`CifarModel`]); measuring training throughput
 //! ([`throughput`]); the scaling model and picture of the `scaling` binary
 //! ([`scaling_model`], [`scaling_plot`]); and a small CIFAR-format set for the benchmarks and
 //! the binaries' tests ([`cifar10_fixture`], shared with kandle's own tests).
 
+mod cifar_model;
+pub use cifar_model::CifarModel;
 pub use kandle_testing::cifar10_fixture;
 pub mod scaling_model;
 pub mod scaling_plot;

@@ -96,6 +96,34 @@ fn mirrored_smoke_run_writes_every_output() -> anyhow::Result<()> {
     check_outputs(dir.path(), "mirrored", 2)
 }
 
+/// `--model resnet18` trains the small-image ResNet-18, a functional model, under two mirrored
+/// replicas, and its checkpoint loads into the same network.
+#[test]
+fn resnet18_smoke_run_trains_a_functional_model() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let text = run(
+        dir.path(),
+        &[
+            "--model",
+            "resnet18",
+            "--gpus",
+            "2",
+            "--strategy",
+            "mirrored",
+        ],
+    )?;
+    assert!(text.contains("Connected to"), "{text}");
+    assert!(text.contains("layer4.1.conv2 (Conv2D)"), "{text}");
+    let mut model = kandle_examples::CifarModel::Resnet18.network()?.compile(
+        Sgd::new(5e-3),
+        CategoricalCrossentropy::new(),
+        [Accuracy],
+        &OneDeviceStrategy::cpu(),
+    )?;
+    model.load_weights(dir.path().join("plots").join("cifar.safetensors"))?;
+    Ok(())
+}
+
 #[test]
 fn missing_data_says_where_to_put_it() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;

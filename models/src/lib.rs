@@ -5,7 +5,8 @@
 //! any strategy.
 //!
 //! - [`mini_googlenet`]: MiniGoogLeNet for 32x32 colour images (CIFAR-10), with its building
-//!   blocks [`conv_module`], [`inception_module`] and [`downsample_module`];
+//!   blocks [`conv_module`], [`inception_module`] and [`downsample_module`], and
+//!   [`mini_googlenet_functional`], the same network as a functional model;
 //! - [`digits_cnn`]: a small convolutional network for the 8x8 digits set;
 //! - [`ResNet`] (and [`resnet18`] ... [`resnet152`]): torchvision's ResNets as functional
 //!   models, with torchvision's variable names, a choice of [`Head`] and a small-image variant
@@ -22,7 +23,9 @@ mod mini_googlenet;
 mod resnet;
 
 pub use digits_cnn::digits_cnn;
-pub use mini_googlenet::{conv_module, downsample_module, inception_module, mini_googlenet};
+pub use mini_googlenet::{
+    conv_module, downsample_module, inception_module, mini_googlenet, mini_googlenet_functional,
+};
 pub use resnet::{
     basic_block, bottleneck_block, resnet101, resnet152, resnet18, resnet34, resnet50, Depth, Head,
     ResNet,

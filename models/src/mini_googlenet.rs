@@ -1,10 +1,14 @@
 //! MiniGoogLeNet (Zhang et al., "Understanding deep learning requires rethinking
-//! generalization"), exactly as the Keras multi-GPU CIFAR-10 tutorial defines it.
+//! generalization"), exactly as the Keras multi-GPU CIFAR-10 tutorial defines it: as a
+//! `Sequential` of `Concat` blocks, and as the tutorial writes it, a functional model whose
+//! branches meet in `concatenate` (the same variables under the same names, the same outputs).
 
+use kandle::functional::{concatenate, Functional, Input, SymbolicTensor};
 use kandle::layers::{
     Activation, AveragePooling2D, BatchNormalization, Concat, Conv2D, Dense, Dropout, Flatten,
     LayerSpecExt, MaxPooling2D, Padding, Sequential,
 };
+use kandle::Result;
 
 /// Conv2D (`filters`, `kx` x `ky`, `stride`, `padding`) → BatchNormalization → ReLU.
 pub fn conv_module(
@@ -49,14 +53,16 @@ pub fn downsample_module(filters: usize) -> Concat {
 /// A stage: its inception modules' `(k1x1, k3x3)` filters, then an optional downsample's filters.
 type Stage = (&'static [(usize, usize)], Option<usize>);
 
+/// The tutorial's three stages.
+const STAGES: [Stage; 3] = [
+    (&[(32, 32), (32, 48)], Some(80)),
+    (&[(112, 48), (96, 64), (80, 80), (48, 96)], Some(96)),
+    (&[(176, 160), (176, 160)], None),
+];
+
 /// MiniGoogLeNet for 32x32 inputs with `classes` outputs (softmax): 1,656,250 parameters for
 /// 10 classes, 1,652,826 of them trainable.
 pub fn mini_googlenet(classes: usize) -> Sequential {
-    const STAGES: [Stage; 3] = [
-        (&[(32, 32), (32, 48)], Some(80)),
-        (&[(112, 48), (96, 64), (80, 80), (48, 96)], Some(96)),
-        (&[(176, 160), (176, 160)], None),
-    ];
     let mut net = Sequential::new().add(conv_module(96, 3, 3, 1, Padding::Same).named("stem"));
     let (mut inceptions, mut downsamples) = (0, 0);
     for (modules, downsample) in STAGES {
@@ -76,9 +82,105 @@ pub fn mini_googlenet(classes: usize) -> Sequential {
         .add(Activation::Softmax.named("softmax"))
 }
 
+/// [`conv_module`] called on `x`, its layers named `<prefix>.conv`, `<prefix>.bn` and
+/// `<prefix>.relu` (the names the `Sequential`'s scopes give).
+fn call_conv_module(
+    x: &SymbolicTensor,
+    prefix: &str,
+    filters: usize,
+    kernel: usize,
+    stride: usize,
+    padding: Padding,
+) -> Result<SymbolicTensor> {
+    let y = Conv2D::new(filters, kernel)
+        .stride(stride)
+        .padding(padding)
+        .named(format!("{prefix}.conv"))
+        .call(x)?;
+    let y = BatchNormalization::new()
+        .named(format!("{prefix}.bn"))
+        .call(&y)?;
+    Activation::Relu.named(format!("{prefix}.relu")).call(&y)
+}
+
+/// MiniGoogLeNet as a functional model, as the Keras tutorial writes it: each inception and
+/// downsample module's branches joined by `concatenate`. Its variables have the names of
+/// [`mini_googlenet`]'s and it gives the same outputs.
+///
+/// ```
+/// let net = kandle_models::mini_googlenet_functional(10)?;
+/// assert_eq!(net.summary()?.total(), 1_656_250);
+/// # Ok::<(), kandle::Error>(())
+/// ```
+pub fn mini_googlenet_functional(classes: usize) -> Result<Functional> {
+    let image = Input::new(&[3, 32, 32]).named("image").tensor();
+    let mut x = call_conv_module(&image, "stem", 96, 3, 1, Padding::Same)?;
+    let (mut inceptions, mut downsamples) = (0, 0);
+    for (modules, downsample) in STAGES {
+        for &(k1, k3) in modules {
+            inceptions += 1;
+            let name = format!("inception_{inceptions}");
+            let a = call_conv_module(&x, &format!("{name}.branch_1x1"), k1, 1, 1, Padding::Same)?;
+            let b = call_conv_module(&x, &format!("{name}.branch_3x3"), k3, 3, 1, Padding::Same)?;
+            x = concatenate(&[&a, &b])?;
+        }
+        if let Some(k) = downsample {
+            downsamples += 1;
+            let name = format!("downsample_{downsamples}");
+            let conv =
+                call_conv_module(&x, &format!("{name}.branch_conv"), k, 3, 2, Padding::Valid)?;
+            let pool = MaxPooling2D::new(3)
+                .stride(2)
+                .named(format!("{name}.branch_pool"))
+                .call(&x)?;
+            x = concatenate(&[&conv, &pool])?;
+        }
+    }
+    let x = AveragePooling2D::new(7).named("avg_pool").call(&x)?;
+    let x = Dropout::new(0.5).named("dropout").call(&x)?;
+    let x = Flatten.named("flatten").call(&x)?;
+    let x = Dense::new(classes).named("classifier").call(&x)?;
+    let probabilities = Activation::Softmax.named("softmax").call(&x)?;
+    Functional::new([&image], [&probabilities])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The functional form has the `Sequential`'s variables, names and initial values, and
+    /// gives bit for bit its outputs, in inference and in a training forward.
+    #[test]
+    fn the_functional_form_gives_the_sequentials_outputs_bit_for_bit() -> kandle::Result<()> {
+        use candle_core::{Device, Tensor};
+        use kandle::layers::{BuildContext, Layer, LayerSpec};
+        let build = |spec: &dyn LayerSpec| -> kandle::Result<_> {
+            let mut ctx = BuildContext::new(&Device::Cpu, 3);
+            let built = spec.build(&mut ctx, &[3, 32, 32])?;
+            Ok((built.into_layer(), ctx.into_store()))
+        };
+        let (stack, stack_store) = build(&mini_googlenet(10))?;
+        let (graph, graph_store) = build(&mini_googlenet_functional(10)?)?;
+        let names = |store: &kandle::params::ParamStore| -> Vec<String> {
+            store.iter().map(|p| p.name.clone()).collect()
+        };
+        assert_eq!(names(&stack_store), names(&graph_store));
+        graph_store.assign(&stack_store.weights()?)?;
+        let x = Tensor::randn(0f32, 1., (4, 3, 32, 32), &Device::Cpu)?;
+        for train in [false, true] {
+            let a = stack
+                .forward_t(&x, train)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let b = graph
+                .forward_t(&x, train)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "train {train}: the outputs differ");
+        }
+        Ok(())
+    }
 
     #[test]
     fn parameter_counts_match_keras() -> kandle::Result<()> {

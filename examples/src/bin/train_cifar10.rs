@@ -27,11 +27,14 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, FitInfo, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, CifarModel, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
 struct Args {
+    /// The network (MiniGoogLeNet by default).
+    #[arg(long, value_enum, default_value = "mini-googlenet")]
+    model: CifarModel,
     /// The training-curve PNG; the CSV, JSON and checkpoint are written beside it.
     #[arg(long, default_value = "plots/minigooglenet_cifar10.png")]
     output: PathBuf,
@@ -68,9 +71,10 @@ struct Args {
     /// Seed for the weights, shuffling and augmentation.
     #[arg(long, default_value_t = 42)]
     seed: u64,
-    /// The title of the training-curve plot (say what the data is when it is not CIFAR-10).
-    #[arg(long, default_value = "MiniGoogLeNet on CIFAR-10")]
-    title: String,
+    /// The title of the training-curve plot (say what the data is when it is not CIFAR-10;
+    /// default: "<model> on CIFAR-10").
+    #[arg(long)]
+    title: Option<String>,
     #[command(flatten)]
     backup: BackupArgs,
     #[command(flatten)]
@@ -225,7 +229,9 @@ fn main() -> Result<()> {
     } else {
         Box::new(decay)
     };
-    let mut model = kandle_models::mini_googlenet(10)
+    let mut model = args
+        .model
+        .network()?
         .compile(
             Sgd::new(lr).momentum(0.9),
             CategoricalCrossentropy::new(),
@@ -244,6 +250,10 @@ fn main() -> Result<()> {
         );
     }
 
+    let title = args
+        .title
+        .clone()
+        .unwrap_or_else(|| format!("{} on CIFAR-10", args.model.title()));
     let timer = EpochTimer::new(train.len());
     let epoch_times = Arc::clone(&timer.record);
     let checkpoint = sibling(&args.output, "safetensors");
@@ -259,7 +269,7 @@ fn main() -> Result<()> {
             callbacks: [
                 LearningRateScheduler::new(schedule).boxed(),
                 CsvLogger::new(sibling(&args.output, "csv")).boxed(),
-                PlotHistory::new(&args.output).title(&args.title).boxed(),
+                PlotHistory::new(&args.output).title(&title).boxed(),
                 ModelCheckpoint::new(&checkpoint).boxed(),
                 timer.boxed(),
             ]

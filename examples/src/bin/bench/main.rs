@@ -46,6 +46,10 @@ use crate::timing::Timer;
 #[derive(Parser, Debug)]
 #[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU or a GPU, side by side")]
 struct Args {
+    /// The network whose training step and inference are timed; the per-op tables are
+    /// MiniGoogLeNet's.
+    #[arg(long, value_enum, default_value = "mini-googlenet")]
+    model: kandle_examples::CifarModel,
     /// Where both sides run: cpu, or cuda:N (a build with the cuda feature; the model's
     /// step and inference only).
     #[arg(long, default_value = "cpu")]
@@ -124,7 +128,7 @@ impl Args {
         }
         Sections {
             model: !self.ops_only,
-            ops: !self.no_ops,
+            ops: !self.no_ops && self.model != kandle_examples::CifarModel::Resnet18,
             threads_study: self.threads_study && !self.ops_only,
         }
     }
@@ -204,15 +208,19 @@ fn main() -> Result<()> {
     let mut backward_paths = None;
     if sections.model {
         let strategy = OneDeviceStrategy::new(device.clone());
-        eprintln!("kandle: training step, batch {}", args.batch);
-        let train = model::train_step_time(&strategy, &device, args.batch, timer)?;
+        eprintln!(
+            "kandle: {:?} training step, batch {}",
+            args.model, args.batch
+        );
+        let train = model::train_step_time(args.model, &strategy, &device, args.batch, timer)?;
         eprintln!("kandle: inference, batch {}", args.batch);
-        let infer = model::inference_time(&strategy, &device, args.batch, timer)?;
+        let infer = model::inference_time(args.model, &strategy, &device, args.batch, timer)?;
         kandle_model = Some((train, infer));
         if on_cpu {
             eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
-            let recorded = model::replica_step_time(ComputePath::Auto, args.batch, timer)?;
-            let autograd = model::replica_step_time(ComputePath::Autograd, args.batch, timer)?;
+            let replica = |path| model::replica_step_time(args.model, path, args.batch, timer);
+            let recorded = replica(ComputePath::Auto)?;
+            let autograd = replica(ComputePath::Autograd)?;
             backward_paths = Some((recorded, autograd));
         }
     }
@@ -316,6 +324,7 @@ fn reference(
         warmup: args.warmup,
         iters: args.iters,
         model: sections.model,
+        which: model::pytorch_name(args.model),
         configs: args.pytorch_configs.as_deref(),
         ops: ops
             .iter()

@@ -1,4 +1,4 @@
-//! kandle's MiniGoogLeNet training step and inference, timed through the public API: a strategy
+//! kandle's training step and inference (MiniGoogLeNet, its functional form, or ResNet-18), timed through the public API: a strategy
 //! distributes the compiled recipe, and each step is `DistributedModel::train_step`, the call
 //! `fit` makes for every batch (forward, loss, backward, the finite-ness check and the SGD update).
 
@@ -10,28 +10,37 @@ use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::strategy::{ModelSpec, Replica};
 use kandle::ComputePath;
 use kandle::Strategy;
+use kandle_examples::CifarModel;
 
 use crate::timing::Timer;
 
 /// The tutorial's learning rate.
 const LR: f64 = 5e-3;
 
-/// MiniGoogLeNet for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9).
-pub fn spec() -> ModelSpec {
-    spec_on(ComputePath::Auto)
+/// The model the PyTorch script times for `which`.
+pub fn pytorch_name(which: CifarModel) -> &'static str {
+    match which {
+        CifarModel::MiniGooglenet | CifarModel::MiniGooglenetFunctional => "mini_googlenet",
+        CifarModel::Resnet18 => "resnet18",
+    }
+}
+
+/// `which` for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9).
+pub fn spec(which: CifarModel) -> Result<ModelSpec> {
+    spec_on(ComputePath::Auto, which)
 }
 
 /// [`spec`] running `compute_path`.
-fn spec_on(compute_path: ComputePath) -> ModelSpec {
-    ModelSpec {
-        network: kandle_models::mini_googlenet(10).into(),
+fn spec_on(compute_path: ComputePath, which: CifarModel) -> Result<ModelSpec> {
+    Ok(ModelSpec {
+        network: which.network()?,
         input_shape: vec![3, 32, 32],
         optimizer: Box::new(Sgd::new(LR).momentum(0.9)),
         loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path,
-    }
+    })
 }
 
 /// A batch of `n` CIFAR-shaped random images with labels, on `device`.
@@ -46,12 +55,13 @@ pub fn random_batch(n: usize, device: &Device) -> Result<Batch> {
 /// Median seconds of one training step at global batch `batch` under `strategy`, its batch
 /// already on `device` (as PyTorch's is).
 pub fn train_step_time(
+    which: CifarModel,
     strategy: &dyn Strategy,
     device: &Device,
     batch: usize,
     timer: Timer,
 ) -> Result<f64> {
-    let mut model = strategy.distribute(&spec())?;
+    let mut model = strategy.distribute(&spec(which)?)?;
     let batch = random_batch(batch, device)?;
     timer.median(|| {
         model.train_step(&batch, LR)?;
@@ -62,8 +72,13 @@ pub fn train_step_time(
 /// Median seconds of one replica's training step (gradients, then the SGD update) at batch
 /// `batch` on the CPU, on `path`: kandle's recorded backward pass ([`ComputePath::Auto`])
 /// against candle's autograd over the whole network ([`ComputePath::Autograd`]).
-pub fn replica_step_time(path: ComputePath, batch: usize, timer: Timer) -> Result<f64> {
-    let mut replica = Replica::new(&spec_on(path), &Device::Cpu)?;
+pub fn replica_step_time(
+    which: CifarModel,
+    path: ComputePath,
+    batch: usize,
+    timer: Timer,
+) -> Result<f64> {
+    let mut replica = Replica::new(&spec_on(path, which)?, &Device::Cpu)?;
     let batch = random_batch(batch, &Device::Cpu)?;
     timer.median(|| {
         let step = replica.step_buffer(&batch)?;
@@ -76,12 +91,13 @@ pub fn replica_step_time(path: ComputePath, batch: usize, timer: Timer) -> Resul
 /// Median seconds of inference (the softmax outputs, read back to the host) on `batch` images
 /// already on `device` under `strategy`.
 pub fn inference_time(
+    which: CifarModel,
     strategy: &dyn Strategy,
     device: &Device,
     batch: usize,
     timer: Timer,
 ) -> Result<f64> {
-    let mut model = strategy.distribute(&spec())?;
+    let mut model = strategy.distribute(&spec(which)?)?;
     let x = random_batch(batch, device)?.x;
     timer.median(|| {
         // Read back to the host: on a GPU this waits for the computation, as PyTorch's side does.

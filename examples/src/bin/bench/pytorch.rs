@@ -48,6 +48,8 @@ pub struct Request<'a> {
     pub iters: usize,
     /// Time the model's training step and inference.
     pub model: bool,
+    /// Which model (the script's `--model`).
+    pub which: &'a str,
     /// The configurations of the model to time (the script's `--configs`), or all of them.
     pub configs: Option<&'a str>,
     /// The ops to time, as the script reads them (empty for none).
@@ -66,7 +68,8 @@ pub fn run(req: &Request<'_>) -> Result<Value> {
         .args(["--threads", &req.threads.to_string()])
         .args(["--warmup", &req.warmup.to_string()])
         .args(["--iters", &req.iters.to_string()])
-        .args(["--device", req.device]);
+        .args(["--device", req.device])
+        .args(["--model", req.which]);
     if req.epoch_images > 0 {
         cmd.args(["--epoch-images", &req.epoch_images.to_string()]);
     }

@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 
 use crate::model::train_step_time;
 use crate::timing::Timer;
+use kandle_examples::CifarModel;
 
 /// Runs the study at global batch `batch` on `cores` threads and prints its table; returns the
 /// rows for `--json`.
@@ -46,7 +47,13 @@ pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
     let mut one_device = None;
     for (name, threads, strategy) in configs {
         eprintln!("kandle: threads study, {name}, {threads}");
-        let step = train_step_time(strategy.as_ref(), &candle_core::Device::Cpu, batch, timer)?;
+        let step = train_step_time(
+            CifarModel::MiniGooglenet,
+            strategy.as_ref(),
+            &candle_core::Device::Cpu,
+            batch,
+            timer,
+        )?;
         let base = *one_device.get_or_insert(step);
         rows.push((name, threads, step, base / step));
     }

@@ -72,6 +72,14 @@ pub trait Loss: Send + Sync + Debug {
     fn check_targets(&self, _targets: &Targets, _output_shape: &[usize]) -> Result<()> {
         Ok(())
     }
+
+    /// The targets this loss takes for an output of `output_shape`: how a model of several
+    /// outputs lays out this output's part of each sample's targets (see
+    /// [`Targets::Parts`]). The default is dense values of the output's shape; the sparse
+    /// losses take a class index.
+    fn expected_targets(&self, output_shape: &[usize]) -> Targets {
+        Targets::Values(output_shape.to_vec())
+    }
 }
 
 /// Forwards every method to the pointee.
@@ -94,6 +102,9 @@ macro_rules! forward_loss {
             }
             fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
                 (**self).check_targets(targets, output_shape)
+            }
+            fn expected_targets(&self, output_shape: &[usize]) -> Targets {
+                (**self).expected_targets(output_shape)
             }
         }
     )*};
@@ -130,7 +141,16 @@ fn check_dense_targets(loss: &str, targets: &Targets, output_shape: &[usize]) ->
             crate::error::shape_with_batch(shape)
         ))),
         Targets::Values(_) => Ok(()),
+        Targets::Parts(_) => Err(parts_for_one_output(loss)),
     }
+}
+
+/// The error for targets of several parts given to a loss of one output.
+pub(crate) fn parts_for_one_output(loss: &str) -> Error {
+    Error::invalid(format!(
+        "{loss}: the targets have one part per output of a model of several outputs, but this \
+         loss is given one output; compile the model with a loss per output (PerOutput)"
+    ))
 }
 
 /// A cross-entropy loss with Keras's `from_logits` option, `K` saying what it compares:
@@ -291,7 +311,12 @@ impl Loss for SparseCategoricalCrossentropy {
                  use CategoricalCrossentropy for one-hot targets",
                 self.name()
             ))),
+            Targets::Parts(_) => Err(parts_for_one_output(self.name())),
         }
+    }
+
+    fn expected_targets(&self, output_shape: &[usize]) -> Targets {
+        Targets::Classes(output_shape.first().copied().unwrap_or(1))
     }
 }
 

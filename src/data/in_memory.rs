@@ -78,41 +78,73 @@ impl InMemoryDataset {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let y_dtype = y.dtype();
-        let y_dims = y.dims().to_vec();
-        let y = y.to_device(&Device::Cpu)?;
-        if y_dtype.is_int() {
-            if !(y_dims.len() == 1 || (y_dims.len() == 2 && y_dims[1] == 1)) {
-                return Err(Error::invalid(format!(
-                    "integer targets are class indices of shape (n,) or (n, 1), but y has shape \
-                     {y_dims:?}; pass dense targets as a float tensor"
-                )));
+        let (y, targets) = target_values(&y)?;
+        Self::from_vecs(x, &sample_shape, y, targets)
+    }
+
+    /// Builds the dataset of a model with several inputs and outputs (a functional model): one
+    /// tensor `(n, shape...)` per input and one target tensor per output, in the model's
+    /// orders, each as [`InMemoryDataset::new`] takes it (an integer tensor of class indices,
+    /// or a float tensor of values). A sample's inputs are laid out one after the other (the
+    /// model takes them apart), and its targets are [`Targets::Parts`].
+    ///
+    /// Errors when a part's sample count differs from the first input's.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use kandle::data::{Dataset, InMemoryDataset, Targets};
+    ///
+    /// let images = Tensor::zeros((4, 1, 2, 2), candle_core::DType::F32, &Device::Cpu)?;
+    /// let extra = Tensor::ones((4, 3), candle_core::DType::F32, &Device::Cpu)?;
+    /// let labels = Tensor::new(&[0u32, 1, 2, 1], &Device::Cpu)?;
+    /// let sizes = Tensor::ones((4, 1), candle_core::DType::F32, &Device::Cpu)?;
+    /// let data = InMemoryDataset::from_parts(&[images, extra], &[labels, sizes])?;
+    /// assert_eq!(data.sample_shape(), [7]);
+    /// assert_eq!(
+    ///     data.targets(),
+    ///     Targets::Parts(vec![Targets::Classes(3), Targets::Values(vec![1])])
+    /// );
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn from_parts(inputs: &[Tensor], targets: &[Tensor]) -> Result<Self> {
+        let n = inputs
+            .first()
+            .and_then(|x| x.dims().first().copied())
+            .ok_or_else(|| {
+                Error::invalid("a dataset needs at least one input of shape (n, ...)")
+            })?;
+        let rows = |t: &Tensor, what: String| -> Result<Tensor> {
+            match t.dims().first() {
+                Some(&m) if m == n => Ok(t
+                    .to_device(&Device::Cpu)?
+                    .to_dtype(DType::F32)?
+                    .reshape((n, ()))?),
+                _ => Err(Error::invalid(format!(
+                    "{what} has shape {:?}, but the first input holds {n} samples",
+                    t.dims()
+                ))),
             }
-            let y = y.flatten_all()?;
-            let labels: Vec<i64> = match y_dtype {
-                DType::U8 => y.to_vec1::<u8>()?.into_iter().map(i64::from).collect(),
-                DType::U32 => y.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
-                DType::I64 => y.to_vec1::<i64>()?,
-                _ => y.to_dtype(DType::I64)?.to_vec1::<i64>()?,
-            };
-            let mut values = Vec::with_capacity(labels.len());
-            let mut num_classes = 0usize;
-            for (i, &label) in labels.iter().enumerate() {
-                // f32 holds every integer up to 2^24 exactly.
-                if !(0..1 << 24).contains(&label) {
-                    return Err(Error::invalid(format!(
-                        "label {label} of sample {i} is not a class index (0..{})",
-                        1 << 24
-                    )));
-                }
-                num_classes = num_classes.max(label as usize + 1);
-                values.push(label as f32);
-            }
-            Self::from_vecs(x, &sample_shape, values, Targets::Classes(num_classes))
-        } else {
-            let y = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            Self::from_vecs(x, &sample_shape, y, Targets::Values(y_dims[1..].to_vec()))
+        };
+        let mut x_parts = Vec::with_capacity(inputs.len());
+        for (i, x) in inputs.iter().enumerate() {
+            x_parts.push(rows(x, format!("input {}", i + 1))?);
         }
+        let x = Tensor::cat(&x_parts, 1)?;
+        let mut y_parts = Vec::with_capacity(targets.len());
+        let mut kinds = Vec::with_capacity(targets.len());
+        for (i, y) in targets.iter().enumerate() {
+            rows(y, format!("target {}", i + 1))?;
+            let (values, kind) = target_values(y)?;
+            y_parts.push(Tensor::from_vec(values, (n, kind.width()), &Device::Cpu)?);
+            kinds.push(kind);
+        }
+        if kinds.is_empty() {
+            return Err(Error::invalid("a dataset needs at least one target"));
+        }
+        let y = Tensor::cat(&y_parts, 1)?.flatten_all()?.to_vec1::<f32>()?;
+        let width = x.dim(1)?;
+        let x = x.flatten_all()?.to_vec1::<f32>()?;
+        Self::from_vecs(x, &[width], y, Targets::Parts(kinds))
     }
 
     /// Builds a dataset from flat buffers, as the file loaders do: `x` holds the samples one
@@ -160,8 +192,18 @@ impl InMemoryDataset {
                 "x holds {n} samples but y holds {ny}"
             )));
         }
-        if let Targets::Classes(k) = targets {
-            check_labels(&y, k)?;
+        match &targets {
+            Targets::Classes(k) => check_labels(&y, *k)?,
+            Targets::Values(_) => {}
+            Targets::Parts(_) => {
+                for (i, row) in y.chunks_exact(width).enumerate() {
+                    if let Some((label, k)) = targets.bad_label(row) {
+                        return Err(Error::invalid(format!(
+                            "label {label} of sample {i} is not a class index in 0..{k}"
+                        )));
+                    }
+                }
+            }
         }
         Ok(Self {
             name: "in-memory dataset".to_string(),
@@ -194,6 +236,10 @@ impl InMemoryDataset {
                 "`{}` has dense targets of shape {shape:?}, not class indices",
                 self.name
             ))),
+            Targets::Parts(_) => Err(Error::invalid(format!(
+                "`{}` has one target per output, not one set of class indices",
+                self.name
+            ))),
         }
     }
 
@@ -207,6 +253,12 @@ impl InMemoryDataset {
                 return Err(Error::invalid(format!(
                     "`{}` already has dense targets of shape {shape:?}; one_hot needs class \
                      indices",
+                    self.name
+                )))
+            }
+            Targets::Parts(_) => {
+                return Err(Error::invalid(format!(
+                    "`{}` has one target per output; one_hot needs one set of class indices",
                     self.name
                 )))
             }
@@ -314,6 +366,9 @@ impl InMemoryDataset {
                 y_shape.extend_from_slice(shape);
                 Tensor::from_slice(&self.y, y_shape, &Device::Cpu)?
             }
+            Targets::Parts(_) => {
+                Tensor::from_slice(&self.y, (self.len, self.targets.width()), &Device::Cpu)?
+            }
         };
         Ok((x, y))
     }
@@ -324,6 +379,46 @@ impl InMemoryDataset {
 }
 
 /// Checks that every value in `labels` is an integer class index in `0..num_classes`.
+/// A target tensor's values as the dataset holds them, and what they are: an integer tensor
+/// `(n,)` or `(n, 1)` of class indices, or a float tensor `(n, ...)` of values.
+fn target_values(y: &Tensor) -> Result<(Vec<f32>, Targets)> {
+    let y_dtype = y.dtype();
+    let y_dims = y.dims().to_vec();
+    let y = y.to_device(&Device::Cpu)?;
+    if y_dtype.is_int() {
+        if !(y_dims.len() == 1 || (y_dims.len() == 2 && y_dims[1] == 1)) {
+            return Err(Error::invalid(format!(
+                "integer targets are class indices of shape (n,) or (n, 1), but y has shape \
+                 {y_dims:?}; pass dense targets as a float tensor"
+            )));
+        }
+        let y = y.flatten_all()?;
+        let labels: Vec<i64> = match y_dtype {
+            DType::U8 => y.to_vec1::<u8>()?.into_iter().map(i64::from).collect(),
+            DType::U32 => y.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
+            DType::I64 => y.to_vec1::<i64>()?,
+            _ => y.to_dtype(DType::I64)?.to_vec1::<i64>()?,
+        };
+        let mut values = Vec::with_capacity(labels.len());
+        let mut num_classes = 0usize;
+        for (i, &label) in labels.iter().enumerate() {
+            // f32 holds every integer up to 2^24 exactly.
+            if !(0..1 << 24).contains(&label) {
+                return Err(Error::invalid(format!(
+                    "label {label} of sample {i} is not a class index (0..{})",
+                    1 << 24
+                )));
+            }
+            num_classes = num_classes.max(label as usize + 1);
+            values.push(label as f32);
+        }
+        Ok((values, Targets::Classes(num_classes)))
+    } else {
+        let y = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok((y, Targets::Values(y_dims[1..].to_vec())))
+    }
+}
+
 fn check_labels(labels: &[f32], num_classes: usize) -> Result<()> {
     for (i, &label) in labels.iter().enumerate() {
         if !label.is_finite() || label.fract() != 0.0 {

@@ -394,6 +394,20 @@ impl<'d> Loader<'d> {
                 y_shape.extend_from_slice(shape);
                 Tensor::from_vec(y, y_shape, &Device::Cpu)?
             }
+            Targets::Parts(_) => {
+                for (row, &index) in y.chunks_exact(self.width).zip(indices) {
+                    if let Some((value, k)) = self.targets.bad_label(row) {
+                        return Err(Error::Data {
+                            path: self.dataset.name().into(),
+                            reason: format!(
+                                "sample {index} has target {value}, which is not a class index \
+                                 in 0..{k}"
+                            ),
+                        });
+                    }
+                }
+                Tensor::from_vec(y, (m, self.width), &Device::Cpu)?
+            }
         };
         Ok(Batch { x, y, weights })
     }

@@ -39,6 +39,11 @@ pub enum Targets {
     /// A dense `f32` value of this shape per sample (a one-hot row is `[num_classes]`).
     /// Batched as `(batch, shape...)`.
     Values(Vec<usize>),
+    /// One target per output of a model with several outputs, in the outputs' order, each
+    /// [`Classes`](Targets::Classes) or [`Values`](Targets::Values); a sample's buffer holds
+    /// them one after the other. Batched as one `f32` tensor `(batch, width)`, class indices
+    /// as their values.
+    Parts(Vec<Targets>),
 }
 
 impl Targets {
@@ -47,6 +52,29 @@ impl Targets {
         match self {
             Targets::Classes(_) => 1,
             Targets::Values(shape) => shape.iter().product(),
+            Targets::Parts(parts) => parts.iter().map(Targets::width).sum(),
+        }
+    }
+
+    /// Checks the class indices in a sample's target buffer `row` (which has
+    /// [`Self::width`] values): each must be an integer in `0..num_classes`. Returns the first
+    /// bad value and its class count.
+    pub(crate) fn bad_label(&self, row: &[f32]) -> Option<(f32, usize)> {
+        let is_class = |v: f32, k: usize| v >= 0.0 && v < k as f32 && v.fract() == 0.0;
+        match self {
+            Targets::Classes(k) => row.first().filter(|&&v| !is_class(v, *k)).map(|&v| (v, *k)),
+            Targets::Values(_) => None,
+            Targets::Parts(parts) => {
+                let mut offset = 0;
+                for part in parts {
+                    let width = part.width();
+                    if let Some(bad) = part.bad_label(&row[offset..offset + width]) {
+                        return Some(bad);
+                    }
+                    offset += width;
+                }
+                None
+            }
         }
     }
 }

@@ -55,6 +55,13 @@ pub(crate) fn class_weights(
     let classes = match data.targets() {
         Targets::Classes(k) => k,
         Targets::Values(shape) => shape.iter().product(),
+        Targets::Parts(_) => {
+            return Err(Error::invalid(format!(
+                "class_weight needs one target per sample, but `{}` has one per output; weight \
+                 samples with sample_weight instead",
+                data.name()
+            )))
+        }
     };
     let mut dense = vec![1f32; classes];
     for (&class, &w) in weights {

@@ -244,3 +244,26 @@ fn a_graph_runs_on_the_device_generic_path_as_on_the_kernels() -> Result<()> {
     assert!(diff <= 1e-5 * scale.max(1.0), "{diff} against {scale}");
     Ok(())
 }
+
+/// A model of two inputs and two outputs (one a softmax) laid out in one tensor each: its
+/// recorded backward pass gives autograd's gradients.
+#[test]
+fn recorded_gradients_of_a_two_output_graph_match_autograd() -> Result<()> {
+    let a = Input::new(&[2, 4, 4]).tensor();
+    let b = Input::new(&[5]).tensor();
+    let h = Conv2D::new(3, 3).padding(Padding::Same).call(&a)?;
+    let h = Dense::new(5).call(&Flatten.call(&h)?)?;
+    let h = Activation::Relu.call(&add(&[&h, &b])?)?;
+    let class = Activation::Softmax.call(&Dense::new(4).call(&h)?)?;
+    let value = Dense::new(2).call(&h)?;
+    let graph = Functional::new([&a, &b], [&class, &value])?;
+    let packed = super::Packed::new(graph);
+    crate::layers::assert_recorded_matches_autograd(
+        |path| {
+            let ctx = crate::params::BuildContext::new(&Device::Cpu, 3).with_compute_path(path);
+            let (net, store, _) = Sequential::new().add(packed.clone()).build_in(ctx, &[37])?;
+            Ok((net, store))
+        },
+        &[37],
+    )
+}

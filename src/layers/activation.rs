@@ -48,14 +48,27 @@ impl Activation {
     }
 }
 
+impl Activation {
+    /// [`Activation::apply`], differentiable by candle's autograd in training: candle's fused
+    /// softmax has no backward pass, so a softmax in training is composed of ops that have one
+    /// (a softmax whose logits the loss takes is never differentiated, and keeps the fused
+    /// op).
+    pub(crate) fn apply_t(self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match (self, train) {
+            (Activation::Softmax, true) => Ok(candle_nn::ops::softmax(x, candle_core::D::Minus1)?),
+            _ => self.apply(x),
+        }
+    }
+}
+
 /// The activation a layer carries as an option (`Dense::new(10).activation(..)`), applied to
 /// that layer's own output `y`: the same values, logits and gradients as the separate layer.
 impl Activation {
-    /// `y` through the activation.
-    pub(crate) fn after(self, y: Tensor) -> Result<Tensor> {
+    /// `y` through the activation (see [`Activation::apply_t`]).
+    pub(crate) fn after(self, y: Tensor, train: bool) -> Result<Tensor> {
         match self {
             Activation::Linear => Ok(y),
-            _ => self.apply(&y),
+            _ => self.apply_t(&y, train),
         }
     }
 
@@ -125,8 +138,8 @@ impl LayerSpec for Activation {
 }
 
 impl Layer for Activation {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        self.apply(x)
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.apply_t(x, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {

@@ -331,8 +331,8 @@ impl Layer for Convolution<'_> {
 }
 
 impl Layer for Conv2DLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        self.activation.after(self.convolve(x)?)
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.activation.after(self.convolve(x)?, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {

@@ -147,9 +147,9 @@ impl DenseLayer {
 }
 
 impl Layer for DenseLayer {
-    fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.activation
-            .after(Self::affine(x, &self.weight, self.bias.as_ref())?)
+            .after(Self::affine(x, &self.weight, self.bias.as_ref())?, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {

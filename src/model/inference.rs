@@ -10,6 +10,7 @@ use super::totals::Totals;
 use super::{EvaluateOptions, Model, PredictOptions};
 use crate::callbacks::{Callback, CallbackList, Logs};
 use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
+use crate::functional::{pack, unpack};
 use crate::{Error, Result};
 
 impl Model {
@@ -57,6 +58,64 @@ impl Model {
         let logs = totals.logs();
         callbacks.on_test_end(&logs, self)?;
         Ok(logs)
+    }
+
+    /// A functional model's outputs, one tensor `(n, output shape...)` per output in the
+    /// model's order, for its inputs `inputs`, one tensor `(n, input shape...)` per input (see
+    /// [`Model::predict`]).
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use kandle::functional::{concatenate, Functional, Input};
+    /// use kandle::prelude::*;
+    ///
+    /// let a = Input::new(&[2]).tensor();
+    /// let b = Input::new(&[3]).tensor();
+    /// let joined = concatenate(&[&a, &b])?;
+    /// let score = Dense::new(1).named("score").call(&joined)?;
+    /// let class = Activation::Softmax.call(&Dense::new(4).named("class").call(&joined)?)?;
+    /// let net = Functional::new([&a, &b], [&score, &class])?;
+    /// let mut model = net.compile(Sgd::new(0.1), MeanSquaredError, (), &OneDeviceStrategy::cpu())?;
+    /// let xa = Tensor::zeros((5, 2), candle_core::DType::F32, &Device::Cpu)?;
+    /// let xb = Tensor::ones((5, 3), candle_core::DType::F32, &Device::Cpu)?;
+    /// let outputs = model.predict_outputs(&[xa, xb], 2)?;
+    /// assert_eq!(outputs[0].dims(), [5, 1]);
+    /// assert_eq!(outputs[1].dims(), [5, 4]);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn predict_outputs(
+        &mut self,
+        inputs: &[Tensor],
+        options: impl Into<PredictOptions>,
+    ) -> Result<Vec<Tensor>> {
+        let parts = self.network.parts().cloned();
+        match parts {
+            Some(parts) if parts.packed() => {
+                if inputs.len() != parts.input_shapes.len() {
+                    return Err(Error::invalid(format!(
+                        "the model takes {} inputs but was given {}",
+                        parts.input_shapes.len(),
+                        inputs.len()
+                    )));
+                }
+                let flat = inputs
+                    .iter()
+                    .map(|x| {
+                        Ok(x.to_device(&candle_core::Device::Cpu)?
+                            .to_dtype(candle_core::DType::F32)?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let y = self.predict(&pack(&flat)?, options)?;
+                unpack(&y, &parts.output_shapes)
+            }
+            _ => match inputs {
+                [x] => Ok(vec![self.predict(x, options)?]),
+                _ => Err(Error::invalid(format!(
+                    "the model takes one input but was given {}",
+                    inputs.len()
+                ))),
+            },
+        }
     }
 
     /// The model's outputs for `x` (`(n, input_shape...)`, any device) on the CPU, computed in

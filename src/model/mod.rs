@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use crate::data::{Dataset, Loader, LoaderOptions};
-use crate::functional::Functional;
+use crate::functional::{Functional, PerOutput};
 use crate::layers::{Sequential, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
@@ -124,7 +124,7 @@ impl Network {
         M: Into<Metrics>,
     {
         let learning_rate = optimizer.learning_rate();
-        let metrics = metrics.into();
+        let (loss, metrics) = self.bind_outputs(loss, metrics.into())?;
         let mut names = vec!["loss"];
         for m in metrics.iter() {
             let reserved = ["lr", "batch_loss"].contains(&m.name()) || m.name().starts_with("val_");
@@ -140,7 +140,7 @@ impl Network {
         let mut model = Model {
             network: self,
             optimizer: Box::new(optimizer),
-            loss: Arc::new(loss),
+            loss,
             metrics,
             strategy: Arc::new(strategy.clone()),
             seed: 0,
@@ -154,6 +154,40 @@ impl Network {
             model.build(&shape)?;
         }
         Ok(model)
+    }
+}
+
+impl Network {
+    /// The loss and metrics `compile` keeps: as given, or, for a functional model of several
+    /// outputs (or a [`PerOutput`] loss), bound to the outputs.
+    fn bind_outputs<L: Loss + 'static>(
+        &self,
+        loss: L,
+        metrics: Metrics,
+    ) -> Result<(Arc<dyn Loss>, Metrics)> {
+        let loss: Box<dyn std::any::Any> = Box::new(loss);
+        let per_output = match loss.downcast::<PerOutput>() {
+            Ok(per_output) => Some(*per_output),
+            Err(other) => match other.downcast::<L>() {
+                Ok(loss) => {
+                    let loss: Arc<dyn Loss> = Arc::new(*loss);
+                    match self.parts() {
+                        Some(parts) if parts.output_names.len() > 1 => {
+                            Some(PerOutput::for_all(loss, &parts.output_names))
+                        }
+                        _ => return Ok((loss, metrics)),
+                    }
+                }
+                Err(_) => return Err(Error::invalid("compile: the loss is of an unknown type")),
+            },
+        };
+        let (Some(parts), Some(per_output)) = (self.parts(), per_output) else {
+            return Err(Error::invalid(
+                "compile: per-output losses (PerOutput) need a functional model; a Sequential \
+                 has one output, which takes a loss as it is",
+            ));
+        };
+        per_output.bind(&parts.output_names, &parts.output_shapes, &metrics)
     }
 }
 
@@ -207,12 +241,18 @@ impl Model {
             compute_path: self.compute_path,
         };
         let replicas = self.strategy.distribute(&spec)?;
-        let output_shape = replicas
-            .summary()
-            .rows
-            .last()
-            .map(|r| r.output_shape.clone())
-            .unwrap_or_default();
+        let output_shape = match self.network.parts() {
+            Some(parts) if parts.packed() => {
+                vec![crate::functional::packed_size(&parts.output_shapes)]
+            }
+            Some(parts) => parts.output_shapes[0].clone(),
+            None => replicas
+                .summary()
+                .rows
+                .last()
+                .map(|r| r.output_shape.clone())
+                .unwrap_or_default(),
+        };
         self.built = Some(BuiltModel {
             input_shape: input_shape.to_vec(),
             output_shape,

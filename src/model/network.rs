@@ -1,7 +1,7 @@
 //! `Network`: the recipe a model is compiled from, a [`Sequential`] or a [`Functional`], and
 //! how a replica builds it at the top level (its layers named without a prefix).
 
-use crate::functional::Functional;
+use crate::functional::{Functional, Packed};
 use crate::layers::{BuildContext, FastPath, LayerSpec, Sequential, Summary};
 use crate::params::ParamStore;
 use crate::Result;
@@ -25,6 +25,24 @@ use crate::Result;
 pub struct Network {
     recipe: Box<dyn LayerSpec>,
     input_shape: Option<Vec<usize>>,
+    /// A functional model's inputs and outputs (names and shapes); `None` for a `Sequential`.
+    parts: Option<Parts>,
+}
+
+/// The inputs and outputs of a functional model, by name and shape.
+#[derive(Debug, Clone)]
+pub(crate) struct Parts {
+    pub(crate) input_shapes: Vec<Vec<usize>>,
+    pub(crate) output_names: Vec<String>,
+    pub(crate) output_shapes: Vec<Vec<usize>>,
+}
+
+impl Parts {
+    /// Whether the model takes several inputs or gives several outputs, so that both are laid
+    /// out in one tensor each (see `functional::packed`).
+    pub(crate) fn packed(&self) -> bool {
+        self.input_shapes.len() > 1 || self.output_shapes.len() > 1
+    }
 }
 
 impl From<Sequential> for Network {
@@ -32,15 +50,33 @@ impl From<Sequential> for Network {
         Self {
             input_shape: stack.declared_input_shape().map(<[usize]>::to_vec),
             recipe: Box::new(stack),
+            parts: None,
         }
     }
 }
 
+/// A functional model of one input and one output is its own network; one of several inputs
+/// or outputs takes them laid out in one tensor each.
 impl From<Functional> for Network {
     fn from(graph: Functional) -> Self {
-        Self {
-            input_shape: graph.input_shapes().first().cloned(),
-            recipe: Box::new(graph),
+        let parts = Parts {
+            input_shapes: graph.input_shapes(),
+            output_names: graph.output_names(),
+            output_shapes: graph.output_shapes(),
+        };
+        if parts.packed() {
+            let packed = Packed::new(graph);
+            Self {
+                input_shape: Some(vec![packed.input_size()]),
+                recipe: Box::new(packed),
+                parts: Some(parts),
+            }
+        } else {
+            Self {
+                input_shape: parts.input_shapes.first().cloned(),
+                recipe: Box::new(graph),
+                parts: Some(parts),
+            }
         }
     }
 }
@@ -50,6 +86,21 @@ impl Network {
     /// [`Sequential::input_shape`]), without the batch dimension.
     pub fn declared_input_shape(&self) -> Option<&[usize]> {
         self.input_shape.as_deref()
+    }
+
+    pub(crate) fn parts(&self) -> Option<&Parts> {
+        self.parts.as_ref()
+    }
+
+    /// A functional model's input shapes, in order (`None` for a `Sequential`).
+    pub fn input_shapes(&self) -> Option<&[Vec<usize>]> {
+        self.parts.as_ref().map(|p| p.input_shapes.as_slice())
+    }
+
+    /// A functional model's output names, in order (`None` for a `Sequential`): the keys of
+    /// per-output losses and logs.
+    pub fn output_names(&self) -> Option<&[String]> {
+        self.parts.as_ref().map(|p| p.output_names.as_slice())
     }
 
     /// The layer table for inputs of `input_shape`, built on the CPU.

@@ -9,7 +9,9 @@ use kandle::ComputePath;
 use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
 
 use kandle_testing::strategies as support;
-use support::equivalence_run::{bn_cnn, graph_cnn, plain_cnn, train_on, Order, SAMPLES};
+use support::equivalence_run::{
+    bn_cnn, graph_cnn, plain_cnn, train_on, two_in_two_out, Order, SAMPLES,
+};
 use support::one_device_reference;
 
 fn train<S: Strategy + Clone + 'static>(
@@ -66,6 +68,22 @@ fn a_functional_model_matches_one_device() -> anyhow::Result<()> {
     reference.assert_matches(
         &generic.get_weights()?,
         "functional model, device-generic path",
+    )?;
+    Ok(())
+}
+
+/// A model of two inputs and two outputs (per-output losses, a loss weight, a shared layer
+/// and a residual sum), with a short last batch.
+#[test]
+fn a_two_input_two_output_model_matches_one_device() -> anyhow::Result<()> {
+    let reference = one_device_reference(two_in_two_out, SAMPLES)?;
+    reference.assert_matches(
+        &train(two_in_two_out(), &MirroredStrategy::cpu(2)?)?,
+        "two inputs and outputs, mirrored x2",
+    )?;
+    reference.assert_matches(
+        &train(two_in_two_out(), &CentralStorageStrategy::cpu(2)?)?,
+        "two inputs and outputs, central storage x2",
     )?;
     Ok(())
 }

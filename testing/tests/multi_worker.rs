@@ -46,6 +46,7 @@ fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Reference> 
     match model {
         "bn" => one_device_reference(equivalence_run::bn_cnn, samples),
         "graph" => one_device_reference(equivalence_run::graph_cnn, samples),
+        "two-in-two-out" => one_device_reference(equivalence_run::two_in_two_out, samples),
         _ => one_device_reference(equivalence_run::plain_cnn, samples),
     }
 }
@@ -94,15 +95,21 @@ fn two_workers_train_as_one_device() -> anyhow::Result<()> {
     )
 }
 
-/// A functional model (a residual sum, a shared layer, a concatenation) trains on two workers
-/// as on one device.
+/// Functional models train on two workers as on one device: one with a residual sum, a shared
+/// layer and a concatenation, and one of two inputs and two outputs.
 #[test]
-fn a_functional_model_trains_on_two_workers_as_one_device() -> anyhow::Result<()> {
+fn functional_models_train_on_two_workers_as_one_device() -> anyhow::Result<()> {
     let reference = one_device_weights("graph", SAMPLES)?;
     check_equivalence(
         &reference,
         &["--model", "graph"],
         &[("2", &[], "functional model, 2 workers x 2 replicas")],
+    )?;
+    let reference = one_device_weights("two-in-two-out", SAMPLES)?;
+    check_equivalence(
+        &reference,
+        &["--model", "two-in-two-out"],
+        &[("1", &[], "two inputs and outputs, 2 workers x 1 replica")],
     )
 }
 

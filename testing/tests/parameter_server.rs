@@ -35,16 +35,21 @@ fn mpirun(ranks: usize, args: &[&str]) -> Command {
 #[test]
 fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
     let plain = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
-    let graph = one_device_reference(equivalence_run::graph_cnn, SAMPLES)?;
+    let graph = one_device_reference(equivalence_run::two_in_two_out, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
     for (ranks, servers, model, what) in [
         (3, "1", "plain", "2 workers, 1 server"),
         (4, "2", "plain", "2 workers, 2 servers"),
         (4, "1", "plain", "3 workers, 1 server"),
-        (4, "2", "graph", "a functional model, 2 workers, 2 servers"),
+        (
+            4,
+            "2",
+            "two-in-two-out",
+            "two inputs and outputs, 2 workers, 2 servers",
+        ),
     ] {
-        let reference = if model == "graph" { &graph } else { &plain };
+        let reference = if model == "plain" { &plain } else { &graph };
         let out = dir
             .path()
             .join(format!("{ranks}_{servers}_{model}.safetensors"));

@@ -59,10 +59,12 @@ impl Loss for FocalLoss {
     fn check_targets(&self, targets: &Targets, _output_shape: &[usize]) -> kandle::Result<()> {
         match targets {
             Targets::Classes(_) => Ok(()),
-            Targets::Values(_) => Err(kandle::Error::invalid(
-                "focal_loss takes class-index labels",
-            )),
+            _ => Err(kandle::Error::invalid("focal_loss takes class-index labels")),
         }
+    }
+
+    fn expected_targets(&self, output_shape: &[usize]) -> Targets {
+        Targets::Classes(output_shape.first().copied().unwrap_or(1))
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! It uses kandle alone.
 
-use kandle::functional::{add, concatenate, Functional, Input};
+use kandle::functional::{add, concatenate, Functional, Input, PerOutput};
 use kandle::prelude::*;
 use kandle::{ComputePath, Network};
 
@@ -66,6 +66,48 @@ pub fn graph_cnn() -> Functional {
     build().expect("the equivalence graph is a valid model")
 }
 
+/// A model of two inputs (the digit image and its eight row means) and two outputs (`class`,
+/// the digit's class probabilities, and `ink`, the image's standardised mean value), with a residual sum, a
+/// dense layer shared by both inputs' features, and the class loss weighted 1 and the ink
+/// loss 0.5 (see [`compile`]). Its data is [`digits_with_row_means`].
+pub fn two_in_two_out() -> Functional {
+    let build = || -> kandle::Result<Functional> {
+        let image = Input::new(&[1, 8, 8]).named("image").tensor();
+        let rows = Input::new(&[8]).named("rows").tensor();
+        let stem =
+            Activation::Relu.call(&Conv2D::new(4, 3).padding(Padding::Same).call(&image)?)?;
+        let inner = Conv2D::new(4, 3).padding(Padding::Same).call(&stem)?;
+        let residual = Activation::Relu.call(&add(&[&stem, &inner])?)?;
+        let pooled = Flatten.call(&MaxPooling2D::new(4).call(&residual)?)?;
+        let features = Dense::new(8).call(&pooled)?;
+        let shared = Dense::new(8).named("shared").shared();
+        let both = add(&[&shared.call(&features)?, &shared.call(&rows)?])?;
+        let both = Activation::Relu.call(&both)?;
+        let class = Activation::Softmax
+            .named("class")
+            .call(&Dense::new(10).call(&both)?)?;
+        let ink = Dense::new(1).named("ink").call(&both)?;
+        Functional::new([&image, &rows], [&class, &ink])
+    };
+    // The graph is fixed: its checks cannot fail.
+    build().expect("the two-input graph is a valid model")
+}
+
+/// The digits as [`two_in_two_out`] takes them: each image and its eight row means, with its
+/// class and its ink as the two targets (the image's mean value, standardised over `digits`:
+/// mean 0, variance 1).
+pub fn digits_with_row_means(
+    digits: &kandle::data::InMemoryDataset,
+) -> kandle::Result<kandle::data::InMemoryDataset> {
+    let (x, y) = digits.to_tensors()?;
+    let rows = x.mean(3)?.flatten_from(1)?;
+    let ink = x.flatten_from(1)?.mean_keepdim(1)?;
+    let centred = ink.broadcast_sub(&ink.mean_all()?)?;
+    let std = centred.sqr()?.mean_all()?.sqrt()?;
+    let ink = centred.broadcast_div(&std)?;
+    kandle::data::InMemoryDataset::from_parts(&[x, rows], &[y, ink])
+}
+
 /// `net` compiled under `strategy` with `optimizer`, sparse cross-entropy and accuracy, its
 /// initial weights drawn from `seed`, built for digits (8x8 images).
 pub fn compile<S, O>(
@@ -78,17 +120,31 @@ where
     S: Strategy + Clone + 'static,
     O: kandle::optimizers::OptimizerConfig,
 {
-    let mut model = net
-        .into()
-        .compile(
+    let net = net.into();
+    let mut model = if two_outputs(&net) {
+        let losses = PerOutput::new()
+            .loss("class", SparseCategoricalCrossentropy::new())
+            .loss("ink", MeanSquaredError)
+            .weight("ink", 0.5)
+            .metric("class", Accuracy);
+        net.compile(optimizer, losses, (), strategy)?
+    } else {
+        let mut model = net.compile(
             optimizer,
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
             strategy,
-        )?
-        .with_seed(seed)?;
-    model.build(&[1, 8, 8])?;
+        )?;
+        model.build(&[1, 8, 8])?;
+        model
+    };
+    model = model.with_seed(seed)?;
     Ok(model)
+}
+
+/// Whether `net` is [`two_in_two_out`] (or another model of two outputs).
+pub fn two_outputs(net: &Network) -> bool {
+    net.output_names().is_some_and(|names| names.len() == 2)
 }
 
 /// The order in which an equivalence run takes the samples.
@@ -167,7 +223,11 @@ fn fit_on<S: Strategy + Clone + 'static>(
             "{replicas} replicas do not divide the global batch of {GLOBAL_BATCH}"
         )));
     }
-    let data = kandle::data::digits::load()?.subset(&order.indices(samples, GLOBAL_BATCH))?;
+    let net = net.into();
+    let mut data = kandle::data::digits::load()?.subset(&order.indices(samples, GLOBAL_BATCH))?;
+    if two_outputs(&net) {
+        data = digits_with_row_means(&data)?;
+    }
     let mut model = compile(net, Sgd::new(0.05).momentum(0.9), strategy, 5)?;
     if let Some(path) = path {
         model = model.with_compute_path(path)?;

@@ -15,7 +15,7 @@ use kandle_models::{Depth, Head, ResNet};
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum CifarModel {
-    /// MiniGoogLeNet, as the Keras multi-GPU tutorial defines it, as a `Sequential`.
+    /// MiniGoogLeNet, as the Keras multi-GPU tutorial defines it, as a Sequential.
     MiniGooglenet,
     /// MiniGoogLeNet as a functional model (the same variables and outputs).
     MiniGooglenetFunctional,

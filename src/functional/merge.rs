@@ -218,6 +218,16 @@ impl MergeLayer {
         }
     }
 
+    /// For a concatenation whose inputs' producers may write straight into its output (in
+    /// inference, on the CPU): where input `i`'s channels start, and how many it has.
+    pub(crate) fn channel_slot(&self, i: usize) -> Option<(usize, usize)> {
+        if self.kind != MergeKind::Concatenate || !self.kernels {
+            return None;
+        }
+        let offset = self.channels[..i].iter().sum();
+        Some((offset, self.channels[i]))
+    }
+
     /// Applies `max(y, 0)` to the output from now on, where the merge can (a sum or an
     /// average); returns whether it will.
     pub(crate) fn fuse_relu(&mut self) -> bool {

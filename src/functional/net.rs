@@ -15,12 +15,13 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::graph::{Functional, Source};
 use super::merge::{MergeBackward, MergeLayer};
 use super::symbolic::Op;
 use crate::error::shape_with_batch;
+use crate::kernels::concat::ConcatOutput;
 use crate::layers::{
     build_child, check_input, missing_input_grad, Backward, BuildContext, ChannelAffine,
     ChannelSlot, FastPath, Identity, Layer, ParamGrads, Recorded, SequentialNet, SummaryRow,
@@ -37,6 +38,25 @@ pub(crate) struct GraphNet {
     /// For each slot, how many steps take it (once per time they take it) and how many outputs
     /// it is.
     uses: Vec<usize>,
+    /// In inference on the CPU, the concatenations whose every input is a chain's output that
+    /// nothing else takes: each such chain writes its output straight into the
+    /// concatenation's, so no input is copied (as `Concat` does).
+    in_place: Vec<InPlace>,
+}
+
+/// Where a step writes in inference when its output goes straight into a concatenation's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InPlace {
+    /// It gives its output as a value.
+    No,
+    /// It writes `channels` channels from `offset` of the output of concatenation `merge`.
+    Into {
+        merge: usize,
+        offset: usize,
+        channels: usize,
+    },
+    /// A concatenation whose inputs were written into its output.
+    Joined,
 }
 
 /// A step: a chain of layers or a merge, from its input slots to its output slot.
@@ -44,6 +64,8 @@ struct Step {
     run: StepRun,
     inputs: Vec<usize>,
     output: usize,
+    /// The output's shape, without the batch axis.
+    output_shape: Vec<usize>,
 }
 
 enum StepRun {
@@ -224,6 +246,10 @@ impl GraphNet {
             uses[s] += 1;
         }
         absorb_relus_after_merges(&mut parts, &uses);
+        let mut shape_of_slot: Vec<Vec<usize>> = vec![Vec::new(); uses.len()];
+        for (c, call) in calls.iter().enumerate() {
+            shape_of_slot[slot_of_call[c]] = call.output_shape.clone();
+        }
         let steps = parts
             .into_iter()
             .map(|(run, inputs, output)| {
@@ -240,20 +266,23 @@ impl GraphNet {
                     run,
                     inputs,
                     output,
+                    output_shape: shape_of_slot[output].clone(),
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
         let inputs = graph
             .inputs()
             .iter()
             .map(|i| (i.name.clone(), i.shape.clone()))
             .collect();
+        let in_place = in_place_concatenations(&steps, &uses);
         Ok(Self {
             path: path.to_string(),
             inputs,
             steps,
             outputs,
             uses,
+            in_place,
         })
     }
 
@@ -342,8 +371,45 @@ impl GraphNet {
         let (mut slots, mut left) = self.start(xs)?;
         let logits_step = with_logits.then(|| self.logits_step()).flatten();
         let mut logits = None;
+        let in_place = !train
+            && xs
+                .iter()
+                .all(|x| x.device().is_cpu() && x.dtype() == DType::F32);
+        let mut joined: Vec<Option<ConcatOutput>> = Vec::new();
+        joined.resize_with(self.steps.len(), || None);
         for (i, step) in self.steps.iter().enumerate() {
+            if in_place && self.in_place[i] == InPlace::Joined {
+                let out = joined[i].take().ok_or_else(|| {
+                    Error::invalid(format!("`{}`: a concatenation lost its output", self.path))
+                })?;
+                slots[step.output] = Some(out.into_tensor()?);
+                continue;
+            }
             let xs = self.take_inputs(step, &mut slots, &mut left)?;
+            if let (
+                true,
+                InPlace::Into {
+                    merge,
+                    offset,
+                    channels,
+                },
+                StepRun::Chain(chain),
+            ) = (in_place, self.in_place[i], &step.run)
+            {
+                let out = match &mut joined[merge] {
+                    Some(out) => out,
+                    empty => {
+                        let mut dims = vec![xs[0].dim(0)?];
+                        dims.extend(&self.steps[merge].output_shape);
+                        empty.insert(ConcatOutput::new(&dims)?)
+                    }
+                };
+                let mut slot = out.part(offset, channels)?;
+                if !chain.forward_into(&xs[0], None, &mut slot)? {
+                    slot.copy_from(&chain.forward_t(&xs[0], false)?)?;
+                }
+                continue;
+            }
             let y = match &step.run {
                 StepRun::Chain(chain) if logits_step == Some(i) => {
                     let (y, l) = chain.forward_with_logits(&xs[0], train)?;
@@ -402,6 +468,41 @@ impl GraphNet {
         let logits = if logits_step.is_some() { logits } else { None };
         Ok((self.finish(&slots)?, logits, backward))
     }
+}
+
+/// Which steps write straight into a concatenation's output in inference: the chains whose
+/// output only a concatenation takes, where every input of that concatenation is such a chain's.
+fn in_place_concatenations(steps: &[Step], uses: &[usize]) -> Vec<InPlace> {
+    let mut in_place = vec![InPlace::No; steps.len()];
+    for (m, step) in steps.iter().enumerate() {
+        let StepRun::Merge(merge) = &step.run else {
+            continue;
+        };
+        let mut writers = Vec::with_capacity(step.inputs.len());
+        for (i, &slot) in step.inputs.iter().enumerate() {
+            let writer = steps.iter().position(|s| s.output == slot);
+            match (writer, merge.channel_slot(i)) {
+                (Some(w), Some((offset, channels)))
+                    if uses[slot] == 1 && matches!(steps[w].run, StepRun::Chain(_)) =>
+                {
+                    writers.push((w, offset, channels));
+                }
+                _ => break,
+            }
+        }
+        if writers.len() != step.inputs.len() {
+            continue;
+        }
+        for (w, offset, channels) in writers {
+            in_place[w] = InPlace::Into {
+                merge: m,
+                offset,
+                channels,
+            };
+        }
+        in_place[m] = InPlace::Joined;
+    }
+    in_place
 }
 
 /// Lets a sum or an average absorb the ReLU that alone takes its output: the chain that takes

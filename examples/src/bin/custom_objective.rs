@@ -59,7 +59,9 @@ impl Loss for FocalLoss {
     fn check_targets(&self, targets: &Targets, _output_shape: &[usize]) -> kandle::Result<()> {
         match targets {
             Targets::Classes(_) => Ok(()),
-            _ => Err(kandle::Error::invalid("focal_loss takes class-index labels")),
+            _ => Err(kandle::Error::invalid(
+                "focal_loss takes class-index labels",
+            )),
         }
     }
 

@@ -139,6 +139,31 @@ pub(crate) fn remove_torn_writes(path: &Path) -> Result<usize> {
 /// Reads a checkpoint into CPU tensors.
 pub fn load(path: impl AsRef<Path>) -> Result<Weights> {
     let path = path.as_ref();
+    read_tensors(path)?
+        .into_iter()
+        .map(|(name, stored)| match stored {
+            Stored::Float(t) => Ok((name, t)),
+            Stored::Other { dtype, .. } => Err(Error::Checkpoint {
+                path: path.to_path_buf(),
+                reason: format!("tensor `{name}` has unsupported dtype {dtype}"),
+            }),
+        })
+        .collect()
+}
+
+/// One tensor of a weights file as kandle reads it.
+#[derive(Debug, Clone)]
+pub(crate) enum Stored {
+    /// A float32, float64, float16 or bfloat16 tensor, as `f32` on the CPU.
+    Float(Tensor),
+    /// A tensor of another dtype (an integer counter such as PyTorch's `num_batches_tracked`),
+    /// not read: its dtype as the file names it (`I64`).
+    Other { dtype: String },
+}
+
+/// Reads every tensor of a safetensors file in the file's order: floats converted to `f32`,
+/// other dtypes described. A missing, truncated or corrupt file is an error naming it.
+pub(crate) fn read_tensors(path: &Path) -> Result<Vec<(String, Stored)>> {
     let bytes = std::fs::read(path).map_err(|e| Error::io("cannot read checkpoint", path, e))?;
     let corrupt = |reason: String| Error::Checkpoint {
         path: path.to_path_buf(),
@@ -146,17 +171,17 @@ pub fn load(path: impl AsRef<Path>) -> Result<Weights> {
     };
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| corrupt(format!("not a valid safetensors file ({e})")))?;
-    let mut weights = Weights::new();
-    for (name, view) in st.tensors() {
+    let mut tensors = Vec::new();
+    for (name, view) in st.iter() {
         let dtype = match view.dtype() {
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F64 => DType::F64,
             safetensors::Dtype::F16 => DType::F16,
             safetensors::Dtype::BF16 => DType::BF16,
             other => {
-                return Err(corrupt(format!(
-                    "tensor `{name}` has unsupported dtype {other:?}"
-                )))
+                let dtype = format!("{other:?}");
+                tensors.push((name.to_string(), Stored::Other { dtype }));
+                continue;
             }
         };
         // The safetensors reader checks the shape against the bytes, but a shape with a zero
@@ -176,9 +201,9 @@ pub fn load(path: impl AsRef<Path>) -> Result<Weights> {
         let t = Tensor::from_raw_buffer(view.data(), dtype, shape, &Device::Cpu)
             .and_then(|t| t.to_dtype(DType::F32))
             .map_err(|e| corrupt(format!("tensor `{name}`: {e}")))?;
-        weights.insert(name, t);
+        tensors.push((name.to_string(), Stored::Float(t)));
     }
-    Ok(weights)
+    Ok(tensors)
 }
 
 #[cfg(test)]

@@ -57,6 +57,7 @@ pub mod metrics;
 mod model;
 pub mod optimizers;
 pub mod params;
+pub mod pretrained;
 mod replica;
 mod resume;
 pub mod schedules;

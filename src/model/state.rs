@@ -1,11 +1,13 @@
 //! The model's weights and whole training state, in memory and on disk: `get_weights` /
 //! `set_weights`, `save_weights` / `load_weights` (safetensors, see [`crate::checkpoint`]),
-//! `training_state` / `set_training_state` and `save` / `load` (weights, optimizer state and
-//! learning rate, see [`crate::training_state`]). Under multi-worker training only the chief
-//! writes; a state that does not fit leaves the model as it was.
+//! `load_weights_from` (a PyTorch state dict, see [`crate::pretrained`]), `training_state` /
+//! `set_training_state` and `save` / `load` (weights, optimizer state and learning rate, see
+//! [`crate::training_state`]). Under multi-worker training only the chief writes; a state that
+//! does not fit leaves the model as it was.
 
 use super::Model;
 use crate::params::Weights;
+use crate::pretrained::{ImportOptions, LoadReport};
 use crate::training_state::TrainingState;
 use crate::{Error, Result};
 
@@ -44,6 +46,32 @@ impl Model {
             },
             other => other,
         })
+    }
+
+    /// Loads weights trained elsewhere (a PyTorch state dict as safetensors or as a
+    /// `torch.save` file), matched to the model's variables by name as `options` say: see
+    /// [`crate::pretrained`]. Every name and shape is checked before anything changes: a
+    /// missing or corrupt file, a shape that differs (the error names the variable and both
+    /// shapes), or names missing or left over where `options` do not allow it are an error,
+    /// and the model is left unchanged. Returns what was loaded, missing, unexpected and
+    /// skipped. Fails if the model is not built.
+    pub fn load_weights_from(
+        &mut self,
+        path: impl AsRef<std::path::Path>,
+        options: &ImportOptions,
+    ) -> Result<LoadReport> {
+        let path = path.as_ref();
+        let current = self.get_weights()?;
+        let state_dict = crate::pretrained::read_state_dict(path, options)?;
+        let (weights, report) =
+            state_dict
+                .fit_to(&current, options)
+                .map_err(|reason| Error::Checkpoint {
+                    path: path.to_path_buf(),
+                    reason: format!("does not match the model: {reason}"),
+                })?;
+        self.set_weights(&weights)?;
+        Ok(report)
     }
 
     /// The whole training state: every weight, the optimizer's state (by canonical variable

@@ -1,0 +1,300 @@
+//! torchvision's weights load into kandle's ResNet as they are, and give PyTorch's outputs.
+//!
+//! The reference files come from `bench/torchvision_resnet_parity.py` (PyTorch's side):
+//!
+//! - `tiny_network_matches_pytorch` runs in CI on the committed fixture
+//!   (`tests/reference/torchvision_tiny/`): a tiny network with torchvision's ResNet layout and
+//!   names, built here from `kandle_models::basic_block`; names, shapes and eval-mode logits.
+//! - `resnet18_matches_torchvision` is ignored: it needs torchvision's ResNet-18 files (about
+//!   240 MB, not committed). Write them and run it with
+//!
+//!   ```text
+//!   python3 bench/torchvision_resnet_parity.py --out target/torchvision-parity
+//!   KANDLE_TORCHVISION_PARITY=target/torchvision-parity \
+//!       cargo test --release -p kandle-models --test torchvision_weights -- --ignored --nocapture
+//!   ```
+//!
+//!   It compares the eval-mode logits and the weights after one SGD step in train mode with
+//!   PyTorch's, on `ComputePath::Auto` and `ComputePath::Autograd`;
+//!   `resnet18_device_generic_matches_torchvision` does it on `ComputePath::DeviceGeneric`,
+//!   where the step does not match yet (see that test).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use kandle::functional::{Functional, Input};
+use kandle::prelude::*;
+use kandle::pretrained::{ImportOptions, SkipReason};
+use kandle::ComputePath;
+use kandle_models::{basic_block, Depth, Head, ResNet};
+
+/// The fixture's network: torchvision's stem and names, a basic block of 8 channels and one of
+/// 16 with stride 2 (and its `downsample`), and a 5-class `fc`, for 3x32x32 images.
+fn tiny_resnet() -> Result<Functional> {
+    let image = Input::new(&[3, 32, 32]).named("image").tensor();
+    let x = Conv2D::new(8, 7)
+        .stride(2)
+        .padding(Padding::symmetric(3, 3))
+        .use_bias(false)
+        .named("conv1")
+        .call(&image)?;
+    let x = BatchNormalization::new()
+        .epsilon(1e-5)
+        .momentum(0.9)
+        .named("bn1")
+        .call(&x)?;
+    let x = MaxPooling2D::new(3)
+        .stride(2)
+        .padding(Padding::symmetric(1, 1))
+        .named("maxpool")
+        .call(&Activation::Relu.call(&x)?)?;
+    let x = basic_block(&x, "layer1.0.", 8, 1)?;
+    let x = basic_block(&x, "layer2.0.", 16, 2)?;
+    let x = GlobalAveragePooling2D.named("avgpool").call(&x)?;
+    let logits = Dense::new(5).named("fc").call(&x)?;
+    Functional::new([&image], [&logits])
+}
+
+fn compiled(net: Functional, path: ComputePath) -> Result<Model> {
+    net.compile(
+        Sgd::new(0.1).momentum(0.9),
+        SparseCategoricalCrossentropy::new().from_logits(true),
+        (),
+        &OneDeviceStrategy::cpu(),
+    )?
+    .with_compute_path(path)
+}
+
+fn load(path: &Path) -> Result<HashMap<String, Tensor>> {
+    Ok(candle_core::safetensors::load(path, &Device::Cpu)?)
+}
+
+fn tensor<'a>(file: &'a HashMap<String, Tensor>, name: &str) -> Result<&'a Tensor> {
+    file.get(name)
+        .ok_or_else(|| Error::invalid(format!("the reference file has no `{name}`")))
+}
+
+fn values(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
+}
+
+fn max_abs(v: &[f64]) -> f64 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
+fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// kandle's logits against PyTorch's float64 ones: the largest difference, which must be
+/// within 1e-4 of the largest logit. Returns `(max |diff|, max |logit|)`.
+fn check_logits(got: &Tensor, reference: &Tensor, what: &str) -> Result<(f64, f64)> {
+    assert_eq!(got.dims(), reference.dims(), "{what}");
+    let (got, reference) = (values(got)?, values(reference)?);
+    let (diff, scale) = (max_abs_diff(&got, &reference), max_abs(&reference));
+    assert!(
+        diff <= 1e-4 * scale,
+        "{what}: logits differ by {diff:e} (largest logit {scale})"
+    );
+    Ok((diff, scale))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/reference/torchvision_tiny")
+        .join(name)
+}
+
+#[test]
+fn tiny_network_matches_pytorch() -> Result<()> {
+    let batch = load(&fixture("tiny_batch.safetensors"))?;
+    let x = tensor(&batch, "x")?;
+    let file = load(&fixture("tiny.safetensors"))?;
+    for path in [ComputePath::Auto, ComputePath::DeviceGeneric] {
+        let mut model = compiled(tiny_resnet()?, path)?;
+        // Names: the model's variables are the state dict's float tensors, one for one.
+        let mut model_names: Vec<String> = model.get_weights()?.into_keys().collect();
+        let mut file_names: Vec<String> = file
+            .keys()
+            .filter(|k| !k.ends_with("num_batches_tracked"))
+            .cloned()
+            .collect();
+        model_names.sort();
+        file_names.sort();
+        assert_eq!(model_names, file_names);
+
+        let report = model.load_weights_from(fixture("tiny.safetensors"), &ImportOptions::new())?;
+        assert!(report.is_complete(), "{report}");
+        assert_eq!(report.loaded.len(), 32);
+        assert_eq!(report.skipped.len(), 6);
+        assert!(report
+            .skipped
+            .iter()
+            .all(|s| s.reason == SkipReason::NotFloat("I64".into())));
+        // Shapes: every tensor went in as it is.
+        let weights = model.get_weights()?;
+        for name in &report.loaded {
+            assert_eq!(weights[name].dims(), tensor(&file, name)?.dims(), "{name}");
+            assert_eq!(values(&weights[name])?, values(tensor(&file, name)?)?);
+        }
+        let logits = model.predict(x, 2)?;
+        let (diff, scale) = check_logits(&logits, tensor(&batch, "logits_f64")?, "tiny")?;
+        eprintln!("tiny network, {path:?}: logits max |kandle - float64| = {diff:.2e} (largest {scale:.3})");
+
+        // The float64 `torch.save` checkpoint, state dict under a key, gives the same logits.
+        let mut from_pth = compiled(tiny_resnet()?, path)?;
+        from_pth.load_weights_from(fixture("tiny_checkpoint.pth"), &ImportOptions::new())?;
+        assert_eq!(
+            values(&from_pth.predict(x, 2)?)?,
+            values(&logits)?,
+            "the .pth and the safetensors file must load the same values"
+        );
+    }
+    Ok(())
+}
+
+/// The side length of the feature maps a ResNet-18 batch norm sees for 64x64 images.
+fn side_at(name: &str) -> usize {
+    match name.get(..6) {
+        Some("layer1") => 16,
+        Some("layer2") => 8,
+        Some("layer3") => 4,
+        Some("layer4") => 2,
+        _ => 32,
+    }
+}
+
+#[test]
+#[ignore = "needs torchvision's ResNet-18 files: see the module's documentation"]
+fn resnet18_matches_torchvision() -> Result<()> {
+    resnet18_parity(&[ComputePath::Auto, ComputePath::Autograd])
+}
+
+/// The same on the path a GPU runs. The logits agree; after the training step the weights
+/// differ from PyTorch's by about 1e-3 to 1e-2 of the update, three orders of magnitude over
+/// the float32 spread, while the tiny network of the fixture agrees between the paths to
+/// float32 rounding: not understood yet, so this test fails and says by how much.
+#[test]
+#[ignore = "needs torchvision's ResNet-18 files; fails: see its documentation"]
+fn resnet18_device_generic_matches_torchvision() -> Result<()> {
+    resnet18_parity(&[ComputePath::DeviceGeneric])
+}
+
+/// Loads torchvision's ResNet-18 on each of `paths` and compares its eval-mode logits and its
+/// weights after one SGD step with PyTorch's float64 run.
+fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
+    let dir = std::env::var_os("KANDLE_TORCHVISION_PARITY")
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            Error::invalid(
+                "set KANDLE_TORCHVISION_PARITY to the directory that \
+                 `bench/torchvision_resnet_parity.py --out DIR` wrote",
+            )
+        })?;
+    let batch = load(&dir.join("batch.safetensors"))?;
+    let (x, y) = (
+        tensor(&batch, "x")?,
+        tensor(&batch, "y")?.to_dtype(DType::U32)?,
+    );
+    let initial = load(&dir.join("resnet18.safetensors"))?;
+    let step32 = load(&dir.join("step_f32.safetensors"))?;
+    let step64 = load(&dir.join("step_f64.safetensors"))?;
+    let samples = x.dim(0)?;
+    let resnet18 = || {
+        ResNet::new(Depth::ResNet18)
+            .input_shape(&[3, 64, 64])
+            .head(Head::Logits(1000))
+            .build()
+    };
+    let logits32 = tensor(&batch, "logits")?;
+    let logits64 = tensor(&batch, "logits_f64")?;
+    let torch_spread = max_abs_diff(&values(logits32)?, &values(logits64)?);
+    eprintln!("ResNet-18 logits: PyTorch float32 against float64: {torch_spread:.2e}");
+    for &path in paths {
+        let mut model = compiled(resnet18()?, path)?;
+        let report =
+            model.load_weights_from(dir.join("resnet18.safetensors"), &ImportOptions::new())?;
+        assert!(report.is_complete(), "{report}");
+        assert_eq!((report.loaded.len(), report.skipped.len()), (102, 20));
+        if path == ComputePath::Auto {
+            let mut from_pth = compiled(resnet18()?, path)?;
+            let pth_report =
+                from_pth.load_weights_from(dir.join("resnet18.pth"), &ImportOptions::new())?;
+            assert_eq!(pth_report, report);
+            let (a, b) = (model.get_weights()?, from_pth.get_weights()?);
+            for (name, t) in &a {
+                assert_eq!(values(t)?, values(&b[name])?, "{name}");
+            }
+        }
+        let logits = model.predict(x, samples)?;
+        let (diff, scale) = check_logits(&logits, logits64, "ResNet-18")?;
+        eprintln!(
+            "ResNet-18 logits, {path:?}: max |kandle - float64| = {diff:.2e} \
+             (largest logit {scale:.3}, PyTorch float32's {torch_spread:.2e})"
+        );
+
+        model.train_on_batch(x, &y, None)?;
+        let after = model.get_weights()?;
+        let mut worst_ratio: f64 = 0.0;
+        let mut worst_var = (0.0f64, 0.0f64);
+        let mut failures = Vec::new();
+        for (name, got) in &after {
+            let got = values(got)?;
+            let (t32, t64) = (
+                values(tensor(&step32, name)?)?,
+                values(tensor(&step64, name)?)?,
+            );
+            let spread = max_abs_diff(&t32, &t64);
+            if name.ends_with("running_var") {
+                // PyTorch moves running_var towards the unbiased batch variance (n / (n - 1)
+                // times the biased one); kandle, like Keras, towards the biased one.
+                let side = side_at(name);
+                let n = (samples * side * side) as f64;
+                let before = values(tensor(&initial, name)?)?;
+                let biased: Vec<f64> = t64
+                    .iter()
+                    .zip(&before)
+                    .map(|(t, b)| 0.9 * b + (t - 0.9 * b) * (n - 1.0) / n)
+                    .collect();
+                let raw = max_abs_diff(&got, &t64);
+                let corrected = max_abs_diff(&got, &biased);
+                worst_var = (worst_var.0.max(raw), worst_var.1.max(corrected));
+                assert!(
+                    corrected <= 10.0 * spread.max(1e-7 * max_abs(&t64)),
+                    "{name}: {corrected:e} from PyTorch's value with the biased variance, \
+                     float32 spread {spread:e}"
+                );
+                continue;
+            }
+            let err = max_abs_diff(&got, &t64);
+            // The float32 spread, or where PyTorch's float32 run lands on the float64 value, a
+            // tenth of a float32 rounding of the tensor's largest value.
+            let allowed = 10.0 * spread.max(1e-7 * max_abs(&t64));
+            worst_ratio = worst_ratio.max(err / allowed * 10.0);
+            if std::env::var_os("KANDLE_PARITY_VERBOSE").is_some() {
+                let before = values(tensor(&initial, name)?)?;
+                eprintln!(
+                    "  {name}: |kandle - f64| {err:.2e}, |f32 - f64| {spread:.2e}, \
+                     update {:.2e}",
+                    max_abs_diff(&t64, &before)
+                );
+            }
+            if err > allowed {
+                failures.push(format!(
+                    "{name}: kandle differs from float64 by {err:.2e}, PyTorch float32 by \
+                     {spread:.2e}"
+                ));
+            }
+        }
+        eprintln!(
+            "ResNet-18 one SGD step, {path:?}: worst max |kandle - float64| / max(float32 \
+             spread, 1e-7 |w|) = {worst_ratio:.2}; running_var: max |kandle - PyTorch| = \
+             {:.2e} (unbiased against biased variance), {:.2e} once PyTorch's is made biased",
+            worst_var.0, worst_var.1
+        );
+        assert!(failures.is_empty(), "{path:?}:\n{}", failures.join("\n"));
+    }
+    Ok(())
+}

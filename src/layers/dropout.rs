@@ -1,15 +1,13 @@
 //! `Dropout`: in training, zeroes each element with probability `rate` and scales the rest by
 //! `1 / (1 - rate)`; in inference, the identity.
 //!
-//! Mask `k` of a layer comes from a generator seeded with the layer's seed (drawn at build
-//! time from the model's seed) and `k`, the layer's position, which lives in a variable saved
-//! with the weights ([`BuildContext::generator_position`]): a seeded run is repeatable on any
-//! device, and a run resumed from a backup draws the masks an uninterrupted one would.
+//! Masks come from the layer's [`RandomStream`]: a seeded run is repeatable on any device, and a
+//! run resumed from a backup draws the masks an uninterrupted one would.
 
-use candle_core::{Device, Tensor, Var};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use candle_core::{Device, Tensor};
+use rand::Rng;
 
+use super::random_stream::RandomStream;
 use super::{identity, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
 use crate::Result;
 
@@ -43,11 +41,9 @@ impl LayerSpec for Dropout {
                 self.rate
             )));
         }
-        let seed = ctx.rng().random();
         let layer = DropoutLayer {
             rate: self.rate,
-            seed,
-            position: ctx.generator_position("generator")?,
+            stream: RandomStream::new(ctx)?,
         };
         Ok(Built::fast(layer, input_shape.to_vec(), Vec::new()))
     }
@@ -59,20 +55,7 @@ impl LayerSpec for Dropout {
 
 struct DropoutLayer {
     rate: f64,
-    seed: u64,
-    /// How many masks the layer has drawn, as `[count / 2^24, count % 2^24]` (exact in `f32`).
-    position: Var,
-}
-
-/// `2^24`: below it every integer is exact in `f32`.
-const F32_EXACT: u64 = 1 << 24;
-
-/// SplitMix64's finaliser: nearby inputs give unrelated seeds.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    stream: RandomStream,
 }
 
 impl DropoutLayer {
@@ -81,8 +64,7 @@ impl DropoutLayer {
     fn mask(&self, x: &Tensor) -> Result<Tensor> {
         let keep = 1.0 - self.rate;
         let scale = (1.0 / keep) as f32;
-        let position = self.next_position()?;
-        let mut rng = StdRng::seed_from_u64(mix(self.seed ^ mix(position)));
+        let mut rng = self.stream.next()?;
         let mask: Vec<f32> = (0..x.elem_count())
             .map(|_| {
                 if rng.random::<f64>() < keep {
@@ -95,23 +77,6 @@ impl DropoutLayer {
         Ok(Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
             .to_dtype(x.dtype())?
             .to_device(x.device())?)
-    }
-}
-
-impl DropoutLayer {
-    /// The position of this mask in the layer's sequence; moves the layer to the next one.
-    fn next_position(&self) -> Result<u64> {
-        let parts = self.position.as_tensor().to_vec1::<f32>()?;
-        let (high, low) = match parts.as_slice() {
-            [high, low] => (*high as u64, *low as u64),
-            _ => (0, 0),
-        };
-        let position = high * F32_EXACT + low;
-        let next = position + 1;
-        let next = [(next / F32_EXACT) as f32, (next % F32_EXACT) as f32];
-        self.position
-            .set(&Tensor::new(&next, self.position.device())?)?;
-        Ok(position)
     }
 }
 

@@ -47,6 +47,8 @@ mod identity;
 #[cfg(test)]
 mod kernel_path_tests;
 mod pooling;
+mod preprocessing;
+mod random_stream;
 mod recorded;
 mod sequential;
 mod summary;
@@ -75,6 +77,9 @@ pub(crate) use fold::{run_layers, run_layers_into};
 pub use identity::Identity;
 pub use pooling::{
     Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,
+};
+pub use preprocessing::{
+    FillMode, Normalization, RandomCrop, RandomFlip, RandomRotation, RandomZoom, Rescaling,
 };
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};

@@ -10,8 +10,9 @@
 //!
 //! Each pass is a few GEMMs per tile of output rows over a row-shift expansion of the input
 //! (see `plan`), split over the images of the batch in the current rayon pool, and run in
-//! kandle's AVX2 micro-kernel (`microkernel`) or, on AVX-512 CPUs and for the kernel gradient,
-//! by the `gemm` crate with the CPU's widest micro-kernels. 3x3 correlations at unit strides
+//! kandle's micro-kernel (`microkernel`, compiled for AVX-512 and for AVX2) or by the `gemm`
+//! crate: the kernel gradient's products, a GEMM split over the pool, and every product on CPUs
+//! without AVX2. 3x3 correlations at unit strides
 //! with 16 channels or more and output planes of 5x5 or more go through Winograd's F(4x4, 3x3)
 //! instead (see `winograd`), four times fewer multiplications, in all three passes. The
 //! input gradient at stride `s` is `s^2`

@@ -1,51 +1,73 @@
-//! A register-blocked matrix product for CPUs with AVX2 and FMA: `dst (+)= lhs * rhs` with the
-//! left operand packed once ([`PackedLhs`]) and the right one copied a chunk at a time into
-//! strips.
+//! A register-blocked matrix product for CPUs with AVX2 and FMA, or AVX-512: `dst (+)= lhs *
+//! rhs` with the left operand packed once ([`PackedLhs`]) and the right one copied a chunk at
+//! a time into strips.
 //!
-//! Each call of the inner kernel keeps an `MR x NR` block of `dst` in twelve vector registers
-//! (six rows, two 8-lane vectors), and for each step along the inner dimension loads two
-//! vectors of `rhs` and broadcasts six values of the packed panel: twelve FMAs for eight loads,
-//! so the two FMA pipes stay busy; a last block narrower than sixteen columns goes through
-//! masked loads and stores. The left operand (a kernel) is packed once per layer instead of
-//! once per call. Columns of `rhs` are taken a chunk at a time; when more than one panel reads
-//! them and its rows lie far apart, the chunk is first copied into strips of `NR` columns laid
-//! end to end, so the kernel reads them as one stream. Read in place, the rows of an image's
+//! Each call of the inner kernel keeps an `MR x NR` block of `dst` in registers: six rows of
+//! two vectors, twelve registers, sixteen columns with AVX2 (`avx2`) and thirty-two with
+//! AVX-512 (`avx512`). For each step along the inner dimension it loads two vectors of `rhs`
+//! and broadcasts six values of the packed panel: twelve FMAs for eight loads, so the FMA
+//! pipes stay busy; a last block narrower than a full one goes through masked loads and
+//! stores (AVX-512's mask registers, and only the registers that cover it). The left operand
+//! (a kernel) is packed once per layer instead of once per call, in the same panels for every
+//! width. Columns of `rhs` are taken a chunk at a time; when more than one panel reads them
+//! and its rows lie far apart, the chunk is first copied into strips of `NR` columns laid end
+//! to end, so the kernel reads them as one stream. Read in place, the rows of an image's
 //! channels lie a power of two apart (4 KiB for 32x32 planes) and every row of a strip falls in
 //! the same L1 set: copied, a 1x1 convolution over 32x32 planes runs 1.9x faster. A single
 //! panel, and rows at most [`IN_PLACE_STRIDE`] apart (Winograd's blocks), read `rhs` in
 //! place.
 //!
-//! The `gemm` crate runs the products on other CPUs (AVX-512 kernels where present), and the
-//! kernel gradient's products, whose operands are read across their rows.
+//! The loops are written once (`driver`), over a small trait for a width's vectors, and
+//! compiled for each width; [`product`] picks the one [`SimdLevel::in_use`] names.
+//!
+//! The `gemm` crate runs the products on other CPUs, and the kernel gradient's products,
+//! whose operands are read across their rows.
 
 #![allow(unsafe_code)]
 
 use super::super::output;
 use super::gemm::{View, ViewMut};
+use crate::SimdLevel;
 
-/// Rows of `dst` per kernel call (the last panel of a product may hold fewer).
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod driver;
+
+/// Rows of `dst` per kernel call (the last panel of a product may hold fewer), at every width.
 pub(crate) const MR: usize = 6;
 
-/// Columns of `dst` per kernel call: two AVX2 vectors.
+/// Columns of `dst` per AVX2 kernel call (two vectors); AVX-512's calls take
+/// [`block_columns`], a multiple of it.
 pub(crate) const NR: usize = 16;
 
+/// Columns of `dst` per kernel call at `level` (at least [`NR`]).
+pub(crate) fn block_columns(level: SimdLevel) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 => avx512::VECTORS * 16,
+        _ => NR,
+    }
+}
+
 /// Whether this CPU runs [`product`]: x86-64 with AVX2 and FMA, which the SIMD cap allows
-/// ([`SimdLevel`](crate::SimdLevel)).
+/// ([`SimdLevel`]).
 pub(crate) fn supported() -> bool {
     crate::simd::avx2_fma()
 }
 
-/// Whether the convolutions run their products here: the kernels run AVX2
-/// ([`SimdLevel::in_use`](crate::SimdLevel::in_use)); with AVX-512, the `gemm` crate's wider
-/// kernels run them.
+/// Whether the convolutions run their products here rather than in the `gemm` crate: where
+/// the kernels run AVX2 or AVX-512 ([`SimdLevel::in_use`]).
 pub(crate) fn preferred() -> bool {
-    crate::SimdLevel::in_use() == crate::SimdLevel::Avx2
+    supported()
 }
 
-/// Whether `n` columns fill the kernel's blocks of [`NR`] columns well: the last, partial
+/// Whether `n` columns fill the kernel's blocks of [`block_columns`] well: the last, partial
 /// block wastes at most an eighth of the work.
 pub(crate) fn fills_blocks(n: usize) -> bool {
-    n.next_multiple_of(NR) * 7 <= n * 8
+    n.next_multiple_of(block_columns(SimdLevel::in_use())) * 7 <= n * 8
 }
 
 /// An `m x k` row-major matrix packed into panels of [`MR`] rows (the last one may be
@@ -223,9 +245,23 @@ pub(crate) struct Write<'a> {
 
 /// `dst = start + lhs * rhs` (see [`Start`]), then its ReLU when `write.relu`, for the
 /// `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs`, both with unit column strides
-/// (`cs == 1`) and any row stride. Returns an error (and touches nothing) when a matrix does
-/// not fit its slice (or a start row is missing), or the CPU lacks AVX2 and FMA.
+/// (`cs == 1`) and any row stride, at the width [`SimdLevel::in_use`] names. Returns an error
+/// (and touches nothing) when a matrix does not fit its slice (or a start row is missing), or
+/// the CPU lacks AVX2 and FMA.
 pub(crate) fn product(
+    lhs: Panels<'_>,
+    rhs: View<'_>,
+    n: usize,
+    dst: ViewMut<'_>,
+    write: Write<'_>,
+) -> candle_core::Result<()> {
+    product_at(SimdLevel::in_use(), lhs, rhs, n, dst, write)
+}
+
+/// [`product`] compiled for `level` (AVX-512's kernel, or AVX2's below it), whatever the cap;
+/// an error when the CPU cannot run it.
+fn product_at(
+    level: SimdLevel,
     lhs: Panels<'_>,
     rhs: View<'_>,
     n: usize,
@@ -251,25 +287,31 @@ pub(crate) fn product(
             dst.describe()
         );
     }
-    if !supported() {
-        candle_core::bail!("microkernel: this CPU lacks AVX2 or FMA");
+    if level < SimdLevel::Avx2 || level > SimdLevel::detected() {
+        candle_core::bail!(
+            "microkernel: no kernel for {level} on this CPU (it has {})",
+            SimdLevel::detected()
+        );
     }
     if m == 0 || n == 0 {
         return Ok(());
     }
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the CPU has AVX2 and FMA (checked above); every row the kernels read of `rhs`
-    // (`k` rows of `n` values, `rhs.rs` apart) and write of `dst` (`m` rows of `n`, `dst.rs`
-    // apart) lies inside its slice (checked above), and so does every packed panel.
+    // SAFETY: the CPU has `level`'s instructions, AVX2 and FMA at least (checked above); every
+    // row the kernels read of `rhs` (`k` rows of `n` values, `rhs.rs` apart) and write of
+    // `dst` (`m` rows of `n`, `dst.rs` apart) lies inside its slice (checked above), and so
+    // does every packed panel; the strips hold `k * COLUMN_CHUNK` values.
     unsafe {
-        let b = rhs.data.as_ptr().add(rhs.offset);
-        let c = dst.data.as_mut_ptr().add(dst.offset);
+        let b = (rhs.data.as_ptr().add(rhs.offset), rhs.rs);
+        let c = (dst.data.as_mut_ptr().add(dst.offset), dst.rs);
+        let kernel = match level {
+            SimdLevel::Avx512 => avx512::product,
+            _ => avx2::product,
+        };
         if m > MR && rhs.rs > IN_PLACE_STRIDE {
-            with_strips(k, |strips| {
-                avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, Some(strips))
-            });
+            with_strips(k, |strips| kernel(&lhs, b, n, c, write, Some(strips)));
         } else {
-            avx2::product(&lhs, (b, rhs.rs), n, (c, dst.rs), write, None);
+            kernel(&lhs, b, n, c, write, None);
         }
     }
     Ok(())
@@ -300,223 +342,25 @@ const IN_PLACE_STRIDE: usize = 4 * NR;
 /// stays in cache from one panel to the next.
 const COLUMN_CHUNK: usize = 8 * NR;
 
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod avx2 {
-    use std::arch::x86_64::{
-        __m256, __m256i, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_loadu_si256,
-        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_setzero_ps,
-        _mm256_storeu_ps,
-    };
-
-    use super::{Panels, Start, Write, COLUMN_CHUNK, MR, NR};
-
-    /// Eight lanes on, then eight off: [`mask`] reads eight of them.
-    static MASKS: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
-
-    /// A mask with the first `active` (at most 8) of eight lanes on, for masked loads and
-    /// stores.
-    #[inline(always)]
-    pub(crate) unsafe fn mask(active: usize) -> __m256i {
-        _mm256_loadu_si256(MASKS.as_ptr().add(8 - active.min(8)).cast())
-    }
-
-    /// Every panel of `lhs` against every `NR` columns of `rhs`, a chunk of columns at a time;
-    /// a last block narrower than `NR` is read and written through masks. `write` as for
-    /// [`super::product`].
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX2 and FMA; `rhs` holds `lhs.k` rows of `n` values `ld_rhs` apart and
-    /// `dst` `lhs.m` rows of `n` values `ld_dst` apart.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn product(
-        lhs: &Panels<'_>,
-        (rhs, ld_rhs): (*const f32, usize),
-        n: usize,
-        (dst, ld_dst): (*mut f32, usize),
-        write: Write<'_>,
-        strips: Option<&mut [f32]>,
-    ) {
-        let k = lhs.k;
-        let strips = strips.map(|s| s.as_mut_ptr());
-        for j0 in (0..n).step_by(COLUMN_CHUNK) {
-            let j1 = (j0 + COLUMN_CHUNK).min(n);
-            if let Some(strips) = strips {
-                copy_strips((rhs.add(j0), ld_rhs), k, j1 - j0, strips);
-            }
-            for r0 in (0..lhs.m).step_by(MR) {
-                let rows = MR.min(lhs.m - r0);
-                let a = lhs.data.as_ptr().add(lhs.panel_start(r0 / MR, rows));
-                let out = dst.add(r0 * ld_dst);
-                // The panel's rows of the start values, if any.
-                let start = match write.start {
-                    Start::Zero => BlockStart::Zero,
-                    Start::Dst => BlockStart::Dst,
-                    Start::Rows(values) => BlockStart::Rows(values.as_ptr().add(r0)),
-                };
-                let write = (start, write.relu);
-                for j in (j0..j1).step_by(NR) {
-                    let width = NR.min(j1 - j);
-                    let b = match strips {
-                        Some(strips) => (strips.add((j - j0) * k).cast_const(), NR),
-                        None => (rhs.add(j), ld_rhs),
-                    };
-                    let c = (out.add(j), ld_dst);
-                    macro_rules! run {
-                        ($rows:literal) => {
-                            match (width == NR, strips.is_some()) {
-                                (true, _) => block::<$rows, false, false>(k, a, b, c, write, width),
-                                (false, true) => {
-                                    block::<$rows, true, false>(k, a, b, c, write, width)
-                                }
-                                (false, false) => {
-                                    block::<$rows, true, true>(k, a, b, c, write, width)
-                                }
-                            }
-                        };
-                    }
-                    match rows {
-                        6 => run!(6),
-                        5 => run!(5),
-                        4 => run!(4),
-                        3 => run!(3),
-                        2 => run!(2),
-                        _ => run!(1),
-                    }
-                }
-            }
-        }
-    }
-
-    /// Copies `width` (at most [`COLUMN_CHUNK`]) columns of the `k` rows of `rhs` into
-    /// `strips`, [`NR`] columns a strip, each strip `k` rows of `NR` values laid end to end; a
-    /// last strip narrower than `NR` is padded with zeros.
-    ///
-    /// # Safety
-    ///
-    /// The CPU has AVX2; `rhs` holds `k` rows of `width` values `ld_rhs` apart and `strips`
-    /// room for `k * width.next_multiple_of(NR)` values.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn copy_strips(
-        (rhs, ld_rhs): (*const f32, usize),
-        k: usize,
-        width: usize,
-        strips: *mut f32,
-    ) {
-        let full = width / NR;
-        let tail = width % NR;
-        let masks = (mask(tail), mask(tail.saturating_sub(8)));
-        for p in 0..k {
-            let row = rhs.add(p * ld_rhs);
-            for s in 0..full {
-                let (from, to) = (row.add(s * NR), strips.add((s * k + p) * NR));
-                _mm256_storeu_ps(to, _mm256_loadu_ps(from));
-                _mm256_storeu_ps(to.add(8), _mm256_loadu_ps(from.add(8)));
-            }
-            if tail > 0 {
-                let (from, to) = (row.add(full * NR), strips.add((full * k + p) * NR));
-                _mm256_storeu_ps(to, _mm256_maskload_ps(from, masks.0));
-                _mm256_storeu_ps(to.add(8), _mm256_maskload_ps(from.add(8), masks.1));
-            }
-        }
-    }
-
-    /// Where a block's sums start: zero, `c`, or a value per row.
-    #[derive(Clone, Copy)]
-    enum BlockStart {
-        Zero,
-        Dst,
-        Rows(*const f32),
-    }
-
-    /// One `R x NR` block (the first `width` columns of `c` when `MASKED`, of `b` too when
-    /// `MASKED_B`):
-    /// `c[r][..] = start + sum over p of a[p * R + r] * b[p * ldb..][..]`, then `max(c, 0)`
-    /// when `relu` (`write` is `(start, relu)`).
-    ///
-    /// # Safety
-    ///
-    /// As for [`product`]: `a` holds `k * R` values, `b` `k` rows of `width` values `ldb`
-    /// apart, `c` `R` rows of `width` values `ldc` apart; `width` is `NR` unless `MASKED`.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn block<const R: usize, const MASKED: bool, const MASKED_B: bool>(
-        k: usize,
-        a: *const f32,
-        (b, ldb): (*const f32, usize),
-        (c, ldc): (*mut f32, usize),
-        (start, relu): (BlockStart, bool),
-        width: usize,
-    ) {
-        let masks = (mask(width), mask(width.saturating_sub(8)));
-        let load = |p: *const f32, masked: bool| {
-            if masked {
-                (
-                    _mm256_maskload_ps(p, masks.0),
-                    _mm256_maskload_ps(p.add(8), masks.1),
-                )
-            } else {
-                (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-            }
-        };
-        let mut acc: [[__m256; 2]; R] = [[_mm256_setzero_ps(); 2]; R];
-        match start {
-            BlockStart::Zero => {}
-            BlockStart::Dst => {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let (v0, v1) = load(c.add(r * ldc), MASKED);
-                    *acc = [v0, v1];
-                }
-            }
-            BlockStart::Rows(values) => {
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let v = _mm256_broadcast_ss(&*values.add(r));
-                    *acc = [v, v];
-                }
-            }
-        }
-        for p in 0..k {
-            let (b0, b1) = load(b.add(p * ldb), MASKED_B);
-            let col = a.add(p * R);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let v = _mm256_broadcast_ss(&*col.add(r));
-                acc[0] = _mm256_fmadd_ps(v, b0, acc[0]);
-                acc[1] = _mm256_fmadd_ps(v, b1, acc[1]);
-            }
-        }
-        if relu {
-            // `max` returns its second operand when either is NaN: a NaN stays.
-            let zero = _mm256_setzero_ps();
-            for acc in &mut acc {
-                *acc = [_mm256_max_ps(zero, acc[0]), _mm256_max_ps(zero, acc[1])];
-            }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            let row = c.add(r * ldc);
-            if MASKED {
-                _mm256_maskstore_ps(row, masks.0, acc[0]);
-                _mm256_maskstore_ps(row.add(8), masks.1, acc[1]);
-            } else {
-                _mm256_storeu_ps(row, acc[0]);
-                _mm256_storeu_ps(row.add(8), acc[1]);
-            }
-        }
-        debug_assert_eq!(NR, 16);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The widths this CPU runs the kernel at, widest first.
+    fn levels() -> Vec<SimdLevel> {
+        [SimdLevel::Avx512, SimdLevel::Avx2]
+            .into_iter()
+            .filter(|&level| level <= SimdLevel::detected())
+            .collect()
+    }
+
     #[test]
-    fn matches_a_naive_product() -> candle_core::Result<()> {
-        if !supported() {
-            return Ok(());
-        }
-        // Full and partial panels and column blocks (masked tails of 1 to 15 columns), more
-        // columns than a chunk, strided rows, a zero-depth product, one panel (read in place)
-        // and several (rows close together read in place, rows far apart from strips); each
-        // start, with and without the ReLU.
+    fn matches_a_float64_product_at_every_width() -> candle_core::Result<()> {
+        // (m, k, n, ld_rhs, ld_dst): full and partial panels (m not a multiple of six), full
+        // and partial column blocks (masked tails of 1 to 31 columns, and tails of exactly one
+        // AVX-512 register), more columns than a chunk, strided rows, a zero-depth and a
+        // one-deep product, one panel (read in place) and several (rows close together read in
+        // place, rows far apart from strips); each start, with and without the ReLU.
         let cases = [
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),
@@ -526,6 +370,11 @@ mod tests {
             (12, 30, 41, 41, 45),
             (5, 3, 225, 230, 225),
             (8, 20, 130, 1024, 131),
+            (11, 1, 33, 33, 40),
+            (17, 1, 47, 1024, 47),
+            (9, 14, 63, 64, 63),
+            (14, 6, 200, 300, 201),
+            (3, 25, 31, 31, 31),
         ];
         // How each product starts: 0 zero, 1 from `dst`, 2 from a value per row.
         let writes = [
@@ -554,19 +403,6 @@ mod tests {
                     }
                 })
                 .collect();
-            let mut dst = before.clone();
-            let rhs_view = View {
-                data: &rhs,
-                offset: 0,
-                rs: ld_rhs,
-                cs: 1,
-            };
-            let dst_view = ViewMut {
-                data: &mut dst,
-                offset: 0,
-                rs: ld_dst,
-                cs: 1,
-            };
             let packed = PackedLhs::new(&lhs, m, k)?;
             // Packing from the transpose, read across its rows, packs the same panels.
             let lhs_t: Vec<f32> = (0..k * m).map(|i| lhs[(i % m) * k + i / m]).collect();
@@ -582,44 +418,72 @@ mod tests {
                 from_t.data, packed.data,
                 "{m}x{k} packed from its transpose"
             );
-            product(
-                packed.panels(),
-                rhs_view,
-                n,
-                dst_view,
-                Write { start, relu },
-            )?;
-            for i in 0..m {
-                for j in 0..n {
-                    let start = match start {
-                        Start::Zero => 0.0,
-                        Start::Dst => f64::from(before[i * ld_dst + j]),
-                        Start::Rows(rows) => f64::from(rows[i]),
-                    };
-                    let sum: f64 = start
-                        + (0..k)
-                            .map(|p| f64::from(lhs[i * k + p]) * f64::from(rhs[p * ld_rhs + j]))
-                            .sum::<f64>();
-                    let want = if relu { sum.max(0.0) } else { sum };
-                    let got = dst[i * ld_dst + j];
+            let mut first: Option<Vec<f32>> = None;
+            for level in levels() {
+                let mut dst = before.clone();
+                let rhs_view = View {
+                    data: &rhs,
+                    offset: 0,
+                    rs: ld_rhs,
+                    cs: 1,
+                };
+                let dst_view = ViewMut {
+                    data: &mut dst,
+                    offset: 0,
+                    rs: ld_dst,
+                    cs: 1,
+                };
+                let write = Write { start, relu };
+                product_at(level, packed.panels(), rhs_view, n, dst_view, write)?;
+                let case = format!("{m}x{k}x{n} at {level} (start {from}, relu {relu})");
+                for i in 0..m {
+                    for j in 0..n {
+                        let start = match start {
+                            Start::Zero => 0.0,
+                            Start::Dst => f64::from(before[i * ld_dst + j]),
+                            Start::Rows(rows) => f64::from(rows[i]),
+                        };
+                        let terms = (0..k)
+                            .map(|p| f64::from(lhs[i * k + p]) * f64::from(rhs[p * ld_rhs + j]));
+                        let (sum, magnitude) =
+                            terms.fold((start, start.abs()), |(s, a), t| (s + t, a + t.abs()));
+                        let want = if relu { sum.max(0.0) } else { sum };
+                        let got = dst[i * ld_dst + j];
+                        // Each of the `k` fused multiply-adds rounds once, by at most half an
+                        // epsilon of what it has summed: `k` epsilons of the sum of `|a * b|`
+                        // and the start bound the error (the ReLU does not widen it).
+                        let bound = (k as f64 + 1.0) * f64::from(f32::EPSILON) * magnitude;
+                        assert!(
+                            (f64::from(got) - want).abs() <= bound,
+                            "{case} at ({i}, {j}): {got} vs {want} (bound {bound:e})"
+                        );
+                    }
                     assert!(
-                        (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "{m}x{k}x{n} (start {from}, relu {relu}) at ({i}, {j}): {got} vs {want}"
+                        dst[i * ld_dst + n..(i + 1) * ld_dst]
+                            .iter()
+                            .all(|v| v.is_nan()),
+                        "{case}: a value past the columns was written"
                     );
                 }
-                assert!(
-                    dst[i * ld_dst + n..(i + 1) * ld_dst]
-                        .iter()
-                        .all(|v| v.is_nan()),
-                    "{m}x{k}x{n}: a value past the columns was written"
-                );
+                // Every width sums each output in the same order, one fused multiply-add per
+                // step from the start value: the same bits.
+                match &first {
+                    None => first = Some(dst),
+                    Some(first) => assert!(
+                        first
+                            .iter()
+                            .zip(&dst)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{case}: other bits than the widest width's"
+                    ),
+                }
             }
         }
         Ok(())
     }
 
     #[test]
-    fn refuses_operands_that_do_not_fit() -> candle_core::Result<()> {
+    fn refuses_operands_that_do_not_fit_and_widths_without_a_kernel() -> candle_core::Result<()> {
         const ZERO: Write<'static> = Write {
             start: Start::Zero,
             relu: false,
@@ -669,6 +533,23 @@ mod tests {
             cs: 1,
         };
         assert!(product(lhs.panels(), view(&whole), 16, dst_ok, two_rows).is_err());
+        // A width without a kernel.
+        let dst_ok = ViewMut {
+            data: &mut dst,
+            offset: 0,
+            rs: 16,
+            cs: 1,
+        };
+        let err = product_at(
+            SimdLevel::Baseline,
+            lhs.panels(),
+            view(&whole),
+            16,
+            dst_ok,
+            ZERO,
+        )
+        .expect_err("no kernel at the baseline");
+        assert!(err.to_string().contains("no kernel for baseline"), "{err}");
         assert!(dst.iter().all(|v| *v == 0.0));
         Ok(())
     }

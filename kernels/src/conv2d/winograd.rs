@@ -10,9 +10,9 @@
 //! The tiles of a group of images are taken a *block* at a time, a few dozen tiles sized so the
 //! block's transformed tiles stay in the core's L2 cache: transformed, multiplied (thirty-six
 //! products) and transformed back before the next block, so nothing larger than a block goes
-//! through memory. On CPUs with AVX2 and FMA (and without AVX-512), the products run in
+//! through memory. On CPUs with AVX2 and FMA or AVX-512, the products run in
 //! [`super::microkernel`], reading the block's transformed tiles as they lie and the kernel's
-//! panels packed once per layer; elsewhere in the `gemm` crate (AVX-512 kernels where present).
+//! panels packed once per layer; elsewhere in the `gemm` crate.
 //!
 //! The transforms take eight tiles at once, one per vector lane: four pairs of horizontally
 //! adjacent tiles, whose input rows are loaded whole and transposed into lanes, and whose

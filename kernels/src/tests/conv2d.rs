@@ -65,7 +65,7 @@ fn check(case: Case, seed: u64) -> anyhow::Result<()> {
     let x = Var::from_tensor(&random(&mut rng, &[case.n, case.c, case.h, case.w])?)?;
     let w = Var::from_tensor(&random(&mut rng, &[case.o, case.c, case.kh, case.kw])?)?;
     let b = Var::from_tensor(&random(&mut rng, &[case.o])?)?;
-    let bias = (seed % 2 == 0).then_some(b.as_tensor());
+    let bias = seed.is_multiple_of(2).then_some(b.as_tensor());
 
     let mut want = reference(&x, &w, &case)?;
     if let Some(b) = bias {

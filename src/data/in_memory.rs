@@ -172,14 +172,14 @@ impl InMemoryDataset {
                 "the target shape {targets:?} has no element"
             )));
         }
-        if x.len() % sample_len != 0 {
+        if !x.len().is_multiple_of(sample_len) {
             return Err(Error::invalid(format!(
                 "x holds {} values, which is not a whole number of samples of shape \
                  {sample_shape:?} ({sample_len} values each)",
                 x.len()
             )));
         }
-        if y.len() % width != 0 {
+        if !y.len().is_multiple_of(width) {
             return Err(Error::invalid(format!(
                 "y holds {} values, which is not a whole number of targets of {width} values",
                 y.len()

@@ -531,7 +531,7 @@ impl Reader {
     /// The words left, which must be a whole number of `per` words each.
     fn rest(&mut self, field: &str, per: usize) -> Fit<Vec<f32>> {
         let left = self.words.len() - self.at;
-        if left % per != 0 {
+        if !left.is_multiple_of(per) {
             return Err(format!(
                 "has {left} words of {field}, not a whole number of {per}-word values"
             ));

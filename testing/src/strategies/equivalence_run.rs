@@ -218,7 +218,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
     order: Order,
 ) -> kandle::Result<(Model, History)> {
     let replicas = strategy.num_replicas_in_sync();
-    if GLOBAL_BATCH % replicas != 0 {
+    if !GLOBAL_BATCH.is_multiple_of(replicas) {
         return Err(kandle::Error::invalid(format!(
             "{replicas} replicas do not divide the global batch of {GLOBAL_BATCH}"
         )));

@@ -171,7 +171,7 @@ pub fn resume<S: Strategy + Clone + 'static>(strategy: &S, common: &Common) -> R
     let out = common.out()?;
     let worker = strategy.worker();
     let global = equivalence_run::GLOBAL_BATCH;
-    if global % worker.size != 0 {
+    if !global.is_multiple_of(worker.size) {
         return Err(Error::invalid(format!(
             "{} workers do not divide the global batch of {global}",
             worker.size

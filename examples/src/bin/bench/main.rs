@@ -175,7 +175,8 @@ fn main() -> Result<()> {
     let peak = machine::peak(threads, args.peak_gflops);
     let load_at_start = load_line();
     println!(
-        "# kandle vs PyTorch: MiniGoogLeNet on {}",
+        "# kandle vs PyTorch: {} on {}",
+        args.model.title(),
         if on_cpu {
             "the CPU".to_string()
         } else {
@@ -247,7 +248,7 @@ fn main() -> Result<()> {
             .as_ref()
             .map(pytorch::model_configs)
             .unwrap_or_default();
-        out["vs_pytorch_best"] = print_model(args.batch, train, infer, &configs);
+        out["vs_pytorch_best"] = print_model(args.model, args.batch, train, infer, &configs);
         out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
     }
     if let Some((recorded, autograd)) = backward_paths {
@@ -381,9 +382,15 @@ fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
 
 /// kandle's step and inference against every PyTorch configuration, then against the fastest
 /// one; returns the latter as JSON.
-fn print_model(batch: usize, train: f64, infer: f64, configs: &[pytorch::ModelConfig]) -> Value {
+fn print_model(
+    which: kandle_examples::CifarModel,
+    batch: usize,
+    train: f64,
+    infer: f64,
+    configs: &[pytorch::ModelConfig],
+) -> Value {
     let images = |s: f64| format!("{:.1} ({} ms)", batch as f64 / s, ms(Some(s)));
-    println!("## MiniGoogLeNet (1,656,250 parameters), batch {batch}");
+    println!("## {} ({which:?}), batch {batch}", which.title());
     println!();
     println!(
         "| | training images/s (ms per step) | kandle / it | inference images/s (ms) | kandle / it |"

@@ -1,5 +1,6 @@
 //! Data: the [`Dataset`] trait, datasets held in memory, the batching loader with a background
-//! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, and the CIFAR-10
+//! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, images read from a folder
+//! with one subfolder per class ([`ImageFolder`]), and the CIFAR-10
 //! tutorial's pipeline: mean-image subtraction ([`MeanImage`]), one-hot targets and
 //! augmentation ([`RandomShiftFlip`], applied by the loader). Sample and class weights are
 //! checked and applied in one private module, `weighting`.
@@ -18,6 +19,7 @@ pub mod cifar10;
 pub mod digits;
 #[cfg(feature = "download")]
 mod download;
+mod image_folder;
 mod in_memory;
 mod loader;
 mod mean_image;
@@ -26,6 +28,10 @@ pub(crate) mod weighting;
 
 pub use augment::{Augment, RandomShiftFlip};
 pub use cifar10::{Cifar10, Cifar10Dataset};
+pub use image_folder::{
+    ColorMode, ImageFolder, ImageFolderBuilder, Interpolation, SplitSubset, DEFAULT_IMAGE_SIZE,
+    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS,
+};
 pub use in_memory::InMemoryDataset;
 pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
 pub use mean_image::{MeanImage, MeanSubtracted};

@@ -283,29 +283,12 @@ impl Dataset for ImageFolder {
 
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
         let (Some(path), Some(&label)) = (self.files.get(index), self.labels.get(index)) else {
-            return Err(Error::invalid(format!(
-                "sample {index} is out of range for `{}` with {} samples",
-                self.name,
-                self.files.len()
-            )));
+            return Err(super::out_of_range(&self.name, index, self.files.len()));
         };
-        let len: usize = self.sample_shape.iter().product();
-        let width = self.targets().width();
-        if x.len() != len || y.len() != width {
-            return Err(Error::invalid(format!(
-                "reading `{}` needs buffers of {len} and {width} floats, got {} and {}",
-                self.name,
-                x.len(),
-                y.len()
-            )));
-        }
+        let len = self.sample_shape.iter().product();
+        super::check_buffers(&self.name, x, y, len, self.targets().width())?;
         x.copy_from_slice(&self.sample(index, path)?);
-        if self.one_hot {
-            y.fill(0.0);
-            y[label] = 1.0;
-        } else {
-            y[0] = label as f32;
-        }
+        super::write_class(y, label, self.one_hot);
         Ok(())
     }
 

@@ -12,7 +12,7 @@
 
 use std::sync::Arc;
 
-use crate::Result;
+use crate::{Error, Result};
 
 mod augment;
 pub mod cifar10;
@@ -108,6 +108,42 @@ pub trait Dataset: Send + Sync {
     /// A name for error messages, e.g. `digits (train)`.
     fn name(&self) -> &str {
         "dataset"
+    }
+}
+
+/// The error for reading sample `index` of `name`, which has `len` samples.
+pub(crate) fn out_of_range(name: &str, index: usize, len: usize) -> Error {
+    Error::invalid(format!(
+        "sample {index} is out of range for `{name}` with {len} samples"
+    ))
+}
+
+/// Checks the buffers handed to [`Dataset::read`] of `name`: `sample_len` floats for the input
+/// and `width` for the target.
+pub(crate) fn check_buffers(
+    name: &str,
+    x: &[f32],
+    y: &[f32],
+    sample_len: usize,
+    width: usize,
+) -> Result<()> {
+    if x.len() != sample_len || y.len() != width {
+        return Err(Error::invalid(format!(
+            "reading `{name}` needs buffers of {sample_len} and {width} floats, got {} and {}",
+            x.len(),
+            y.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes class `label` into a checked target buffer: its index, or a one-hot row.
+pub(crate) fn write_class(y: &mut [f32], label: usize, one_hot: bool) {
+    if one_hot {
+        y.fill(0.0);
+        y[label] = 1.0;
+    } else {
+        y[0] = label as f32;
     }
 }
 

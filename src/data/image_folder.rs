@@ -146,8 +146,10 @@ pub struct ImageFolderBuilder {
     max_pixels: u64,
 }
 
-/// Labelled images read from files, decoded and resized when read (see the [module
-/// documentation](self)).
+/// Labelled images read from files: scanned and header-checked when built, decoded, cropped
+/// and resized in [`read`](Dataset::read), as `(channels, height, width)` `f32` in `0..=255`.
+/// Built with [`ImageFolder::from_dir`] or [`ImageFolder::from_files`]; see the [module
+/// documentation](self).
 pub struct ImageFolder {
     name: String,
     files: Vec<PathBuf>,
@@ -526,10 +528,10 @@ impl ImageFolderBuilder {
         let (origin, mut files, class_names) = match &self.source {
             Source::Dir(dir) => {
                 let (files, names) = self.scan(dir)?;
-                (dir.display().to_string(), files, names)
+                (format!("image folder {}", dir.display()), files, names)
             }
             Source::Files(files) => (
-                format!("{} files", files.len()),
+                format!("{} image files", files.len()),
                 files.clone(),
                 self.label_names(files)?,
             ),
@@ -537,25 +539,30 @@ impl ImageFolderBuilder {
         let mut samples = self.check_files(&mut files, &decode)?;
         if files.is_empty() {
             return Err(Error::invalid(format!(
-                "every image of `{origin}` was dropped as unreadable: no image is left"
+                "every image of {origin} was dropped as unreadable: no image is left"
             )));
         }
-        if let Source::Dir(dir) = &self.source {
-            for (label, name) in class_names.iter().enumerate() {
-                if !files.iter().any(|&(_, l)| l == label) {
-                    return Err(Error::Data {
-                        path: dir.join(name),
-                        reason: "every image of this class folder was dropped as unreadable; a \
-                                 class needs at least one image"
-                            .into(),
-                    });
-                }
-            }
+        let mut per_class = vec![0usize; class_names.len()];
+        for &(_, label) in &files {
+            per_class[label] += 1;
         }
+        let empty = class_names.iter().zip(&per_class).find(|(_, &n)| n == 0);
+        if let (Source::Dir(dir), Some((name, _))) = (&self.source, empty) {
+            return Err(Error::Data {
+                path: dir.join(name),
+                reason: "every image of this class folder was dropped as unreadable; a class \
+                         needs at least one image"
+                    .into(),
+            });
+        }
+        log::info!(
+            "{origin}: {} images in {} classes",
+            files.len(),
+            class_names.len()
+        );
         if class_names.len() == 1 {
             log::warn!(
-                "image folder `{origin}` has a single class, `{}`: a classifier needs at least \
-                 two",
+                "{origin} has a single class, `{}`: a classifier needs at least two",
                 class_names[0]
             );
         }
@@ -569,8 +576,8 @@ impl ImageFolderBuilder {
                 let val = (f * n as f64).floor() as usize;
                 if val == 0 || val >= n {
                     return Err(Error::invalid(format!(
-                        "a validation split of {f} of the {n} images of `{origin}` leaves {} \
-                         for training and {val} for validation; both need at least one",
+                        "a validation split of {f} of the {n} images of {origin} leaves {} for \
+                         training and {val} for validation; both need at least one",
                         n.saturating_sub(val)
                     )));
                 }
@@ -591,7 +598,7 @@ impl ImageFolderBuilder {
                 .collect()
         });
         let dataset = ImageFolder {
-            name: format!("image folder {origin}"),
+            name: origin,
             files: order.iter().map(|&i| files[i].0.clone()).collect(),
             labels: order.iter().map(|&i| files[i].1).collect(),
             class_names,

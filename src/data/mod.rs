@@ -19,7 +19,7 @@ pub mod cifar10;
 pub mod digits;
 #[cfg(feature = "download")]
 mod download;
-mod image_folder;
+pub mod image_folder;
 mod in_memory;
 mod loader;
 mod mean_image;

@@ -268,6 +268,8 @@ fn bad_options_are_errors() {
     );
     assert!(msg.contains("0.png"), "{msg}");
     invalid(ImageFolder::from_files(Vec::<(PathBuf, usize)>::new()).build());
+    let msg = invalid(ImageFolder::from_files([(&file, usize::MAX)]).build());
+    assert!(msg.contains("class names"), "{msg}");
 }
 
 #[test]

@@ -69,6 +69,10 @@ pub const IMAGE_EXTENSIONS: [&str; 6] = ["jpg", "jpeg", "png", "bmp", "gif", "we
 /// The default [`image_size`](ImageFolderBuilder::image_size), as Keras: 256 × 256.
 pub const DEFAULT_IMAGE_SIZE: (usize, usize) = (256, 256);
 
+/// The most classes an explicit file list may have without
+/// [`class_names`](ImageFolderBuilder::class_names): labels are below it.
+pub const MAX_UNNAMED_CLASSES: usize = 1 << 20;
+
 /// The default [`max_pixels`](ImageFolderBuilder::max_pixels): 100 megapixels.
 pub const DEFAULT_MAX_PIXELS: u64 = 100_000_000;
 
@@ -198,7 +202,8 @@ impl ImageFolder {
 
     /// Images from an explicit list of `(file, label)` pairs, taken whatever their extension.
     /// The classes are `0..=max label`, named by their numbers unless
-    /// [`class_names`](ImageFolderBuilder::class_names) gives them.
+    /// [`class_names`](ImageFolderBuilder::class_names) gives them (without names, labels
+    /// must be below [`MAX_UNNAMED_CLASSES`]).
     ///
     /// ```
     /// use kandle::data::{Dataset, ImageFolder};
@@ -616,6 +621,17 @@ impl ImageFolderBuilder {
             return Err(Error::invalid("the list of image files is empty"));
         }
         let max = files.iter().map(|&(_, l)| l).max().unwrap_or(0);
+        if self.class_names.is_none() && max >= MAX_UNNAMED_CLASSES {
+            let path = files
+                .iter()
+                .find(|&&(_, l)| l == max)
+                .map(|(p, _)| p.as_path());
+            return Err(Error::invalid(format!(
+                "`{}` has label {max}: without class names, labels must be below \
+                 {MAX_UNNAMED_CLASSES} (the classes are 0..=the largest label)",
+                path.unwrap_or(Path::new("")).display()
+            )));
+        }
         match &self.class_names {
             None => Ok((0..=max).map(|l| l.to_string()).collect()),
             Some(names) if max < names.len() => Ok(names.clone()),

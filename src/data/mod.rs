@@ -30,7 +30,7 @@ pub use augment::{Augment, RandomShiftFlip};
 pub use cifar10::{Cifar10, Cifar10Dataset};
 pub use image_folder::{
     ColorMode, ImageFolder, ImageFolderBuilder, Interpolation, SplitSubset, DEFAULT_IMAGE_SIZE,
-    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS,
+    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, MAX_UNNAMED_CLASSES,
 };
 pub use in_memory::InMemoryDataset;
 pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};

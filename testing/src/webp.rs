@@ -14,7 +14,7 @@ struct Bits {
 impl Bits {
     fn put(&mut self, value: u32, count: u32) {
         for i in 0..count {
-            if self.used % 8 == 0 {
+            if self.used.is_multiple_of(8) {
                 self.bytes.push(0);
             }
             let bit = ((value >> i) & 1) as u8;
@@ -54,7 +54,7 @@ pub fn solid_webp(width: u32, height: u32, rgb: [u8; 3]) -> Vec<u8> {
     }
     let mut data = bits.bytes;
     let chunk_len = data.len() as u32;
-    if data.len() % 2 == 1 {
+    if !data.len().is_multiple_of(2) {
         data.push(0);
     }
     let mut file = Vec::with_capacity(20 + data.len());

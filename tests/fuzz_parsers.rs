@@ -1,6 +1,8 @@
 //! Property-based fuzzing of every parser of outside bytes: the CIFAR-10 binary reader
 //! (`cifar10::load`, `cifar10::load_file`), the checkpoint loader (`checkpoint::load`,
-//! safetensors) and the digits reader (`digits::load_from`, gzip'd CSV).
+//! safetensors), the digits reader (`digits::load_from`, gzip'd CSV) and the image decoding of
+//! `ImageFolder` (JPEG, PNG, BMP, GIF, WebP: its header check at build time and its decode in
+//! `read`).
 //!
 //! Each parser gets random bytes and mutations of valid files (bit flips, truncation, byte
 //! insertions and deletions, corrupted header and length fields, oversized declared lengths,
@@ -31,7 +33,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use kandle::data::{cifar10, digits, Dataset};
+use kandle::data::{cifar10, digits, Dataset, ImageFolder, Interpolation};
 use kandle::params::Weights;
 use kandle::{checkpoint, Error};
 use proptest::collection::vec;
@@ -40,6 +42,7 @@ use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
 use kandle_testing::cifar10_fixture::write_fixture;
+use kandle_testing::webp::solid_webp;
 
 /// Cases per parser when `KANDLE_FUZZ_CASES` is not set: the whole file takes about a minute in
 /// a debug test build on two busy cores.
@@ -1550,6 +1553,145 @@ fn fuzz_digits() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Images (`ImageFolder`): one file read through `from_files`, `build` (the header check) and
+// `read` (the decode and resize).
+
+/// The formats the fuzzer writes: PNG, BMP and WebP losslessly, GIF and JPEG lossily.
+const IMAGE_FORMATS: [&str; 5] = ["png", "bmp", "webp", "gif", "jpg"];
+
+/// Decoding costs more than the other parsers' cases: a tenth as many cases.
+const IMAGE_CASE_SHARE: u32 = 10;
+
+/// The largest image the fuzzed `ImageFolder` accepts, in pixels: keeps what a header declares
+/// within the allocation bounds.
+const IMAGE_MAX_PIXELS: u64 = 1 << 16;
+
+#[derive(Debug, Clone)]
+enum ImageInput {
+    /// Arbitrary bytes, in a file with the extension of format `.1`.
+    Random(Bytes, usize),
+    /// A `w × h` image of seeded pixels in format `format`, its bytes then edited.
+    Encoded {
+        format: usize,
+        w: u32,
+        h: u32,
+        seed: u64,
+        mutations: Vec<Mutation>,
+    },
+}
+
+fn image_input() -> impl Strategy<Value = ImageInput> {
+    let format = 0..IMAGE_FORMATS.len();
+    prop_oneof![
+        1 => (random_bytes(256), format.clone()).prop_map(|(b, f)| ImageInput::Random(b, f)),
+        4 => (
+            format,
+            1u32..9,
+            1u32..9,
+            any::<u64>(),
+            prop_oneof![1 => Just(Vec::new()), 3 => mutations(4)],
+        )
+            .prop_map(|(format, w, h, seed, mutations)| ImageInput::Encoded {
+                format,
+                w,
+                h,
+                seed,
+                mutations,
+            }),
+    ]
+}
+
+/// The image of an `Encoded` input: its pixels (HWC, RGB) and its file's bytes. WebP images are
+/// one colour (the test writer's only kind).
+fn encode_image(format: usize, w: u32, h: u32, seed: u64) -> (Vec<u8>, Vec<u8>) {
+    let mut pixels = noise((w * h * 3) as usize, seed);
+    if IMAGE_FORMATS[format] == "webp" {
+        let rgb = [pixels[0], pixels[1], pixels[2]];
+        pixels = rgb.repeat((w * h) as usize);
+        return (pixels, solid_webp(w, h, rgb));
+    }
+    let output = match IMAGE_FORMATS[format] {
+        "png" => image::ImageOutputFormat::Png,
+        "bmp" => image::ImageOutputFormat::Bmp,
+        "gif" => image::ImageOutputFormat::Gif,
+        _ => image::ImageOutputFormat::Jpeg(90),
+    };
+    let image = image::RgbImage::from_raw(w, h, pixels.clone()).expect("a whole image");
+    let mut bytes = std::io::Cursor::new(Vec::new());
+    image
+        .write_to(&mut bytes, output)
+        .expect("the image crate encodes it");
+    (pixels, bytes.into_inner())
+}
+
+/// Builds an `ImageFolder` of the one file `path`, resized to `size` (nearest: the image's own
+/// size gives its pixels back), and reads its sample.
+fn read_image(path: &Path, size: (usize, usize)) -> kandle::Result<Vec<f32>> {
+    let ds = ImageFolder::from_files([(path, 0)])
+        .image_size(size.0, size.1)
+        .interpolation(Interpolation::Nearest)
+        .max_pixels(IMAGE_MAX_PIXELS)
+        .build()?;
+    let mut x = vec![0.0; 3 * size.0 * size.1];
+    ds.read(0, &mut x, &mut [0.0])?;
+    Ok(x)
+}
+
+#[test]
+fn fuzz_image_folder() {
+    let dir = temp_dir();
+    let cases = (cases() / IMAGE_CASE_SHARE).max(1);
+    fuzz_cases("image folder", cases, image_input(), |input, totals| {
+        let (format, bytes, size, expected) = match input {
+            ImageInput::Random(Bytes(bytes), format) => (format, bytes, (4, 4), None),
+            ImageInput::Encoded {
+                format,
+                w,
+                h,
+                seed,
+                mutations,
+            } => {
+                let (pixels, mut bytes) = encode_image(format, w, h, seed);
+                for m in &mutations {
+                    apply(&mut bytes, m);
+                }
+                let lossless = IMAGE_FORMATS[format] != "gif" && IMAGE_FORMATS[format] != "jpg";
+                let expected = (mutations.is_empty() && lossless).then_some(pixels);
+                (format, bytes, (h as usize, w as usize), expected)
+            }
+        };
+        let path = dir.path().join(format!("case.{}", IMAGE_FORMATS[format]));
+        write(&path, &bytes)?;
+        let owned = path.clone();
+        let outcome = bounded(move || read_image(&owned, size))?;
+        totals.add(&outcome);
+        check_allocations(&outcome, bytes.len())?;
+        match (&outcome.value, expected) {
+            (Err(err), None) => {
+                check_error(err, &path, "Data")?;
+            }
+            (Ok(x), None) => prop_assert!(x.iter().all(|v| (0.0..=255.0).contains(v))),
+            (Ok(x), Some(pixels)) => {
+                // CHW from HWC.
+                let plane = size.0 * size.1;
+                let chw: Vec<f32> = (0..3)
+                    .flat_map(|c| (0..plane).map(move |i| (c, i)))
+                    .map(|(c, i)| f32::from(pixels[i * 3 + c]))
+                    .collect();
+                prop_assert!(x == &chw, "the pixels differ from the image's");
+            }
+            (Err(err), Some(_)) => {
+                return Err(TestCaseError::fail(format!(
+                    "a valid {} file did not load: {err}",
+                    IMAGE_FORMATS[format]
+                )))
+            }
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Cases the fuzzer found, kept as plain tests.
 
 fn expect_outcome<T>(outcome: Result<Outcome<T>, TestCaseError>) -> Outcome<T> {
@@ -1586,6 +1728,23 @@ fn checkpoint_shape_with_a_zero_and_huge_dimensions() {
             other => panic!("shape {shape}: {other:?}"),
         }
     }
+}
+
+/// The WebP decoder of `image` 0.24 decodes the whole image when it is created: a 36-byte
+/// lossless WebP declaring 16384 × 16384 pixels would take a gigabyte before any limit applies.
+/// `ImageFolder` reads the size from the header first and refuses it, naming the file.
+#[test]
+fn image_folder_refuses_a_huge_webp_before_decoding() {
+    let dir = temp_dir();
+    let path = dir.path().join("huge.webp");
+    let bytes = solid_webp(16384, 16384, [1, 2, 3]);
+    write(&path, &bytes).expect("write");
+    let owned = path.clone();
+    let outcome = expect_outcome(bounded(move || read_image(&owned, (2, 2))));
+    check_allocations(&outcome, bytes.len()).expect("bounded allocations");
+    let err = outcome.value.expect_err("over the pixel limit");
+    check_error(&err, &path, "Data").expect("names the file");
+    assert!(err.to_string().contains("16384 × 16384"), "{err}");
 }
 
 /// A gzip'd file whose text has no line break is refused at the line limit, without being

@@ -275,30 +275,14 @@ impl Dataset for Cifar10Dataset {
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
         let width = if self.one_hot { NUM_CLASSES } else { 1 };
         let (Some(image), Some(&label)) = (self.image(index), self.labels.get(index)) else {
-            return Err(Error::invalid(format!(
-                "sample {index} is out of range for `{}` with {} samples",
-                self.name,
-                self.labels.len()
-            )));
+            return Err(super::out_of_range(&self.name, index, self.labels.len()));
         };
-        if x.len() != IMAGE_LEN || y.len() != width {
-            return Err(Error::invalid(format!(
-                "reading `{}` needs buffers of {IMAGE_LEN} and {width} floats, got {} and {}",
-                self.name,
-                x.len(),
-                y.len()
-            )));
-        }
+        super::check_buffers(&self.name, x, y, IMAGE_LEN, width)?;
         let scale = self.scale;
         for (v, &p) in x.iter_mut().zip(image) {
             *v = f32::from(p) * scale;
         }
-        if self.one_hot {
-            y.fill(0.0);
-            y[usize::from(label)] = 1.0;
-        } else {
-            y[0] = f32::from(label);
-        }
+        super::write_class(y, usize::from(label), self.one_hot);
         Ok(())
     }
 

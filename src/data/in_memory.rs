@@ -450,21 +450,11 @@ impl Dataset for InMemoryDataset {
 
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
         if index >= self.len {
-            return Err(Error::invalid(format!(
-                "sample {index} is out of range for `{}` with {} samples",
-                self.name, self.len
-            )));
+            return Err(super::out_of_range(&self.name, index, self.len));
         }
         let sample_len = self.sample_len();
         let width = self.targets.width();
-        if x.len() != sample_len || y.len() != width {
-            return Err(Error::invalid(format!(
-                "reading `{}` needs buffers of {sample_len} and {width} floats, got {} and {}",
-                self.name,
-                x.len(),
-                y.len()
-            )));
-        }
+        super::check_buffers(&self.name, x, y, sample_len, width)?;
         x.copy_from_slice(&self.x[index * sample_len..(index + 1) * sample_len]);
         y.copy_from_slice(&self.y[index * width..(index + 1) * width]);
         Ok(())

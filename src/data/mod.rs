@@ -1,5 +1,6 @@
 //! Data: the [`Dataset`] trait, datasets held in memory, the batching loader with a background
-//! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, and the CIFAR-10
+//! prefetch thread, the bundled digits dataset, the CIFAR-10 reader, images read from a folder
+//! with one subfolder per class ([`ImageFolder`]), and the CIFAR-10
 //! tutorial's pipeline: mean-image subtraction ([`MeanImage`]), one-hot targets and
 //! augmentation ([`RandomShiftFlip`], applied by the loader). Sample and class weights are
 //! checked and applied in one private module, `weighting`.
@@ -11,13 +12,14 @@
 
 use std::sync::Arc;
 
-use crate::Result;
+use crate::{Error, Result};
 
 mod augment;
 pub mod cifar10;
 pub mod digits;
 #[cfg(feature = "download")]
 mod download;
+pub mod image_folder;
 mod in_memory;
 mod loader;
 mod mean_image;
@@ -26,6 +28,10 @@ pub(crate) mod weighting;
 
 pub use augment::{Augment, RandomShiftFlip};
 pub use cifar10::{Cifar10, Cifar10Dataset};
+pub use image_folder::{
+    ColorMode, ImageFolder, ImageFolderBuilder, Interpolation, SplitSubset, DEFAULT_IMAGE_SIZE,
+    DEFAULT_MAX_PIXELS, IMAGE_EXTENSIONS, MAX_UNNAMED_CLASSES,
+};
 pub use in_memory::InMemoryDataset;
 pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
 pub use mean_image::{MeanImage, MeanSubtracted};
@@ -102,6 +108,42 @@ pub trait Dataset: Send + Sync {
     /// A name for error messages, e.g. `digits (train)`.
     fn name(&self) -> &str {
         "dataset"
+    }
+}
+
+/// The error for reading sample `index` of `name`, which has `len` samples.
+pub(crate) fn out_of_range(name: &str, index: usize, len: usize) -> Error {
+    Error::invalid(format!(
+        "sample {index} is out of range for `{name}` with {len} samples"
+    ))
+}
+
+/// Checks the buffers handed to [`Dataset::read`] of `name`: `sample_len` floats for the input
+/// and `width` for the target.
+pub(crate) fn check_buffers(
+    name: &str,
+    x: &[f32],
+    y: &[f32],
+    sample_len: usize,
+    width: usize,
+) -> Result<()> {
+    if x.len() != sample_len || y.len() != width {
+        return Err(Error::invalid(format!(
+            "reading `{name}` needs buffers of {sample_len} and {width} floats, got {} and {}",
+            x.len(),
+            y.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes class `label` into a checked target buffer: its index, or a one-hot row.
+pub(crate) fn write_class(y: &mut [f32], label: usize, one_hot: bool) {
+    if one_hot {
+        y.fill(0.0);
+        y[label] = 1.0;
+    } else {
+        y[0] = label as f32;
     }
 }
 

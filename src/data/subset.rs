@@ -109,13 +109,9 @@ impl<D: Dataset> Dataset for Subset<D> {
     }
 
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
-        let source = self.source_index(index).ok_or_else(|| {
-            Error::invalid(format!(
-                "sample {index} is out of range for `{}` with {} samples",
-                self.name,
-                self.len()
-            ))
-        })?;
+        let source = self
+            .source_index(index)
+            .ok_or_else(|| super::out_of_range(&self.name, index, self.len()))?;
         self.dataset.read(source, x, y)
     }
 

@@ -5,7 +5,8 @@
 //! - [`crash`]: a callback that fails one training step, for the tests of `BackupAndRestore`;
 //! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print;
 //! - [`strategies`]: the strategy tests' equivalence run, the steps of a resumed run, and
-//!   comparing weights with one device's within the float32 spread of an equivalent ordering.
+//!   comparing weights with one device's within the float32 spread of an equivalent ordering;
+//! - [`webp`]: a one-colour lossless WebP file, which the `image` crate cannot write.
 //!
 //! With the `mpi` feature it also builds the programs the MPI tests (`tests/`) launch under
 //! `mpirun`: `kandle-mpi-check` (multi-worker) and `kandle-ps-check` (parameter servers), test
@@ -18,3 +19,4 @@ pub mod cifar10_fixture;
 pub mod crash;
 pub mod launch;
 pub mod strategies;
+pub mod webp;

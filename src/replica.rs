@@ -6,7 +6,7 @@
 //! ([`Replica::finish_step`]). Strategies decide only where replicas live and how their buffers
 //! are summed between those two calls (see [`crate::strategy::step`]).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -76,6 +76,29 @@ struct Gradients {
     statistics_before: Vec<Tensor>,
 }
 
+impl Gradients {
+    /// The sum of two micro-batches' gradients and sums, computed with the same weights; the
+    /// moving statistics to restore are those from before the earlier one's forward pass.
+    fn plus(self, later: Gradients) -> Result<Gradients> {
+        let grads = self
+            .grads
+            .iter()
+            .zip(&later.grads)
+            .map(|(a, b)| Ok((a + b)?))
+            .collect::<Result<Vec<_>>>()?;
+        let statistics_before = match self.statistics_before.is_empty() {
+            true => later.statistics_before,
+            false => self.statistics_before,
+        };
+        Ok(Gradients {
+            grads,
+            stats: (self.stats + later.stats)?,
+            samples: self.samples + later.samples,
+            statistics_before,
+        })
+    }
+}
+
 /// A replica's share of a step as one buffer laid out by [`StepLayout`], ready to be summed
 /// with the other replicas'.
 pub struct StepBuffer {
@@ -100,6 +123,9 @@ pub struct Replica {
     layout: Arc<StepLayout>,
     summary: Summary,
     records_backward: bool,
+    /// The micro-batches accumulated since the last step buffer (gradient accumulation): their
+    /// gradients and sums, which the next [`Replica::step_buffer`] adds to its own.
+    accumulated: Mutex<Option<Gradients>>,
 }
 
 impl Replica {
@@ -148,6 +174,7 @@ impl Replica {
             summary,
             records_backward: spec.compute_path.records_backward(&device),
             device,
+            accumulated: Mutex::new(None),
         })
     }
 
@@ -235,9 +262,16 @@ impl Replica {
 
     /// This replica's share of a step on `part` (on the CPU): its gradients and sums, fused
     /// into one buffer laid out by [`Self::layout`] that adds up with the other replicas'.
+    ///
+    /// The micro-batches [`Self::accumulate`] took since the last buffer are part of it: their
+    /// gradients and sums are added to this part's, and the buffer's moving statistics, those
+    /// after the last forward pass, are weighted by the sample count of them all.
     pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
         let (x, y, w) = part.to_device(&self.device)?;
-        let g = self.compute_gradients(&x, &y, w.as_ref())?;
+        let mut g = self.compute_gradients(&x, &y, w.as_ref())?;
+        if let Some(earlier) = self.take_accumulated()? {
+            g = earlier.plus(g)?;
+        }
         let samples = Tensor::new(&[g.samples as f32], &self.device)?;
         let statistics = self
             .statistics
@@ -252,6 +286,33 @@ impl Replica {
             fused: fuse(&parts)?,
             statistics_before: g.statistics_before,
         })
+    }
+
+    /// Gradient accumulation: computes the gradients and sums of `part` (on the CPU) and keeps
+    /// them, added to those of the micro-batches accumulated before, for the next
+    /// [`Self::step_buffer`]. No variable changes but the moving statistics, which the forward
+    /// pass updates as in any training step (each micro-batch normalises with its own batch
+    /// statistics). Returns the part's sample count and its `[loss_sum, metric states...]`.
+    pub fn accumulate(&self, part: &Batch) -> Result<(usize, Vec<f64>)> {
+        let (x, y, w) = part.to_device(&self.device)?;
+        let g = self.compute_gradients(&x, &y, w.as_ref())?;
+        let own = (g.samples, g.stats.to_dtype(DType::F64)?.to_vec1::<f64>()?);
+        let mut slot = self.accumulated_slot()?;
+        *slot = Some(match slot.take() {
+            Some(earlier) => earlier.plus(g)?,
+            None => g,
+        });
+        Ok(own)
+    }
+
+    fn accumulated_slot(&self) -> Result<std::sync::MutexGuard<'_, Option<Gradients>>> {
+        self.accumulated.lock().map_err(|_| {
+            crate::Error::invalid("a replica's accumulated gradients were poisoned by a panic")
+        })
+    }
+
+    fn take_accumulated(&self) -> Result<Option<Gradients>> {
+        Ok(self.accumulated_slot()?.take())
     }
 
     /// The final phase of a step, the same for every strategy: with `total`, the sum of every

@@ -127,6 +127,19 @@ pub trait DistributedModel: Send {
     /// One training step on this worker's part of a global batch (CPU tensors), at `lr`.
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats>;
 
+    /// Gradient accumulation: this worker's part of a global micro-batch (CPU tensors), whose
+    /// gradients and sums each replica keeps (see [`Replica::accumulate`]) for the next
+    /// [`train_step`](Self::train_step), which reduces them with its own batch's in its one
+    /// reduction and applies one update. Nothing is reduced or applied here. Returns the
+    /// micro-batch's sample count and sums over this process's replicas
+    /// ([`StepStats::applied`] false). The default, for a strategy that cannot, is an error.
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let _ = batch;
+        Err(crate::Error::invalid(
+            "this strategy does not support gradient accumulation",
+        ))
+    }
+
     /// Loss and metric sums of a batch in inference mode, over all workers.
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats>;
 

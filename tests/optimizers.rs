@@ -489,7 +489,7 @@ fn configs_report_their_settings() {
 
     assert_eq!(
         format!("{:?}", Adam::new(0.5)),
-        "Adam { learning_rate: 0.5, beta_1: 0.9, beta_2: 0.999, epsilon: 1e-7, weight_decay: 0.0 }"
+        "Adam { learning_rate: 0.5, beta_1: 0.9, beta_2: 0.999, epsilon: 1e-7, weight_decay: 0.0, gradient_accumulation_steps: 1 }"
     );
     assert!(format!("{adamw:?}").starts_with("AdamW { learning_rate: 0.001,"));
 }

@@ -12,7 +12,7 @@ use candle_core::Tensor;
 use super::totals::Totals;
 use super::{FitOptions, Model};
 use crate::callbacks::{Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity};
-use crate::data::{weighting, Dataset, Loader, LoaderOptions};
+use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
 use crate::resume::{self, FitRequests, Position, RunShape};
 use crate::strategy::StepStats;
 use crate::{Error, Result};
@@ -256,8 +256,16 @@ impl Model {
             for (step, batch) in (first_step..).zip(batches.take(steps)) {
                 let batch = batch?;
                 callbacks.on_train_batch_begin(step, self)?;
-                let lr = self.learning_rate;
-                let stats = self.replicas()?.train_step(&batch, lr)?;
+                let stats = self.train_or_accumulate(&batch, step + 1 == run.steps)?;
+                if self.accumulated > 0 {
+                    // A micro-batch of a group whose update is still to come: its loss alone,
+                    // and no backup or stop before the group is applied.
+                    let mut logs = totals.logs();
+                    let loss = stats.sums.first().copied().unwrap_or(f64::NAN);
+                    logs.set("batch_loss", loss / stats.samples.max(1) as f64);
+                    callbacks.on_train_batch_end(step, &logs, self)?;
+                    continue;
+                }
                 if !stats.applied && stats.samples > 0 && self.is_chief() {
                     log::warn!(
                         "epoch {} step {}: the loss or a gradient is not finite; \
@@ -283,6 +291,24 @@ impl Model {
             Ok(())
         })?;
         Ok(totals)
+    }
+}
+
+impl Model {
+    /// One training batch: with gradient accumulation over `k` batches, the replicas keep its
+    /// gradients unless it completes a group of `k` (or is the last of an epoch, `closes`),
+    /// when its step reduces them all and applies one update.
+    pub(super) fn train_or_accumulate(&mut self, batch: &Batch, closes: bool) -> Result<StepStats> {
+        let k = self.optimizer.gradient_accumulation_steps();
+        if self.accumulated + 1 < k && !closes {
+            let stats = self.replicas()?.accumulate(batch)?;
+            self.accumulated += 1;
+            return Ok(stats);
+        }
+        let lr = self.learning_rate;
+        let stats = self.replicas()?.train_step(batch, lr);
+        self.accumulated = 0;
+        stats
     }
 }
 

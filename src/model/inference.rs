@@ -186,7 +186,11 @@ impl Model {
     /// One training step on this batch, as Keras's `train_on_batch`: the whole batch is the
     /// global batch (split across this process's replicas; under multi-worker training each
     /// worker passes its own part). Returns the batch's loss and metrics. An update whose loss
-    /// or gradients are not finite is not applied, and the loss is then NaN. On a process that
+    /// or gradients are not finite is not applied, and the loss is then NaN. With
+    /// [`gradient_accumulation_steps`](crate::optimizers::OptimizerConfig::gradient_accumulation_steps)
+    /// `k`, every `k`-th call updates, with the gradients of its batch and the `k - 1` before
+    /// it; the calls in between return their batch's loss and metrics (this process's share
+    /// under multi-worker training) and change no weight. On a process that
     /// serves the others (a parameter server), it and the other `*_on_batch` methods serve that
     /// one batch and return nothing (empty logs, no rows), as `fit` does.
     pub fn train_on_batch(
@@ -196,12 +200,11 @@ impl Model {
         sample_weight: Option<&Tensor>,
     ) -> Result<Logs> {
         let batch = self.one_batch(x, y, sample_weight)?;
-        let stats = self.strategy_call(|model| {
-            let lr = model.learning_rate;
-            model.replicas()?.train_step(&batch, lr)
-        })?;
+        let stats = self.strategy_call(|model| model.train_or_accumulate(&batch, false))?;
+        // A step (not a kept micro-batch) that was not applied reports a NaN loss.
+        let stepped = self.accumulated == 0;
         Ok(stats.map_or_else(Logs::new, |stats| {
-            Totals::of(&self.metrics, &stats, true).logs()
+            Totals::of(&self.metrics, &stats, stepped).logs()
         }))
     }
 

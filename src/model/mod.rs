@@ -61,6 +61,8 @@ pub struct Model {
     learning_rate: f64,
     stop_training: bool,
     requests: FitRequests,
+    /// Batches whose gradients the replicas hold for the next update (gradient accumulation).
+    accumulated: usize,
 }
 
 impl Sequential {
@@ -149,6 +151,7 @@ impl Network {
             learning_rate,
             stop_training: false,
             requests: FitRequests::default(),
+            accumulated: 0,
         };
         if let Some(shape) = model.network.declared_input_shape().map(<[usize]>::to_vec) {
             model.build(&shape)?;

@@ -76,6 +76,9 @@ pub struct AdamFamily<D> {
     /// added to each gradient; for [`AdamW`] decoupled, each step scaling the variables by
     /// `1 - lr * weight_decay`.
     pub weight_decay: f64,
+    /// Batches whose gradients are summed before one update (1: none); see
+    /// [`OptimizerConfig::gradient_accumulation_steps`].
+    pub gradient_accumulation_steps: usize,
     decay: PhantomData<D>,
 }
 
@@ -136,6 +139,10 @@ impl<D: WeightDecay> fmt::Debug for AdamFamily<D> {
             .field("beta_2", &self.beta_2)
             .field("epsilon", &self.epsilon)
             .field("weight_decay", &self.weight_decay)
+            .field(
+                "gradient_accumulation_steps",
+                &self.gradient_accumulation_steps,
+            )
             .finish()
     }
 }
@@ -149,6 +156,7 @@ impl<D: WeightDecay> AdamFamily<D> {
             beta_2: 0.999,
             epsilon: 1e-7,
             weight_decay: D::DEFAULT,
+            gradient_accumulation_steps: 1,
             decay: PhantomData,
         }
     }
@@ -171,6 +179,13 @@ impl<D: WeightDecay> AdamFamily<D> {
         self.weight_decay = weight_decay;
         self
     }
+
+    /// Sums the gradients of `steps` batches before each update, as Keras's
+    /// `gradient_accumulation_steps`.
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.gradient_accumulation_steps = steps;
+        self
+    }
 }
 
 impl<D: WeightDecay> OptimizerConfig for AdamFamily<D> {
@@ -188,11 +203,16 @@ impl<D: WeightDecay> OptimizerConfig for AdamFamily<D> {
             decoupled: D::DECOUPLED,
         };
         hyper.validate(self.learning_rate)?;
+        super::check_accumulation(D::NAME, self.gradient_accumulation_steps)?;
         Ok(Box::new(AdamState::new(hyper, params)?))
     }
 
     fn clone_config(&self) -> Box<dyn OptimizerConfig> {
         Box::new(*self)
+    }
+
+    fn gradient_accumulation_steps(&self) -> usize {
+        self.gradient_accumulation_steps
     }
 }
 

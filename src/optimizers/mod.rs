@@ -31,6 +31,14 @@ pub trait OptimizerConfig: Send + Sync + 'static {
 
     /// A boxed copy.
     fn clone_config(&self) -> Box<dyn OptimizerConfig>;
+
+    /// Keras's `gradient_accumulation_steps`: how many batches' gradients are summed before
+    /// one update (1, the default: every batch updates). `fit` and `train_on_batch` then
+    /// reduce and apply on every `k`-th batch only (and `fit` on the last batch of an epoch),
+    /// the update being that of one batch `k` times larger.
+    fn gradient_accumulation_steps(&self) -> usize {
+        1
+    }
 }
 
 impl Clone for Box<dyn OptimizerConfig> {
@@ -123,6 +131,17 @@ pub(crate) fn check_unit(optimizer: &str, name: &str, value: f64) -> Result<()> 
     } else {
         Err(Error::invalid(format!(
             "{optimizer}: {name} must be in [0, 1), got {value}"
+        )))
+    }
+}
+
+/// Checks a number of gradient accumulation steps: at least 1.
+pub(crate) fn check_accumulation(optimizer: &str, steps: usize) -> Result<()> {
+    if steps >= 1 {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "{optimizer}: gradient_accumulation_steps must be at least 1, got {steps}"
         )))
     }
 }

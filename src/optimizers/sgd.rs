@@ -17,8 +17,8 @@
 use candle_core::{Tensor, Var};
 
 use super::{
-    check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig,
-    OptimizerState,
+    check_accumulation, check_grads, check_lr, check_non_negative, check_unit, Optimizer,
+    OptimizerConfig, OptimizerState,
 };
 use crate::{Error, Result};
 
@@ -38,6 +38,9 @@ pub struct Sgd {
     pub nesterov: bool,
     /// L2 penalty: `weight_decay * p` is added to each gradient.
     pub weight_decay: f64,
+    /// Batches whose gradients are summed before one update (1: none); see
+    /// [`OptimizerConfig::gradient_accumulation_steps`].
+    pub gradient_accumulation_steps: usize,
 }
 
 impl Default for Sgd {
@@ -55,6 +58,7 @@ impl Sgd {
             momentum: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            gradient_accumulation_steps: 1,
         }
     }
 
@@ -76,10 +80,25 @@ impl Sgd {
         self
     }
 
+    /// Sums the gradients of `steps` batches before each update, as Keras's
+    /// `gradient_accumulation_steps`: a global batch `steps` times what the devices hold.
+    ///
+    /// ```
+    /// use kandle::optimizers::{OptimizerConfig, Sgd};
+    ///
+    /// let sgd = Sgd::new(0.1).momentum(0.9).gradient_accumulation_steps(4);
+    /// assert_eq!(OptimizerConfig::gradient_accumulation_steps(&sgd), 4);
+    /// ```
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.gradient_accumulation_steps = steps;
+        self
+    }
+
     fn validate(&self) -> Result<()> {
         check_lr("SGD", self.learning_rate)?;
         check_unit("SGD", "momentum", self.momentum)?;
         check_non_negative("SGD", "weight decay", self.weight_decay)?;
+        check_accumulation("SGD", self.gradient_accumulation_steps)?;
         if self.nesterov && self.momentum == 0.0 {
             return Err(Error::invalid(
                 "SGD: Nesterov momentum needs a momentum above 0",
@@ -106,6 +125,10 @@ impl OptimizerConfig for Sgd {
 
     fn clone_config(&self) -> Box<dyn OptimizerConfig> {
         Box::new(*self)
+    }
+
+    fn gradient_accumulation_steps(&self) -> usize {
+        self.gradient_accumulation_steps
     }
 }
 

@@ -67,6 +67,15 @@ impl DistributedModel for OneDeviceModel {
         Ok(totals.into_stats())
     }
 
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let (samples, sums) = self.replica.accumulate(batch)?;
+        Ok(StepStats {
+            samples,
+            sums,
+            applied: false,
+        })
+    }
+
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
         let sums = self
             .replica

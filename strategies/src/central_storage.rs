@@ -143,6 +143,13 @@ impl DistributedModel for CentralModel {
         Ok(totals.into_stats())
     }
 
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let weights = fuse_store(self.central.store())?;
+        let stats = self.set.accumulate(batch, Some(weights))?;
+        copy_generators(&self.set.stores[0], self.central.store())?;
+        Ok(stats)
+    }
+
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
         self.sync_replicas()?;
         self.set.evaluate(batch)

@@ -242,4 +242,96 @@ mod tests {
         }
         Ok(())
     }
+
+    /// Counts the reductions of a [`ReplicaModel`]'s steps.
+    struct CountingOps(
+        CrossDeviceOps,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    );
+
+    impl crate::replica_set::Reduce for CountingOps {
+        fn reduce_step(
+            &mut self,
+            set: &mut ReplicaSet,
+            batch: &Batch,
+        ) -> Result<(Vec<candle_core::Tensor>, Vec<Vec<candle_core::Tensor>>)> {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.0.reduce_step(set, batch)
+        }
+    }
+
+    /// Two CPU replicas whose reductions are counted.
+    #[derive(Clone)]
+    struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Strategy for Counted {
+        fn name(&self) -> &str {
+            "counted"
+        }
+
+        fn num_replicas_in_sync(&self) -> usize {
+            2
+        }
+
+        fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+            let devices = [Device::Cpu, Device::Cpu];
+            Ok(Box::new(ReplicaModel {
+                set: ReplicaSet::build(spec, &devices, &ReplicaOptions::default())?,
+                reduce: CountingOps(CrossDeviceOps::default(), std::sync::Arc::clone(&self.0)),
+            }))
+        }
+    }
+
+    /// Gradient accumulation over 3 batches: one all-reduce per update, in `fit` (10 batches
+    /// an epoch: groups of 3, 3, 3 and the short last one) and in `train_on_batch`.
+    #[test]
+    fn accumulation_reduces_once_per_update() -> Result<()> {
+        use std::sync::atomic::Ordering;
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let net = Sequential::new()
+            .add(Flatten)
+            .add(Dense::new(10))
+            .add(Activation::Softmax);
+        let sgd = Sgd::new(0.1).gradient_accumulation_steps(3);
+        let strategy = Counted(std::sync::Arc::clone(&count));
+        let mut model = net.compile(
+            sgd,
+            SparseCategoricalCrossentropy::new(),
+            [Accuracy],
+            &strategy,
+        )?;
+        let data = kandle::data::digits::load()?.subset(&(0..80).collect::<Vec<_>>())?;
+        let options = kandle::FitOptions {
+            epochs: 2,
+            batch_size_per_replica: 4,
+            verbosity: kandle::callbacks::Verbosity::Silent,
+            ..Default::default()
+        };
+        let history = model.fit(&data, options)?;
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            8,
+            "4 updates an epoch, 2 epochs"
+        );
+        assert!(history.last("loss").is_some_and(f64::is_finite));
+
+        let (x, y) = data.to_tensors()?;
+        let values = |model: &kandle::Model| -> Result<Vec<f32>> {
+            let mut all = Vec::new();
+            for t in model.get_weights()?.values() {
+                all.extend(t.flatten_all()?.to_vec1::<f32>()?);
+            }
+            Ok(all)
+        };
+        let before = values(&model)?;
+        for call in 0..3 {
+            let batch = (x.narrow(0, call * 8, 8)?, y.narrow(0, call * 8, 8)?);
+            let logs = model.train_on_batch(&batch.0, &batch.1, None)?;
+            assert!(logs.get("loss").is_some_and(f64::is_finite));
+            let changed = values(&model)? != before;
+            assert_eq!(changed, call == 2, "call {call}");
+        }
+        assert_eq!(count.load(Ordering::SeqCst), 9);
+        Ok(())
+    }
 }

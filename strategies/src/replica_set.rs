@@ -234,6 +234,42 @@ impl ReplicaSet {
         batch: &Batch,
         weights: Option<Tensor>,
     ) -> Result<Vec<StepBuffer>> {
+        self.on_parts(batch, weights, Replica::step_buffer)
+    }
+
+    /// Gradient accumulation: every replica keeps the gradients and sums of its part of the
+    /// micro-batch `batch` for its next step buffer ([`Replica::accumulate`]); with `weights`,
+    /// each first loads them as in [`Self::compute`]. Returns the micro-batch's sample count
+    /// and sums over these replicas.
+    pub(crate) fn accumulate(
+        &mut self,
+        batch: &Batch,
+        weights: Option<Tensor>,
+    ) -> Result<StepStats> {
+        let parts = self.on_parts(batch, weights, Replica::accumulate)?;
+        let mut total = vec![0.0; self.layout.num_stats];
+        let mut samples = 0;
+        for (n, sums) in parts {
+            samples += n;
+            for (t, v) in total.iter_mut().zip(sums) {
+                *t += v;
+            }
+        }
+        Ok(StepStats {
+            samples,
+            sums: total,
+            applied: false,
+        })
+    }
+
+    /// Runs `f` on every replica with its part of `batch`, in parallel, after loading
+    /// `weights` (a fused buffer of all variables in store order) when given.
+    fn on_parts<R: Send + 'static>(
+        &mut self,
+        batch: &Batch,
+        weights: Option<Tensor>,
+        f: fn(&Replica, &Batch) -> Result<R>,
+    ) -> Result<Vec<R>> {
         let parts = self.split(batch)?;
         if let Some(group) = &self.rendezvous {
             let active: Vec<bool> = parts.iter().map(|p| !p.is_empty()).collect();
@@ -245,7 +281,7 @@ impl ReplicaSet {
             if let Some(w) = weights {
                 load_fused(replica.store(), &w)?;
             }
-            replica.step_buffer(&part)
+            f(replica, &part)
         })
     }
 
@@ -445,6 +481,11 @@ impl<R: Reduce> ReplicaModel<R> {
 impl<R: Reduce> DistributedModel for ReplicaModel<R> {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         let result = self.train(batch, lr);
+        self.checked(result)
+    }
+
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let result = self.set.accumulate(batch, None);
         self.checked(result)
     }
 

@@ -293,6 +293,10 @@ impl DistributedModel for PsModel {
         self.worker("a training step")?.train(batch, lr)
     }
 
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.worker("gradient accumulation")?.accumulate(batch)
+    }
+
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
         self.worker("an evaluation step")?.test(batch)
     }

@@ -261,6 +261,22 @@ impl Worker {
         Ok(())
     }
 
+    /// Gradient accumulation: this worker's part of a micro-batch, computed on the weights of
+    /// the step it belongs to and kept for the next push ([`Replica::accumulate`]); nothing is
+    /// sent. Returns this worker's sample count and sums.
+    pub(crate) fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        if !self.fresh {
+            self.pull(Message::Pull, "a pull of the weights")?;
+            self.fresh = true;
+        }
+        let (samples, sums) = self.replica.accumulate(batch)?;
+        Ok(StepStats {
+            samples,
+            sums,
+            applied: false,
+        })
+    }
+
     /// Loss and metric sums of this worker's part of an evaluation batch, summed over every
     /// worker by server 0.
     pub(crate) fn test(&mut self, batch: &Batch) -> Result<StepStats> {

@@ -195,7 +195,7 @@ pub fn fit<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<(Model, History)> {
-    fit_on(net, strategy, samples, None, Order::Fixed)
+    fit_on(net, strategy, samples, None, Order::Fixed, 1)
 }
 
 /// The run of [`train`] on compute path `path` (`None`: `KANDLE_COMPUTE`'s) with the samples in
@@ -207,7 +207,25 @@ pub fn train_on<S: Strategy + Clone + 'static>(
     path: Option<ComputePath>,
     order: Order,
 ) -> kandle::Result<Model> {
-    Ok(fit_on(net, strategy, samples, path, order)?.0)
+    Ok(fit_on(net, strategy, samples, path, order, 1)?.0)
+}
+
+/// The run of [`train`] in micro-batches of a `k`-th of [`GLOBAL_BATCH`], their gradients
+/// accumulated over `k` batches (`gradient_accumulation_steps(k)`): the same updates as
+/// [`train`]'s, the last group short as its last batch is.
+pub fn train_accumulating<S: Strategy + Clone + 'static>(
+    net: impl Into<Network>,
+    strategy: &S,
+    samples: usize,
+    k: usize,
+) -> kandle::Result<Model> {
+    let (model, history) = fit_on(net, strategy, samples, None, Order::Fixed, k)?;
+    match history.last("loss") {
+        Some(loss) if loss.is_finite() => Ok(model),
+        loss => Err(kandle::Error::invalid(format!(
+            "the accumulating run ended with loss {loss:?}"
+        ))),
+    }
 }
 
 fn fit_on<S: Strategy + Clone + 'static>(
@@ -216,11 +234,13 @@ fn fit_on<S: Strategy + Clone + 'static>(
     samples: usize,
     path: Option<ComputePath>,
     order: Order,
+    accumulation: usize,
 ) -> kandle::Result<(Model, History)> {
     let replicas = strategy.num_replicas_in_sync();
-    if !GLOBAL_BATCH.is_multiple_of(replicas) {
+    if !GLOBAL_BATCH.is_multiple_of(replicas * accumulation) {
         return Err(kandle::Error::invalid(format!(
-            "{replicas} replicas do not divide the global batch of {GLOBAL_BATCH}"
+            "{replicas} replicas and {accumulation} accumulation steps do not divide the global \
+             batch of {GLOBAL_BATCH}"
         )));
     }
     let net = net.into();
@@ -228,7 +248,10 @@ fn fit_on<S: Strategy + Clone + 'static>(
     if two_outputs(&net) {
         data = digits_with_row_means(&data)?;
     }
-    let mut model = compile(net, Sgd::new(0.05).momentum(0.9), strategy, 5)?;
+    let sgd = Sgd::new(0.05)
+        .momentum(0.9)
+        .gradient_accumulation_steps(accumulation);
+    let mut model = compile(net, sgd, strategy, 5)?;
     if let Some(path) = path {
         model = model.with_compute_path(path)?;
     }
@@ -236,7 +259,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
         &data,
         FitOptions {
             epochs: 1,
-            batch_size_per_replica: GLOBAL_BATCH / replicas,
+            batch_size_per_replica: GLOBAL_BATCH / (replicas * accumulation),
             shuffle: false,
             seed: Some(9),
             verbosity: Verbosity::Silent,

@@ -54,6 +54,7 @@ pub mod functional;
 pub mod layers;
 pub mod losses;
 pub mod metrics;
+pub mod mixed_precision;
 mod model;
 pub mod optimizers;
 pub mod params;
@@ -91,6 +92,7 @@ pub use kandle_kernels::SimdLevel;
 pub struct ReadmeDoctests;
 pub use losses::Loss;
 pub use metrics::{Metric, Metrics};
+pub use mixed_precision::{DTypePolicy, LossScale};
 pub use model::{EvaluateOptions, FitOptions, Model, Network, PredictOptions};
 pub use strategy::{OneDeviceStrategy, Strategy};
 

@@ -97,8 +97,10 @@ pub struct Param {
     /// or variance), which replicas must average to stay in agreement.
     pub statistic: bool,
     /// Whether it is the position of a random generator (where a dropout layer's masks are in
-    /// their sequence): saved with the weights, so that a resumed run draws the masks an
-    /// uninterrupted one would, but not a parameter (the summary does not count it).
+    /// their sequence), or the state of mixed precision's loss scale: saved with the weights,
+    /// so that a resumed run continues as an uninterrupted one would, kept by each replica (a
+    /// parameter server's workers keep their own), and not a parameter (the summary does not
+    /// count it).
     pub generator: bool,
 }
 
@@ -293,6 +295,8 @@ pub struct BuildContext {
     trainable: bool,
     replica: Option<ReplicaHandle>,
     compute_path: ComputePath,
+    /// The dtype convolutions and dense layers compute in (mixed precision).
+    compute_dtype: DType,
     /// Variables start at zero rather than from their initialiser (a context that only works
     /// out shapes).
     zeros: bool,
@@ -309,6 +313,7 @@ impl BuildContext {
             trainable: true,
             replica: None,
             compute_path: ComputePath::Auto,
+            compute_dtype: DType::F32,
             zeros: false,
         }
     }
@@ -331,6 +336,30 @@ impl BuildContext {
     /// The path the layers are built for (see [`Self::with_compute_path`]).
     pub fn compute_path(&self) -> ComputePath {
         self.compute_path
+    }
+
+    /// Builds convolutions and dense layers that compute in `dtype` (mixed precision; the
+    /// default is `F32`), their variables staying `F32`. See
+    /// [`DTypePolicy::compute_dtype_on`](crate::DTypePolicy::compute_dtype_on) for the dtype a
+    /// policy gives a path and device.
+    pub fn with_compute_dtype(mut self, dtype: DType) -> Self {
+        self.compute_dtype = dtype;
+        self
+    }
+
+    /// The dtype the layer being built computes in (see [`Self::with_compute_dtype`]).
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+
+    /// Runs `f` with the compute dtype set to `dtype`: a layer's own policy, as Keras's
+    /// `dtype=` argument.
+    pub fn with_dtype<R>(&mut self, dtype: DType, f: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = self.compute_dtype;
+        self.compute_dtype = dtype;
+        let out = f(self);
+        self.compute_dtype = saved;
+        out
     }
 
     /// Builds as one replica of a group whose batch normalisation uses global batch statistics

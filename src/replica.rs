@@ -15,6 +15,7 @@ use crate::data::Batch;
 use crate::layers::{Activation, FastPath, Layer, ParamGrads, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
+use crate::mixed_precision::{DTypePolicy, LossScale};
 use crate::model::Network;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
@@ -40,6 +41,8 @@ pub struct ModelSpec {
     pub seed: u64,
     /// Which code the network runs and which backward pass differentiates it.
     pub compute_path: ComputePath,
+    /// The dtypes the network computes in, and the loss scale (mixed precision).
+    pub dtype_policy: DTypePolicy,
 }
 
 impl std::fmt::Debug for ModelSpec {
@@ -50,6 +53,7 @@ impl std::fmt::Debug for ModelSpec {
             .field("metrics", &self.metrics)
             .field("seed", &self.seed)
             .field("compute_path", &self.compute_path)
+            .field("dtype_policy", &self.dtype_policy)
             .finish_non_exhaustive()
     }
 }
@@ -123,6 +127,8 @@ pub struct Replica {
     layout: Arc<StepLayout>,
     summary: Summary,
     records_backward: bool,
+    /// Mixed precision's dynamic loss scale and the variable holding its state.
+    loss_scale: Option<(LossScale, Var)>,
     /// The micro-batches accumulated since the last step buffer (gradient accumulation): their
     /// gradients and sums, which the next [`Replica::step_buffer`] adds to its own.
     accumulated: Mutex<Option<Gradients>>,
@@ -136,7 +142,12 @@ impl Replica {
     }
 
     fn context(spec: &ModelSpec, device: &Device) -> BuildContext {
-        BuildContext::new(device, spec.seed).with_compute_path(spec.compute_path)
+        let dtype = spec
+            .dtype_policy
+            .compute_dtype_on(spec.compute_path, device);
+        BuildContext::new(device, spec.seed)
+            .with_compute_path(spec.compute_path)
+            .with_compute_dtype(dtype)
     }
 
     /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
@@ -147,7 +158,17 @@ impl Replica {
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
-        let (net, store, summary) = spec.network.build(ctx, &spec.input_shape)?;
+        spec.dtype_policy.check_on(spec.compute_path, &device)?;
+        let (net, mut store, summary) = spec.network.build(ctx, &spec.input_shape)?;
+        let loss_scale = match spec.dtype_policy.loss_scale() {
+            Some(scale) => {
+                let param = scale.param(&device)?;
+                let var = param.var.clone();
+                store.insert_param(param)?;
+                Some((scale, var))
+            }
+            None => None,
+        };
         let trainable = store.trainable_vars();
         let trainable_names = store
             .iter()
@@ -173,6 +194,7 @@ impl Replica {
             layout,
             summary,
             records_backward: spec.compute_path.records_backward(&device),
+            loss_scale,
             device,
             accumulated: Mutex::new(None),
         })
@@ -338,7 +360,72 @@ impl Replica {
             totals,
             statistics_before,
             lr,
-        )
+        )?;
+        self.update_loss_scale(totals)
+    }
+
+    /// Moves mixed precision's loss scale on after a step with `totals` (halved when the step
+    /// was not applied): what [`Self::finish_step`] does last, and what a replica that does not
+    /// finish steps itself (a parameter server's worker) runs with the step's totals.
+    pub fn update_loss_scale(&self, totals: &StepTotals) -> Result<()> {
+        match &self.loss_scale {
+            Some((scale, var)) => scale.update(var, totals),
+            None => Ok(()),
+        }
+    }
+
+    /// The current loss scale under a policy that scales the loss.
+    pub fn current_loss_scale(&self) -> Result<Option<f64>> {
+        match &self.loss_scale {
+            Some((_, var)) => Ok(Some(
+                var.as_tensor()
+                    .narrow(0, 0, 1)?
+                    .to_dtype(DType::F64)?
+                    .to_vec1::<f64>()?[0],
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// The loss summed over the batch, multiplied by the loss scale when there is one: what the
+    /// backward pass differentiates.
+    fn objective(&self, loss_sum: &Tensor) -> Result<Tensor> {
+        match &self.loss_scale {
+            Some((_, var)) => Ok(loss_sum.broadcast_mul(&self.scale_of(var)?)?),
+            None => Ok(loss_sum.clone()),
+        }
+    }
+
+    /// The scale itself, a scalar tensor on this device (no host read).
+    fn scale_of(&self, var: &Var) -> Result<Tensor> {
+        Ok(var.as_tensor().narrow(0, 0, 1)?.squeeze(0)?.detach())
+    }
+
+    /// Gradients of the scaled objective divided back by the scale.
+    fn unscaled(&self, grads: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let Some((_, var)) = &self.loss_scale else {
+            return Ok(grads);
+        };
+        let scale = self.scale_of(var)?;
+        grads
+            .into_iter()
+            .map(|g| Ok(g.broadcast_div(&scale)?))
+            .collect()
+    }
+
+    /// The network's output and logits in `float32`, for the loss and the metrics: under mixed
+    /// precision, the final softmax is computed again in `float32` from the logits.
+    fn in_f32(output: Tensor, logits: Option<Tensor>) -> Result<(Tensor, Option<Tensor>)> {
+        if output.dtype() == DType::F32 {
+            return Ok((output, logits));
+        }
+        match logits {
+            Some(logits) => {
+                let logits = logits.to_dtype(DType::F32)?;
+                Ok((Activation::Softmax.apply_t(&logits, true)?, Some(logits)))
+            }
+            None => Ok((output.to_dtype(DType::F32)?, None)),
+        }
     }
 
     /// The loss summed over the batch (each sample's loss weighted by `weights` when given);
@@ -367,8 +454,9 @@ impl Replica {
         weights: Option<&Tensor>,
     ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
         let (output, logits) = self.net.forward_with_logits(x, true)?;
+        let (output, logits) = Self::in_f32(output, logits)?;
         let loss_sum = self.loss_sum(&output, logits.as_ref(), y, weights)?;
-        let mut store = loss_sum.backward()?;
+        let mut store = self.objective(&loss_sum)?.backward()?;
         let grads = self
             .trainable
             .iter()
@@ -377,7 +465,7 @@ impl Replica {
                 None => Ok(v.as_tensor().zeros_like()?.detach()),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((grads, loss_sum, output))
+        Ok((self.unscaled(grads)?, loss_sum, output))
     }
 
     /// [`Self::candle_backward`] through the network's recorded backward pass: candle's
@@ -399,7 +487,11 @@ impl Replica {
             None => (head.as_tensor().clone(), None),
         };
         let loss_sum = self.loss_sum(&output, logits, y, weights)?;
-        let dhead = match loss_sum.backward()?.remove(head.as_tensor()) {
+        let dhead = match self
+            .objective(&loss_sum)?
+            .backward()?
+            .remove(head.as_tensor())
+        {
             Some(g) => g,
             None => head.as_tensor().zeros_like()?,
         };
@@ -413,7 +505,7 @@ impl Replica {
                 None => Ok(v.as_tensor().zeros_like()?),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((grads, loss_sum, output.detach()))
+        Ok((self.unscaled(grads)?, loss_sum, output.detach()))
     }
 
     fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {
@@ -460,12 +552,13 @@ impl Replica {
         }
         let (x, y, w) = part.to_device(&self.device)?;
         let (output, logits) = self.net.forward_with_logits(&x, false)?;
+        let (output, logits) = Self::in_f32(output, logits)?;
         let loss_sum = self.loss_sum(&output, logits.as_ref(), &y, w.as_ref())?;
         self.stats(&loss_sum, &output, &y)
     }
 
     /// The model's output for `x` in inference mode.
     pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
-        self.net.forward_t(x, false)
+        Ok(self.net.forward_t(x, false)?.to_dtype(DType::F32)?)
     }
 }

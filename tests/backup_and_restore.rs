@@ -15,6 +15,10 @@ use kandle::prelude::*;
 use kandle_testing::crash::Crash;
 
 fn model() -> kandle::Result<Model> {
+    model_with(Sgd::new(0.05).momentum(0.9))
+}
+
+fn model_with(optimizer: Sgd) -> kandle::Result<Model> {
     Sequential::new()
         .input_shape(&[1, 8, 8])
         .add(Flatten)
@@ -23,7 +27,7 @@ fn model() -> kandle::Result<Model> {
         .add(Dense::new(10))
         .add(Activation::Softmax)
         .compile(
-            Sgd::new(0.05).momentum(0.9),
+            optimizer,
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
             &OneDeviceStrategy::cpu(),
@@ -37,19 +41,30 @@ fn data() -> Result<(InMemoryDataset, InMemoryDataset)> {
         .train_test_split(0.2, 3)?)
 }
 
-/// Trains 4 epochs (10 steps each) with a backup every `every` steps, crashing at `crash`.
+/// Trains 4 epochs (10 steps each) with `backup`, crashing at `crash`.
 fn fit(
     model: &mut Model,
     dir: &Path,
     backup: BackupAndRestore,
     crash: Option<(usize, usize)>,
 ) -> kandle::Result<History> {
+    fit_in_batches(model, dir, backup, crash, 40)
+}
+
+/// [`fit`] in batches of `batch` (400 training samples).
+fn fit_in_batches(
+    model: &mut Model,
+    dir: &Path,
+    backup: BackupAndRestore,
+    crash: Option<(usize, usize)>,
+    batch: usize,
+) -> kandle::Result<History> {
     let (train, test) = data().map_err(|e| kandle::Error::invalid(e.to_string()))?;
     model.fit(
         &train,
         FitOptions {
             epochs: 4,
-            batch_size_per_replica: 40,
+            batch_size_per_replica: batch,
             validation: Some(&test),
             seed: Some(11),
             verbosity: Verbosity::Silent,
@@ -164,5 +179,50 @@ fn a_backup_of_another_run_is_refused_and_a_damaged_one_falls_back() -> Result<(
     let history = fit(&mut second, dir.path(), keep(), None)?;
     ensure!(history.epochs == [0, 1, 2, 3], "{:?}", history.epochs);
     ensure!(!latest.exists() && !previous.exists());
+    Ok(())
+}
+
+/// Gradient accumulation over 3 batches of 20 (20 batches an epoch: six groups of 3 and a
+/// last one of 2): backups asked for every 7 batches are written when a group's update is
+/// applied (after batches 9, 15, 21, ...), and a run that crashes mid-group resumes from there
+/// and ends bit for bit where an uninterrupted run ends.
+#[test]
+fn a_backup_asked_for_mid_group_resumes_exactly() -> Result<()> {
+    let sgd = || Sgd::new(0.05).momentum(0.9).gradient_accumulation_steps(3);
+    let plain_dir = tempfile::tempdir()?;
+    let mut plain = model_with(sgd())?;
+    let backup_of = |dir: &Path| BackupAndRestore::new(dir).save_freq(SaveFreq::Steps(7));
+    let reference = fit_in_batches(
+        &mut plain,
+        plain_dir.path(),
+        backup_of(&plain_dir.path().join("b")),
+        None,
+        20,
+    )?;
+
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    // Crashes at epoch 1, batch 13 (mid-group: 12, 13, 14), after the backup asked for at
+    // batch 7 of that epoch was written at the end of its group (batch 9).
+    let mut first = model_with(sgd())?;
+    let err = fit_in_batches(
+        &mut first,
+        dir.path(),
+        backup_of(&backups),
+        Some((1, 13)),
+        20,
+    );
+    ensure!(err.is_err_and(|e| e.to_string().contains("simulated crash")));
+    let state = kandle::training_state::TrainingState::load(backups.join("backup.safetensors"))?;
+    let fit = &state.extra["fit"];
+    ensure!(
+        fit["epoch"] == 1 && fit["step"] == 9,
+        "the backup is at {fit}"
+    );
+
+    let mut second = model_with(sgd())?;
+    let resumed = fit_in_batches(&mut second, dir.path(), backup_of(&backups), None, 20)?;
+    same(&plain.get_weights()?, &second.get_weights()?)?;
+    ensure!(resumed == reference, "{resumed:?}\nvs\n{reference:?}");
     Ok(())
 }

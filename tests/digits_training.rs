@@ -3,22 +3,10 @@
 
 use kandle::prelude::*;
 
-fn cnn() -> Sequential {
-    Sequential::new()
-        .add(Conv2D::new(32, 3).padding(Padding::Same))
-        .add(BatchNormalization::new())
-        .add(Activation::Relu)
-        .add(MaxPooling2D::new(2))
-        .add(Flatten)
-        .add(Dense::new(64))
-        .add(Activation::Relu)
-        .add(Dropout::new(0.2))
-        .add(Dense::new(10))
-        .add(Activation::Softmax)
-}
+mod support;
 
 fn compiled(seed: u64) -> kandle::Result<Model> {
-    cnn()
+    support::digits_cnn()
         .compile(
             Adam::new(3e-3),
             SparseCategoricalCrossentropy::new(),

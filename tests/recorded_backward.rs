@@ -66,6 +66,7 @@ fn spec(network: Sequential, compute_path: ComputePath) -> ModelSpec {
         metrics: [Accuracy].into(),
         seed: 7,
         compute_path,
+        dtype_policy: kandle::DTypePolicy::default(),
     }
 }
 

@@ -18,6 +18,7 @@ fn mini_googlenet_is_balanced_over_one_two_and_three_servers() -> anyhow::Result
         metrics: Metrics::default(),
         seed: 0,
         compute_path: kandle::ComputePath::default(),
+        dtype_policy: kandle::DTypePolicy::default(),
     };
     let replica = Replica::new(&spec, &Device::Cpu)?;
     // What the servers hold: every variable but dropout's generator positions.

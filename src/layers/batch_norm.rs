@@ -248,6 +248,12 @@ impl BatchNormLayer {
 
 impl Layer for BatchNormLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        if x.dtype() != candle_core::DType::F32 {
+            // Mixed precision: statistics and normalisation in float32, the output in the
+            // input's dtype.
+            let y = self.forward_t(&x.to_dtype(candle_core::DType::F32)?, train)?;
+            return Ok(y.to_dtype(x.dtype())?);
+        }
         let fused = self.kernels && kernels::supported(x);
         let y = if !train || self.frozen {
             if fused {

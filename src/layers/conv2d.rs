@@ -5,7 +5,7 @@
 //! devices and types, and every tensor of a layer built for
 //! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric), use candle's `conv2d`.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{
@@ -130,6 +130,7 @@ impl LayerSpec for Conv2D {
             pad: window.pad,
             activation: self.activation,
             kernels: ctx.compute_path().uses_kernels(),
+            compute: ctx.compute_dtype(),
             lowered: KernelCache::default(),
         };
         Ok(Built::fast(layer, vec![self.filters, oh, ow], Vec::new()))
@@ -149,6 +150,9 @@ struct Conv2DLayer {
     activation: Activation,
     /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
+    /// The dtype candle's convolution computes in (mixed precision): the input and the
+    /// variables are cast to it.
+    compute: DType,
     /// The kernel inference's folded convolution last lowered, for the next call with the
     /// same weights and BatchNorm scale.
     lowered: KernelCache,
@@ -211,22 +215,27 @@ impl Conv2DLayer {
             let y = kernels::conv2d::conv2d(x, &self.weight, bias, self.stride, self.pad)?;
             return Ok(y);
         }
-        let y = self.candle_conv(x)?;
+        let y = self.candle_conv(&x.to_dtype(self.compute)?)?;
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?,
+            Some(b) => {
+                let b = b.to_dtype(self.compute)?;
+                y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?
+            }
             None => y,
         })
     }
 
     /// The convolution without bias through candle's own ops, for devices and types the CPU
     /// kernel does not take.
+    /// The weight is cast to `x`'s dtype.
     fn candle_conv(&self, x: &Tensor) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
+        let weight = self.weight.to_dtype(x.dtype())?;
         if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
-            Ok(x.conv2d(&self.weight, pt, self.stride.0, 1, 1)?)
+            Ok(x.conv2d(&weight, pt, self.stride.0, 1, 1)?)
         } else {
             let x = x.pad_with_zeros(2, pt, pb)?.pad_with_zeros(3, pl, pr)?;
-            strided_conv(&x, &self.weight, self.stride)
+            strided_conv(&x, &weight, self.stride)
         }
     }
 
@@ -437,6 +446,7 @@ mod tests {
             pad: (0, 1, 1, 1),
             activation: Activation::Linear,
             kernels: false,
+            compute: DType::F32,
             lowered: KernelCache::default(),
         };
         let x = Tensor::randn(0f32, 1., (2, 4, 10, 9), &Device::Cpu)?;

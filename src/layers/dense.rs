@@ -98,6 +98,7 @@ impl LayerSpec for Dense {
             weight: weight.as_tensor().clone(),
             bias: bias.map(|b| b.as_tensor().clone()),
             activation: self.activation,
+            compute: ctx.compute_dtype(),
         };
         Ok(Built::fast(layer, vec![self.units], Vec::new()))
     }
@@ -111,6 +112,9 @@ struct DenseLayer {
     weight: Tensor,
     bias: Option<Tensor>,
     activation: Activation,
+    /// The dtype the product computes in (mixed precision): the input and the variables are
+    /// cast to it.
+    compute: candle_core::DType,
 }
 
 impl DenseLayer {
@@ -146,15 +150,22 @@ impl DenseLayer {
     }
 }
 
+impl DenseLayer {
+    /// `x W^T + b` in the layer's compute dtype.
+    fn compute_affine(&self, x: &Tensor) -> Result<Tensor> {
+        let cast = |t: &Tensor| t.to_dtype(self.compute);
+        let bias = self.bias.as_ref().map(cast).transpose()?;
+        Self::affine(&cast(x)?, &cast(&self.weight)?, bias.as_ref())
+    }
+}
+
 impl Layer for DenseLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.activation
-            .after(Self::affine(x, &self.weight, self.bias.as_ref())?, train)
+        self.activation.after(self.compute_affine(x)?, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
-        self.activation
-            .after_with_logits(Self::affine(x, &self.weight, self.bias.as_ref())?)
+        self.activation.after_with_logits(self.compute_affine(x)?)
     }
 }
 

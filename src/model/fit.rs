@@ -149,6 +149,9 @@ impl Model {
                 }
             }
             logs.set("lr", self.learning_rate);
+            if let Some(scale) = self.loss_scale()? {
+                logs.set("loss_scale", scale);
+            }
             history.on_epoch_end(epoch, &logs, self)?;
             callbacks.on_epoch_end(epoch, &logs, self)?;
             let next = Position {
@@ -266,17 +269,33 @@ impl Model {
                     callbacks.on_train_batch_end(step, &logs, self)?;
                     continue;
                 }
-                if !stats.applied && stats.samples > 0 && self.is_chief() {
+                let skipped = !stats.applied && stats.samples > 0;
+                let overflowed = self.overflowed(&stats);
+                if skipped && self.is_chief() {
+                    let why = match overflowed {
+                        true => "the scaled gradients overflowed; the loss scale halves and",
+                        false => "the loss or a gradient is not finite;",
+                    };
                     log::warn!(
-                        "epoch {} step {}: the loss or a gradient is not finite; \
-                         the update was skipped",
+                        "epoch {} step {}: {why} the update was skipped",
                         epoch + 1,
                         step + 1
                     );
                 }
-                totals.add_training_step(&stats);
-                let mut logs = totals.logs();
-                logs.set("batch_loss", batch_loss(&stats));
+                let logs = match overflowed {
+                    true => {
+                        totals.add(&stats);
+                        let mut logs = totals.logs();
+                        logs.set("batch_loss", stats.sums[0] / stats.samples as f64);
+                        logs
+                    }
+                    false => {
+                        totals.add_training_step(&stats);
+                        let mut logs = totals.logs();
+                        logs.set("batch_loss", batch_loss(&stats));
+                        logs
+                    }
+                };
                 callbacks.on_train_batch_end(step, &logs, self)?;
                 let position = Position {
                     epoch,
@@ -295,6 +314,30 @@ impl Model {
 }
 
 impl Model {
+    /// Mixed precision's current loss scale, under a policy that scales the loss.
+    pub fn loss_scale(&mut self) -> Result<Option<f64>> {
+        if self.dtype_policy.loss_scale().is_none() {
+            return Ok(None);
+        }
+        let weights = self.replicas()?.weights()?;
+        let Some(state) = weights.get(crate::mixed_precision::LOSS_SCALE) else {
+            return Ok(None);
+        };
+        Ok(Some(
+            state.to_dtype(candle_core::DType::F64)?.to_vec1::<f64>()?[0],
+        ))
+    }
+
+    /// Whether a step was skipped because its scaled gradients overflowed while its loss was
+    /// finite: under a loss scale, that is the scale's to handle (it halves), and the loss
+    /// still counts.
+    pub(super) fn overflowed(&self, stats: &StepStats) -> bool {
+        !stats.applied
+            && stats.samples > 0
+            && self.dtype_policy.loss_scale().is_some()
+            && stats.sums.first().is_some_and(|l| l.is_finite())
+    }
+
     /// One training batch: with gradient accumulation over `k` batches, the replicas keep its
     /// gradients unless it completes a group of `k` (or is the last of an epoch, `closes`),
     /// when its step reduces them all and applies one update.

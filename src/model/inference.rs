@@ -201,10 +201,12 @@ impl Model {
     ) -> Result<Logs> {
         let batch = self.one_batch(x, y, sample_weight)?;
         let stats = self.strategy_call(|model| model.train_or_accumulate(&batch, false))?;
-        // A step (not a kept micro-batch) that was not applied reports a NaN loss.
+        // A step (not a kept micro-batch) that was not applied reports a NaN loss, unless its
+        // loss was finite and the loss scale overflowed.
         let stepped = self.accumulated == 0;
         Ok(stats.map_or_else(Logs::new, |stats| {
-            Totals::of(&self.metrics, &stats, stepped).logs()
+            let training = stepped && !self.overflowed(&stats);
+            Totals::of(&self.metrics, &stats, training).logs()
         }))
     }
 

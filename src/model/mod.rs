@@ -29,7 +29,7 @@ use crate::metrics::Metrics;
 use crate::optimizers::OptimizerConfig;
 use crate::resume::FitRequests;
 use crate::strategy::{DistributedModel, ModelSpec, Strategy, WorkerInfo};
-use crate::{ComputePath, Error, Result};
+use crate::{ComputePath, DTypePolicy, Error, Result};
 
 mod fit;
 mod inference;
@@ -57,6 +57,7 @@ pub struct Model {
     strategy: Arc<dyn Strategy>,
     seed: u64,
     compute_path: ComputePath,
+    dtype_policy: DTypePolicy,
     built: Option<BuiltModel>,
     learning_rate: f64,
     stop_training: bool,
@@ -147,6 +148,7 @@ impl Network {
             strategy: Arc::new(strategy.clone()),
             seed: 0,
             compute_path: ComputePath::from_env(),
+            dtype_policy: DTypePolicy::default(),
             built: None,
             learning_rate,
             stop_training: false,
@@ -215,6 +217,41 @@ impl Model {
         Ok(self)
     }
 
+    /// Chooses the dtypes the model computes in, as Keras's
+    /// `keras.mixed_precision.set_global_policy` (default [`DTypePolicy::float32`]), and
+    /// rebuilds the model if it was built. Under `mixed_float16` or `mixed_bfloat16`,
+    /// convolutions and dense layers compute in half precision on the device-generic path (a
+    /// GPU's); variables, optimizer state, batch-norm statistics, the loss and the final
+    /// softmax stay `float32`. A policy that scales the loss (`mixed_float16`) skips a step
+    /// whose scaled gradients are not finite and halves the scale; the epoch's logs give it as
+    /// `loss_scale`. A policy the device cannot run is an error here, naming the op.
+    ///
+    /// ```
+    /// use kandle::prelude::*;
+    /// use kandle::DTypePolicy;
+    ///
+    /// let model = Sequential::new()
+    ///     .input_shape(&[4])
+    ///     .add(Dense::new(3))
+    ///     .add(Activation::Softmax)
+    ///     .compile(Sgd::new(0.1), SparseCategoricalCrossentropy::new(), [Accuracy], &OneDeviceStrategy::cpu())?
+    ///     .with_dtype_policy(DTypePolicy::mixed_float16())?;
+    /// assert_eq!(model.dtype_policy().to_string(), "mixed_float16");
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn with_dtype_policy(mut self, policy: DTypePolicy) -> Result<Self> {
+        self.dtype_policy = policy;
+        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
+            self.build(&shape)?;
+        }
+        Ok(self)
+    }
+
+    /// The dtypes the model computes in.
+    pub fn dtype_policy(&self) -> DTypePolicy {
+        self.dtype_policy
+    }
+
     /// The code the model runs.
     pub fn compute_path(&self) -> ComputePath {
         self.compute_path
@@ -242,6 +279,7 @@ impl Model {
             metrics: self.metrics.clone(),
             seed: self.seed,
             compute_path: self.compute_path,
+            dtype_policy: self.dtype_policy,
         };
         let replicas = self.strategy.distribute(&spec)?;
         let output_shape = match self.network.parts() {

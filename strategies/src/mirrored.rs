@@ -176,6 +176,7 @@ mod tests {
             metrics: [Accuracy].into(),
             seed: 1,
             compute_path: kandle::ComputePath::Auto,
+            dtype_policy: kandle::DTypePolicy::default(),
         };
         let mut model = three_replicas(&spec)?;
         let data = kandle::data::digits::load()?;
@@ -206,6 +207,7 @@ mod tests {
             metrics: [Accuracy].into(),
             seed: 1,
             compute_path: kandle::ComputePath::Auto,
+            dtype_policy: kandle::DTypePolicy::default(),
         };
         let build = |seed| -> Result<MirroredModel> {
             let spec = ModelSpec {

@@ -252,6 +252,7 @@ mod tests {
             metrics: ().into(),
             seed: 0,
             compute_path: kandle::ComputePath::Auto,
+            dtype_policy: kandle::DTypePolicy::default(),
         };
         (0..n).map(|_| Replica::new(&spec, &Device::Cpu)).collect()
     }

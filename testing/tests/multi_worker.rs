@@ -95,6 +95,22 @@ fn two_workers_train_as_one_device() -> anyhow::Result<()> {
     )
 }
 
+/// Gradient accumulation across workers: micro-batches of a third of the global batch, their
+/// gradients kept by every replica and all-reduced once per group, train as one device does on
+/// the whole batches.
+#[test]
+fn accumulated_gradients_on_two_workers_give_one_devices_weights() -> anyhow::Result<()> {
+    let reference = one_device_weights("plain", SAMPLES)?;
+    check_equivalence(
+        &reference,
+        &["--accumulate", "3"],
+        &[
+            ("1", &[], "2 workers x 1 replica, accumulating 3"),
+            ("2", &[], "2 workers x 2 replicas, accumulating 3"),
+        ],
+    )
+}
+
 /// Functional models train on two workers as on one device: one with a residual sum, a shared
 /// layer and a concatenation, and one of two inputs and two outputs.
 #[test]

@@ -31,7 +31,8 @@ fn mpirun(ranks: usize, args: &[&str]) -> Command {
 // ---- synchronous equivalence ---------------------------------------------------------------
 
 /// 470 samples at a global batch of 24: 19 full steps and a short one of 14, split over the
-/// workers; the servers sum the workers' buffers and divide by the global sample count.
+/// workers; the servers sum the workers' buffers and divide by the global sample count. With
+/// gradient accumulation, a worker pushes once per group of micro-batches.
 #[test]
 fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
     let plain = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
@@ -40,6 +41,12 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
     let _one = lock();
     for (ranks, servers, model, what) in [
         (3, "1", "plain", "2 workers, 1 server"),
+        (
+            3,
+            "1",
+            "plain-accumulating",
+            "2 workers, 1 server, accumulating 3",
+        ),
         (4, "2", "plain", "2 workers, 2 servers"),
         (4, "1", "plain", "3 workers, 1 server"),
         (
@@ -49,7 +56,16 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
             "two inputs and outputs, 2 workers, 2 servers",
         ),
     ] {
-        let reference = if model == "plain" { &plain } else { &graph };
+        let reference = if model.starts_with("plain") {
+            &plain
+        } else {
+            &graph
+        };
+        // The same updates in micro-batches of a third, gradients accumulated over 3.
+        let (model, accumulate) = match model.strip_suffix("-accumulating") {
+            Some(model) => (model, "3"),
+            None => (model, "1"),
+        };
         let out = dir
             .path()
             .join(format!("{ranks}_{servers}_{model}.safetensors"));
@@ -67,6 +83,8 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
                 &out_arg,
                 "--model",
                 model,
+                "--accumulate",
+                accumulate,
             ],
         ))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);

@@ -98,6 +98,7 @@ fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path: kandle::ComputePath::Auto,
+        dtype_policy: kandle::DTypePolicy::default(),
     };
     let mut model = OneDeviceStrategy::cpu().distribute(&spec)?;
     std::thread::scope(|s| -> Result<(f64, Duration)> {

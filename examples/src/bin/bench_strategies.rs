@@ -123,6 +123,7 @@ fn spec(args: &Args) -> ModelSpec {
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path: kandle::ComputePath::Auto,
+        dtype_policy: kandle::DTypePolicy::default(),
     }
 }
 

@@ -167,6 +167,7 @@ mod tests {
             metrics: Metrics::default(),
             seed: 0,
             compute_path: kandle::ComputePath::default(),
+            dtype_policy: kandle::DTypePolicy::default(),
         };
         Replica::new(&spec, &candle_core::Device::Cpu)
     }

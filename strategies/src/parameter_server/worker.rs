@@ -244,6 +244,19 @@ impl Worker {
             let stale = replies.iter().filter_map(|r| r.staleness).max();
             self.staleness.record(stale.unwrap_or(0));
         }
+        // Mixed precision's loss scale, which each worker keeps: synchronous workers all see
+        // whether the step applied; an asynchronous push applies alone, and its own
+        // finite-ness decides.
+        let step_finite = match self.mode {
+            Mode::Synchronous => applied,
+            _ => finite,
+        };
+        self.replica
+            .update_loss_scale(&kandle::strategy::step::StepTotals {
+                sums: Vec::new(),
+                samples: first.samples as usize,
+                finite: step_finite,
+            })?;
         Ok(StepStats {
             samples: first.samples as usize,
             sums: first.sums.iter().map(|&v| f64::from(v)).collect(),

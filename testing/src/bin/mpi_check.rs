@@ -5,7 +5,7 @@
 //! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
 //!        [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm]
 //!        [--communication auto|mpi|nccl] [--timeout-secs T]
-//!        <world | equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S]
+//!        <world | equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] [--accumulate K]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K [--fail]]
 //!         | resume --state FILE --out FILE
@@ -86,8 +86,8 @@ fn parse_args() -> Result<Args> {
                         "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
                          [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
                          [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
-                         equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] | digits \
-                         [--epochs E] [--min-accuracy A] | train [--epochs E] [--stall-worker R \
+                         equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] \
+                         [--accumulate K] | digits [--epochs E] [--min-accuracy A] | train [--epochs E] [--stall-worker R \
                          --stall-after-steps K [--fail]] | resume --state FILE --out FILE | backup \
                          --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
                          [--step-millis MS]>",
@@ -152,7 +152,8 @@ fn run(args: &Args) -> std::result::Result<(), String> {
 fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
     let out = args.common.out()?;
     let net = args.common.equivalence_model()?;
-    let model = equivalence_run::train(net, strategy, args.common.samples)?;
+    let (samples, k) = (args.common.samples, args.common.accumulate);
+    let model = equivalence_run::train_accumulating(net, strategy, samples, k)?;
     model.save_weights(out)
 }
 

@@ -219,13 +219,23 @@ pub fn train_accumulating<S: Strategy + Clone + 'static>(
     samples: usize,
     k: usize,
 ) -> kandle::Result<Model> {
-    let (model, history) = fit_on(net, strategy, samples, None, Order::Fixed, k)?;
+    let (model, history) = fit_accumulating(net, strategy, samples, k)?;
     match history.last("loss") {
         Some(loss) if loss.is_finite() => Ok(model),
         loss => Err(kandle::Error::invalid(format!(
             "the accumulating run ended with loss {loss:?}"
         ))),
     }
+}
+
+/// The run of [`train_accumulating`], with its history and without checking the loss.
+pub fn fit_accumulating<S: Strategy + Clone + 'static>(
+    net: impl Into<Network>,
+    strategy: &S,
+    samples: usize,
+    k: usize,
+) -> kandle::Result<(Model, History)> {
+    fit_on(net, strategy, samples, None, Order::Fixed, k)
 }
 
 fn fit_on<S: Strategy + Clone + 'static>(

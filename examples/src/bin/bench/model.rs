@@ -40,6 +40,7 @@ fn spec_on(compute_path: ComputePath, which: CifarModel) -> Result<ModelSpec> {
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path,
+        dtype_policy: kandle::DTypePolicy::default(),
     })
 }
 

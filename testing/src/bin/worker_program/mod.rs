@@ -52,6 +52,8 @@ pub struct Common {
     pub model: String,
     /// `--samples S`: digits in the equivalence run.
     pub samples: usize,
+    /// `--accumulate K`: the equivalence run in micro-batches, gradients accumulated over `K`.
+    pub accumulate: usize,
     /// `--epochs E`.
     pub epochs: Option<usize>,
     /// `--min-accuracy A` (default 0.97).
@@ -82,6 +84,7 @@ impl Default for Common {
             out: None,
             model: "plain".into(),
             samples: crate::equivalence_run::SAMPLES,
+            accumulate: 1,
             epochs: None,
             min_accuracy: 0.97,
             stall_worker: None,
@@ -150,6 +153,7 @@ pub fn parse<T>(
             "--out" => common.out = Some(value()?),
             "--model" => common.model = value()?,
             "--samples" => common.samples = number(&arg, value()?)?,
+            "--accumulate" => common.accumulate = number(&arg, value()?)?,
             "--epochs" => common.epochs = Some(number(&arg, value()?)?),
             "--min-accuracy" => common.min_accuracy = number(&arg, value()?)?,
             "--stall-worker" => common.stall_worker = Some(number(&arg, value()?)?),

@@ -86,6 +86,27 @@ impl BackupArgs {
     }
 }
 
+/// `--gradient-accumulation-steps` and `--dtype-policy`, as every training binary takes them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PrecisionArgs {
+    /// Sum the gradients of this many batches before each update: an effective batch this many
+    /// times --batch-size, in the memory of one.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one())]
+    pub gradient_accumulation_steps: usize,
+    /// float32, mixed_float16 (half-precision compute with a dynamic loss scale) or
+    /// mixed_bfloat16; mixed policies compute in half precision on GPUs, and the CPU's kernels
+    /// stay float32.
+    #[arg(long, default_value = "float32")]
+    pub dtype_policy: kandle::DTypePolicy,
+}
+
+impl PrecisionArgs {
+    /// `model` under the chosen policy.
+    pub fn apply(&self, model: kandle::Model) -> kandle::Result<kandle::Model> {
+        model.with_dtype_policy(self.dtype_policy)
+    }
+}
+
 /// The strategies a binary can run under (`--strategy`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum StrategyKind {

@@ -86,7 +86,7 @@ pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
-pub use wrappers::{LayerSpecExt, Named, Trainable};
+pub use wrappers::{LayerSpecExt, Named, Trainable, WithDTypePolicy};
 pub use zero_padding::ZeroPadding2D;
 
 use candle_core::Tensor;

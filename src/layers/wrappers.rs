@@ -1,9 +1,10 @@
-//! Wrappers that change how a recipe is named or trained: `.named("stem")` and
-//! `.trainable(false)` (freezing, for transfer learning).
+//! Wrappers that change how a recipe is named, trained or computed: `.named("stem")`,
+//! `.trainable(false)` (freezing, for transfer learning) and `.dtype_policy(...)` (a layer's
+//! own mixed-precision policy).
 
 use super::{BuildContext, Built, LayerSpec};
 use crate::functional::{GraphLayer, Op, SharedLayer, SymbolicTensor};
-use crate::Result;
+use crate::{DTypePolicy, Result};
 
 /// A recipe with a user-chosen name, which becomes its variables' prefix.
 #[derive(Debug, Clone)]
@@ -65,6 +66,40 @@ impl<L: LayerSpec + Clone> LayerSpec for Trainable<L> {
     }
 }
 
+/// A recipe with its own [`DTypePolicy`], as Keras's `dtype=` layer argument: e.g. a last
+/// dense layer kept in `float32` inside a `mixed_float16` model. It decides the dtype the
+/// layer computes in on the device-generic path; kandle's CPU kernels stay `float32`.
+#[derive(Debug, Clone)]
+pub struct WithDTypePolicy<L> {
+    inner: L,
+    policy: DTypePolicy,
+}
+
+impl<L: LayerSpec + Clone> LayerSpec for WithDTypePolicy<L> {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn class_name(&self) -> &'static str {
+        self.inner.class_name()
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let dtype = self
+            .policy
+            .compute_dtype_on(ctx.compute_path(), &ctx.device().clone());
+        ctx.with_dtype(dtype, |ctx| self.inner.build(ctx, input_shape))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+
+    fn name(&self) -> Option<&str> {
+        self.inner.name()
+    }
+}
+
 /// Builder methods available on every recipe.
 pub trait LayerSpecExt: LayerSpec + Clone + Sized {
     /// Names the layer; its variables become `<name>.weight` and so on.
@@ -80,6 +115,30 @@ pub trait LayerSpecExt: LayerSpec + Clone + Sized {
         Trainable {
             inner: self,
             trainable,
+        }
+    }
+
+    /// Gives the layer its own mixed-precision policy (see [`WithDTypePolicy`]).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use kandle::layers::{BuildContext, Dense, LayerSpec, LayerSpecExt};
+    /// use kandle::{ComputePath, DTypePolicy};
+    ///
+    /// // A mixed_float16 network's context on the device-generic path (a GPU's)...
+    /// let mut ctx = BuildContext::new(&Device::Cpu, 0)
+    ///     .with_compute_path(ComputePath::DeviceGeneric)
+    ///     .with_compute_dtype(DType::F16);
+    /// // ...and a last layer kept in float32.
+    /// let head = Dense::new(3).dtype_policy(DTypePolicy::float32()).build(&mut ctx, &[4])?;
+    /// let x = Tensor::ones((2, 4), DType::F16, &Device::Cpu)?;
+    /// assert_eq!(head.layer().forward_t(&x, false)?.dtype(), DType::F32);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    fn dtype_policy(self, policy: DTypePolicy) -> WithDTypePolicy<Self> {
+        WithDTypePolicy {
+            inner: self,
+            policy,
         }
     }
 

@@ -107,7 +107,15 @@ impl Strategy for CentralStorageStrategy {
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         let set = ReplicaSet::build(spec, &self.devices, &self.options)?;
-        let central = Replica::new(spec, &self.central)?;
+        // The central replica never computes: its network is built in float32 wherever the
+        // compute devices run a mixed policy, and it keeps the policy's loss scale, which its
+        // final phase moves on and the compute replicas load with the variables.
+        let holder = ModelSpec {
+            dtype_policy: kandle::DTypePolicy::float32()
+                .with_loss_scale(spec.dtype_policy.loss_scale()),
+            ..spec.clone()
+        };
+        let central = Replica::new(&holder, &self.central)?;
         central.store().assign(&set.weights()?)?;
         Ok(Box::new(CentralModel { set, central }))
     }

@@ -245,6 +245,65 @@ mod tests {
         Ok(())
     }
 
+    /// Mixed precision's loss scale under three replicas: an overflow halves it on every one,
+    /// and an applied step counts on every one, so they stay equal.
+    #[test]
+    fn every_replica_keeps_the_same_loss_scale() -> Result<()> {
+        let policy =
+            kandle::DTypePolicy::mixed_float16().with_loss_scale(Some(kandle::LossScale {
+                initial: 2f64.powi(40),
+                growth_steps: 2000,
+            }));
+        let spec = ModelSpec {
+            network: Sequential::new()
+                .add(Conv2D::new(4, 3))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Flatten)
+                .add(Dense::new(10))
+                .add(Activation::Softmax)
+                .into(),
+            input_shape: vec![1, 8, 8],
+            optimizer: Box::new(Sgd::new(0.1)),
+            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+            metrics: [Accuracy].into(),
+            seed: 1,
+            compute_path: kandle::ComputePath::DeviceGeneric,
+            dtype_policy: policy,
+        };
+        let mut model = three_replicas(&spec)?;
+        let data = kandle::data::digits::load()?;
+        let (x, y) = data.to_tensors()?;
+        let scales = |model: &MirroredModel| -> Result<Vec<Vec<f32>>> {
+            model
+                .set
+                .stores
+                .iter()
+                .map(|s| {
+                    let p = s.get(kandle::mixed_precision::LOSS_SCALE);
+                    let p = p.ok_or_else(|| kandle::Error::invalid("no loss scale"))?;
+                    Ok(p.var.as_tensor().to_vec1::<f32>()?)
+                })
+                .collect()
+        };
+        let mut applied = 0;
+        for step in 0..40 {
+            let batch = Batch::new(x.narrow(0, step * 21, 21)?, y.narrow(0, step * 21, 21)?);
+            applied += usize::from(model.train_step(&batch, 0.1)?.applied);
+            let scales = scales(&model)?;
+            assert!(
+                scales.iter().all(|s| *s == scales[0]),
+                "step {step}: {scales:?}"
+            );
+        }
+        let [scale, good] = scales(&model)?[0][..] else {
+            return Err(kandle::Error::invalid("the loss scale holds two values"));
+        };
+        assert!(scale < 2f32.powi(20), "{scale}");
+        assert!(applied > 0 && good as usize == applied, "{good} {applied}");
+        Ok(())
+    }
+
     /// Counts the reductions of a [`ReplicaModel`]'s steps.
     struct CountingOps(
         CrossDeviceOps,

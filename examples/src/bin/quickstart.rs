@@ -18,7 +18,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, PrecisionArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
@@ -52,6 +52,8 @@ struct Args {
     #[arg(long)]
     save: Option<std::path::PathBuf>,
     #[command(flatten)]
+    precision: PrecisionArgs,
+    #[command(flatten)]
     backup: BackupArgs,
     #[command(flatten)]
     ps: PsArgs,
@@ -71,14 +73,16 @@ fn main() -> Result<()> {
     }
     let backup = args.backup.callback(&strategy);
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, args.seed)?;
-    let mut model = kandle_models::digits_cnn(10)
+    let model = kandle_models::digits_cnn(10)
         .compile(
-            Adam::new(args.lr),
+            Adam::new(args.lr)
+                .gradient_accumulation_steps(args.precision.gradient_accumulation_steps),
             SparseCategoricalCrossentropy::new(),
             [Accuracy],
             &strategy,
         )?
         .with_seed(args.seed)?;
+    let mut model = args.precision.apply(model)?;
     model.build(&[1, 8, 8])?;
     if model.is_chief() {
         println!("{}", model.summary()?);

@@ -27,7 +27,7 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, FitInfo, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, CifarModel, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, CifarModel, PrecisionArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
@@ -75,6 +75,8 @@ struct Args {
     /// default: "<model> on CIFAR-10").
     #[arg(long)]
     title: Option<String>,
+    #[command(flatten)]
+    precision: PrecisionArgs,
     #[command(flatten)]
     backup: BackupArgs,
     #[command(flatten)]
@@ -229,16 +231,19 @@ fn main() -> Result<()> {
     } else {
         Box::new(decay)
     };
-    let mut model = args
+    let model = args
         .model
         .network()?
         .compile(
-            Sgd::new(lr).momentum(0.9),
+            Sgd::new(lr)
+                .momentum(0.9)
+                .gradient_accumulation_steps(args.precision.gradient_accumulation_steps),
             CategoricalCrossentropy::new(),
             [Accuracy],
             &strategy,
         )?
         .with_seed(args.seed)?;
+    let mut model = args.precision.apply(model)?;
     model.build(&[3, 32, 32])?;
     let chief = model.is_chief();
     if chief {

@@ -5,8 +5,9 @@ Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it 
 parameters), or with `--model resnet18` torchvision's ResNet-18 with a small-image stem, on the CPU or a CUDA GPU (`--device`): a training step (forward, cross-entropy,
 backward, SGD with momentum 0.9) and inference, at the same batch and thread count as the kandle
 side, in each configuration of
-`--configs` (default all): the default layout (`eager`), `channels_last`, and both under
-`torch.compile`. A configuration that cannot run here is reported with its error. With `--ops`, it also
+`--configs` (default the float32 ones): the default layout (`eager`), `channels_last`, and both
+under `torch.compile`; `channels_last+amp` (autocast to float16 with a GradScaler) and
+`channels_last+bf16` (autocast to bfloat16) for mixed precision. A configuration that cannot run here is reported with its error. With `--ops`, it also
 times the individual ops listed in a JSON file (or `-` for stdin) written by `bench`: conv
 forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
 same way kandle's are (forward alone, then forward and backward with the input's gradient off and
@@ -198,31 +199,45 @@ def fastest_time(fn, warmup, iters):
 
 
 CONFIGS = {
-    # name: (memory format, torch.compile)
-    "eager": (torch.contiguous_format, False),
-    "channels_last": (torch.channels_last, False),
-    "compile": (torch.contiguous_format, True),
-    "channels_last+compile": (torch.channels_last, True),
+    # name: (memory format, torch.compile, autocast dtype or None)
+    "eager": (torch.contiguous_format, False, None),
+    "channels_last": (torch.channels_last, False, None),
+    "compile": (torch.contiguous_format, True, None),
+    "channels_last+compile": (torch.channels_last, True, None),
+    # Mixed precision: autocast to float16 with a GradScaler (what kandle's mixed_float16
+    # does), or to bfloat16 without one.
+    "channels_last+amp": (torch.channels_last, False, torch.float16),
+    "channels_last+bf16": (torch.channels_last, False, torch.bfloat16),
 }
+
+
+def autocast(args, name):
+    """The autocast context of configuration `name` (a no-op without one)."""
+    dtype = CONFIGS[name][2]
+    device_type = torch.device(args.device).type
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
 
 
 def time_config(args, name):
     """One configuration's training step and inference, each the median of `--iters` runs."""
     model, net, opt, x, y = setup(args, name)
     compiled = CONFIGS[name][1]
+    scaler = torch.amp.GradScaler(enabled=CONFIGS[name][2] == torch.float16)
 
     def train_step():
         opt.zero_grad(set_to_none=True)
-        out = net(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        opt.step()
+        with autocast(args, name):
+            out = net(x)
+            loss = F.cross_entropy(out.float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         correct = (out.argmax(1) == y).sum()
         return loss.item(), correct.item()
 
     def inference():
-        with torch.inference_mode():
-            return F.softmax(net(x), 1).cpu()
+        with torch.inference_mode(), autocast(args, name):
+            return F.softmax(net(x).float(), 1).cpu()
 
     # Compilation happens in the first calls: more warm-up for compiled configurations.
     warmup = args.warmup + (3 if compiled else 0)
@@ -237,7 +252,7 @@ def time_config(args, name):
 
 def setup(args, name):
     """MiniGoogLeNet on the device in configuration `name`, its SGD and a random batch."""
-    memory_format, compiled = CONFIGS[name]
+    memory_format, compiled, _ = CONFIGS[name]
     torch.manual_seed(0)
     model = MODELS[args.model][0]().to(args.device).to(memory_format=memory_format)
     x = torch.randn(args.batch, 3, 32, 32, device=args.device)
@@ -390,8 +405,9 @@ def main():
     )
     parser.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated configurations of the model to time: " + ", ".join(CONFIGS),
+        default=",".join(name for name, c in CONFIGS.items() if c[2] is None),
+        help="comma-separated configurations of the model to time (default: the float32 ones): "
+        + ", ".join(CONFIGS),
     )
     args = parser.parse_args()
     args.device = torch.device(args.device)

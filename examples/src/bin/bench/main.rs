@@ -54,6 +54,11 @@ struct Args {
     /// step and inference only).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// kandle's dtype policy: float32, mixed_float16 or mixed_bfloat16 (half precision on the
+    /// device-generic path, a GPU's; the CPU's kernels stay float32). Compare with PyTorch's
+    /// autocast configurations (--pytorch-configs channels_last+amp, channels_last+bf16).
+    #[arg(long, default_value = "float32")]
+    dtype_policy: kandle::DTypePolicy,
     /// Also time PyTorch's epoch of this many images of training steps (0: none).
     #[arg(long, default_value_t = 0)]
     epoch_images: usize,
@@ -193,9 +198,9 @@ fn main() -> Result<()> {
         "- threads: {threads} (kandle: rayon and candle's matmul; PyTorch: torch.set_num_threads)"
     );
     println!(
-        "- batch {}, fp32, random 3x32x32 inputs; {} warm-up runs, then {} timed runs: the \
-         median for whole steps, the fastest for single ops",
-        args.batch, args.warmup, args.iters
+        "- batch {}, kandle's dtype policy {}, random 3x32x32 inputs; {} warm-up runs, then {} \
+         timed runs: the median for whole steps, the fastest for single ops",
+        args.batch, args.dtype_policy, args.warmup, args.iters
     );
     println!("- fp32 peak: {}", peak.how);
     println!();
@@ -213,9 +218,10 @@ fn main() -> Result<()> {
             "kandle: {:?} training step, batch {}",
             args.model, args.batch
         );
-        let train = model::train_step_time(args.model, &strategy, &device, args.batch, timer)?;
+        let workload = (args.model, args.dtype_policy);
+        let train = model::train_step_time(workload, &strategy, &device, args.batch, timer)?;
         eprintln!("kandle: inference, batch {}", args.batch);
-        let infer = model::inference_time(args.model, &strategy, &device, args.batch, timer)?;
+        let infer = model::inference_time(workload, &strategy, &device, args.batch, timer)?;
         kandle_model = Some((train, infer));
         if on_cpu {
             eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
@@ -241,6 +247,7 @@ fn main() -> Result<()> {
                     "load_average_at_start": load_at_start,
                     "peak_gflops": peak.gflops, "peak": peak.how},
         "device": args.device,
+        "dtype_policy": args.dtype_policy.to_string(),
         "threads": threads, "batch": args.batch, "warmup": args.warmup, "iters": args.iters,
     });
     if let Some((train, infer)) = kandle_model {

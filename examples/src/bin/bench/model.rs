@@ -8,7 +8,7 @@ use kandle::data::Batch;
 use kandle::optimizers::Sgd;
 use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::strategy::{ModelSpec, Replica};
-use kandle::ComputePath;
+use kandle::{ComputePath, DTypePolicy};
 use kandle::Strategy;
 use kandle_examples::CifarModel;
 
@@ -25,12 +25,15 @@ pub fn pytorch_name(which: CifarModel) -> &'static str {
     }
 }
 
-/// `which` for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9).
-pub fn spec(which: CifarModel) -> Result<ModelSpec> {
-    spec_on(ComputePath::Auto, which)
+/// `which` for CIFAR-10 with the tutorial's optimizer (SGD, momentum 0.9), under `policy`.
+pub fn spec(which: CifarModel, policy: DTypePolicy) -> Result<ModelSpec> {
+    Ok(ModelSpec {
+        dtype_policy: policy,
+        ..spec_on(ComputePath::Auto, which)?
+    })
 }
 
-/// [`spec`] running `compute_path`.
+/// [`spec`] in float32, running `compute_path`.
 fn spec_on(compute_path: ComputePath, which: CifarModel) -> Result<ModelSpec> {
     Ok(ModelSpec {
         network: which.network()?,
@@ -40,7 +43,7 @@ fn spec_on(compute_path: ComputePath, which: CifarModel) -> Result<ModelSpec> {
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path,
-        dtype_policy: kandle::DTypePolicy::default(),
+        dtype_policy: DTypePolicy::default(),
     })
 }
 
@@ -56,13 +59,13 @@ pub fn random_batch(n: usize, device: &Device) -> Result<Batch> {
 /// Median seconds of one training step at global batch `batch` under `strategy`, its batch
 /// already on `device` (as PyTorch's is).
 pub fn train_step_time(
-    which: CifarModel,
+    (which, policy): (CifarModel, DTypePolicy),
     strategy: &dyn Strategy,
     device: &Device,
     batch: usize,
     timer: Timer,
 ) -> Result<f64> {
-    let mut model = strategy.distribute(&spec(which)?)?;
+    let mut model = strategy.distribute(&spec(which, policy)?)?;
     let batch = random_batch(batch, device)?;
     timer.median(|| {
         model.train_step(&batch, LR)?;
@@ -92,13 +95,13 @@ pub fn replica_step_time(
 /// Median seconds of inference (the softmax outputs, read back to the host) on `batch` images
 /// already on `device` under `strategy`.
 pub fn inference_time(
-    which: CifarModel,
+    (which, policy): (CifarModel, DTypePolicy),
     strategy: &dyn Strategy,
     device: &Device,
     batch: usize,
     timer: Timer,
 ) -> Result<f64> {
-    let mut model = strategy.distribute(&spec(which)?)?;
+    let mut model = strategy.distribute(&spec(which, policy)?)?;
     let x = random_batch(batch, device)?.x;
     timer.median(|| {
         // Read back to the host: on a GPU this waits for the computation, as PyTorch's side does.

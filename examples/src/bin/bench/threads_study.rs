@@ -48,7 +48,7 @@ pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
     for (name, threads, strategy) in configs {
         eprintln!("kandle: threads study, {name}, {threads}");
         let step = train_step_time(
-            CifarModel::MiniGooglenet,
+            (CifarModel::MiniGooglenet, kandle::DTypePolicy::float32()),
             strategy.as_ref(),
             &candle_core::Device::Cpu,
             batch,

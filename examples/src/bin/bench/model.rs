@@ -8,8 +8,8 @@ use kandle::data::Batch;
 use kandle::optimizers::Sgd;
 use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::strategy::{ModelSpec, Replica};
-use kandle::{ComputePath, DTypePolicy};
 use kandle::Strategy;
+use kandle::{ComputePath, DTypePolicy};
 use kandle_examples::CifarModel;
 
 use crate::timing::Timer;

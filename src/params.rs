@@ -12,6 +12,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::cross_replica::ReplicaHandle;
+use crate::mixed_precision::LOSS_SCALE;
 use crate::{ComputePath, Error, Result};
 
 /// Weights by name: what checkpoints hold and what strategies copy between replicas.
@@ -216,7 +217,11 @@ impl ParamStore {
         self.check_compatible(weights)
             .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
         for p in &self.params {
-            let value = &weights[&p.name];
+            // Only mixed precision's loss scale may be absent (weights saved under another
+            // policy): it keeps its value.
+            let Some(value) = weights.get(&p.name) else {
+                continue;
+            };
             p.var
                 .set(&value.to_device(p.var.device())?.to_dtype(p.var.dtype())?)?;
         }
@@ -224,17 +229,19 @@ impl ParamStore {
     }
 
     /// Checks that `weights` holds exactly this store's names with the same shapes; the error
-    /// text lists missing, unexpected and mis-shaped tensors.
+    /// text lists missing, unexpected and mis-shaped tensors. Mixed precision's loss scale
+    /// ([`LOSS_SCALE`]) alone may be missing or unexpected, so that weights move between
+    /// models of different dtype policies.
     pub fn check_compatible(&self, weights: &Weights) -> std::result::Result<(), String> {
         let missing: Vec<&str> = self
             .params
             .iter()
-            .filter(|p| !weights.contains_key(&p.name))
+            .filter(|p| !weights.contains_key(&p.name) && p.name != LOSS_SCALE)
             .map(|p| p.name.as_str())
             .collect();
         let unexpected: Vec<&str> = weights
             .keys()
-            .filter(|k| !self.index.contains_key(*k))
+            .filter(|k| !self.index.contains_key(*k) && *k != LOSS_SCALE)
             .map(|k| k.as_str())
             .collect();
         let misshaped: Vec<String> = self

@@ -165,3 +165,26 @@ fn bfloat16_says_what_the_cpu_cannot_run() -> Result<()> {
     }
     Ok(())
 }
+
+/// Weights move between policies: a float32 model's file loads into a mixed_float16 model
+/// (whose loss scale keeps its value) and the reverse (the loss scale is left out).
+#[test]
+fn weights_move_between_policies() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (single, mixed) = (
+        dir.path().join("f32.safetensors"),
+        dir.path().join("f16.safetensors"),
+    );
+    let mut plain = model(DTypePolicy::float32(), ComputePath::Auto)?;
+    plain.save_weights(&single)?;
+    let mut half = model(DTypePolicy::mixed_float16(), ComputePath::Auto)?.with_seed(9)?;
+    half.load_weights(&single)?;
+    ensure!(values(&half.get_weights()?)? == values(&plain.get_weights()?)?);
+    ensure!(half.loss_scale()? == Some(32768.0));
+    half.save_weights(&mixed)?;
+    let mut back = model(DTypePolicy::float32(), ComputePath::Auto)?.with_seed(9)?;
+    back.load_weights(&mixed)?;
+    ensure!(values(&back.get_weights()?)? == values(&plain.get_weights()?)?);
+    ensure!(!back.get_weights()?.contains_key("loss_scale"));
+    Ok(())
+}

@@ -97,7 +97,7 @@ fn two_workers_train_as_one_device() -> anyhow::Result<()> {
 
 /// Gradient accumulation across workers: micro-batches of a third of the global batch, their
 /// gradients kept by every replica and all-reduced once per group, train as one device does on
-/// the whole batches.
+/// the whole batches; so do they under mixed_float16.
 #[test]
 fn accumulated_gradients_on_two_workers_give_one_devices_weights() -> anyhow::Result<()> {
     let reference = one_device_weights("plain", SAMPLES)?;
@@ -108,6 +108,17 @@ fn accumulated_gradients_on_two_workers_give_one_devices_weights() -> anyhow::Re
             ("1", &[], "2 workers x 1 replica, accumulating 3"),
             ("2", &[], "2 workers x 2 replicas, accumulating 3"),
         ],
+    )?;
+    // Under mixed_float16 every replica of every worker keeps the loss scale (the kernels stay
+    // float32, and power-of-two scales change no bit).
+    check_equivalence(
+        &reference,
+        &["--accumulate", "3", "--dtype-policy", "mixed_float16"],
+        &[(
+            "2",
+            &[],
+            "2 workers x 2 replicas, accumulating 3, mixed_float16",
+        )],
     )
 }
 

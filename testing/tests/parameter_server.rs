@@ -39,54 +39,49 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
     let graph = one_device_reference(equivalence_run::two_in_two_out, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
-    for (ranks, servers, model, what) in [
-        (3, "1", "plain", "2 workers, 1 server"),
+    // The same updates in micro-batches of a third, gradients accumulated over 3; and under
+    // mixed_float16, whose loss scale each worker keeps (the kernels stay float32).
+    let accumulating: &[&str] = &["--accumulate", "3"];
+    let mixed: &[&str] = &["--dtype-policy", "mixed_float16"];
+    for (ranks, servers, model, extra, what) in [
+        (3, "1", "plain", &[][..], "2 workers, 1 server"),
         (
             3,
             "1",
-            "plain-accumulating",
+            "plain",
+            accumulating,
             "2 workers, 1 server, accumulating 3",
         ),
-        (4, "2", "plain", "2 workers, 2 servers"),
-        (4, "1", "plain", "3 workers, 1 server"),
+        (3, "1", "plain", mixed, "2 workers, 1 server, mixed_float16"),
+        (4, "2", "plain", &[], "2 workers, 2 servers"),
+        (4, "1", "plain", &[], "3 workers, 1 server"),
         (
             4,
             "2",
             "two-in-two-out",
+            &[],
             "two inputs and outputs, 2 workers, 2 servers",
         ),
     ] {
-        let reference = if model.starts_with("plain") {
-            &plain
-        } else {
-            &graph
-        };
-        // The same updates in micro-batches of a third, gradients accumulated over 3.
-        let (model, accumulate) = match model.strip_suffix("-accumulating") {
-            Some(model) => (model, "3"),
-            None => (model, "1"),
-        };
+        let reference = if model == "plain" { &plain } else { &graph };
         let out = dir
             .path()
-            .join(format!("{ranks}_{servers}_{model}.safetensors"));
+            .join(format!("{}.safetensors", what.replace([' ', ','], "_")));
         let out_arg = out.to_string_lossy().to_string();
-        let outcome = run(mpirun(
-            ranks,
-            &[
-                "--sync",
-                "--num-ps",
-                servers,
-                "--timeout-secs",
-                "20",
-                "equivalence",
-                "--out",
-                &out_arg,
-                "--model",
-                model,
-                "--accumulate",
-                accumulate,
-            ],
-        ))?;
+        let mut args = vec![
+            "--sync",
+            "--num-ps",
+            servers,
+            "--timeout-secs",
+            "20",
+            "equivalence",
+            "--out",
+            &out_arg,
+            "--model",
+            model,
+        ];
+        args.extend(extra);
+        let outcome = run(mpirun(ranks, &args))?;
         assert!(outcome.status.success(), "{what}:\n{}", outcome.output);
         reference.assert_matches(&kandle::checkpoint::load(&out)?, what)?;
         // Every server ends the fit holding the whole model, the other servers' variables too.

@@ -5,7 +5,7 @@
 //! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
 //!        [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm]
 //!        [--communication auto|mpi|nccl] [--timeout-secs T]
-//!        <world | equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] [--accumulate K]
+//!        <world | equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] [--accumulate K] [--dtype-policy P]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K [--fail]]
 //!         | resume --state FILE --out FILE
@@ -87,7 +87,8 @@ fn parse_args() -> Result<Args> {
                          [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
                          [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
                          equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] \
-                         [--accumulate K] | digits [--epochs E] [--min-accuracy A] | train [--epochs E] [--stall-worker R \
+                         [--accumulate K] [--dtype-policy P] | digits [--epochs E] \
+                         [--min-accuracy A] | train [--epochs E] [--stall-worker R \
                          --stall-after-steps K [--fail]] | resume --state FILE --out FILE | backup \
                          --dir DIR --out FILE [--epochs E] [--every N] [--keep-backups] \
                          [--step-millis MS]>",
@@ -153,7 +154,8 @@ fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()
     let out = args.common.out()?;
     let net = args.common.equivalence_model()?;
     let (samples, k) = (args.common.samples, args.common.accumulate);
-    let model = equivalence_run::train_accumulating(net, strategy, samples, k)?;
+    let policy = args.common.dtype_policy;
+    let model = equivalence_run::train_with(net, strategy, samples, k, policy)?;
     model.save_weights(out)
 }
 

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! mpirun -n W+P kandle-ps-check [--num-ps P] [--sync] [--max-staleness K] [--timeout-secs T]
-//!        <equivalence --out FILE [--samples S] [--model plain|bn|graph|two-in-two-out] [--accumulate K]
+//!        <equivalence --out FILE [--samples S] [--model plain|bn|graph|two-in-two-out] [--accumulate K] [--dtype-policy P]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | staleness [--epochs E] [--compute-ms C] [--slow-worker R --slow-ms M]
 //!         | train [--stall-worker R --stall-after-steps K [--fail]]
@@ -122,13 +122,14 @@ fn equivalence(strategy: &ParameterServerStrategy, args: &Args) -> Result<()> {
     let out = args.common.out()?;
     let net = args.common.equivalence_model()?;
     let (samples, k) = (args.common.samples, args.common.accumulate);
+    let policy = args.common.dtype_policy;
     if strategy.is_server() {
         // A server ends the call holding every server's final variables: it writes them too.
-        let model = equivalence_run::fit_accumulating(net, strategy, samples, k)?.0;
+        let model = equivalence_run::fit_with(net, strategy, samples, k, policy)?.0;
         let rank = strategy.worker().rank;
         return kandle::checkpoint::save(&model.get_weights()?, format!("{out}.rank{rank}"));
     }
-    let model = equivalence_run::train_accumulating(net, strategy, samples, k)?;
+    let model = equivalence_run::train_with(net, strategy, samples, k, policy)?;
     model.save_weights(out)
 }
 

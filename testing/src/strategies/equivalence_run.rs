@@ -8,7 +8,7 @@
 
 use kandle::functional::{add, concatenate, Functional, Input, PerOutput};
 use kandle::prelude::*;
-use kandle::{ComputePath, Network};
+use kandle::{ComputePath, DTypePolicy, Network};
 
 /// 470 samples at a global batch of 24: 19 full steps and a short one of 14.
 pub const SAMPLES: usize = 470;
@@ -195,7 +195,7 @@ pub fn fit<S: Strategy + Clone + 'static>(
     strategy: &S,
     samples: usize,
 ) -> kandle::Result<(Model, History)> {
-    fit_on(net, strategy, samples, None, Order::Fixed, 1)
+    fit_on(net, strategy, samples, Run::plain(None, Order::Fixed))
 }
 
 /// The run of [`train`] on compute path `path` (`None`: `KANDLE_COMPUTE`'s) with the samples in
@@ -207,7 +207,7 @@ pub fn train_on<S: Strategy + Clone + 'static>(
     path: Option<ComputePath>,
     order: Order,
 ) -> kandle::Result<Model> {
-    Ok(fit_on(net, strategy, samples, path, order, 1)?.0)
+    Ok(fit_on(net, strategy, samples, Run::plain(path, order))?.0)
 }
 
 /// The run of [`train`] in micro-batches of a `k`-th of [`GLOBAL_BATCH`], their gradients
@@ -219,7 +219,18 @@ pub fn train_accumulating<S: Strategy + Clone + 'static>(
     samples: usize,
     k: usize,
 ) -> kandle::Result<Model> {
-    let (model, history) = fit_accumulating(net, strategy, samples, k)?;
+    train_with(net, strategy, samples, k, DTypePolicy::float32())
+}
+
+/// The run of [`train_accumulating`] under the dtype policy `policy`.
+pub fn train_with<S: Strategy + Clone + 'static>(
+    net: impl Into<Network>,
+    strategy: &S,
+    samples: usize,
+    k: usize,
+    policy: DTypePolicy,
+) -> kandle::Result<Model> {
+    let (model, history) = fit_with(net, strategy, samples, k, policy)?;
     match history.last("loss") {
         Some(loss) if loss.is_finite() => Ok(model),
         loss => Err(kandle::Error::invalid(format!(
@@ -228,24 +239,56 @@ pub fn train_accumulating<S: Strategy + Clone + 'static>(
     }
 }
 
-/// The run of [`train_accumulating`], with its history and without checking the loss.
-pub fn fit_accumulating<S: Strategy + Clone + 'static>(
+/// The run of [`train_with`], with its history and without checking the loss.
+pub fn fit_with<S: Strategy + Clone + 'static>(
     net: impl Into<Network>,
     strategy: &S,
     samples: usize,
     k: usize,
+    policy: DTypePolicy,
 ) -> kandle::Result<(Model, History)> {
-    fit_on(net, strategy, samples, None, Order::Fixed, k)
+    let run = Run {
+        path: None,
+        order: Order::Fixed,
+        accumulation: k,
+        policy,
+    };
+    fit_on(net, strategy, samples, run)
+}
+
+/// How an equivalence run trains besides its model and strategy.
+struct Run {
+    /// The compute path (`None`: `KANDLE_COMPUTE`'s).
+    path: Option<ComputePath>,
+    order: Order,
+    /// Gradient accumulation steps (1: none).
+    accumulation: usize,
+    policy: DTypePolicy,
+}
+
+impl Run {
+    fn plain(path: Option<ComputePath>, order: Order) -> Self {
+        Self {
+            path,
+            order,
+            accumulation: 1,
+            policy: DTypePolicy::float32(),
+        }
+    }
 }
 
 fn fit_on<S: Strategy + Clone + 'static>(
     net: impl Into<Network>,
     strategy: &S,
     samples: usize,
-    path: Option<ComputePath>,
-    order: Order,
-    accumulation: usize,
+    run: Run,
 ) -> kandle::Result<(Model, History)> {
+    let Run {
+        path,
+        order,
+        accumulation,
+        policy,
+    } = run;
     let replicas = strategy.num_replicas_in_sync();
     if !GLOBAL_BATCH.is_multiple_of(replicas * accumulation) {
         return Err(kandle::Error::invalid(format!(
@@ -265,6 +308,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
     if let Some(path) = path {
         model = model.with_compute_path(path)?;
     }
+    model = model.with_dtype_policy(policy)?;
     let history = model.fit(
         &data,
         FitOptions {

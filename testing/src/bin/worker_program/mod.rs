@@ -54,6 +54,8 @@ pub struct Common {
     pub samples: usize,
     /// `--accumulate K`: the equivalence run in micro-batches, gradients accumulated over `K`.
     pub accumulate: usize,
+    /// `--dtype-policy P`: the equivalence run's dtype policy.
+    pub dtype_policy: kandle::DTypePolicy,
     /// `--epochs E`.
     pub epochs: Option<usize>,
     /// `--min-accuracy A` (default 0.97).
@@ -85,6 +87,7 @@ impl Default for Common {
             model: "plain".into(),
             samples: crate::equivalence_run::SAMPLES,
             accumulate: 1,
+            dtype_policy: kandle::DTypePolicy::float32(),
             epochs: None,
             min_accuracy: 0.97,
             stall_worker: None,
@@ -154,6 +157,7 @@ pub fn parse<T>(
             "--model" => common.model = value()?,
             "--samples" => common.samples = number(&arg, value()?)?,
             "--accumulate" => common.accumulate = number(&arg, value()?)?,
+            "--dtype-policy" => common.dtype_policy = value()?.parse()?,
             "--epochs" => common.epochs = Some(number(&arg, value()?)?),
             "--min-accuracy" => common.min_accuracy = number(&arg, value()?)?,
             "--stall-worker" => common.stall_worker = Some(number(&arg, value()?)?),

@@ -15,9 +15,14 @@
 //!   ```
 //!
 //!   It compares the eval-mode logits and the weights after one SGD step in train mode with
-//!   PyTorch's, on `ComputePath::Auto` and `ComputePath::Autograd`;
-//!   `resnet18_device_generic_matches_torchvision` does it on `ComputePath::DeviceGeneric`,
-//!   where the step does not match yet (see that test).
+//!   PyTorch's, on `ComputePath::Auto`, `ComputePath::Autograd` and
+//!   `ComputePath::DeviceGeneric`.
+//!
+//!   The batch is a demanding one for float32: one ReLU input of the step's forward pass
+//!   (`layer4.1`'s output, sample 3, channel 142, at (1, 1)) is -2.4e-6 in float64. A float32
+//!   forward pass that lands it above zero passes that one value's gradient, which moves every
+//!   gradient below `fc` by 0.3 to 1.4% of the update: what a path whose batch statistics are
+//!   summed less accurately than PyTorch's shows here first.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -169,17 +174,11 @@ fn side_at(name: &str) -> usize {
 #[test]
 #[ignore = "needs torchvision's ResNet-18 files: see the module's documentation"]
 fn resnet18_matches_torchvision() -> Result<()> {
-    resnet18_parity(&[ComputePath::Auto, ComputePath::Autograd])
-}
-
-/// The same on the path a GPU runs. The logits agree; after the training step the weights
-/// differ from PyTorch's by about 1e-3 to 1e-2 of the update, three orders of magnitude over
-/// the float32 spread, while the tiny network of the fixture agrees between the paths to
-/// float32 rounding: not understood yet, so this test fails and says by how much.
-#[test]
-#[ignore = "needs torchvision's ResNet-18 files; fails: see its documentation"]
-fn resnet18_device_generic_matches_torchvision() -> Result<()> {
-    resnet18_parity(&[ComputePath::DeviceGeneric])
+    resnet18_parity(&[
+        ComputePath::Auto,
+        ComputePath::Autograd,
+        ComputePath::DeviceGeneric,
+    ])
 }
 
 /// Loads torchvision's ResNet-18 on each of `paths` and compares its eval-mode logits and its

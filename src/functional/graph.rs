@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::net::GraphNet;
-use super::symbolic::{Call, Node, Op, SymbolicTensor};
+use super::symbolic::{Call, GraphLayer, Node, Op, SymbolicTensor};
 use crate::error::shape_with_batch;
 use crate::layers::{BuildContext, Built, LayerSpec, Summary, SummaryRow};
 use crate::{Error, Result};
@@ -20,7 +20,8 @@ use crate::{Error, Result};
 /// A model recipe made of layer calls on symbolic tensors, from its inputs to its outputs: the
 /// functional API. Residual connections, several inputs or outputs and shared layers are
 /// written as Keras writes them; with one input and one output the recipe is also a layer,
-/// which a `Sequential` or another functional model can hold.
+/// which a `Sequential` or another functional model can hold, and any functional model is
+/// called on several tensors inside another with [`Functional::call_on`].
 ///
 /// ```
 /// use kandle::functional::{add, Functional, Input};
@@ -64,12 +65,13 @@ pub(crate) struct GraphLayerSpec {
     pub(crate) calls: usize,
 }
 
-/// One call: which layer, on what, giving which shape.
+/// One call: which layer, on what, giving which shapes (several for a functional model of
+/// several outputs).
 #[derive(Debug, Clone)]
 pub(crate) struct GraphCall {
     pub(crate) layer: usize,
     pub(crate) inputs: Vec<Source>,
-    pub(crate) output_shape: Vec<usize>,
+    pub(crate) output_shapes: Vec<Vec<usize>>,
     /// Which call of its layer it is, from 0.
     pub(crate) index: usize,
 }
@@ -79,8 +81,8 @@ pub(crate) struct GraphCall {
 pub(crate) enum Source {
     /// The model's input `i`.
     Input(usize),
-    /// The output of call `i`.
-    Call(usize),
+    /// Output `k` of call `i`: `Call(i, k)`.
+    Call(usize, usize),
 }
 
 impl std::fmt::Debug for Op {
@@ -88,6 +90,7 @@ impl std::fmt::Debug for Op {
         match self {
             Op::Spec(spec) => write!(f, "{spec:?}"),
             Op::Merge(merge) => write!(f, "{merge:?}"),
+            Op::Graph(graph) => write!(f, "{graph:?}"),
         }
     }
 }
@@ -118,10 +121,11 @@ impl Functional {
         let mut call_index: HashMap<u64, usize> = HashMap::new();
         let mut calls = Vec::new();
         let mut kinds: HashMap<&'static str, usize> = HashMap::new();
-        let source = |node: &Node, call_index: &HashMap<u64, usize>| match input_index.get(&node.id)
+        let source = |t: &SymbolicTensor, call_index: &HashMap<u64, usize>| match input_index
+            .get(&t.node().id)
         {
             Some(&i) => Source::Input(i),
-            None => Source::Call(call_index[&node.id]),
+            None => Source::Call(call_index[&t.node().id], t.output()),
         };
         for node in &order {
             let Call::Layer(layer) = &node.call else {
@@ -143,24 +147,17 @@ impl Functional {
                 });
                 layers.len() - 1
             });
-            let inputs = node
-                .inputs
-                .iter()
-                .map(|t| source(t.node(), &call_index))
-                .collect();
+            let inputs = node.inputs.iter().map(|t| source(t, &call_index)).collect();
             calls.push(GraphCall {
                 layer: l,
                 inputs,
-                output_shape: node.output_shape.clone(),
+                output_shapes: node.output_shapes.clone(),
                 index: layers[l].calls,
             });
             layers[l].calls += 1;
             call_index.insert(node.id, calls.len() - 1);
         }
-        let outputs = outputs
-            .iter()
-            .map(|t| source(t.node(), &call_index))
-            .collect();
+        let outputs = outputs.iter().map(|t| source(t, &call_index)).collect();
         let graph = Self {
             name: None,
             inputs: graph_inputs,
@@ -178,6 +175,74 @@ impl Functional {
         self
     }
 
+    /// Calls the model like a layer on `inputs`, one symbolic tensor per model input in order,
+    /// inside another functional model, as calling a Keras model on a list of tensors does;
+    /// returns one symbolic tensor per model output, in order. The outer model builds the
+    /// model's layers once per call, with their variables under the model's name
+    /// ([`Self::named`]; by default `functional_1`, ... numbered in the outer model), so they
+    /// are trained, saved and loaded with the outer model's. Each call makes a new layer with
+    /// its own variables.
+    ///
+    /// A number of inputs other than the model's, or an input whose shape is not the model's,
+    /// is an error naming the model (and the input, with both shapes). A model of one input
+    /// and one output may also be called with
+    /// [`LayerSpecExt::call`](crate::layers::LayerSpecExt::call).
+    ///
+    /// ```
+    /// use kandle::functional::{add, Functional, Input};
+    /// use kandle::layers::{Dense, LayerSpecExt};
+    ///
+    /// // An encoder of two inputs and two outputs...
+    /// let a = Input::new(&[4]).named("a").tensor();
+    /// let b = Input::new(&[3]).named("b").tensor();
+    /// let h = add(&[&Dense::new(8).call(&a)?, &Dense::new(8).call(&b)?])?;
+    /// let (mean, scale) = (Dense::new(2).call(&h)?, Dense::new(2).call(&h)?);
+    /// let encoder = Functional::new([&a, &b], [&mean, &scale])?.named("encoder");
+    ///
+    /// // ... called on two tensors of another model.
+    /// let x = Input::new(&[4]).tensor();
+    /// let y = Input::new(&[3]).tensor();
+    /// let outputs = encoder.call_on(&[&x, &y])?;
+    /// assert_eq!(outputs.len(), 2);
+    /// let sum = add(&[&outputs[0], &outputs[1]])?;
+    /// let model = Functional::new([&x, &y], [&sum])?;
+    /// assert_eq!(model.summary()?.trainable, 4 * 8 + 8 + 3 * 8 + 8 + 2 * (8 * 2 + 2));
+    ///
+    /// let err = encoder.call_on(&[&x]).unwrap_err().to_string();
+    /// assert!(err.contains("`encoder` takes 2 inputs"), "{err}");
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn call_on(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<SymbolicTensor>> {
+        GraphLayer::new(Op::Graph(Box::new(self.clone()))).call_all(inputs)
+    }
+
+    /// Checks that `shapes` are this model's input shapes, for a call named `layer`.
+    pub(crate) fn check_call(&self, layer: &str, shapes: &[&[usize]]) -> Result<()> {
+        if shapes.len() != self.inputs.len() {
+            let each: Vec<String> = self
+                .inputs
+                .iter()
+                .map(|i| format!("`{}` {}", i.name, shape_with_batch(&i.shape)))
+                .collect();
+            return Err(Error::invalid(format!(
+                "functional model `{layer}` takes {} inputs ({}), but was called on {}",
+                self.inputs.len(),
+                each.join(", "),
+                shapes.len()
+            )));
+        }
+        for (input, shape) in self.inputs.iter().zip(shapes) {
+            if input.shape != *shape {
+                return Err(Error::Shape {
+                    layer: format!("functional model `{layer}`: input `{}`", input.name),
+                    expected: shape_with_batch(&input.shape),
+                    got: shape_with_batch(shape),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// The inputs' shapes, without the batch dimension, in order.
     pub fn input_shapes(&self) -> Vec<Vec<usize>> {
         self.inputs.iter().map(|i| i.shape.clone()).collect()
@@ -189,9 +254,22 @@ impl Functional {
     }
 
     /// The names of the layers that give the outputs (an input's name for an output that is
-    /// an input), in order: what per-output losses and logs are keyed by.
+    /// an input; `<model>.<output>` for an output of a functional model called in this one),
+    /// in order: what per-output losses and logs are keyed by.
     pub fn output_names(&self) -> Vec<String> {
-        self.outputs.iter().map(|&s| self.source_name(s)).collect()
+        self.outputs
+            .iter()
+            .map(|&s| match s {
+                Source::Call(c, k) => match &self.layers[self.calls[c].layer].op {
+                    Op::Graph(graph) => {
+                        let inner = graph.output_names().swap_remove(k);
+                        format!("{}.{inner}", self.source_name(s))
+                    }
+                    _ => self.source_name(s),
+                },
+                Source::Input(_) => self.source_name(s),
+            })
+            .collect()
     }
 
     /// The outputs' shapes, without the batch dimension, in order.
@@ -238,7 +316,7 @@ impl Functional {
     pub(crate) fn shape_of(&self, source: Source) -> &[usize] {
         match source {
             Source::Input(i) => &self.inputs[i].shape,
-            Source::Call(c) => &self.calls[c].output_shape,
+            Source::Call(c, k) => &self.calls[c].output_shapes[k],
         }
     }
 
@@ -246,18 +324,18 @@ impl Functional {
     pub(crate) fn source_name(&self, source: Source) -> String {
         match source {
             Source::Input(i) => self.inputs[i].name.clone(),
-            Source::Call(c) => self.layers[self.calls[c].layer].name.clone(),
+            Source::Call(c, _) => self.layers[self.calls[c].layer].name.clone(),
         }
     }
 
     /// Keras's reference to a source in the "Connected to" column: `conv2d_1[0][0]`, the
     /// layer, which of its calls, which of that call's outputs.
     fn connection(&self, source: Source) -> String {
-        let call = match source {
-            Source::Input(_) => 0,
-            Source::Call(c) => self.calls[c].index,
+        let (call, output) = match source {
+            Source::Input(_) => (0, 0),
+            Source::Call(c, k) => (self.calls[c].index, k),
         };
-        format!("{}[{call}][0]", self.source_name(source))
+        format!("{}[{call}][{output}]", self.source_name(source))
     }
 
     /// Whether the graph is a chain: one input, one output, every layer called once on what
@@ -267,7 +345,7 @@ impl Functional {
             let before = if c == 0 {
                 Source::Input(0)
             } else {
-                Source::Call(c - 1)
+                Source::Call(c - 1, 0)
             };
             call.inputs == [before]
         });
@@ -403,12 +481,12 @@ fn check_inputs(inputs: &[&SymbolicTensor], order: &[Arc<Node>]) -> Result<Vec<G
                 "input {} of the functional model (`{}`, {}) is not used by any output",
                 i + 1,
                 name.as_deref().unwrap_or("unnamed"),
-                shape_with_batch(&node.output_shape)
+                shape_with_batch(t.shape())
             )));
         }
         named.push(GraphInput {
             name: name.clone().unwrap_or_else(|| format!("input_{}", i + 1)),
-            shape: node.output_shape.clone(),
+            shape: t.shape().to_vec(),
         });
     }
     for node in order {
@@ -425,7 +503,7 @@ fn check_inputs(inputs: &[&SymbolicTensor], order: &[Arc<Node>]) -> Result<Vec<G
             "the functional model's graph is disconnected: layer {user} is called on input {} \
              ({}), which is not among the model's inputs",
             node.describe(),
-            shape_with_batch(&node.output_shape)
+            shape_with_batch(&node.output_shapes[0])
         )));
     }
     Ok(named)

@@ -6,7 +6,8 @@
 //! [`subtract`], [`multiply`], [`average`], [`concatenate`]) join several tensors, so residual
 //! blocks, several inputs and several outputs are written as in Keras; a layer made
 //! [`shared`](crate::layers::LayerSpecExt::shared) keeps one set of variables over its calls,
-//! and their gradients add up.
+//! and their gradients add up. A functional model is itself called inside another, on one
+//! tensor per input and giving one per output ([`Functional::call_on`]).
 //!
 //! ```
 //! use kandle::functional::{add, Functional, Input};

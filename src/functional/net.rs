@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::graph::{Functional, Source};
 use super::merge::{MergeBackward, MergeLayer};
@@ -59,18 +59,21 @@ enum InPlace {
     Joined,
 }
 
-/// A step: a chain of layers or a merge, from its input slots to its output slot.
+/// A step: a chain of layers, a merge or a functional model, from its input slots to its
+/// output slots (one, or a functional model's outputs).
 struct Step {
     run: StepRun,
     inputs: Vec<usize>,
-    output: usize,
-    /// The output's shape, without the batch axis.
+    outputs: Vec<usize>,
+    /// The first output's shape, without the batch axis.
     output_shape: Vec<usize>,
 }
 
 enum StepRun {
     Chain(SequentialNet),
     Merge(MergeLayer),
+    /// A functional model called in this one, built in its own scope.
+    Graph(GraphNet),
 }
 
 /// A chain while the graph is laid out: its layers with their full names, and its shapes.
@@ -83,13 +86,23 @@ struct ChainParts {
 enum PartsRun {
     Chain(ChainParts),
     Merge(MergeLayer),
+    Graph(GraphNet),
 }
 
-/// A layer once built: owned by its one call, shared by several, or a merge to make per call.
+/// A step while the graph is laid out: what it runs, its input slots and its output slots.
+struct Part {
+    run: PartsRun,
+    inputs: Vec<usize>,
+    outputs: Vec<usize>,
+}
+
+/// A layer once built: owned by its one call, shared by several, a merge to make per call, or
+/// a functional model called once.
 enum BuiltLayer {
     Unique(Option<Box<dyn FastPath>>),
     Shared(Arc<dyn FastPath>),
     Merge(super::merge::Merge),
+    Graph(Option<GraphNet>),
 }
 
 impl GraphNet {
@@ -112,12 +125,12 @@ impl GraphNet {
                 Op::Spec(spec) => {
                     let shape = graph.shape_of(first.inputs[0]);
                     let child = build_child(ctx, spec.as_ref(), &layer.name, shape)?;
-                    if child.output_shape != first.output_shape {
+                    if [&child.output_shape] != first.output_shapes.iter().collect::<Vec<_>>()[..] {
                         return Err(Error::invalid(format!(
                             "layer `{}` gives {} when built but {} when called",
                             layer.name,
                             shape_with_batch(&child.output_shape),
-                            shape_with_batch(&first.output_shape)
+                            shape_with_batch(&first.output_shapes[0])
                         )));
                     }
                     rows.push(child.row);
@@ -131,13 +144,41 @@ impl GraphNet {
                         name: layer.name.clone(),
                         kind: layer.op.kind().to_string(),
                         class_name: layer.op.class_name().to_string(),
-                        output_shape: first.output_shape.clone(),
+                        output_shape: first.output_shapes[0].clone(),
                         trainable: 0,
                         non_trainable: 0,
                         children: Vec::new(),
                         connected_to: Vec::new(),
                     });
                     built.push(BuiltLayer::Merge(merge.clone()));
+                }
+                Op::Graph(inner) => {
+                    if layer.calls != 1 {
+                        return Err(Error::invalid(format!(
+                            "functional model `{}` is called {} times: each call of a model \
+                             makes a layer of its own",
+                            layer.name, layer.calls
+                        )));
+                    }
+                    let shapes: Vec<Vec<usize>> = first
+                        .inputs
+                        .iter()
+                        .map(|&s| graph.shape_of(s).to_vec())
+                        .collect();
+                    let (net, children) =
+                        ctx.scoped(&layer.name, |ctx| inner.build_graph(ctx, &shapes))?;
+                    let (trainable, non_trainable) = ctx.count_in(&layer.name);
+                    rows.push(SummaryRow {
+                        name: layer.name.clone(),
+                        kind: layer.op.kind().to_string(),
+                        class_name: layer.op.class_name().to_string(),
+                        output_shape: first.output_shapes[0].clone(),
+                        trainable,
+                        non_trainable,
+                        children,
+                        connected_to: Vec::new(),
+                    });
+                    built.push(BuiltLayer::Graph(Some(net)));
                 }
             }
         }
@@ -157,25 +198,23 @@ impl GraphNet {
         let calls = graph.calls();
         // How many calls take each call's output, and whether it is an output.
         let mut takers = vec![0usize; calls.len()];
-        for call in calls {
-            for source in &call.inputs {
-                if let Source::Call(p) = source {
-                    takers[*p] += 1;
-                }
-            }
-        }
-        for source in graph.outputs() {
-            if let Source::Call(p) = source {
+        for source in calls
+            .iter()
+            .flat_map(|call| &call.inputs)
+            .chain(graph.outputs())
+        {
+            if let Source::Call(p, _) = source {
                 takers[*p] += 1;
             }
         }
         let inputs = graph.inputs().len();
+        // The slot of each call's first output; a call's outputs have consecutive slots.
         let mut slot_of_call = vec![0usize; calls.len()];
         let mut step_of_slot: Vec<Option<usize>> = vec![None; inputs];
-        let mut parts: Vec<(PartsRun, Vec<usize>, usize)> = Vec::new();
+        let mut parts: Vec<Part> = Vec::new();
         let slot = |source: Source, slot_of_call: &[usize]| match source {
             Source::Input(i) => i,
-            Source::Call(c) => slot_of_call[c],
+            Source::Call(c, k) => slot_of_call[c] + k,
         };
         for (c, call) in calls.iter().enumerate() {
             let layer = &graph.layers()[call.layer];
@@ -197,18 +236,22 @@ impl GraphNet {
                         .collect();
                     PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
                 }
+                BuiltLayer::Graph(net) => PartsRun::Graph(
+                    net.take()
+                        .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice")))?,
+                ),
                 BuiltLayer::Unique(layer) => {
                     let layer = layer
                         .take()
                         .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice")))?;
                     // The call extends the chain that gives its input when nothing else takes
                     // that value.
-                    if let [Source::Call(p)] = call.inputs[..] {
+                    if let [Source::Call(p, 0)] = call.inputs[..] {
                         let step = step_of_slot[slot_of_call[p]];
                         if let (1, Some(step)) = (takers[p], step) {
-                            if let PartsRun::Chain(chain) = &mut parts[step].0 {
+                            if let PartsRun::Chain(chain) = &mut parts[step].run {
                                 chain.layers.push((full, layer));
-                                chain.output_shape = call.output_shape.clone();
+                                chain.output_shape = call.output_shapes[0].clone();
                                 slot_of_call[c] = slot_of_call[p];
                                 continue;
                             }
@@ -217,19 +260,24 @@ impl GraphNet {
                     PartsRun::Chain(ChainParts {
                         layers: vec![(full, layer)],
                         input_shape: graph.shape_of(call.inputs[0]).to_vec(),
-                        output_shape: call.output_shape.clone(),
+                        output_shape: call.output_shapes[0].clone(),
                     })
                 }
                 BuiltLayer::Shared(layer) => PartsRun::Chain(ChainParts {
                     layers: vec![(full, Box::new(SharedCall(Arc::clone(layer))))],
                     input_shape: graph.shape_of(call.inputs[0]).to_vec(),
-                    output_shape: call.output_shape.clone(),
+                    output_shape: call.output_shapes[0].clone(),
                 }),
             };
-            let output = step_of_slot.len();
-            step_of_slot.push(Some(parts.len()));
-            slot_of_call[c] = output;
-            parts.push((run, input_slots, output));
+            let first = step_of_slot.len();
+            let outputs: Vec<usize> = (first..first + call.output_shapes.len()).collect();
+            step_of_slot.extend(outputs.iter().map(|_| Some(parts.len())));
+            slot_of_call[c] = first;
+            parts.push(Part {
+                run,
+                inputs: input_slots,
+                outputs,
+            });
         }
         let outputs: Vec<usize> = graph
             .outputs()
@@ -237,24 +285,22 @@ impl GraphNet {
             .map(|&s| slot(s, &slot_of_call))
             .collect();
         let mut uses = vec![0usize; step_of_slot.len()];
-        for (_, inputs, _) in &parts {
-            for &s in inputs {
-                uses[s] += 1;
-            }
-        }
-        for &s in &outputs {
+        for &s in parts.iter().flat_map(|p| &p.inputs).chain(&outputs) {
             uses[s] += 1;
         }
         absorb_relus_after_merges(&mut parts, &uses);
         let mut shape_of_slot: Vec<Vec<usize>> = vec![Vec::new(); uses.len()];
         for (c, call) in calls.iter().enumerate() {
-            shape_of_slot[slot_of_call[c]] = call.output_shape.clone();
+            for (k, shape) in call.output_shapes.iter().enumerate() {
+                shape_of_slot[slot_of_call[c] + k] = shape.clone();
+            }
         }
         let steps = parts
             .into_iter()
-            .map(|(run, inputs, output)| {
-                let run = match run {
+            .map(|part| {
+                let run = match part.run {
                     PartsRun::Merge(merge) => StepRun::Merge(merge),
+                    PartsRun::Graph(net) => StepRun::Graph(net),
                     PartsRun::Chain(chain) => StepRun::Chain(SequentialNet::chain(
                         chain.layers[0].0.clone(),
                         chain.input_shape,
@@ -264,9 +310,9 @@ impl GraphNet {
                 };
                 Step {
                     run,
-                    inputs,
-                    output,
-                    output_shape: shape_of_slot[output].clone(),
+                    inputs: part.inputs,
+                    output_shape: shape_of_slot[part.outputs[0]].clone(),
+                    outputs: part.outputs,
                 }
             })
             .collect::<Vec<_>>();
@@ -313,7 +359,7 @@ impl GraphNet {
         }
         self.steps
             .iter()
-            .rposition(|s| s.output == out && matches!(s.run, StepRun::Chain(_)))
+            .rposition(|s| s.outputs == [out] && matches!(s.run, StepRun::Chain(_)))
     }
 
     /// Every step's inputs, taken from `slots`; a slot is dropped once its last taker has it.
@@ -382,7 +428,7 @@ impl GraphNet {
                 let out = joined[i].take().ok_or_else(|| {
                     Error::invalid(format!("`{}`: a concatenation lost its output", self.path))
                 })?;
-                slots[step.output] = Some(out.into_tensor()?);
+                slots[step.outputs[0]] = Some(out.into_tensor()?);
                 continue;
             }
             let xs = self.take_inputs(step, &mut slots, &mut left)?;
@@ -410,16 +456,19 @@ impl GraphNet {
                 }
                 continue;
             }
-            let y = match &step.run {
+            let ys = match &step.run {
                 StepRun::Chain(chain) if logits_step == Some(i) => {
                     let (y, l) = chain.forward_with_logits(&xs[0], train)?;
                     logits = l;
-                    y
+                    vec![y]
                 }
-                StepRun::Chain(chain) => chain.forward_t(&xs[0], train)?,
-                StepRun::Merge(merge) => merge.forward(&xs)?,
+                StepRun::Chain(chain) => vec![chain.forward_t(&xs[0], train)?],
+                StepRun::Merge(merge) => vec![merge.forward(&xs)?],
+                StepRun::Graph(net) => net.run(&xs, train, false)?.0,
             };
-            slots[step.output] = Some(y);
+            for (&o, y) in step.outputs.iter().zip(ys) {
+                slots[o] = Some(y);
+            }
         }
         Ok((self.finish(&slots)?, logits))
     }
@@ -437,7 +486,7 @@ impl GraphNet {
         let mut backwards = Vec::with_capacity(self.steps.len());
         for (i, step) in self.steps.iter().enumerate() {
             let xs = self.take_inputs(step, &mut slots, &mut left)?;
-            let (y, backward) = match &step.run {
+            let (ys, backward) = match &step.run {
                 StepRun::Chain(chain) => {
                     let recorded = match logits_step == Some(i) {
                         true => chain.forward_recorded_with_logits(&xs[0])?,
@@ -446,17 +495,28 @@ impl GraphNet {
                     logits = recorded.logits;
                     let name = chain.path().to_string();
                     (
-                        recorded.output,
+                        vec![recorded.output],
                         StepBackward::Chain(name, recorded.backward),
                     )
                 }
                 StepRun::Merge(merge) => {
                     let (y, backward) = merge.record(&xs)?;
-                    (y, StepBackward::Merge(backward))
+                    (vec![y], StepBackward::Merge(backward))
+                }
+                StepRun::Graph(net) => {
+                    let (ys, _, backward) = net.record(&xs, false)?;
+                    // An output nothing takes gets a zero gradient of its shape.
+                    let shapes = ys
+                        .iter()
+                        .map(|y| (y.dims().to_vec(), y.dtype(), y.device().clone()))
+                        .collect();
+                    (ys, StepBackward::Graph(backward, shapes))
                 }
             };
-            slots[step.output] = Some(y);
-            backwards.push((step.inputs.clone(), step.output, backward));
+            for (&o, y) in step.outputs.iter().zip(ys) {
+                slots[o] = Some(y);
+            }
+            backwards.push((step.inputs.clone(), step.outputs.clone(), backward));
         }
         let backward = GraphBackward {
             path: self.path.clone(),
@@ -480,7 +540,7 @@ fn in_place_concatenations(steps: &[Step], uses: &[usize]) -> Vec<InPlace> {
         };
         let mut writers = Vec::with_capacity(step.inputs.len());
         for (i, &slot) in step.inputs.iter().enumerate() {
-            let writer = steps.iter().position(|s| s.output == slot);
+            let writer = steps.iter().position(|s| s.outputs == [slot]);
             match (writer, merge.channel_slot(i)) {
                 (Some(w), Some((offset, channels)))
                     if uses[slot] == 1 && matches!(steps[w].run, StepRun::Chain(_)) =>
@@ -507,30 +567,29 @@ fn in_place_concatenations(steps: &[Step], uses: &[usize]) -> Vec<InPlace> {
 
 /// Lets a sum or an average absorb the ReLU that alone takes its output: the chain that takes
 /// it then starts with an [`Identity`].
-fn absorb_relus_after_merges(parts: &mut [(PartsRun, Vec<usize>, usize)], uses: &[usize]) {
+fn absorb_relus_after_merges(parts: &mut [Part], uses: &[usize]) {
     for m in 0..parts.len() {
-        let out = parts[m].2;
+        let (PartsRun::Merge(_), &[out]) = (&parts[m].run, &parts[m].outputs[..]) else {
+            continue;
+        };
         if uses[out] != 1 {
             continue;
         }
-        let Some(t) = parts
-            .iter()
-            .position(|(_, inputs, _)| inputs.contains(&out))
-        else {
+        let Some(t) = parts.iter().position(|p| p.inputs.contains(&out)) else {
             continue;
         };
-        let starts_with_relu = match &parts[t].0 {
+        let starts_with_relu = match &parts[t].run {
             PartsRun::Chain(chain) => chain.layers[0].1.is_relu(),
-            PartsRun::Merge(_) => false,
+            PartsRun::Merge(_) | PartsRun::Graph(_) => false,
         };
         if !starts_with_relu {
             continue;
         }
-        let fused = match &mut parts[m].0 {
+        let fused = match &mut parts[m].run {
             PartsRun::Merge(merge) => merge.fuse_relu(),
-            PartsRun::Chain(_) => false,
+            PartsRun::Chain(_) | PartsRun::Graph(_) => false,
         };
-        if let (true, PartsRun::Chain(chain)) = (fused, &mut parts[t].0) {
+        if let (true, PartsRun::Chain(chain)) = (fused, &mut parts[t].run) {
             chain.layers[0].1 = Box::new(Identity);
         }
     }
@@ -541,6 +600,9 @@ enum StepBackward {
     /// A chain's, with the chain's name for errors.
     Chain(String, Box<dyn Backward>),
     Merge(MergeBackward),
+    /// A functional model's, with each output's dims, dtype and device (for a zero gradient
+    /// where nothing took the output).
+    Graph(GraphBackward, Vec<(Vec<usize>, DType, Device)>),
 }
 
 /// A functional model's recorded backward pass.
@@ -549,8 +611,8 @@ pub(crate) struct GraphBackward {
     inputs: usize,
     slots: usize,
     outputs: Vec<usize>,
-    /// Each step's input slots, output slot and backward pass, in the forward order.
-    steps: Vec<(Vec<usize>, usize, StepBackward)>,
+    /// Each step's input slots, output slots and backward pass, in the forward order.
+    steps: Vec<(Vec<usize>, Vec<usize>, StepBackward)>,
 }
 
 /// Adds `grad` to a slot's gradient: the first is taken as it is.
@@ -576,10 +638,27 @@ impl GraphBackward {
             accumulate(&mut g[o], dy)?;
         }
         let needs = |slot: usize| slot >= self.inputs || input_grad;
-        for (inputs, output, backward) in self.steps.into_iter().rev() {
-            let dy = g[output].take().ok_or_else(|| {
-                Error::invalid(format!("`{}`: a value got no gradient", self.path))
-            })?;
+        let no_gradient = || Error::invalid(format!("`{}`: a value got no gradient", self.path));
+        for (inputs, outputs, backward) in self.steps.into_iter().rev() {
+            if let StepBackward::Graph(backward, shapes) = backward {
+                let dys = outputs
+                    .iter()
+                    .zip(shapes)
+                    .map(|(&o, (dims, dtype, device))| match g[o].take() {
+                        Some(dy) => Ok(dy),
+                        None => Ok(Tensor::zeros(dims, dtype, &device)?),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let wanted = inputs.iter().any(|&s| needs(s));
+                let dxs = backward.backward(dys, grads, wanted)?;
+                for (&s, dx) in inputs.iter().zip(dxs) {
+                    if let (true, Some(dx)) = (needs(s), dx) {
+                        accumulate(&mut g[s], dx)?;
+                    }
+                }
+                continue;
+            }
+            let dy = g[outputs[0]].take().ok_or_else(no_gradient)?;
             match backward {
                 StepBackward::Chain(name, backward) => {
                     let s = inputs[0];
@@ -602,6 +681,7 @@ impl GraphBackward {
                         }
                     }
                 }
+                StepBackward::Graph(..) => return Err(no_gradient()),
             }
         }
         Ok(g.into_iter()

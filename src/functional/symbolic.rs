@@ -10,7 +10,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use super::graph::Functional;
 use super::merge::Merge;
+use crate::error::shape_with_batch;
 use crate::layers::{BuildContext, LayerSpec};
 use crate::{ComputePath, Error, Result};
 
@@ -51,10 +53,11 @@ impl Input {
             id: next_id(),
             call: Call::Input { name: self.name },
             inputs: Vec::new(),
-            output_shape: self.shape,
+            output_shapes: vec![self.shape],
         };
         SymbolicTensor {
             node: Arc::new(node),
+            output: 0,
         }
     }
 }
@@ -70,6 +73,8 @@ impl From<Input> for SymbolicTensor {
 #[derive(Clone)]
 pub struct SymbolicTensor {
     node: Arc<Node>,
+    /// Which of its call's outputs it is (a nested model may give several).
+    output: usize,
 }
 
 impl std::fmt::Debug for SymbolicTensor {
@@ -77,8 +82,8 @@ impl std::fmt::Debug for SymbolicTensor {
         write!(
             f,
             "SymbolicTensor({}, {})",
-            self.node.describe(),
-            crate::error::shape_with_batch(&self.node.output_shape)
+            self.describe(),
+            shape_with_batch(self.shape())
         )
     }
 }
@@ -86,21 +91,37 @@ impl std::fmt::Debug for SymbolicTensor {
 impl SymbolicTensor {
     /// The shape, without the batch dimension.
     pub fn shape(&self) -> &[usize] {
-        &self.node.output_shape
+        &self.node.output_shapes[self.output]
     }
 
     pub(crate) fn node(&self) -> &Arc<Node> {
         &self.node
     }
+
+    /// Which of its call's outputs it is.
+    pub(crate) fn output(&self) -> usize {
+        self.output
+    }
+
+    /// The layer (or input) that gives it, as errors name it: [`Node::describe`], with the
+    /// output's number when the call gives several.
+    pub(crate) fn describe(&self) -> String {
+        match self.node.output_shapes.len() {
+            1 => self.node.describe(),
+            _ => format!("{} output {}", self.node.describe(), self.output + 1),
+        }
+    }
 }
 
-/// One call in the graph: an input, a layer called on one tensor, or a merge of several.
+/// One call in the graph: an input, a layer called on one tensor, a merge of several, or a
+/// functional model called on its inputs.
 pub(crate) struct Node {
     /// Unique in the process: what the graph's walk keys nodes by.
     pub(crate) id: u64,
     pub(crate) call: Call,
     pub(crate) inputs: Vec<SymbolicTensor>,
-    pub(crate) output_shape: Vec<usize>,
+    /// One shape per output: several only for a functional model of several outputs.
+    pub(crate) output_shapes: Vec<Vec<usize>>,
 }
 
 impl Node {
@@ -122,15 +143,19 @@ pub(crate) enum Call {
     Layer(Arc<GraphLayer>),
 }
 
-/// A layer of a graph: a recipe or a merge, with the input shapes it takes once called.
+/// A layer of a graph: a recipe, a merge or a functional model, with the input shapes it takes
+/// once called.
 pub(crate) struct GraphLayer {
     /// Unique in the process: calls of one shared layer have the same id.
     pub(crate) id: u64,
     pub(crate) op: Op,
-    /// The input shapes of its first call, and the output shape: every later call must give
+    /// The input shapes of its first call, and the output shapes: every later call must give
     /// the same input shapes.
-    shapes: OnceLock<(Vec<Vec<usize>>, Vec<usize>)>,
+    shapes: OnceLock<(Shapes, Shapes)>,
 }
+
+/// Several shapes, each without the batch dimension.
+type Shapes = Vec<Vec<usize>>;
 
 /// A graph layer's operation.
 #[derive(Clone)]
@@ -139,6 +164,8 @@ pub(crate) enum Op {
     Spec(Box<dyn LayerSpec>),
     /// A merge of several tensors.
     Merge(Merge),
+    /// A functional model called on its inputs, giving its outputs.
+    Graph(Box<Functional>),
 }
 
 impl Op {
@@ -146,6 +173,7 @@ impl Op {
         match self {
             Op::Spec(spec) => spec.name(),
             Op::Merge(merge) => merge.name(),
+            Op::Graph(graph) => graph.name(),
         }
     }
 
@@ -153,6 +181,7 @@ impl Op {
         match self {
             Op::Spec(spec) => spec.kind(),
             Op::Merge(merge) => merge.kind(),
+            Op::Graph(graph) => graph.kind(),
         }
     }
 
@@ -160,6 +189,7 @@ impl Op {
         match self {
             Op::Spec(spec) => spec.class_name(),
             Op::Merge(merge) => merge.class_name(),
+            Op::Graph(graph) => graph.class_name(),
         }
     }
 }
@@ -179,17 +209,30 @@ impl GraphLayer {
     }
 
     /// Calls the layer on `inputs`: checks their shapes, computes the output's, and records
-    /// the call.
+    /// the call. The layer must give one output.
     pub(crate) fn call(self: &Arc<Self>, inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
+        let mut outputs = self.call_all(inputs)?;
+        match outputs.len() {
+            1 => Ok(outputs.remove(0)),
+            n => Err(Error::invalid(format!(
+                "layer `{}` gives {n} outputs where one is expected",
+                self.display_name()
+            ))),
+        }
+    }
+
+    /// Calls the layer on `inputs`: checks their shapes, computes the outputs', and records
+    /// the call as one node; returns one symbolic tensor per output.
+    pub(crate) fn call_all(
+        self: &Arc<Self>,
+        inputs: &[&SymbolicTensor],
+    ) -> Result<Vec<SymbolicTensor>> {
         let shapes: Vec<Vec<usize>> = inputs.iter().map(|t| t.shape().to_vec()).collect();
-        let output_shape = match self.shapes.get() {
+        let output_shapes = match self.shapes.get() {
             Some((first, output)) if *first == shapes => output.clone(),
             Some((first, _)) => {
                 let show = |shapes: &[Vec<usize>]| -> String {
-                    let each: Vec<String> = shapes
-                        .iter()
-                        .map(|s| crate::error::shape_with_batch(s))
-                        .collect();
+                    let each: Vec<String> = shapes.iter().map(|s| shape_with_batch(s)).collect();
                     each.join(" and ")
                 };
                 return Err(Error::invalid(format!(
@@ -201,24 +244,27 @@ impl GraphLayer {
                 )));
             }
             None => {
-                let output = self.output_shape(inputs)?;
+                let output = self.output_shapes(inputs)?;
                 let _ = self.shapes.set((shapes, output.clone()));
                 output
             }
         };
-        let node = Node {
+        let node = Arc::new(Node {
             id: next_id(),
             call: Call::Layer(Arc::clone(self)),
             inputs: inputs.iter().map(|&t| t.clone()).collect(),
-            output_shape,
-        };
-        Ok(SymbolicTensor {
-            node: Arc::new(node),
-        })
+            output_shapes,
+        });
+        Ok((0..node.output_shapes.len())
+            .map(|output| SymbolicTensor {
+                node: Arc::clone(&node),
+                output,
+            })
+            .collect())
     }
 
-    /// The output shape for `inputs`, or the error that building the layer for them gives.
-    fn output_shape(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<usize>> {
+    /// The output shapes for `inputs`, or the error that building the layer for them gives.
+    fn output_shapes(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<Vec<usize>>> {
         match &self.op {
             Op::Spec(spec) => {
                 let [input] = inputs else {
@@ -231,14 +277,17 @@ impl GraphLayer {
                 let mut ctx = BuildContext::for_shapes();
                 let built =
                     ctx.scoped(self.display_name(), |ctx| spec.build(ctx, input.shape()))?;
-                Ok(built.output_shape)
+                Ok(vec![built.output_shape])
             }
             Op::Merge(merge) => {
-                let parts: Vec<(String, &[usize])> = inputs
-                    .iter()
-                    .map(|t| (t.node.describe(), t.shape()))
-                    .collect();
-                merge.output_shape(self.display_name(), &parts)
+                let parts: Vec<(String, &[usize])> =
+                    inputs.iter().map(|t| (t.describe(), t.shape())).collect();
+                Ok(vec![merge.output_shape(self.display_name(), &parts)?])
+            }
+            Op::Graph(graph) => {
+                let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
+                graph.check_call(self.display_name(), &shapes)?;
+                Ok(graph.output_shapes())
             }
         }
     }

@@ -267,3 +267,201 @@ fn recorded_gradients_of_a_two_output_graph_match_autograd() -> Result<()> {
         &[37],
     )
 }
+
+/// A model of two inputs and two outputs, named `encoder`: a convolution, a BatchNorm and a
+/// ReLU on the image, a sum with the vector, and two dense heads.
+fn encoder() -> Result<Functional> {
+    let image = Input::new(&[2, 4, 4]).named("image").tensor();
+    let vector = Input::new(&[5]).named("vector").tensor();
+    let h = Conv2D::new(3, 3).padding(Padding::Same).call(&image)?;
+    let h = Activation::Relu.call(&BatchNormalization::new().call(&h)?)?;
+    let h = Dense::new(5).call(&Flatten.call(&h)?)?;
+    let h = Activation::Relu.call(&add(&[&h, &vector])?)?;
+    let first = Dense::new(4).named("first").call(&h)?;
+    let second = Dense::new(3).named("second").call(&h)?;
+    Ok(Functional::new([&image, &vector], [&first, &second])?.named("encoder"))
+}
+
+/// `encoder` called in a model of two inputs whose outputs are a dense layer on both of the
+/// encoder's outputs and the encoder's second output itself.
+fn calls_the_encoder(encoder: &Functional) -> Result<Functional> {
+    let x = Input::new(&[2, 4, 4]).named("x").tensor();
+    let y = Input::new(&[5]).named("y").tensor();
+    let parts = encoder.call_on(&[&x, &y])?;
+    let joined = concatenate(&[&parts[0], &parts[1]])?;
+    let head = Dense::new(2).named("head").call(&joined)?;
+    Functional::new([&x, &y], [&head, &parts[1]])
+}
+
+/// The inputs of `encoder` for `n` samples.
+fn encoder_inputs(n: usize) -> Result<[Tensor; 2]> {
+    Ok([
+        Tensor::randn(0f32, 1., (n, 2, 4, 4), &Device::Cpu)?,
+        Tensor::randn(0f32, 1., (n, 5), &Device::Cpu)?,
+    ])
+}
+
+/// A model of several inputs and outputs called in another gives, through the outer model,
+/// what it gives run on its own with the same variables; they are the outer model's, under
+/// its name.
+#[test]
+fn a_model_of_several_inputs_and_outputs_is_called_like_a_layer() -> Result<()> {
+    let inner = encoder()?;
+    let outer = calls_the_encoder(&inner)?;
+    assert_eq!(outer.output_names(), ["head", "encoder.second"]);
+    assert_eq!(outer.output_shapes(), [vec![2], vec![3]]);
+    let summary = outer.summary()?;
+    let row = summary
+        .rows
+        .iter()
+        .find(|r| r.name == "encoder")
+        .expect("the encoder's row");
+    assert_eq!(row.class_name, "Functional");
+    assert_eq!(row.connected_to, ["x[0][0]", "y[0][0]"]);
+    assert_eq!(
+        row.trainable,
+        2 * 3 * 9 + 3 + 2 * 3 + 48 * 5 + 5 + 5 * 4 + 4 + 5 * 3 + 3
+    );
+    let joined = summary
+        .rows
+        .iter()
+        .find(|r| r.class_name == "Concatenate")
+        .expect("the concatenation's row");
+    assert_eq!(joined.connected_to, ["encoder[0][0]", "encoder[0][1]"]);
+
+    for path in [ComputePath::Auto, ComputePath::DeviceGeneric] {
+        let mut ctx = crate::params::BuildContext::new(&Device::Cpu, 5).with_compute_path(path);
+        let (net, _) = outer.build_graph(&mut ctx, &outer.input_shapes())?;
+        let store = ctx.into_store();
+        let weights = store.weights()?;
+        assert!(weights.contains_key("encoder.first.weight"), "{weights:?}");
+        let mut alone = crate::params::BuildContext::new(&Device::Cpu, 9).with_compute_path(path);
+        let (inner_net, _) = inner.build_graph(&mut alone, &inner.input_shapes())?;
+        let inner_store = alone.into_store();
+        let mut inner_weights = inner_store.weights()?;
+        for (name, value) in inner_weights.iter_mut() {
+            *value = weights[&format!("encoder.{name}")].clone();
+        }
+        inner_store.assign(&inner_weights)?;
+
+        let xs = encoder_inputs(3)?;
+        let (outputs, _) = net.run(&xs, false, false)?;
+        let (direct, _) = inner_net.run(&xs, false, false)?;
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
+            Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?)
+        };
+        assert_eq!(diff(&outputs[1], &direct[1])?, 0.0, "{path:?}");
+        let head = Tensor::cat(&direct, 1)?
+            .matmul(&weights["head.weight"].t()?)?
+            .broadcast_add(&weights["head.bias"])?;
+        assert!(diff(&outputs[0], &head)? < 1e-6, "{path:?}");
+    }
+    Ok(())
+}
+
+/// The recorded backward pass through a model of several inputs and outputs called in another
+/// gives candle's autograd's gradients.
+#[test]
+fn recorded_gradients_through_a_called_model_of_several_outputs_match_autograd() -> Result<()> {
+    let packed = super::Packed::new(calls_the_encoder(&encoder()?)?);
+    crate::layers::assert_recorded_matches_autograd(
+        |path| {
+            let ctx = crate::params::BuildContext::new(&Device::Cpu, 4).with_compute_path(path);
+            let (net, store, _) = Sequential::new().add(packed.clone()).build_in(ctx, &[37])?;
+            Ok((net, store))
+        },
+        &[37],
+    )
+}
+
+/// A model that leaves one of the called model's outputs unused trains on both paths, and
+/// its weights (the called model's under its name) save and load.
+#[test]
+fn an_outer_model_trains_saves_and_loads_the_called_models_variables() -> Result<()> {
+    let inner = encoder()?;
+    let x = Input::new(&[2, 4, 4]).tensor();
+    let y = Input::new(&[5]).tensor();
+    let parts = inner.call_on(&[&x, &y])?;
+    let out = Dense::new(1).named("out").call(&parts[0])?;
+    let outer = Functional::new([&x, &y], [&out])?;
+    let xs = encoder_inputs(32)?;
+    let target = xs[1].sum_keepdim(1)?;
+    let data = crate::data::InMemoryDataset::new(crate::functional::pack(&xs)?, target)?;
+    let dir = tempfile::tempdir().map_err(|e| crate::Error::io("cannot create", "tempdir", e))?;
+    for path in [ComputePath::Auto, ComputePath::DeviceGeneric] {
+        let mut model = outer
+            .clone()
+            .compile(
+                crate::optimizers::Adam::new(0.01),
+                crate::losses::MeanSquaredError,
+                (),
+                &crate::OneDeviceStrategy::cpu(),
+            )?
+            .with_compute_path(path)?;
+        let history = model.fit(
+            &data,
+            crate::FitOptions {
+                epochs: 8,
+                batch_size_per_replica: 8,
+                verbosity: crate::callbacks::Verbosity::Silent,
+                ..Default::default()
+            },
+        )?;
+        let loss = history.series("loss");
+        assert!(loss[loss.len() - 1] < 0.5 * loss[0], "{path:?}: {loss:?}");
+        assert!(model.get_weights()?.contains_key("encoder.second.weight"));
+
+        let file = dir.path().join(format!("{path:?}.safetensors"));
+        model.save_weights(&file)?;
+        let mut fresh = outer
+            .clone()
+            .compile(
+                crate::optimizers::Sgd::new(0.1),
+                crate::losses::MeanSquaredError,
+                (),
+                &crate::OneDeviceStrategy::cpu(),
+            )?
+            .with_compute_path(path)?
+            .with_seed(7)?;
+        fresh.load_weights(&file)?;
+        let probe = crate::functional::pack(&encoder_inputs(4)?)?;
+        let (a, b) = (model.predict(&probe, 4)?, fresh.predict(&probe, 4)?);
+        let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "{path:?}");
+    }
+    Ok(())
+}
+
+/// Calling a model on the wrong number of tensors, or on a tensor of another shape, is an
+/// error naming the model (and the input with both shapes).
+#[test]
+fn a_called_model_checks_its_inputs() -> Result<()> {
+    let inner = encoder()?;
+    let x = Input::new(&[2, 4, 4]).tensor();
+    let err = message(inner.call_on(&[&x]));
+    assert_names(
+        &err,
+        &[
+            "`encoder`",
+            "takes 2 inputs",
+            "`image` (batch, 2, 4, 4)",
+            "called on 1",
+        ],
+    );
+    let wide = Input::new(&[6]).tensor();
+    let err = message(inner.call_on(&[&x, &wide]));
+    assert_names(&err, &["`encoder`", "`vector`", "(batch, 5)", "(batch, 6)"]);
+    let flat = Input::new(&[5]).tensor();
+    let outputs = inner.call_on(&[&x, &flat])?;
+    let err = message(add(&[&outputs[0], &outputs[1]]));
+    assert_names(
+        &err,
+        &[
+            "`encoder` output 1",
+            "(batch, 4)",
+            "`encoder` output 2",
+            "(batch, 3)",
+        ],
+    );
+    Ok(())
+}

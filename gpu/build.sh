@@ -6,11 +6,14 @@
 #                                      nvcc compiling candle's kernels, then a few per change)
 #   CUDA_COMPUTE_CAP   default 90: sm_90a, for the H100 and H200 only
 #   KANDLE_CUDA_VENV   the CUDA 13.0 toolchain venv (default ~/.cache/kandle-cuda13)
+#   KANDLE_GPU_CUDNN   0 skips the cudnn builds (another compilation of candle's kernels)
 #
 # What it builds, with the CUDA 13.0 toolchain of .ci/setup-cuda.sh (the sonames the GPU machine's
 # PyTorch brings) plus cuDNN 9 to link against:
 #   - kandle-lib: kandle's unit tests with `cuda` (the layers on CUDA against the CPU);
 #   - strategies-gpu: kandle-strategies' `tests/gpu.rs` with `cuda,nccl`;
+#   - models-parity: kandle-models' `tests/torchvision_weights.rs` with `cuda` (ResNet-18 against
+#     PyTorch on the GPU);
 #   - bench, train_cifar10: the example binaries with `cuda,nccl`;
 #   - bench-cudnn, train_cifar10-cudnn: the same with `cudnn` (candle's convolutions through
 #     cuDNN instead of its own im2col and cuBLAS).
@@ -61,14 +64,22 @@ pack() { # pack NAME PATH
 echo "== tests and binaries with cuda,nccl"
 # One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
 built=$(executables test --profile release --locked --no-run -p kandle -p kandle-strategies \
-  --features kandle/cuda,kandle-strategies/nccl --lib --test gpu)
+  -p kandle-models --features kandle/cuda,kandle-strategies/nccl --lib --test gpu \
+  --test torchvision_weights)
 echo "$built"
 pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
 pack strategies-gpu "$(awk '$1 == "kandle-strategies:gpu" { print $2 }' <<<"$built")"
+pack models-parity "$(awk '$1 == "kandle-models:torchvision_weights" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,nccl \
   --bin bench --bin train_cifar10 >/dev/null
 pack bench "$CARGO_TARGET_DIR/release/bench"
 pack train_cifar10 "$CARGO_TARGET_DIR/release/train_cifar10"
+
+if [[ ${KANDLE_GPU_CUDNN:-1} == 0 ]]; then
+  du -ch gpu-bin/*.xz | tail -n 1
+  echo "== gpu/build.sh done in $((SECONDS - t0)) s (without the cudnn builds)"
+  exit 0
+fi
 
 echo "== binaries with cudnn"
 # Another feature set: candle-core and the crates above it are compiled again, and these

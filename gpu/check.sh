@@ -11,10 +11,13 @@
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
 #      ignored CUDA test included) and the rest of kandle's unit tests on this machine;
-#   4. digits to 97% on the GPU, 20 steps against the CPU, Mirrored with two replicas on the GPU,
-#      CentralStorage, training states between GPU and CPU, NCCL with one rank (tests/gpu.rs);
+#   4. digits to 97% on the GPU (also under mixed_float16 and mixed_bfloat16), 20 steps against
+#      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage,
+#      training states between GPU and CPU, NCCL with one rank (tests/gpu.rs); ResNet-18 against
+#      PyTorch's float64 step on torchvision's weights (parity-files, parity);
 #   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the
-#      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images;
+#      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images; under
+#      mixed_float16 and mixed_bfloat16 against PyTorch's autocast at batch 256;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
 #   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
@@ -54,10 +57,15 @@ failed=0
 # The whole check ends within KANDLE_GPU_CHECK_SECONDS (default 530): a step gets at most what is
 # left, and a step with under 15 s left is recorded as skipped (exit 125).
 DEADLINE=$((SECONDS + ${KANDLE_GPU_CHECK_SECONDS:-530}))
+# KANDLE_GPU_STEPS (a comma-separated list of step names) runs those steps only, for a session
+# whose device time is short.
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit and records how it ended.
 step() {
   local name=$1 limit=$2
   shift 2
+  if [[ -n ${KANDLE_GPU_STEPS:-} && ",$KANDLE_GPU_STEPS," != *",$name,"* ]]; then
+    return 0
+  fi
   local left=$((DEADLINE - SECONDS))
   if ((left < 15)); then
     echo "=== $name: skipped, ${left} s left"
@@ -87,6 +95,14 @@ step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
 step gpu-training-and-strategies 150 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
 
+# ResNet-18 against PyTorch on the GPU: PyTorch writes torchvision's ResNet-18 with a fixed seed,
+# a batch, its logits and the weights after one SGD step in float32 and float64; kandle loads
+# the file on cuda:0 and compares (models/tests/torchvision_weights.rs).
+PARITY=/tmp/kandle-parity
+step parity-files 120 "$PYTHON" bench/torchvision_resnet_parity.py --out "$PARITY" --only resnet18
+step parity 120 env KANDLE_TORCHVISION_PARITY="$PARITY" KANDLE_PARITY_DEVICE=cuda:0 \
+  "$BIN/models-parity" --ignored --exact resnet18_matches_torchvision --nocapture
+
 bench() { # bench NAME LIMIT BINARY ARGS...
   local name=$1 limit=$2 binary=$3
   shift 3
@@ -96,6 +112,13 @@ bench() { # bench NAME LIMIT BINARY ARGS...
 }
 bench bench-64 120 bench --batch 64 --pytorch-configs eager,channels_last --epoch-images 50000
 bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
+
+# Mixed precision: kandle's policies against PyTorch's autocast (float16 with a GradScaler, and
+# bfloat16) and float32, on the same GPU.
+bench bench-256-mixed-float16 120 bench --batch 256 --dtype-policy mixed_float16 \
+  --pytorch-configs channels_last,channels_last+amp
+bench bench-256-mixed-bfloat16 120 bench --batch 256 --dtype-policy mixed_bfloat16 \
+  --pytorch-configs channels_last+bf16
 
 # One epoch through train_cifar10 (candle's own convolutions: its cuDNN build's training step is
 # several times slower, see bench-*-cudnn).

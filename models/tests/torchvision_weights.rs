@@ -16,7 +16,9 @@
 //!
 //!   It compares the eval-mode logits and the weights after one SGD step in train mode with
 //!   PyTorch's, on `ComputePath::Auto`, `ComputePath::Autograd` and
-//!   `ComputePath::DeviceGeneric`.
+//!   `ComputePath::DeviceGeneric`; with `KANDLE_PARITY_DEVICE=cuda:0` (and `--features
+//!   kandle/cuda`) on that GPU, where every path is the device-generic one (`gpu/check.sh`'s
+//!   `parity` step).
 //!
 //!   The batch is a demanding one for float32: one ReLU input of the step's forward pass
 //!   (`layer4.1`'s output, sample 3, channel 142, at (1, 1)) is -2.4e-6 in float64. A float32
@@ -62,13 +64,37 @@ fn tiny_resnet() -> Result<Functional> {
 }
 
 fn compiled(net: Functional, path: ComputePath) -> Result<Model> {
+    compiled_on(net, path, &Device::Cpu)
+}
+
+fn compiled_on(net: Functional, path: ComputePath, device: &Device) -> Result<Model> {
     net.compile(
         Sgd::new(0.1).momentum(0.9),
         SparseCategoricalCrossentropy::new().from_logits(true),
         (),
-        &OneDeviceStrategy::cpu(),
+        &OneDeviceStrategy::new(device.clone()),
     )?
     .with_compute_path(path)
+}
+
+/// `KANDLE_PARITY_DEVICE=cuda:N` runs the ResNet-18 parity on that GPU (a build with
+/// `--features kandle/cuda`), where every path is the device-generic one; the CPU otherwise.
+fn parity_device() -> Result<Device> {
+    match std::env::var("KANDLE_PARITY_DEVICE") {
+        Err(_) => Ok(Device::Cpu),
+        Ok(name) if name == "cpu" => Ok(Device::Cpu),
+        Ok(name) => {
+            let index = name
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "KANDLE_PARITY_DEVICE: `{name}` is not cpu or cuda:N"
+                    ))
+                })?;
+            kandle::devices::cuda(index)
+        }
+    }
 }
 
 fn load(path: &Path) -> Result<HashMap<String, Tensor>> {
@@ -174,6 +200,9 @@ fn side_at(name: &str) -> usize {
 #[test]
 #[ignore = "needs torchvision's ResNet-18 files: see the module's documentation"]
 fn resnet18_matches_torchvision() -> Result<()> {
+    if !parity_device()?.is_cpu() {
+        return resnet18_parity(&[ComputePath::DeviceGeneric]);
+    }
     resnet18_parity(&[
         ComputePath::Auto,
         ComputePath::Autograd,
@@ -211,8 +240,9 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
     let logits64 = tensor(&batch, "logits_f64")?;
     let torch_spread = max_abs_diff(&values(logits32)?, &values(logits64)?);
     eprintln!("ResNet-18 logits: PyTorch float32 against float64: {torch_spread:.2e}");
+    let device = parity_device()?;
     for &path in paths {
-        let mut model = compiled(resnet18()?, path)?;
+        let mut model = compiled_on(resnet18()?, path, &device)?;
         let report =
             model.load_weights_from(dir.join("resnet18.safetensors"), &ImportOptions::new())?;
         assert!(report.is_complete(), "{report}");
@@ -230,7 +260,7 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
         let logits = model.predict(x, samples)?;
         let (diff, scale) = check_logits(&logits, logits64, "ResNet-18")?;
         eprintln!(
-            "ResNet-18 logits, {path:?}: max |kandle - float64| = {diff:.2e} \
+            "ResNet-18 logits, {path:?} on {device:?}: max |kandle - float64| = {diff:.2e} \
              (largest logit {scale:.3}, PyTorch float32's {torch_spread:.2e})"
         );
 
@@ -288,7 +318,7 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
             }
         }
         eprintln!(
-            "ResNet-18 one SGD step, {path:?}: worst max |kandle - float64| / max(float32 \
+            "ResNet-18 one SGD step, {path:?} on {device:?}: worst max |kandle - float64| / max(float32 \
              spread, 1e-7 |w|) = {worst_ratio:.2}; running_var: max |kandle - PyTorch| = \
              {:.2e} (unbiased against biased variance), {:.2e} once PyTorch's is made biased",
             worst_var.0, worst_var.1

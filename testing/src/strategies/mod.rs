@@ -46,8 +46,17 @@ impl Reference {
         (SPREAD_FACTOR * self.spread).max(MIN_TOLERANCE)
     }
 
-    /// Asserts that `other` has the reference's tensors, each within [`Self::tolerance`].
+    /// Asserts that `other` has the reference's tensors, each within [`Self::tolerance`]
+    /// (a mixed-precision run's loss scale aside).
     pub fn assert_matches(&self, other: &Weights, what: &str) -> anyhow::Result<()> {
+        let mut other = other.clone();
+        if !self
+            .weights
+            .contains_key(kandle::mixed_precision::LOSS_SCALE)
+        {
+            other.remove(kandle::mixed_precision::LOSS_SCALE);
+        }
+        let other = &other;
         let difference = relative_difference(&self.weights, other)?;
         eprintln!(
             "{what}: largest relative difference {difference:.2e}, {:.1}x the reordered run's {:.2e}",

@@ -256,7 +256,10 @@ mod tests {
         for name in ["float32", "mixed_float16", "mixed_bfloat16"] {
             assert_eq!(name.parse::<DTypePolicy>()?.to_string(), name);
         }
-        let err = "float16".parse::<DTypePolicy>().unwrap_err().to_string();
+        let err = "float16"
+            .parse::<DTypePolicy>()
+            .expect_err("not a policy")
+            .to_string();
         assert!(
             err.contains("float16") && err.contains("mixed_float16"),
             "{err}"

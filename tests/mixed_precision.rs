@@ -175,7 +175,7 @@ fn weights_move_between_policies() -> Result<()> {
         dir.path().join("f32.safetensors"),
         dir.path().join("f16.safetensors"),
     );
-    let mut plain = model(DTypePolicy::float32(), ComputePath::Auto)?;
+    let plain = model(DTypePolicy::float32(), ComputePath::Auto)?;
     plain.save_weights(&single)?;
     let mut half = model(DTypePolicy::mixed_float16(), ComputePath::Auto)?.with_seed(9)?;
     half.load_weights(&single)?;

@@ -265,8 +265,12 @@ fn frozen_layers_get_no_gradient_and_the_layers_below_are_not_recorded() -> kand
     let candle = Replica::new(&frozen(ComputePath::Autograd), &Device::Cpu)?;
     candle.store().assign(&recorded.store().weights()?)?;
     let names = recorded.trainable_names().to_vec();
-    assert!(names.iter().all(|n| n.starts_with("sequential_1.concat_1.")
-        || n.starts_with("sequential_1.dense_1.")));
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("sequential_1.concat_1.")
+                || n.starts_with("sequential_1.dense_1."))
+    );
     assert_eq!(names.len(), 2 * (2 + 2) + 2, "{names:?}");
     let (x, y) = batch(6, 3)?;
     let (ours, _) = gradients(&recorded, &x, &y)?;
@@ -281,7 +285,10 @@ fn frozen_layers_get_no_gradient_and_the_layers_below_are_not_recorded() -> kand
     // Only the probe above the lowest trainable layer saw a tracked input, once per path:
     // recorded under candle's autograd, and in candle's autograd over the network. Below it
     // nothing is recorded, and autograd does not track the frozen variables.
-    assert_eq!((low.0.load(Ordering::SeqCst), high.0.load(Ordering::SeqCst)), (0, 2));
+    assert_eq!(
+        (low.0.load(Ordering::SeqCst), high.0.load(Ordering::SeqCst)),
+        (0, 2)
+    );
     // Steps change the trainable variables and leave the frozen ones, statistics included.
     let before = recorded.store().weights()?;
     let mut recorded = recorded;

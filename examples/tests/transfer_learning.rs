@@ -13,13 +13,13 @@ use kandle::data::{digits, ColorMode, Dataset, ImageFolder};
 use kandle::functional::{Functional, Input, SymbolicTensor};
 use kandle::layers::{Padding, Rescaling};
 use kandle::params::Weights;
-use kandle::pretrained::ImportOptions;
 use kandle::prelude::*;
+use kandle::pretrained::ImportOptions;
 use kandle_models::{basic_block, Depth, Head, ResNet};
 
 /// The accuracy on held-out digits 5-9 that the frozen base and a new classifier reached when
-/// measured (0.93, seed 0): the test asserts it within a margin.
-const FROZEN_ACCURACY: f64 = 0.93;
+/// measured (0.869, seeds as here): the test asserts it within a margin.
+const FROZEN_ACCURACY: f64 = 0.87;
 /// How far below [`FROZEN_ACCURACY`] a run may land (another machine's float rounding, another
 /// thread count).
 const MARGIN: f64 = 0.05;
@@ -66,7 +66,7 @@ fn small_resnet(x: &SymbolicTensor) -> Result<SymbolicTensor> {
         .call(&y)?;
     let y = Activation::Relu.call(&y)?;
     let y = basic_block(&y, "layer1.0.", 16, 1)?;
-    let y = basic_block(&y, "layer2.0.", 32, 2)?;
+    let y = basic_block(&y, "layer2.0.", 64, 2)?;
     Ok(GlobalAveragePooling2D.named("avgpool").call(&y)?)
 }
 
@@ -152,7 +152,7 @@ fn a_base_trained_on_five_digits_transfers_to_the_other_five() -> Result<()> {
     pretrained.save_weights(&saved)?;
 
     // A new classifier for 5-9 over the base, loaded without `fc`, frozen.
-    let transfer = |inference: bool| -> Result<Model> {
+    let transfer = |inference: bool, load: bool| -> Result<Model> {
         let image = Input::new(&[1, 8, 8]).named("image").tensor();
         let base = base(None)?.named("base").trainable(false);
         let features = match inference {
@@ -169,29 +169,40 @@ fn a_base_trained_on_five_digits_transfers_to_the_other_five() -> Result<()> {
             [Accuracy],
             &OneDeviceStrategy::cpu(),
         )?;
-        let options = ImportOptions::new()
-            .rename_prefix("", "base.")
-            .allow_unexpected(true)
-            .allow_missing(true);
-        let report = model.load_weights_from(&saved, &options)?;
-        assert_eq!(report.unexpected, ["base.fc.bias", "base.fc.weight"]);
-        assert_eq!(report.missing, ["classifier.bias", "classifier.weight"]);
+        if load {
+            let options = ImportOptions::new()
+                .rename_prefix("", "base.")
+                .allow_unexpected(true)
+                .allow_missing(true);
+            let report = model.load_weights_from(&saved, &options)?;
+            assert_eq!(report.unexpected, ["base.fc.bias", "base.fc.weight"]);
+            assert_eq!(report.missing, ["classifier.bias", "classifier.weight"]);
+        }
         Ok(model)
     };
     let (high, high_val) = split(&files, &[5, 6, 7, 8, 9])?;
-    let mut model = transfer(false)?;
+    // The same classifier over a frozen base at random: what the pretraining brings.
+    let mut random = transfer(false, false)?;
+    let history = random.fit(&high, fit_options(&high_val, 20))?;
+    let random_accuracy = history.last("val_accuracy").unwrap_or(1.0);
+    let mut model = transfer(false, true)?;
     let summary = model.summary()?;
-    assert_eq!(summary.trainable, 32 * 5 + 5, "only the classifier trains");
+    assert_eq!(summary.trainable, 64 * 5 + 5, "only the classifier trains");
     let loaded = model.get_weights()?;
-    let history = model.fit(&high, fit_options(&high_val, 6))?;
+    let history = model.fit(&high, fit_options(&high_val, 20))?;
     let accuracy = history.last("val_accuracy").unwrap_or(0.0);
     eprintln!(
         "digits 0-4: {pretrained_accuracy:.3}; 5-9 over the frozen base: {accuracy:.3} \
-         (stated {FROZEN_ACCURACY}, margin {MARGIN})"
+         (stated {FROZEN_ACCURACY}, margin {MARGIN}); over a random frozen base: \
+         {random_accuracy:.3}"
     );
     assert!(
         accuracy >= FROZEN_ACCURACY - MARGIN,
         "5-9 over the frozen base: {accuracy}"
+    );
+    assert!(
+        accuracy >= random_accuracy + 0.1,
+        "pretrained {accuracy}, random {random_accuracy}"
     );
     let after = model.get_weights()?;
     for statistics in [false, true] {
@@ -201,22 +212,28 @@ fn a_base_trained_on_five_digits_transfers_to_the_other_five() -> Result<()> {
             "the frozen base changed (statistics: {statistics})"
         );
     }
-    assert_ne!(after["classifier.weight"].to_vec2::<f32>()?, loaded["classifier.weight"].to_vec2::<f32>()?);
+    assert_ne!(
+        after["classifier.weight"].to_vec2::<f32>()?,
+        loaded["classifier.weight"].to_vec2::<f32>()?
+    );
 
     // Unfrozen at a low learning rate, the base's weights and statistics move.
     model.set_trainable(&["base"], true)?;
     model.set_learning_rate(1e-4)?;
-    assert!(model.summary()?.trainable > 10 * (32 * 5 + 5));
+    assert!(model.summary()?.trainable > 10 * (64 * 5 + 5));
     model.fit(&high, fit_options(&high_val, 1))?;
     let tuned = model.get_weights()?;
     for statistics in [false, true] {
-        let (a, b) = (base_bits(&tuned, statistics)?, base_bits(&after, statistics)?);
+        let (a, b) = (
+            base_bits(&tuned, statistics)?,
+            base_bits(&after, statistics)?,
+        );
         let moved = a.iter().zip(&b).filter(|(a, b)| a.1 != b.1).count();
         assert!(moved * 10 >= a.len() * 9, "{moved} of {} moved", a.len());
     }
 
     // In inference mode the base's statistics stay through fine-tuning; its weights move.
-    let mut model = transfer(true)?;
+    let mut model = transfer(true, true)?;
     model.fit(&high, fit_options(&high_val, 1))?;
     model.set_trainable(&["base"], true)?;
     let before = model.get_weights()?;
@@ -236,7 +253,7 @@ fn the_transfer_learning_binary_runs_both_phases() -> Result<()> {
     let data = dir.path().join("images");
     write_digits(&data, &[0, 1, 2], 6)?;
     // torchvision's ResNet-18 names and shapes (a 1,000-class `fc`), at random.
-    let mut resnet = ResNet::new(Depth::ResNet18)
+    let resnet = ResNet::new(Depth::ResNet18)
         .input_shape(&[3, 32, 32])
         .head(Head::Softmax(1000))
         .build()?
@@ -281,7 +298,7 @@ fn the_transfer_learning_binary_runs_both_phases() -> Result<()> {
     };
     let text = run(true)?;
     for part in [
-        "loaded: 122 of 124 variables",
+        "loaded: 100 of 105 variables",
         "unexpected: 2 (base.fc.bias, base.fc.weight)",
         "training the classifier over the frozen base",
         "fine-tuning base",

@@ -179,7 +179,13 @@ impl BatchNormLayer {
                 let mean = self.running_mean.as_tensor().detach();
                 let var = self.running_var.as_tensor().detach();
                 let inv_std = (var + self.epsilon)?.sqrt()?.recip()?;
-                Some((x.clone(), mean, inv_std, self.weight.clone(), self.bias.clone()))
+                Some((
+                    x.clone(),
+                    mean,
+                    inv_std,
+                    self.weight.clone(),
+                    self.bias.clone(),
+                ))
             }
             false => None,
         };

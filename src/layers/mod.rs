@@ -79,7 +79,8 @@ pub use pooling::{
     Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,
 };
 pub use preprocessing::{
-    FillMode, Normalization, RandomCrop, RandomFlip, RandomResizedCrop, RandomRotation, RandomZoom, Rescaling,
+    FillMode, Normalization, RandomCrop, RandomFlip, RandomResizedCrop, RandomRotation, RandomZoom,
+    Rescaling,
 };
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};

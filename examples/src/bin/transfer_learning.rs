@@ -25,8 +25,8 @@ use kandle::callbacks::{plot_history, CsvLogger};
 use kandle::data::{Dataset, ImageFolder};
 use kandle::functional::{Functional, Input};
 use kandle::layers::{Normalization, RandomFlip, RandomResizedCrop, Rescaling};
-use kandle::pretrained::ImportOptions;
 use kandle::prelude::*;
+use kandle::pretrained::ImportOptions;
 use kandle_examples::StrategyKind;
 use kandle_models::{Depth, Head, ResNet};
 
@@ -53,8 +53,10 @@ impl BaseModel {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Transfer learning: a pretrained ResNet, frozen under a new classifier, then \
-                   fine-tuned, on a folder of images per class")]
+#[command(
+    about = "Transfer learning: a pretrained ResNet, frozen under a new classifier, then \
+                   fine-tuned, on a folder of images per class"
+)]
 struct Args {
     /// A folder with one subfolder of images per class.
     #[arg(long)]
@@ -126,7 +128,9 @@ fn network(args: &Args, classes: usize) -> Result<Functional> {
     let x = Rescaling::new(1.0 / 255.0, 0.0).call(&image)?;
     let x = Normalization::imagenet().call(&x)?;
     let x = RandomFlip::horizontal().call(&x)?;
-    let x = RandomResizedCrop::new(size, size).scale(0.5, 1.0).call(&x)?;
+    let x = RandomResizedCrop::new(size, size)
+        .scale(0.5, 1.0)
+        .call(&x)?;
     let features = base
         .named("base")
         .trainable(false)

@@ -271,11 +271,21 @@ fn main() -> Result<()> {
         println!();
         println!("| step | ms | images/s |");
         println!("|---|---|---|");
-        for (what, s) in [("whole network trains", whole), ("base frozen, head trains", frozen)] {
-            println!("| {what} | {} | {:.0} |", ms(Some(s)), args.batch as f64 / s);
+        for (what, s) in [
+            ("whole network trains", whole),
+            ("base frozen, head trains", frozen),
+        ] {
+            println!(
+                "| {what} | {} | {:.0} |",
+                ms(Some(s)),
+                args.batch as f64 / s
+            );
         }
         println!();
-        println!("The frozen step takes {:.2}x the whole step's time.", frozen / whole);
+        println!(
+            "The frozen step takes {:.2}x the whole step's time.",
+            frozen / whole
+        );
         println!();
         out["kandle"]["train_step_frozen_base_s"] = json!(frozen);
     }

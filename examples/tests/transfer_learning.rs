@@ -315,3 +315,71 @@ fn the_transfer_learning_binary_runs_both_phases() -> Result<()> {
     assert!(run(false)?.contains("the base starts from random weights"));
     Ok(())
 }
+
+/// Unfreezing a model compiled under `MirroredStrategy` (two CPU replicas) rebuilds both
+/// replicas' optimizers over the base: frozen, the base stays bit for bit; unfrozen, it trains
+/// (its BatchNorm in inference mode), to the weights one device reaches on the same batches.
+#[test]
+fn unfreezing_under_mirrored_trains_the_base_on_every_replica() -> Result<()> {
+    let set = digits::load()?;
+    let compiled = |mirrored: bool| -> Result<Model> {
+        let net = Sequential::new()
+            .input_shape(&[1, 8, 8])
+            .add(
+                Sequential::new()
+                    .add(Conv2D::new(4, 3))
+                    .add(BatchNormalization::new())
+                    .add(Activation::Relu)
+                    .add(Flatten)
+                    .named("base")
+                    .trainable(false)
+                    // Moving statistics, not each replica's batch: one device's arithmetic.
+                    .inference_mode(),
+            )
+            .add(Dense::new(10).activation(Activation::Softmax).named("head"));
+        let (optimizer, loss) = (Sgd::new(0.1), SparseCategoricalCrossentropy::new());
+        Ok(match mirrored {
+            true => {
+                let cpus = vec![candle_core::Device::Cpu; 2];
+                let strategy = kandle_strategies::MirroredStrategy::new(cpus)?;
+                net.compile(optimizer, loss, [Accuracy], &strategy)?
+            }
+            false => net.compile(optimizer, loss, [Accuracy], &OneDeviceStrategy::cpu())?,
+        })
+    };
+    // A global batch of 32: 16 per replica under Mirrored.
+    let run = |mirrored: bool| -> Result<(Weights, Weights, Weights)> {
+        let mut model = compiled(mirrored)?;
+        let loaded = model.get_weights()?;
+        let options = |epochs, initial_epoch| FitOptions {
+            epochs,
+            initial_epoch,
+            batch_size_per_replica: if mirrored { 16 } else { 32 },
+            steps_per_epoch: Some(4),
+            shuffle: false,
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        };
+        model.fit(&set, options(1, 0))?;
+        let frozen = model.get_weights()?;
+        model.set_trainable(&["base"], true)?;
+        model.fit(&set, options(2, 1))?;
+        Ok((loaded, frozen, model.get_weights()?))
+    };
+    let (loaded, frozen, tuned) = run(true)?;
+    for statistics in [false, true] {
+        assert_eq!(
+            base_bits(&frozen, statistics)?,
+            base_bits(&loaded, statistics)?
+        );
+    }
+    assert_ne!(base_bits(&tuned, false)?, base_bits(&frozen, false)?);
+    let (_, _, one_device) = run(false)?;
+    for (name, a) in &tuned {
+        let b = &one_device[name];
+        let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-3);
+        assert!(diff <= 1e-4 * scale, "{name}: {diff} against {scale}");
+    }
+    Ok(())
+}

@@ -138,7 +138,9 @@ fn jpeg_pipeline(args: &Args) -> Result<()> {
     );
     let (low, high) = H100_RESNET50_IMAGES_PER_S;
     println!(
-        "An H100 trains ResNet-50 at ~{low:.0}-{high:.0} images/s (mixed precision): this          machine's pipeline feeds {:.1}% to {:.1}% of it; {:.0} to {:.0} cores like these would          keep up.",
+        "An H100 trains ResNet-50 at ~{low:.0}-{high:.0} images/s (mixed precision): this \
+         machine's pipeline feeds {:.1}% to {:.1}% of it; {:.0} to {:.0} cores like these would \
+         keep up.",
         100.0 * all_cores / high,
         100.0 * all_cores / low,
         (low / one_core).ceil(),
@@ -148,7 +150,8 @@ fn jpeg_pipeline(args: &Args) -> Result<()> {
         let step = resnet50_step(args.resnet50_batch)?;
         let rate = args.resnet50_batch as f64 / step;
         println!(
-            "A kandle ResNet-50 training step on this CPU (batch {}, 224x224): {:.2} s, {rate:.1}              images/s; the pipeline delivers {:.0}x that.",
+            "A kandle ResNet-50 training step on this CPU (batch {}, 224x224): {:.2} s, {rate:.1} \
+             images/s; the pipeline delivers {:.0}x that.",
             args.resnet50_batch,
             step,
             all_cores / rate

@@ -37,8 +37,10 @@ impl<L: LayerSpec + Clone> LayerSpec for Named<L> {
 }
 
 /// A recipe whose variables are trainable or frozen. Frozen variables are left out of the
-/// optimizer and count as non-trainable in the summary; a frozen `BatchNormalization` always
-/// uses its moving statistics, as in Keras.
+/// optimizer, get no gradient and count as non-trainable in the summary; a frozen
+/// `BatchNormalization` always uses its moving statistics and leaves them as they are, as in
+/// Keras. [`Model::set_trainable`](crate::Model::set_trainable) overrides it by layer name on a
+/// compiled model.
 #[derive(Debug, Clone)]
 pub struct Trainable<L> {
     inner: L,

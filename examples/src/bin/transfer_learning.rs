@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo run --release -p kandle-examples --bin transfer_learning -- \
-//!     --data-dir data/flower_photos --weights resnet152-f82ba261.pth --model resnet152 \
+//!     --data-dir data/flower_photos --weights resnet152-394f9c45.pth --model resnet152 \
 //!     --epochs 5 --fine-tune-epochs 5 --output plots/transfer_learning.png
 //! ```
 //!

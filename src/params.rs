@@ -290,6 +290,46 @@ pub(crate) fn list(names: &[&str]) -> String {
     s
 }
 
+/// Whether the layers under a name train, overriding the recipe: what
+/// [`Model::set_trainable`](crate::Model::set_trainable) keeps.
+///
+/// A rule names a layer by its full dotted name (`layer4`, `layer4.1.conv2`) and covers that
+/// layer and every layer inside it; the empty name covers the whole model.
+///
+/// ```
+/// use kandle::params::TrainableRule;
+///
+/// let rule = TrainableRule::new("layer4", true);
+/// assert!(rule.covers("layer4") && rule.covers("layer4.1.bn2"));
+/// assert!(!rule.covers("layer40") && !rule.covers("layer3"));
+/// assert!(TrainableRule::new("", false).covers("fc"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainableRule {
+    /// The layer's full name; empty for the whole model.
+    pub name: String,
+    /// Whether its variables train.
+    pub trainable: bool,
+}
+
+impl TrainableRule {
+    /// Layers under `name` train (`true`) or are frozen.
+    pub fn new(name: impl Into<String>, trainable: bool) -> Self {
+        Self {
+            name: name.into(),
+            trainable,
+        }
+    }
+
+    /// Whether the rule covers the layer (or variable) called `path`.
+    pub fn covers(&self, path: &str) -> bool {
+        self.name.is_empty()
+            || path
+                .strip_prefix(self.name.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    }
+}
+
 /// Creates variables while a recipe is built: it knows the device, the name scope, whether the
 /// layer being built is trainable, the [`ComputePath`] the layers take, and holds the seeded
 /// generator that makes initial values repeatable.
@@ -300,6 +340,11 @@ pub struct BuildContext {
     rng: StdRng,
     scope: Vec<String>,
     trainable: bool,
+    /// Layers run as in inference even in training (Keras's `training=False`).
+    inference: bool,
+    /// Trainability set by layer name, overriding the recipe's: the last rule whose name is
+    /// the layer's or one of its enclosing scopes' decides.
+    rules: Vec<TrainableRule>,
     replica: Option<ReplicaHandle>,
     compute_path: ComputePath,
     /// The dtype convolutions and dense layers compute in (mixed precision).
@@ -318,6 +363,8 @@ impl BuildContext {
             rng: StdRng::seed_from_u64(seed),
             scope: Vec::new(),
             trainable: true,
+            inference: false,
+            rules: Vec::new(),
             replica: None,
             compute_path: ComputePath::Auto,
             compute_dtype: DType::F32,
@@ -386,9 +433,44 @@ impl BuildContext {
         &self.device
     }
 
-    /// Whether the layer being built is trainable (false inside a frozen layer).
+    /// Whether the layer being built is trainable: false inside a frozen layer, unless a rule
+    /// of [`Self::with_trainable_rules`] names the layer or a scope around it.
     pub fn trainable(&self) -> bool {
-        self.trainable
+        let path = self.path();
+        self.rules
+            .iter()
+            .rev()
+            .find(|rule| rule.covers(&path))
+            .map_or(self.trainable, |rule| rule.trainable)
+    }
+
+    /// Whether the layer being built runs as in inference even while the model trains
+    /// (Keras's `training=False`): inside an [`inference_mode`] wrapper, and always when the
+    /// layer is frozen. A `BatchNormalization` in inference mode normalises with its moving
+    /// statistics and leaves them as they are.
+    ///
+    /// [`inference_mode`]: crate::layers::LayerSpecExt::inference_mode
+    pub fn inference(&self) -> bool {
+        self.inference || !self.trainable()
+    }
+
+    /// Builds with `rules` deciding trainability by layer name (see [`TrainableRule`]); each
+    /// overrides the recipe's `.trainable(...)` for the layers it names, the last that names a
+    /// layer deciding.
+    pub fn with_trainable_rules(mut self, rules: &[TrainableRule]) -> Self {
+        self.rules = rules.to_vec();
+        self
+    }
+
+    /// The tensor a layer computes with for `var`: the variable itself when the layer is
+    /// trainable; otherwise an alias of its storage that candle's autograd does not track, so
+    /// that no gradient is computed for a frozen variable (nor, below the lowest trainable
+    /// layer, for anything else). Both see every later assignment to the variable.
+    pub fn tensor_of(&self, var: &Var) -> Tensor {
+        match self.trainable() {
+            true => var.as_tensor().clone(),
+            false => var.as_tensor().detach(),
+        }
     }
 
     /// The full name of the current scope, e.g. `inception_2.branch_3x3`.
@@ -418,14 +500,25 @@ impl BuildContext {
         out
     }
 
+    /// Runs `f` with layers built in inference mode (see [`Self::inference`]) when `inference`.
+    pub fn with_inference<R>(&mut self, inference: bool, f: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = self.inference;
+        self.inference = saved || inference;
+        let out = f(self);
+        self.inference = saved;
+        out
+    }
+
     /// Creates a variable named `<scope>.<name>`; it is trainable unless the layer is frozen.
     pub fn variable(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Var> {
-        let trainable = self.trainable;
+        let trainable = self.trainable();
         self.create(name, shape, init, trainable)
     }
 
     /// Creates a statistic the layer updates itself and the optimizer never touches, such as a
-    /// moving average.
+    /// moving average. In inference mode ([`Self::inference`]) the layer leaves it as it is, so
+    /// it is a plain non-trainable variable ([`Param::statistic`] false): replicas need not
+    /// average it, and a step does not touch it.
     pub fn non_trainable_variable(
         &mut self,
         name: &str,
@@ -437,7 +530,7 @@ impl BuildContext {
             name: self.full_name(name),
             var: var.clone(),
             trainable: false,
-            statistic: true,
+            statistic: !self.inference(),
             generator: false,
         })?;
         Ok(var)
@@ -461,7 +554,7 @@ impl BuildContext {
     /// Adds an existing variable (e.g. one made by a wrapped candle module) under `<scope>.<name>`.
     pub fn adopt(&mut self, name: &str, var: Var) -> Result<()> {
         let full = self.full_name(name);
-        let trainable = self.trainable;
+        let trainable = self.trainable();
         self.store.insert(full, var, trainable)
     }
 

@@ -477,7 +477,9 @@ impl Replica {
         y: &Tensor,
         weights: Option<&Tensor>,
     ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
-        let recorded = self.net.forward_recorded_with_logits(&x.detach())?;
+        let recorded = self
+            .net
+            .forward_recorded_without_input_grad(&x.detach(), true)?;
         let head = Var::from_tensor(recorded.logits.as_ref().unwrap_or(&recorded.output))?;
         let (output, logits) = match recorded.logits {
             Some(_) => (

@@ -4,13 +4,19 @@
 //! of branches, dense, dropout, flatten, activations with their own backward (ReLU, linear), an
 //! activation that falls back to candle (sigmoid), a candle module, and the softmax head whose
 //! gradient is taken at the logits. Training with either path moves the batch-norm statistics
-//! the same way and reaches the same weights.
+//! the same way and reaches the same weights. With layers frozen by name, both paths give the
+//! trainable variables the same gradients, leave the frozen ones (statistics included) bit for
+//! bit, and the layers below the lowest trainable one run without a recorded backward pass.
 
 use candle_core::{DType, Device, Tensor};
 use kandle::data::Batch;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use kandle::layers::{
-    Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense, Dropout,
-    Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
+    Activation, AveragePooling2D, BatchNormalization, BuildContext, Built, CandleLayer, Concat,
+    Conv2D, Dense, Dropout, Flatten, GlobalAveragePooling2D, Layer, LayerSpec, LayerSpecExt,
+    MaxPooling2D, Padding, Sequential,
 };
 use kandle::losses::CategoricalCrossentropy;
 use kandle::metrics::Accuracy;
@@ -57,7 +63,7 @@ fn network() -> Sequential {
         .add(Activation::Softmax)
 }
 
-fn spec(network: Sequential, compute_path: ComputePath) -> ModelSpec {
+fn spec(network: impl Into<kandle::Network>, compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
         network: network.into(),
         input_shape: vec![3, 11, 11],
@@ -206,5 +212,108 @@ fn a_wrong_input_shape_names_the_network() -> kandle::Result<()> {
         Err(e) => e.to_string(),
     };
     assert!(err.contains("model") && err.contains("11"), "{err}");
+    Ok(())
+}
+
+/// A layer that passes its input on and counts the training calls whose input candle's
+/// autograd tracks: the calls that record it (its input is then a variable).
+#[derive(Debug, Clone, Default)]
+struct Probe(Arc<AtomicUsize>);
+
+impl LayerSpec for Probe {
+    fn kind(&self) -> &'static str {
+        "probe"
+    }
+
+    fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> kandle::Result<Built> {
+        Ok(Built::leaf(self.clone(), input_shape.to_vec()))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+impl Layer for Probe {
+    fn forward_t(&self, x: &Tensor, train: bool) -> kandle::Result<Tensor> {
+        if train && x.track_op() {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(x.clone())
+    }
+}
+
+#[test]
+fn frozen_layers_get_no_gradient_and_the_layers_below_are_not_recorded() -> kandle::Result<()> {
+    let (low, high) = (Probe::default(), Probe::default());
+    let probed = || {
+        Sequential::new()
+            .add(low.clone())
+            .add(network())
+            .add(high.clone())
+            .add(Activation::Linear)
+    };
+    // The first concatenation and the last dense layer train; everything else is frozen.
+    let frozen = |path| {
+        spec(
+            kandle::Network::from(probed())
+                .with_trainable(&[""], false)
+                .with_trainable(&["sequential_1.concat_1", "sequential_1.dense_1"], true),
+            path,
+        )
+    };
+    let recorded = Replica::new(&frozen(ComputePath::Auto), &Device::Cpu)?;
+    let candle = Replica::new(&frozen(ComputePath::Autograd), &Device::Cpu)?;
+    candle.store().assign(&recorded.store().weights()?)?;
+    let names = recorded.trainable_names().to_vec();
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("sequential_1.concat_1.")
+                || n.starts_with("sequential_1.dense_1."))
+    );
+    assert_eq!(names.len(), 2 * (2 + 2) + 2, "{names:?}");
+    let (x, y) = batch(6, 3)?;
+    let (ours, _) = gradients(&recorded, &x, &y)?;
+    let (theirs, _) = gradients(&candle, &x, &y)?;
+    for ((a, b), name) in ours.iter().zip(&theirs).zip(&names) {
+        if feeds_batch_norm(name, &names) {
+            continue;
+        }
+        let rel = relative_difference(a, b)?;
+        assert!(rel < 1e-4, "{name}: relative difference {rel}");
+    }
+    // Only the probe above the lowest trainable layer saw a tracked input, once per path:
+    // recorded under candle's autograd, and in candle's autograd over the network. Below it
+    // nothing is recorded, and autograd does not track the frozen variables.
+    assert_eq!(
+        (low.0.load(Ordering::SeqCst), high.0.load(Ordering::SeqCst)),
+        (0, 2)
+    );
+    // Steps change the trainable variables and leave the frozen ones, statistics included.
+    let before = recorded.store().weights()?;
+    let mut recorded = recorded;
+    for seed in 0..2 {
+        let (x, y) = batch(8, seed)?;
+        let step = recorded.step_buffer(&Batch::new(x, y))?;
+        let totals = recorded.layout().read(&step.fused)?;
+        recorded.finish_step(&step.fused, &totals, &step.statistics_before, 0.05)?;
+    }
+    let after = recorded.store().weights()?;
+    for p in recorded.store().iter().filter(|p| !p.generator) {
+        let bits = |w: &kandle::params::Weights| -> kandle::Result<Vec<u32>> {
+            let v = w[&p.name].flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.iter().map(|f| f.to_bits()).collect())
+        };
+        let moved = bits(&after)? != bits(&before)?;
+        let trains = p.name.starts_with("sequential_1.concat_1.")
+            || p.name.starts_with("sequential_1.dense_1.");
+        // The concatenation's convolution biases before a BatchNorm get zero gradients.
+        if trains && !p.name.ends_with("conv2d_1.bias") {
+            assert!(moved, "{} did not train", p.name);
+        } else if !trains {
+            assert!(!moved, "{} is frozen but moved", p.name);
+        }
+    }
     Ok(())
 }

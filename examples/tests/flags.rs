@@ -132,6 +132,7 @@ fn help_is_plain_text() -> anyhow::Result<()> {
         env!("CARGO_BIN_EXE_bench"),
         env!("CARGO_BIN_EXE_bench_strategies"),
         env!("CARGO_BIN_EXE_bench_input_pipeline"),
+        env!("CARGO_BIN_EXE_transfer_learning"),
     ] {
         let (ok, out) = run(bin, dir.path(), &["--help"])?;
         assert!(ok, "{bin} --help: {out}");

@@ -228,15 +228,16 @@ pub fn input_grad_adds_in_place(x: &Tensor, w: &Tensor, window: Window) -> bool 
 pub struct Conv2dGrads {
     /// The input's gradient `(N, C, H, W)`, when asked for.
     pub input: Option<Tensor>,
-    /// The kernel's gradient `(O, C, kh, kw)`, summed over the batch.
-    pub weight: Tensor,
+    /// The kernel's gradient `(O, C, kh, kw)`, summed over the batch, when asked for.
+    pub weight: Option<Tensor>,
     /// The bias's gradient `(O,)`, when asked for.
     pub bias: Option<Tensor>,
 }
 
 /// All gradients of [`conv2d`] at once, from its input `x`, its kernel `w` and the output
-/// gradient `dy`: the kernel's always, the input's when `input_grad` and the bias's when
-/// `bias_grad` (summed in the same pass as the kernel's). With `add` (shaped as `x`), the
+/// gradient `dy`: the input's when `input_grad`, the kernel's when `weight_grad` and the
+/// bias's when `bias_grad` (summed in the same pass as the kernel's); a frozen layer asks for
+/// neither of the last two. With `add` (shaped as `x`), the
 /// input's gradient is returned plus `add`: where the input feeds several branches, the
 /// others' gradient is added as this one is written ([`input_grad_adds_in_place`]) instead of
 /// in a pass of its own. Not differentiable.
@@ -244,7 +245,7 @@ pub fn conv2d_backward(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
-    (input_grad, bias_grad): (bool, bool),
+    (input_grad, weight_grad, bias_grad): (bool, bool, bool),
     stride: (usize, usize),
     padding: (usize, usize, usize, usize),
     add: Option<&Tensor>,
@@ -270,10 +271,9 @@ pub fn conv2d_backward(
         &x.contiguous()?,
         &w.contiguous()?,
         dy,
-        [input_grad, true, bias_grad],
+        [input_grad, weight_grad, bias_grad],
         add,
     )?;
-    let weight = weight.ok_or_else(|| Error::invalid(format!("{WEIGHT_GRAD}: no result")))?;
     Ok(Conv2dGrads {
         input,
         weight,
@@ -479,6 +479,7 @@ impl Forward {
         if !want_bias {
             return Ok([dx, Some(grads), None]);
         }
+        // The weight's gradient comes with the bias's, and is dropped when not asked for.
         let len = o * c * kh * kw;
         let dw = grads.narrow(0, 0, len)?.reshape((o, c, kh, kw))?;
         let db = grads.narrow(0, len, o)?;

@@ -42,6 +42,9 @@ pub(crate) struct GraphNet {
     /// nothing else takes: each such chain writes its output straight into the
     /// concatenation's, so no input is copied (as `Concat` does).
     in_place: Vec<InPlace>,
+    /// For each slot, whether a layer that trains computes it, itself or through the values it
+    /// takes: without the inputs' gradients, only those slots need one.
+    trained_below: Vec<bool>,
 }
 
 /// Where a step writes in inference when its output goes straight into a concatenation's.
@@ -76,9 +79,11 @@ enum StepRun {
     Graph(GraphNet),
 }
 
-/// A chain while the graph is laid out: its layers with their full names, and its shapes.
+/// A chain while the graph is laid out: its layers with their full names (and whether each
+/// trains), and its shapes.
 struct ChainParts {
     layers: Vec<(String, Box<dyn FastPath>)>,
+    trains: Vec<bool>,
     input_shape: Vec<usize>,
     output_shape: Vec<usize>,
 }
@@ -115,6 +120,7 @@ impl GraphNet {
     ) -> Result<(Self, Vec<SummaryRow>)> {
         let kernels = ctx.compute_path().uses_kernels();
         let mut built = Vec::with_capacity(graph.layers().len());
+        let mut trains = vec![false; graph.layers().len()];
         let mut rows = Vec::with_capacity(graph.layers().len());
         for (l, layer) in graph.layers().iter().enumerate() {
             let first =
@@ -134,6 +140,7 @@ impl GraphNet {
                         )));
                     }
                     rows.push(child.row);
+                    trains[l] = child.trains;
                     built.push(match layer.calls {
                         1 => BuiltLayer::Unique(Some(child.layer)),
                         _ => BuiltLayer::Shared(Arc::from(child.layer)),
@@ -168,6 +175,7 @@ impl GraphNet {
                     let (net, children) =
                         ctx.scoped(&layer.name, |ctx| inner.build_graph(ctx, &shapes))?;
                     let (trainable, non_trainable) = ctx.count_in(&layer.name);
+                    trains[l] = trainable > 0;
                     rows.push(SummaryRow {
                         name: layer.name.clone(),
                         kind: layer.op.kind().to_string(),
@@ -182,15 +190,15 @@ impl GraphNet {
                 }
             }
         }
-        let net = Self::lay_out(graph, built, &path, ctx.path(), kernels)?;
+        let net = Self::lay_out(graph, (built, &trains), &path, ctx.path(), kernels)?;
         Ok((net, graph.rows(rows)))
     }
 
     /// Turns the calls into steps, joining calls into chains where nothing else takes the
-    /// value between them.
+    /// value between them. `trains` says which layers have a trainable variable.
     fn lay_out(
         graph: &Functional,
-        mut built: Vec<BuiltLayer>,
+        (mut built, trains): (Vec<BuiltLayer>, &[bool]),
         path: &str,
         scope: String,
         kernels: bool,
@@ -251,6 +259,7 @@ impl GraphNet {
                         if let (1, Some(step)) = (takers[p], step) {
                             if let PartsRun::Chain(chain) = &mut parts[step].run {
                                 chain.layers.push((full, layer));
+                                chain.trains.push(trains[call.layer]);
                                 chain.output_shape = call.output_shapes[0].clone();
                                 slot_of_call[c] = slot_of_call[p];
                                 continue;
@@ -259,12 +268,14 @@ impl GraphNet {
                     }
                     PartsRun::Chain(ChainParts {
                         layers: vec![(full, layer)],
+                        trains: vec![trains[call.layer]],
                         input_shape: graph.shape_of(call.inputs[0]).to_vec(),
                         output_shape: call.output_shapes[0].clone(),
                     })
                 }
                 BuiltLayer::Shared(layer) => PartsRun::Chain(ChainParts {
                     layers: vec![(full, Box::new(SharedCall(Arc::clone(layer))))],
+                    trains: vec![trains[call.layer]],
                     input_shape: graph.shape_of(call.inputs[0]).to_vec(),
                     output_shape: call.output_shapes[0].clone(),
                 }),
@@ -295,6 +306,18 @@ impl GraphNet {
                 shape_of_slot[slot_of_call[c] + k] = shape.clone();
             }
         }
+        let mut trained_below = vec![false; uses.len()];
+        for part in &parts {
+            let trains = match &part.run {
+                PartsRun::Chain(chain) => chain.trains.contains(&true),
+                PartsRun::Graph(net) => net.trained_below.iter().any(|&t| t),
+                PartsRun::Merge(_) => false,
+            };
+            let below = trains || part.inputs.iter().any(|&s| trained_below[s]);
+            for &o in &part.outputs {
+                trained_below[o] = below;
+            }
+        }
         let steps = parts
             .into_iter()
             .map(|part| {
@@ -306,6 +329,7 @@ impl GraphNet {
                         chain.input_shape,
                         chain.output_shape,
                         chain.layers,
+                        chain.trains,
                     )),
                 };
                 Step {
@@ -329,6 +353,7 @@ impl GraphNet {
             outputs,
             uses,
             in_place,
+            trained_below,
         })
     }
 
@@ -474,11 +499,15 @@ impl GraphNet {
     }
 
     /// The recorded training forward for the inputs `xs`: the outputs, the logits of the only
-    /// output when asked for and given, and the backward pass.
+    /// output when asked for and given, and the backward pass. Without `input_grad` (the
+    /// backward pass will not be asked for the inputs' gradients), the steps that no trainable
+    /// layer computes run unrecorded and those whose input none computes record without their
+    /// input's gradient.
     pub(crate) fn record(
         &self,
         xs: &[Tensor],
         with_logits: bool,
+        input_grad: bool,
     ) -> Result<(Vec<Tensor>, Option<Tensor>, GraphBackward)> {
         let (mut slots, mut left) = self.start(xs)?;
         let logits_step = with_logits.then(|| self.logits_step()).flatten();
@@ -486,11 +515,30 @@ impl GraphNet {
         let mut backwards = Vec::with_capacity(self.steps.len());
         for (i, step) in self.steps.iter().enumerate() {
             let xs = self.take_inputs(step, &mut slots, &mut left)?;
+            let trained = step.outputs.iter().any(|&o| self.trained_below[o]);
+            if !input_grad && !trained && logits_step != Some(i) {
+                let ys = match &step.run {
+                    StepRun::Chain(chain) => vec![chain.forward_t(&xs[0], true)?],
+                    StepRun::Merge(merge) => vec![merge.forward(&xs)?],
+                    StepRun::Graph(net) => net.run(&xs, true, false)?.0,
+                };
+                for (&o, y) in step.outputs.iter().zip(ys) {
+                    slots[o] = Some(y);
+                }
+                let unrecorded = StepBackward::Unrecorded;
+                backwards.push((step.inputs.clone(), step.outputs.clone(), unrecorded));
+                continue;
+            }
+            let inputs_need = input_grad || step.inputs.iter().any(|&s| self.trained_below[s]);
             let (ys, backward) = match &step.run {
                 StepRun::Chain(chain) => {
-                    let recorded = match logits_step == Some(i) {
-                        true => chain.forward_recorded_with_logits(&xs[0])?,
-                        false => chain.forward_recorded(&xs[0])?,
+                    let logits_too = logits_step == Some(i);
+                    let recorded = if !inputs_need {
+                        chain.forward_recorded_without_input_grad(&xs[0], logits_too)?
+                    } else if logits_too {
+                        chain.forward_recorded_with_logits(&xs[0])?
+                    } else {
+                        chain.forward_recorded(&xs[0])?
                     };
                     logits = recorded.logits;
                     let name = chain.path().to_string();
@@ -504,7 +552,7 @@ impl GraphNet {
                     (vec![y], StepBackward::Merge(backward))
                 }
                 StepRun::Graph(net) => {
-                    let (ys, _, backward) = net.record(&xs, false)?;
+                    let (ys, _, backward) = net.record(&xs, false, inputs_need)?;
                     // An output nothing takes gets a zero gradient of its shape.
                     let shapes = ys
                         .iter()
@@ -524,6 +572,7 @@ impl GraphNet {
             slots: self.uses.len(),
             outputs: self.outputs.clone(),
             steps: backwards,
+            trained_below: (!input_grad).then(|| self.trained_below.clone()),
         };
         let logits = if logits_step.is_some() { logits } else { None };
         Ok((self.finish(&slots)?, logits, backward))
@@ -603,6 +652,8 @@ enum StepBackward {
     /// A functional model's, with each output's dims, dtype and device (for a zero gradient
     /// where nothing took the output).
     Graph(GraphBackward, Vec<(Vec<usize>, DType, Device)>),
+    /// A step that ran unrecorded: nothing it takes needs a gradient.
+    Unrecorded,
 }
 
 /// A functional model's recorded backward pass.
@@ -613,6 +664,8 @@ pub(crate) struct GraphBackward {
     outputs: Vec<usize>,
     /// Each step's input slots, output slots and backward pass, in the forward order.
     steps: Vec<(Vec<usize>, Vec<usize>, StepBackward)>,
+    /// Recorded without the inputs' gradients: the slots that need a gradient.
+    trained_below: Option<Vec<bool>>,
 }
 
 /// Adds `grad` to a slot's gradient: the first is taken as it is.
@@ -637,9 +690,26 @@ impl GraphBackward {
         for (&o, dy) in self.outputs.iter().zip(dys) {
             accumulate(&mut g[o], dy)?;
         }
-        let needs = |slot: usize| slot >= self.inputs || input_grad;
+        if let (true, Some(_)) = (input_grad, &self.trained_below) {
+            return Err(Error::invalid(format!(
+                "`{}` was recorded without its inputs' gradients, which its backward pass was \
+                 then asked for",
+                self.path
+            )));
+        }
+        let trained_below = self.trained_below;
+        let needs = |slot: usize| match &trained_below {
+            Some(below) => below[slot],
+            None => slot >= self.inputs || input_grad,
+        };
         let no_gradient = || Error::invalid(format!("`{}`: a value got no gradient", self.path));
         for (inputs, outputs, backward) in self.steps.into_iter().rev() {
+            if let StepBackward::Unrecorded = backward {
+                for &o in &outputs {
+                    g[o] = None;
+                }
+                continue;
+            }
             if let StepBackward::Graph(backward, shapes) = backward {
                 let dys = outputs
                     .iter()
@@ -681,7 +751,7 @@ impl GraphBackward {
                         }
                     }
                 }
-                StepBackward::Graph(..) => return Err(no_gradient()),
+                StepBackward::Graph(..) | StepBackward::Unrecorded => return Err(no_gradient()),
             }
         }
         Ok(g.into_iter()
@@ -705,8 +775,9 @@ impl GraphNet {
         }
     }
 
-    fn record_as_layer(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {
-        let (mut outputs, logits, backward) = self.record(std::slice::from_ref(x), with_logits)?;
+    fn record_as_layer(&self, x: &Tensor, with_logits: bool, input_grad: bool) -> Result<Recorded> {
+        let (mut outputs, logits, backward) =
+            self.record(std::slice::from_ref(x), with_logits, input_grad)?;
         let output = outputs
             .pop()
             .ok_or_else(|| Error::invalid(format!("`{}` has no output", self.path)))?;
@@ -740,11 +811,19 @@ impl Layer for GraphNet {
 
 impl FastPath for GraphNet {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        self.record_as_layer(x, false)
+        self.record_as_layer(x, false, true)
     }
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.record_as_layer(x, true)
+        self.record_as_layer(x, true, true)
+    }
+
+    fn forward_recorded_without_input_grad(
+        &self,
+        x: &Tensor,
+        with_logits: bool,
+    ) -> Result<Recorded> {
+        self.record_as_layer(x, with_logits, false)
     }
 }
 

@@ -139,7 +139,7 @@ impl Layer for PackedNet {
 
 impl FastPath for PackedNet {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        let (outputs, _, backward) = self.net.record(&unpack(x, &self.inputs)?, false)?;
+        let (outputs, _, backward) = self.net.record(&unpack(x, &self.inputs)?, false, true)?;
         let shapes = self.outputs.clone();
         Ok(Recorded::new(
             pack(&outputs)?,

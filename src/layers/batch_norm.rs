@@ -3,8 +3,10 @@
 //!
 //! In training it normalises with the batch's mean and (biased) variance and moves the running
 //! statistics: `moving = momentum * moving + (1 - momentum) * batch`. In inference, and always
-//! when the layer is frozen (Keras's rule for `trainable = false`), it uses the running
-//! statistics. The running statistics are non-trainable variables named `running_mean` and
+//! when the layer is frozen (Keras's rule for `trainable = false`) or built in inference mode
+//! (`.inference_mode()`, Keras's `training=False`), it uses the running statistics and leaves
+//! them as they are; a frozen layer computes no gradient for its scale and offset, one in
+//! inference mode that is not frozen still trains them. The running statistics are non-trainable variables named `running_mean` and
 //! `running_var`; the scale and offset are `weight` and `bias`, as in PyTorch.
 //!
 //! For `f32` tensors on the CPU the layer runs the fused kernels of
@@ -113,13 +115,14 @@ impl LayerSpec for BatchNormalization {
         let running_mean = ctx.non_trainable_variable("running_mean", &[channels], Init::Zeros)?;
         let running_var = ctx.non_trainable_variable("running_var", &[channels], Init::Ones)?;
         let layer = BatchNormLayer {
-            weight: weight.map(|v| v.as_tensor().clone()),
-            bias: bias.map(|v| v.as_tensor().clone()),
+            weight: weight.map(|v| ctx.tensor_of(&v)),
+            bias: bias.map(|v| ctx.tensor_of(&v)),
             running_mean,
             running_var,
             momentum: self.momentum,
             epsilon: self.epsilon,
-            frozen: !ctx.trainable(),
+            inference: ctx.inference(),
+            trainable: ctx.trainable(),
             sync: ctx.replica_group().cloned(),
             rank: input_shape.len() + 1,
             relu: false,
@@ -140,7 +143,10 @@ struct BatchNormLayer {
     running_var: Var,
     momentum: f64,
     epsilon: f64,
-    frozen: bool,
+    /// Normalises with the running statistics, in training too (frozen or in inference mode).
+    inference: bool,
+    /// Whether the scale and offset train.
+    trainable: bool,
     rank: usize,
     /// Set under `SyncBatchNorm`: statistics are summed over the replica group.
     sync: Option<ReplicaHandle>,
@@ -153,12 +159,7 @@ struct BatchNormLayer {
 impl BatchNormLayer {
     /// Reshapes a per-channel vector so it broadcasts against the input.
     fn per_channel(&self, v: &Tensor) -> Result<Tensor> {
-        let c = v.dim(0)?;
-        Ok(if self.rank == 4 {
-            v.reshape((1, c, 1, 1))?
-        } else {
-            v.reshape((1, c))?
-        })
+        per_channel(v, self.rank)
     }
 
     /// The sum of each channel of `x`, flattened to `(channels,)`: each plane summed on its
@@ -173,6 +174,57 @@ impl BatchNormLayer {
             x.sum_keepdim(0)?
         };
         Ok(sums.flatten_all()?)
+    }
+
+    /// The recorded pass in inference mode: the running statistics' affine map (and ReLU),
+    /// whose backward pass scales the output's gradient per channel and, when the layer trains,
+    /// sums its scale's and offset's gradients.
+    fn record_inference(&self, x: &Tensor) -> Result<Recorded> {
+        let y = self.forward_t(x, false)?.detach();
+        let (scale, _) = self.running_affine()?;
+        let scale = scale.detach();
+        let rank = self.rank;
+        let params = match self.trainable {
+            true => {
+                let mean = self.running_mean.as_tensor().detach();
+                let var = self.running_var.as_tensor().detach();
+                let inv_std = (var + self.epsilon)?.sqrt()?.recip()?;
+                Some((
+                    x.clone(),
+                    mean,
+                    inv_std,
+                    self.weight.clone(),
+                    self.bias.clone(),
+                ))
+            }
+            false => None,
+        };
+        let relu = self.relu.then(|| y.clone());
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                let dy = match relu {
+                    Some(y) => dy.mul(&y.gt(0.0)?.to_dtype(dy.dtype())?)?,
+                    None => dy,
+                };
+                if let Some((x, mean, inv_std, weight, bias)) = params {
+                    let reduce = reduce_dims(rank);
+                    if let Some(weight) = weight {
+                        let x_hat = x
+                            .broadcast_sub(&per_channel(&mean, rank)?)?
+                            .broadcast_mul(&per_channel(&inv_std, rank)?)?;
+                        grads.add(&weight, dy.mul(&x_hat)?.sum(reduce)?)?;
+                    }
+                    if let Some(bias) = bias {
+                        grads.add(&bias, dy.sum(reduce)?)?;
+                    }
+                }
+                Ok(match input_grad {
+                    true => Some(dy.broadcast_mul(&per_channel(&scale, rank)?)?),
+                    false => None,
+                })
+            },
+        ))
     }
 
     /// Mean and biased variance per channel of this replica's batch.
@@ -251,6 +303,25 @@ impl BatchNormLayer {
     }
 }
 
+/// Reshapes a per-channel vector so it broadcasts against an input of `rank` dimensions.
+fn per_channel(v: &Tensor, rank: usize) -> Result<Tensor> {
+    let c = v.dim(0)?;
+    Ok(if rank == 4 {
+        v.reshape((1, c, 1, 1))?
+    } else {
+        v.reshape((1, c))?
+    })
+}
+
+/// The axes a statistic of an input of `rank` dimensions sums over: all but the channels'.
+fn reduce_dims(rank: usize) -> &'static [usize] {
+    if rank == 4 {
+        &[0, 2, 3]
+    } else {
+        &[0]
+    }
+}
+
 impl Layer for BatchNormLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         if x.dtype() != candle_core::DType::F32 {
@@ -260,7 +331,7 @@ impl Layer for BatchNormLayer {
             return Ok(y.to_dtype(x.dtype())?);
         }
         let fused = self.kernels && kernels::supported(x);
-        let y = if !train || self.frozen {
+        let y = if !train || self.inference {
             if fused {
                 return self.affine_with_running_stats(x);
             }
@@ -291,7 +362,10 @@ impl Layer for BatchNormLayer {
 
 impl FastPath for BatchNormLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !self.kernels || !kernels::supported(x) || self.frozen || self.sync.is_some() {
+        if self.inference {
+            return self.record_inference(x);
+        }
+        if !self.kernels || !kernels::supported(x) || self.sync.is_some() {
             return record_with_candle(self, x, false);
         }
         let (replay, stats) = kernels::batch_norm_train_replay(

@@ -124,8 +124,9 @@ impl LayerSpec for Conv2D {
             None
         };
         let layer = Conv2DLayer {
-            weight: weight.as_tensor().clone(),
-            bias: bias.map(|b| b.as_tensor().clone()),
+            weight: ctx.tensor_of(&weight),
+            bias: bias.map(|b| ctx.tensor_of(&b)),
+            trainable: ctx.trainable(),
             stride: self.stride,
             pad: window.pad,
             activation: self.activation,
@@ -144,6 +145,8 @@ impl LayerSpec for Conv2D {
 struct Conv2DLayer {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// Whether the weight and bias train: a frozen layer computes no gradient for them.
+    trainable: bool,
     stride: (usize, usize),
     /// top, bottom, left, right
     pad: (usize, usize, usize, usize),
@@ -256,7 +259,9 @@ impl Conv2DLayer {
                 x: x.clone(),
                 weight,
                 bias,
-                vars: (self.weight.clone(), self.bias.clone()),
+                vars: self
+                    .trainable
+                    .then(|| (self.weight.clone(), self.bias.clone())),
                 window,
                 adds_in_place,
             },
@@ -272,8 +277,9 @@ struct ConvBackward {
     /// The kernel and bias the forward pass used (detached).
     weight: Tensor,
     bias: Option<Tensor>,
-    /// The variables their gradients go to.
-    vars: (Tensor, Option<Tensor>),
+    /// The variables their gradients go to; `None` when the layer is frozen, so that the
+    /// kernel computes no weight gradient.
+    vars: Option<(Tensor, Option<Tensor>)>,
     window: kernels::conv2d::Window,
     adds_in_place: bool,
 }
@@ -287,19 +293,23 @@ impl ConvBackward {
         (input_grad, add): (bool, Option<&Tensor>),
     ) -> Result<Option<Tensor>> {
         let (stride, pad) = self.window;
+        let trains = self.vars.is_some();
         let g = kernels::conv2d::conv2d_backward(
             &self.x,
             &self.weight,
             dy,
-            (input_grad, self.bias.is_some()),
+            (input_grad, trains, trains && self.bias.is_some()),
             stride,
             pad,
             add,
         )?;
-        let (weight_var, bias_var) = self.vars;
-        grads.add(&weight_var, g.weight)?;
-        if let (Some(b), Some(db)) = (bias_var, g.bias) {
-            grads.add(&b, db)?;
+        if let Some((weight_var, bias_var)) = self.vars {
+            if let Some(dw) = g.weight {
+                grads.add(&weight_var, dw)?;
+            }
+            if let (Some(b), Some(db)) = (bias_var, g.bias) {
+                grads.add(&b, db)?;
+            }
         }
         Ok(g.input)
     }
@@ -442,6 +452,7 @@ mod tests {
         let layer = Conv2DLayer {
             weight,
             bias: None,
+            trainable: true,
             stride: (2, 2),
             pad: (0, 1, 1, 1),
             activation: Activation::Linear,

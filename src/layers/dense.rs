@@ -95,8 +95,9 @@ impl LayerSpec for Dense {
             None
         };
         let layer = DenseLayer {
-            weight: weight.as_tensor().clone(),
-            bias: bias.map(|b| b.as_tensor().clone()),
+            weight: ctx.tensor_of(&weight),
+            bias: bias.map(|b| ctx.tensor_of(&b)),
+            trainable: ctx.trainable(),
             activation: self.activation,
             compute: ctx.compute_dtype(),
         };
@@ -111,6 +112,8 @@ impl LayerSpec for Dense {
 struct DenseLayer {
     weight: Tensor,
     bias: Option<Tensor>,
+    /// Whether the weight and bias train: a frozen layer computes no gradient for them.
+    trainable: bool,
     activation: Activation,
     /// The dtype the product computes in (mixed precision): the input and the variables are
     /// cast to it.
@@ -131,14 +134,17 @@ impl DenseLayer {
     fn record_affine(&self, x: &Tensor) -> Result<Recorded> {
         let weight = self.weight.detach();
         let y = Self::affine(x, &weight, self.bias.as_ref().map(Tensor::detach).as_ref())?;
-        let (x, params) = (x.clone(), (self.weight.clone(), self.bias.clone()));
+        let params = self
+            .trainable
+            .then(|| (x.clone(), self.weight.clone(), self.bias.clone()));
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                let (weight_var, bias_var) = params;
-                grads.add(&weight_var, dy.t()?.matmul(&x)?)?;
-                if let Some(b) = bias_var {
-                    grads.add(&b, dy.sum(0)?)?;
+                if let Some((x, weight_var, bias_var)) = params {
+                    grads.add(&weight_var, dy.t()?.matmul(&x)?)?;
+                    if let Some(b) = bias_var {
+                        grads.add(&b, dy.sum(0)?)?;
+                    }
                 }
                 Ok(if input_grad {
                     Some(dy.matmul(&weight)?)

@@ -32,6 +32,23 @@ pub(crate) trait FastPath: Layer + AsLayer {
         record_with_candle(self, x, true)
     }
 
+    /// [`Self::forward_recorded`] (with `with_logits`, [`Self::forward_recorded_with_logits`])
+    /// for a caller that never asks the backward pass for the input's gradient, as for a
+    /// network's input: a composite then runs the layers below its lowest trainable one (frozen
+    /// layers, and those without variables) without recording them, so none of them computes
+    /// a gradient. The backward pass must then be run with `input_grad` false. The default
+    /// records as [`Self::forward_recorded`] does.
+    fn forward_recorded_without_input_grad(
+        &self,
+        x: &Tensor,
+        with_logits: bool,
+    ) -> Result<Recorded> {
+        match with_logits {
+            true => self.forward_recorded_with_logits(x),
+            false => self.forward_recorded(x),
+        }
+    }
+
     /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
     fn is_relu(&self) -> bool {
         false

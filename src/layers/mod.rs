@@ -79,14 +79,15 @@ pub use pooling::{
     Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,
 };
 pub use preprocessing::{
-    FillMode, Normalization, RandomCrop, RandomFlip, RandomRotation, RandomZoom, Rescaling,
+    FillMode, Normalization, RandomCrop, RandomFlip, RandomResizedCrop, RandomRotation, RandomZoom,
+    Rescaling,
 };
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
-pub use wrappers::{LayerSpecExt, Named, Trainable, WithDTypePolicy};
+pub use wrappers::{InferenceMode, LayerSpecExt, Named, Trainable, WithDTypePolicy};
 pub use zero_padding::ZeroPadding2D;
 
 use candle_core::Tensor;
@@ -282,6 +283,9 @@ pub(crate) struct BuiltChild {
     pub(crate) output_shape: Vec<usize>,
     /// Its summary row, with its own children's.
     pub(crate) row: SummaryRow,
+    /// Whether any of its variables trains: a child that does not, with none below it that
+    /// does, needs no backward pass.
+    pub(crate) trains: bool,
 }
 
 /// Builds `spec` for `input_shape` in the scope `name` of `ctx`, with its summary row.
@@ -306,6 +310,7 @@ pub(crate) fn build_child(
     Ok(BuiltChild {
         layer: built.layer,
         output_shape: built.output_shape,
+        trains: row.trainable > 0,
         row,
     })
 }

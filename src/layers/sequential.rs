@@ -108,6 +108,7 @@ impl Sequential {
         }
         let mut shape = input_shape.to_vec();
         let mut layers = Vec::with_capacity(self.layers.len());
+        let mut trains = Vec::with_capacity(self.layers.len());
         let mut rows = Vec::with_capacity(self.layers.len());
         for (spec, name) in self.layers.iter().zip(child_names(&self.layers)) {
             let child = build_child(ctx, spec.as_ref(), &name, &shape)?;
@@ -118,6 +119,7 @@ impl Sequential {
             };
             rows.push(child.row);
             shape = child.output_shape;
+            trains.push(child.trains);
             layers.push((full, child.layer));
         }
         absorb_relus(&mut layers);
@@ -127,6 +129,7 @@ impl Sequential {
                 input_shape: input_shape.to_vec(),
                 output_shape: shape,
                 layers,
+                trains,
             },
             children: rows,
         })
@@ -178,16 +181,20 @@ pub struct SequentialNet {
     input_shape: Vec<usize>,
     output_shape: Vec<usize>,
     layers: Vec<(String, Box<dyn FastPath>)>,
+    /// Whether each layer has a trainable variable.
+    trains: Vec<bool>,
 }
 
 impl SequentialNet {
     /// Built layers run one after the other, under `path` (for errors), each letting the
-    /// layer before it absorb it where it is a ReLU: a chain of a functional model.
+    /// layer before it absorb it where it is a ReLU: a chain of a functional model. `trains`
+    /// says which layers have a trainable variable.
     pub(crate) fn chain(
         path: String,
         input_shape: Vec<usize>,
         output_shape: Vec<usize>,
         mut layers: Vec<(String, Box<dyn FastPath>)>,
+        trains: Vec<bool>,
     ) -> Self {
         absorb_relus(&mut layers);
         Self {
@@ -195,6 +202,7 @@ impl SequentialNet {
             input_shape,
             output_shape,
             layers,
+            trains,
         }
     }
 
@@ -230,15 +238,28 @@ impl SequentialNet {
     }
 
     /// The recorded forward pass through every layer; with `with_logits`, the last layer may
-    /// give logits (see [`FastPath::forward_recorded_with_logits`]).
-    fn record(&self, x: &Tensor, with_logits: bool) -> Result<Recorded> {
+    /// give logits (see [`FastPath::forward_recorded_with_logits`]). Without `input_grad`, the
+    /// layers below the lowest that trains run unrecorded (see
+    /// [`FastPath::forward_recorded_without_input_grad`]).
+    fn record(&self, x: &Tensor, with_logits: bool, input_grad: bool) -> Result<Recorded> {
         check_input(&self.path, x, &self.input_shape)?;
         let last = self.layers.len().saturating_sub(1);
-        let mut h = x.clone();
+        let first = match input_grad {
+            true => 0,
+            false => {
+                let lowest = self.trains.iter().position(|&t| t);
+                // The last layer still gives its logits when nothing trains.
+                lowest.unwrap_or(if with_logits { last } else { self.layers.len() })
+            }
+        };
+        let mut h = run_layers(&self.layers[..first], x, true)?;
         let mut logits = None;
-        let mut steps = Vec::with_capacity(self.layers.len());
-        for (i, (name, layer)) in self.layers.iter().enumerate() {
-            let recorded = if with_logits && i == last {
+        let mut steps = Vec::with_capacity(self.layers.len() - first);
+        for (i, (name, layer)) in self.layers.iter().enumerate().skip(first) {
+            let logits_too = with_logits && i == last;
+            let recorded = if !input_grad && i == first {
+                layer.forward_recorded_without_input_grad(&h, logits_too)?
+            } else if logits_too {
                 layer.forward_recorded_with_logits(&h)?
             } else {
                 layer.forward_recorded(&h)?
@@ -250,7 +271,10 @@ impl SequentialNet {
         Ok(Recorded {
             output: h,
             logits,
-            backward: Box::new(StackBackward { steps }),
+            backward: Box::new(StackBackward {
+                steps,
+                input_grad: input_grad.then_some(()).ok_or_else(|| self.path.clone()),
+            }),
         })
     }
 }
@@ -261,6 +285,21 @@ type Step = (String, Box<dyn Backward>);
 /// The recorded backward pass of a stack: each layer's, last first.
 struct StackBackward {
     steps: Vec<Step>,
+    /// Whether it gives the input's gradient; recorded without, the stack's name.
+    input_grad: std::result::Result<(), String>,
+}
+
+impl StackBackward {
+    /// An error unless the stack was recorded to give its input's gradient.
+    fn check_input_grad(&self) -> Result<()> {
+        match &self.input_grad {
+            Ok(()) => Ok(()),
+            Err(path) => Err(crate::Error::invalid(format!(
+                "`{path}` was recorded without its input's gradient, which its backward pass \
+                 was then asked for"
+            ))),
+        }
+    }
 }
 
 impl StackBackward {
@@ -291,6 +330,9 @@ impl Backward for StackBackward {
         grads: &mut ParamGrads,
         input_grad: bool,
     ) -> Result<Option<Tensor>> {
+        if input_grad {
+            self.check_input_grad()?;
+        }
         let Some((grad, (name, first))) = self.down_to_first(dy.clone(), grads)? else {
             return Ok(input_grad.then_some(dy));
         };
@@ -306,6 +348,7 @@ impl Backward for StackBackward {
         grads: &mut ParamGrads,
         add: Tensor,
     ) -> Result<Tensor> {
+        self.check_input_grad()?;
         match self.down_to_first(dy.clone(), grads)? {
             Some((grad, (_, first))) => first.backward_adding(grad, grads, add),
             None => Ok(dy.add(&add)?),
@@ -350,10 +393,18 @@ impl FastPath for SequentialNet {
     }
 
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        self.record(x, false)
+        self.record(x, false, true)
     }
 
     fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.record(x, true)
+        self.record(x, true, true)
+    }
+
+    fn forward_recorded_without_input_grad(
+        &self,
+        x: &Tensor,
+        with_logits: bool,
+    ) -> Result<Recorded> {
+        self.record(x, with_logits, false)
     }
 }

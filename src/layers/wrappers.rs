@@ -1,6 +1,7 @@
 //! Wrappers that change how a recipe is named, trained or computed: `.named("stem")`,
-//! `.trainable(false)` (freezing, for transfer learning) and `.dtype_policy(...)` (a layer's
-//! own mixed-precision policy).
+//! `.trainable(false)` (freezing, for transfer learning), `.inference_mode()` (Keras's
+//! `training=False` at the call: the layer runs as in inference while the model trains, frozen
+//! or not) and `.dtype_policy(...)` (a layer's own mixed-precision policy).
 
 use super::{BuildContext, Built, LayerSpec};
 use crate::functional::{GraphLayer, Op, SharedLayer, SymbolicTensor};
@@ -36,8 +37,10 @@ impl<L: LayerSpec + Clone> LayerSpec for Named<L> {
 }
 
 /// A recipe whose variables are trainable or frozen. Frozen variables are left out of the
-/// optimizer and count as non-trainable in the summary; a frozen `BatchNormalization` always
-/// uses its moving statistics, as in Keras.
+/// optimizer, get no gradient and count as non-trainable in the summary; a frozen
+/// `BatchNormalization` always uses its moving statistics and leaves them as they are, as in
+/// Keras. [`Model::set_trainable`](crate::Model::set_trainable) overrides it by layer name on a
+/// compiled model.
 #[derive(Debug, Clone)]
 pub struct Trainable<L> {
     inner: L,
@@ -100,6 +103,38 @@ impl<L: LayerSpec + Clone> LayerSpec for WithDTypePolicy<L> {
     }
 }
 
+/// A recipe whose layers run as in inference even while the model trains, as Keras's
+/// `base_model(x, training=False)`: its `BatchNormalization` layers normalise with their moving
+/// statistics and never update them. Unlike
+/// [`Trainable`], its variables still train; in the transfer-learning recipe a pretrained base
+/// keeps its statistics through fine-tuning, after it is unfrozen.
+#[derive(Debug, Clone)]
+pub struct InferenceMode<L> {
+    inner: L,
+}
+
+impl<L: LayerSpec + Clone> LayerSpec for InferenceMode<L> {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn class_name(&self) -> &'static str {
+        self.inner.class_name()
+    }
+
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        ctx.with_inference(true, |ctx| self.inner.build(ctx, input_shape))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+
+    fn name(&self) -> Option<&str> {
+        self.inner.name()
+    }
+}
+
 /// Builder methods available on every recipe.
 pub trait LayerSpecExt: LayerSpec + Clone + Sized {
     /// Names the layer; its variables become `<name>.weight` and so on.
@@ -140,6 +175,25 @@ pub trait LayerSpecExt: LayerSpec + Clone + Sized {
             inner: self,
             policy,
         }
+    }
+
+    /// Runs the layer as in inference even while the model trains (Keras's `training=False`):
+    /// see [`InferenceMode`].
+    ///
+    /// ```
+    /// use kandle::layers::{BatchNormalization, Conv2D, LayerSpecExt, Sequential};
+    ///
+    /// let base = Sequential::new()
+    ///     .add(Conv2D::new(4, 3))
+    ///     .add(BatchNormalization::new())
+    ///     .inference_mode();
+    /// let summary = Sequential::new().add(base).summary(&[1, 8, 8])?;
+    /// // The convolution and BatchNorm's scale and offset still train.
+    /// assert_eq!(summary.trainable, 4 * 9 + 4 + 2 * 4);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    fn inference_mode(self) -> InferenceMode<Self> {
+        InferenceMode { inner: self }
     }
 
     /// The recipe as a trait object.

@@ -302,6 +302,75 @@ impl Model {
         Ok(())
     }
 
+    /// Makes the layers under each of `names` trainable (`true`) or frozen, as Keras's
+    /// `layer.trainable = ...` followed by `compile`. A name is a layer's full dotted name
+    /// (`layer4`, `layer4.1.conv2`) and covers every layer inside it; `""` covers the whole
+    /// model. It overrides the recipe's `.trainable(...)` and earlier calls for the layers it
+    /// names.
+    ///
+    /// A built model is rebuilt on the strategy's devices with its current weights, so every
+    /// replica's optimizer then updates exactly the variables that train, from a fresh state
+    /// (as recompiling does in Keras); the learning rate stays as it is. A frozen
+    /// `BatchNormalization` normalises with its moving statistics and leaves them unchanged;
+    /// unfrozen, it uses batch statistics again unless built in inference mode
+    /// ([`LayerSpecExt::inference_mode`](crate::layers::LayerSpecExt::inference_mode)). A name
+    /// that covers no variable of the built model is an error, and the model is left as it
+    /// was.
+    ///
+    /// ```
+    /// use kandle::layers::{Dense, LayerSpecExt, Sequential};
+    /// use kandle::losses::MeanSquaredError;
+    /// use kandle::optimizers::Sgd;
+    /// use kandle::OneDeviceStrategy;
+    ///
+    /// let mut model = Sequential::new()
+    ///     .input_shape(&[3])
+    ///     .add(Dense::new(4).named("base").trainable(false))
+    ///     .add(Dense::new(1).named("head"))
+    ///     .compile(Sgd::new(0.1), MeanSquaredError, (), &OneDeviceStrategy::cpu())?;
+    /// assert_eq!(model.summary()?.trainable, 4 + 1);
+    /// model.set_trainable(&["base"], true)?;
+    /// assert_eq!(model.summary()?.trainable, 3 * 4 + 4 + 4 + 1);
+    /// assert!(model.set_trainable(&["bsae"], true).is_err());
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn set_trainable(&mut self, names: &[&str], trainable: bool) -> Result<()> {
+        let network = self.network.clone().with_trainable(names, trainable);
+        let Some(built) = self.built.take() else {
+            self.network = network;
+            return Ok(());
+        };
+        let rebuilt = (|| {
+            let weights = built.replicas.weights()?;
+            let unknown: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| {
+                    let rule = crate::params::TrainableRule::new(*n, trainable);
+                    !weights.keys().any(|k| rule.covers(k))
+                })
+                .collect();
+            if !unknown.is_empty() {
+                return Err(Error::invalid(format!(
+                    "set_trainable: no layer of the model is named {}",
+                    crate::params::list(&unknown)
+                )));
+            }
+            let saved = std::mem::replace(&mut self.network, network);
+            let result = self
+                .build(&built.input_shape)
+                .and_then(|()| self.set_weights(&weights));
+            if result.is_err() {
+                self.network = saved;
+            }
+            result
+        })();
+        if rebuilt.is_err() {
+            self.built = Some(built);
+        }
+        rebuilt
+    }
+
     /// Whether the model has been built.
     pub fn is_built(&self) -> bool {
         self.built.is_some()

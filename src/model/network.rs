@@ -3,7 +3,7 @@
 
 use crate::functional::{Functional, Packed};
 use crate::layers::{BuildContext, FastPath, LayerSpec, Sequential, Summary};
-use crate::params::ParamStore;
+use crate::params::{ParamStore, TrainableRule};
 use crate::Result;
 
 /// A model's recipe: a [`Sequential`] stack or a [`Functional`] graph. Both convert into it
@@ -27,6 +27,8 @@ pub struct Network {
     input_shape: Option<Vec<usize>>,
     /// A functional model's inputs and outputs (names and shapes); `None` for a `Sequential`.
     parts: Option<Parts>,
+    /// Trainability set by layer name after the recipe was written, in the order set.
+    trainable_rules: Vec<TrainableRule>,
 }
 
 /// The inputs and outputs of a functional model, by name and shape.
@@ -51,6 +53,7 @@ impl From<Sequential> for Network {
             input_shape: stack.declared_input_shape().map(<[usize]>::to_vec),
             recipe: Box::new(stack),
             parts: None,
+            trainable_rules: Vec::new(),
         }
     }
 }
@@ -70,12 +73,14 @@ impl From<Functional> for Network {
                 input_shape: Some(vec![packed.input_size()]),
                 recipe: Box::new(packed),
                 parts: Some(parts),
+                trainable_rules: Vec::new(),
             }
         } else {
             Self {
                 input_shape: parts.input_shapes.first().cloned(),
                 recipe: Box::new(graph),
                 parts: Some(parts),
+                trainable_rules: Vec::new(),
             }
         }
     }
@@ -103,6 +108,34 @@ impl Network {
         self.parts.as_ref().map(|p| p.output_names.as_slice())
     }
 
+    /// The network with the layers under each of `names` trainable or frozen, overriding the
+    /// recipe's `.trainable(...)`: see [`TrainableRule`] for how a name covers layers. Later
+    /// calls override earlier ones where they name the same layers.
+    ///
+    /// ```
+    /// use kandle::layers::{Dense, LayerSpecExt, Sequential};
+    /// use kandle::Network;
+    ///
+    /// let stack = Sequential::new()
+    ///     .add(Dense::new(4).named("base").trainable(false))
+    ///     .add(Dense::new(2).named("head"));
+    /// let net = Network::from(stack).with_trainable(&["base"], true);
+    /// assert_eq!(net.summary(&[3])?.trainable, 3 * 4 + 4 + 4 * 2 + 2);
+    /// let net = net.with_trainable(&[""], false).with_trainable(&["head"], true);
+    /// assert_eq!(net.summary(&[3])?.trainable, 4 * 2 + 2);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn with_trainable(mut self, names: &[&str], trainable: bool) -> Self {
+        self.trainable_rules
+            .extend(names.iter().map(|n| TrainableRule::new(*n, trainable)));
+        self
+    }
+
+    /// The rules [`Self::with_trainable`] set, in order.
+    pub fn trainable_rules(&self) -> &[TrainableRule] {
+        &self.trainable_rules
+    }
+
     /// The layer table for inputs of `input_shape`, built on the CPU.
     pub fn summary(&self, input_shape: &[usize]) -> Result<Summary> {
         let ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
@@ -112,9 +145,10 @@ impl Network {
     /// Builds the whole network in `ctx` for inputs of `input_shape`.
     pub(crate) fn build(
         &self,
-        mut ctx: BuildContext,
+        ctx: BuildContext,
         input_shape: &[usize],
     ) -> Result<(Box<dyn FastPath>, ParamStore, Summary)> {
+        let mut ctx = ctx.with_trainable_rules(&self.trainable_rules);
         let built = self.recipe.build(&mut ctx, input_shape)?;
         let store = ctx.into_store();
         let (trainable, non_trainable) = store.count("");

@@ -382,12 +382,20 @@ fn input_gradient_adds_another_in_place() -> anyhow::Result<()> {
         let w = random(&mut rng, &[case.o, case.c, case.kh, case.kw])?;
         let dy = random(&mut rng, reference(&x, &w, &case)?.dims())?;
         let add = random(&mut rng, x.dims())?;
-        let plain = conv2d_backward(&x, &w, &dy, (true, false), case.stride, case.pad, None)?;
+        let plain = conv2d_backward(
+            &x,
+            &w,
+            &dy,
+            (true, true, false),
+            case.stride,
+            case.pad,
+            None,
+        )?;
         let added = conv2d_backward(
             &x,
             &w,
             &dy,
-            (true, false),
+            (true, true, false),
             case.stride,
             case.pad,
             Some(&add),
@@ -406,7 +414,7 @@ fn input_gradient_adds_another_in_place() -> anyhow::Result<()> {
         &x,
         &w,
         &dy,
-        (true, false),
+        (true, true, false),
         (1, 1),
         (0, 0, 0, 0),
         Some(&wrong),

@@ -1,6 +1,6 @@
 //! Preprocessing layers, as Keras's: fixed maps of the input ([`Rescaling`], [`Normalization`])
 //! and random augmentations that run in training only ([`RandomFlip`], [`RandomCrop`],
-//! [`RandomRotation`], [`RandomZoom`]), each drawing from its layer's seeded, resumable random
+//! [`RandomResizedCrop`], [`RandomRotation`], [`RandomZoom`]), each drawing from its layer's seeded, resumable random
 //! stream, one draw per sample. Images are `(channels, height, width)`.
 //!
 //! ```
@@ -21,6 +21,7 @@ mod normalization;
 mod random_affine;
 mod random_crop;
 mod random_flip;
+mod random_resized_crop;
 mod rescaling;
 #[cfg(test)]
 mod tests;
@@ -29,6 +30,7 @@ pub use normalization::Normalization;
 pub use random_affine::{FillMode, RandomRotation, RandomZoom};
 pub use random_crop::RandomCrop;
 pub use random_flip::RandomFlip;
+pub use random_resized_crop::RandomResizedCrop;
 pub use rescaling::Rescaling;
 
 use super::{shape_error, BuildContext};

@@ -4,8 +4,8 @@
 use candle_core::{Device, Tensor};
 
 use crate::layers::{
-    BuildContext, Built, LayerSpec, Normalization, RandomCrop, RandomFlip, RandomRotation,
-    RandomZoom, Rescaling,
+    BuildContext, Built, LayerSpec, Normalization, RandomCrop, RandomFlip, RandomResizedCrop,
+    RandomRotation, RandomZoom, Rescaling,
 };
 use crate::Result;
 
@@ -112,6 +112,41 @@ fn random_crop_takes_windows() -> Result<()> {
     Ok(())
 }
 
+/// Training crops differ from inference's and per call, repeat from the seed and resume from a saved
+/// position; a crop of the whole image at its own size is the image; inference resizes the
+/// central window of the output's aspect ratio.
+#[test]
+fn random_resized_crop_is_seeded_resumable_and_centred_in_inference() -> Result<()> {
+    let x = images(16)?;
+    let spec = RandomResizedCrop::new(4, 4);
+    let (built, store) = build(&spec, &[2, 5, 6], 5)?;
+    assert_eq!(built.output_shape, [2, 4, 4]);
+    let saved = store.weights()?;
+    let y = built.layer().forward_t(&x, true)?;
+    assert_eq!(y.dims(), [16, 2, 4, 4]);
+    assert_ne!(values(&y)?, values(&built.layer().forward_t(&x, false)?)?);
+    let again = build(&spec, &[2, 5, 6], 5)?.0;
+    assert_eq!(values(&again.layer().forward_t(&x, true)?)?, values(&y)?);
+    assert_ne!(values(&built.layer().forward_t(&x, true)?)?, values(&y)?);
+    store.assign(&saved)?;
+    assert_eq!(values(&built.layer().forward_t(&x, true)?)?, values(&y)?);
+    // Scale and ratio of exactly 1 on a square image: the whole image, unresized.
+    let square = images(2)?.narrow(3, 0, 5)?;
+    let whole = RandomResizedCrop::new(5, 5).scale(1.0, 1.0).ratio(1.0, 1.0);
+    let (layer, _) = build(&whole, &[2, 5, 5], 0)?;
+    assert_eq!(
+        values(&layer.layer().forward_t(&square, true)?)?,
+        values(&square)?
+    );
+    // Inference on 5x6 images into 5x5: the central 5x5 window, columns 0..5.
+    let (centred, _) = build(&RandomResizedCrop::new(5, 5), &[2, 5, 6], 0)?;
+    assert_eq!(
+        values(&centred.layer().forward_t(&x, false)?)?,
+        values(&x.narrow(3, 0, 5)?)?
+    );
+    Ok(())
+}
+
 #[test]
 fn rescaling_and_normalization_compose() -> Result<()> {
     let x = Tensor::new(&[[[[0f32, 255.]]], [[[51., 102.]]]], &Device::Cpu)?; // (2, 1, 1, 2)
@@ -164,6 +199,16 @@ fn bad_settings_are_errors_naming_the_layer() {
             "lower <= upper",
         ),
         (Box::new(Rescaling::new(f64::NAN, 0.0)), vec![1], "finite"),
+        (
+            Box::new(RandomResizedCrop::new(4, 4).scale(0.9, 0.1)),
+            vec![1, 4, 4],
+            "scale low <= high",
+        ),
+        (
+            Box::new(RandomResizedCrop::new(0, 4)),
+            vec![1, 4, 4],
+            "positive output size",
+        ),
     ];
     for (spec, shape, part) in cases {
         let err = message(spec.as_ref(), &shape);

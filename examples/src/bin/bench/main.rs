@@ -93,6 +93,10 @@ struct Args {
     /// The machine's fp32 peak in GFLOP/s, instead of the estimate from its CPU features.
     #[arg(long)]
     peak_gflops: Option<f64>,
+    /// Also time the training step with every layer frozen but the classifier (transfer
+    /// learning's first phase: a frozen base under a new head) against the whole network's.
+    #[arg(long)]
+    frozen_base: bool,
     /// Also write the results to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -212,6 +216,7 @@ fn main() -> Result<()> {
     };
     let mut kandle_model = None;
     let mut backward_paths = None;
+    let mut frozen_step = None;
     if sections.model {
         let strategy = OneDeviceStrategy::new(device.clone());
         eprintln!(
@@ -223,6 +228,17 @@ fn main() -> Result<()> {
         eprintln!("kandle: inference, batch {}", args.batch);
         let infer = model::inference_time(workload, &strategy, &device, args.batch, timer)?;
         kandle_model = Some((train, infer));
+        if args.frozen_base {
+            eprintln!("kandle: training step with the base frozen");
+            let frozen = model::frozen_base_step_time(
+                (args.model, args.dtype_policy),
+                &strategy,
+                &device,
+                args.batch,
+                timer,
+            )?;
+            frozen_step = Some((frozen, train));
+        }
         if on_cpu {
             eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
             let replica = |path| model::replica_step_time(args.model, path, args.batch, timer);
@@ -257,6 +273,33 @@ fn main() -> Result<()> {
             .unwrap_or_default();
         out["vs_pytorch_best"] = print_model(args.model, args.batch, train, infer, &configs);
         out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
+    }
+    if let Some((frozen, whole)) = frozen_step {
+        println!(
+            "## Transfer learning: {} training step, batch {}",
+            args.model.title(),
+            args.batch
+        );
+        println!();
+        println!("| step | ms | images/s |");
+        println!("|---|---|---|");
+        for (what, s) in [
+            ("whole network trains", whole),
+            ("base frozen, head trains", frozen),
+        ] {
+            println!(
+                "| {what} | {} | {:.0} |",
+                ms(Some(s)),
+                args.batch as f64 / s
+            );
+        }
+        println!();
+        println!(
+            "The frozen step takes {:.2}x the whole step's time.",
+            frozen / whole
+        );
+        println!();
+        out["kandle"]["train_step_frozen_base_s"] = json!(frozen);
     }
     if let Some((recorded, autograd)) = backward_paths {
         print_backward_paths(args.batch, recorded, autograd);

@@ -65,7 +65,43 @@ pub fn train_step_time(
     batch: usize,
     timer: Timer,
 ) -> Result<f64> {
-    let mut model = strategy.distribute(&spec(which, policy)?)?;
+    step_time(spec(which, policy)?, strategy, device, batch, timer)
+}
+
+/// [`train_step_time`] with every layer frozen but the last that has variables (the
+/// classifier): the step of transfer learning's first phase, a frozen base under a new head.
+pub fn frozen_base_step_time(
+    (which, policy): (CifarModel, DTypePolicy),
+    strategy: &dyn Strategy,
+    device: &Device,
+    batch: usize,
+    timer: Timer,
+) -> Result<f64> {
+    let mut spec = spec(which, policy)?;
+    let summary = spec.network.summary(&spec.input_shape)?;
+    let head = summary
+        .rows
+        .iter()
+        .rev()
+        .find(|r| r.trainable > 0)
+        .map(|r| r.name.clone())
+        .unwrap_or_default();
+    spec.network = spec
+        .network
+        .with_trainable(&[""], false)
+        .with_trainable(&[&head], true);
+    step_time(spec, strategy, device, batch, timer)
+}
+
+/// Median seconds of one training step of `spec` at global batch `batch` under `strategy`.
+fn step_time(
+    spec: ModelSpec,
+    strategy: &dyn Strategy,
+    device: &Device,
+    batch: usize,
+    timer: Timer,
+) -> Result<f64> {
+    let mut model = strategy.distribute(&spec)?;
     let batch = random_batch(batch, device)?;
     timer.median(|| {
         model.train_step(&batch, LR)?;

@@ -131,7 +131,7 @@ impl GraphNet {
                 Op::Spec(spec) => {
                     let shape = graph.shape_of(first.inputs[0]);
                     let child = build_child(ctx, spec.as_ref(), &layer.name, shape)?;
-                    if [&child.output_shape] != first.output_shapes.iter().collect::<Vec<_>>()[..] {
+                    if first.output_shapes[..] != *std::slice::from_ref(&child.output_shape) {
                         return Err(Error::invalid(format!(
                             "layer `{}` gives {} when built but {} when called",
                             layer.name,

@@ -17,7 +17,8 @@ Writes two sets of files:
      (lr 0.1, momentum 0.9) in train mode on that batch, with mean cross-entropy on the
      labels, in float32 and in float64 (the float64 run starts from the same float32 values,
      so the two differ only by float32 rounding: their difference is the spread a float32
-     implementation is judged by).
+     implementation is judged by). With `--device cuda:0` the float32 logits and step run on
+     that GPU, the spread a GPU's float32 is judged by (the GPU check does so).
 
    `models/tests/torchvision_weights.rs` (the ignored test `resnet18_matches_torchvision`)
    reads them.
@@ -71,7 +72,7 @@ def state_dict(model: nn.Module, dtype=None) -> dict:
     """The state dict, contiguous, floats cast to `dtype` if given (int64 counters kept)."""
     out = {}
     for k, v in model.state_dict().items():
-        v = v.detach().clone().contiguous()
+        v = v.detach().cpu().clone().contiguous()
         if dtype is not None and v.is_floating_point():
             v = v.to(dtype)
         out[k] = v
@@ -112,7 +113,7 @@ def one_sgd_step(model: nn.Module, x, y) -> float:
     return loss.item()
 
 
-def resnet18_parity(out: str) -> None:
+def resnet18_parity(out: str, device: str = "cpu") -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None)
@@ -126,11 +127,16 @@ def resnet18_parity(out: str) -> None:
     x = torch.randn(4, 3, 64, 64, generator=gen)
     y = torch.tensor([1, 7, 42, 999], dtype=torch.int64)
     model64 = copy.deepcopy(model).double()
+    # The float32 run on `device` (a GPU's float32 spread for a GPU's check), in float32 proper
+    # (PyTorch's cuDNN convolutions default to TF32); float64 on the CPU.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = model.to(device)
     with torch.no_grad():
-        logits = model(x)
+        logits = model(x.to(device)).cpu()
         logits64 = model64(x.double())
 
-    loss = one_sgd_step(model, x, y)
+    loss = one_sgd_step(model, x.to(device), y.to(device))
     loss64 = one_sgd_step(model64, x.double(), y)
     save_file(state_dict(model), os.path.join(out, "step_f32.safetensors"))
     save_file(state_dict(model64), os.path.join(out, "step_f64.safetensors"))
@@ -178,12 +184,18 @@ def main() -> None:
     parser.add_argument("--out", default="target/torchvision-parity")
     parser.add_argument("--fixture", default="tests/reference/torchvision_tiny")
     parser.add_argument("--only", choices=["resnet18", "fixture"])
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where ResNet-18's float32 logits and step run (e.g. cuda:0, for the GPU's "
+        "float32 spread); float64 runs on the CPU",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.only != "resnet18":
         tiny_fixture(args.fixture)
     if args.only != "fixture":
-        resnet18_parity(args.out)
+        resnet18_parity(args.out, args.device)
 
 
 if __name__ == "__main__":

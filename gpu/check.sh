@@ -92,14 +92,15 @@ step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
   layers::device_generic_tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
-step gpu-training-and-strategies 150 "$BIN/strategies-gpu" --include-ignored \
+step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
 
 # ResNet-18 against PyTorch on the GPU: PyTorch writes torchvision's ResNet-18 with a fixed seed,
-# a batch, its logits and the weights after one SGD step in float32 and float64; kandle loads
-# the file on cuda:0 and compares (models/tests/torchvision_weights.rs).
+# a batch, its logits and the weights after one SGD step in float32 (on the GPU) and float64 (on
+# the CPU); kandle loads the file on cuda:0 and compares (models/tests/torchvision_weights.rs).
 PARITY=/tmp/kandle-parity
-step parity-files 120 "$PYTHON" bench/torchvision_resnet_parity.py --out "$PARITY" --only resnet18
+step parity-files 120 "$PYTHON" bench/torchvision_resnet_parity.py --out "$PARITY" --only resnet18 \
+  --device cuda:0
 step parity 120 env KANDLE_TORCHVISION_PARITY="$PARITY" KANDLE_PARITY_DEVICE=cuda:0 \
   "$BIN/models-parity" --ignored --exact resnet18_matches_torchvision --nocapture
 

@@ -454,6 +454,15 @@ impl BuildContext {
         self.inference || !self.trainable()
     }
 
+    /// Whether the layer being built is inside an [`inference_mode`] wrapper (Keras's
+    /// `training=False` at the call), frozen or not: a `Dropout` there drops nothing, where a
+    /// frozen one (Keras's `trainable = False` alone) still drops in training.
+    ///
+    /// [`inference_mode`]: crate::layers::LayerSpecExt::inference_mode
+    pub fn in_inference_mode(&self) -> bool {
+        self.inference
+    }
+
     /// Builds with `rules` deciding trainability by layer name (see [`TrainableRule`]); each
     /// overrides the recipe's `.trainable(...)` for the layers it names, the last that names a
     /// layer deciding.

@@ -1,5 +1,6 @@
 //! `Dropout`: in training, zeroes each element with probability `rate` and scales the rest by
-//! `1 / (1 - rate)`; in inference, the identity.
+//! `1 / (1 - rate)`; in inference, and inside `.inference_mode()` (Keras's `training=False`),
+//! the identity.
 //!
 //! Masks come from the layer's [`RandomStream`]: a seeded run is repeatable on any device, and a
 //! run resumed from a backup draws the masks an uninterrupted one would.
@@ -42,7 +43,11 @@ impl LayerSpec for Dropout {
             )));
         }
         let layer = DropoutLayer {
-            rate: self.rate,
+            // Inside `.inference_mode()` (Keras's `training=False`), the identity.
+            rate: match ctx.in_inference_mode() {
+                true => 0.0,
+                false => self.rate,
+            },
             stream: RandomStream::new(ctx)?,
         };
         Ok(Built::fast(layer, input_shape.to_vec(), Vec::new()))
@@ -117,6 +122,21 @@ impl FastPath for DropoutLayer {
 mod tests {
     use super::*;
     use candle_core::DType;
+
+    #[test]
+    fn inside_inference_mode_it_drops_nothing_in_training() -> Result<()> {
+        use crate::layers::LayerSpecExt;
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let built = Dropout::new(0.5).inference_mode().build(&mut ctx, &[64])?;
+        let x = Tensor::ones((4, 64), DType::F32, &Device::Cpu)?;
+        let y = built.layer().forward_t(&x, true)?;
+        assert_eq!(y.to_vec2::<f32>()?, x.to_vec2::<f32>()?);
+        let mut ctx = BuildContext::new(&Device::Cpu, 0);
+        let frozen = Dropout::new(0.5).trainable(false).build(&mut ctx, &[64])?;
+        let y = frozen.layer().forward_t(&x, true)?;
+        assert!(y.flatten_all()?.to_vec1::<f32>()?.contains(&0.0), "a frozen dropout drops");
+        Ok(())
+    }
 
     #[test]
     fn drops_about_rate_and_keeps_expectation() -> Result<()> {

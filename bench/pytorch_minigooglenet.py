@@ -349,7 +349,13 @@ def time_op(op, batch, warmup, iters):
     if kind == "conv":
         pt, pb, pl, pr = op["pad"]
         sh, sw = op["stride"]
-        conv = nn.Conv2d(op["input"][0], op["filters"], tuple(op["kernel"]), stride=(sh, sw))
+        conv = nn.Conv2d(
+            op["input"][0],
+            op["filters"],
+            tuple(op["kernel"]),
+            stride=(sh, sw),
+            bias=op.get("bias", True),
+        )
         if pt == pb and pl == pr:
             conv.padding = (pt, pl)
             forward = lambda xs: conv(xs[0])  # noqa: E731

@@ -1,13 +1,17 @@
-//! The distinct op shapes of MiniGoogLeNet: every convolution, batch norm, pooling and
-//! concatenation with its input shape, how often it occurs, and its arithmetic.
+//! The distinct op shapes of the network `bench` times (MiniGoogLeNet or the small-image
+//! ResNet-18): every convolution, batch norm, pooling and concatenation with its input shape, how
+//! often it occurs, and its arithmetic.
 //!
-//! The list is walked from the Keras tutorial's definition (stem, three stages of inception and
-//! downsample modules, average pool) and checked against the summary of
-//! `kandle_models::mini_googlenet`, layer by layer (kind, output shape, parameters), so it
-//! cannot drift from the model the training step runs.
+//! Each list is walked from the network's definition (MiniGoogLeNet: the Keras tutorial's stem,
+//! three stages of inception and downsample modules, average pool; ResNet-18: torchvision's 3x3
+//! stem without max pooling, four stages of two basic blocks, global average pooling) and
+//! checked against the summary of the network `--model` builds, layer by layer (kind, output
+//! shape, parameters), so it cannot drift from the model the training step runs. The ops of no
+//! timed kind (ReLU, dropout, the residual additions, the dense head) are not in the lists.
 
 use anyhow::{bail, Result};
 use kandle::layers::{Padding, SummaryRow};
+use kandle_examples::CifarModel;
 use serde_json::{json, Value};
 
 /// A stage: its inception modules' `(k1x1, k3x3)` filters, then an optional downsample's filters.
@@ -23,7 +27,7 @@ const STAGES: [Stage; 3] = [
 /// What an op computes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OpKind {
-    /// A convolution with a bias.
+    /// A convolution.
     Conv {
         /// Output channels.
         filters: usize,
@@ -33,6 +37,8 @@ pub enum OpKind {
         stride: usize,
         /// Border handling.
         padding: Padding,
+        /// Whether it adds a bias.
+        bias: bool,
     },
     /// Batch normalisation in training mode.
     BatchNorm,
@@ -48,6 +54,8 @@ pub enum OpKind {
         /// Square window size.
         window: usize,
     },
+    /// Average pooling over each whole feature map, `(C, H, W)` to `(C)`.
+    GlobalAvgPool,
     /// Concatenation on channels of parts with these channel counts.
     Concat {
         /// Channels of each part.
@@ -84,7 +92,8 @@ impl OpShape {
         }
     }
 
-    /// The shape in words, e.g. `96x32x32 -> 32x32x32, 1x1/1 same`.
+    /// The shape in words, e.g. `96x32x32 -> 32x32x32, 1x1/1 same` or
+    /// `64x32x32 -> 128x16x16, 3x3/2 pad 1`.
     pub fn shape(&self) -> String {
         let dims = |d: &[usize; 3]| format!("{}x{}x{}", d[0], d[1], d[2]);
         match &self.kind {
@@ -103,6 +112,7 @@ impl OpShape {
                 format!("{}, {window}x{window}/{stride}", dims(&self.input))
             }
             OpKind::AvgPool { window } => format!("{}, {window}x{window}", dims(&self.input)),
+            OpKind::GlobalAvgPool => format!("{}, global", dims(&self.input)),
             OpKind::Concat { parts } => {
                 let parts: Vec<String> = parts.iter().map(usize::to_string).collect();
                 format!(
@@ -130,17 +140,21 @@ impl OpShape {
         }
     }
 
-    /// Explicit `(top, bottom, left, right)` padding, as TensorFlow splits `same`.
+    /// Explicit `(top, bottom, left, right)` padding: `same` split as TensorFlow splits it.
     pub fn pads(&self) -> [usize; 4] {
         let OpKind::Conv {
             kernel,
             stride,
-            padding: Padding::Same,
+            padding,
             ..
         } = self.kind
         else {
             return [0; 4];
         };
+        if padding != Padding::Same {
+            let ((t, b), (l, r)) = padding.explicit();
+            return [t, b, l, r];
+        }
         let along = |input: usize, output: usize| {
             let total = ((output - 1) * stride + kernel).saturating_sub(input);
             (total / 2, total - total / 2)
@@ -158,10 +172,12 @@ impl OpShape {
                 filters,
                 kernel,
                 stride,
+                bias,
                 ..
             } => json!({
                 "kind": "conv", "name": name, "input": [c, h, w], "filters": filters,
                 "kernel": [kernel, kernel], "stride": [stride, stride], "pad": self.pads(),
+                "bias": bias,
             }),
             OpKind::BatchNorm => json!({"kind": "batch_norm", "name": name, "input": [c, h, w]}),
             OpKind::MaxPool { window, stride } => json!({
@@ -171,6 +187,11 @@ impl OpShape {
             OpKind::AvgPool { window } => json!({
                 "kind": "avg_pool", "name": name, "input": [c, h, w],
                 "window": [window, window], "stride": [window, window],
+            }),
+            // One window over the whole map: what PyTorch's adaptive pooling to 1x1 computes.
+            OpKind::GlobalAvgPool => json!({
+                "kind": "avg_pool", "name": name, "input": [c, h, w],
+                "window": [h, w], "stride": [h, w],
             }),
             OpKind::Concat { parts } => {
                 let parts: Vec<[usize; 3]> = parts.iter().map(|&p| [p, h, w]).collect();
@@ -186,7 +207,16 @@ impl OpShape {
             OpKind::BatchNorm => "batch_normalization",
             OpKind::MaxPool { .. } => "max_pooling2d",
             OpKind::AvgPool { .. } => "average_pooling2d",
+            OpKind::GlobalAvgPool => "global_average_pooling2d",
             OpKind::Concat { .. } => "concat",
+        }
+    }
+
+    /// The output shape as the summary gives it.
+    fn summary_shape(&self) -> Vec<usize> {
+        match self.kind {
+            OpKind::GlobalAvgPool => vec![self.output[0]],
+            _ => self.output.to_vec(),
         }
     }
 
@@ -195,20 +225,24 @@ impl OpShape {
     fn trainable(&self) -> Option<usize> {
         match self.kind {
             OpKind::Conv {
-                filters, kernel, ..
-            } => Some(filters * (self.input[0] * kernel * kernel + 1)),
+                filters,
+                kernel,
+                bias,
+                ..
+            } => Some(filters * (self.input[0] * kernel * kernel + usize::from(bias))),
             OpKind::BatchNorm => Some(2 * self.input[0]),
-            OpKind::MaxPool { .. } | OpKind::AvgPool { .. } => Some(0),
+            OpKind::MaxPool { .. } | OpKind::AvgPool { .. } | OpKind::GlobalAvgPool => Some(0),
             OpKind::Concat { .. } => None,
         }
     }
 }
 
-fn padding_name(p: Padding) -> &'static str {
-    match p {
-        Padding::Same => "same",
-        Padding::Valid => "valid",
-        Padding::Explicit { .. } => "explicit",
+fn padding_name(p: Padding) -> String {
+    match p.explicit() {
+        _ if p == Padding::Same => "same".into(),
+        _ if p == Padding::Valid => "valid".into(),
+        ((t, b), (l, r)) if t == b && b == l && l == r => format!("pad {t}"),
+        ((t, b), (l, r)) => format!("pad {t},{b},{l},{r}"),
     }
 }
 
@@ -230,7 +264,32 @@ impl Walk {
         });
     }
 
-    /// Conv -> BatchNorm -> ReLU.
+    /// The convolution `conv` named `names[0]`, then a BatchNorm named `names[1]` (and in both
+    /// networks a ReLU or a residual addition, not timed).
+    fn conv_bn(&mut self, names: [String; 2], input: [usize; 3], conv: OpKind) -> [usize; 3] {
+        let OpKind::Conv {
+            filters,
+            kernel,
+            stride,
+            padding,
+            ..
+        } = conv
+        else {
+            unreachable!("conv_bn takes a convolution, not {conv:?}");
+        };
+        let size = |n: usize, (before, after): (usize, usize)| match padding {
+            Padding::Same => n.div_ceil(stride),
+            Padding::Valid | Padding::Explicit { .. } => (n + before + after - kernel) / stride + 1,
+        };
+        let (rows, columns) = padding.explicit();
+        let output = [filters, size(input[1], rows), size(input[2], columns)];
+        let [conv_name, bn_name] = names;
+        self.push(conv_name, conv, input, output);
+        self.push(bn_name, OpKind::BatchNorm, output, output);
+        output
+    }
+
+    /// MiniGoogLeNet's conv module: `<path>.conv`, `<path>.bn` (and a ReLU).
     fn conv_module(
         &mut self,
         path: &str,
@@ -240,21 +299,15 @@ impl Walk {
         stride: usize,
         padding: Padding,
     ) -> [usize; 3] {
-        let size = |n: usize, (before, after): (usize, usize)| match padding {
-            Padding::Same => n.div_ceil(stride),
-            Padding::Valid | Padding::Explicit { .. } => (n + before + after - kernel) / stride + 1,
-        };
-        let (rows, columns) = padding.explicit();
-        let output = [filters, size(input[1], rows), size(input[2], columns)];
-        let conv = OpKind::Conv {
+        let names = [format!("{path}.conv"), format!("{path}.bn")];
+        let kind = OpKind::Conv {
             filters,
             kernel,
             stride,
             padding,
+            bias: true,
         };
-        self.push(format!("{path}.conv"), conv, input, output);
-        self.push(format!("{path}.bn"), OpKind::BatchNorm, output, output);
-        output
+        self.conv_bn(names, input, kind)
     }
 
     fn concat(&mut self, path: &str, parts: [[usize; 3]; 2]) -> [usize; 3] {
@@ -298,10 +351,50 @@ impl Walk {
         self.push(format!("{path}.branch_pool"), pool, input, pooled);
         self.concat(path, [a, pooled])
     }
+
+    /// torchvision's convolution in a ResNet: bias-free, padded by `kernel / 2` on every side,
+    /// then its BatchNorm.
+    fn resnet_conv_bn(
+        &mut self,
+        names: [String; 2],
+        input: [usize; 3],
+        filters: usize,
+        kernel: usize,
+        stride: usize,
+    ) -> [usize; 3] {
+        let kind = OpKind::Conv {
+            filters,
+            kernel,
+            stride,
+            padding: Padding::symmetric(kernel / 2, kernel / 2),
+            bias: false,
+        };
+        self.conv_bn(names, input, kind)
+    }
+
+    /// A basic block named `<prefix>...`: conv1, bn1 (ReLU), conv2, bn2, then the 1x1
+    /// projection `downsample.0` and its BatchNorm `downsample.1` where the shape changes (and
+    /// the residual addition with its ReLU).
+    fn basic_block(
+        &mut self,
+        prefix: &str,
+        input: [usize; 3],
+        filters: usize,
+        stride: usize,
+    ) -> [usize; 3] {
+        let names = |conv: &str, bn: &str| [format!("{prefix}{conv}"), format!("{prefix}{bn}")];
+        let y = self.resnet_conv_bn(names("conv1", "bn1"), input, filters, 3, stride);
+        let y = self.resnet_conv_bn(names("conv2", "bn2"), y, filters, 3, 1);
+        if stride != 1 || input[0] != filters {
+            let names = names("downsample.0", "downsample.1");
+            self.resnet_conv_bn(names, input, filters, 1, stride);
+        }
+        y
+    }
 }
 
 /// Every op occurrence of MiniGoogLeNet on 3x32x32 inputs, in execution order.
-fn occurrences() -> Vec<OpShape> {
+fn mini_googlenet_occurrences() -> Vec<OpShape> {
     let mut walk = Walk::default();
     let mut shape = walk.conv_module("stem", [3, 32, 32], 96, 3, 1, Padding::Same);
     let (mut inceptions, mut downsamples) = (0, 0);
@@ -325,13 +418,36 @@ fn occurrences() -> Vec<OpShape> {
     walk.ops
 }
 
+/// Every op occurrence of ResNet-18 with the small-image stem on 3x32x32 inputs, in execution
+/// order: a 3x3 stride-1 stem, four stages of two basic blocks (64, 128, 256 and 512 filters,
+/// the first block of each later stage with stride 2), global average pooling.
+fn resnet18_occurrences() -> Vec<OpShape> {
+    let mut walk = Walk::default();
+    let stem = ["conv1".to_string(), "bn1".to_string()];
+    let mut shape = walk.resnet_conv_bn(stem, [3, 32, 32], 64, 3, 1);
+    for (stage, filters) in [64, 128, 256, 512].into_iter().enumerate() {
+        for block in 0..2 {
+            let stride = if block == 0 && stage > 0 { 2 } else { 1 };
+            let prefix = format!("layer{}.{block}.", stage + 1);
+            shape = walk.basic_block(&prefix, shape, filters, stride);
+        }
+    }
+    let pooled = [shape[0], 1, 1];
+    walk.push("avgpool".into(), OpKind::GlobalAvgPool, shape, pooled);
+    walk.ops
+}
+
 /// `(kind, output shape, trainable parameters)` of the summary's timed layers, in execution
 /// order (a concatenation after its branches).
 fn summary_layers(rows: &[SummaryRow], out: &mut Vec<(String, Vec<usize>, Option<usize>)>) {
     for row in rows {
         summary_layers(&row.children, out);
         match row.kind.as_str() {
-            "conv2d" | "batch_normalization" | "max_pooling2d" | "average_pooling2d" => out.push((
+            "conv2d"
+            | "batch_normalization"
+            | "max_pooling2d"
+            | "average_pooling2d"
+            | "global_average_pooling2d" => out.push((
                 row.kind.clone(),
                 row.output_shape.clone(),
                 Some(row.trainable),
@@ -342,19 +458,17 @@ fn summary_layers(rows: &[SummaryRow], out: &mut Vec<(String, Vec<usize>, Option
     }
 }
 
-/// MiniGoogLeNet's distinct op shapes, in order of first occurrence, after checking the walk
-/// against the summary of `kandle_models::mini_googlenet(10)`.
-pub fn mini_googlenet_ops() -> Result<Vec<OpShape>> {
-    let all = occurrences();
-    let summary = kandle_models::mini_googlenet(10).summary(&[3, 32, 32])?;
+/// Fails, naming the first layer that differs, unless the walked ops are the summary's timed
+/// layers, one for one.
+fn check(title: &str, all: &[OpShape], rows: &[SummaryRow]) -> Result<()> {
     let mut expected = Vec::new();
-    summary_layers(&summary.rows, &mut expected);
+    summary_layers(rows, &mut expected);
     let walked: Vec<(String, Vec<usize>, Option<usize>)> = all
         .iter()
         .map(|op| {
             (
                 op.summary_kind().to_string(),
-                op.output.to_vec(),
+                op.summary_shape(),
                 op.trainable(),
             )
         })
@@ -366,12 +480,28 @@ pub fn mini_googlenet_ops() -> Result<Vec<OpShape>> {
             .position(|(a, b)| a != b)
             .unwrap_or(walked.len().min(expected.len()));
         bail!(
-            "the benchmark's MiniGoogLeNet op list no longer matches kandle_models::mini_googlenet \
-             at layer {first}: walked {:?}, summary {:?}",
+            "the benchmark's {title} op list no longer matches the network's summary at layer \
+             {first} ({}): walked {:?}, summary {:?}",
+            all.get(first).map_or("-".into(), OpShape::label),
             walked.get(first),
             expected.get(first)
         );
     }
+    Ok(())
+}
+
+/// The distinct op shapes of `model` (both forms of MiniGoogLeNet have the same), in order of
+/// first occurrence, after checking the walk against the summary of the network `model`
+/// builds (for MiniGoogLeNet, its Sequential form).
+pub fn ops(model: CifarModel) -> Result<Vec<OpShape>> {
+    let (all, network) = match model {
+        CifarModel::MiniGooglenet | CifarModel::MiniGooglenetFunctional => (
+            mini_googlenet_occurrences(),
+            CifarModel::MiniGooglenet.network()?,
+        ),
+        CifarModel::Resnet18 => (resnet18_occurrences(), model.network()?),
+    };
+    check(model.title(), &all, &network.summary(&[3, 32, 32])?.rows)?;
     let mut distinct: Vec<OpShape> = Vec::new();
     for op in all {
         match distinct
@@ -383,4 +513,120 @@ pub fn mini_googlenet_ops() -> Result<Vec<OpShape>> {
         }
     }
     Ok(distinct)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(ops: &[OpShape], family: fn(&OpKind) -> bool) -> usize {
+        ops.iter()
+            .filter(|op| family(&op.kind))
+            .map(OpShape::count)
+            .sum()
+    }
+
+    fn is_conv(kind: &OpKind) -> bool {
+        matches!(kind, OpKind::Conv { .. })
+    }
+
+    #[test]
+    fn mini_googlenet_inventory_matches_its_summary() -> Result<()> {
+        let ops = ops(CifarModel::MiniGooglenet)?;
+        // The stem, two per inception module (8), one per downsample module (2).
+        assert_eq!(count(&ops, is_conv), 19);
+        assert_eq!(count(&ops, |k| *k == OpKind::BatchNorm), 19);
+        assert_eq!(count(&ops, |k| matches!(k, OpKind::Concat { .. })), 10);
+        assert!(ops[0].on_network_input && ops.iter().skip(1).all(|o| !o.on_network_input));
+        // The functional form has the same ops.
+        let functional = super::ops(CifarModel::MiniGooglenetFunctional)?;
+        assert_eq!(functional.len(), ops.len());
+        Ok(())
+    }
+
+    #[test]
+    fn resnet18_inventory_matches_its_summary() -> Result<()> {
+        let ops = ops(CifarModel::Resnet18)?;
+        let shapes: Vec<(String, usize)> = ops
+            .iter()
+            .filter(|op| is_conv(&op.kind))
+            .map(|op| (op.shape(), op.count()))
+            .collect();
+        let expected = [
+            ("3x32x32 -> 64x32x32, 3x3/1 pad 1", 1),
+            ("64x32x32 -> 64x32x32, 3x3/1 pad 1", 4),
+            ("64x32x32 -> 128x16x16, 3x3/2 pad 1", 1),
+            ("128x16x16 -> 128x16x16, 3x3/1 pad 1", 3),
+            ("64x32x32 -> 128x16x16, 1x1/2 pad 0", 1),
+            ("128x16x16 -> 256x8x8, 3x3/2 pad 1", 1),
+            ("256x8x8 -> 256x8x8, 3x3/1 pad 1", 3),
+            ("128x16x16 -> 256x8x8, 1x1/2 pad 0", 1),
+            ("256x8x8 -> 512x4x4, 3x3/2 pad 1", 1),
+            ("512x4x4 -> 512x4x4, 3x3/1 pad 1", 3),
+            ("256x8x8 -> 512x4x4, 1x1/2 pad 0", 1),
+        ];
+        let expected: Vec<(String, usize)> =
+            expected.iter().map(|&(s, n)| (s.to_string(), n)).collect();
+        assert_eq!(shapes, expected);
+        // A batch norm after every convolution, five at each stage's shape.
+        let norms: Vec<(String, usize)> = ops
+            .iter()
+            .filter(|op| op.kind == OpKind::BatchNorm)
+            .map(|op| (op.shape(), op.count()))
+            .collect();
+        let at = |s: &str| (s.to_string(), 5);
+        assert_eq!(
+            norms,
+            [
+                at("64x32x32"),
+                at("128x16x16"),
+                at("256x8x8"),
+                at("512x4x4")
+            ]
+        );
+        let pool = ops.last().expect("ops");
+        assert_eq!(
+            (pool.kind.clone(), pool.shape()),
+            (OpKind::GlobalAvgPool, "512x4x4, global".to_string())
+        );
+        // Only the dense head's weights and the norms' parameters are not convolutions'.
+        let conv_weights: usize = ops
+            .iter()
+            .filter(|op| is_conv(&op.kind))
+            .map(|op| op.count() * op.trainable().unwrap_or(0))
+            .sum();
+        assert_eq!(conv_weights, 11_173_962 - (512 * 10 + 10) - 2 * 4_800);
+        assert!(ops[0].on_network_input && ops.iter().skip(1).all(|o| !o.on_network_input));
+        // What the PyTorch reference reads: explicit padding, no bias.
+        let projection = ops
+            .iter()
+            .find(|op| op.layers[0] == "layer2.0.downsample.0")
+            .expect("a projection");
+        let json = projection.to_json("op");
+        assert_eq!(json["pad"], json!([0, 0, 0, 0]));
+        assert_eq!(json["stride"], json!([2, 2]));
+        assert_eq!(json["bias"], json!(false));
+        assert_eq!(ops[0].to_json("op")["pad"], json!([1, 1, 1, 1]));
+        Ok(())
+    }
+
+    #[test]
+    fn a_walk_that_drifts_from_the_summary_is_refused() -> Result<()> {
+        let rows = CifarModel::Resnet18.network()?.summary(&[3, 32, 32])?.rows;
+        let mut all = resnet18_occurrences();
+        check("ResNet-18", &all, &rows)?;
+        // A downsample projection forgotten.
+        let at = all
+            .iter()
+            .position(|op| op.layers[0] == "layer2.0.downsample.0")
+            .expect("a projection");
+        all.remove(at);
+        let err = check("ResNet-18", &all, &rows).expect_err("a layer missing");
+        let err = err.to_string();
+        assert!(
+            err.contains("ResNet-18") && err.contains("layer2.0"),
+            "{err}"
+        );
+        Ok(())
+    }
 }

@@ -16,8 +16,8 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use kandle::layers::{
-    AveragePooling2D, BatchNormalization, BuildContext, CandleLayer, Concat, Conv2D, Layer,
-    LayerSpec, MaxPooling2D,
+    AveragePooling2D, BatchNormalization, BuildContext, CandleLayer, Concat, Conv2D,
+    GlobalAveragePooling2D, Layer, LayerSpec, MaxPooling2D,
 };
 use kandle::params::ParamStore;
 
@@ -74,10 +74,17 @@ fn spec_of(kind: &OpKind) -> Result<Box<dyn LayerSpec>> {
             kernel,
             stride,
             padding,
-        } => Box::new(Conv2D::new(filters, kernel).stride(stride).padding(padding)),
+            bias,
+        } => Box::new(
+            Conv2D::new(filters, kernel)
+                .stride(stride)
+                .padding(padding)
+                .use_bias(bias),
+        ),
         OpKind::BatchNorm => Box::new(BatchNormalization::new()),
         OpKind::MaxPool { window, stride } => Box::new(MaxPooling2D::new(window).stride(stride)),
         OpKind::AvgPool { window } => Box::new(AveragePooling2D::new(window)),
+        OpKind::GlobalAvgPool => Box::new(GlobalAveragePooling2D),
         OpKind::Concat { .. } => bail!("a concatenation is built from its parts"),
     })
 }

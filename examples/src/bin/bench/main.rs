@@ -1,8 +1,9 @@
-//! kandle against PyTorch on this CPU (or a CUDA GPU), measured side by side in one run: MiniGoogLeNet's
-//! training step (forward, loss, backward, SGD update, as `fit` runs it) and inference as
-//! images/s, then every distinct op shape of the network (convolution forward, backward-input
-//! and backward-weight, batch norm, pooling, concatenation), and the convolutions' achieved
-//! GFLOP/s against the machine's fp32 peak. The PyTorch reference is
+//! kandle against PyTorch on this CPU (or a CUDA GPU), measured side by side in one run: the
+//! training step (forward, loss, backward, SGD update, as `fit` runs it) and inference of
+//! MiniGoogLeNet or ResNet-18 (`--model`) as images/s, then every distinct op shape of that
+//! network (convolution forward, backward-input and backward-weight, batch norm, pooling,
+//! concatenation; `inventory`), and the convolutions' achieved GFLOP/s against the machine's
+//! fp32 peak. The PyTorch reference is
 //! `bench/pytorch_minigooglenet.py`, run as a subprocess with the same batch, threads and
 //! iterations. `--threads-study` adds two CPU replicas against one device, with and without a
 //! per-replica thread budget.
@@ -44,10 +45,12 @@ use crate::report::{ms, ratio, OpTimes};
 use crate::timing::Timer;
 
 #[derive(Parser, Debug)]
-#[command(about = "kandle vs PyTorch: MiniGoogLeNet and its ops on the CPU or a GPU, side by side")]
+#[command(
+    about = "kandle vs PyTorch: MiniGoogLeNet or ResNet-18 and its ops on the CPU or a GPU, side by side"
+)]
 struct Args {
-    /// The network whose training step and inference are timed; the per-op tables are
-    /// MiniGoogLeNet's.
+    /// The network whose training step, inference and distinct op shapes (the per-op tables)
+    /// are timed.
     #[arg(long, value_enum, default_value = "mini-googlenet")]
     model: kandle_examples::CifarModel,
     /// Where both sides run: cpu, or cuda:N (a build with the cuda feature; the model's
@@ -137,7 +140,7 @@ impl Args {
         }
         Sections {
             model: !self.ops_only,
-            ops: !self.no_ops && self.model != kandle_examples::CifarModel::Resnet18,
+            ops: !self.no_ops,
             threads_study: self.threads_study && !self.ops_only,
         }
     }
@@ -210,7 +213,7 @@ fn main() -> Result<()> {
     println!();
 
     let ops = if sections.ops {
-        inventory::mini_googlenet_ops()?
+        inventory::ops(args.model)?
     } else {
         Vec::new()
     };
@@ -314,6 +317,7 @@ fn main() -> Result<()> {
         let rows = op_rows(&ops, &kandle_ops, torch.as_ref());
         print_ops(
             &rows,
+            args.model,
             args.batch,
             peak.gflops,
             kandle_model.map(|m| m.0),
@@ -503,16 +507,18 @@ fn op_rows<'a>(
 
 fn print_ops(
     rows: &[OpTimes<'_>],
+    which: kandle_examples::CifarModel,
     batch: usize,
     peak: Option<f64>,
     kandle_step: Option<f64>,
     torch: Option<&Value>,
 ) {
-    println!("## Convolutions, batch {batch} (one row per distinct shape and pass)");
+    let title = which.title();
+    println!("## {title}'s convolutions, batch {batch} (one row per distinct shape and pass)");
     println!();
     report::print_convs(rows, batch);
     println!();
-    println!("## Convolutions per training step (each shape times its occurrences)");
+    println!("## {title}'s convolutions per training step (each shape times its occurrences)");
     println!();
     report::print_conv_totals(rows, batch, peak);
     println!();
@@ -521,7 +527,7 @@ fn print_ops(
          gradient of the images."
     );
     println!();
-    println!("## Batch norm, pooling and concatenation, batch {batch}");
+    println!("## {title}'s other ops (batch norm, pooling, concatenation), batch {batch}");
     println!();
     report::print_others(rows);
     println!();
@@ -530,15 +536,15 @@ fn print_ops(
         .map(pytorch::model_configs)
         .and_then(|c| c.into_iter().find(|c| c.name == "eager"))
         .and_then(|c| c.train_step_s);
-    println!("## Where a training step goes, by op family");
+    println!("## Where {title}'s training step goes, by op family");
     println!();
     report::print_families(rows, kandle_step.map(|k| (k, torch_step)));
     println!();
     println!(
-        "Each op is timed alone and counted as often as it occurs. The rest of a step is ReLU, \
-         dropout, the dense layer, the loss, the SGD update and autograd's bookkeeping; an op \
-         timed alone can also cost more than inside the step (cold caches, its own upstream \
-         gradient)."
+        "Each op is timed alone and counted as often as it occurs. The rest of a step is what \
+         the tables leave out (ReLU, dropout, the residual additions, the dense layer), the \
+         loss, the SGD update and autograd's bookkeeping; an op timed alone can also cost more \
+         than inside the step (cold caches, its own upstream gradient)."
     );
     println!();
 }

@@ -171,7 +171,7 @@ fn print_total_row(
     );
 }
 
-/// Per training step, by op family: each shape's forward and backward times its occurrences
+/// Per training step, by op family (those the network has): each shape's forward and backward times its occurrences
 /// (without the first convolution's input gradient where the op skips it), kandle and PyTorch,
 /// then all of them against the measured steps (`None` when the model was not timed).
 pub fn print_families(rows: &[OpTimes<'_>], steps: Option<(f64, Option<f64>)>) {
@@ -182,8 +182,16 @@ pub fn print_families(rows: &[OpTimes<'_>], steps: Option<(f64, Option<f64>)>) {
     println!("|---|---|---|---|---|---|");
     let mut total = (0.0, Some(0.0));
     for family in OpFamily::ALL {
+        let members: Vec<&OpTimes<'_>> = rows
+            .iter()
+            .filter(|r| OpFamily::of(&r.op.kind) == family)
+            .collect();
+        if members.is_empty() {
+            // Not in this network.
+            continue;
+        }
         let (mut k, mut t) = ([0.0; 2], Some([0.0; 2]));
-        for r in rows.iter().filter(|r| OpFamily::of(&r.op.kind) == family) {
+        for r in members {
             let n = r.op.count() as f64;
             let needed = !r.op.on_network_input;
             let split = |p: &Passes| [p.fwd, p.in_training(needed) - p.fwd];
@@ -253,7 +261,7 @@ impl OpFamily {
             OpKind::Conv { .. } => OpFamily::Conv,
             OpKind::BatchNorm => OpFamily::BatchNorm,
             OpKind::MaxPool { .. } => OpFamily::MaxPool,
-            OpKind::AvgPool { .. } => OpFamily::AvgPool,
+            OpKind::AvgPool { .. } | OpKind::GlobalAvgPool => OpFamily::AvgPool,
             OpKind::Concat { .. } => OpFamily::Concat,
         }
     }

@@ -134,7 +134,10 @@ mod tests {
         let mut ctx = BuildContext::new(&Device::Cpu, 0);
         let frozen = Dropout::new(0.5).trainable(false).build(&mut ctx, &[64])?;
         let y = frozen.layer().forward_t(&x, true)?;
-        assert!(y.flatten_all()?.to_vec1::<f32>()?.contains(&0.0), "a frozen dropout drops");
+        assert!(
+            y.flatten_all()?.to_vec1::<f32>()?.contains(&0.0),
+            "a frozen dropout drops"
+        );
         Ok(())
     }
 

@@ -159,9 +159,9 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn per_replica_batch_norm_keeps_moving_statistics_identical() -> Result<()> {
-        let spec = ModelSpec {
+    /// A small CNN with batch norm for digits, SGD at 0.1, on `path` under `policy`.
+    fn bn_spec(path: kandle::ComputePath, policy: kandle::DTypePolicy) -> ModelSpec {
+        ModelSpec {
             network: Sequential::new()
                 .add(Conv2D::new(4, 3))
                 .add(BatchNormalization::new())
@@ -175,9 +175,14 @@ mod tests {
             loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
             metrics: [Accuracy].into(),
             seed: 1,
-            compute_path: kandle::ComputePath::Auto,
-            dtype_policy: kandle::DTypePolicy::default(),
-        };
+            compute_path: path,
+            dtype_policy: policy,
+        }
+    }
+
+    #[test]
+    fn per_replica_batch_norm_keeps_moving_statistics_identical() -> Result<()> {
+        let spec = bn_spec(kandle::ComputePath::Auto, kandle::DTypePolicy::default());
         let mut model = three_replicas(&spec)?;
         let data = kandle::data::digits::load()?;
         let (x, y) = data.to_tensors()?;
@@ -254,23 +259,7 @@ mod tests {
                 initial: 2f64.powi(40),
                 growth_steps: 2000,
             }));
-        let spec = ModelSpec {
-            network: Sequential::new()
-                .add(Conv2D::new(4, 3))
-                .add(BatchNormalization::new())
-                .add(Activation::Relu)
-                .add(Flatten)
-                .add(Dense::new(10))
-                .add(Activation::Softmax)
-                .into(),
-            input_shape: vec![1, 8, 8],
-            optimizer: Box::new(Sgd::new(0.1)),
-            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
-            metrics: [Accuracy].into(),
-            seed: 1,
-            compute_path: kandle::ComputePath::DeviceGeneric,
-            dtype_policy: policy,
-        };
+        let spec = bn_spec(kandle::ComputePath::DeviceGeneric, policy);
         let mut model = three_replicas(&spec)?;
         let data = kandle::data::digits::load()?;
         let (x, y) = data.to_tensors()?;

@@ -113,7 +113,7 @@ def one_sgd_step(model: nn.Module, x, y) -> float:
     return loss.item()
 
 
-def resnet18_parity(out: str, device: str = "cpu") -> None:
+def resnet18_parity(out: str, device: str = "cpu", batch_seed: int = 1) -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None)
@@ -123,7 +123,7 @@ def resnet18_parity(out: str, device: str = "cpu") -> None:
     save_file(sd, os.path.join(out, "resnet18.safetensors"))
     torch.save({"epoch": 0, "state_dict": sd}, os.path.join(out, "resnet18.pth"))
 
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(batch_seed)
     x = torch.randn(4, 3, 64, 64, generator=gen)
     y = torch.tensor([1, 7, 42, 999], dtype=torch.int64)
     model64 = copy.deepcopy(model).double()
@@ -185,6 +185,12 @@ def main() -> None:
     parser.add_argument("--fixture", default="tests/reference/torchvision_tiny")
     parser.add_argument("--only", choices=["resnet18", "fixture"])
     parser.add_argument(
+        "--batch-seed",
+        type=int,
+        default=1,
+        help="the seed of ResNet-18's batch (default 1, the batch the README's figures use)",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="where ResNet-18's float32 logits and step run (e.g. cuda:0, for the GPU's "
@@ -195,7 +201,7 @@ def main() -> None:
     if args.only != "resnet18":
         tiny_fixture(args.fixture)
     if args.only != "fixture":
-        resnet18_parity(args.out, args.device)
+        resnet18_parity(args.out, args.device, args.batch_seed)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@
 //!
 //!   It compares the eval-mode logits and the weights after one SGD step in train mode with
 //!   PyTorch's, on `ComputePath::Auto`, `ComputePath::Autograd` and
-//!   `ComputePath::DeviceGeneric` (each path measured before the test fails); with `KANDLE_PARITY_DEVICE=cuda:0` (and `--features
-//!   kandle/cuda`) on that GPU, where every path is the device-generic one (`gpu/check.sh`'s
-//!   `parity` step).
+//!   `ComputePath::DeviceGeneric` (each path measured before the test fails); with
+//!   `KANDLE_PARITY_DEVICE=cuda:0` (and `--features kandle/cuda`) on that GPU, where every path
+//!   is the device-generic one (`gpu/check.sh`'s `parity` step). The step matches for the
+//!   script's default batch on the CPU only: see README's "Weights from PyTorch".
 //!
 //!   The batch is a demanding one for float32: one ReLU input of the step's forward pass
 //!   (`layer4.1`'s output, sample 3, channel 142, at (1, 1)) is -2.4e-6 in float64. A float32
@@ -319,8 +320,8 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
             }
         }
         eprintln!(
-            "ResNet-18 one SGD step, {path:?} on {device:?}: worst max |kandle - float64| / max(float32 \
-             spread, 1e-7 |w|) = {worst_ratio:.2}; running_var: max |kandle - PyTorch| = \
+            "ResNet-18 one SGD step, {path:?} on {device:?}: worst max |kandle - float64| / \
+             max(float32 spread, 1e-7 |w|) = {worst_ratio:.2}; running_var: max |kandle - PyTorch| = \
              {:.2e} (unbiased against biased variance), {:.2e} once PyTorch's is made biased",
             worst_var.0, worst_var.1
         );

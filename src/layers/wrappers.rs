@@ -105,7 +105,7 @@ impl<L: LayerSpec + Clone> LayerSpec for WithDTypePolicy<L> {
 
 /// A recipe whose layers run as in inference even while the model trains, as Keras's
 /// `base_model(x, training=False)`: its `BatchNormalization` layers normalise with their moving
-/// statistics and never update them. Unlike
+/// statistics and never update them, and its `Dropout` layers drop nothing. Unlike
 /// [`Trainable`], its variables still train; in the transfer-learning recipe a pretrained base
 /// keeps its statistics through fine-tuning, after it is unfrozen.
 #[derive(Debug, Clone)]

@@ -374,19 +374,6 @@ impl Replica {
         }
     }
 
-    /// The current loss scale under a policy that scales the loss.
-    pub fn current_loss_scale(&self) -> Result<Option<f64>> {
-        match &self.loss_scale {
-            Some((_, var)) => Ok(Some(
-                var.as_tensor()
-                    .narrow(0, 0, 1)?
-                    .to_dtype(DType::F64)?
-                    .to_vec1::<f64>()?[0],
-            )),
-            None => Ok(None),
-        }
-    }
-
     /// The loss summed over the batch, multiplied by the loss scale when there is one: what the
     /// backward pass differentiates.
     fn objective(&self, loss_sum: &Tensor) -> Result<Tensor> {

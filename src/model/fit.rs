@@ -264,8 +264,7 @@ impl Model {
                     // A micro-batch of a group whose update is still to come: its loss alone,
                     // and no backup or stop before the group is applied.
                     let mut logs = totals.logs();
-                    let loss = stats.sums.first().copied().unwrap_or(f64::NAN);
-                    logs.set("batch_loss", loss / stats.samples.max(1) as f64);
+                    logs.set("batch_loss", mean_loss(&stats));
                     callbacks.on_train_batch_end(step, &logs, self)?;
                     continue;
                 }
@@ -282,20 +281,18 @@ impl Model {
                         step + 1
                     );
                 }
-                let logs = match overflowed {
+                let loss = match overflowed {
                     true => {
                         totals.add(&stats);
-                        let mut logs = totals.logs();
-                        logs.set("batch_loss", stats.sums[0] / stats.samples as f64);
-                        logs
+                        mean_loss(&stats)
                     }
                     false => {
                         totals.add_training_step(&stats);
-                        let mut logs = totals.logs();
-                        logs.set("batch_loss", batch_loss(&stats));
-                        logs
+                        batch_loss(&stats)
                     }
                 };
+                let mut logs = totals.logs();
+                logs.set("batch_loss", loss);
                 callbacks.on_train_batch_end(step, &logs, self)?;
                 let position = Position {
                     epoch,
@@ -353,6 +350,11 @@ impl Model {
         self.accumulated = 0;
         stats
     }
+}
+
+/// The mean loss of a step's samples, applied or not.
+fn mean_loss(stats: &StepStats) -> f64 {
+    stats.sums.first().copied().unwrap_or(f64::NAN) / stats.samples.max(1) as f64
 }
 
 /// The loss of one step alone: NaN when the step was not applied (its loss or a gradient was

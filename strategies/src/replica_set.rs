@@ -247,17 +247,11 @@ impl ReplicaSet {
         weights: Option<Tensor>,
     ) -> Result<StepStats> {
         let parts = self.on_parts(batch, weights, Replica::accumulate)?;
-        let mut total = vec![0.0; self.layout.num_stats];
-        let mut samples = 0;
-        for (n, sums) in parts {
-            samples += n;
-            for (t, v) in total.iter_mut().zip(sums) {
-                *t += v;
-            }
-        }
+        let samples = parts.iter().map(|(n, _)| n).sum();
+        let sums = self.sum_of(parts.into_iter().map(|(_, sums)| sums));
         Ok(StepStats {
             samples,
-            sums: total,
+            sums,
             applied: false,
         })
     }
@@ -322,17 +316,22 @@ impl ReplicaSet {
                 .to_dtype(DType::F64)?
                 .to_vec1::<f64>()?)
         })?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums: self.sum_of(sums),
+            applied: false,
+        })
+    }
+
+    /// The element-wise sum of the replicas' `[loss_sum, metric states...]` vectors.
+    fn sum_of(&self, parts: impl IntoIterator<Item = Vec<f64>>) -> Vec<f64> {
         let mut total = vec![0.0; self.layout.num_stats];
-        for s in sums {
-            for (t, v) in total.iter_mut().zip(s) {
+        for part in parts {
+            for (t, v) in total.iter_mut().zip(part) {
                 *t += v;
             }
         }
-        Ok(StepStats {
-            samples: batch.len(),
-            sums: total,
-            applied: false,
-        })
+        total
     }
 
     /// Outputs for `x` (CPU), each replica predicting its part, gathered on the CPU.

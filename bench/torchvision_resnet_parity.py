@@ -18,7 +18,21 @@ Writes two sets of files:
      labels, in float32 and in float64 (the float64 run starts from the same float32 values,
      so the two differ only by float32 rounding: their difference is the spread a float32
      implementation is judged by). With `--device cuda:0` the float32 logits and step run on
-     that GPU, the spread a GPU's float32 is judged by (the GPU check does so).
+     that GPU, the spread a GPU's float32 is judged by (the GPU check does so);
+   - `step_f32_channels_last.safetensors` and `step_f32_native.safetensors`: the same float32
+     step in PyTorch's other layouts and kernels: the channels-last layout, and PyTorch's own
+     convolutions instead of oneDNN's (cuDNN's on a GPU). They are as right as the default
+     run, and on some batches (batch seed 2 of 1 to 4) one of them lands a ReLU input that
+     float64 puts within float32's rounding of zero on the other side of the kink, which
+     changes every gradient below that layer;
+   - `kinks.safetensors`: those ReLU inputs (float64 puts them nearer zero than the largest
+     difference of PyTorch's float32 forward passes from float64's at that ReLU; the 8 nearest
+     zero), and for each, how float64's step moves when its gradient goes the other way. The
+     test finds the kinks a float32 step took and compares it with float64's step so taken,
+     PyTorch's three runs included: what remains is arithmetic;
+   - with `--kink-sets 1+4,...`, only `step_f64_kinks_1+4.safetensors`, ...: float64's step
+     with several of those kinks taken together, which the test asks for when a run takes them
+     (two kinks interact: one changes the gradient the other passes).
 
    `models/tests/torchvision_weights.rs` (the ignored test `resnet18_matches_torchvision`)
    reads them.
@@ -41,17 +55,22 @@ Run it with torch and torchvision installed (CPU is enough), from the repository
     KANDLE_TORCHVISION_PARITY=target/torchvision-parity \\
         cargo test --release -p kandle-models --test torchvision_weights -- --ignored
 
+(`gpu/parity.sh` runs such a test command, writes the kink sets it asks for, and runs it again.)
+
 Produced with torch 2.15.0 and torchvision 0.29.2 on the CPU.
 """
 
 import argparse
+import contextlib
 import copy
+import glob
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torchvision.models.resnet import BasicBlock
 
@@ -113,7 +132,170 @@ def one_sgd_step(model: nn.Module, x, y) -> float:
     return loss.item()
 
 
-def resnet18_parity(out: str, device: str = "cpu", batch_seed: int = 1) -> None:
+@contextlib.contextmanager
+def channels_last(model: nn.Module):
+    """The model and its input in the channels-last layout."""
+    model.to(memory_format=torch.channels_last)
+    yield lambda x: x.contiguous(memory_format=torch.channels_last)
+
+
+@contextlib.contextmanager
+def native_kernels(model: nn.Module):
+    """PyTorch's own convolutions and batch norms: oneDNN off on the CPU, cuDNN off on a GPU."""
+    backends = (torch.backends.mkldnn, torch.backends.cudnn)
+    saved = [b.enabled for b in backends]
+    for b in backends:
+        b.enabled = False
+    try:
+        yield lambda x: x
+    finally:
+        for b, enabled in zip(backends, saved):
+            b.enabled = enabled
+
+
+@contextlib.contextmanager
+def as_it_is(model: nn.Module):
+    """PyTorch's defaults: the contiguous layout, oneDNN on the CPU, cuDNN on a GPU."""
+    del model
+    yield lambda x: x
+
+
+# PyTorch's float32 configurations of the same step, by file-name suffix (`step_f32{suffix}`).
+FLOAT32_CONFIGS = {"": as_it_is, "_channels_last": channels_last, "_native": native_kernels}
+
+
+class KinkReLU(nn.Module):
+    """A ReLU that records its inputs and can send one input's gradient the other way.
+
+    It computes `x * mask`, `mask` being `x > 0` with the positions in `flips` toggled: the
+    forward values move by at most that input's own size (float64 puts it near zero), and the
+    backward pass passes or stops that one gradient as a float32 run that lands the input on the
+    other side of zero does.
+    """
+
+    def __init__(self, name: str, calls: list):
+        super().__init__()
+        self.name, self.calls, self.flips, self.record = name, calls, {}, False
+
+    def forward(self, x):
+        index = len(self.calls)
+        self.calls.append((self.name, x.detach().clone() if self.record else None))
+        mask = (x > 0).to(x.dtype)
+        for position in self.flips.get(index, []):
+            mask[position] = 1 - mask[position]
+        return x * mask
+
+
+def with_kink_relus(model: nn.Module) -> list:
+    """Replaces every ReLU of `model` with a `KinkReLU`; returns the list their calls fill."""
+    calls = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.ReLU):
+                full = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, KinkReLU(full, calls))
+    return calls
+
+
+def relu_inputs(model: nn.Module, x) -> list:
+    """The inputs of every ReLU call of one train-mode forward pass of a copy of `model`."""
+    model = copy.deepcopy(model)
+    calls = with_kink_relus(model)
+    for m in model.modules():
+        if isinstance(m, KinkReLU):
+            m.record = True
+    model.train()
+    with torch.no_grad():
+        model(x)
+    return calls
+
+
+def call_label(calls: list, index: int) -> str:
+    """`layer2.0.relu, call 1 of 2`: a ReLU module and which of its calls it was."""
+    name = calls[index][0]
+    same = [i for i, (n, _) in enumerate(calls) if n == name]
+    return f"{name}, call {same.index(index) + 1} of {len(same)}"
+
+
+def kink_candidates(model, model64, x, device: str, limit: int = 8) -> list:
+    """The ReLU inputs a float32 step may land on either side of zero, nearest zero first.
+
+    An input is one when float64 puts it closer to zero than the largest difference between
+    PyTorch's float32 forward pass (any of its configurations) and float64's at that ReLU call:
+    whichever side a float32 run lands it on is as right as the other. Returns the `limit`
+    nearest zero as `(call, position, label)`, and how many there were.
+    """
+    exact = relu_inputs(model64, x.double())
+    errors = [0.0] * len(exact)
+    for variant in FLOAT32_CONFIGS.values():
+        copied = copy.deepcopy(model)
+        with variant(copied) as layout:
+            run = relu_inputs(copied, layout(x.to(device)))
+        for i, ((_, a), (_, b)) in enumerate(zip(exact, run)):
+            errors[i] = max(errors[i], (a - b.double().cpu()).abs().max().item())
+    found = []
+    for i, (_, a) in enumerate(exact):
+        for position in (a.abs() <= errors[i]).nonzero().tolist():
+            found.append((abs(a[tuple(position)].item()), i, tuple(position), errors[i]))
+    found.sort()
+    candidates = []
+    for _, call, position, error in found[:limit]:
+        value = exact[call][1][position].item()
+        label = (
+            f"{call_label(exact, call)}: sample {position[0]}, channel {position[1]}, "
+            f"at ({position[2]}, {position[3]}): {value:.2e} in float64, float32 errs by up "
+            f"to {error:.2e} there"
+        )
+        candidates.append((call, position, label))
+    return candidates, len(found)
+
+
+def kink_deltas(model64, x, y, candidates: list) -> tuple:
+    """For each kink, float64's step with that input's gradient sent the other way, as its
+    difference from the plain float64 step (float32: a difference needs no more); and the
+    labels, as safetensors metadata."""
+    plain = state_dict(stepped_f64(model64, x, y, {}))
+    tensors, metadata = {}, {"kinks": str(len(candidates))}
+    for k, (call, position, label) in enumerate(candidates):
+        flipped = state_dict(stepped_f64(model64, x, y, {call: [position]}))
+        for name, t in flipped.items():
+            if t.is_floating_point():
+                tensors[f"kink{k}.{name}"] = (t - plain[name]).float().contiguous()
+        metadata[f"kink{k}"] = label
+        metadata[f"kink{k}.at"] = ",".join(str(i) for i in (call, *position))
+    return tensors, metadata
+
+
+def written_kinks(out: str) -> list:
+    """The kinks `kinks.safetensors` in `out` lists, as `(call, position)`: a set's step must
+    take the kinks the test chose by these indices, whatever a new forward pass would find."""
+    with safe_open(os.path.join(out, "kinks.safetensors"), "pt") as f:
+        metadata = f.metadata()
+    written = []
+    for k in range(int(metadata["kinks"])):
+        call, *position = (int(i) for i in metadata[f"kink{k}.at"].split(","))
+        written.append((call, tuple(position)))
+    return written
+
+
+def kink_set_name(kinks: list) -> str:
+    """`step_f64_kinks_1+4.safetensors`: the file of float64's step with those kinks taken."""
+    return "step_f64_kinks_" + "+".join(str(k) for k in sorted(kinks)) + ".safetensors"
+
+
+def stepped_f64(model64: nn.Module, x, y, flips: dict) -> nn.Module:
+    """A copy of the float64 model after one SGD step, the inputs `flips` names (positions by
+    ReLU call) sent the other way."""
+    model = copy.deepcopy(model64)
+    with_kink_relus(model)
+    for m in model.modules():
+        if isinstance(m, KinkReLU):
+            m.flips = flips
+    one_sgd_step(model, x.double(), y)
+    return model
+
+
+def resnet18_parity(out: str, device: str = "cpu", batch_seed: int = 1, kink_sets=()) -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None)
@@ -136,9 +318,36 @@ def resnet18_parity(out: str, device: str = "cpu", batch_seed: int = 1) -> None:
         logits = model(x.to(device)).cpu()
         logits64 = model64(x.double())
 
-    loss = one_sgd_step(model, x.to(device), y.to(device))
+    if kink_sets:
+        # Flips that interact (one changes the gradient the other passes or stops) are not
+        # the sum of their single differences: the test asks for their float64 step whole.
+        written = written_kinks(out)
+        for kinks in kink_sets:
+            flips = {}
+            for k in kinks:
+                call, position = written[k]
+                flips.setdefault(call, []).append(position)
+            stepped = stepped_f64(model64, x, y, flips)
+            save_file(state_dict(stepped), os.path.join(out, kink_set_name(kinks)))
+            print(f"resnet18: {kink_set_name(kinks)} written")
+        return
+    for stale in glob.glob(os.path.join(out, kink_set_name(["*"]))):
+        os.remove(stale)  # sets of an earlier run's kinks
+    candidates, found = kink_candidates(model, model64, x, device)
+    tensors, metadata = kink_deltas(model64, x, y, candidates)
+    metadata["command"] = f"--only resnet18 --out {out} --batch-seed {batch_seed} --device {device}"
+    save_file(tensors, os.path.join(out, "kinks.safetensors"), metadata=metadata)
+    print(f"resnet18: {found} ReLU inputs within float32's forward error of zero")
+    for k in range(int(metadata["kinks"])):
+        print(f"  kink{k}: {metadata[f'kink{k}']}")
+    for suffix, variant in FLOAT32_CONFIGS.items():
+        stepped = copy.deepcopy(model)
+        with variant(stepped) as layout:
+            stepped_loss = one_sgd_step(stepped, layout(x.to(device)), y.to(device))
+        if not suffix:
+            loss = stepped_loss
+        save_file(state_dict(stepped), os.path.join(out, f"step_f32{suffix}.safetensors"))
     loss64 = one_sgd_step(model64, x.double(), y)
-    save_file(state_dict(model), os.path.join(out, "step_f32.safetensors"))
     save_file(state_dict(model64), os.path.join(out, "step_f64.safetensors"))
     save_file(
         {
@@ -196,12 +405,19 @@ def main() -> None:
         help="where ResNet-18's float32 logits and step run (e.g. cuda:0, for the GPU's "
         "float32 spread); float64 runs on the CPU",
     )
+    parser.add_argument(
+        "--kink-sets",
+        default="",
+        help="with --only resnet18: write only the float64 steps with these sets of kinks "
+        "taken (e.g. 1+4,0+2; the indices of kinks.safetensors), which the parity test asks for",
+    )
     args = parser.parse_args()
+    kink_sets = [[int(k) for k in group.split("+")] for group in args.kink_sets.split(",") if group]
     torch.set_num_threads(1)
     if args.only != "resnet18":
         tiny_fixture(args.fixture)
     if args.only != "fixture":
-        resnet18_parity(args.out, args.device, args.batch_seed)
+        resnet18_parity(args.out, args.device, args.batch_seed, kink_sets)
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
 PARITY=/tmp/kandle-parity
 step parity-files 120 "$PYTHON" bench/torchvision_resnet_parity.py --out "$PARITY" --only resnet18 \
   --device cuda:0
-step parity 120 env KANDLE_TORCHVISION_PARITY="$PARITY" KANDLE_PARITY_DEVICE=cuda:0 \
+step parity 180 env KANDLE_TORCHVISION_PARITY="$PARITY" KANDLE_PARITY_DEVICE=cuda:0 \
+  PYTHON="$PYTHON" bash gpu/parity.sh \
   "$BIN/models-parity" --ignored --exact resnet18_matches_torchvision --nocapture
 
 bench() { # bench NAME LIMIT BINARY ARGS...

@@ -18,14 +18,18 @@
 //!   PyTorch's, on `ComputePath::Auto`, `ComputePath::Autograd` and
 //!   `ComputePath::DeviceGeneric` (each path measured before the test fails); with
 //!   `KANDLE_PARITY_DEVICE=cuda:0` (and `--features kandle/cuda`) on that GPU, where every path
-//!   is the device-generic one (`gpu/check.sh`'s `parity` step). The step matches for the
-//!   script's default batch on the CPU only: see README's "Weights from PyTorch".
+//!   is the device-generic one (`gpu/check.sh`'s `parity` step).
 //!
-//!   The batch is a demanding one for float32: one ReLU input of the step's forward pass
-//!   (`layer4.1`'s output, sample 3, channel 142, at (1, 1)) is -2.4e-6 in float64. A float32
-//!   forward pass that lands it above zero passes that one value's gradient, which moves every
-//!   gradient below `fc` by 0.3 to 1.4% of the update: what a path whose batch statistics are
-//!   summed less accurately than PyTorch's shows here first.
+//!   The step is judged against float64's with the same ReLU kinks taken (`support/
+//!   step_reference.rs`): every batch has ReLU inputs that float64 puts nearer zero than
+//!   float32's forward error there (on the script's batches, 4 to 9 inputs from 3.4e-7 to
+//!   4.6e-5), and the side a float32 run lands one on decides whether its gradient passes, which
+//!   moves every gradient below it by up to 1% of the update. PyTorch's own configurations
+//!   differ so (channels-last and PyTorch's native convolutions take `layer4.0`'s -3.4e-7 input
+//!   the other way on batch 2). What remains after the kinks must be within 10 times PyTorch
+//!   float32's arithmetic spread. When a run takes several kinks together the test asks for
+//!   float64's step with all of them (a command to run); `gpu/parity.sh` runs it and the test
+//!   again.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -36,6 +40,9 @@ use kandle::prelude::*;
 use kandle::pretrained::{ImportOptions, SkipReason};
 use kandle::ComputePath;
 use kandle_models::{basic_block, Depth, Head, ResNet};
+
+mod support;
+use support::step_reference::{max_abs, values, StepReference, Values};
 
 /// The fixture's network: torchvision's stem and names, a basic block of 8 channels and one of
 /// 16 with stride 2 (and its `downsample`), and a 5-class `fc`, for 3x32x32 images.
@@ -105,14 +112,6 @@ fn load(path: &Path) -> Result<HashMap<String, Tensor>> {
 fn tensor<'a>(file: &'a HashMap<String, Tensor>, name: &str) -> Result<&'a Tensor> {
     file.get(name)
         .ok_or_else(|| Error::invalid(format!("the reference file has no `{name}`")))
-}
-
-fn values(t: &Tensor) -> Result<Vec<f64>> {
-    Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
-}
-
-fn max_abs(v: &[f64]) -> f64 {
-    v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
 
 fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -228,8 +227,14 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
         tensor(&batch, "y")?.to_dtype(DType::U32)?,
     );
     let initial = load(&dir.join("resnet18.safetensors"))?;
-    let step32 = load(&dir.join("step_f32.safetensors"))?;
-    let step64 = load(&dir.join("step_f64.safetensors"))?;
+    let reference = StepReference::read(&dir)?;
+    for run in &reference.float32 {
+        eprintln!(
+            "PyTorch float32 ({}): ReLU inputs on the other side of zero from float64: {}",
+            run.config,
+            reference.describe(&run.sides)
+        );
+    }
     let samples = x.dim(0)?;
     let resnet18 = || {
         ResNet::new(Depth::ResNet18)
@@ -243,6 +248,7 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
     eprintln!("ResNet-18 logits: PyTorch float32 against float64: {torch_spread:.2e}");
     let device = parity_device()?;
     let mut failed = Vec::new();
+    let mut taken: Vec<Vec<usize>> = reference.float32.iter().map(|r| r.sides.clone()).collect();
     for &path in paths {
         let mut model = compiled_on(resnet18()?, path, &device)?;
         let report =
@@ -267,17 +273,24 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
         );
 
         model.train_on_batch(x, &y, None)?;
-        let after = model.get_weights()?;
+        let after: Values = model
+            .get_weights()?
+            .iter()
+            .map(|(name, t)| Ok((name.clone(), values(t)?)))
+            .collect::<Result<_>>()?;
+        let sides = reference.sides(&after)?;
+        eprintln!(
+            "ResNet-18 one SGD step, {path:?} on {device:?}: ReLU inputs on the other side of \
+             zero from float64: {}",
+            reference.describe(&sides)
+        );
+        taken.push(sides.clone());
         let mut worst_ratio: f64 = 0.0;
         let mut worst_var = (0.0f64, 0.0f64);
         let mut failures = Vec::new();
         for (name, got) in &after {
-            let got = values(got)?;
-            let (t32, t64) = (
-                values(tensor(&step32, name)?)?,
-                values(tensor(&step64, name)?)?,
-            );
-            let spread = max_abs_diff(&t32, &t64);
+            let t64 = &reference.float64[name];
+            let spread = reference.spread(name)?;
             if name.ends_with("running_var") {
                 // PyTorch moves running_var towards the unbiased batch variance (n / (n - 1)
                 // times the biased one); kandle, like Keras, towards the biased one.
@@ -289,33 +302,34 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
                     .zip(&before)
                     .map(|(t, b)| 0.9 * b + (t - 0.9 * b) * (n - 1.0) / n)
                     .collect();
-                let raw = max_abs_diff(&got, &t64);
-                let corrected = max_abs_diff(&got, &biased);
+                let raw = max_abs_diff(got, t64);
+                let corrected = max_abs_diff(got, &biased);
                 worst_var = (worst_var.0.max(raw), worst_var.1.max(corrected));
                 assert!(
-                    corrected <= 10.0 * spread.max(1e-7 * max_abs(&t64)),
+                    corrected <= 10.0 * spread.max(1e-7 * max_abs(t64)),
                     "{name}: {corrected:e} from PyTorch's value with the biased variance, \
                      float32 spread {spread:e}"
                 );
                 continue;
             }
-            let err = max_abs_diff(&got, &t64);
-            // The float32 spread, or where PyTorch's float32 run lands on the float64 value, a
-            // tenth of a float32 rounding of the tensor's largest value.
-            let allowed = 10.0 * spread.max(1e-7 * max_abs(&t64));
+            // From float64's step with the same kinks taken as kandle's, against PyTorch
+            // float32's arithmetic spread, or where its float32 runs land on the float64 value,
+            // a tenth of a float32 rounding of the tensor's largest value.
+            let err = reference.distance(&after, name, &sides)?;
+            let allowed = 10.0 * spread.max(1e-7 * max_abs(t64));
             worst_ratio = worst_ratio.max(err / allowed * 10.0);
             if std::env::var_os("KANDLE_PARITY_VERBOSE").is_some() {
                 let before = values(tensor(&initial, name)?)?;
                 eprintln!(
                     "  {name}: |kandle - f64| {err:.2e}, |f32 - f64| {spread:.2e}, \
                      update {:.2e}",
-                    max_abs_diff(&t64, &before)
+                    max_abs_diff(t64, &before)
                 );
             }
             if err > allowed {
                 failures.push(format!(
-                    "{name}: kandle differs from float64 by {err:.2e}, PyTorch float32 by \
-                     {spread:.2e}"
+                    "{name}: kandle differs from float64 (the same kinks taken) by {err:.2e}, \
+                     PyTorch float32 by {spread:.2e}"
                 ));
             }
         }
@@ -329,6 +343,18 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
             failed.push(format!("{path:?}:\n{}", failures.join("\n")));
         }
     }
+    // Sets of several kinks were judged by the sum of their single differences; the whole
+    // step may differ from that sum, so the test asks for it.
+    let missing = reference.missing_sets(&taken);
+    assert!(
+        missing.is_empty(),
+        "several ReLU inputs were taken the other way together; write float64's step with \
+         them and run the test again:\n  python3 bench/torchvision_resnet_parity.py {} \
+         --kink-sets {}\n{}",
+        reference.command,
+        missing.join(","),
+        failed.join("\n")
+    );
     // Every path is measured before the test fails, so one run gives all their figures.
     assert!(failed.is_empty(), "{}", failed.join("\n"));
     Ok(())

@@ -1,0 +1,3 @@
+//! What `kandle-models`' integration tests share.
+
+pub mod step_reference;

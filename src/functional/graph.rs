@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::net::GraphNet;
-use super::symbolic::{Call, GraphLayer, Node, Op, SymbolicTensor};
+use super::symbolic::{Call, GraphLayer, Node, Op, SharedLayer, SymbolicTensor};
 use crate::error::shape_with_batch;
 use crate::layers::{BuildContext, Built, LayerSpec, Summary, SummaryRow};
 use crate::{Error, Result};
@@ -181,7 +181,8 @@ impl Functional {
     /// model's layers once per call, with their variables under the model's name
     /// ([`Self::named`]; by default `functional_1`, ... numbered in the outer model), so they
     /// are trained, saved and loaded with the outer model's. Each call makes a new layer with
-    /// its own variables.
+    /// its own variables; [`Self::shared`] gives one that several calls share, as calling one
+    /// Keras model object twice does.
     ///
     /// A number of inputs other than the model's, or an input whose shape is not the model's,
     /// is an error naming the model (and the input, with both shapes). A model of one input
@@ -214,6 +215,40 @@ impl Functional {
     /// ```
     pub fn call_on(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<SymbolicTensor>> {
         GraphLayer::new(Op::Graph(Box::new(self.clone()))).call_all(inputs)
+    }
+
+    /// The model as a layer that several calls share: one set of variables, whose gradient is
+    /// the sum over the calls (a Siamese network's twin towers).
+    /// [`SharedLayer::call_on`] calls it on the model's inputs; [`SharedLayer::call`] when it
+    /// has one input and one output. Every call takes the shapes of the first.
+    ///
+    /// ```
+    /// use kandle::functional::{concatenate, Functional, Input};
+    /// use kandle::layers::{Dense, LayerSpecExt};
+    ///
+    /// // A tower of two inputs and two outputs...
+    /// let a = Input::new(&[4]).named("a").tensor();
+    /// let b = Input::new(&[3]).named("b").tensor();
+    /// let h = concatenate(&[&a, &b])?;
+    /// let (u, v) = (Dense::new(2).call(&h)?, Dense::new(5).call(&h)?);
+    /// let tower = Functional::new([&a, &b], [&u, &v])?.named("tower").shared();
+    ///
+    /// // ... called on two pairs of inputs, with one set of variables.
+    /// let (x1, y1) = (Input::new(&[4]).tensor(), Input::new(&[3]).tensor());
+    /// let (x2, y2) = (Input::new(&[4]).tensor(), Input::new(&[3]).tensor());
+    /// let first = tower.call_on(&[&x1, &y1])?;
+    /// let second = tower.call_on(&[&x2, &y2])?;
+    /// let out = concatenate(&[&first[0], &second[0], &first[1], &second[1]])?;
+    /// let model = Functional::new([&x1, &y1, &x2, &y2], [&out])?;
+    /// assert_eq!(model.summary()?.trainable, 7 * 2 + 2 + 7 * 5 + 5);
+    ///
+    /// let wrong = Input::new(&[5]).tensor();
+    /// let err = tower.call_on(&[&wrong, &y1]).unwrap_err().to_string();
+    /// assert!(err.contains("(batch, 5)"), "{err}");
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn shared(self) -> SharedLayer {
+        SharedLayer::of_graph(self)
     }
 
     /// Checks that `shapes` are this model's input shapes, for a call named `layer`.
@@ -368,6 +403,7 @@ impl Functional {
                 non_trainable: 0,
                 children: Vec::new(),
                 connected_to: Vec::new(),
+                more_output_shapes: Vec::new(),
             })
             .collect();
         if !chain {
@@ -398,7 +434,9 @@ impl Functional {
             if let Some(before) = seen.insert(name, what.clone()) {
                 return Err(Error::invalid(format!(
                     "two layers of the functional model are named `{name}` ({before} and \
-                     {what}): names must be unique, since they name the variables"
+                     {what}): names must be unique, since they name the variables; to call \
+                     one layer or model several times with one set of variables, call it \
+                     through `.shared()`"
                 )));
             }
         }

@@ -75,8 +75,9 @@ struct Step {
 enum StepRun {
     Chain(SequentialNet),
     Merge(MergeLayer),
-    /// A functional model called in this one, built in its own scope.
-    Graph(GraphNet),
+    /// A functional model called in this one, built in its own scope (one net for every call
+    /// of a shared model).
+    Graph(Arc<GraphNet>),
 }
 
 /// A chain while the graph is laid out: its layers with their full names (and whether each
@@ -91,7 +92,7 @@ struct ChainParts {
 enum PartsRun {
     Chain(ChainParts),
     Merge(MergeLayer),
-    Graph(GraphNet),
+    Graph(Arc<GraphNet>),
 }
 
 /// A step while the graph is laid out: what it runs, its input slots and its output slots.
@@ -102,12 +103,12 @@ struct Part {
 }
 
 /// A layer once built: owned by its one call, shared by several, a merge to make per call, or
-/// a functional model called once.
+/// a functional model (its calls share its variables).
 enum BuiltLayer {
     Unique(Option<Box<dyn FastPath>>),
     Shared(Arc<dyn FastPath>),
     Merge(super::merge::Merge),
-    Graph(Option<GraphNet>),
+    Graph(Arc<GraphNet>),
 }
 
 impl GraphNet {
@@ -156,17 +157,11 @@ impl GraphNet {
                         non_trainable: 0,
                         children: Vec::new(),
                         connected_to: Vec::new(),
+                        more_output_shapes: Vec::new(),
                     });
                     built.push(BuiltLayer::Merge(merge.clone()));
                 }
                 Op::Graph(inner) => {
-                    if layer.calls != 1 {
-                        return Err(Error::invalid(format!(
-                            "functional model `{}` is called {} times: each call of a model \
-                             makes a layer of its own",
-                            layer.name, layer.calls
-                        )));
-                    }
                     let shapes: Vec<Vec<usize>> = first
                         .inputs
                         .iter()
@@ -185,8 +180,9 @@ impl GraphNet {
                         non_trainable,
                         children,
                         connected_to: Vec::new(),
+                        more_output_shapes: first.output_shapes[1..].to_vec(),
                     });
-                    built.push(BuiltLayer::Graph(Some(net)));
+                    built.push(BuiltLayer::Graph(Arc::new(net)));
                 }
             }
         }
@@ -244,10 +240,7 @@ impl GraphNet {
                         .collect();
                     PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
                 }
-                BuiltLayer::Graph(net) => PartsRun::Graph(
-                    net.take()
-                        .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice")))?,
-                ),
+                BuiltLayer::Graph(net) => PartsRun::Graph(Arc::clone(net)),
                 BuiltLayer::Unique(layer) => {
                     let layer = layer
                         .take()

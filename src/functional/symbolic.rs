@@ -323,9 +323,23 @@ impl SharedLayer {
         }
     }
 
+    /// A functional model that several calls share ([`Functional::shared`]).
+    pub(crate) fn of_graph(graph: Functional) -> Self {
+        Self {
+            layer: GraphLayer::new(Op::Graph(Box::new(graph))),
+        }
+    }
+
     /// Calls the layer on `x`. Every call must take the shape of the first.
     pub fn call(&self, x: &SymbolicTensor) -> Result<SymbolicTensor> {
         self.layer.call(&[x])
+    }
+
+    /// Calls a shared functional model on `inputs`, one per model input in order; returns one
+    /// symbolic tensor per model output (as [`Functional::call_on`], with the variables of
+    /// every call shared). A shared layer takes one input, as [`Self::call`].
+    pub fn call_on(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<SymbolicTensor>> {
+        self.layer.call_all(inputs)
     }
 }
 

@@ -465,3 +465,119 @@ fn a_called_model_checks_its_inputs() -> Result<()> {
     );
     Ok(())
 }
+
+/// `encoder`, shared, called on two pairs of inputs of a Siamese model of four inputs: the
+/// outputs of both calls and a dense head on the first call's.
+fn siamese(encoder: &Functional) -> Result<Functional> {
+    let shared = encoder.clone().shared();
+    let (x1, y1) = (Input::new(&[2, 4, 4]).tensor(), Input::new(&[5]).tensor());
+    let (x2, y2) = (Input::new(&[2, 4, 4]).tensor(), Input::new(&[5]).tensor());
+    let first = shared.call_on(&[&x1, &y1])?;
+    let second = shared.call_on(&[&x2, &y2])?;
+    let difference = subtract(&first[0], &second[0])?;
+    let head = Dense::new(2).named("head").call(&first[1])?;
+    Functional::new([&x1, &y1, &x2, &y2], [&difference, &second[1], &head])
+}
+
+/// A shared functional model is one layer: one set of variables (under its name, counted once
+/// in the summary, with both calls in "Connected to"), both calls computing what the model
+/// computes alone with those variables.
+#[test]
+fn a_shared_model_called_twice_has_one_set_of_variables() -> Result<()> {
+    let inner = encoder()?;
+    let outer = siamese(&inner)?;
+    let summary = outer.summary()?;
+    let rows: Vec<_> = summary
+        .rows
+        .iter()
+        .filter(|r| r.name == "encoder")
+        .collect();
+    assert_eq!(rows.len(), 1);
+    let encoder_params = 2 * 3 * 9 + 3 + 2 * 3 + 48 * 5 + 5 + 5 * 4 + 4 + 5 * 3 + 3;
+    assert_eq!(rows[0].trainable, encoder_params);
+    assert_eq!(summary.trainable, encoder_params + 3 * 2 + 2);
+    assert_eq!(
+        rows[0].connected_to,
+        [
+            "input_1[0][0]",
+            "input_2[0][0]",
+            "input_3[0][0]",
+            "input_4[0][0]",
+        ]
+    );
+    assert_eq!(
+        (&rows[0].output_shape, &rows[0].more_output_shapes),
+        (&vec![4], &vec![vec![3]])
+    );
+    assert!(
+        summary.to_string().contains("[(None, 4), (None, 3)]"),
+        "{summary}"
+    );
+
+    let mut ctx = crate::params::BuildContext::new(&Device::Cpu, 5);
+    let (net, _) = outer.build_graph(&mut ctx, &outer.input_shapes())?;
+    let weights = ctx.into_store().weights()?;
+    let mut alone = crate::params::BuildContext::new(&Device::Cpu, 9);
+    let (inner_net, _) = inner.build_graph(&mut alone, &inner.input_shapes())?;
+    let inner_store = alone.into_store();
+    let mut inner_weights = inner_store.weights()?;
+    assert_eq!(weights.len(), inner_weights.len() + 2);
+    for (name, value) in inner_weights.iter_mut() {
+        *value = weights[&format!("encoder.{name}")].clone();
+    }
+    inner_store.assign(&inner_weights)?;
+    let [a1, b1] = encoder_inputs(3)?;
+    let [a2, b2] = encoder_inputs(3)?;
+    let (outputs, _) = net.run(
+        &[a1.clone(), b1.clone(), a2.clone(), b2.clone()],
+        false,
+        false,
+    )?;
+    let (first, _) = inner_net.run(&[a1, b1], false, false)?;
+    let (second, _) = inner_net.run(&[a2, b2], false, false)?;
+    let max = |t: Tensor| -> Result<f32> { Ok(t.abs()?.max_all()?.to_scalar::<f32>()?) };
+    assert_eq!(max((&outputs[0] - (&first[0] - &second[0])?)?)?, 0.0);
+    assert_eq!(max((&outputs[1] - &second[1])?)?, 0.0);
+    Ok(())
+}
+
+/// The recorded backward pass of a model shared by two calls sums both calls' gradients into
+/// its one set of variables, as candle's autograd does.
+#[test]
+fn recorded_gradients_of_a_shared_model_match_autograd() -> Result<()> {
+    let packed = super::Packed::new(siamese(&encoder()?)?);
+    crate::layers::assert_recorded_matches_autograd(
+        |path| {
+            let ctx = crate::params::BuildContext::new(&Device::Cpu, 4).with_compute_path(path);
+            let (net, store, _) = Sequential::new().add(packed.clone()).build_in(ctx, &[74])?;
+            Ok((net, store))
+        },
+        &[74],
+    )
+}
+
+/// A shared model called on other shapes than its first call's is refused naming it and
+/// both calls' shapes.
+#[test]
+fn a_shared_model_called_on_other_shapes_is_refused() -> Result<()> {
+    let shared = encoder()?.shared();
+    let (x, y) = (Input::new(&[2, 4, 4]).tensor(), Input::new(&[5]).tensor());
+    shared.call_on(&[&x, &y])?;
+    let other = Input::new(&[2, 5, 5]).tensor();
+    let err = message(shared.call_on(&[&other, &y]));
+    assert_names(&err, &["`encoder`", "(batch, 2, 4, 4)", "(batch, 2, 5, 5)"]);
+    Ok(())
+}
+
+/// Calling a model twice without sharing it makes two layers of one name: refused, pointing
+/// at `.shared()`.
+#[test]
+fn a_model_called_twice_unshared_is_refused_pointing_at_shared() -> Result<()> {
+    let inner = encoder()?;
+    let (x, y) = (Input::new(&[2, 4, 4]).tensor(), Input::new(&[5]).tensor());
+    let (a, b) = (inner.call_on(&[&x, &y])?, inner.call_on(&[&x, &y])?);
+    let out = subtract(&a[0], &b[0])?;
+    let err = message(Functional::new([&x, &y], [&out]));
+    assert_names(&err, &["named `encoder`", "`.shared()`"]);
+    Ok(())
+}

@@ -306,6 +306,7 @@ pub(crate) fn build_child(
         non_trainable,
         children: built.children,
         connected_to: Vec::new(),
+        more_output_shapes: Vec::new(),
     };
     Ok(BuiltChild {
         layer: built.layer,

@@ -25,6 +25,9 @@ pub struct SummaryRow {
     /// Keras's "Connected to" column writes it (`conv2d_1[0][0]`: the layer, which of its
     /// calls, which output); empty otherwise.
     pub connected_to: Vec<String>,
+    /// The shapes of its further outputs, without the batch dimension: a functional model of
+    /// several outputs called as a layer (the table writes them all, `[(None, 2), (None, 3)]`).
+    pub more_output_shapes: Vec<Vec<usize>>,
 }
 
 /// What `summary()` reports: one row per layer and the totals.
@@ -65,6 +68,18 @@ fn shape(dims: &[usize]) -> String {
     format!("(None, {})", dims.join(", "))
 }
 
+/// A row's output shape, or all of them in brackets as Keras writes several.
+fn output_shapes(row: &SummaryRow) -> String {
+    if row.more_output_shapes.is_empty() {
+        return shape(&row.output_shape);
+    }
+    let all: Vec<String> = std::iter::once(&row.output_shape)
+        .chain(&row.more_output_shapes)
+        .map(|s| shape(s))
+        .collect();
+    format!("[{}]", all.join(", "))
+}
+
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fn lines(rows: &[SummaryRow], depth: usize, out: &mut Vec<[String; 4]>) {
@@ -72,7 +87,7 @@ impl fmt::Display for Summary {
                 let mut connected = r.connected_to.iter();
                 out.push([
                     format!("{}{} ({})", "  ".repeat(depth), r.name, r.class_name),
-                    shape(&r.output_shape),
+                    output_shapes(r),
                     thousands(r.trainable + r.non_trainable),
                     connected.next().cloned().unwrap_or_default(),
                 ]);

@@ -63,6 +63,10 @@ pub(crate) struct Server {
     /// The other servers' variables at the end of the current call, taken while this server
     /// still serves it.
     early_shards: Vec<Option<Snapshot>>,
+    /// The other servers' optimizer states for the next training-state exchange, taken while
+    /// this server still greets the workers: a server that has its workers' greetings first
+    /// may go on to the exchange before this one has all of them.
+    early_states: Vec<Option<Vec<u8>>>,
 }
 
 impl Server {
@@ -89,6 +93,7 @@ impl Server {
             workers: Workers::new(roles.workers),
             schedule: Schedule::new(mode),
             early_shards: vec![None; roles.servers],
+            early_states: vec![None; roles.servers],
         })
     }
 
@@ -153,6 +158,12 @@ impl Server {
                 backoff.wait();
                 continue;
             };
+            if matches!(m.message, Message::State { .. })
+                && self.roles.server_index(m.source).is_some()
+            {
+                self.keep_state(m)?;
+                continue;
+            }
             let worker = self.expect_worker(&m)?;
             let (theirs, len) = match m.message {
                 Message::Alive => continue,

@@ -55,11 +55,23 @@ impl Server {
         Ok(())
     }
 
+    /// Keeps another server's optimizer state (`m`, a `State` message) that came before this
+    /// server reached the exchange ([`Self::optimizer_state`]).
+    pub(super) fn keep_state(&mut self, m: Incoming) -> Result<()> {
+        let s = self.roles.server_index(m.source).ok_or_else(|| {
+            Error::invalid("a parameter server's optimizer state from a worker (internal error)")
+        })?;
+        let state = self.take_from_server(m, self.call + 1, "its optimizer state", state_of)?;
+        self.early_states[s] = Some(state);
+        Ok(())
+    }
+
     /// The whole optimizer state, between calls: every rank runs this together (the same
     /// program, at the same point). This server sends its shard's state to every other rank
-    /// and joins the other servers' shards to its own.
+    /// and joins the other servers' shards to its own (those that came early included).
     pub(crate) fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
         let call = self.call + 1;
+        let early = std::mem::replace(&mut self.early_states, vec![None; self.roles.servers]);
         let mine = Message::State {
             version: self.variables.version(),
             state: self.variables.state()?.to_bytes()?,
@@ -72,11 +84,7 @@ impl Server {
                 .filter(|&r| r != me)
                 .map(|r| (r, &mine))
                 .collect();
-            let none = vec![None; self.roles.servers];
-            self.swap_with_servers(comm, &to, call, none, "its optimizer state", |m| match m {
-                Message::State { state, .. } => Some(state),
-                _ => None,
-            })
+            self.swap_with_servers(comm, &to, call, early, "its optimizer state", state_of)
         })?;
         let mut parts = Vec::with_capacity(self.roles.servers);
         for (s, state) in received.into_iter().enumerate() {
@@ -156,6 +164,14 @@ impl Server {
             return Err(self.unexpected(source, kind, &during));
         }
         take(m.message).ok_or_else(|| self.unexpected(source, kind, &during))
+    }
+}
+
+/// The training state a `State` message carries.
+fn state_of(message: Message) -> Option<Vec<u8>> {
+    match message {
+        Message::State { state, .. } => Some(state),
+        _ => None,
     }
 }
 

@@ -30,6 +30,7 @@ use super::microkernel::{self, PackedStack, MR, NR};
 use super::plan::Plan;
 
 mod pairs_avx2;
+mod pairs_avx512;
 
 /// Output values along each side of a tile.
 const TILE: usize = 4;
@@ -331,9 +332,7 @@ impl Winograd {
                 len: hi - lo,
                 col: lo,
             };
-            if !pairs_avx2::padded_plane(dst, pw, src, &part) {
-                fill_padded(dst, pw, src, &part);
-            }
+            fill_padded_plane(dst, pw, src, &part);
         }
     }
 
@@ -576,15 +575,19 @@ impl Winograd {
                 len: plan.wo,
                 col: 0,
             };
-            if !pairs_avx2::padded_plane(dst, pw, src, &part) {
-                fill_padded(dst, pw, src, &part);
-            }
+            fill_padded_plane(dst, pw, src, &part);
         }
     }
 
-    /// Runs a transform of a block, compiled for AVX2 when the CPU has it.
+    /// Runs a transform of a block, compiled for AVX-512 or AVX2 when the kernels use them.
     #[allow(unsafe_code)]
     fn transform(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if pairs_avx512::usable() {
+            // SAFETY: AVX-512 is in use, so the CPU has it (and AVX2 and FMA).
+            unsafe { self.transform_avx512(job, tiles, width) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if crate::simd::avx2_fma() {
             // SAFETY: the CPU has AVX2, checked just above.
@@ -606,6 +609,51 @@ impl Winograd {
         self.transform_any(job, tiles, width);
     }
 
+    /// One group's input tiles of one channel (its plane at `plane` in `padded`, its lanes'
+    /// tiles at `start`, four pairs of adjacent tiles when `pairs`) into `v` (element `e` of
+    /// lane `l` at `v[e * stride + l]`): in AVX2's pairs, or one lane at a time.
+    #[inline(always)]
+    fn input_group(
+        &self,
+        padded: &[f32],
+        (start, pairs): (&[usize; LANES], bool),
+        plane: usize,
+        v: &mut [f32],
+        stride: usize,
+    ) {
+        let (_, pw) = self.padded_plane();
+        if pairs {
+            let starts = [0, 1, 2, 3].map(|j| plane + start[j]);
+            if pairs_avx2::input_tiles(padded, starts, pw, v, stride) {
+                return;
+            }
+        }
+        let mut d = [[0f32; LANES]; ELEMENTS];
+        for (l, s) in start.iter().enumerate() {
+            for (q, row) in d.chunks_exact_mut(SIDE).enumerate() {
+                let src = &padded[plane + s + q * pw..][..SIDE];
+                for (dv, sv) in row.iter_mut().zip(src) {
+                    dv[l] = *sv;
+                }
+            }
+        }
+        for (e, vals) in transform_input(&d).iter().enumerate() {
+            v[e * stride..][..LANES].copy_from_slice(vals);
+        }
+    }
+
+    /// [`Self::transform_any`], compiled with AVX-512.
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX-512 (F, VL, BW, DQ), AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512dq,avx2,fma")]
+    #[allow(unsafe_code)]
+    unsafe fn transform_avx512(&self, job: Transform<'_, '_>, tiles: &[Tile], width: usize) {
+        self.transform_any(job, tiles, width);
+    }
+
     /// Transforms the block's `tiles` of each padded input channel into `v` (`[e][c][width]`),
     /// or writes them to each output channel from `m` (`[e][o][width]`), [`LANES`] tiles at a
     /// time (see [`Transform`]).
@@ -616,33 +664,37 @@ impl Winograd {
         match job {
             Transform::Inputs { padded, v } => {
                 let stride = element_stride(plan.c * width);
-                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
-                    // Each lane's input tile starts at `start[l] + plane offset`.
-                    let start =
-                        lanes.map_lanes(|t| t.image * plan.c * ph * pw + TILE * (t.ti * pw + t.tj));
-                    let pairs = adjacent_pairs(lanes);
+                let groups: Vec<&[Tile]> = tiles.chunks_exact(LANES).collect();
+                // Each lane's input tile starts at `start[l] + plane offset`.
+                let starts: Vec<[usize; LANES]> = groups
+                    .iter()
+                    .map(|lanes| {
+                        lanes.map_lanes(|t| t.image * plan.c * ph * pw + TILE * (t.ti * pw + t.tj))
+                    })
+                    .collect();
+                let pairs: Vec<bool> = groups.iter().map(|lanes| adjacent_pairs(lanes)).collect();
+                let wide = pairs_avx512::usable();
+                let mut g = 0;
+                while g < groups.len() {
+                    // Two groups of pairs at once where AVX-512 is in use.
+                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
                     for ci in 0..plan.c {
                         let plane = ci * ph * pw;
                         let at = ci * width + g * LANES;
-                        if pairs {
-                            let starts = [0, 1, 2, 3].map(|j| plane + start[j]);
-                            if pairs_avx2::input_tiles(padded, starts, pw, &mut v[at..], stride) {
+                        if both {
+                            let four = |s: &[usize; LANES]| [0, 1, 2, 3].map(|j| plane + s[j]);
+                            let starts2 = [four(&starts[g]), four(&starts[g + 1])];
+                            if pairs_avx512::input_tiles(padded, starts2, pw, &mut v[at..], stride)
+                            {
                                 continue;
                             }
+                            let next = &mut v[at + LANES..];
+                            self.input_group(padded, (&starts[g + 1], true), plane, next, stride);
                         }
-                        let mut d = [[0f32; LANES]; ELEMENTS];
-                        for (l, s) in start.iter().enumerate() {
-                            for (q, row) in d.chunks_exact_mut(SIDE).enumerate() {
-                                let src = &padded[plane + s + q * pw..][..SIDE];
-                                for (dv, sv) in row.iter_mut().zip(src) {
-                                    dv[l] = *sv;
-                                }
-                            }
-                        }
-                        for (e, vals) in transform_input(&d).iter().enumerate() {
-                            v[at + e * stride..][..LANES].copy_from_slice(vals);
-                        }
+                        let group = (&starts[g], pairs[g]);
+                        self.input_group(padded, group, plane, &mut v[at..], stride);
                     }
+                    g += if both { 2 } else { 1 };
                 }
             }
             Transform::Gradients { padded, dm } => {
@@ -672,51 +724,102 @@ impl Winograd {
             }
             Transform::Outputs { m, bias, relu, out } => {
                 let stride = element_stride(plan.o * width);
-                let (plane, wo) = (plan.ho * plan.wo, plan.wo);
-                let mut rows = [[0f32; 2 * TILE]; 4 * TILE];
-                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
-                    let pairs = adjacent_pairs(lanes) && lanes.iter().all(|t| t.real);
-                    // Where each lane's tile starts in its image's first output channel.
-                    let first = lanes.map_lanes(|t| TILE * (t.ti * wo + t.tj));
+                let groups: Vec<&[Tile]> = tiles.chunks_exact(LANES).collect();
+                let pairs: Vec<bool> = groups
+                    .iter()
+                    .map(|lanes| adjacent_pairs(lanes) && lanes.iter().all(|t| t.real))
+                    .collect();
+                let wide = pairs_avx512::usable();
+                let mut g = 0;
+                while g < groups.len() {
+                    // Two groups of pairs at once where AVX-512 is in use.
+                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
                     for oi in 0..plan.o {
                         let at = oi * width + g * LANES;
-                        let b = bias.map_or(0.0, |b| b[oi]);
-                        let (products, pair_rows) = (&m[at..], &mut rows);
-                        let write = (b, relu);
-                        if pairs && pairs_avx2::output_tiles(products, stride, write, pair_rows) {
-                            for (j, pair) in rows.chunks_exact(TILE).enumerate() {
-                                let t = lanes[j];
-                                let image = &mut out[t.image][first[j] + oi * plane..];
-                                let height = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
-                                let cols = plan.wo.saturating_sub(TILE * t.tj).min(2 * TILE);
-                                for (r, row) in pair.iter().take(height).enumerate() {
-                                    let dst = &mut image[r * wo..];
-                                    if cols == 2 * TILE {
-                                        dst[..2 * TILE].copy_from_slice(row);
-                                    } else {
-                                        dst[..cols].copy_from_slice(&row[..cols]);
-                                    }
-                                }
+                        let write = (bias.map_or(0.0, |b| b[oi]), relu);
+                        if both {
+                            let mut rows = [[[0f32; 2 * TILE]; 4 * TILE]; 2];
+                            if pairs_avx512::output_tiles(&m[at..], stride, write, &mut rows) {
+                                self.store_pairs(groups[g], &rows[0], oi, out);
+                                self.store_pairs(groups[g + 1], &rows[1], oi, out);
+                                continue;
                             }
-                            continue;
+                            let next = (groups[g + 1], true);
+                            self.output_group(&m[at + LANES..], stride, next, (oi, write), out);
                         }
-                        let mut products = [[0f32; LANES]; ELEMENTS];
-                        for (e, p) in products.iter_mut().enumerate() {
-                            p.copy_from_slice(&m[at + e * stride..][..LANES]);
-                        }
-                        let y = transform_output(&products, b);
-                        for (l, t) in lanes.iter().enumerate().filter(|(_, t)| t.real) {
-                            let image = &mut out[t.image][first[l] + oi * plane..];
-                            let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
-                            let cols = plan.wo.saturating_sub(TILE * t.tj).min(TILE);
-                            for r in 0..rows {
-                                for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
-                                    image[r * wo + k] =
-                                        if relu { epilogue::relu(yv[l]) } else { yv[l] };
-                                }
-                            }
-                        }
+                        let group = (groups[g], pairs[g]);
+                        self.output_group(&m[at..], stride, group, (oi, write), out);
                     }
+                    g += if both { 2 } else { 1 };
+                }
+            }
+        }
+    }
+
+    /// One group's outputs of output channel `oi` (its lanes' tiles `lanes`, four pairs of
+    /// adjacent real tiles when `pairs`) from its products `m` (element `e` of lane `l` at
+    /// `m[e * stride + l]`), with the bias and the ReLU of `write`: in AVX2's pairs, or one lane
+    /// at a time.
+    #[inline(always)]
+    fn output_group(
+        &self,
+        m: &[f32],
+        stride: usize,
+        (lanes, pairs): (&[Tile], bool),
+        (oi, write): (usize, (f32, bool)),
+        out: &mut [&mut [f32]],
+    ) {
+        let plan = &self.plan;
+        if pairs {
+            let mut rows = [[0f32; 2 * TILE]; 4 * TILE];
+            if pairs_avx2::output_tiles(m, stride, write, &mut rows) {
+                self.store_pairs(lanes, &rows, oi, out);
+                return;
+            }
+        }
+        let (b, relu) = write;
+        let (plane, wo) = (plan.ho * plan.wo, plan.wo);
+        let first = lanes.map_lanes(|t| TILE * (t.ti * wo + t.tj));
+        let mut products = [[0f32; LANES]; ELEMENTS];
+        for (e, p) in products.iter_mut().enumerate() {
+            p.copy_from_slice(&m[e * stride..][..LANES]);
+        }
+        let y = transform_output(&products, b);
+        for (l, t) in lanes.iter().enumerate().filter(|(_, t)| t.real) {
+            let image = &mut out[t.image][first[l] + oi * plane..];
+            let rows = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
+            let cols = plan.wo.saturating_sub(TILE * t.tj).min(TILE);
+            for r in 0..rows {
+                for (k, yv) in y[r * TILE..][..cols].iter().enumerate() {
+                    image[r * wo + k] = if relu { epilogue::relu(yv[l]) } else { yv[l] };
+                }
+            }
+        }
+    }
+
+    /// Stores the output rows of a group's four pairs of adjacent tiles (`lanes`), as the
+    /// pair kernels leave them, into output channel `oi`.
+    #[inline(always)]
+    fn store_pairs(
+        &self,
+        lanes: &[Tile],
+        rows: &pairs_avx2::PairRows,
+        oi: usize,
+        out: &mut [&mut [f32]],
+    ) {
+        let plan = &self.plan;
+        let (plane, wo) = (plan.ho * plan.wo, plan.wo);
+        for (j, pair) in rows.chunks_exact(TILE).enumerate() {
+            let t = lanes[j];
+            let image = &mut out[t.image][TILE * (t.ti * wo + t.tj) + oi * plane..];
+            let height = plan.ho.saturating_sub(TILE * t.ti).min(TILE);
+            let cols = plan.wo.saturating_sub(TILE * t.tj).min(2 * TILE);
+            for (r, row) in pair.iter().take(height).enumerate() {
+                let dst = &mut image[r * wo..];
+                if cols == 2 * TILE {
+                    dst[..2 * TILE].copy_from_slice(row);
+                } else {
+                    dst[..cols].copy_from_slice(&row[..cols]);
                 }
             }
         }
@@ -858,6 +961,15 @@ enum Transform<'a, 'o> {
         relu: bool,
         out: &'a mut [&'o mut [f32]],
     },
+}
+
+/// A padded plane (see [`pairs_avx2::PaddedRows`]) in the widest vectors in use.
+fn fill_padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &pairs_avx2::PaddedRows) {
+    if !pairs_avx512::padded_plane(dst, pw, src, part)
+        && !pairs_avx2::padded_plane(dst, pw, src, part)
+    {
+        fill_padded(dst, pw, src, part);
+    }
 }
 
 /// The portable [`pairs_avx2::padded_plane`].

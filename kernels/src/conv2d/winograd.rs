@@ -701,25 +701,70 @@ impl Winograd {
                 let stride = element_stride(plan.o * width);
                 let (th, tw) = self.tiles();
                 let (gh, gw) = (TILE * th, TILE * tw);
-                for (g, lanes) in tiles.chunks_exact(LANES).enumerate() {
-                    let start =
-                        lanes.map_lanes(|t| t.image * plan.o * gh * gw + TILE * (t.ti * gw + t.tj));
+                let groups: Vec<&[Tile]> = tiles.chunks_exact(LANES).collect();
+                let starts: Vec<[usize; LANES]> = groups
+                    .iter()
+                    .map(|lanes| {
+                        lanes.map_lanes(|t| t.image * plan.o * gh * gw + TILE * (t.ti * gw + t.tj))
+                    })
+                    .collect();
+                let pairs: Vec<bool> = groups
+                    .iter()
+                    .map(|lanes| adjacent_pairs(lanes) && lanes.iter().all(|t| t.real))
+                    .collect();
+                let wide = pairs_avx512::usable();
+                let mut g = 0;
+                while g < groups.len() {
+                    // Two groups of pairs at once where AVX-512 is in use.
+                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
                     for oi in 0..plan.o {
                         let plane = oi * gh * gw;
-                        let mut d = [[0f32; LANES]; TILE * TILE];
-                        for (l, s) in start.iter().enumerate().filter(|(l, _)| lanes[*l].real) {
-                            for (q, row) in d.chunks_exact_mut(TILE).enumerate() {
-                                let src = &padded[plane + s + q * gw..][..TILE];
-                                for (dv, sv) in row.iter_mut().zip(src) {
-                                    dv[l] = *sv;
-                                }
+                        let at = oi * width + g * LANES;
+                        let four = |s: &[usize; LANES]| [0, 1, 2, 3].map(|j| plane + s[j]);
+                        if both {
+                            let starts2 = [four(&starts[g]), four(&starts[g + 1])];
+                            if pairs_avx512::gradient_tiles(
+                                padded,
+                                starts2,
+                                gw,
+                                &mut dm[at..],
+                                stride,
+                            ) {
+                                continue;
                             }
                         }
-                        let at = oi * width + g * LANES;
-                        for (e, vals) in transform_gradient(&d).iter().enumerate() {
-                            dm[at + e * stride..][..LANES].copy_from_slice(vals);
+                        for h in g..g + if both { 2 } else { 1 } {
+                            let at = oi * width + h * LANES;
+                            let dm = &mut dm[at..];
+                            if pairs[h]
+                                && pairs_avx2::gradient_tiles(
+                                    padded,
+                                    four(&starts[h]),
+                                    gw,
+                                    dm,
+                                    stride,
+                                )
+                            {
+                                continue;
+                            }
+                            let mut d = [[0f32; LANES]; TILE * TILE];
+                            let real = groups[h].iter().map(|t| t.real);
+                            for ((l, s), _) in
+                                starts[h].iter().enumerate().zip(real).filter(|(_, r)| *r)
+                            {
+                                for (q, row) in d.chunks_exact_mut(TILE).enumerate() {
+                                    let src = &padded[plane + s + q * gw..][..TILE];
+                                    for (dv, sv) in row.iter_mut().zip(src) {
+                                        dv[l] = *sv;
+                                    }
+                                }
+                            }
+                            for (e, vals) in transform_gradient(&d).iter().enumerate() {
+                                dm[e * stride..][..LANES].copy_from_slice(vals);
+                            }
                         }
                     }
+                    g += if both { 2 } else { 1 };
                 }
             }
             Transform::Outputs { m, bias, relu, out } => {

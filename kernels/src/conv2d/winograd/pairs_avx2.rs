@@ -39,6 +39,32 @@ pub(super) fn input_tiles(
     false
 }
 
+/// Writes the transformed output gradients `dM = A dY At` of four pairs of adjacent tiles:
+/// pair `j`'s first tile starts at `padded[starts[j]]` (a plane of whole tiles, rows `gw`
+/// apart); element `e` of lane `l` goes to `dm[e * stride + l]`. The values are the portable
+/// transform's bit for bit (no fused multiply-adds; its multiplications are by powers of two).
+pub(super) fn gradient_tiles(
+    padded: &[f32],
+    starts: [usize; 4],
+    gw: usize,
+    dm: &mut [f32],
+    stride: usize,
+) -> bool {
+    // Each pair reads four rows of eight values.
+    let reach = (TILE - 1) * gw + 2 * TILE;
+    let fits = starts.iter().all(|s| s + reach <= padded.len())
+        && dm.len() >= (ELEMENTS - 1) * stride + LANES;
+    #[cfg(target_arch = "x86_64")]
+    if fits && avx2_fma() {
+        // SAFETY: the CPU has AVX2, and both slices hold what the kernel reads and writes
+        // (checked above).
+        unsafe { avx2::gradient_tiles(padded.as_ptr(), starts, gw, dm.as_mut_ptr(), stride) };
+        return true;
+    }
+    let _ = (fits, padded, starts, gw, dm, stride);
+    false
+}
+
 /// The output rows of four pairs of adjacent tiles: row `r` of pair `j` is `[TILE * j + r]`,
 /// its first tile's four values, then its second tile's.
 pub(super) type PairRows = [[f32; 2 * TILE]; 4 * TILE];
@@ -113,8 +139,9 @@ fn avx2_fma() -> bool {
 mod avx2 {
     use std::arch::x86_64::{
         __m256, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps, _mm256_unpacklo_ps,
+        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_mul_ps, _mm256_set1_ps,
+        _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps,
+        _mm256_unpacklo_ps,
     };
 
     use super::{SIDE, TILE};
@@ -253,6 +280,54 @@ mod avx2 {
             let col = input_column([z[0][k], z[1][k], z[2][k], z[3][k], z[4][k], z[5][k]]);
             for (a, value) in col.into_iter().enumerate() {
                 _mm256_storeu_ps(v.add((SIDE * a + k) * stride), value);
+            }
+        }
+    }
+
+    /// The gradient transform's column over the lanes (the portable `gradient_column`, the
+    /// same operations).
+    #[inline(always)]
+    unsafe fn gradient_column([g0, g1, g2, g3]: [__m256; TILE]) -> [__m256; SIDE] {
+        let (even, odd) = (_mm256_add_ps(g0, g2), _mm256_add_ps(g1, g3));
+        let even4 = _mm256_add_ps(g0, _mm256_mul_ps(_mm256_set1_ps(4.0), g2));
+        let odd2 = _mm256_add_ps(
+            _mm256_mul_ps(_mm256_set1_ps(2.0), g1),
+            _mm256_mul_ps(_mm256_set1_ps(8.0), g3),
+        );
+        [
+            g0,
+            _mm256_add_ps(even, odd),
+            _mm256_sub_ps(even, odd),
+            _mm256_add_ps(even4, odd2),
+            _mm256_sub_ps(even4, odd2),
+            g3,
+        ]
+    }
+
+    /// See [`super::gradient_tiles`].
+    ///
+    /// # Safety
+    ///
+    /// AVX2; each pair's four rows of eight values from `p + starts[j]` lie in the slice, and
+    /// `dm` holds `35 * stride + 8` values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn gradient_tiles(
+        p: *const f32,
+        starts: [usize; 4],
+        gw: usize,
+        dm: *mut f32,
+        stride: usize,
+    ) {
+        let row = |q: usize| {
+            let loads = starts.map(|s| _mm256_loadu_ps(p.add(s + q * gw)));
+            gradient_column(transpose4(loads))
+        };
+        let z = [row(0), row(1), row(2), row(3)];
+        #[allow(clippy::needless_range_loop)]
+        for k in 0..SIDE {
+            let col = gradient_column([z[0][k], z[1][k], z[2][k], z[3][k]]);
+            for (a, value) in col.into_iter().enumerate() {
+                _mm256_storeu_ps(dm.add((SIDE * a + k) * stride), value);
             }
         }
     }

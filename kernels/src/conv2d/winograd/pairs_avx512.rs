@@ -41,6 +41,31 @@ pub(super) fn input_tiles(
     false
 }
 
+/// Writes the transformed output gradients `dM = A dY At` of two groups of four pairs of
+/// adjacent tiles (see [`super::pairs_avx2::gradient_tiles`]): pair `j` of group `g` starts at
+/// `padded[starts[g][j]]`; element `e` of lane `l` of group `g` goes to
+/// `dm[e * stride + LANES * g + l]`.
+pub(super) fn gradient_tiles(
+    padded: &[f32],
+    starts: [[usize; 4]; 2],
+    gw: usize,
+    dm: &mut [f32],
+    stride: usize,
+) -> bool {
+    let reach = (TILE - 1) * gw + 2 * TILE;
+    let fits = starts.iter().flatten().all(|s| s + reach <= padded.len())
+        && dm.len() >= (ELEMENTS - 1) * stride + 2 * LANES;
+    #[cfg(target_arch = "x86_64")]
+    if fits && usable() {
+        // SAFETY: the CPU has AVX-512 (F, DQ), and both slices hold what the kernel reads
+        // and writes (checked above).
+        unsafe { avx512::gradient_tiles(padded.as_ptr(), starts, gw, dm.as_mut_ptr(), stride) };
+        return true;
+    }
+    let _ = (fits, padded, starts, gw, dm, stride);
+    false
+}
+
 /// Computes the outputs `At M A + bias` of two groups of four pairs of adjacent tiles into
 /// `rows` (one [`PairRows`] per group, as [`super::pairs_avx2::output_tiles`] writes one),
 /// then their ReLU when `relu`: element `e` of lane `l` of group `g`'s products is
@@ -99,8 +124,8 @@ mod avx512 {
         __m512, _mm256_loadu_ps, _mm256_storeu_ps, _mm512_add_ps, _mm512_castps256_ps512,
         _mm512_castps512_ps256, _mm512_extractf32x8_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
         _mm512_insertf32x8, _mm512_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
-        _mm512_max_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_ps, _mm512_storeu_ps,
-        _mm512_sub_ps, _mm512_unpackhi_ps, _mm512_unpacklo_ps,
+        _mm512_max_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_ps,
+        _mm512_storeu_ps, _mm512_sub_ps, _mm512_unpackhi_ps, _mm512_unpacklo_ps,
     };
 
     use super::{PaddedRows, PairRows, SIDE, TILE};
@@ -250,6 +275,57 @@ mod avx512 {
         }
     }
 
+    /// The gradient transform's column over the lanes (AVX2's `gradient_column`).
+    #[inline(always)]
+    unsafe fn gradient_column([g0, g1, g2, g3]: [__m512; TILE]) -> [__m512; SIDE] {
+        let (even, odd) = (_mm512_add_ps(g0, g2), _mm512_add_ps(g1, g3));
+        let even4 = _mm512_add_ps(g0, _mm512_mul_ps(_mm512_set1_ps(4.0), g2));
+        let odd2 = _mm512_add_ps(
+            _mm512_mul_ps(_mm512_set1_ps(2.0), g1),
+            _mm512_mul_ps(_mm512_set1_ps(8.0), g3),
+        );
+        [
+            g0,
+            _mm512_add_ps(even, odd),
+            _mm512_sub_ps(even, odd),
+            _mm512_add_ps(even4, odd2),
+            _mm512_sub_ps(even4, odd2),
+            g3,
+        ]
+    }
+
+    /// See [`super::gradient_tiles`].
+    ///
+    /// # Safety
+    ///
+    /// AVX-512 (F, DQ); each pair's four rows of eight values from `p + starts[g][j]` lie in
+    /// the slice, and `dm` holds `35 * stride + 16` values.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn gradient_tiles(
+        p: *const f32,
+        starts: [[usize; 4]; 2],
+        gw: usize,
+        dm: *mut f32,
+        stride: usize,
+    ) {
+        let row = |q: usize| {
+            let loads = [0, 1, 2, 3].map(|j| {
+                let at = |g: usize| p.add(starts[g][j] + q * gw);
+                let low = _mm512_castps256_ps512(_mm256_loadu_ps(at(0)));
+                _mm512_insertf32x8::<1>(low, _mm256_loadu_ps(at(1)))
+            });
+            gradient_column(transpose4(loads))
+        };
+        let z = [row(0), row(1), row(2), row(3)];
+        #[allow(clippy::needless_range_loop)]
+        for k in 0..SIDE {
+            let col = gradient_column([z[0][k], z[1][k], z[2][k], z[3][k]]);
+            for (a, value) in col.into_iter().enumerate() {
+                _mm512_storeu_ps(dm.add((SIDE * a + k) * stride), value);
+            }
+        }
+    }
+
     /// See [`super::output_tiles`].
     ///
     /// # Safety
@@ -330,13 +406,10 @@ mod tests {
         unsafe { avx512::input_tiles(padded.as_ptr(), starts, pw, wide.as_mut_ptr(), stride) };
         for (g, group_starts) in starts.iter().enumerate() {
             let mut narrow = vec![f32::NAN; (ELEMENTS - 1) * stride + LANES];
-            assert!(pairs_avx2::input_tiles(
-                &padded,
-                *group_starts,
-                pw,
-                &mut narrow,
-                stride
-            ));
+            if !pairs_avx2::input_tiles(&padded, *group_starts, pw, &mut narrow, stride) {
+                eprintln!("skipped: the SIMD cap is below AVX2, the reference kernel's");
+                return;
+            }
             for e in 0..ELEMENTS {
                 let want = &narrow[e * stride..][..LANES];
                 let got = &wide[e * stride + LANES * g..][..LANES];
@@ -367,16 +440,73 @@ mod tests {
             unsafe { avx512::output_tiles(m.as_ptr(), stride, write, &mut wide) };
             for (g, got) in wide.iter().enumerate() {
                 let mut want = [[f32::NAN; 2 * TILE]; 4 * TILE];
-                assert!(pairs_avx2::output_tiles(
-                    &m[LANES * g..],
-                    stride,
-                    write,
-                    &mut want
-                ));
+                if !pairs_avx2::output_tiles(&m[LANES * g..], stride, write, &mut want) {
+                    eprintln!("skipped: the SIMD cap is below AVX2, the reference kernel's");
+                    return;
+                }
                 let bits = |rows: &PairRows| -> Vec<u32> {
                     rows.iter().flatten().map(|v| v.to_bits()).collect()
                 };
                 assert_eq!(bits(got), bits(&want), "group {g}, {write:?}");
+            }
+        }
+    }
+
+    /// Both groups' transformed gradients are the portable transform's, bit for bit, through
+    /// the AVX2 kernel group by group and the AVX-512 kernel for both.
+    #[test]
+    fn gradient_tiles_are_the_portable_transforms() {
+        let gw = 24;
+        let padded = values(20 * gw, 4);
+        let starts = [
+            [0, 8, 16, 4 * gw],
+            [4 * gw + 8, 8 * gw, 8 * gw + 16, 12 * gw + 8],
+        ];
+        let stride = 2 * LANES + 7;
+        let want: Vec<[[f32; LANES]; ELEMENTS]> = starts
+            .iter()
+            .map(|group| {
+                let mut d = [[0f32; LANES]; TILE * TILE];
+                for l in 0..LANES {
+                    // Lane `l`: pair `l`'s first tile, or (from 4) pair `l - 4`'s second.
+                    let start = group[l % 4] + if l < 4 { 0 } else { TILE };
+                    for q in 0..TILE {
+                        for k in 0..TILE {
+                            d[q * TILE + k][l] = padded[start + q * gw + k];
+                        }
+                    }
+                }
+                super::super::transform_gradient(&d)
+            })
+            .collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (g, group) in starts.iter().enumerate() {
+            let mut narrow = vec![f32::NAN; (ELEMENTS - 1) * stride + LANES];
+            if !pairs_avx2::gradient_tiles(&padded, *group, gw, &mut narrow, stride) {
+                eprintln!("skipped: the SIMD cap is below AVX2");
+                return;
+            }
+            for e in 0..ELEMENTS {
+                assert_eq!(
+                    bits(&narrow[e * stride..][..LANES]),
+                    bits(&want[g][e]),
+                    "{g}, {e}"
+                );
+            }
+        }
+        if !has_avx512() {
+            return;
+        }
+        let mut wide = vec![f32::NAN; (ELEMENTS - 1) * stride + 2 * LANES];
+        let reach = (TILE - 1) * gw + 2 * TILE;
+        assert!(starts.iter().flatten().all(|s| s + reach <= padded.len()));
+        // SAFETY: the CPU has AVX-512 (checked above), `padded` holds every pair's rows
+        // (asserted) and `wide` every element of both groups.
+        unsafe { avx512::gradient_tiles(padded.as_ptr(), starts, gw, wide.as_mut_ptr(), stride) };
+        for (g, want) in want.iter().enumerate() {
+            for e in 0..ELEMENTS {
+                let got = &wide[e * stride + LANES * g..][..LANES];
+                assert_eq!(bits(got), bits(&want[e]), "group {g}, element {e}");
             }
         }
     }
@@ -409,7 +539,10 @@ mod tests {
             // SAFETY: the CPU has AVX-512 (checked above); `wide` holds 8 rows of `pw`, the
             // part fits them and `src` holds every row it reads (asserted).
             unsafe { avx512::padded_plane((wide.as_mut_ptr(), 8, pw), src.as_ptr(), &part) };
-            assert!(pairs_avx2::padded_plane(&mut narrow, pw, &src, &part));
+            if !pairs_avx2::padded_plane(&mut narrow, pw, &src, &part) {
+                eprintln!("skipped: the SIMD cap is below AVX2, the reference kernel's");
+                return;
+            }
             assert_eq!(wide, narrow, "pw {pw}, len {len}, col {col}");
         }
     }

@@ -17,7 +17,10 @@
 //! The transforms take eight tiles at once, one per vector lane: four pairs of horizontally
 //! adjacent tiles, whose input rows are loaded whole and transposed into lanes, and whose
 //! output rows come back out of the lanes as runs of eight columns (`pairs_avx2`, on CPUs with
-//! AVX2), or one tile per lane, gathered and scattered, where a pair is not adjacent.
+//! AVX2; the kernel gradient's output-gradient tiles the same way), or one tile per lane,
+//! gathered and scattered, where a pair is not adjacent. With AVX-512 in use, two such groups
+//! of eight tiles go through one 512-bit vector (`pairs_avx512`): a group's lanes lie right
+//! after the previous group's in the block's buffers.
 
 use std::sync::OnceLock;
 

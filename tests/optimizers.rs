@@ -504,3 +504,54 @@ fn no_variables_is_fine() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// In float32 on the CPU the steps after the first update the variables and the momentum
+/// buffers in place (`kandle_kernels::sgd`); they land on torch's values as the float64 runs do,
+/// within float32's rounding.
+#[test]
+fn sgd_in_place_in_float32_matches_torch() -> anyhow::Result<()> {
+    check(&Sgd::new(0.1), None, &SGD, DType::F32, F32_TOL)?;
+    let momentum = Sgd::new(0.1).momentum(0.9);
+    check(&momentum, None, &SGD_MOMENTUM, DType::F32, F32_TOL)?;
+    let decay = Sgd::new(0.1).momentum(0.9).weight_decay(1e-2);
+    check(&decay, None, &SGD_MOMENTUM_WD, DType::F32, F32_TOL)?;
+    let scheduled = Sgd::new(SCHEDULE[0]).momentum(0.9);
+    check(
+        &scheduled,
+        Some(&SCHEDULE),
+        &SGD_MOMENTUM_SCHEDULE,
+        DType::F32,
+        F32_TOL,
+    )
+}
+
+/// A state taken between steps, and one loaded into another optimizer, stay as they were while
+/// the optimizers go on updating their momentum buffers in place.
+#[test]
+fn sgd_states_are_not_changed_by_later_steps() -> anyhow::Result<()> {
+    let config = Sgd::new(0.1).momentum(0.9);
+    let bits = |state: &kandle::optimizers::OptimizerState| -> anyhow::Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for t in state.slot("momentum").unwrap_or_default() {
+            out.extend(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()));
+        }
+        Ok(out)
+    };
+    let (w, b) = initial_vars(DType::F32)?;
+    let mut opt = config.build(vec![w, b])?;
+    opt.step(&grads(0, DType::F32)?, 0.1)?;
+    opt.step(&grads(1, DType::F32)?, 0.1)?;
+    let state = opt.state()?;
+    let taken = bits(&state)?;
+    assert_eq!(taken.len(), 9);
+    opt.step(&grads(2, DType::F32)?, 0.1)?;
+    assert_eq!(bits(&state)?, taken, "a later step changed a state already taken");
+
+    let (w, b) = initial_vars(DType::F32)?;
+    let mut other = config.build(vec![w, b])?;
+    other.load_state(&state)?;
+    other.step(&grads(3, DType::F32)?, 0.1)?;
+    assert_eq!(bits(&state)?, taken, "a step changed the state it was loaded from");
+    assert_ne!(bits(&other.state()?)?, taken);
+    Ok(())
+}

@@ -157,6 +157,9 @@ impl Optimizer for SgdState {
         } = self.config;
         for ((param, grad), buffer) in self.params.iter().zip(grads).zip(&mut self.buffers) {
             let p = param.as_tensor();
+            if update_in_place(p, grad, buffer.as_ref(), self.config, lr)? {
+                continue;
+            }
             let mut g = grad.detach();
             if wd != 0.0 {
                 g = ((p * wd)? + g)?.detach();
@@ -180,10 +183,16 @@ impl Optimizer for SgdState {
     }
 
     /// Slot `momentum` once the buffers exist (after the first step with momentum); no slot
-    /// before, or without momentum.
+    /// before, or without momentum. The buffers are copies: the steps update them in place.
     fn state(&self) -> Result<OptimizerState> {
         let state = OptimizerState::new(KIND);
-        let buffers: Option<Vec<Tensor>> = self.buffers.iter().cloned().collect();
+        let buffers: Option<Vec<Tensor>> = self
+            .buffers
+            .iter()
+            .map(|b| b.as_ref().map(Tensor::copy).transpose())
+            .collect::<candle_core::Result<Vec<Option<Tensor>>>>()?
+            .into_iter()
+            .collect();
         Ok(match buffers {
             Some(buffers) if !buffers.is_empty() => state.with_slot(MOMENTUM, buffers),
             _ => state,
@@ -193,9 +202,56 @@ impl Optimizer for SgdState {
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         state.check(KIND, &[MOMENTUM], &[])?;
         self.buffers = match state.slot_for(MOMENTUM, &self.params)? {
-            Some(buffers) => buffers.into_iter().map(Some).collect(),
+            // Copies: the steps update them in place, the caller's state stays as it is.
+            Some(buffers) => buffers
+                .iter()
+                .map(|b| Ok(Some(b.copy()?)))
+                .collect::<Result<_>>()?,
             None => vec![None; self.params.len()],
         };
         Ok(())
+    }
+}
+
+/// One variable's update through `kandle_kernels::sgd`, in place, where it applies: an `f32`
+/// CPU variable and gradient, both contiguous, with a momentum buffer of the same (or no
+/// momentum). Returns `false`, touching nothing, elsewhere (other devices and dtypes, and the
+/// first step with momentum, which makes the buffer), where candle's ops run the same update.
+/// Both give the same values bit for bit.
+fn update_in_place(
+    p: &Tensor,
+    grad: &Tensor,
+    buffer: Option<&Tensor>,
+    config: Sgd,
+    lr: f64,
+) -> Result<bool> {
+    use crate::kernels::sgd::{Descent, Momentum};
+    let fits = |t: &Tensor| {
+        t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
+    };
+    if !(fits(p) && fits(grad)) {
+        return Ok(false);
+    }
+    let step = Descent {
+        learning_rate: lr,
+        momentum: config.momentum,
+        nesterov: config.nesterov,
+        weight_decay: config.weight_decay,
+    };
+    if config.momentum == 0.0 {
+        p.inplace_op3(grad, grad, &step)?;
+        return Ok(true);
+    }
+    match buffer {
+        Some(buf) if fits(buf) => {
+            let momentum = Momentum {
+                momentum: config.momentum,
+                weight_decay: config.weight_decay,
+            };
+            buf.inplace_op3(grad, p, &momentum)?;
+            p.inplace_op3(buf, grad, &step)?;
+            Ok(true)
+        }
+        _ => Ok(false),
     }
 }

@@ -525,33 +525,70 @@ fn sgd_in_place_in_float32_matches_torch() -> anyhow::Result<()> {
     )
 }
 
-/// A state taken between steps, and one loaded into another optimizer, stay as they were while
-/// the optimizers go on updating their momentum buffers in place.
+/// In float32 on the CPU Adam and AdamW update the variables and both moments in place
+/// (`kandle_kernels::optimizer::adam`), landing on torch's values within float32's rounding.
 #[test]
-fn sgd_states_are_not_changed_by_later_steps() -> anyhow::Result<()> {
-    let config = Sgd::new(0.1).momentum(0.9);
-    let bits = |state: &kandle::optimizers::OptimizerState| -> anyhow::Result<Vec<u32>> {
-        let mut out = Vec::new();
-        for t in state.slot("momentum").unwrap_or_default() {
-            out.extend(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()));
-        }
-        Ok(out)
-    };
-    let (w, b) = initial_vars(DType::F32)?;
-    let mut opt = config.build(vec![w, b])?;
-    opt.step(&grads(0, DType::F32)?, 0.1)?;
-    opt.step(&grads(1, DType::F32)?, 0.1)?;
-    let state = opt.state()?;
-    let taken = bits(&state)?;
-    assert_eq!(taken.len(), 9);
-    opt.step(&grads(2, DType::F32)?, 0.1)?;
-    assert_eq!(bits(&state)?, taken, "a later step changed a state already taken");
+fn adam_in_place_in_float32_matches_torch() -> anyhow::Result<()> {
+    let config = Adam::new(0.1).weight_decay(1e-2);
+    check(&config, None, &ADAM_WD, DType::F32, F32_TOL)?;
+    let config = Adam::new(0.1).betas(0.8, 0.99).epsilon(1e-2);
+    check(&config, None, &ADAM_BETAS_EPS, DType::F32, F32_TOL)?;
+    let scheduled = AdamW::new(SCHEDULE[0]).weight_decay(1e-2);
+    check(
+        &scheduled,
+        Some(&SCHEDULE),
+        &ADAMW_SCHEDULE,
+        DType::F32,
+        F32_TOL,
+    )
+}
 
-    let (w, b) = initial_vars(DType::F32)?;
-    let mut other = config.build(vec![w, b])?;
-    other.load_state(&state)?;
-    other.step(&grads(3, DType::F32)?, 0.1)?;
-    assert_eq!(bits(&state)?, taken, "a step changed the state it was loaded from");
-    assert_ne!(bits(&other.state()?)?, taken);
+/// The values of an optimizer state's slot `slot`, as bits.
+fn slot_bits(state: &kandle::optimizers::OptimizerState, slot: &str) -> anyhow::Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for t in state.slot(slot).unwrap_or_default() {
+        out.extend(
+            t.flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.to_bits()),
+        );
+    }
+    Ok(out)
+}
+
+/// A state taken between steps, and one loaded into another optimizer, stay as they were while
+/// the optimizers go on updating their state in place: SGD's momentum buffers, Adam's moments.
+#[test]
+fn states_are_not_changed_by_later_steps() -> anyhow::Result<()> {
+    let sgd = Sgd::new(0.1).momentum(0.9);
+    let adam = Adam::new(0.1);
+    let cases: [(&dyn OptimizerConfig, &str); 3] = [(&sgd, "momentum"), (&adam, "m"), (&adam, "v")];
+    for (config, slot) in cases {
+        let (w, b) = initial_vars(DType::F32)?;
+        let mut opt = config.build(vec![w, b])?;
+        opt.step(&grads(0, DType::F32)?, 0.1)?;
+        opt.step(&grads(1, DType::F32)?, 0.1)?;
+        let state = opt.state()?;
+        let taken = slot_bits(&state, slot)?;
+        assert_eq!(taken.len(), 9, "{slot}");
+        opt.step(&grads(2, DType::F32)?, 0.1)?;
+        assert_eq!(
+            slot_bits(&state, slot)?,
+            taken,
+            "{slot}: a later step changed a state taken"
+        );
+
+        let (w, b) = initial_vars(DType::F32)?;
+        let mut other = config.build(vec![w, b])?;
+        other.load_state(&state)?;
+        other.step(&grads(3, DType::F32)?, 0.1)?;
+        assert_eq!(
+            slot_bits(&state, slot)?,
+            taken,
+            "{slot}: a step changed the state it loaded"
+        );
+        assert_ne!(slot_bits(&other.state()?, slot)?, taken, "{slot}");
+    }
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! Fast CPU kernels for the hot paths of [kandle](https://github.com/kandle-rs/kandle)'s layers,
 //! as candle custom ops with their backward registered, so autograd uses them unchanged:
 //! convolution ([`conv2d`]), batch normalisation ([`batch_norm`]), pooling ([`pooling`]) and
-//! concatenation along channels ([`concat`](mod@concat)), and SGD's update in place ([`sgd`]).
+//! concatenation along channels ([`concat`](mod@concat)), and optimizers' updates in place ([`optimizer`]).
 //!
 //! Candle composes convolution backward, BatchNorm and overlapping pooling from many small
 //! generic ops; on the CPU that is an order of magnitude slower than a framework's dedicated
@@ -27,9 +27,9 @@ pub mod batch_norm;
 pub mod concat;
 pub mod conv2d;
 mod error;
+pub mod optimizer;
 pub mod pooling;
 pub mod replay;
-pub mod sgd;
 
 mod output;
 mod planes;

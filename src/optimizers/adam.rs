@@ -258,11 +258,14 @@ struct AdamState {
 
 impl AdamState {
     fn new(hyper: Hyper, params: Vec<Var>) -> Result<Self> {
-        let m = params
-            .iter()
-            .map(|p| p.as_tensor().zeros_like())
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let v = m.clone();
+        // Two sets of zeros: the steps update the moments in place.
+        let zeros = || {
+            params
+                .iter()
+                .map(|p| p.as_tensor().zeros_like())
+                .collect::<candle_core::Result<Vec<_>>>()
+        };
+        let (m, v) = (zeros()?, zeros()?);
         Ok(Self {
             hyper,
             params,
@@ -286,6 +289,10 @@ impl Optimizer for AdamState {
         let inv_sqrt_bc2 = 1.0 / bias_correction_2.sqrt();
         let params = self.params.iter().zip(grads);
         for ((param, grad), (m, v)) in params.zip(self.m.iter_mut().zip(self.v.iter_mut())) {
+            let (p, moments) = (param.as_tensor(), (&*m, &*v));
+            if update_in_place(p, grad, moments, h, (lr, step_size, inv_sqrt_bc2))? {
+                continue;
+            }
             let mut p = param.as_tensor().detach();
             let mut g = grad.detach();
             if h.weight_decay != 0.0 {
@@ -309,10 +316,11 @@ impl Optimizer for AdamState {
 
     /// Slots `m` and `v` (the moments) and scalar `step` (steps taken); the kind is the
     /// variant's name, `Adam` or `AdamW`.
+    /// The moments are copies: the steps update them in place.
     fn state(&self) -> Result<OptimizerState> {
         Ok(OptimizerState::new(self.hyper.name)
-            .with_slot(FIRST_MOMENT, self.m.clone())
-            .with_slot(SECOND_MOMENT, self.v.clone())
+            .with_slot(FIRST_MOMENT, copies(&self.m)?)
+            .with_slot(SECOND_MOMENT, copies(&self.v)?)
             .with_scalar(STEP, self.t as f64))
     }
 
@@ -331,11 +339,69 @@ impl Optimizer for AdamState {
             .slot_for(SECOND_MOMENT, &self.params)?
             .ok_or_else(|| missing(SECOND_MOMENT))?;
         let t = state.count(STEP)?;
-        self.m = m;
-        self.v = v;
+        // Copies: the steps update them in place, the caller's state stays as it is.
+        self.m = copies(&m)?;
+        self.v = copies(&v)?;
         self.t = t;
         Ok(())
     }
+}
+
+/// Deep copies of `tensors`.
+fn copies(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
+    Ok(tensors
+        .iter()
+        .map(Tensor::copy)
+        .collect::<candle_core::Result<_>>()?)
+}
+
+/// One variable's update through `kandle_kernels::optimizer::adam`, in place, where it applies:
+/// an `f32` CPU variable, gradient and moments, all contiguous. Returns `false`, touching
+/// nothing, elsewhere (other devices and dtypes), where candle's ops run the same update; both
+/// give the same values bit for bit. `rates` holds the learning rate, the step size and
+/// `1 / sqrt(bc2)`.
+fn update_in_place(
+    p: &Tensor,
+    grad: &Tensor,
+    (m, v): (&Tensor, &Tensor),
+    h: Hyper,
+    (lr, step_size, inv_sqrt_bc2): (f64, f64, f64),
+) -> Result<bool> {
+    use crate::kernels::optimizer::adam::{AdamStep, FirstMoment, SecondMoment, WeightDecay};
+    let fits = |t: &Tensor| {
+        t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
+    };
+    if ![p, grad, m, v].into_iter().all(fits) {
+        return Ok(false);
+    }
+    let decay = match (h.weight_decay != 0.0, h.decoupled) {
+        (true, false) => WeightDecay::L2(h.weight_decay),
+        _ => WeightDecay::None,
+    };
+    m.inplace_op3(
+        grad,
+        p,
+        &FirstMoment {
+            beta: h.beta_1,
+            decay,
+        },
+    )?;
+    v.inplace_op3(
+        grad,
+        p,
+        &SecondMoment {
+            beta: h.beta_2,
+            decay,
+        },
+    )?;
+    let step = AdamStep {
+        step_size,
+        inv_sqrt_bc2,
+        epsilon: h.epsilon,
+        decay_factor: (h.weight_decay != 0.0 && h.decoupled).then_some(1.0 - lr * h.weight_decay),
+    };
+    p.inplace_op3(m, v, &step)?;
+    Ok(true)
 }
 
 /// The slot of the first moments.

@@ -213,7 +213,7 @@ impl Optimizer for SgdState {
     }
 }
 
-/// One variable's update through `kandle_kernels::sgd`, in place, where it applies: an `f32`
+/// One variable's update through `kandle_kernels::optimizer::sgd`, in place, where it applies: an `f32`
 /// CPU variable and gradient, both contiguous, with a momentum buffer of the same (or no
 /// momentum). Returns `false`, touching nothing, elsewhere (other devices and dtypes, and the
 /// first step with momentum, which makes the buffer), where candle's ops run the same update.
@@ -225,7 +225,7 @@ fn update_in_place(
     config: Sgd,
     lr: f64,
 ) -> Result<bool> {
-    use crate::kernels::sgd::{Descent, Momentum};
+    use crate::kernels::optimizer::sgd::{Descent, Momentum};
     let fits = |t: &Tensor| {
         t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
     };

@@ -1,18 +1,10 @@
-//! Stochastic gradient descent's update of one `f32` CPU variable, in place: its momentum
-//! buffer in one pass ([`Momentum`]), the variable in another ([`Descent`]).
-//!
-//! Composed of candle's ops, the update allocates a tensor for each of its four or five
-//! operations on every variable, and dispatches each to candle's thread pool; for a network of
-//! a hundred small variables that is hundreds of operations per step. These ops write into the
-//! variable and the buffer where they lie (as `Var::set` would), one pass each, split over the
-//! current rayon pool for large variables.
-//!
-//! Each value is computed with the operations candle's composition makes, in its order
-//! (`x * f64` is candle's affine `x * m + 0`), so the result is the same bit for bit.
+//! Stochastic gradient descent's update of one `f32` CPU variable, in place (see the module
+//! [`super`]): its momentum buffer in one pass ([`Momentum`]), the variable in another
+//! ([`Descent`]), bit for bit kandle's `Sgd` composed of candle's ops.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use kandle_kernels::sgd::{Descent, Momentum};
+//! use kandle_kernels::optimizer::sgd::{Descent, Momentum};
 //!
 //! let device = Device::Cpu;
 //! let p = Tensor::new(&[1f32, -2.0], &device)?;
@@ -27,10 +19,8 @@
 //! ```
 
 use candle_core::{CpuStorage, InplaceOp3, Layout};
-use rayon::prelude::*;
 
-/// Values per rayon task: smaller variables are updated in one.
-const CHUNK: usize = 1 << 15;
+use super::{same_lengths, values, values_mut, zip3};
 
 /// `buf = mu * buf + g`, where `g` is the gradient plus `weight_decay * p` when the decay is
 /// not zero: applied to the buffer with `(gradient, variable)`.
@@ -66,53 +56,6 @@ fn decayed(g: f32, p: f32, wd: f32) -> f32 {
     } else {
         g
     }
-}
-
-/// A contiguous `f32` slice of `storage` for `layout`, or an error naming `op`.
-fn values<'a>(
-    op: &str,
-    storage: &'a CpuStorage,
-    layout: &Layout,
-) -> candle_core::Result<&'a [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&v[start..end]),
-        _ => candle_core::bail!("{op}: takes contiguous f32 tensors"),
-    }
-}
-
-/// The mutable counterpart of [`values`].
-fn values_mut<'a>(
-    op: &str,
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-) -> candle_core::Result<&'a mut [f32]> {
-    match (storage, layout.contiguous_offsets()) {
-        (CpuStorage::F32(v), Some((start, end))) => Ok(&mut v[start..end]),
-        _ => candle_core::bail!("{op}: takes contiguous f32 tensors"),
-    }
-}
-
-/// Runs `f` over matching chunks of `dst` and the two sources, in parallel for large ones.
-fn zip3(dst: &mut [f32], (a, b): (&[f32], &[f32]), f: impl Fn(&mut [f32], &[f32], &[f32]) + Sync) {
-    if dst.len() <= CHUNK {
-        return f(dst, a, b);
-    }
-    dst.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-        .for_each(|(d, (a, b))| f(d, a, b));
-}
-
-/// Checks that the three operands have one length.
-fn same_lengths(op: &str, lens: [usize; 3]) -> candle_core::Result<()> {
-    if lens[1] != lens[0] || lens[2] != lens[0] {
-        candle_core::bail!(
-            "{op}: {} values to update from {} and {}",
-            lens[0],
-            lens[1],
-            lens[2]
-        );
-    }
-    Ok(())
 }
 
 impl InplaceOp3 for Momentum {
@@ -223,7 +166,7 @@ mod tests {
     #[test]
     fn updates_match_candles_composition_bit_for_bit() -> candle_core::Result<()> {
         let device = Device::Cpu;
-        for n in [7, 3 * super::CHUNK + 5] {
+        for n in [7, 3 * super::super::CHUNK + 5] {
             let p0 = Tensor::randn(0f32, 1., n, &device)?;
             let g = Tensor::randn(0f32, 1., n, &device)?;
             let b0 = Tensor::randn(0f32, 1., n, &device)?;
@@ -276,10 +219,16 @@ mod tests {
         };
         let p = Tensor::zeros(4, candle_core::DType::F64, &device)?;
         let g = Tensor::zeros(4, candle_core::DType::F32, &device)?;
-        let err = p.inplace_op3(&g, &g, &step).expect_err("refused").to_string();
+        let err = p
+            .inplace_op3(&g, &g, &step)
+            .expect_err("refused")
+            .to_string();
         assert!(err.contains("sgd-descent"), "{err}");
         let p = Tensor::zeros(5, candle_core::DType::F32, &device)?;
-        let err = p.inplace_op3(&g, &g, &step).expect_err("refused").to_string();
+        let err = p
+            .inplace_op3(&g, &g, &step)
+            .expect_err("refused")
+            .to_string();
         assert!(err.contains("5 values to update from 4"), "{err}");
         Ok(())
     }

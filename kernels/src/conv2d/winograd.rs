@@ -32,6 +32,8 @@ use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::microkernel::{self, PackedStack, MR, NR};
 use super::plan::Plan;
 
+#[cfg(target_arch = "x86_64")]
+mod columns;
 mod pairs_avx2;
 mod pairs_avx512;
 

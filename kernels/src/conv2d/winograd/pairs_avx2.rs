@@ -104,28 +104,52 @@ pub(super) struct PaddedRows {
     pub col: usize,
 }
 
+impl PaddedRows {
+    /// The rows of `dst` (rows of `pw`) when the part fits it and `src` holds every value it
+    /// reads; `None` otherwise.
+    pub(super) fn rows_in(&self, dst: &[f32], pw: usize, src: &[f32]) -> Option<usize> {
+        let rows = dst.len() / pw.max(1);
+        let fits = pw > 0
+            && dst.len() == rows * pw
+            && self.col + self.len <= pw
+            && self.rows.end <= rows
+            && self
+                .rows
+                .clone()
+                .last()
+                .is_none_or(|r| self.source(r) + self.len <= src.len());
+        fits.then_some(rows)
+    }
+
+    /// Where padded row `r`'s values start in `src` (`r` one of `self.rows`).
+    fn source(&self, r: usize) -> usize {
+        (self.src_row + (r - self.rows.start)) * self.src_stride + self.src_col
+    }
+
+    /// Padded row `r`'s copy: the column its values start at, where they start in `src`, and
+    /// how many (none outside `self.rows`).
+    pub(super) fn row(&self, r: usize) -> (usize, usize, usize) {
+        match self.rows.contains(&r) {
+            true => (self.col, self.source(r), self.len),
+            false => (0, 0, 0),
+        }
+    }
+}
+
 /// Writes the padded plane `dst` (rows of `pw`) from `src` as `part` says, row by row in
 /// vector stores (a padded row is a few dozen values: three calls into `memset` and `memcpy`
 /// per row cost more than the copy). Returns `false`, touching nothing, where the CPU lacks
 /// AVX2 or a row does not fit.
 pub(super) fn padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &PaddedRows) -> bool {
-    let rows = dst.len() / pw.max(1);
-    let last_src = |r: usize| {
-        (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col + part.len
-    };
-    let fits = pw > 0
-        && dst.len() == rows * pw
-        && part.col + part.len <= pw
-        && part.rows.end <= rows
-        && (part.rows.is_empty() || last_src(part.rows.end - 1) <= src.len());
+    let rows = part.rows_in(dst, pw, src);
     #[cfg(target_arch = "x86_64")]
-    if fits && avx2_fma() {
+    if let (Some(rows), true) = (rows, avx2_fma()) {
         // SAFETY: the CPU has AVX2; every row of `dst` lies inside it, and every row read of
         // `src` inside it (checked above).
         unsafe { avx2::padded_plane((dst.as_mut_ptr(), rows, pw), src.as_ptr(), part) };
         return true;
     }
-    let _ = (fits, dst, src, part);
+    let _ = (rows, dst, src, part);
     false
 }
 
@@ -138,14 +162,15 @@ fn avx2_fma() -> bool {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::{
-        __m256, _mm256_add_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_loadu_ps,
-        _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_max_ps, _mm256_mul_ps, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_unpackhi_ps,
-        _mm256_unpacklo_ps,
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_maskload_ps, _mm256_maskstore_ps, _mm256_set1_ps,
+        _mm256_setzero_ps, _mm256_storeu_ps,
     };
 
     use super::{SIDE, TILE};
     use crate::conv2d::microkernel::avx2::mask;
+    use crate::conv2d::winograd::columns::{
+        gradient_column, input_column, output_column, transpose4, Vector,
+    };
 
     /// [`super::padded_plane`].
     ///
@@ -160,13 +185,8 @@ mod avx2 {
         part: &super::PaddedRows,
     ) {
         for r in 0..rows {
-            let row = (dst.add(r * pw), pw);
-            if part.rows.contains(&r) {
-                let from = (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col;
-                padded_row(row, part.col, (src.add(from), part.len));
-            } else {
-                padded_row(row, 0, (src, 0));
-            }
+            let (lo, from, n) = part.row(r);
+            padded_row((dst.add(r * pw), pw), lo, (src.add(from), n));
         }
     }
 
@@ -206,52 +226,6 @@ mod avx2 {
         }
     }
 
-    /// Within each 128-bit half, the 4x4 transpose of the four vectors' halves.
-    #[inline(always)]
-    unsafe fn transpose4([v0, v1, v2, v3]: [__m256; 4]) -> [__m256; 4] {
-        let (t0, t1) = (_mm256_unpacklo_ps(v0, v1), _mm256_unpacklo_ps(v2, v3));
-        let (t2, t3) = (_mm256_unpackhi_ps(v0, v1), _mm256_unpackhi_ps(v2, v3));
-        [
-            _mm256_shuffle_ps::<0x44>(t0, t1),
-            _mm256_shuffle_ps::<0xEE>(t0, t1),
-            _mm256_shuffle_ps::<0x44>(t2, t3),
-            _mm256_shuffle_ps::<0xEE>(t2, t3),
-        ]
-    }
-
-    /// [`super::super::input_column`] over the lanes.
-    #[inline(always)]
-    unsafe fn input_column([d0, d1, d2, d3, d4, d5]: [__m256; SIDE]) -> [__m256; SIDE] {
-        let (two, four, five) = (
-            _mm256_set1_ps(2.0),
-            _mm256_set1_ps(4.0),
-            _mm256_set1_ps(5.0),
-        );
-        let (sum, diff) = (_mm256_add_ps(d1, d2), _mm256_sub_ps(d1, d2));
-        let (d31, d42) = (_mm256_sub_ps(d3, d1), _mm256_sub_ps(d4, d2));
-        [
-            _mm256_fmadd_ps(four, d0, _mm256_fnmadd_ps(five, d2, d4)),
-            _mm256_fnmadd_ps(four, sum, _mm256_add_ps(d3, d4)),
-            _mm256_fmadd_ps(four, diff, _mm256_sub_ps(d4, d3)),
-            _mm256_fmadd_ps(two, d31, d42),
-            _mm256_fnmadd_ps(two, d31, d42),
-            _mm256_fmadd_ps(four, d1, _mm256_fnmadd_ps(five, d3, d5)),
-        ]
-    }
-
-    /// [`super::super::output_column`] over the lanes.
-    #[inline(always)]
-    unsafe fn output_column([m0, m1, m2, m3, m4, m5]: [__m256; SIDE]) -> [__m256; TILE] {
-        let (a, b) = (_mm256_add_ps(m1, m2), _mm256_sub_ps(m1, m2));
-        let (c, d) = (_mm256_add_ps(m3, m4), _mm256_sub_ps(m3, m4));
-        [
-            _mm256_add_ps(_mm256_add_ps(m0, a), c),
-            _mm256_fmadd_ps(_mm256_set1_ps(2.0), d, b),
-            _mm256_fmadd_ps(_mm256_set1_ps(4.0), c, a),
-            _mm256_add_ps(_mm256_fmadd_ps(_mm256_set1_ps(8.0), d, b), m5),
-        ]
-    }
-
     /// See [`super::input_tiles`].
     ///
     /// # Safety
@@ -282,26 +256,6 @@ mod avx2 {
                 _mm256_storeu_ps(v.add((SIDE * a + k) * stride), value);
             }
         }
-    }
-
-    /// The gradient transform's column over the lanes (the portable `gradient_column`, the
-    /// same operations).
-    #[inline(always)]
-    unsafe fn gradient_column([g0, g1, g2, g3]: [__m256; TILE]) -> [__m256; SIDE] {
-        let (even, odd) = (_mm256_add_ps(g0, g2), _mm256_add_ps(g1, g3));
-        let even4 = _mm256_add_ps(g0, _mm256_mul_ps(_mm256_set1_ps(4.0), g2));
-        let odd2 = _mm256_add_ps(
-            _mm256_mul_ps(_mm256_set1_ps(2.0), g1),
-            _mm256_mul_ps(_mm256_set1_ps(8.0), g3),
-        );
-        [
-            g0,
-            _mm256_add_ps(even, odd),
-            _mm256_sub_ps(even, odd),
-            _mm256_add_ps(even4, odd2),
-            _mm256_sub_ps(even4, odd2),
-            g3,
-        ]
     }
 
     /// See [`super::gradient_tiles`].
@@ -352,13 +306,12 @@ mod avx2 {
                 sr[k] = value;
             }
         }
-        let (bias, zero) = (_mm256_set1_ps(bias), _mm256_setzero_ps());
+        let bias = _mm256_set1_ps(bias);
         for (r, sr) in s.iter().enumerate() {
             let y = output_column(*sr).map(|v| _mm256_add_ps(v, bias));
             // Pair j's row r: its first tile's four columns, then its second tile's.
             for (j, row) in transpose4(y).into_iter().enumerate() {
-                // `max` returns its second operand when either is NaN: a NaN stays.
-                let row = if relu { _mm256_max_ps(zero, row) } else { row };
+                let row = if relu { row.relu() } else { row };
                 _mm256_storeu_ps(rows[TILE * j + r].as_mut_ptr(), row);
             }
         }

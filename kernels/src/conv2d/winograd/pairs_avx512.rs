@@ -92,23 +92,15 @@ pub(super) fn output_tiles(
 /// registers. Returns `false`, touching nothing, where AVX-512 is not in use or a row does
 /// not fit.
 pub(super) fn padded_plane(dst: &mut [f32], pw: usize, src: &[f32], part: &PaddedRows) -> bool {
-    let rows = dst.len() / pw.max(1);
-    let last_src = |r: usize| {
-        (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col + part.len
-    };
-    let fits = pw > 0
-        && dst.len() == rows * pw
-        && part.col + part.len <= pw
-        && part.rows.end <= rows
-        && (part.rows.is_empty() || last_src(part.rows.end - 1) <= src.len());
+    let rows = part.rows_in(dst, pw, src);
     #[cfg(target_arch = "x86_64")]
-    if fits && usable() {
+    if let (Some(rows), true) = (rows, usable()) {
         // SAFETY: the CPU has AVX-512; every row of `dst` lies inside it, and every row read
         // of `src` inside it (checked above).
         unsafe { avx512::padded_plane((dst.as_mut_ptr(), rows, pw), src.as_ptr(), part) };
         return true;
     }
-    let _ = (fits, dst, src, part);
+    let _ = (rows, dst, src, part);
     false
 }
 
@@ -122,13 +114,15 @@ pub(super) fn usable() -> bool {
 mod avx512 {
     use std::arch::x86_64::{
         __m512, _mm256_loadu_ps, _mm256_storeu_ps, _mm512_add_ps, _mm512_castps256_ps512,
-        _mm512_castps512_ps256, _mm512_extractf32x8_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
-        _mm512_insertf32x8, _mm512_loadu_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps,
-        _mm512_max_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_shuffle_ps,
-        _mm512_storeu_ps, _mm512_sub_ps, _mm512_unpackhi_ps, _mm512_unpacklo_ps,
+        _mm512_castps512_ps256, _mm512_extractf32x8_ps, _mm512_insertf32x8, _mm512_loadu_ps,
+        _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+        _mm512_storeu_ps,
     };
 
     use super::{PaddedRows, PairRows, SIDE, TILE};
+    use crate::conv2d::winograd::columns::{
+        gradient_column, input_column, output_column, transpose4, Vector,
+    };
 
     /// The mask of a vector's first `n` lanes (`n < 16`).
     #[inline(always)]
@@ -149,13 +143,8 @@ mod avx512 {
         part: &PaddedRows,
     ) {
         for r in 0..rows {
-            let row = (dst.add(r * pw), pw);
-            if part.rows.contains(&r) {
-                let from = (part.src_row + (r - part.rows.start)) * part.src_stride + part.src_col;
-                padded_row(row, part.col, (src.add(from), part.len));
-            } else {
-                padded_row(row, 0, (src, 0));
-            }
+            let (lo, from, n) = part.row(r);
+            padded_row((dst.add(r * pw), pw), lo, (src.add(from), n));
         }
     }
 
@@ -186,53 +175,6 @@ mod avx512 {
             let m = first(n - j);
             _mm512_mask_storeu_ps(dst.add(lo + j), m, _mm512_maskz_loadu_ps(m, src.add(j)));
         }
-    }
-
-    /// Within each 128-bit lane, the 4x4 transpose of the four vectors' lanes.
-    #[inline(always)]
-    unsafe fn transpose4([v0, v1, v2, v3]: [__m512; 4]) -> [__m512; 4] {
-        let (t0, t1) = (_mm512_unpacklo_ps(v0, v1), _mm512_unpacklo_ps(v2, v3));
-        let (t2, t3) = (_mm512_unpackhi_ps(v0, v1), _mm512_unpackhi_ps(v2, v3));
-        [
-            _mm512_shuffle_ps::<0x44>(t0, t1),
-            _mm512_shuffle_ps::<0xEE>(t0, t1),
-            _mm512_shuffle_ps::<0x44>(t2, t3),
-            _mm512_shuffle_ps::<0xEE>(t2, t3),
-        ]
-    }
-
-    /// The input transform's column over the lanes (AVX2's `input_column`, the same
-    /// operations).
-    #[inline(always)]
-    unsafe fn input_column([d0, d1, d2, d3, d4, d5]: [__m512; SIDE]) -> [__m512; SIDE] {
-        let (two, four, five) = (
-            _mm512_set1_ps(2.0),
-            _mm512_set1_ps(4.0),
-            _mm512_set1_ps(5.0),
-        );
-        let (sum, diff) = (_mm512_add_ps(d1, d2), _mm512_sub_ps(d1, d2));
-        let (d31, d42) = (_mm512_sub_ps(d3, d1), _mm512_sub_ps(d4, d2));
-        [
-            _mm512_fmadd_ps(four, d0, _mm512_fnmadd_ps(five, d2, d4)),
-            _mm512_fnmadd_ps(four, sum, _mm512_add_ps(d3, d4)),
-            _mm512_fmadd_ps(four, diff, _mm512_sub_ps(d4, d3)),
-            _mm512_fmadd_ps(two, d31, d42),
-            _mm512_fnmadd_ps(two, d31, d42),
-            _mm512_fmadd_ps(four, d1, _mm512_fnmadd_ps(five, d3, d5)),
-        ]
-    }
-
-    /// The output transform's column over the lanes (AVX2's `output_column`).
-    #[inline(always)]
-    unsafe fn output_column([m0, m1, m2, m3, m4, m5]: [__m512; SIDE]) -> [__m512; TILE] {
-        let (a, b) = (_mm512_add_ps(m1, m2), _mm512_sub_ps(m1, m2));
-        let (c, d) = (_mm512_add_ps(m3, m4), _mm512_sub_ps(m3, m4));
-        [
-            _mm512_add_ps(_mm512_add_ps(m0, a), c),
-            _mm512_fmadd_ps(_mm512_set1_ps(2.0), d, b),
-            _mm512_fmadd_ps(_mm512_set1_ps(4.0), c, a),
-            _mm512_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(8.0), d, b), m5),
-        ]
     }
 
     /// See [`super::input_tiles`].
@@ -273,25 +215,6 @@ mod avx512 {
                 _mm512_storeu_ps(v.add((SIDE * a + k) * stride), value);
             }
         }
-    }
-
-    /// The gradient transform's column over the lanes (AVX2's `gradient_column`).
-    #[inline(always)]
-    unsafe fn gradient_column([g0, g1, g2, g3]: [__m512; TILE]) -> [__m512; SIDE] {
-        let (even, odd) = (_mm512_add_ps(g0, g2), _mm512_add_ps(g1, g3));
-        let even4 = _mm512_add_ps(g0, _mm512_mul_ps(_mm512_set1_ps(4.0), g2));
-        let odd2 = _mm512_add_ps(
-            _mm512_mul_ps(_mm512_set1_ps(2.0), g1),
-            _mm512_mul_ps(_mm512_set1_ps(8.0), g3),
-        );
-        [
-            g0,
-            _mm512_add_ps(even, odd),
-            _mm512_sub_ps(even, odd),
-            _mm512_add_ps(even4, odd2),
-            _mm512_sub_ps(even4, odd2),
-            g3,
-        ]
     }
 
     /// See [`super::gradient_tiles`].
@@ -348,15 +271,14 @@ mod avx512 {
             column(4),
             column(5),
         ];
-        let (bias, zero) = (_mm512_set1_ps(bias), _mm512_setzero_ps());
+        let bias = _mm512_set1_ps(bias);
         for r in 0..TILE {
             let sr = columns.map(|c| c[r]);
             let y = output_column(sr).map(|v| _mm512_add_ps(v, bias));
             // Pair j's row r: its first tile's four columns, then its second tile's, the first
             // group's in the low half.
             for (j, row) in transpose4(y).into_iter().enumerate() {
-                // `max` returns its second operand when either is NaN: a NaN stays.
-                let row = if relu { _mm512_max_ps(zero, row) } else { row };
+                let row = if relu { row.relu() } else { row };
                 let [low, high] = &mut *rows;
                 _mm256_storeu_ps(low[TILE * j + r].as_mut_ptr(), _mm512_castps512_ps256(row));
                 _mm256_storeu_ps(

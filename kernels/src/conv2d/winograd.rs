@@ -633,15 +633,7 @@ impl Winograd {
                 return;
             }
         }
-        let mut d = [[0f32; LANES]; ELEMENTS];
-        for (l, s) in start.iter().enumerate() {
-            for (q, row) in d.chunks_exact_mut(SIDE).enumerate() {
-                let src = &padded[plane + s + q * pw..][..SIDE];
-                for (dv, sv) in row.iter_mut().zip(src) {
-                    dv[l] = *sv;
-                }
-            }
-        }
+        let d = gather::<SIDE, ELEMENTS>(padded, (plane, pw), start, [true; LANES]);
         for (e, vals) in transform_input(&d).iter().enumerate() {
             v[e * stride..][..LANES].copy_from_slice(vals);
         }
@@ -752,18 +744,13 @@ impl Winograd {
                             {
                                 continue;
                             }
-                            let mut d = [[0f32; LANES]; TILE * TILE];
-                            let real = groups[h].iter().map(|t| t.real);
-                            for ((l, s), _) in
-                                starts[h].iter().enumerate().zip(real).filter(|(_, r)| *r)
-                            {
-                                for (q, row) in d.chunks_exact_mut(TILE).enumerate() {
-                                    let src = &padded[plane + s + q * gw..][..TILE];
-                                    for (dv, sv) in row.iter_mut().zip(src) {
-                                        dv[l] = *sv;
-                                    }
-                                }
-                            }
+                            let real: [bool; LANES] = std::array::from_fn(|l| groups[h][l].real);
+                            let d = gather::<TILE, { TILE * TILE }>(
+                                padded,
+                                (plane, gw),
+                                &starts[h],
+                                real,
+                            );
                             for (e, vals) in transform_gradient(&d).iter().enumerate() {
                                 dm[e * stride..][..LANES].copy_from_slice(vals);
                             }
@@ -874,6 +861,28 @@ impl Winograd {
             }
         }
     }
+}
+
+/// Each lane's `N x N` tile of a padded plane (at `plane` in `padded`, rows `pitch` apart;
+/// lane `l`'s from `start[l]`), one value per lane (`NN = N * N` of them), lanes not `real`
+/// left zero: the tiles a transform takes one lane at a time.
+#[inline(always)]
+fn gather<const N: usize, const NN: usize>(
+    padded: &[f32],
+    (plane, pitch): (usize, usize),
+    start: &[usize; LANES],
+    real: [bool; LANES],
+) -> [[f32; LANES]; NN] {
+    let mut d = [[0f32; LANES]; NN];
+    for (l, s) in start.iter().enumerate().filter(|&(l, _)| real[l]) {
+        for (q, row) in d.chunks_exact_mut(N).enumerate() {
+            let src = &padded[plane + s + q * pitch..][..N];
+            for (dv, sv) in row.iter_mut().zip(src) {
+                dv[l] = *sv;
+            }
+        }
+    }
+    d
 }
 
 /// Per-lane values of a group of [`LANES`] tiles.

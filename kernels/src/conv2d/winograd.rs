@@ -670,11 +670,7 @@ impl Winograd {
                     })
                     .collect();
                 let pairs: Vec<bool> = groups.iter().map(|lanes| adjacent_pairs(lanes)).collect();
-                let wide = pairs_avx512::usable();
-                let mut g = 0;
-                while g < groups.len() {
-                    // Two groups of pairs at once where AVX-512 is in use.
-                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
+                for (g, both) in group_steps(&pairs) {
                     for ci in 0..plan.c {
                         let plane = ci * ph * pw;
                         let at = ci * width + g * LANES;
@@ -691,7 +687,6 @@ impl Winograd {
                         let group = (&starts[g], pairs[g]);
                         self.input_group(padded, group, plane, &mut v[at..], stride);
                     }
-                    g += if both { 2 } else { 1 };
                 }
             }
             Transform::Gradients { padded, dm } => {
@@ -705,15 +700,8 @@ impl Winograd {
                         lanes.map_lanes(|t| t.image * plan.o * gh * gw + TILE * (t.ti * gw + t.tj))
                     })
                     .collect();
-                let pairs: Vec<bool> = groups
-                    .iter()
-                    .map(|lanes| adjacent_pairs(lanes) && lanes.iter().all(|t| t.real))
-                    .collect();
-                let wide = pairs_avx512::usable();
-                let mut g = 0;
-                while g < groups.len() {
-                    // Two groups of pairs at once where AVX-512 is in use.
-                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
+                let pairs: Vec<bool> = groups.iter().map(|lanes| real_pairs(lanes)).collect();
+                for (g, both) in group_steps(&pairs) {
                     for oi in 0..plan.o {
                         let plane = oi * gh * gw;
                         let at = oi * width + g * LANES;
@@ -756,21 +744,13 @@ impl Winograd {
                             }
                         }
                     }
-                    g += if both { 2 } else { 1 };
                 }
             }
             Transform::Outputs { m, bias, relu, out } => {
                 let stride = element_stride(plan.o * width);
                 let groups: Vec<&[Tile]> = tiles.chunks_exact(LANES).collect();
-                let pairs: Vec<bool> = groups
-                    .iter()
-                    .map(|lanes| adjacent_pairs(lanes) && lanes.iter().all(|t| t.real))
-                    .collect();
-                let wide = pairs_avx512::usable();
-                let mut g = 0;
-                while g < groups.len() {
-                    // Two groups of pairs at once where AVX-512 is in use.
-                    let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
+                let pairs: Vec<bool> = groups.iter().map(|lanes| real_pairs(lanes)).collect();
+                for (g, both) in group_steps(&pairs) {
                     for oi in 0..plan.o {
                         let at = oi * width + g * LANES;
                         let write = (bias.map_or(0.0, |b| b[oi]), relu);
@@ -787,7 +767,6 @@ impl Winograd {
                         let group = (groups[g], pairs[g]);
                         self.output_group(&m[at..], stride, group, (oi, write), out);
                     }
-                    g += if both { 2 } else { 1 };
                 }
             }
         }
@@ -898,6 +877,26 @@ impl MapLanes for [Tile] {
         }
         values
     }
+}
+
+/// The groups a transform takes in turn, as `(g, both)`: with AVX-512 in use, groups `g` and
+/// `g + 1` at once (`both`) where both are pairs of adjacent tiles (`pairs`), else one at a time.
+fn group_steps(pairs: &[bool]) -> Vec<(usize, bool)> {
+    let wide = pairs_avx512::usable();
+    let mut steps = Vec::with_capacity(pairs.len());
+    let mut g = 0;
+    while g < pairs.len() {
+        let both = wide && pairs[g] && pairs.get(g + 1) == Some(&true);
+        steps.push((g, both));
+        g += if both { 2 } else { 1 };
+    }
+    steps
+}
+
+/// Whether the lanes' tiles are four pairs of adjacent tiles, every one real (a block's last
+/// columns repeat its last tile).
+fn real_pairs(lanes: &[Tile]) -> bool {
+    adjacent_pairs(lanes) && lanes.iter().all(|t| t.real)
 }
 
 /// Whether the lanes' tiles are four pairs of adjacent tiles: lane `j` (`j < 4`) holds a

@@ -797,8 +797,10 @@ fn winograd_weight_grad(
     let group = wino.group(per_task, 1);
     let par = gemm_parallelism(tasks);
     let run = |t: usize| -> candle_core::Result<Vec<f32>> {
-        let mut acc = vec![0f32; grad_len + bias_len];
-        let (du, bias) = acc.split_at_mut(grad_len);
+        // The transformed kernel's gradient, started by the first group's products, then the
+        // bias's.
+        let mut du = Vec::with_capacity(grad_len + bias_len);
+        let mut bias = vec![0f32; bias_len];
         let images = t * per_task..((t + 1) * per_task).min(conv.n);
         with_scratch(|s| -> candle_core::Result<()> {
             for i0 in images.clone().step_by(group) {
@@ -806,14 +808,17 @@ fn winograd_weight_grad(
                 let (xs, dys) = (&x[i0 * in_len..i1 * in_len], &dy[i0 * dy_len..i1 * dy_len]);
                 if with_bias {
                     for dyi in dys.chunks_exact(dy_len) {
-                        add_channel_sums(dyi, bias);
+                        add_channel_sums(dyi, &mut bias);
                     }
                 }
-                wino.accumulate_kernel_grad(xs, dys, du, &mut s.winograd, par)?;
+                wino.accumulate_kernel_grad(xs, dys, &mut du, &mut s.winograd, par)?;
             }
             Ok(())
         })?;
-        Ok(acc)
+        // A task without images (none: every task gets at least one) would leave it empty.
+        du.resize(grad_len, 0.0);
+        du.extend_from_slice(&bias);
+        Ok(du)
     };
     let mut partials = each_task(tasks, run)?;
     let total = sum_partials(&mut partials);

@@ -53,6 +53,9 @@ const BLOCK_BUDGET: usize = 128 * 1024;
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
 
+/// Input channels [`Winograd::kernel_grad`] transforms back at once.
+const KERNEL_GRAD_LANES: usize = 16;
+
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
 
@@ -451,12 +454,14 @@ impl Winograd {
     /// Adds the gradient of the transformed kernel, `dU[e] (o x c) = sum over tiles of
     /// dM[e] * V[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[e][o][c]`,
     /// [`Self::kernel_grad_len`] values): `x` holds the group's inputs and `dy` their output
-    /// gradients. [`Self::kernel_grad`] turns the sum into the kernel's gradient.
+    /// gradients. An empty `acc` starts the sum: the first block's products write each
+    /// element's slice as it is made, in cache, instead of adding to a buffer zeroed in a pass
+    /// over memory of its own. [`Self::kernel_grad`] turns the sum into the kernel's gradient.
     pub(crate) fn accumulate_kernel_grad(
         &self,
         x: &[f32],
         dy: &[f32],
-        acc: &mut [f32],
+        acc: &mut Vec<f32>,
         buffers: &mut Buffers,
         parallelism: Parallelism,
     ) -> candle_core::Result<()> {
@@ -466,7 +471,7 @@ impl Winograd {
         let images = dy.len() / out_len.max(1);
         if x.len() != images * in_len
             || dy.len() != images * out_len
-            || acc.len() != self.kernel_grad_len()
+            || !(acc.is_empty() || acc.len() == self.kernel_grad_len())
         {
             candle_core::bail!(
                 "winograd: {} input and {} gradient values do not hold whole images of {in_len} \
@@ -498,31 +503,37 @@ impl Winograd {
                 dm,
             };
             self.transform(job, tiles, width);
+            // dU[e]^T (c x o) += V[e] (c x tiles) * dM[e]^T (tiles x o): the sum is then
+            // column-major, the `gemm` crate's own layout, which it adds to in place.
+            let started = !acc.is_empty();
             for e in 0..ELEMENTS {
+                if !started {
+                    acc.resize((e + 1) * o * c, 0.0);
+                }
                 matmul(
                     Product {
-                        m: o,
-                        n: c,
+                        m: c,
+                        n: o,
                         k: width,
-                        accumulate: true,
+                        accumulate: started,
                         parallelism,
                     },
                     ViewMut {
                         data: acc,
                         offset: e * o * c,
-                        rs: c,
-                        cs: 1,
+                        rs: 1,
+                        cs: c,
                     },
-                    View {
-                        data: dm,
-                        offset: e * m_stride,
-                        rs: width,
-                        cs: 1,
-                    },
-                    // V[e] read as (tiles x c).
                     View {
                         data: v,
                         offset: e * v_stride,
+                        rs: width,
+                        cs: 1,
+                    },
+                    // dM[e] read as (tiles x o).
+                    View {
+                        data: dm,
+                        offset: e * m_stride,
                         rs: 1,
                         cs: width,
                     },
@@ -538,25 +549,49 @@ impl Winograd {
     }
 
     /// The kernel's gradient `(o, c, 3, 3)`, `dg = Gt dU G`, from the summed gradient of the
-    /// transformed kernel `du` (`[e][o][c]`).
+    /// transformed kernel `du` (`[e][o][c]`). Each output channel's input channels go
+    /// [`KERNEL_GRAD_LANES`] at a time, every element's values read as one run and transformed
+    /// lane by lane (the same operations on each lane, so the same values as one at a time).
     pub(crate) fn kernel_grad(&self, du: &[f32]) -> Vec<f32> {
+        const LANES: usize = KERNEL_GRAD_LANES;
         let (o, c) = (self.plan.o, self.plan.c);
         let mut dw = vec![0f32; o * c * 9];
         dw.par_chunks_mut(c * 9).enumerate().for_each(|(oi, dwo)| {
-            for (ci, taps) in dwo.chunks_exact_mut(9).enumerate() {
-                let at = |a: usize, b: usize| du[((a * SIDE + b) * o + oi) * c + ci];
-                // Gt dU: 3 rows of 6, then (Gt dU) G: 3x3.
-                let mut rows = [[0f32; SIDE]; 3];
-                for b in 0..SIDE {
-                    let col = kernel_grad_column([0, 1, 2, 3, 4, 5].map(|a| at(a, b)));
-                    for (row, v) in rows.iter_mut().zip(col) {
-                        row[b] = v;
+            crate::simd::vectorized(
+                #[inline(always)]
+                || {
+                    for c0 in (0..c).step_by(LANES) {
+                        let lanes = LANES.min(c - c0);
+                        // Gt dU: 6 columns of 3, each a set of lanes; then, its rows
+                        // gathered, (Gt dU) G: 3 rows of 3.
+                        let mut columns = [[[0f32; LANES]; 3]; SIDE];
+                        let mut column = [[0f32; LANES]; SIDE];
+                        for (b, gt_du) in columns.iter_mut().enumerate() {
+                            for (a, values) in column.iter_mut().enumerate() {
+                                let at = ((a * SIDE + b) * o + oi) * c + c0;
+                                for (v, d) in values.iter_mut().zip(&du[at..at + lanes]) {
+                                    *v = *d;
+                                }
+                            }
+                            kernel_grad_lanes(&column, gt_du);
+                        }
+                        let mut taps = [[[0f32; LANES]; 3]; 3];
+                        for (ky, row) in taps.iter_mut().enumerate() {
+                            for (b, values) in column.iter_mut().enumerate() {
+                                *values = columns[b][ky];
+                            }
+                            kernel_grad_lanes(&column, row);
+                        }
+                        for (l, dst) in dwo[c0 * 9..].chunks_exact_mut(9).take(lanes).enumerate() {
+                            for (ky, row) in taps.iter().enumerate() {
+                                for (kx, values) in row.iter().enumerate() {
+                                    dst[ky * 3 + kx] = values[l];
+                                }
+                            }
+                        }
                     }
-                }
-                for (ky, row) in rows.iter().enumerate() {
-                    taps[ky * 3..][..3].copy_from_slice(&kernel_grad_column(*row));
-                }
-            }
+                },
+            )
         });
         dw
     }
@@ -1091,6 +1126,20 @@ fn kernel_grad_column([d0, d1, d2, d3, d4, d5]: [f32; SIDE]) -> [f32; 3] {
         (d2 - d1) * SIXTH + (d3 - d4) * (SIXTH / 2.0),
         (d3 + d4 - d1 - d2) * SIXTH + d5,
     ]
+}
+
+/// [`kernel_grad_column`] on each lane of six sets of lanes, into `out`.
+#[inline(always)]
+fn kernel_grad_lanes<const L: usize>(d: &[[f32; L]; SIDE], out: &mut [[f32; L]; 3]) {
+    const SIXTH: f32 = 1.0 / 6.0;
+    let [d0, d1, d2, d3, d4, d5] = d;
+    let [o0, o1, o2] = out;
+    for l in 0..L {
+        // The operations of `kernel_grad_column`, in its order.
+        o0[l] = d0[l] * 0.25 - (d1[l] + d2[l]) * SIXTH + (d3[l] + d4[l]) * (SIXTH / 4.0);
+        o1[l] = (d2[l] - d1[l]) * SIXTH + (d3[l] - d4[l]) * (SIXTH / 2.0);
+        o2[l] = (d3[l] + d4[l] - d1[l] - d2[l]) * SIXTH + d5[l];
+    }
 }
 
 /// One column of `Bt d`: 6 input values to 6.

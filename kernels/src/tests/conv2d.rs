@@ -159,6 +159,9 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((2, 66, 18, 17), (64, 3, 3), (1, 1), (0, 0, 0, 0)),
         case((5, 20, 7, 7), (18, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((3, 17, 8, 8), (130, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // One image of several blocks (40x40, 100 tiles), whatever the thread count: the
+        // kernel gradient's first block starts its sum and the next adds to it.
+        case((1, 16, 40, 40), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
         // Planes too small to fill the micro-kernel's column blocks: several images per GEMM
         // (a last group one image short, a row-shift expansion whose extra rows sit between
         // the images, a folded one, a read of the input itself).

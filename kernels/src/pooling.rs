@@ -19,7 +19,7 @@ use super::concat::ChannelSlot;
 use super::output;
 use super::planes::{f32_data, for_each_plane, for_each_plane_pair, for_each_plane_with, with_f32};
 use super::replay::Replay1;
-use super::simd::vectorized;
+use super::simd::{vectorized, SimdLevel};
 use crate::{Error, Result};
 
 const MAX_OP: &str = "max_pool2d";
@@ -198,53 +198,78 @@ impl Plan {
     /// `argmax`, for the backward pass.
     ///
     /// For each output row it first takes the maximum of every column over the window's rows,
-    /// then splits those by column modulo the stride, so that the maximum over each window's
-    /// columns is a few passes over contiguous memory. Every loop vectorises.
+    /// then of those over each window's columns. Both run on whole sets of [`LANES`] values
+    /// (the padded row is as long as a whole number of them, its padding `-inf`), so that
+    /// rows of 7 or 15 values take vector operations too rather than a vectorised loop's
+    /// scalar tail.
+    #[inline(always)]
     fn max_plane(&self, xp: &[f32], y: &mut [f32], argmax: &mut [u32], scratch: &mut MaxScratch) {
         let width = self.input.1;
-        let (_, _, left, right) = self.window.pad;
+        let left = self.window.pad.2;
         let (kw, sw) = (self.window.window.1, self.window.stride.1);
         let ow = self.cols.len();
-        let padded = left + width + right;
-        let MaxScratch { cols, phases, best } = scratch;
+        let MaxScratch {
+            row,
+            column_index,
+            cols,
+            phases,
+        } = scratch;
+        let padded = row.len();
         for (i, (&(r0, r1), y_row)) in self.rows.iter().zip(y.chunks_mut(ow)).enumerate() {
-            let real = &mut cols.slice_mut(left, width);
-            if r0 < r1 {
-                real.0.copy_from_slice(&xp[r0 * width..(r0 + 1) * width]);
-                let base = (r0 * width) as u32;
-                for (c, at) in real.1.iter_mut().enumerate() {
-                    *at = base + c as u32;
+            let at_row = &mut argmax[i * ow..(i + 1) * ow];
+            cols.fill(f32::NEG_INFINITY, NO_ARGMAX);
+            for r in r0..r1 {
+                row[left..left + width].copy_from_slice(&xp[r * width..(r + 1) * width]);
+                let base = (r * width) as u32;
+                let sets = row.as_chunks::<LANES>().0.iter();
+                let indices = column_index.as_chunks::<LANES>().0;
+                for ((values, offsets), (max, at)) in sets.zip(indices).zip(cols.sets()) {
+                    let index = offsets.map(|offset| offset.saturating_add(base));
+                    fold_lanes((max, at), (values, &index));
+                }
+            }
+            // The column maxima split by column modulo the stride: window `j` covers padded
+            // columns `j * sw + k`, entry `j + k / sw` of phase `k % sw`.
+            if sw == 2 {
+                let [even, odd] = &mut phases[..] else {
+                    unreachable!("two phases at stride 2")
+                };
+                let pairs = cols.max.as_chunks::<2>().0;
+                let (e, o) = (&mut even.max[..pairs.len()], &mut odd.max[..pairs.len()]);
+                for ((e, o), pair) in e.iter_mut().zip(o.iter_mut()).zip(pairs) {
+                    (*e, *o) = (pair[0], pair[1]);
+                }
+                let pairs = cols.at.as_chunks::<2>().0;
+                let (e, o) = (&mut even.at[..pairs.len()], &mut odd.at[..pairs.len()]);
+                for ((e, o), pair) in e.iter_mut().zip(o.iter_mut()).zip(pairs) {
+                    (*e, *o) = (pair[0], pair[1]);
                 }
             } else {
-                real.0.fill(f32::NEG_INFINITY);
-                real.1.fill(NO_ARGMAX);
-            }
-            for r in (r0 + 1)..r1 {
-                let row = &xp[r * width..(r + 1) * width];
-                let base = (r * width) as u32;
-                fold(real, &row[..width], |c| base + c as u32);
-            }
-            for (p, phase) in phases.iter_mut().enumerate() {
-                for (j, c) in (p..padded).step_by(sw).enumerate() {
-                    phase.max[j] = cols.max[c];
-                    phase.at[j] = cols.at[c];
+                for (p, phase) in phases.iter_mut().enumerate() {
+                    let (max, at) = (&cols.max[p.min(padded)..], &cols.at[p.min(padded)..]);
+                    for (dst, src) in phase.max.iter_mut().zip(max.iter().step_by(sw)) {
+                        *dst = *src;
+                    }
+                    for (dst, src) in phase.at.iter_mut().zip(at.iter().step_by(sw)) {
+                        *dst = *src;
+                    }
                 }
             }
-            // Window `o` covers the padded columns `o * sw + k`, entry `o + k / sw` of phase
-            // `k % sw`.
-            let all = &mut best.slice_mut(0, ow);
-            for k in 0..kw {
-                let phase = &phases[k % sw];
-                let (max, at) = (&phase.max[k / sw..], &phase.at[k / sw..]);
-                if k == 0 {
-                    all.0.copy_from_slice(&max[..ow]);
-                    all.1.copy_from_slice(&at[..ow]);
-                } else {
-                    fold(all, &max[..ow], |o| at[o]);
+            for j0 in (0..ow).step_by(LANES) {
+                let mut best = [f32::NEG_INFINITY; LANES];
+                let mut best_at = [NO_ARGMAX; LANES];
+                for k in 0..kw {
+                    let phase = &phases[k % sw];
+                    let at = j0 + k / sw;
+                    let values = phase.max[at..at + LANES].try_into().unwrap_or(&best);
+                    let index = phase.at[at..at + LANES].try_into().unwrap_or(&best_at);
+                    let (values, index) = (*values, *index);
+                    fold_lanes((&mut best, &mut best_at), (&values, &index));
                 }
+                let n = LANES.min(ow - j0);
+                y_row[j0..j0 + n].copy_from_slice(&best[..n]);
+                at_row[j0..j0 + n].copy_from_slice(&best_at[..n]);
             }
-            y_row.copy_from_slice(all.0);
-            argmax[i * ow..(i + 1) * ow].copy_from_slice(all.1);
         }
     }
 
@@ -330,10 +355,19 @@ impl MaxPool {
         let plane = |i: usize| &x[i * in_len..(i + 1) * in_len];
         if ARGMAX {
             let scratch = || MaxScratch::new(plan);
-            // At the baseline width: AVX2 compiles the positions' selects into masked stores,
-            // which AMD's cores run slowly.
+            // Compiled for AVX-512 where it is in use, at the baseline width otherwise: with
+            // AVX2 the compiler stores the positions' selects with masked stores, which AMD's
+            // cores run slowly (a Zen 4: 15-32% slower than the baseline width).
+            let wide = SimdLevel::in_use() == SimdLevel::Avx512;
             let fill = |scratch: &mut MaxScratch, i: usize, yp: &mut [f32], ap: &mut [u32]| {
-                plan.max_plane(plane(i), yp, ap, scratch);
+                if wide {
+                    vectorized(
+                        #[inline(always)]
+                        || plan.max_plane(plane(i), yp, ap, scratch),
+                    );
+                } else {
+                    plan.max_plane(plane(i), yp, ap, scratch);
+                }
             };
             for_each_plane_pair(&mut y, &mut argmax, out_len, scratch, fill);
         } else {
@@ -407,30 +441,48 @@ fn beats(v: f32, max: f32) -> bool {
     (v > max) | (v.is_nan() & !max.is_nan())
 }
 
-/// The buffers of [`Plan::max_plane`], made once per rayon task: the column maxima over the
-/// padded width (padding stays `-inf`), the same split by column modulo the stride, and the
-/// window maxima of one output row.
+/// Values [`Plan::max_plane`] takes at once.
+const LANES: usize = 16;
+
+/// The buffers of [`Plan::max_plane`], made once per rayon task, over the padded width
+/// rounded up to whole sets of [`LANES`]: one input row (padding `-inf`), each padded column's
+/// index in its row (`NO_ARGMAX` for padding, which a row's offset leaves so), the column
+/// maxima over a window's rows, and those split by column modulo the stride, long enough for
+/// a set of lanes from every window's entry.
 struct MaxScratch {
+    row: Vec<f32>,
+    column_index: Vec<u32>,
     cols: Maxima,
     phases: Vec<Maxima>,
-    best: Maxima,
 }
 
 impl MaxScratch {
     fn new(plan: &Plan) -> Self {
         let (_, _, left, right) = plan.window.pad;
-        let padded = left + plan.input.1 + right;
-        let sw = plan.window.stride.1;
+        let width = plan.input.1;
+        let padded = (left + width + right).next_multiple_of(LANES);
+        let column_index = (0..padded)
+            .map(|c| {
+                if (left..left + width).contains(&c) {
+                    (c - left) as u32
+                } else {
+                    NO_ARGMAX
+                }
+            })
+            .collect();
+        let (kw, sw) = (plan.window.window.1, plan.window.stride.1);
+        let phase_len = padded.div_ceil(sw).max(plan.cols.len() + kw / sw) + LANES;
         Self {
+            row: vec![f32::NEG_INFINITY; padded],
+            column_index,
             cols: Maxima::new(padded),
-            phases: (0..sw).map(|_| Maxima::new(padded.div_ceil(sw))).collect(),
-            best: Maxima::new(plan.cols.len()),
+            phases: (0..sw).map(|_| Maxima::new(phase_len)).collect(),
         }
     }
 }
 
 /// Running maxima and where they are in the plane (`NO_ARGMAX` for padding, which holds
-/// `-inf` and never wins).
+/// `-inf` and never wins), a whole number of sets of [`LANES`].
 struct Maxima {
     max: Vec<f32>,
     at: Vec<u32>,
@@ -444,11 +496,34 @@ impl Maxima {
         }
     }
 
-    fn slice_mut(&mut self, start: usize, len: usize) -> (&mut [f32], &mut [u32]) {
-        (
-            &mut self.max[start..start + len],
-            &mut self.at[start..start + len],
-        )
+    fn fill(&mut self, max: f32, at: u32) {
+        self.max.fill(max);
+        self.at.fill(at);
+    }
+
+    /// The maxima and their positions a set of lanes at a time.
+    fn sets(&mut self) -> impl Iterator<Item = (&mut [f32; LANES], &mut [u32; LANES])> {
+        self.max
+            .as_chunks_mut::<LANES>()
+            .0
+            .iter_mut()
+            .zip(self.at.as_chunks_mut::<LANES>().0)
+    }
+}
+
+/// Folds a set of values and their positions into a set of running maxima, lane by lane. The
+/// selects are bitwise, so the compiler keeps them branch-free (random data would defeat a
+/// branch predictor) and makes them vector operations.
+#[inline(always)]
+fn fold_lanes(
+    (max, at): (&mut [f32; LANES], &mut [u32; LANES]),
+    (values, index): (&[f32; LANES], &[u32; LANES]),
+) {
+    for l in 0..LANES {
+        let (v, a, m, ma) = (values[l], index[l], max[l], at[l]);
+        let take = 0u32.wrapping_sub(wins((v, a), (m, ma)) as u32);
+        max[l] = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
+        at[l] = (a & take) | (ma & !take);
     }
 }
 
@@ -459,7 +534,7 @@ fn wins((v, at): (f32, u32), (max, max_at): (f32, u32)) -> bool {
     beats(v, max) | ((v == max) & (at < max_at))
 }
 
-/// Folds `values[i]` into each running maximum `max[i]` (the values [`fold`] keeps, without
+/// Folds `values[i]` into each running maximum `max[i]` (the values [`fold_lanes`] keeps, without
 /// their positions).
 ///
 /// Both sides of the select are new values, so every maximum is stored whole: a select
@@ -480,22 +555,6 @@ fn nan_max(a: f32, b: f32) -> f32 {
         a + b
     } else {
         a.max(b)
-    }
-}
-
-/// Folds `(values[i], index(i))` into each running maximum `i` of `dst`. The selects are
-/// bitwise, so the compiler keeps them branch-free (random data would defeat a branch
-/// predictor) and vectorises the loop.
-#[inline(always)]
-fn fold(dst: &mut (&mut [f32], &mut [u32]), values: &[f32], index: impl Fn(usize) -> u32) {
-    let n = dst.0.len().min(dst.1.len()).min(values.len());
-    let (max, at) = (&mut dst.0[..n], &mut dst.1[..n]);
-    for i in 0..n {
-        let (v, a) = (values[i], index(i));
-        let (m, ma) = (max[i], at[i]);
-        let take = 0u32.wrapping_sub(wins((v, a), (m, ma)) as u32);
-        max[i] = f32::from_bits((v.to_bits() & take) | (m.to_bits() & !take));
-        at[i] = (a & take) | (ma & !take);
     }
 }
 

@@ -1116,26 +1116,15 @@ fn gradient_column([g0, g1, g2, g3]: [f32; TILE]) -> [f32; SIDE] {
     [g0, even + odd, even - odd, even4 + odd2, even4 - odd2, g3]
 }
 
-/// One column of `Gt d`: 6 values of a transformed kernel's gradient to 3 taps'.
-#[inline(always)]
-fn kernel_grad_column([d0, d1, d2, d3, d4, d5]: [f32; SIDE]) -> [f32; 3] {
-    // Multiplications by the reciprocals, as in `kernel_column`.
-    const SIXTH: f32 = 1.0 / 6.0;
-    [
-        d0 * 0.25 - (d1 + d2) * SIXTH + (d3 + d4) * (SIXTH / 4.0),
-        (d2 - d1) * SIXTH + (d3 - d4) * (SIXTH / 2.0),
-        (d3 + d4 - d1 - d2) * SIXTH + d5,
-    ]
-}
-
-/// [`kernel_grad_column`] on each lane of six sets of lanes, into `out`.
+/// One column of `Gt d` on each of `L` lanes: six sets of lanes of a transformed kernel's
+/// gradient to three of taps', into `out`.
 #[inline(always)]
 fn kernel_grad_lanes<const L: usize>(d: &[[f32; L]; SIDE], out: &mut [[f32; L]; 3]) {
+    // Multiplications by the reciprocals, as in `kernel_column`.
     const SIXTH: f32 = 1.0 / 6.0;
     let [d0, d1, d2, d3, d4, d5] = d;
     let [o0, o1, o2] = out;
     for l in 0..L {
-        // The operations of `kernel_grad_column`, in its order.
         o0[l] = d0[l] * 0.25 - (d1[l] + d2[l]) * SIXTH + (d3[l] + d4[l]) * (SIXTH / 4.0);
         o1[l] = (d2[l] - d1[l]) * SIXTH + (d3[l] - d4[l]) * (SIXTH / 2.0);
         o2[l] = (d3[l] + d4[l] - d1[l] - d2[l]) * SIXTH + d5[l];

@@ -26,6 +26,9 @@ const CASES: &[Case] = &[
     (&[1, 2, 4, 4], (4, 1), (1, 3), Padding::Valid),
     // MiniGoogLeNet's downsampling on a smaller batch: overlapping windows, many planes.
     (&[3, 8, 15, 15], (3, 3), (2, 2), Padding::Valid),
+    // Rows longer than the max pool's sets of 16 lanes, and more than 16 windows to a row.
+    (&[1, 2, 5, 37], (3, 3), (2, 2), Padding::Same),
+    (&[1, 2, 4, 35], (2, 3), (1, 1), Padding::Valid),
 ];
 
 /// Runs `spec` built for `x` in training mode; its output and the gradient of `x` under a

@@ -704,22 +704,26 @@ pub(crate) fn input_grad(
         let (h, w) = (conv.h, conv.w);
         for (ci, dxc) in dx.chunks_exact_mut(h * w).enumerate() {
             for group in row_groups.iter() {
-                let (first, rows) = (&phases[group.start], phases[group.start].plan.ho);
+                let (group, offsets) = (&phases[group.clone()], &phase_offsets[group.clone()]);
+                let (first, rows) = (&group[0], group[0].plan.ho);
                 for a in 0..rows {
                     let row = &mut dxc[(first.y0 + sh * a) * w..][..w];
-                    for (p, &at) in phases[group.clone()]
-                        .iter()
-                        .zip(&phase_offsets[group.clone()])
-                    {
-                        let wb = p.plan.wo;
-                        let zr = &z[at + (ci * rows + a) * wb..][..wb];
-                        if into {
-                            for (b, v) in zr.iter().enumerate() {
-                                row[p.x0 + sw * b] += *v;
-                            }
-                        } else {
-                            for (b, v) in zr.iter().enumerate() {
-                                row[p.x0 + sw * b] = *v;
+                    let z_row = |k: usize| {
+                        let wb = group[k].plan.wo;
+                        &z[offsets[k] + (ci * rows + a) * wb..][..wb]
+                    };
+                    match group {
+                        // Two column phases at stride 2 side by side: one interleaving pass.
+                        [p, q] if sw == 2 && q.x0 == p.x0 + 1 => {
+                            interleave(&mut row[p.x0..], (z_row(0), z_row(1)), into);
+                        }
+                        [p, q] if sw == 2 && p.x0 == q.x0 + 1 => {
+                            interleave(&mut row[q.x0..], (z_row(1), z_row(0)), into);
+                        }
+                        _ => {
+                            for (k, p) in group.iter().enumerate() {
+                                let columns = row[p.x0..].iter_mut().step_by(sw);
+                                write_or_add(columns.zip(z_row(k)), into);
                             }
                         }
                     }
@@ -728,6 +732,37 @@ pub(crate) fn input_grad(
         }
         Ok(())
     })
+}
+
+/// Writes (or, when `into`, adds) `even[b]` to `row[2 * b]` and `odd[b]` to `row[2 * b + 1]`,
+/// pairs of columns at a time.
+fn interleave(row: &mut [f32], (even, odd): (&[f32], &[f32]), into: bool) {
+    let pairs = even.len().min(odd.len()).min(row.len() / 2);
+    let (head, tail) = row.split_at_mut(2 * pairs);
+    let slots = head
+        .as_chunks_mut::<2>()
+        .0
+        .iter_mut()
+        .zip(even.iter().zip(odd));
+    if into {
+        slots.for_each(|(pair, (e, o))| *pair = [pair[0] + e, pair[1] + o]);
+    } else {
+        slots.for_each(|(pair, (e, o))| *pair = [*e, *o]);
+    }
+    // A last column of an odd width.
+    write_or_add(tail.iter_mut().step_by(2).zip(&even[pairs..]), into);
+    let odd_tail = tail.get_mut(1..).unwrap_or_default();
+    write_or_add(odd_tail.iter_mut().step_by(2).zip(&odd[pairs..]), into);
+}
+
+/// Writes (or, when `into`, adds) each value to its slot.
+#[inline(always)]
+fn write_or_add<'a>(slots: impl Iterator<Item = (&'a mut f32, &'a f32)>, into: bool) {
+    if into {
+        slots.for_each(|(d, v)| *d += *v);
+    } else {
+        slots.for_each(|(d, v)| *d = *v);
+    }
 }
 
 /// The gradient of the kernel, `dw (o, c, kh, kw)`, from `x (n, c, h, w)` and

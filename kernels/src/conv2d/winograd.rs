@@ -169,16 +169,21 @@ impl Winograd {
         let kernel = if packed && microkernel::supported() {
             // Each task transforms a panel's output channels and writes them straight into
             // their panel of every element's packed matrix.
+            // The panel's rows are transformed together, then each element's `[k][rows]`
+            // run of those input channels is written in order.
             Kernel::Packed(PackedStack::build(ELEMENTS, (o, c), |p, rows, out| {
                 let per_element = rows * c;
+                let mut panel = [[[0f32; KERNEL_LANES]; ELEMENTS]; MR];
                 for ci0 in (0..c).step_by(KERNEL_LANES) {
                     let lanes = KERNEL_LANES.min(c - ci0);
-                    for r in 0..rows {
-                        let u = transformed(p * MR + r, ci0);
-                        for (e, values) in u.iter().enumerate() {
-                            let at = e * per_element + ci0 * rows + r;
-                            for (l, v) in values[..lanes].iter().enumerate() {
-                                out[at + l * rows] = *v;
+                    for (r, u) in panel.iter_mut().enumerate().take(rows) {
+                        *u = transformed(p * MR + r, ci0);
+                    }
+                    for e in 0..ELEMENTS {
+                        let run = &mut out[e * per_element + ci0 * rows..][..lanes * rows];
+                        for (l, values) in run.chunks_exact_mut(rows).enumerate() {
+                            for (r, v) in values.iter_mut().enumerate() {
+                                *v = panel[r][e][l];
                             }
                         }
                     }

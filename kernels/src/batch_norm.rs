@@ -22,7 +22,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::output;
-use super::planes::{f32_data, nc_plane, with_f32, PairSums};
+use super::planes::{f32_data, nc_plane, with_f32, with_f32_images, PairSums};
 use super::replay::Replay3;
 use super::simd::vectorized;
 use super::two_pass::{self, ChannelKernel, Inputs};
@@ -232,11 +232,17 @@ impl CustomOp3 for TrainOp {
         let weight = weight.to_vec1::<f32>()?;
         let (n, c, s) = nc_plane(x.dims());
         let count = (n * s) as f64;
-        channel_backward(TRAIN_OP, x, grad, |xs, dy| {
+        channel_backward(TRAIN_OP, x, grad, |xs, dy, b_image| {
             // dx = k * (dy' - mean(dy') - xhat * mean(dy' * xhat)) with k = weight * invstd,
             // written as a map of dy' and x - mean.
             let (dx, sums) = saved.map.backward(
-                Inputs { a: xs, b: dy, c, s },
+                Inputs {
+                    a: xs,
+                    b: dy,
+                    b_image,
+                    c,
+                    s,
+                },
                 &saved.mean,
                 self.relu,
                 |ch, [sum_dy, sum_dy_centered]| {
@@ -311,15 +317,23 @@ impl CustomOp3 for AffineOp {
         };
         let (_, c, s) = nc_plane(x.dims());
         let zeros = vec![0f32; c];
-        channel_backward(AFFINE_OP, x, grad, |xs, dy| {
-            let (dx, sums) =
-                map.backward(Inputs { a: xs, b: dy, c, s }, &zeros, self.relu, |ch, _| {
-                    Linear {
-                        dy: map.scale[ch],
-                        centered: 0.0,
-                        constant: 0.0,
-                    }
-                });
+        channel_backward(AFFINE_OP, x, grad, |xs, dy, b_image| {
+            let (dx, sums) = map.backward(
+                Inputs {
+                    a: xs,
+                    b: dy,
+                    b_image,
+                    c,
+                    s,
+                },
+                &zeros,
+                self.relu,
+                |ch, _| Linear {
+                    dy: map.scale[ch],
+                    centered: 0.0,
+                    constant: 0.0,
+                },
+            );
             let dscale = sums.iter().map(|v| v[1] as f32).collect();
             let dshift = sums.iter().map(|v| v[0] as f32).collect();
             (dx, dscale, dshift)
@@ -327,15 +341,27 @@ impl CustomOp3 for AffineOp {
     }
 }
 
-/// Runs `backward` on the data of the input `x` and the output gradient, and returns the
-/// gradient of `x` and of two per-channel vectors as tensors.
+/// Runs `backward` on the data of the input `x`, the output gradient and the values from one
+/// of the gradient's images to the next (more than an image's when the gradient is a range of a
+/// larger tensor's channels, read in place), and returns the gradient of `x` and of two
+/// per-channel vectors as tensors.
 fn channel_backward(
     op: &str,
     x: &Tensor,
     grad: &Tensor,
-    backward: impl FnOnce(&[f32], &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>),
+    backward: impl FnOnce(&[f32], &[f32], usize) -> (Vec<f32>, Vec<f32>, Vec<f32>),
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-    let (dx, da, db) = with_f32(op, x, |xs| with_f32(op, grad, |dy| Ok(backward(xs, dy))))?;
+    if grad.dims() != x.dims() {
+        candle_core::bail!(
+            "{op}: an output gradient {:?} for an input {:?}",
+            grad.dims(),
+            x.dims()
+        );
+    }
+    // The gradient is read in place when it is a range of a larger tensor's channels.
+    let (dx, da, db) = with_f32(op, x, |xs| {
+        with_f32_images(op, grad, |dy, b_image| Ok(backward(xs, dy, b_image)))
+    })?;
     let c = da.len();
     Ok((
         Some(Tensor::from_vec(dx, x.shape(), x.device())?),
@@ -427,7 +453,16 @@ impl<'a, const RELU: bool> Normalize<'a, RELU> {
             bias,
             epsilon,
         };
-        two_pass::run(&kernel, Inputs { a: x, b: x, c, s })
+        two_pass::run(
+            &kernel,
+            Inputs {
+                a: x,
+                b: x,
+                b_image: c * s,
+                c,
+                s,
+            },
+        )
     }
 }
 

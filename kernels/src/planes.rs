@@ -73,6 +73,53 @@ pub(crate) fn with_f32<R>(
     }
 }
 
+/// Runs `f` on the data of the CPU `f32` tensor `t` of shape `(N, ...)`, from its first image's
+/// first value to its last image's last, and the values from one image to the next. Read in
+/// place when each image's values are contiguous: a contiguous tensor, or a range of channels
+/// of one (`narrow` on axis 1, as a concatenation's branches take their gradient); made
+/// contiguous first otherwise.
+pub(crate) fn with_f32_images<R>(
+    op: &str,
+    t: &Tensor,
+    f: impl FnOnce(&[f32], usize) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let image_len: usize = t.dims().iter().skip(1).product();
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(data)), Some(image)) =
+            (&*storage, image_stride(layout))
+        {
+            let (start, n) = (layout.start_offset(), layout.dims()[0]);
+            let end = start + (n - 1) * image + image_len;
+            if let Some(values) = data.get(start..end) {
+                #[cfg(feature = "test-support")]
+                DATA_READS.with(|reads| reads.set(reads.get() + 1));
+                return f(values, image);
+            }
+        }
+    }
+    with_f32(op, t, |values| f(values, image_len))
+}
+
+/// The values from one image of `layout` to the next when each image's values are contiguous
+/// and images do not overlap; `None` otherwise, or for no image at all.
+fn image_stride(layout: &Layout) -> Option<usize> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let (&n, inner) = dims.split_first()?;
+    if n == 0 {
+        return None;
+    }
+    let mut expected = 1;
+    for (&d, &stride) in inner.iter().zip(&strides[1..]).rev() {
+        if d > 1 && stride != expected {
+            return None;
+        }
+        expected *= d;
+    }
+    let image = if n > 1 { strides[0] } else { expected };
+    (image >= expected).then_some(image)
+}
+
 /// The smallest number of items a rayon task takes, so that `items` make a few tasks per thread
 /// of the current pool.
 pub(crate) fn min_len(items: usize) -> usize {
@@ -85,11 +132,11 @@ pub(crate) fn min_len(items: usize) -> usize {
 /// values), in image order.
 pub(crate) fn channel_planes(
     data: &[f32],
-    c: usize,
+    image: usize,
     s: usize,
     ch: usize,
 ) -> impl Iterator<Item = &[f32]> + Clone {
-    data[ch * s..].chunks(c * s).map(move |image| &image[..s])
+    data[ch * s..].chunks(image).map(move |image| &image[..s])
 }
 
 /// Fills `out`, `s` values per plane, in parallel: `fill` gets the plane's index, its channel
@@ -342,7 +389,10 @@ mod tests {
         let want: Vec<u32> = (0..30).map(|k| 10 * (k / 10) + (k % 10) / 2).collect();
         assert_eq!(out, want);
         let data: Vec<f32> = (0..12).map(|v| v as f32).collect();
-        let planes: Vec<&[f32]> = channel_planes(&data, 2, 2, 1).collect();
+        let planes: Vec<&[f32]> = channel_planes(&data, 4, 2, 1).collect();
         assert_eq!(planes, vec![&[2.0, 3.0][..], &[6.0, 7.0], &[10.0, 11.0]]);
+        // Images 6 values apart (a range of 2 of 3 channels): the last image ends early.
+        let planes: Vec<&[f32]> = channel_planes(&data[..10], 6, 2, 1).collect();
+        assert_eq!(planes, vec![&[2.0, 3.0][..], &[8.0, 9.0]]);
     }
 }

@@ -39,14 +39,17 @@ pub(crate) trait ChannelKernel: Sync {
     fn value(&self, channel: &Self::Channel, a: f32, b: f32) -> f32;
 }
 
-/// The two inputs of a [`ChannelKernel`], each of `c` channels of planes of `s` values (the
-/// same length).
+/// The two inputs of a [`ChannelKernel`], each of `c` channels of planes of `s` values.
 #[derive(Clone, Copy)]
 pub(crate) struct Inputs<'a> {
-    /// The first input (`x` in BatchNorm's passes).
+    /// The first input (`x` in BatchNorm's passes), contiguous.
     pub a: &'a [f32],
-    /// The second input (`x` again in the forward pass, the output gradient in the backward).
+    /// The second input (`x` again in the forward pass, the output gradient in the backward),
+    /// its images `b_image` values apart: `c * s` when it is a tensor of its own, more when it
+    /// is a range of a larger tensor's channels (a concatenation's gradient), read in place.
     pub b: &'a [f32],
+    /// Values from one image of `b` to the next.
+    pub b_image: usize,
     /// Channels.
     pub c: usize,
     /// Values per plane.
@@ -56,8 +59,14 @@ pub(crate) struct Inputs<'a> {
 /// Runs `kernel` over `inputs` and returns the output, as long as an input, and what the
 /// kernel made of each channel's sums.
 pub(crate) fn run<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>, Vec<K::Channel>) {
-    let Inputs { a, b, c, s } = inputs;
-    let len = a.len().min(b.len());
+    let Inputs {
+        a,
+        b,
+        b_image,
+        c,
+        s,
+    } = inputs;
+    let len = a.len();
     if c == 0 || s == 0 {
         return (vec![0f32; len], Vec::new());
     }
@@ -65,17 +74,18 @@ pub(crate) fn run<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>
     if !by_channel(n, c, s) {
         return streamed(kernel, inputs);
     }
-    let planes = |data, ch| channel_planes(data, c, s, ch);
+    let a_planes = |ch| channel_planes(a, c * s, s, ch);
+    let b_planes = |ch| channel_planes(b, b_image, s, ch);
     output::by_channel(len, c, s, |ch, out| {
         vectorized(
             #[inline(always)]
             || {
                 let mut sums = PairSums::default();
-                for (pa, pb) in planes(a, ch).zip(planes(b, ch)) {
+                for (pa, pb) in a_planes(ch).zip(b_planes(ch)) {
                     kernel.sums(ch, pa, pb, &mut sums);
                 }
                 let channel = kernel.finish(ch, sums.total());
-                let written = out.zip_with(planes(a, ch), planes(b, ch), |x, y| {
+                let written = out.zip_with(a_planes(ch), b_planes(ch), |x, y| {
                     kernel.value(&channel, x, y)
                 });
                 (channel, written)
@@ -96,19 +106,27 @@ fn by_channel(n: usize, c: usize, s: usize) -> bool {
 /// [`run`] for large planes: the sums of every plane in parallel, added per channel in image
 /// order, then every output plane in parallel.
 fn streamed<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>, Vec<K::Channel>) {
-    let Inputs { a, b, c, s } = inputs;
-    let len = a.len().min(b.len());
+    let Inputs {
+        a,
+        b,
+        b_image,
+        c,
+        s,
+    } = inputs;
+    let len = a.len();
     let planes = len / s;
+    // Plane `k` (image `k / c`, channel `k % c`) of each input.
+    let a_plane = |k: usize| &a[k * s..(k + 1) * s];
+    let b_plane = |k: usize| &b[(k / c) * b_image + (k % c) * s..][..s];
     let per_plane: Vec<[f64; 2]> = (0..planes)
         .into_par_iter()
         .with_min_len(min_len(planes))
         .map(|k| {
-            let range = k * s..(k + 1) * s;
             vectorized(
                 #[inline(always)]
                 || {
                     let mut sums = PairSums::default();
-                    kernel.sums(k % c, &a[range.clone()], &b[range.clone()], &mut sums);
+                    kernel.sums(k % c, a_plane(k), b_plane(k), &mut sums);
                     sums.total()
                 },
             )
@@ -126,14 +144,10 @@ fn streamed<K: ChannelKernel>(kernel: &K, inputs: Inputs<'_>) -> (Vec<f32>, Vec<
         .map(|(ch, sums)| kernel.finish(ch, sums))
         .collect();
     let out = output::by_plane(len, c, s, |k, ch, plane| {
-        let (range, channel) = (k * s..(k + 1) * s, &channels[ch]);
+        let channel = &channels[ch];
         vectorized(
             #[inline(always)]
-            || {
-                plane.zip_with(&a[range.clone()], &b[range.clone()], |x, y| {
-                    kernel.value(channel, x, y)
-                })
-            },
+            || plane.zip_with(a_plane(k), b_plane(k), |x, y| kernel.value(channel, x, y)),
         )
     });
     (out, channels)

@@ -126,7 +126,7 @@ impl FastPath for AddLayer {
                     Some(passes) => dy.mul(passes)?,
                     None => dy,
                 };
-                backward.backward(|_| Ok(dy.clone()), grads, input_grad)
+                backward.backward(|_, _| Ok(dy.clone()), grads, input_grad)
             },
         ))
     }

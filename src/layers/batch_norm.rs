@@ -19,7 +19,7 @@
 use candle_core::{Tensor, Var};
 
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, FastPath, Layer,
+    record_with_candle, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath, Layer,
     LayerSpec, ParamGrads, Recorded,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
@@ -360,6 +360,36 @@ impl Layer for BatchNormLayer {
     }
 }
 
+/// The training pass's backward through kandle's kernel: the input's gradient and the
+/// weight's and bias's, from an output gradient the kernel reads in place even when it is a
+/// range of a concatenation's gradient.
+struct KernelBackward {
+    replay: crate::kernels::replay::Replay3,
+    weight: Option<Tensor>,
+    bias: Option<Tensor>,
+}
+
+impl Backward for KernelBackward {
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let (dx, dweight, dbias) = self.replay.backward(&dy)?;
+        for (param, grad) in [(self.weight, dweight), (self.bias, dbias)] {
+            if let (Some(param), Some(grad)) = (param, grad) {
+                grads.add(&param, grad)?;
+            }
+        }
+        Ok(dx.filter(|_| input_grad))
+    }
+
+    fn takes_channel_views(&self) -> bool {
+        true
+    }
+}
+
 impl FastPath for BatchNormLayer {
     fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
         if self.inference {
@@ -376,20 +406,13 @@ impl FastPath for BatchNormLayer {
             self.relu,
         )?;
         self.update_moving(&stats.mean, &stats.var)?;
-        let (weight, bias) = (self.weight.clone(), self.bias.clone());
         let y = replay.output().clone();
-        Ok(Recorded::new(
-            y,
-            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                let (dx, dweight, dbias) = replay.backward(&dy)?;
-                for (param, grad) in [(weight, dweight), (bias, dbias)] {
-                    if let (Some(param), Some(grad)) = (param, grad) {
-                        grads.add(&param, grad)?;
-                    }
-                }
-                Ok(dx.filter(|_| input_grad))
-            },
-        ))
+        let backward = KernelBackward {
+            replay,
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        };
+        Ok(Recorded::new(y, backward))
     }
 
     fn fuse_relu(&mut self) -> bool {

@@ -120,11 +120,13 @@ pub(crate) struct BranchesBackward {
 }
 
 impl BranchesBackward {
-    /// Runs each branch's backward pass on its output gradient, `output_grad(i)` for branch
-    /// `i`, and returns the sum of their input gradients when `input_grad`.
+    /// Runs each branch's backward pass on its output gradient, `output_grad(i, view)` for
+    /// branch `i` (`view`: the branch reads a range of a larger tensor's channels in place,
+    /// [`Backward::takes_channel_views`]), and returns the sum of their input gradients when
+    /// `input_grad`.
     pub(crate) fn backward(
         self,
-        output_grad: impl Fn(usize) -> Result<Tensor>,
+        output_grad: impl Fn(usize, bool) -> Result<Tensor>,
         grads: &mut ParamGrads,
         input_grad: bool,
     ) -> Result<Option<Tensor>> {
@@ -135,7 +137,8 @@ impl BranchesBackward {
             .map(|i| parts.remove(i));
         let mut dx: Option<Tensor> = None;
         for (i, backward) in parts {
-            let Some(d) = backward.backward(output_grad(i)?, grads, input_grad)? else {
+            let dy = output_grad(i, backward.takes_channel_views())?;
+            let Some(d) = backward.backward(dy, grads, input_grad)? else {
                 continue;
             };
             dx = Some(match dx {
@@ -144,7 +147,7 @@ impl BranchesBackward {
             });
         }
         if let Some((i, backward)) = adder {
-            let dy = output_grad(i)?;
+            let dy = output_grad(i, backward.takes_channel_views())?;
             dx = match dx {
                 Some(sum) => Some(backward.backward_adding(dy, grads, sum)?),
                 None => backward.backward(dy, grads, input_grad)?,

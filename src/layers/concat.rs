@@ -151,8 +151,12 @@ impl FastPath for ConcatLayer {
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                // Each branch gets its channels of the gradient.
-                let part = |i: usize| channel_part(&dy, offsets[i], channels[i], kernels);
+                // Each branch gets its channels of the gradient: a view where the branch
+                // reads it in place, a copy otherwise.
+                let part = |i: usize, view: bool| match view {
+                    true => Ok(dy.narrow(1, offsets[i], channels[i])?),
+                    false => channel_part(&dy, offsets[i], channels[i], kernels),
+                };
                 backward.backward(part, grads, input_grad)
             },
         ))
@@ -257,6 +261,27 @@ mod tests {
         assert!(adds(Conv2D::new(4, 3).stride(2))?);
         // Winograd's input gradient adds in a pass of its own.
         assert!(!adds(Conv2D::new(16, 3).padding(Padding::Same))?);
+        Ok(())
+    }
+
+    /// A branch ending in BatchNorm (and the ReLU it absorbed) reads its channels of the
+    /// concatenation's gradient in place; a max pool, a ReLU of its own and candle's
+    /// BatchNorm get a copy.
+    #[test]
+    fn batch_norm_branches_take_their_gradient_in_place() -> Result<()> {
+        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let takes = |branch: Sequential, path: ComputePath| -> Result<bool> {
+            let ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);
+            let (net, _, _) = branch.build_in(ctx, &INPUT)?;
+            Ok(net.forward_recorded(&x)?.backward.takes_channel_views())
+        };
+        let conv = || Conv2D::new(4, 1);
+        assert!(takes(module(conv()), ComputePath::Auto)?);
+        assert!(!takes(module(conv()), ComputePath::DeviceGeneric)?);
+        let pool = Sequential::new().add(MaxPooling2D::new(3).stride(2));
+        assert!(!takes(pool, ComputePath::Auto)?);
+        let relu_alone = Sequential::new().add(conv()).add(Activation::Relu);
+        assert!(!takes(relu_alone, ComputePath::Auto)?);
         Ok(())
     }
 }

@@ -76,6 +76,21 @@ pub trait Backward {
     fn adds_in_place(&self) -> bool {
         false
     }
+
+    /// Whether [`Backward::backward`] reads a `dy` that is a range of a larger tensor's
+    /// channels (`narrow` on axis 1: a concatenation's gradient, cut into its branches') in
+    /// place, so that the caller need not copy the range out first. Any layer takes such a
+    /// view (candle's ops do); the ones that say so read it without a copy of their own.
+    fn takes_channel_views(&self) -> bool {
+        false
+    }
+
+    /// Whether [`Backward::backward`] hands `dy` on as the input's gradient unchanged (an
+    /// identity, or a ReLU that the layer before absorbed), so that what the layer before
+    /// takes is what this one takes.
+    fn passes_gradient_on(&self) -> bool {
+        false
+    }
 }
 
 impl<F> Backward for F
@@ -176,7 +191,25 @@ pub fn record_with_candle<L: Layer + ?Sized>(
 
 /// A layer that passes its input through: the gradient passes through too.
 pub(crate) fn identity(x: &Tensor) -> Recorded {
-    Recorded::new(x.clone(), pass_through)
+    Recorded::new(x.clone(), PassThrough)
+}
+
+/// An identity's backward pass, which says it hands the gradient on unchanged.
+struct PassThrough;
+
+impl Backward for PassThrough {
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        grads: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        pass_through(dy, grads, input_grad)
+    }
+
+    fn passes_gradient_on(&self) -> bool {
+        true
+    }
 }
 
 /// The backward pass of an identity.

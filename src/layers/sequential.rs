@@ -360,6 +360,15 @@ impl Backward for StackBackward {
             .first()
             .is_some_and(|(_, first)| first.adds_in_place())
     }
+
+    fn takes_channel_views(&self) -> bool {
+        // The last layer that does not hand the gradient on unchanged reads the stack's.
+        self.steps
+            .iter()
+            .rev()
+            .find(|(_, step)| !step.passes_gradient_on())
+            .is_some_and(|(_, step)| step.takes_channel_views())
+    }
 }
 
 impl Layer for SequentialNet {

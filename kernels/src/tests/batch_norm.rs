@@ -110,6 +110,47 @@ fn without_weight_and_bias_the_offset_is_zero_and_the_scale_one() -> anyhow::Res
     Ok(())
 }
 
+/// A range of a larger gradient's channels (a concatenation's branch's) read in place gives
+/// the gradients its contiguous copy gives, bit for bit: small planes walked channel by
+/// channel, 32x32 planes streamed, and a batch of one.
+#[test]
+fn a_gradient_that_is_a_channel_range_is_read_in_place() -> anyhow::Result<()> {
+    use crate::batch_norm::batch_norm_train_replay;
+    for (i, shape) in [[5, 6, 3, 4], [3, 4, 32, 32], [1, 5, 7, 7]]
+        .iter()
+        .enumerate()
+    {
+        let seed = 300 + i as u64;
+        let x = random(shape, seed, 0.5)?;
+        let weight = random(&[shape[1]], seed + 1, 1.0)?;
+        let bias = random(&[shape[1]], seed + 2, 0.0)?;
+        let mut wide = *shape;
+        wide[1] += 5;
+        let joined = random(&wide, seed + 3, 0.0)?;
+        let view = joined.narrow(1, 2, shape[1])?;
+        assert_eq!(view.is_contiguous(), shape[0] == 1);
+        for relu in [false, true] {
+            let (replay, _) =
+                batch_norm_train_replay(&x, Some(&weight), Some(&bias), EPSILON, relu)?;
+            let (dx, dw, db) = replay.backward(&view)?;
+            let (want_dx, want_dw, want_db) = replay.backward(&view.contiguous()?)?;
+            for (name, got, want) in [
+                ("dx", dx, want_dx),
+                ("dw", dw, want_dw),
+                ("db", db, want_db),
+            ] {
+                let (got, want) = (got.expect("a gradient"), want.expect("a gradient"));
+                let diff = super::support::max_diff(&got, &want)?;
+                assert_eq!(
+                    diff, 0.0,
+                    "{name} of {shape:?} (relu {relu}) differs by {diff}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn channel_affine_matches_candle_ops_and_gradients() -> anyhow::Result<()> {
     for relu in [false, true] {

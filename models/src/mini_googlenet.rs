@@ -182,6 +182,46 @@ mod tests {
         Ok(())
     }
 
+    /// A training step of the functional form, whose concatenations hand their BatchNorm
+    /// branches views of the gradient as the `Sequential`'s do, updates the variables as the
+    /// `Sequential`'s step does.
+    #[test]
+    fn the_functional_form_trains_as_the_sequential() -> kandle::Result<()> {
+        use candle_core::{Device, Tensor};
+        use kandle::prelude::*;
+        let compile = |net: Model| net.with_seed(5);
+        let optimizer = || Sgd::new(0.05).momentum(0.9);
+        let strategy = OneDeviceStrategy::cpu();
+        let loss = SparseCategoricalCrossentropy::new;
+        let mut stack = compile(mini_googlenet(10).input_shape(&[3, 32, 32]).compile(
+            optimizer(),
+            loss(),
+            [Accuracy],
+            &strategy,
+        )?)?;
+        let mut graph = compile(mini_googlenet_functional(10)?.compile(
+            optimizer(),
+            loss(),
+            [Accuracy],
+            &strategy,
+        )?)?;
+        graph.set_weights(&stack.get_weights()?)?;
+        let x = Tensor::randn(0f32, 1., (4, 3, 32, 32), &Device::Cpu)?;
+        let y = Tensor::new(&[1u32, 7, 3, 3], &Device::Cpu)?;
+        for _ in 0..2 {
+            stack.train_on_batch(&x, &y, None)?;
+            graph.train_on_batch(&x, &y, None)?;
+        }
+        let (a, b) = (stack.get_weights()?, graph.get_weights()?);
+        assert_eq!(a.len(), b.len());
+        for (name, want) in &a {
+            let got = b.get(name).expect("the same variables");
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{name} differs by {diff}");
+        }
+        Ok(())
+    }
+
     #[test]
     fn parameter_counts_match_keras() -> kandle::Result<()> {
         let summary = mini_googlenet(10).summary(&[3, 32, 32])?;

@@ -283,8 +283,10 @@ impl MergeLayer {
 }
 
 impl MergeBackward {
-    /// Each input's gradient, from the output's `dy`.
-    pub(crate) fn backward(self, dy: Tensor) -> Result<Vec<Tensor>> {
+    /// Each input's gradient, from the output's `dy`: for a concatenation, input `i`'s channels
+    /// of it, a view when `views(i)` (its producer reads such a range in place), a copy
+    /// otherwise.
+    pub(crate) fn backward(self, dy: Tensor, views: impl Fn(usize) -> bool) -> Result<Vec<Tensor>> {
         let dy = match &self.passes {
             Some(passes) => dy.mul(passes)?,
             None => dy,
@@ -306,8 +308,11 @@ impl MergeBackward {
             MergeKind::Concatenate => {
                 let mut offset = 0;
                 let mut parts = Vec::with_capacity(n);
-                for &channels in &self.channels {
-                    parts.push(channel_part(&dy, offset, channels, self.kernels)?);
+                for (i, &channels) in self.channels.iter().enumerate() {
+                    parts.push(match views(i) {
+                        true => dy.narrow(1, offset, channels)?,
+                        false => channel_part(&dy, offset, channels, self.kernels)?,
+                    });
                     offset += channels;
                 }
                 parts

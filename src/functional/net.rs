@@ -696,6 +696,14 @@ impl GraphBackward {
             None => slot >= self.inputs || input_grad,
         };
         let no_gradient = || Error::invalid(format!("`{}`: a value got no gradient", self.path));
+        // The values whose producer reads its output gradient as a range of a larger tensor's
+        // channels in place: a concatenation hands them views of its gradient.
+        let mut takes_view = vec![false; self.slots];
+        for (_, outputs, backward) in &self.steps {
+            if let (StepBackward::Chain(_, backward), &[o]) = (backward, &outputs[..]) {
+                takes_view[o] = backward.takes_channel_views();
+            }
+        }
         for (inputs, outputs, backward) in self.steps.into_iter().rev() {
             if let StepBackward::Unrecorded = backward {
                 for &o in &outputs {
@@ -738,7 +746,8 @@ impl GraphBackward {
                     }
                 }
                 StepBackward::Merge(backward) => {
-                    for (s, dx) in inputs.into_iter().zip(backward.backward(dy)?) {
+                    let views = |i: usize| inputs.get(i).is_some_and(|&s| takes_view[s]);
+                    for (s, dx) in inputs.iter().copied().zip(backward.backward(dy, views)?) {
                         if needs(s) {
                             accumulate(&mut g[s], dx)?;
                         }

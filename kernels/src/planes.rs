@@ -128,8 +128,9 @@ pub(crate) fn min_len(items: usize) -> usize {
         .max(1)
 }
 
-/// The `s` values of the channel `ch` in each image of `data` (`c` channels of planes of `s`
-/// values), in image order.
+/// The `s` values of the channel `ch` in each image of `data` (planes of `s` values, the images
+/// `image` values apart: `c * s` for a tensor of `c` channels, more for a range of a larger
+/// tensor's channels), in image order.
 pub(crate) fn channel_planes(
     data: &[f32],
     image: usize,

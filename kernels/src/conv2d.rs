@@ -30,6 +30,7 @@ mod lowered;
 mod microkernel;
 mod passes;
 mod plan;
+mod transpose;
 mod winograd;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};

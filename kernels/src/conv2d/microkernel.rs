@@ -20,8 +20,12 @@
 //! The loops are written once (`driver`), over a small trait for a width's vectors, and
 //! compiled for each width; [`product`] picks the one [`SimdLevel::in_use`] names.
 //!
-//! The `gemm` crate runs the products on other CPUs, and the kernel gradient's products,
-//! whose operands are read across their rows.
+//! A kernel gradient's products (`dW^T (taps x o) += X (taps x positions) * dY^T`) have no
+//! operand to pack once: the left one (an expansion, or Winograd's transformed tiles) is read
+//! where it lies ([`Panels::in_place`], each value broadcast from its row), and the right one
+//! is written by its maker straight into strips ([`Strips`], [`product_from_strips`]): the
+//! output gradient transposed, or Winograd's output-gradient transform with channels in the
+//! lanes. The `gemm` crate runs the products on other CPUs, and those split over the pool.
 
 #![allow(unsafe_code)]
 
@@ -127,8 +131,10 @@ impl PackedLhs {
             data: &self.data,
             m: self.m,
             k: self.k,
-            panel_stride: MR * self.k,
-            matrix: 0,
+            layout: Layout::Packed {
+                panel_stride: MR * self.k,
+                matrix: 0,
+            },
         }
     }
 }
@@ -168,8 +174,10 @@ impl PackedStack {
             data: &self.data,
             m: self.m,
             k: self.k,
-            panel_stride: self.count * MR * self.k,
-            matrix: i.min(self.count.saturating_sub(1)),
+            layout: Layout::Packed {
+                panel_stride: self.count * MR * self.k,
+                matrix: i.min(self.count.saturating_sub(1)),
+            },
         }
     }
 
@@ -193,23 +201,59 @@ impl PackedStack {
     }
 }
 
-/// The panels of one packed `m x k` matrix: panel `p` (rows `MR * p ..`, `rows` of them) holds
-/// `[k][rows]` at [`Self::panel_start`].
+/// The panels of an `m x k` left operand: packed (panel `p`, rows `MR * p ..`, `rows` of them,
+/// holds `[k][rows]` at its start), or rows read in place, each value broadcast from where it
+/// lies ([`Panels::in_place`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Panels<'a> {
     data: &'a [f32],
     m: usize,
     k: usize,
-    /// From one panel of the matrix to the next.
-    panel_stride: usize,
-    /// Which matrix of a [`PackedStack`] (0 for a [`PackedLhs`]).
-    matrix: usize,
+    layout: Layout,
 }
 
-impl Panels<'_> {
-    /// Where panel `p`, of `rows` rows, starts.
+/// Where a [`Panels`]' values lie.
+#[derive(Debug, Clone, Copy)]
+enum Layout {
+    /// Packed: `panel_stride` from one panel of the matrix to the next, and which matrix of a
+    /// [`PackedStack`] (0 for a [`PackedLhs`]).
+    Packed { panel_stride: usize, matrix: usize },
+    /// Row `r`, step `p` at `offset + r * rs + p * cs`.
+    InPlace { offset: usize, rs: usize, cs: usize },
+}
+
+impl<'a> Panels<'a> {
+    /// The `m x k` matrix `lhs` read where it lies, as rows of the micro-kernel's panels: for
+    /// a left operand made once and read by one product (so packing it would cost a pass of
+    /// its own), with rows a few at a time in cache.
+    pub(crate) fn in_place(lhs: View<'a>, m: usize, k: usize) -> Self {
+        Self {
+            data: lhs.data,
+            m,
+            k,
+            layout: Layout::InPlace {
+                offset: lhs.offset,
+                rs: lhs.rs,
+                cs: lhs.cs,
+            },
+        }
+    }
+
+    /// Where panel `p` (of `rows` rows) starts, from one of its rows to the next, and from one
+    /// step along `k` to the next.
+    fn panel(&self, p: usize, rows: usize) -> (usize, usize, usize) {
+        match self.layout {
+            Layout::Packed {
+                panel_stride,
+                matrix,
+            } => (p * panel_stride + matrix * rows * self.k, 1, rows),
+            Layout::InPlace { offset, rs, cs } => (offset + p * MR * rs, rs, cs),
+        }
+    }
+
+    /// Where packed panel `p` (of `rows` rows) starts.
     fn panel_start(&self, p: usize, rows: usize) -> usize {
-        p * self.panel_stride + self.matrix * rows * self.k
+        self.panel(p, rows).0
     }
 
     /// Whether every panel lies inside `data`.
@@ -217,10 +261,48 @@ impl Panels<'_> {
         if self.m == 0 {
             return true;
         }
-        let last = (self.m - 1) / MR;
-        let rows = self.m - MR * last;
-        let end = self.panel_start(last, rows) + rows * self.k;
-        (last == 0 || self.panel_stride >= MR * self.k) && end <= self.data.len()
+        match self.layout {
+            Layout::Packed { panel_stride, .. } => {
+                let last = (self.m - 1) / MR;
+                let rows = self.m - MR * last;
+                let end = self.panel_start(last, rows) + rows * self.k;
+                (last == 0 || panel_stride >= MR * self.k) && end <= self.data.len()
+            }
+            Layout::InPlace { offset, rs, cs } => View {
+                data: self.data,
+                offset,
+                rs,
+                cs,
+            }
+            .fits(self.m, self.k),
+        }
+    }
+}
+
+/// A right operand already laid out as the micro-kernel reads a chunk it copies: strips of
+/// `nr` ([`block_columns`]) columns, each `k` rows of `nr` values, strip `s` at `offset + s *
+/// stride`, the last strip's columns past the matrix zero. Made by whoever writes the operand,
+/// when it is read by several panels and its rows would be far apart.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Strips<'a> {
+    pub data: &'a [f32],
+    pub offset: usize,
+    pub stride: usize,
+    pub nr: usize,
+}
+
+impl Strips<'_> {
+    /// Whether the strips of a `k x n` matrix lie inside `data`.
+    fn fits(&self, k: usize, n: usize) -> bool {
+        let strips = n.div_ceil(self.nr.max(1));
+        if strips == 0 || k == 0 {
+            return true;
+        }
+        (strips - 1)
+            .checked_mul(self.stride)
+            .and_then(|last| last.checked_add(k * self.nr))
+            .and_then(|end| end.checked_add(self.offset))
+            .is_some_and(|end| end <= self.data.len())
     }
 }
 
@@ -255,7 +337,49 @@ pub(crate) fn product(
     dst: ViewMut<'_>,
     write: Write<'_>,
 ) -> candle_core::Result<()> {
-    product_at(SimdLevel::in_use(), lhs, rhs, n, dst, write)
+    product_at(SimdLevel::in_use(), lhs, Right::Matrix(rhs), n, dst, write)
+}
+
+/// [`product`] with the right operand already in strips ([`Strips`], of the width in use).
+pub(crate) fn product_from_strips(
+    lhs: Panels<'_>,
+    rhs: Strips<'_>,
+    n: usize,
+    dst: ViewMut<'_>,
+    write: Write<'_>,
+) -> candle_core::Result<()> {
+    product_at(SimdLevel::in_use(), lhs, Right::Strips(rhs), n, dst, write)
+}
+
+/// The right operand of a product: a matrix of unit column stride, or strips.
+#[derive(Debug, Clone, Copy)]
+enum Right<'a> {
+    Matrix(View<'a>),
+    Strips(Strips<'a>),
+}
+
+impl Right<'_> {
+    /// Whether a `k x n` operand fits at `level`'s width.
+    fn fits(&self, level: SimdLevel, k: usize, n: usize) -> bool {
+        match self {
+            Right::Matrix(rhs) => rhs.cs == 1 && rhs.fits(k, n),
+            Right::Strips(strips) => strips.nr == block_columns(level) && strips.fits(k, n),
+        }
+    }
+
+    /// The operand, for an error message.
+    fn describe(&self) -> String {
+        match self {
+            Right::Matrix(rhs) => rhs.describe(),
+            Right::Strips(s) => format!(
+                "strips of {} in {} at {} strides {}",
+                s.nr,
+                s.data.len(),
+                s.offset,
+                s.stride
+            ),
+        }
+    }
 }
 
 /// [`product`] compiled for `level` (AVX-512's kernel, or AVX2's below it), whatever the cap;
@@ -263,7 +387,7 @@ pub(crate) fn product(
 fn product_at(
     level: SimdLevel,
     lhs: Panels<'_>,
-    rhs: View<'_>,
+    rhs: Right<'_>,
     n: usize,
     dst: ViewMut<'_>,
     write: Write<'_>,
@@ -275,10 +399,9 @@ fn product_at(
     };
     let fits = rows_fit
         && lhs.fits()
-        && rhs.cs == 1
         && dst.cs == 1
         && (m <= 1 || n <= dst.rs)
-        && rhs.fits(k, n)
+        && rhs.fits(level, k, n)
         && dst.fits(m, n);
     if !fits {
         candle_core::bail!(
@@ -298,20 +421,43 @@ fn product_at(
     }
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has `level`'s instructions, AVX2 and FMA at least (checked above); every
-    // row the kernels read of `rhs` (`k` rows of `n` values, `rhs.rs` apart) and write of
-    // `dst` (`m` rows of `n`, `dst.rs` apart) lies inside its slice (checked above), and so
-    // does every packed panel; the strips hold `k * COLUMN_CHUNK` values.
+    // row the kernels read of `rhs` (`k` rows of `n` values, `rhs.rs` apart, or its strips of
+    // `level`'s width) and write of `dst` (`m` rows of `n`, `dst.rs` apart) lies inside its
+    // slice (checked above), and so does every panel of `lhs`; the copy's strips hold
+    // `k * COLUMN_CHUNK` values.
     unsafe {
-        let b = (rhs.data.as_ptr().add(rhs.offset), rhs.rs);
         let c = (dst.data.as_mut_ptr().add(dst.offset), dst.rs);
         let kernel = match level {
             SimdLevel::Avx512 => avx512::product,
             _ => avx2::product,
         };
-        if m > MR && rhs.rs > IN_PLACE_STRIDE {
-            with_strips(k, |strips| kernel(&lhs, b, n, c, write, Some(strips)));
-        } else {
-            kernel(&lhs, b, n, c, write, None);
+        match rhs {
+            Right::Matrix(rhs) => {
+                let (ptr, ld) = (rhs.data.as_ptr().add(rhs.offset), rhs.rs);
+                if m > MR && ld > IN_PLACE_STRIDE {
+                    with_strips(k, |strips| {
+                        let copy = Some(strips.as_mut_ptr());
+                        kernel(&lhs, driver::Rhs::Rows { ptr, ld, copy }, n, c, write);
+                    });
+                } else {
+                    kernel(
+                        &lhs,
+                        driver::Rhs::Rows {
+                            ptr,
+                            ld,
+                            copy: None,
+                        },
+                        n,
+                        c,
+                        write,
+                    );
+                }
+            }
+            Right::Strips(strips) => {
+                let ptr = strips.data.as_ptr().add(strips.offset);
+                let stride = strips.stride;
+                kernel(&lhs, driver::Rhs::Strips { ptr, stride }, n, c, write);
+            }
         }
     }
     Ok(())
@@ -434,7 +580,14 @@ mod tests {
                     cs: 1,
                 };
                 let write = Write { start, relu };
-                product_at(level, packed.panels(), rhs_view, n, dst_view, write)?;
+                product_at(
+                    level,
+                    packed.panels(),
+                    Right::Matrix(rhs_view),
+                    n,
+                    dst_view,
+                    write,
+                )?;
                 let case = format!("{m}x{k}x{n} at {level} (start {from}, relu {relu})");
                 for i in 0..m {
                     for j in 0..n {
@@ -543,7 +696,7 @@ mod tests {
         let err = product_at(
             SimdLevel::Baseline,
             lhs.panels(),
-            view(&whole),
+            Right::Matrix(view(&whole)),
             16,
             dst_ok,
             ZERO,

@@ -16,9 +16,11 @@ use super::cache::KernelCache;
 use super::epilogue::Epilogue;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::lowered::{Lowered, PackedKernel};
-use super::microkernel::{self, Start, Write};
+use super::microkernel::{self, Panels, Start, Strips, Write};
 use super::plan::{Operand, Plan};
+use super::transpose::{strips_len, transpose, transpose_to_strips};
 use super::winograd::{self, Winograd};
+use crate::SimdLevel;
 
 /// The sizes of a convolution: input `(n, c, h, w)`, kernel `(o, c, kh, kw)`, strides, padding
 /// `(top, bottom, left, right)` and output `(ho, wo)`.
@@ -936,7 +938,11 @@ fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
     }
 }
 
-/// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`.
+/// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`: `acc (depth x o)
+/// += E (depth x positions) * dY^T (positions x o)` for each GEMM of each tile. With the
+/// micro-kernel (and the image on one thread), `dY` is transposed into its strips once per
+/// image and the expansion read in place; otherwise both go to `gemm`, `dY` transposed once
+/// per image so that it is not packed again for every call.
 fn weight_grad_image(
     plan: &Plan,
     x: &[f32],
@@ -952,8 +958,40 @@ fn weight_grad_image(
         transposed,
         ..
     } = scratch;
-    // dy transposed once per image (output channels contiguous), so the GEMMs read it in place;
-    // left to gemm, it would be packed again for every call.
+    if matches!(parallelism, Parallelism::None) && microkernel::supported() {
+        let nr = microkernel::block_columns(SimdLevel::in_use());
+        let dyt = at_least(transposed, strips_len(plan.o, positions, nr));
+        transpose_to_strips(dy, plan.o, positions, nr, dyt);
+        let dyt = &*dyt;
+        return for_each_tile_gemm(plan, x, expanded, |t| {
+            // The operand read as (depth x positions).
+            let lhs = View {
+                rs: t.operand.cs,
+                cs: t.operand.rs,
+                ..t.operand
+            };
+            microkernel::product_from_strips(
+                Panels::in_place(lhs, depth, t.rows * plan.wo),
+                Strips {
+                    data: dyt,
+                    offset: t.i0 * plan.wo * nr,
+                    stride: positions * nr,
+                    nr,
+                },
+                plan.o,
+                ViewMut {
+                    data: acc,
+                    offset: t.call * plan.o * depth,
+                    rs: plan.o,
+                    cs: 1,
+                },
+                Write {
+                    start: Start::Dst,
+                    relu: false,
+                },
+            )
+        });
+    }
     let dyt = at_least(transposed, dy.len());
     transpose(dy, plan.o, positions, dyt);
     let dyt = &*dyt;
@@ -984,56 +1022,9 @@ fn weight_grad_image(
     })
 }
 
-/// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`,
-/// a square block at a time: the block's rows are copied whole into a buffer in L1, then
-/// written out by columns. (Reading a column of `src` directly would touch rows `cols` apart,
-/// and at power-of-two widths all of them fall in the same cache set.)
-fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    const BLOCK: usize = 16;
-    let mut block = [[0f32; BLOCK]; BLOCK];
-    for r0 in (0..rows).step_by(BLOCK) {
-        let r1 = (r0 + BLOCK).min(rows);
-        for c0 in (0..cols).step_by(BLOCK) {
-            let width = BLOCK.min(cols - c0);
-            for (r, row) in (r0..r1).zip(block.iter_mut()) {
-                let from = &src[r * cols + c0..r * cols + c0 + width];
-                match <&[f32; BLOCK]>::try_from(from) {
-                    // A fixed-size copy, inlined rather than a call to `memcpy`.
-                    Ok(full) => *row = *full,
-                    Err(_) => row[..width].copy_from_slice(from),
-                }
-            }
-            for c in 0..width {
-                let at = (c0 + c) * rows;
-                for (d, row) in dst[at + r0..at + r1].iter_mut().zip(&block) {
-                    *d = row[c];
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn transposes_whole_and_partial_blocks() {
-        for (rows, cols) in [(1, 1), (16, 16), (20, 37), (35, 16), (3, 50)] {
-            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32).collect();
-            let mut dst = vec![f32::NAN; rows * cols];
-            transpose(&src, rows, cols, &mut dst);
-            for r in 0..rows {
-                for c in 0..cols {
-                    assert_eq!(
-                        dst[c * rows + r],
-                        src[r * cols + c],
-                        "{rows}x{cols} at {r},{c}"
-                    );
-                }
-            }
-        }
-    }
 
     #[test]
     fn swaps_kernel_channel_axes() {

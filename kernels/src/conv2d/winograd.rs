@@ -17,10 +17,17 @@
 //! The transforms take eight tiles at once, one per vector lane: four pairs of horizontally
 //! adjacent tiles, whose input rows are loaded whole and transposed into lanes, and whose
 //! output rows come back out of the lanes as runs of eight columns (`pairs_avx2`, on CPUs with
-//! AVX2; the kernel gradient's output-gradient tiles the same way), or one tile per lane,
-//! gathered and scattered, where a pair is not adjacent. With AVX-512 in use, two such groups
-//! of eight tiles go through one 512-bit vector (`pairs_avx512`): a group's lanes lie right
-//! after the previous group's in the block's buffers.
+//! AVX2), or one tile per lane, gathered and scattered, where a pair is not adjacent. With
+//! AVX-512 in use, two such groups of eight tiles go through one 512-bit vector
+//! (`pairs_avx512`): a group's lanes lie right after the previous group's in the block's
+//! buffers.
+//!
+//! The kernel gradient sums `dU[e]^T (c x o) = V[e] (c x tiles) * dM[e]^T (tiles x o)` over
+//! blocks, `dM = A dY At` the output gradient's transform. With the micro-kernel, `dM` is made
+//! from the output gradient transposed, sixteen output channels per vector, straight into the
+//! micro-kernel's strips (`gradient_strips`), and `V` is read where its transform wrote it;
+//! otherwise `dM` is made tile by tile in lanes, as the forward pass's transforms, and both go
+//! to the `gemm` crate.
 
 use std::sync::OnceLock;
 
@@ -29,11 +36,14 @@ use rayon::prelude::*;
 use super::super::output::ImagesMut;
 use super::epilogue::{self, Epilogue};
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
-use super::microkernel::{self, PackedStack, MR, NR};
+use super::microkernel::{self, PackedStack, Panels, Strips, MR, NR};
 use super::plan::Plan;
+use super::transpose::transpose;
+use crate::SimdLevel;
 
 #[cfg(target_arch = "x86_64")]
 mod columns;
+mod gradient_strips;
 mod pairs_avx2;
 mod pairs_avx512;
 
@@ -91,8 +101,9 @@ enum Kernel {
     None,
 }
 
-/// The buffers of one task: its group's padded images (and output gradients), a block's transformed input
-/// `V[e][c][column]` and products `M[e][o][column]` (each element's matrix
+/// The buffers of one task: its group's padded images and output gradients (padded, or
+/// transposed for `gradient_strips`), a block's transformed input `V[e][c][column]` and
+/// products `M[e][o][column]` or output-gradient transforms (each element's matrix
 /// [`element_stride`] apart), and the tile in each column.
 #[derive(Default)]
 pub(crate) struct Buffers {
@@ -456,12 +467,16 @@ impl Winograd {
         }));
     }
 
-    /// Adds the gradient of the transformed kernel, `dU[e] (o x c) = sum over tiles of
-    /// dM[e] * V[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[e][o][c]`,
+    /// Adds the gradient of the transformed kernel, `dU[e]^T (c x o) = sum over tiles of
+    /// V[e] * dM[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[e][c][o]`,
     /// [`Self::kernel_grad_len`] values): `x` holds the group's inputs and `dy` their output
     /// gradients. An empty `acc` starts the sum: the first block's products write each
     /// element's slice as it is made, in cache, instead of adding to a buffer zeroed in a pass
     /// over memory of its own. [`Self::kernel_grad`] turns the sum into the kernel's gradient.
+    ///
+    /// With the micro-kernel (and the group on one thread), `dM` is made with output channels
+    /// in the lanes, as its strips (`gradient_strips`), and `V` read in place; otherwise both
+    /// are made as for the forward pass and multiplied in the `gemm` crate.
     pub(crate) fn accumulate_kernel_grad(
         &self,
         x: &[f32],
@@ -487,8 +502,18 @@ impl Winograd {
                 self.kernel_grad_len()
             );
         }
+        let in_strips = matches!(parallelism, Parallelism::None) && microkernel::supported();
+        let nr = microkernel::block_columns(SimdLevel::in_use());
         self.pad(x, images, &mut buffers.padded);
-        self.pad_gradient(dy, images, &mut buffers.padded_gradient);
+        if in_strips {
+            let positions = plan.ho * plan.wo;
+            let dyt = grow(&mut buffers.padded_gradient, dy.len());
+            for (src, dst) in dy.chunks_exact(out_len).zip(dyt.chunks_exact_mut(out_len)) {
+                transpose(src, o, positions, dst);
+            }
+        } else {
+            self.pad_gradient(dy, images, &mut buffers.padded_gradient);
+        }
         for range in self.blocks(images) {
             let width = range.len().next_multiple_of(NR);
             let Buffers {
@@ -499,50 +524,78 @@ impl Winograd {
                 tiles,
             } = &mut *buffers;
             self.block_tiles(range, width, tiles);
-            let (v_stride, m_stride) = (element_stride(c * width), element_stride(o * width));
+            let v_stride = element_stride(c * width);
             let v = grow(input, ELEMENTS * v_stride);
             self.transform(Transform::Inputs { padded, v }, tiles, width);
-            let dm = grow(products, ELEMENTS * m_stride);
-            let job = Transform::Gradients {
-                padded: padded_gradient,
-                dm,
+            let m_stride = if in_strips {
+                let stride = element_stride(o.next_multiple_of(nr) * width);
+                let dm = grow(products, ELEMENTS * stride);
+                let shape = (plan.ho, plan.wo, o);
+                gradient_strips::write(padded_gradient, shape, tiles, (nr, dm, stride));
+                stride
+            } else {
+                let stride = element_stride(o * width);
+                let dm = grow(products, ELEMENTS * stride);
+                let job = Transform::Gradients {
+                    padded: padded_gradient,
+                    dm,
+                };
+                self.transform(job, tiles, width);
+                stride
             };
-            self.transform(job, tiles, width);
-            // dU[e]^T (c x o) += V[e] (c x tiles) * dM[e]^T (tiles x o): the sum is then
-            // column-major, the `gemm` crate's own layout, which it adds to in place.
+            let (v, dm) = (&*v, &products[..ELEMENTS * m_stride]);
             let started = !acc.is_empty();
             for e in 0..ELEMENTS {
                 if !started {
                     acc.resize((e + 1) * o * c, 0.0);
                 }
-                matmul(
-                    Product {
+                // dU[e]^T (c x o), row-major: `[e][c][o]`.
+                let du = ViewMut {
+                    data: acc,
+                    offset: e * o * c,
+                    rs: o,
+                    cs: 1,
+                };
+                let ve = View {
+                    data: v,
+                    offset: e * v_stride,
+                    rs: width,
+                    cs: 1,
+                };
+                if in_strips {
+                    let strips = Strips {
+                        data: dm,
+                        offset: e * m_stride,
+                        stride: width * nr,
+                        nr,
+                    };
+                    let write = microkernel::Write {
+                        start: if started {
+                            microkernel::Start::Dst
+                        } else {
+                            microkernel::Start::Zero
+                        },
+                        relu: false,
+                    };
+                    let lhs = Panels::in_place(ve, c, width);
+                    microkernel::product_from_strips(lhs, strips, o, du, write)?;
+                } else {
+                    let product = Product {
                         m: c,
                         n: o,
                         k: width,
                         accumulate: started,
                         parallelism,
-                    },
-                    ViewMut {
-                        data: acc,
-                        offset: e * o * c,
-                        rs: 1,
-                        cs: c,
-                    },
-                    View {
-                        data: v,
-                        offset: e * v_stride,
-                        rs: width,
-                        cs: 1,
-                    },
+                    };
                     // dM[e] read as (tiles x o).
-                    View {
+                    let dme = View {
                         data: dm,
                         offset: e * m_stride,
                         rs: 1,
                         cs: width,
-                    },
-                )?;
+                    };
+                    matmul(product, du, ve, dme)?;
+                }
             }
         }
         Ok(())
@@ -554,50 +607,61 @@ impl Winograd {
     }
 
     /// The kernel's gradient `(o, c, 3, 3)`, `dg = Gt dU G`, from the summed gradient of the
-    /// transformed kernel `du` (`[e][o][c]`). Each output channel's input channels go
+    /// transformed kernel `du` (`[e][c][o]`). Each input channel's output channels go
     /// [`KERNEL_GRAD_LANES`] at a time, every element's values read as one run and transformed
-    /// lane by lane (the same operations on each lane, so the same values as one at a time).
+    /// lane by lane (the same operations on each lane, so the same values as one at a time),
+    /// into `[c][tap][o]`; then transposed.
     pub(crate) fn kernel_grad(&self, du: &[f32]) -> Vec<f32> {
         const LANES: usize = KERNEL_GRAD_LANES;
         let (o, c) = (self.plan.o, self.plan.c);
+        let mut by_channel = vec![0f32; c * 9 * o];
+        by_channel
+            .par_chunks_mut(9 * o)
+            .enumerate()
+            .for_each(|(ci, dst)| {
+                crate::simd::vectorized(
+                    #[inline(always)]
+                    || {
+                        for o0 in (0..o).step_by(LANES) {
+                            let lanes = LANES.min(o - o0);
+                            // Gt dU: 6 columns of 3, each a set of lanes; then, its rows
+                            // gathered, (Gt dU) G: 3 rows of 3.
+                            let mut columns = [[[0f32; LANES]; 3]; SIDE];
+                            let mut column = [[0f32; LANES]; SIDE];
+                            for (b, gt_du) in columns.iter_mut().enumerate() {
+                                for (a, values) in column.iter_mut().enumerate() {
+                                    let at = ((a * SIDE + b) * c + ci) * o + o0;
+                                    for (v, d) in values.iter_mut().zip(&du[at..at + lanes]) {
+                                        *v = *d;
+                                    }
+                                }
+                                kernel_grad_lanes(&column, gt_du);
+                            }
+                            let mut taps = [[[0f32; LANES]; 3]; 3];
+                            for (ky, row) in taps.iter_mut().enumerate() {
+                                for (b, values) in column.iter_mut().enumerate() {
+                                    *values = columns[b][ky];
+                                }
+                                kernel_grad_lanes(&column, row);
+                            }
+                            for (t, values) in taps.iter().flatten().enumerate() {
+                                let run = &mut dst[t * o + o0..][..lanes];
+                                match <&mut [f32; LANES]>::try_from(&mut *run) {
+                                    // A fixed-size copy, inlined rather than a call to `memcpy`.
+                                    Ok(all) => *all = *values,
+                                    Err(_) => {
+                                        for (d, v) in run.iter_mut().zip(values) {
+                                            *d = *v;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    },
+                )
+            });
         let mut dw = vec![0f32; o * c * 9];
-        dw.par_chunks_mut(c * 9).enumerate().for_each(|(oi, dwo)| {
-            crate::simd::vectorized(
-                #[inline(always)]
-                || {
-                    for c0 in (0..c).step_by(LANES) {
-                        let lanes = LANES.min(c - c0);
-                        // Gt dU: 6 columns of 3, each a set of lanes; then, its rows
-                        // gathered, (Gt dU) G: 3 rows of 3.
-                        let mut columns = [[[0f32; LANES]; 3]; SIDE];
-                        let mut column = [[0f32; LANES]; SIDE];
-                        for (b, gt_du) in columns.iter_mut().enumerate() {
-                            for (a, values) in column.iter_mut().enumerate() {
-                                let at = ((a * SIDE + b) * o + oi) * c + c0;
-                                for (v, d) in values.iter_mut().zip(&du[at..at + lanes]) {
-                                    *v = *d;
-                                }
-                            }
-                            kernel_grad_lanes(&column, gt_du);
-                        }
-                        let mut taps = [[[0f32; LANES]; 3]; 3];
-                        for (ky, row) in taps.iter_mut().enumerate() {
-                            for (b, values) in column.iter_mut().enumerate() {
-                                *values = columns[b][ky];
-                            }
-                            kernel_grad_lanes(&column, row);
-                        }
-                        for (l, dst) in dwo[c0 * 9..].chunks_exact_mut(9).take(lanes).enumerate() {
-                            for (ky, row) in taps.iter().enumerate() {
-                                for (kx, values) in row.iter().enumerate() {
-                                    dst[ky * 3 + kx] = values[l];
-                                }
-                            }
-                        }
-                    }
-                },
-            )
-        });
+        transpose(&by_channel, c * 9, o, &mut dw);
         dw
     }
 
@@ -1013,14 +1077,14 @@ fn transform_output(m: &[[f32; LANES]; ELEMENTS], bias: f32) -> [[f32; LANES]; T
     y
 }
 
-/// `A dY At` of [`LANES`] 4x4 output-gradient tiles, `d[4 * row + column][lane]`: the
-/// 6x6 gradients of their products, `[6 * row + column][lane]`.
+/// `A dY At` of `L` 4x4 output-gradient tiles, `d[4 * row + column][lane]`: the 6x6 gradients
+/// of their products, `[6 * row + column][lane]`.
 #[inline(always)]
-fn transform_gradient(d: &[[f32; LANES]; TILE * TILE]) -> [[f32; LANES]; ELEMENTS] {
+fn transform_gradient<const L: usize>(d: &[[f32; L]; TILE * TILE]) -> [[f32; L]; ELEMENTS] {
     // dY At: each row's four values to six.
-    let mut z = [[0f32; LANES]; TILE * SIDE];
+    let mut z = [[0f32; L]; TILE * SIDE];
     for (zr, dr) in z.chunks_exact_mut(SIDE).zip(d.chunks_exact(TILE)) {
-        for l in 0..LANES {
+        for l in 0..L {
             let row = gradient_column([0, 1, 2, 3].map(|k| dr[k][l]));
             for (zv, v) in zr.iter_mut().zip(row) {
                 zv[l] = v;
@@ -1028,9 +1092,9 @@ fn transform_gradient(d: &[[f32; LANES]; TILE * TILE]) -> [[f32; LANES]; ELEMENT
         }
     }
     // A (dY At): across the rows, column by column.
-    let mut dm = [[0f32; LANES]; ELEMENTS];
+    let mut dm = [[0f32; L]; ELEMENTS];
     for k in 0..SIDE {
-        for l in 0..LANES {
+        for l in 0..L {
             let col = gradient_column([0, 1, 2, 3].map(|r| z[SIDE * r + k][l]));
             for (a, value) in col.into_iter().enumerate() {
                 dm[SIDE * a + k][l] = value;

@@ -1,10 +1,28 @@
 //! The micro-kernel's loops, written once over a vector width ([`Lanes`]): the walk over a
 //! product's column chunks, panels and column blocks, the copy of a chunk into strips, and the
-//! register block. Everything here is inlined into a function compiled for one instruction
-//! set (`avx2::product`, `avx512::product`), so the intrinsics behind [`Lanes`] compile to
-//! that set's instructions.
+//! register block. The left operand's panels are packed (`[k][rows]`) or rows read in place
+//! (each value broadcast from where it lies); the right operand's rows are read in place,
+//! copied a chunk at a time into strips, or come already laid out in strips. Everything here
+//! is inlined into a function compiled for one instruction set (`avx2::product`,
+//! `avx512::product`), so the intrinsics behind [`Lanes`] compile to that set's instructions.
 
 use super::{Panels, Start, Write, COLUMN_CHUNK, MR};
+
+/// How [`product`] reads the right operand: rows `ld` apart (copied a chunk at a time into the
+/// strips at `copy` when given), or strips of `NR` columns already laid out, `k` rows of `NR`
+/// values each, strip `s` at `ptr + s * stride`, the last one padded with zeros.
+#[derive(Clone, Copy)]
+pub(super) enum Rhs {
+    Rows {
+        ptr: *const f32,
+        ld: usize,
+        copy: Option<*mut f32>,
+    },
+    Strips {
+        ptr: *const f32,
+        stride: usize,
+    },
+}
 
 /// One instruction set's vectors of `f32`: the few operations the micro-kernel needs. Every
 /// method is `#[inline(always)]` and is only called from a function compiled with the set's
@@ -81,49 +99,53 @@ macro_rules! compiled_product {
         #[target_feature(enable = $features)]
         pub(super) unsafe fn product(
             lhs: &super::Panels<'_>,
-            rhs: (*const f32, usize),
+            rhs: driver::Rhs,
             n: usize,
             dst: (*mut f32, usize),
             write: super::Write<'_>,
-            strips: Option<&mut [f32]>,
         ) {
-            driver::product::<$lanes, VECTORS>(lhs, rhs, n, dst, write, strips);
+            driver::product::<$lanes, VECTORS>(lhs, rhs, n, dst, write);
         }
     };
 }
 pub(super) use compiled_product;
 
 /// Every panel of `lhs` against every block of `NV` registers of columns (`NR = NV * LANES`)
-/// of `rhs`, a chunk of [`COLUMN_CHUNK`] columns at a time, copied into `strips` first when
-/// given; a last block narrower than `NR` is read and written through masks. `write` as for
+/// of `rhs`, a chunk of [`COLUMN_CHUNK`] columns at a time (see [`Rhs`]); a last block
+/// narrower than `NR` is read (from rows) and written through masks. `write` as for
 /// [`super::product`].
 ///
 /// # Safety
 ///
 /// The CPU runs `L`'s instructions and this is inlined into a function compiled for them;
-/// `rhs` holds `lhs.k` rows of `n` values `ld_rhs` apart, `dst` `lhs.m` rows of `n` values
-/// `ld_dst` apart, and `strips` (if any) room for `lhs.k * COLUMN_CHUNK` values.
+/// `rhs` holds `lhs.k` rows of `n` values as [`Rhs`] describes (its strips `NR` wide, its
+/// copy room for `lhs.k * COLUMN_CHUNK` values), `dst` `lhs.m` rows of `n` values `ld_dst`
+/// apart, and every panel of `lhs` lies inside its slice.
 #[inline(always)]
 pub(super) unsafe fn product<L: Lanes, const NV: usize>(
     lhs: &Panels<'_>,
-    (rhs, ld_rhs): (*const f32, usize),
+    rhs: Rhs,
     n: usize,
     (dst, ld_dst): (*mut f32, usize),
     write: Write<'_>,
-    strips: Option<&mut [f32]>,
 ) {
     let nr = NV * L::LANES;
     debug_assert_eq!(COLUMN_CHUNK % nr, 0);
     let k = lhs.k;
-    let strips = strips.map(|s| s.as_mut_ptr());
     for j0 in (0..n).step_by(COLUMN_CHUNK) {
         let j1 = (j0 + COLUMN_CHUNK).min(n);
-        if let Some(strips) = strips {
-            copy_strips::<L, NV>((rhs.add(j0), ld_rhs), k, j1 - j0, strips);
+        if let Rhs::Rows {
+            ptr,
+            ld,
+            copy: Some(strips),
+        } = rhs
+        {
+            copy_strips::<L, NV>((ptr.add(j0), ld), k, j1 - j0, strips);
         }
         for r0 in (0..lhs.m).step_by(MR) {
             let rows = MR.min(lhs.m - r0);
-            let a = lhs.data.as_ptr().add(lhs.panel_start(r0 / MR, rows));
+            let (start, a_row, a_step) = lhs.panel(r0 / MR, rows);
+            let a = (lhs.data.as_ptr().add(start), a_row, a_step);
             let out = dst.add(r0 * ld_dst);
             // The panel's rows of the start values, if any.
             let start = match write.start {
@@ -134,9 +156,17 @@ pub(super) unsafe fn product<L: Lanes, const NV: usize>(
             let write = (start, write.relu);
             for j in (j0..j1).step_by(nr) {
                 let width = nr.min(j1 - j);
-                let b = match strips {
-                    Some(strips) => (strips.add((j - j0) * k).cast_const(), nr),
-                    None => (rhs.add(j), ld_rhs),
+                // Whether the block's columns of `rhs` are read as rows, through masks.
+                let (b, from_rows) = match rhs {
+                    Rhs::Rows {
+                        copy: Some(strips), ..
+                    } => ((strips.add((j - j0) * k).cast_const(), nr), false),
+                    Rhs::Rows {
+                        ptr,
+                        ld,
+                        copy: None,
+                    } => ((ptr.add(j), ld), true),
+                    Rhs::Strips { ptr, stride } => ((ptr.add(j / nr * stride), nr), false),
                 };
                 let args = BlockArgs {
                     k,
@@ -153,10 +183,10 @@ pub(super) unsafe fn product<L: Lanes, const NV: usize>(
                 };
                 macro_rules! run {
                     ($rows:literal, $v:literal) => {
-                        match (width == $v * L::LANES, strips.is_some()) {
+                        match (width == $v * L::LANES, from_rows) {
                             (true, _) => L::block::<$rows, $v, false, false>(args),
-                            (false, true) => L::block::<$rows, $v, true, false>(args),
-                            (false, false) => L::block::<$rows, $v, true, true>(args),
+                            (false, false) => L::block::<$rows, $v, true, false>(args),
+                            (false, true) => L::block::<$rows, $v, true, true>(args),
                         }
                     };
                 }
@@ -231,8 +261,9 @@ unsafe fn copy_strips<L: Lanes, const NV: usize>(
 pub(super) struct BlockArgs {
     /// Depth of the product.
     k: usize,
-    /// The panel, `[k][R]`.
-    a: *const f32,
+    /// The panel, its row `r` at step `p` at `a + r * row + p * step` (`(a, row, step)`):
+    /// `[k][R]` packed, or rows read in place.
+    a: (*const f32, usize, usize),
     /// `b` and its row stride.
     b: (*const f32, usize),
     /// `c` and its row stride.
@@ -253,12 +284,12 @@ pub(super) enum BlockStart {
 
 /// One `R x (V * LANES)` block (the first `width` columns of `c` when `MASKED`, of `b` too
 /// when `MASKED_B`), in `R * V` registers:
-/// `c[r][..] = start + sum over p of a[p * R + r] * b[p * ldb..][..]`, then `max(c, 0)`
-/// when `relu` (`write` is `(start, relu)`).
+/// `c[r][..] = start + sum over p of a[r * row + p * step] * b[p * ldb..][..]`, then
+/// `max(c, 0)` when `relu` (`write` is `(start, relu)`).
 ///
 /// # Safety
 ///
-/// As for [`product`]: `a` holds `k * R` values, `b` `k` rows of `width` values `ldb` apart
+/// As for [`product`]: `a` holds the panel's `R x k` values, `b` `k` rows of `width` values `ldb` apart
 /// (of `V * LANES` unless `MASKED_B`), `c` `R` rows of `width` values `ldc` apart; `width` is
 /// `V * LANES` unless `MASKED`.
 #[inline(always)]
@@ -273,7 +304,7 @@ pub(super) unsafe fn block<
 ) {
     let BlockArgs {
         k,
-        a,
+        a: (a, a_row, a_step),
         b: (b, ldb),
         c: (c, ldc),
         write: (start, relu),
@@ -312,9 +343,9 @@ pub(super) unsafe fn block<
     }
     for p in 0..k {
         let bv = load(b.add(p * ldb), MASKED_B);
-        let col = a.add(p * R);
+        let col = a.add(p * a_step);
         for (r, row) in acc.iter_mut().enumerate() {
-            let v = L::splat(col.add(r));
+            let v = L::splat(col.add(r * a_row));
             for (acc, &b) in row.iter_mut().zip(&bv) {
                 *acc = L::fma(v, b, *acc);
             }

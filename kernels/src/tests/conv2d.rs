@@ -142,6 +142,10 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((2, 24, 9, 11), (32, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((2, 40, 15, 15), (36, 3, 3), (2, 2), (0, 0, 0, 0)),
         case((1, 33, 10, 9), (40, 3, 2), (2, 1), (1, 1, 0, 1)),
+        // Stride 2 across, deep enough not to fold: input rows split into even and odd
+        // columns, with padding (a kernel column reading before the row) on an odd width.
+        case((2, 24, 11, 13), (10, 3, 3), (2, 2), (1, 1, 1, 1)),
+        case((1, 22, 9, 16), (7, 5, 4), (1, 2), (2, 0, 3, 1)),
         case((2, 70, 7, 7), (33, 3, 3), (1, 1), (1, 1, 1, 1)),
         // Several row tiles per image (32x32), one of them the 1x1 direct path.
         case((2, 16, 32, 32), (8, 3, 3), (1, 1), (1, 1, 1, 1)),

@@ -23,7 +23,7 @@
 //! A kernel gradient's products (`dW^T (taps x o) += X (taps x positions) * dY^T`) have no
 //! operand to pack once: the left one (an expansion, or Winograd's transformed tiles) is read
 //! where it lies ([`Panels::in_place`], each value broadcast from its row), and the right one
-//! is written by its maker straight into strips ([`Strips`], [`product_from_strips`]): the
+//! is written by its maker straight into strips ([`Strips`]): the
 //! output gradient transposed, or Winograd's output-gradient transform with channels in the
 //! lanes. The `gemm` crate runs the products on other CPUs, and those split over the pool.
 
@@ -326,36 +326,37 @@ pub(crate) struct Write<'a> {
 }
 
 /// `dst = start + lhs * rhs` (see [`Start`]), then its ReLU when `write.relu`, for the
-/// `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs`, both with unit column strides
-/// (`cs == 1`) and any row stride, at the width [`SimdLevel::in_use`] names. Returns an error
-/// (and touches nothing) when a matrix does not fit its slice (or a start row is missing), or
-/// the CPU lacks AVX2 and FMA.
-pub(crate) fn product(
+/// `lhs.m x n` matrix `dst` and the `lhs.k x n` matrix `rhs` (a [`View`] or [`Strips`]), with
+/// unit column strides (`cs == 1`) and any row stride, at the width [`SimdLevel::in_use`]
+/// names. Returns an error (and touches nothing) when a matrix does not fit its slice (or a
+/// start row is missing, or strips are not of the width in use), or the CPU lacks AVX2 and FMA.
+pub(crate) fn product<'a>(
     lhs: Panels<'_>,
-    rhs: View<'_>,
+    rhs: impl Into<Right<'a>>,
     n: usize,
     dst: ViewMut<'_>,
     write: Write<'_>,
 ) -> candle_core::Result<()> {
-    product_at(SimdLevel::in_use(), lhs, Right::Matrix(rhs), n, dst, write)
-}
-
-/// [`product`] with the right operand already in strips ([`Strips`], of the width in use).
-pub(crate) fn product_from_strips(
-    lhs: Panels<'_>,
-    rhs: Strips<'_>,
-    n: usize,
-    dst: ViewMut<'_>,
-    write: Write<'_>,
-) -> candle_core::Result<()> {
-    product_at(SimdLevel::in_use(), lhs, Right::Strips(rhs), n, dst, write)
+    product_at(SimdLevel::in_use(), lhs, rhs.into(), n, dst, write)
 }
 
 /// The right operand of a product: a matrix of unit column stride, or strips.
 #[derive(Debug, Clone, Copy)]
-enum Right<'a> {
+pub(crate) enum Right<'a> {
     Matrix(View<'a>),
     Strips(Strips<'a>),
+}
+
+impl<'a> From<View<'a>> for Right<'a> {
+    fn from(rhs: View<'a>) -> Self {
+        Right::Matrix(rhs)
+    }
+}
+
+impl<'a> From<Strips<'a>> for Right<'a> {
+    fn from(rhs: Strips<'a>) -> Self {
+        Right::Strips(rhs)
+    }
 }
 
 impl Right<'_> {
@@ -630,6 +631,96 @@ mod tests {
                         "{case}: other bits than the widest width's"
                     ),
                 }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rows_in_place_and_strips_give_the_packed_products_bits() -> candle_core::Result<()> {
+        // (m, k, n, ld_lhs): one panel and several with a short last one, masked last
+        // columns, more columns than a chunk, strided lhs rows.
+        for (m, k, n, ld_lhs) in [
+            (6, 7, 32, 7),
+            (13, 37, 48, 40),
+            (20, 64, 160, 64),
+            (7, 5, 17, 9),
+        ] {
+            let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
+            let lhs: Vec<f32> = (0..m * ld_lhs).map(value).collect();
+            let rhs: Vec<f32> = (0..k * n).map(|i| value(i * 13 + 1)).collect();
+            let dense: Vec<f32> = (0..m * k).map(|i| lhs[i / k * ld_lhs + i % k]).collect();
+            let packed = PackedLhs::new(&dense, m, k)?;
+            let in_place = View {
+                data: &lhs,
+                offset: 0,
+                rs: ld_lhs,
+                cs: 1,
+            };
+            for level in levels() {
+                let nr = block_columns(level);
+                let mut strips = vec![f32::NAN; n.div_ceil(nr) * k * nr];
+                for (at, v) in strips.iter_mut().enumerate() {
+                    let (s, p, i) = (at / (k * nr), at / nr % k, at % nr);
+                    *v = rhs
+                        .get(p * n + s * nr + i)
+                        .filter(|_| s * nr + i < n)
+                        .map_or(0.0, |v| *v);
+                }
+                let strips = Strips {
+                    data: &strips,
+                    offset: 0,
+                    stride: k * nr,
+                    nr,
+                };
+                let matrix = View {
+                    data: &rhs,
+                    offset: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let start = [0.5f32; 32];
+                let write = Write {
+                    start: Start::Rows(&start[..m]),
+                    relu: true,
+                };
+                let mut run = |lhs: Panels<'_>, rhs: Right<'_>| -> candle_core::Result<Vec<f32>> {
+                    let mut dst = vec![f32::NAN; m * n];
+                    let view = ViewMut {
+                        data: &mut dst,
+                        offset: 0,
+                        rs: n,
+                        cs: 1,
+                    };
+                    product_at(level, lhs, rhs, n, view, write)?;
+                    Ok(dst)
+                };
+                let want = run(packed.panels(), matrix.into())?;
+                let case = format!("{m}x{k}x{n} at {level}");
+                for (what, got) in [
+                    (
+                        "rows in place",
+                        run(Panels::in_place(in_place, m, k), matrix.into())?,
+                    ),
+                    ("strips", run(packed.panels(), strips.into())?),
+                    (
+                        "both",
+                        run(Panels::in_place(in_place, m, k), strips.into())?,
+                    ),
+                ] {
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{case}: {what} gave other bits"
+                    );
+                }
+                // Strips of another width are refused.
+                let other = Strips {
+                    nr: nr * 2,
+                    ..strips
+                };
+                assert!(run(packed.panels(), other.into()).is_err(), "{case}");
             }
         }
         Ok(())

@@ -970,7 +970,7 @@ fn weight_grad_image(
                 cs: t.operand.rs,
                 ..t.operand
             };
-            microkernel::product_from_strips(
+            microkernel::product(
                 Panels::in_place(lhs, depth, t.rows * plan.wo),
                 Strips {
                     data: dyt,

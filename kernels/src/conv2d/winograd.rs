@@ -578,7 +578,7 @@ impl Winograd {
                         relu: false,
                     };
                     let lhs = Panels::in_place(ve, c, width);
-                    microkernel::product_from_strips(lhs, strips, o, du, write)?;
+                    microkernel::product(lhs, strips, o, du, write)?;
                 } else {
                     let product = Product {
                         m: c,

@@ -684,7 +684,7 @@ mod tests {
                     start: Start::Rows(&start[..m]),
                     relu: true,
                 };
-                let mut run = |lhs: Panels<'_>, rhs: Right<'_>| -> candle_core::Result<Vec<f32>> {
+                let run = |lhs: Panels<'_>, rhs: Right<'_>| -> candle_core::Result<Vec<f32>> {
                     let mut dst = vec![f32::NAN; m * n];
                     let view = ViewMut {
                         data: &mut dst,

@@ -57,8 +57,8 @@ failed=0
 # The whole check ends within KANDLE_GPU_CHECK_SECONDS (default 530): a step gets at most what is
 # left, and a step with under 15 s left is recorded as skipped (exit 125).
 DEADLINE=$((SECONDS + ${KANDLE_GPU_CHECK_SECONDS:-530}))
-# KANDLE_GPU_STEPS (a comma-separated list of step names) runs those steps only, for a session
-# whose device time is short.
+# KANDLE_GPU_STEPS (a comma-separated list of step names) runs those steps only, for a run
+# with little device time left.
 # step NAME SECONDS COMMAND...: runs COMMAND under a time limit and records how it ended.
 step() {
   local name=$1 limit=$2

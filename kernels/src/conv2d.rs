@@ -13,7 +13,7 @@
 //! kandle's micro-kernel (`microkernel`, compiled for AVX-512 and for AVX2) or by the `gemm`
 //! crate: the kernel gradient's products, a GEMM split over the pool, and every product on CPUs
 //! without AVX2. 3x3 correlations at unit strides
-//! with 16 channels or more and output planes of 5x5 or more go through Winograd's F(4x4, 3x3)
+//! with 16 channels or more and output planes of 3x3 or more (6 positions a tile or more) go through Winograd's F(4x4, 3x3)
 //! instead (see `winograd`), four times fewer multiplications, in all three passes. The
 //! input gradient at stride `s` is `s^2`
 //! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on

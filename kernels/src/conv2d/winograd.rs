@@ -69,9 +69,12 @@ const KERNEL_GRAD_LANES: usize = 16;
 /// Fewest input and output channels for which the transforms pay for themselves.
 const MIN_CHANNELS: usize = 16;
 
-/// Fewest tiles per image (output planes of 5x5 and more): with fewer, most of a tile's outputs
-/// would fall outside the plane.
-const MIN_TILES: usize = 4;
+/// Fewest output positions per tile, on average over a plane: a tile costs 36 products per
+/// channel pair where the direct correlation costs 9 per position, so at 6 positions a tile
+/// (output planes of 3x3, 4x4, 5x5 and up; not 2x2, nor 1x1) Winograd's products still number
+/// at most two thirds of the direct correlation's. Below that, most of a tile's outputs would
+/// fall outside the plane.
+const MIN_POSITIONS_PER_TILE: usize = 6;
 
 /// Tiles a transform takes at once, one per vector lane.
 const LANES: usize = 8;
@@ -241,7 +244,8 @@ impl Winograd {
             && plan.sw == 1
             && plan.c >= MIN_CHANNELS
             && plan.o >= MIN_CHANNELS
-            && plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE) >= MIN_TILES
+            && plan.ho * plan.wo
+                >= MIN_POSITIONS_PER_TILE * plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE)
     }
 
     /// Tiles per block for `plan`: as many as fit [`BLOCK_BUDGET`], a multiple of [`NR`].
@@ -1371,8 +1375,20 @@ mod tests {
             "too few channels"
         );
         assert!(
-            Winograd::new(&plan(64, 6, 3, 1), tap).is_none(),
-            "too few tiles"
+            Winograd::new(&plan(64, 6, 3, 1), tap).is_some(),
+            "4x4 outputs: one whole tile"
+        );
+        assert!(
+            Winograd::new(&plan(64, 5, 3, 1), tap).is_some(),
+            "3x3 outputs"
+        );
+        assert!(
+            Winograd::new(&plan(64, 4, 3, 1), tap).is_none(),
+            "2x2 outputs: a quarter of the tile"
+        );
+        assert!(
+            Winograd::new(&plan(64, 34, 3, 1), tap).is_some(),
+            "32x32 outputs"
         );
         assert!(Winograd::new(&plan(64, 17, 3, 2), tap).is_none(), "strided");
         assert!(Winograd::new(&plan(64, 17, 1, 1), tap).is_none(), "1x1");

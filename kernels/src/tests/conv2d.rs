@@ -163,6 +163,11 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((2, 66, 18, 17), (64, 3, 3), (1, 1), (0, 0, 0, 0)),
         case((5, 20, 7, 7), (18, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((3, 17, 8, 8), (130, 3, 3), (1, 1), (1, 1, 1, 1)),
+        // Planes of one tile (4x4, ResNet's last stage on 32x32 images) and of one part tile
+        // (3x3), tiles across images in every block; a 2x2 plane stays direct.
+        case((9, 24, 4, 4), (40, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((5, 16, 3, 3), (17, 3, 3), (1, 1), (1, 1, 1, 1)),
+        case((3, 32, 2, 2), (16, 3, 3), (1, 1), (1, 1, 1, 1)),
         // One image of several blocks (40x40, 100 tiles), whatever the thread count: the
         // kernel gradient's first block starts its sum and the next adds to it.
         case((1, 16, 40, 40), (20, 3, 3), (1, 1), (1, 1, 1, 1)),

@@ -10,13 +10,12 @@
 //!
 //! Each pass is a few GEMMs per tile of output rows over a row-shift expansion of the input
 //! (see `plan`), split over the images of the batch in the current rayon pool, and run in
-//! kandle's micro-kernel (`microkernel`, compiled for AVX-512 and for AVX2) or by the `gemm`
-//! crate: the kernel gradient's products, a GEMM split over the pool, and every product on CPUs
-//! without AVX2. 3x3 correlations at unit strides
-//! with 16 channels or more and output planes of 3x3 or more (6 positions a tile or more) go through Winograd's F(4x4, 3x3)
-//! instead (see `winograd`), four times fewer multiplications, in all three passes. The
-//! input gradient at stride `s` is `s^2`
-//! stride-1 correlations of the output gradient, one per stride phase, so no work is spent on
+//! kandle's micro-kernel (`microkernel`, compiled for AVX-512 and for AVX2), or by the `gemm`
+//! crate for a GEMM split over the pool and on CPUs without AVX2. 3x3 correlations at unit
+//! strides with 16 channels or more and output planes of 3x3 or more (6 positions a tile or
+//! more) go through Winograd's F(4x4, 3x3) instead (see `winograd`), four times fewer
+//! multiplications, in all three passes. The input gradient at stride `s` is `s^2` stride-1
+//! correlations of the output gradient, one per stride phase, so no work is spent on
 //! the zeros a dilated transposed convolution would multiply.
 //!
 //! [`conv2d_backward`] returns all three gradients at once, for a caller that runs its own

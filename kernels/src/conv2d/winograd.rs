@@ -1365,32 +1365,21 @@ mod tests {
             wo: (h - kh) / sh + 1,
         };
         let tap = |_, _, _, _| 1.0;
-        assert!(Winograd::new(&plan(64, 17, 3, 1), tap).is_some());
-        assert!(
-            Winograd::new(&plan(64, 9, 3, 1), tap).is_some(),
-            "7x7 outputs"
-        );
-        assert!(
-            Winograd::new(&plan(8, 17, 3, 1), tap).is_none(),
-            "too few channels"
-        );
-        assert!(
-            Winograd::new(&plan(64, 6, 3, 1), tap).is_some(),
-            "4x4 outputs: one whole tile"
-        );
-        assert!(
-            Winograd::new(&plan(64, 5, 3, 1), tap).is_some(),
-            "3x3 outputs"
-        );
-        assert!(
-            Winograd::new(&plan(64, 4, 3, 1), tap).is_none(),
-            "2x2 outputs: a quarter of the tile"
-        );
-        assert!(
-            Winograd::new(&plan(64, 34, 3, 1), tap).is_some(),
-            "32x32 outputs"
-        );
-        assert!(Winograd::new(&plan(64, 17, 3, 2), tap).is_none(), "strided");
-        assert!(Winograd::new(&plan(64, 17, 1, 1), tap).is_none(), "1x1");
+        // (channels, input side, kernel side, stride), whether Winograd takes it, and why.
+        let cases = [
+            ((64, 17, 3, 1), true, "15x15 outputs"),
+            ((64, 9, 3, 1), true, "7x7 outputs"),
+            ((64, 6, 3, 1), true, "4x4 outputs: one whole tile"),
+            ((64, 5, 3, 1), true, "3x3 outputs"),
+            ((64, 34, 3, 1), true, "32x32 outputs"),
+            ((64, 4, 3, 1), false, "2x2 outputs: a quarter of the tile"),
+            ((8, 17, 3, 1), false, "too few channels"),
+            ((64, 17, 3, 2), false, "strided"),
+            ((64, 17, 1, 1), false, "1x1"),
+        ];
+        for ((c, h, kh, sh), takes, why) in cases {
+            let taken = Winograd::new(&plan(c, h, kh, sh), tap).is_some();
+            assert_eq!(taken, takes, "{why}");
+        }
     }
 }

@@ -6,6 +6,12 @@
 //! oversubscribe the machine; nothing here spawns threads. With fewer images than threads, the
 //! images run one after the other and each GEMM is split across the pool instead. Each thread
 //! keeps its expansion buffers between calls.
+//!
+//! Images of one tile too small for the micro-kernel's blocks (4x4 and 7x7 planes) go several
+//! to a GEMM: their operands side by side in the forward pass and a unit-stride input
+//! gradient, so a GEMM's columns fill its blocks; and about [`GROUP_POSITIONS`]
+//! positions to a kernel gradient's product, so its accumulator, as large as the kernel, is
+//! read and written once for them all.
 
 use std::cell::Cell;
 
@@ -17,8 +23,8 @@ use super::epilogue::Epilogue;
 use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::lowered::{Lowered, PackedKernel};
 use super::microkernel::{self, Panels, Start, Strips, Write};
-use super::plan::{Operand, Plan};
-use super::transpose::{strips_len, transpose, transpose_to_strips};
+use super::plan::Plan;
+use super::transpose::{strips_len, transpose, transpose_into_strips, transpose_to_strips};
 use super::winograd::{self, Winograd};
 use crate::SimdLevel;
 
@@ -348,11 +354,41 @@ fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
         .max(1)
 }
 
+/// The GEMM operands of the one-tile images `x` (whole images, back to back) side by side:
+/// `[call][depth][image][position]`, so GEMM `call` reads its `depth x (images * positions)`
+/// operand at `call * depth * images * positions`, with no column between two images. Each
+/// image is expanded in `expanded` (or read in place), then each GEMM's rows are copied out
+/// of it: the row shifts of the stride phases are taken as they are copied.
+fn side_by_side<'a>(
+    plan: &Plan,
+    x: &[f32],
+    expanded: &mut Vec<f32>,
+    grouped: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    let in_len = plan.input_len().max(1);
+    let g = x.len() / in_len;
+    let positions = plan.ho * plan.wo;
+    let (depth, columns) = (plan.depth(), g * positions);
+    let buf = at_least(expanded, plan.expanded_len(plan.ho));
+    let out = at_least(grouped, plan.calls() * depth * columns);
+    for (i, xi) in x.chunks_exact(in_len).enumerate() {
+        let operand = plan.expand(xi, 0, plan.ho, buf);
+        let data: &[f32] = if operand.expanded { buf } else { xi };
+        for (call, rows) in out.chunks_exact_mut((depth * columns).max(1)).enumerate() {
+            let base = plan.call_offset(&operand, call);
+            for (q, row) in rows.chunks_exact_mut(columns.max(1)).enumerate() {
+                let from = &data[base + q * operand.k_stride..][..positions];
+                row[i * positions..][..positions].copy_from_slice(from);
+            }
+        }
+    }
+    out
+}
+
 /// `out = correlate(x, kernel) + bias` for `g` small images (see [`image_group`]) at once:
-/// each image's operand (its expansion, or itself) is copied beside the others', plane by
-/// plane, so one GEMM per call covers them all; the columns between two images' positions (a
-/// row-shift expansion's extra rows) give values nobody reads. The products go to a scratch
-/// buffer, then to each image's output (added to what it holds when `into`).
+/// each GEMM's operand is written for all of them side by side ([`side_by_side`]), so one
+/// GEMM per call covers them all, every column a real output position. The products go to a
+/// scratch buffer, then to each image's output (added to what it holds when `into`).
 fn correlate_group(
     plan: &Plan,
     x: &[f32],
@@ -360,41 +396,19 @@ fn correlate_group(
     (out, into): (&mut ImagesMut<'_>, bool),
     scratch: &mut Scratch,
 ) -> candle_core::Result<()> {
-    let in_len = plan.input_len();
     let bias = epilogue.bias;
     let g = out.count();
     let positions = plan.ho * plan.wo;
+    let columns = g * positions;
+    let depth = plan.depth();
     let Scratch {
         expanded,
         grouped,
         products,
         ..
     } = scratch;
-    let buf = at_least(expanded, plan.expanded_len(plan.ho));
-    let mut layout = None;
-    for (i, xi) in x.chunks_exact(in_len).take(g).enumerate() {
-        let operand = plan.expand(xi, 0, plan.ho, buf);
-        let data: &[f32] = if operand.expanded { buf } else { xi };
-        let planes = plan.depth() * operand.k_stride / operand.plane.max(1);
-        let side_by_side = at_least(grouped, planes * g * operand.plane);
-        for q in 0..planes {
-            let from = &data[operand.base + q * operand.plane..][..operand.plane];
-            side_by_side[(q * g + i) * operand.plane..][..operand.plane].copy_from_slice(from);
-        }
-        layout = Some(operand);
-    }
-    let Some(one) = layout else {
-        return Ok(());
-    };
-    let operand = Operand {
-        expanded: true,
-        k_stride: one.k_stride * g,
-        base: 0,
-        plane: one.plane * g,
-    };
-    let width = operand.plane;
-    let columns = (g - 1) * one.plane + positions;
-    let products = at_least(products, plan.o * width);
+    let grouped = side_by_side(plan, &x[..g * plan.input_len()], expanded, grouped);
+    let products = at_least(products, plan.o * columns);
     for (call, panels) in kernel.panels.iter().enumerate() {
         // The first product starts from the bias, in the micro-kernel's registers.
         let start = match (call, bias) {
@@ -406,15 +420,15 @@ fn correlate_group(
             panels.panels(),
             View {
                 data: grouped,
-                offset: plan.call_offset(&operand, call),
-                rs: operand.k_stride,
+                offset: call * depth * columns,
+                rs: columns,
                 cs: 1,
             },
             columns,
             ViewMut {
                 data: products,
                 offset: 0,
-                rs: width,
+                rs: columns,
                 cs: 1,
             },
             Write {
@@ -426,9 +440,9 @@ fn correlate_group(
     for (i, image) in out.each().enumerate() {
         for (plane, row) in image
             .chunks_exact_mut(positions)
-            .zip(products.chunks_exact(width))
+            .zip(products.chunks_exact(columns))
         {
-            let row = &row[i * one.plane..][..positions];
+            let row = &row[i * positions..][..positions];
             if into {
                 plane.iter_mut().zip(row).for_each(|(v, p)| *v += p);
             } else {
@@ -795,14 +809,22 @@ pub(crate) fn weight_grad(
         let mut acc = vec![0f32; acc_len];
         let (packed, bias) = acc.split_at_mut(packed_len);
         let images = t * per_task..((t + 1) * per_task).min(conv.n);
+        let group = weight_grad_group(&plan, images.len(), par);
         with_scratch(|s| {
-            images.into_iter().try_for_each(|i| {
-                let xi = &x[i * in_len..(i + 1) * in_len];
-                let dyi = &dy[i * dy_len..(i + 1) * dy_len];
+            images.clone().step_by(group).try_for_each(|i0| {
+                let i1 = (i0 + group).min(images.end);
+                let xs = &x[i0 * in_len..i1 * in_len];
+                let dys = &dy[i0 * dy_len..i1 * dy_len];
                 if with_bias {
-                    add_channel_sums(dyi, bias);
+                    for dyi in dys.chunks_exact(dy_len) {
+                        add_channel_sums(dyi, bias);
+                    }
                 }
-                weight_grad_image(&plan, xi, dyi, packed, s, par)
+                if group > 1 {
+                    weight_grad_images(&plan, xs, dys, packed, s)
+                } else {
+                    weight_grad_image(&plan, xs, dys, packed, s, par)
+                }
             })
         })?;
         Ok(acc)
@@ -936,6 +958,81 @@ fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
         }
         *sum += lanes.iter().sum::<f32>() + tail;
     }
+}
+
+/// Output positions a kernel gradient's product aims to sum over: small images go several to
+/// a product ([`weight_grad_images`]), so the accumulator is read and written once for them
+/// all rather than once per image.
+const GROUP_POSITIONS: usize = 256;
+
+/// Images per product of a kernel gradient, out of a task's `images`: one, unless an image
+/// is one tile of fewer than [`GROUP_POSITIONS`] positions and the micro-kernel runs the
+/// products on this thread; then enough images for about that many positions.
+fn weight_grad_group(plan: &Plan, images: usize, parallelism: Parallelism) -> usize {
+    let positions = plan.ho * plan.wo;
+    let one_thread = matches!(parallelism, Parallelism::None);
+    if !one_thread || !microkernel::supported() || positions == 0 || plan.tile_rows() < plan.ho {
+        return 1;
+    }
+    GROUP_POSITIONS.div_ceil(positions).min(images).max(1)
+}
+
+/// Adds the kernel gradient of the one-tile images `x` (whole images, back to back) to `acc`,
+/// packed as `[call][depth][o]`: `acc (depth x o) += E (depth x images * positions) * dY^T`
+/// for each GEMM, the images' operands side by side ([`side_by_side`]) and their output
+/// gradients transposed into the rows of one set of strips.
+fn weight_grad_images(
+    plan: &Plan,
+    x: &[f32],
+    dy: &[f32],
+    acc: &mut [f32],
+    scratch: &mut Scratch,
+) -> candle_core::Result<()> {
+    let (positions, dy_len) = (plan.ho * plan.wo, plan.output_len());
+    let g = dy.len() / dy_len.max(1);
+    let (depth, columns) = (plan.depth(), g * positions);
+    let nr = microkernel::block_columns(SimdLevel::in_use());
+    let Scratch {
+        expanded,
+        grouped,
+        transposed,
+        ..
+    } = scratch;
+    let lhs = side_by_side(plan, x, expanded, grouped);
+    let dyt = at_least(transposed, strips_len(plan.o, columns, nr));
+    for (i, dyi) in dy.chunks_exact(dy_len.max(1)).enumerate() {
+        transpose_into_strips(dyi, (plan.o, positions), nr, dyt, (i * positions, columns));
+    }
+    let dyt = &*dyt;
+    for call in 0..plan.calls() {
+        let lhs = View {
+            data: lhs,
+            offset: call * depth * columns,
+            rs: columns,
+            cs: 1,
+        };
+        microkernel::product(
+            Panels::in_place(lhs, depth, columns),
+            Strips {
+                data: dyt,
+                offset: 0,
+                stride: columns * nr,
+                nr,
+            },
+            plan.o,
+            ViewMut {
+                data: acc,
+                offset: call * plan.o * depth,
+                rs: plan.o,
+                cs: 1,
+            },
+            Write {
+                start: Start::Dst,
+                relu: false,
+            },
+        )?;
+    }
+    Ok(())
 }
 
 /// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`: `acc (depth x o)

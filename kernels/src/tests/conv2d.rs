@@ -172,10 +172,13 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         // kernel gradient's first block starts its sum and the next adds to it.
         case((1, 16, 40, 40), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
         // Planes too small to fill the micro-kernel's column blocks: several images per GEMM
-        // (a last group one image short, a row-shift expansion whose extra rows sit between
-        // the images, a folded one, a read of the input itself).
+        // in every pass (a last group one image short, row-shift expansions whose shifted rows
+        // are taken as the images are put side by side, a folded one, a read of the input
+        // itself), ResNet's stride-2 layers into 4x4 planes among them.
         case((9, 40, 7, 7), (20, 1, 1), (1, 1), (0, 0, 0, 0)),
         case((8, 30, 15, 15), (14, 3, 3), (2, 2), (0, 0, 0, 0)),
+        case((9, 40, 8, 8), (48, 3, 3), (2, 2), (1, 1, 1, 1)),
+        case((7, 24, 8, 8), (40, 1, 1), (2, 2), (0, 0, 0, 0)),
         case((6, 5, 5, 6), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((7, 20, 6, 5), (9, 3, 1), (1, 1), (0, 0, 0, 0)),
     ];

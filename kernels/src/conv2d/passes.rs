@@ -8,10 +8,8 @@
 //! keeps its expansion buffers between calls.
 //!
 //! Images of one tile too small for the micro-kernel's blocks (4x4 and 7x7 planes) go several
-//! to a GEMM: their operands side by side in the forward pass and a unit-stride input
-//! gradient, so a GEMM's columns fill its blocks; and about [`GROUP_POSITIONS`]
-//! positions to a kernel gradient's product, so its accumulator, as large as the kernel, is
-//! read and written once for them all.
+//! to a GEMM in the forward pass and a unit-stride input gradient: each GEMM's operand is
+//! written for all of them side by side, so its columns fill the blocks.
 
 use std::cell::Cell;
 
@@ -24,7 +22,7 @@ use super::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use super::lowered::{Lowered, PackedKernel};
 use super::microkernel::{self, Panels, Start, Strips, Write};
 use super::plan::Plan;
-use super::transpose::{strips_len, transpose, transpose_into_strips, transpose_to_strips};
+use super::transpose::{strips_len, transpose, transpose_to_strips};
 use super::winograd::{self, Winograd};
 use crate::SimdLevel;
 
@@ -809,22 +807,14 @@ pub(crate) fn weight_grad(
         let mut acc = vec![0f32; acc_len];
         let (packed, bias) = acc.split_at_mut(packed_len);
         let images = t * per_task..((t + 1) * per_task).min(conv.n);
-        let group = weight_grad_group(&plan, images.len(), par);
         with_scratch(|s| {
-            images.clone().step_by(group).try_for_each(|i0| {
-                let i1 = (i0 + group).min(images.end);
-                let xs = &x[i0 * in_len..i1 * in_len];
-                let dys = &dy[i0 * dy_len..i1 * dy_len];
+            images.into_iter().try_for_each(|i| {
+                let xi = &x[i * in_len..(i + 1) * in_len];
+                let dyi = &dy[i * dy_len..(i + 1) * dy_len];
                 if with_bias {
-                    for dyi in dys.chunks_exact(dy_len) {
-                        add_channel_sums(dyi, bias);
-                    }
+                    add_channel_sums(dyi, bias);
                 }
-                if group > 1 {
-                    weight_grad_images(&plan, xs, dys, packed, s)
-                } else {
-                    weight_grad_image(&plan, xs, dys, packed, s, par)
-                }
+                weight_grad_image(&plan, xi, dyi, packed, s, par)
             })
         })?;
         Ok(acc)
@@ -958,81 +948,6 @@ fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
         }
         *sum += lanes.iter().sum::<f32>() + tail;
     }
-}
-
-/// Output positions a kernel gradient's product aims to sum over: small images go several to
-/// a product ([`weight_grad_images`]), so the accumulator is read and written once for them
-/// all rather than once per image.
-const GROUP_POSITIONS: usize = 256;
-
-/// Images per product of a kernel gradient, out of a task's `images`: one, unless an image
-/// is one tile of fewer than [`GROUP_POSITIONS`] positions and the micro-kernel runs the
-/// products on this thread; then enough images for about that many positions.
-fn weight_grad_group(plan: &Plan, images: usize, parallelism: Parallelism) -> usize {
-    let positions = plan.ho * plan.wo;
-    let one_thread = matches!(parallelism, Parallelism::None);
-    if !one_thread || !microkernel::supported() || positions == 0 || plan.tile_rows() < plan.ho {
-        return 1;
-    }
-    GROUP_POSITIONS.div_ceil(positions).min(images).max(1)
-}
-
-/// Adds the kernel gradient of the one-tile images `x` (whole images, back to back) to `acc`,
-/// packed as `[call][depth][o]`: `acc (depth x o) += E (depth x images * positions) * dY^T`
-/// for each GEMM, the images' operands side by side ([`side_by_side`]) and their output
-/// gradients transposed into the rows of one set of strips.
-fn weight_grad_images(
-    plan: &Plan,
-    x: &[f32],
-    dy: &[f32],
-    acc: &mut [f32],
-    scratch: &mut Scratch,
-) -> candle_core::Result<()> {
-    let (positions, dy_len) = (plan.ho * plan.wo, plan.output_len());
-    let g = dy.len() / dy_len.max(1);
-    let (depth, columns) = (plan.depth(), g * positions);
-    let nr = microkernel::block_columns(SimdLevel::in_use());
-    let Scratch {
-        expanded,
-        grouped,
-        transposed,
-        ..
-    } = scratch;
-    let lhs = side_by_side(plan, x, expanded, grouped);
-    let dyt = at_least(transposed, strips_len(plan.o, columns, nr));
-    for (i, dyi) in dy.chunks_exact(dy_len.max(1)).enumerate() {
-        transpose_into_strips(dyi, (plan.o, positions), nr, dyt, (i * positions, columns));
-    }
-    let dyt = &*dyt;
-    for call in 0..plan.calls() {
-        let lhs = View {
-            data: lhs,
-            offset: call * depth * columns,
-            rs: columns,
-            cs: 1,
-        };
-        microkernel::product(
-            Panels::in_place(lhs, depth, columns),
-            Strips {
-                data: dyt,
-                offset: 0,
-                stride: columns * nr,
-                nr,
-            },
-            plan.o,
-            ViewMut {
-                data: acc,
-                offset: call * plan.o * depth,
-                rs: plan.o,
-                cs: 1,
-            },
-            Write {
-                start: Start::Dst,
-                relu: false,
-            },
-        )?;
-    }
-    Ok(())
 }
 
 /// Adds one image's kernel gradient to `acc`, packed as `[call][depth][o]`: `acc (depth x o)

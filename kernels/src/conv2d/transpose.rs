@@ -33,25 +33,9 @@ pub(crate) fn transpose_to_strips(
     nr: usize,
     dst: &mut [f32],
 ) {
-    transpose_into_strips(src, (rows, cols), nr, dst, (0, cols));
-}
-
-/// [`transpose_to_strips`] into rows `first .. first + cols` of strips `all` rows long: strip
-/// `s` at `s * all * nr`, `dst[s * all * nr + (first + j) * nr + i] =
-/// src[(s * nr + i) * cols + j]`, zero where `s * nr + i` is past `rows`. The transposes of
-/// several matrices with as many rows (images' output gradients) make one operand, each in
-/// its own rows.
-pub(crate) fn transpose_into_strips(
-    src: &[f32],
-    (rows, cols): (usize, usize),
-    nr: usize,
-    dst: &mut [f32],
-    (first, all): (usize, usize),
-) {
     debug_assert_eq!(nr % BLOCK, 0);
-    debug_assert!(first + cols <= all);
-    let at = |c: usize, r: usize| r / nr * all * nr + (first + c) * nr + r % nr;
-    let dst = &mut dst[..strips_len(rows, all, nr)];
+    let at = |c: usize, r: usize| r / nr * cols * nr + c * nr + r % nr;
+    let dst = &mut dst[..strips_len(rows, cols, nr)];
     transpose_with(src, (rows, cols), dst, at);
     // The last strip's lanes past `rows`.
     for r in rows..rows.next_multiple_of(nr) {
@@ -204,35 +188,6 @@ mod tests {
                             want,
                             "{rows}x{cols} in strips of {nr}: strip {s}, column {j}, lane {i}"
                         );
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn transposes_side_by_side_into_strips() {
-        // Three 20x7 matrices into rows 0..7, 7..14 and 14..21 of strips of 16: every value
-        // where its matrix's rows start, the lanes past row 20 zero.
-        let (rows, cols, nr, count) = (20, 7, 16, 3);
-        let all = count * cols;
-        let mut dst = vec![f32::NAN; strips_len(rows, all, nr)];
-        for m in 0..count {
-            let src: Vec<f32> = (0..rows * cols).map(|v| (1000 * m + v) as f32).collect();
-            transpose_into_strips(&src, (rows, cols), nr, &mut dst, (m * cols, all));
-        }
-        for s in 0..rows.div_ceil(nr) {
-            for m in 0..count {
-                for j in 0..cols {
-                    for i in 0..nr {
-                        let r = s * nr + i;
-                        let want = if r < rows {
-                            (1000 * m + r * cols + j) as f32
-                        } else {
-                            0.0
-                        };
-                        let got = dst[(s * all + m * cols + j) * nr + i];
-                        assert_eq!(got, want, "matrix {m}, strip {s}, column {j}, lane {i}");
                     }
                 }
             }

@@ -172,9 +172,9 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         // kernel gradient's first block starts its sum and the next adds to it.
         case((1, 16, 40, 40), (20, 3, 3), (1, 1), (1, 1, 1, 1)),
         // Planes too small to fill the micro-kernel's column blocks: several images per GEMM
-        // in every pass (a last group one image short, row-shift expansions whose shifted rows
-        // are taken as the images are put side by side, a folded one, a read of the input
-        // itself), ResNet's stride-2 layers into 4x4 planes among them.
+        // (a last group one image short, row-shift expansions whose shifted rows are taken as
+        // the images are put side by side, a folded one, a read of the input itself),
+        // ResNet's stride-2 layers into 4x4 planes among them.
         case((9, 40, 7, 7), (20, 1, 1), (1, 1), (0, 0, 0, 0)),
         case((8, 30, 15, 15), (14, 3, 3), (2, 2), (0, 0, 0, 0)),
         case((9, 40, 8, 8), (48, 3, 3), (2, 2), (1, 1, 1, 1)),

@@ -56,6 +56,8 @@ pub mod losses;
 pub mod metrics;
 pub mod mixed_precision;
 mod model;
+mod network;
+mod objective;
 pub mod optimizers;
 pub mod params;
 pub mod pretrained;
@@ -93,7 +95,9 @@ pub struct ReadmeDoctests;
 pub use losses::Loss;
 pub use metrics::{Metric, Metrics};
 pub use mixed_precision::{DTypePolicy, LossScale};
-pub use model::{EvaluateOptions, FitOptions, Model, Network, PredictOptions};
+pub use model::{EvaluateOptions, FitOptions, Model, PredictOptions};
+pub use network::Network;
+pub use objective::Objective;
 pub use strategy::{OneDeviceStrategy, Strategy};
 
 /// The names most programs need, in one import.

@@ -105,7 +105,11 @@ forward_metric!(Box<M>, Arc<M>);
 /// (`(Accuracy, TopKCategoricalAccuracy::new(5))`), `()` for none, or a `Vec` of boxed or
 /// shared metrics.
 #[derive(Debug, Clone, Default)]
-pub struct Metrics(Vec<Arc<dyn Metric>>);
+pub struct Metrics {
+    metrics: Vec<Arc<dyn Metric>>,
+    /// The output each metric scores, by index in the model's outputs (0 for the only one).
+    outputs: Vec<usize>,
+}
 
 impl Metrics {
     /// No metric.
@@ -113,37 +117,53 @@ impl Metrics {
         Self::default()
     }
 
+    fn of(metrics: Vec<Arc<dyn Metric>>) -> Self {
+        let outputs = vec![0; metrics.len()];
+        Self { metrics, outputs }
+    }
+
     /// These metrics and `metric`.
-    pub fn with(mut self, metric: impl Metric + 'static) -> Self {
-        self.0.push(Arc::new(metric));
+    pub fn with(self, metric: impl Metric + 'static) -> Self {
+        self.with_output(Arc::new(metric), 0)
+    }
+
+    /// These metrics and `metric` of the model's output number `output`.
+    pub(crate) fn with_output(mut self, metric: Arc<dyn Metric>, output: usize) -> Self {
+        self.metrics.push(metric);
+        self.outputs.push(output);
         self
     }
 
     /// The metrics, in order.
     pub fn iter(&self) -> impl Iterator<Item = &Arc<dyn Metric>> {
-        self.0.iter()
+        self.metrics.iter()
+    }
+
+    /// The metrics with the output each scores, in order.
+    pub(crate) fn iter_outputs(&self) -> impl Iterator<Item = (&Arc<dyn Metric>, usize)> {
+        self.metrics.iter().zip(self.outputs.iter().copied())
     }
 
     /// Number of metrics.
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.metrics.len()
     }
 
     /// Whether there is no metric.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.metrics.is_empty()
     }
 
     /// The total state size: the sums one step reports for all metrics.
     pub fn state_size(&self) -> usize {
-        self.0.iter().map(|m| m.state_size()).sum()
+        self.metrics.iter().map(|m| m.state_size()).sum()
     }
 
     /// Each metric's name and value from a total state laid out as [`Self::batch_states`]
     /// lays it out.
     pub fn results<'a>(&'a self, state: &'a [f64]) -> impl Iterator<Item = (&'a str, f64)> + 'a {
         let mut offset = 0;
-        self.0.iter().map(move |m| {
+        self.metrics.iter().map(move |m| {
             let size = m.state_size();
             let part = state.get(offset..offset + size).unwrap_or(&[]);
             offset += size;
@@ -151,13 +171,38 @@ impl Metrics {
         })
     }
 
-    /// Every metric's batch state, one after the other: `state_size()` values.
+    /// Every metric's batch state, one after the other: `state_size()` values, for a model of
+    /// one output.
     pub fn batch_states(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Vec<Tensor>> {
-        let y_pred = y_pred.detach();
-        self.0
-            .iter()
-            .map(|m| {
-                let state = m.batch_state(y_true, &y_pred)?.to_dtype(DType::F32)?;
+        self.output_states(std::slice::from_ref(y_true), std::slice::from_ref(y_pred))
+    }
+
+    /// [`Self::batch_states`] with one target tensor and one output tensor per model output:
+    /// each metric reads its own output's.
+    pub(crate) fn output_states(
+        &self,
+        targets: &[Tensor],
+        outputs: &[Tensor],
+    ) -> Result<Vec<Tensor>> {
+        self.iter_outputs()
+            .map(|(m, output)| {
+                let (Some(y_true), Some(y_pred)) = (targets.get(output), outputs.get(output))
+                else {
+                    return Err(crate::Error::invalid(format!(
+                        "metric `{}` scores output {output}, but the model gave {} outputs and \
+                         {} targets",
+                        m.name(),
+                        outputs.len(),
+                        targets.len()
+                    )));
+                };
+                let y_true = match y_true.dtype().is_float() {
+                    true => y_true.to_dtype(y_pred.dtype())?,
+                    false => y_true.clone(),
+                };
+                let state = m
+                    .batch_state(&y_true, &y_pred.detach())?
+                    .to_dtype(DType::F32)?;
                 let state = state.flatten_all()?;
                 if state.elem_count() != m.state_size() {
                     return Err(crate::Error::invalid(format!(
@@ -175,13 +220,13 @@ impl Metrics {
 
 impl<M: Metric + 'static, const N: usize> From<[M; N]> for Metrics {
     fn from(metrics: [M; N]) -> Self {
-        Self(metrics.into_iter().map(|m| Arc::new(m) as _).collect())
+        Self::of(metrics.into_iter().map(|m| Arc::new(m) as _).collect())
     }
 }
 
 impl<M: Metric + 'static> From<Vec<M>> for Metrics {
     fn from(metrics: Vec<M>) -> Self {
-        Self(metrics.into_iter().map(|m| Arc::new(m) as _).collect())
+        Self::of(metrics.into_iter().map(|m| Arc::new(m) as _).collect())
     }
 }
 
@@ -196,7 +241,7 @@ macro_rules! metrics_from_tuple {
         impl<$($m: Metric + 'static),+> From<($($m,)+)> for Metrics {
             #[allow(non_snake_case)]
             fn from(($($m,)+): ($($m,)+)) -> Self {
-                Self(vec![$(Arc::new($m) as Arc<dyn Metric>),+])
+                Self::of(vec![$(Arc::new($m) as Arc<dyn Metric>),+])
             }
         }
     };

@@ -12,11 +12,11 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::cross_replica::ReplicaHandle;
 use crate::data::Batch;
-use crate::layers::{Activation, FastPath, Layer, ParamGrads, Summary};
-use crate::losses::Loss;
+use crate::layers::{Activation, Layer, ParamGrads, Summary};
 use crate::metrics::Metrics;
 use crate::mixed_precision::{DTypePolicy, LossScale};
-use crate::model::Network;
+use crate::network::{BuiltNetwork, Network};
+use crate::objective::Objective;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
@@ -29,12 +29,12 @@ use crate::{ComputePath, Result};
 pub struct ModelSpec {
     /// The network recipe (`Sequential::new()....into()`, or a functional model's).
     pub network: Network,
-    /// Input shape without the batch dimension.
-    pub input_shape: Vec<usize>,
+    /// The shape of each input, without the batch dimension, in the network's order.
+    pub input_shapes: Vec<Vec<usize>>,
     /// The optimizer recipe.
     pub optimizer: Box<dyn OptimizerConfig>,
-    /// The loss.
-    pub loss: Arc<dyn Loss>,
+    /// The loss of each output (`Objective::new(loss)` for a model of one output).
+    pub loss: Objective,
     /// Metrics reported besides the loss.
     pub metrics: Metrics,
     /// Seed for initial values (and dropout masks).
@@ -48,7 +48,7 @@ pub struct ModelSpec {
 impl std::fmt::Debug for ModelSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelSpec")
-            .field("input_shape", &self.input_shape)
+            .field("input_shapes", &self.input_shapes)
             .field("loss", &self.loss)
             .field("metrics", &self.metrics)
             .field("seed", &self.seed)
@@ -115,14 +115,14 @@ pub struct StepBuffer {
 /// One copy of the model on one device.
 pub struct Replica {
     device: Device,
-    net: Box<dyn FastPath>,
+    net: BuiltNetwork,
     store: ParamStore,
     trainable: Vec<Var>,
     /// The canonical names of `trainable`, in the same order.
     trainable_names: Vec<String>,
     statistics: Vec<Var>,
     optimizer: Box<dyn Optimizer>,
-    loss: Arc<dyn Loss>,
+    loss: Objective,
     metrics: Metrics,
     layout: Arc<StepLayout>,
     summary: Summary,
@@ -159,7 +159,7 @@ impl Replica {
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
         spec.dtype_policy.check_on(spec.compute_path, &device)?;
-        let (net, mut store, summary) = spec.network.build(ctx, &spec.input_shape)?;
+        let (net, mut store, summary) = spec.network.build(ctx, &spec.input_shapes)?;
         let loss_scale = match spec.dtype_policy.loss_scale() {
             Some(scale) => {
                 let param = scale.param(&device)?;
@@ -189,7 +189,7 @@ impl Replica {
             trainable_names,
             statistics,
             optimizer,
-            loss: Arc::clone(&spec.loss),
+            loss: spec.loss.clone(),
             metrics: spec.metrics.clone(),
             layout,
             summary,
@@ -244,8 +244,8 @@ impl Replica {
         &self.summary
     }
 
-    /// The built network.
-    pub fn network(&self) -> &dyn Layer {
+    /// The built network as a layer, for a model of one input and one output.
+    pub fn network(&self) -> Option<&dyn Layer> {
         self.net.as_layer()
     }
 
@@ -254,26 +254,21 @@ impl Replica {
         &self.layout
     }
 
-    /// Forward and backward on `x`, `y` (already on this device), each sample's loss weighted
-    /// by `weights` when given. The gradients are those of the weighted loss *sum*; the final
+    /// Forward and backward on `part` (already on this device), each sample's loss weighted
+    /// by its weight when given. The gradients are those of the weighted loss *sum*; the final
     /// phase of the step divides them by the global batch's sample count.
-    fn compute_gradients(
-        &self,
-        x: &Tensor,
-        y: &Tensor,
-        weights: Option<&Tensor>,
-    ) -> Result<Gradients> {
-        let samples = x.dim(0)?;
+    fn compute_gradients(&self, part: &Batch) -> Result<Gradients> {
+        let samples = part.len();
         if samples == 0 {
             return self.zero_gradients();
         }
         let statistics_before = self.statistics_snapshot()?;
-        let (grads, loss_sum, output) = if self.records_backward {
-            self.recorded_backward(x, y, weights)?
+        let (grads, loss_sum, outputs) = if self.records_backward {
+            self.recorded_backward(part)?
         } else {
-            self.candle_backward(x, y, weights)?
+            self.candle_backward(part)?
         };
-        let stats = self.stats(&loss_sum, &output, y)?;
+        let stats = self.stats(&loss_sum, &outputs, &part.targets)?;
         Ok(Gradients {
             grads,
             stats,
@@ -289,8 +284,7 @@ impl Replica {
     /// gradients and sums are added to this part's, and the buffer's moving statistics, those
     /// after the last forward pass, are weighted by the sample count of them all.
     pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
-        let (x, y, w) = part.to_device(&self.device)?;
-        let mut g = self.compute_gradients(&x, &y, w.as_ref())?;
+        let mut g = self.compute_gradients(&part.to_device(&self.device)?)?;
         if let Some(earlier) = self.take_accumulated()? {
             g = earlier.plus(g)?;
         }
@@ -316,8 +310,7 @@ impl Replica {
     /// pass updates as in any training step (each micro-batch normalises with its own batch
     /// statistics). Returns the part's sample count and its `[loss_sum, metric states...]`.
     pub fn accumulate(&self, part: &Batch) -> Result<(usize, Vec<f64>)> {
-        let (x, y, w) = part.to_device(&self.device)?;
-        let g = self.compute_gradients(&x, &y, w.as_ref())?;
+        let g = self.compute_gradients(&part.to_device(&self.device)?)?;
         let own = (g.samples, g.stats.to_dtype(DType::F64)?.to_vec1::<f64>()?);
         let mut slot = self.accumulated_slot()?;
         *slot = Some(match slot.take() {
@@ -400,18 +393,28 @@ impl Replica {
             .collect()
     }
 
-    /// The network's output and logits in `float32`, for the loss and the metrics: under mixed
-    /// precision, the final softmax is computed again in `float32` from the logits.
-    fn in_f32(output: Tensor, logits: Option<Tensor>) -> Result<(Tensor, Option<Tensor>)> {
-        if output.dtype() == DType::F32 {
-            return Ok((output, logits));
+    /// The network's outputs and logits in `float32`, for the loss and the metrics: under
+    /// mixed precision, a final softmax is computed again in `float32` from the logits.
+    fn in_f32(
+        mut outputs: Vec<Tensor>,
+        logits: Option<Tensor>,
+    ) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+        if outputs.iter().all(|y| y.dtype() == DType::F32) {
+            return Ok((outputs, logits));
         }
-        match logits {
-            Some(logits) => {
+        match (logits, &mut outputs[..]) {
+            (Some(logits), [only]) => {
                 let logits = logits.to_dtype(DType::F32)?;
-                Ok((Activation::Softmax.apply_t(&logits, true)?, Some(logits)))
+                *only = Activation::Softmax.apply_t(&logits, true)?;
+                Ok((outputs, Some(logits)))
             }
-            None => Ok((output.to_dtype(DType::F32)?, None)),
+            _ => Ok((
+                outputs
+                    .into_iter()
+                    .map(|y| Ok(y.to_dtype(DType::F32)?))
+                    .collect::<Result<Vec<_>>>()?,
+                None,
+            )),
         }
     }
 
@@ -419,30 +422,30 @@ impl Replica {
     /// it is also the objective that is differentiated.
     fn loss_sum(
         &self,
-        output: &Tensor,
+        outputs: &[Tensor],
         logits: Option<&Tensor>,
-        y: &Tensor,
+        targets: &[Tensor],
         weights: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let per_sample = self.loss.call_with_logits(y, output, logits)?;
+        let per_sample = self.loss.per_sample(targets, outputs, logits)?;
         let per_sample = match weights {
-            Some(w) => (per_sample * w.to_dtype(output.dtype())?)?,
+            Some(w) => (per_sample.broadcast_mul(&w.to_dtype(per_sample.dtype())?))?,
             None => per_sample,
         };
         Ok(per_sample.sum_all()?)
     }
 
-    /// The gradients (in trainable order), the summed loss and the output, through candle's
+    /// The gradients (in trainable order), the summed loss and the outputs, through candle's
     /// autograd over the whole network.
-    fn candle_backward(
-        &self,
-        x: &Tensor,
-        y: &Tensor,
-        weights: Option<&Tensor>,
-    ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
-        let (output, logits) = self.net.forward_with_logits(x, true)?;
-        let (output, logits) = Self::in_f32(output, logits)?;
-        let loss_sum = self.loss_sum(&output, logits.as_ref(), y, weights)?;
+    fn candle_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+        let (outputs, logits) = self.net.forward_with_logits(&part.inputs, true)?;
+        let (outputs, logits) = Self::in_f32(outputs, logits)?;
+        let loss_sum = self.loss_sum(
+            &outputs,
+            logits.as_ref(),
+            &part.targets,
+            part.weights.as_ref(),
+        )?;
         let mut store = self.objective(&loss_sum)?.backward()?;
         let grads = self
             .trainable
@@ -452,40 +455,40 @@ impl Replica {
                 None => Ok(v.as_tensor().zeros_like()?.detach()),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((self.unscaled(grads)?, loss_sum, output))
+        Ok((self.unscaled(grads)?, loss_sum, outputs))
     }
 
     /// [`Self::candle_backward`] through the network's recorded backward pass: candle's
-    /// autograd differentiates only the loss, with respect to the network's output (or its
-    /// logits), and the layers' recorded passes take it from there.
-    fn recorded_backward(
-        &self,
-        x: &Tensor,
-        y: &Tensor,
-        weights: Option<&Tensor>,
-    ) -> Result<(Vec<Tensor>, Tensor, Tensor)> {
-        let recorded = self
-            .net
-            .forward_recorded_without_input_grad(&x.detach(), true)?;
-        let head = Var::from_tensor(recorded.logits.as_ref().unwrap_or(&recorded.output))?;
-        let (output, logits) = match recorded.logits {
+    /// autograd differentiates only the loss, with respect to the network's outputs (or the
+    /// only output's logits), and the layers' recorded passes take it from there.
+    fn recorded_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+        let recorded = self.net.record(&part.inputs)?;
+        let heads: Vec<Var> = match &recorded.logits {
+            Some(logits) => vec![Var::from_tensor(logits)?],
+            None => recorded
+                .outputs
+                .iter()
+                .map(|y| Ok(Var::from_tensor(y)?))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let (outputs, logits) = match recorded.logits {
             Some(_) => (
-                Activation::Softmax.apply(head.as_tensor())?,
-                Some(head.as_tensor()),
+                vec![Activation::Softmax.apply(heads[0].as_tensor())?],
+                Some(heads[0].as_tensor()),
             ),
-            None => (head.as_tensor().clone(), None),
+            None => (heads.iter().map(|h| h.as_tensor().clone()).collect(), None),
         };
-        let loss_sum = self.loss_sum(&output, logits, y, weights)?;
-        let dhead = match self
-            .objective(&loss_sum)?
-            .backward()?
-            .remove(head.as_tensor())
-        {
-            Some(g) => g,
-            None => head.as_tensor().zeros_like()?,
-        };
+        let loss_sum = self.loss_sum(&outputs, logits, &part.targets, part.weights.as_ref())?;
+        let mut head_grads = self.objective(&loss_sum)?.backward()?;
+        let dheads = heads
+            .iter()
+            .map(|h| match head_grads.remove(h.as_tensor()) {
+                Some(g) => Ok(g),
+                None => Ok(h.as_tensor().zeros_like()?),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let mut store = ParamGrads::new();
-        recorded.backward.backward(dhead, &mut store, false)?;
+        (recorded.backward)(dheads, &mut store)?;
         let grads = self
             .trainable
             .iter()
@@ -494,7 +497,8 @@ impl Replica {
                 None => Ok(v.as_tensor().zeros_like()?),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok((self.unscaled(grads)?, loss_sum, output.detach()))
+        let outputs = outputs.iter().map(Tensor::detach).collect();
+        Ok((self.unscaled(grads)?, loss_sum, outputs))
     }
 
     fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {
@@ -527,9 +531,9 @@ impl Replica {
     }
 
     /// `[loss_sum, metric states...]` as one `f32` vector.
-    fn stats(&self, loss_sum: &Tensor, output: &Tensor, y: &Tensor) -> Result<Tensor> {
+    fn stats(&self, loss_sum: &Tensor, outputs: &[Tensor], targets: &[Tensor]) -> Result<Tensor> {
         let mut parts = vec![loss_sum.detach().to_dtype(DType::F32)?.reshape(1)?];
-        parts.extend(self.metrics.batch_states(y, output)?);
+        parts.extend(self.metrics.output_states(targets, outputs)?);
         Ok(Tensor::cat(&parts, 0)?)
     }
 
@@ -539,15 +543,25 @@ impl Replica {
         if part.is_empty() {
             return self.zero_stats();
         }
-        let (x, y, w) = part.to_device(&self.device)?;
-        let (output, logits) = self.net.forward_with_logits(&x, false)?;
-        let (output, logits) = Self::in_f32(output, logits)?;
-        let loss_sum = self.loss_sum(&output, logits.as_ref(), &y, w.as_ref())?;
-        self.stats(&loss_sum, &output, &y)
+        let part = part.to_device(&self.device)?;
+        let (outputs, logits) = self.net.forward_with_logits(&part.inputs, false)?;
+        let (outputs, logits) = Self::in_f32(outputs, logits)?;
+        let loss_sum = self.loss_sum(
+            &outputs,
+            logits.as_ref(),
+            &part.targets,
+            part.weights.as_ref(),
+        )?;
+        self.stats(&loss_sum, &outputs, &part.targets)
     }
 
-    /// The model's output for `x` in inference mode.
-    pub fn predict(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(self.net.forward_t(x, false)?.to_dtype(DType::F32)?)
+    /// The model's outputs for `inputs` (one tensor per input, any device) in inference mode,
+    /// one `f32` tensor per output on this device.
+    pub fn predict(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let inputs = inputs
+            .iter()
+            .map(|x| Ok(x.to_device(&self.device)?))
+            .collect::<Result<Vec<_>>>()?;
+        self.net.predict(&inputs)
     }
 }

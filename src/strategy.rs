@@ -143,8 +143,9 @@ pub trait DistributedModel: Send {
     /// Loss and metric sums of a batch in inference mode, over all workers.
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats>;
 
-    /// The model's outputs for `x` (CPU), returned on the CPU.
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor>;
+    /// The model's outputs for `inputs` (one CPU tensor per model input, the same number of
+    /// samples in each), one CPU tensor per output.
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
 
     /// Called by `fit`, `evaluate`, `predict` and the `*_on_batch` methods once the model is
     /// built, before anything else.

@@ -225,7 +225,7 @@ fn early_stopping_without_restore_keeps_the_last_weights() -> Result<()> {
 /// The first 320 digits, with sample `nan_at` made NaN.
 fn digits_with_nan(nan_at: usize) -> Result<InMemoryDataset> {
     let ds = digits::load()?.subset(&(0..320).collect::<Vec<_>>())?;
-    let mut x = ds.inputs().to_vec();
+    let mut x = ds.input_values().to_vec();
     let len: usize = ds.sample_shape().iter().product();
     x[nan_at * len..(nan_at + 1) * len].fill(f32::NAN);
     Ok(InMemoryDataset::from_vecs(

@@ -12,7 +12,7 @@ fn epoch_inputs(loader: &Loader, epoch: usize) -> anyhow::Result<Vec<f32>> {
     std::thread::scope(|s| {
         let mut all = Vec::new();
         for batch in loader.spawn(s, epoch) {
-            all.extend(batch?.x.flatten_all()?.to_vec1::<f32>()?);
+            all.extend(batch?.inputs[0].flatten_all()?.to_vec1::<f32>()?);
         }
         Ok(all)
     })
@@ -43,9 +43,9 @@ fn tutorial_pipeline_on_a_fixture() -> anyhow::Result<()> {
         let mut rows = 0;
         for batch in loader.spawn(s, 0) {
             let batch = batch?;
-            assert_eq!(&batch.x.dims()[1..], &[3, 32, 32]);
-            assert_eq!(&batch.y.dims()[1..], &[10]);
-            let sums = batch.y.sum(1)?.to_vec1::<f32>()?;
+            assert_eq!(&batch.inputs[0].dims()[1..], &[3, 32, 32]);
+            assert_eq!(&batch.targets[0].dims()[1..], &[10]);
+            let sums = batch.targets[0].sum(1)?.to_vec1::<f32>()?;
             assert!(sums.iter().all(|&s| s == 1.0));
             rows += batch.len();
         }

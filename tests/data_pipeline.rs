@@ -27,8 +27,8 @@ fn digits_split_and_prefetched_epoch() -> anyhow::Result<()> {
     std::thread::scope(|s| -> anyhow::Result<()> {
         for batch in loader.spawn(s, 0) {
             let batch = batch?;
-            assert_eq!(&batch.x.dims()[1..], &[1, 8, 8]);
-            assert_eq!(batch.y.dtype(), candle_core::DType::U32);
+            assert_eq!(&batch.inputs[0].dims()[1..], &[1, 8, 8]);
+            assert_eq!(batch.targets[0].dtype(), candle_core::DType::U32);
             rows += batch.len();
             steps += 1;
         }

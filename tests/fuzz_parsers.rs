@@ -1444,8 +1444,8 @@ fn load_digits(
         Ok(ds) => {
             prop_assert!(!ds.is_empty());
             prop_assert_eq!(ds.sample_shape(), &[1, 8, 8]);
-            prop_assert_eq!(ds.inputs().len(), ds.len() * 64);
-            prop_assert!(ds.inputs().iter().all(|v| (0.0..=1.0).contains(v)));
+            prop_assert_eq!(ds.input_values().len(), ds.len() * 64);
+            prop_assert!(ds.input_values().iter().all(|v| (0.0..=1.0).contains(v)));
             prop_assert!(ds
                 .target_values()
                 .iter()
@@ -1501,13 +1501,13 @@ fn fuzz_digits() {
                     .flat_map(|(p, _)| p.iter().map(|&v| f32::from(v) / 16.0))
                     .collect();
                 let y: Vec<f32> = csv.rows.iter().map(|(_, l)| f32::from(*l)).collect();
-                prop_assert_eq!(ds.inputs(), &x[..]);
+                prop_assert_eq!(ds.input_values(), &x[..]);
                 prop_assert_eq!(ds.target_values(), &y[..]);
                 return Ok(());
             }
             match (&outcome.value, digits_expected(&text)) {
                 (Ok(ds), Ok((x, y))) => {
-                    prop_assert!(same_values(ds.inputs(), &x), "the inputs differ");
+                    prop_assert!(same_values(ds.input_values(), &x), "the inputs differ");
                     prop_assert_eq!(ds.target_values(), &y[..]);
                 }
                 (Err(err), Err(line)) => {
@@ -1787,7 +1787,7 @@ fn digits_gzip_members_are_all_read() {
     write(&path, &gz).expect("write");
     let ds = digits::load_from(&path).expect("a valid file");
     assert_eq!(ds.target_values(), &[1.0, 2.0]);
-    assert_eq!(ds.inputs()[64], 5.0 / 16.0);
+    assert_eq!(ds.input_values()[64], 5.0 / 16.0);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -66,9 +66,9 @@ fn network() -> Sequential {
 fn spec(network: impl Into<kandle::Network>, compute_path: ComputePath) -> ModelSpec {
     ModelSpec {
         network: network.into(),
-        input_shape: vec![3, 11, 11],
+        input_shapes: vec![vec![3, 11, 11]],
         optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
-        loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(CategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 7,
         compute_path,

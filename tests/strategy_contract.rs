@@ -77,8 +77,8 @@ impl DistributedModel for TwoReplicaModel {
         self.replicas[0].summary()
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> kandle::Result<Tensor> {
-        self.replicas[0].predict(x)
+    fn predict_step(&mut self, inputs: &[Tensor]) -> kandle::Result<Vec<Tensor>> {
+        self.replicas[0].predict(inputs)
     }
 
     fn weights(&self) -> kandle::Result<Weights> {

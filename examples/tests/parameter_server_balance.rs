@@ -1,8 +1,6 @@
 //! The greedy placement of `ParameterServerStrategy` balances MiniGoogLeNet's variables over 1,
 //! 2 and 3 servers: each variable whole, the servers' loads within one variable of each other.
 
-use std::sync::Arc;
-
 use candle_core::Device;
 use kandle::prelude::*;
 use kandle::strategy::{ModelSpec, Replica};
@@ -12,9 +10,9 @@ use kandle_strategies::partition::{partition, server_loads};
 fn mini_googlenet_is_balanced_over_one_two_and_three_servers() -> anyhow::Result<()> {
     let spec = ModelSpec {
         network: kandle_models::mini_googlenet(10).into(),
-        input_shape: vec![3, 32, 32],
+        input_shapes: vec![vec![3, 32, 32]],
         optimizer: Box::new(Sgd::new(0.01).momentum(0.9)),
-        loss: Arc::new(CategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(CategoricalCrossentropy::new()),
         metrics: Metrics::default(),
         seed: 0,
         compute_path: kandle::ComputePath::default(),

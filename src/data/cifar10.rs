@@ -38,8 +38,8 @@
 //!     ..Default::default()
 //! })?;
 //! let batch = loader.iter(0).next().unwrap()?;
-//! assert_eq!(batch.x.dims(), &[64, 3, 32, 32]);
-//! assert_eq!(batch.y.dims(), &[64, 10]);
+//! assert_eq!(batch.inputs[0].dims(), &[64, 3, 32, 32]);
+//! assert_eq!(batch.targets[0].dims(), &[64, 10]);
 //! # assert_eq!(test.len(), 10);
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok::<(), kandle::Error>(())

@@ -196,12 +196,15 @@ mod tests {
         }
         assert!(counts.iter().all(|&c| c > 150), "{counts:?}");
         let (min, max) = ds
-            .inputs()
+            .input_values()
             .iter()
             .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
         assert_eq!((min, max), (0.0, 1.0));
         // First row of the file: 0,0,5,13,9,1,0,0, ... label 0.
-        assert_eq!(&ds.inputs()[..4], &[0.0, 0.0, 5.0 / 16.0, 13.0 / 16.0]);
+        assert_eq!(
+            &ds.input_values()[..4],
+            &[0.0, 0.0, 5.0 / 16.0, 13.0 / 16.0]
+        );
         assert_eq!(ds.target_values()[0], 0.0);
     }
 
@@ -213,10 +216,10 @@ mod tests {
         assert_eq!(train.name(), "digits (train)");
         assert_eq!(test.targets(), Targets::Classes(10));
         let (train2, test2) = ds.train_test_split(0.2, 42).unwrap();
-        assert_eq!(train.inputs(), train2.inputs());
+        assert_eq!(train.input_values(), train2.input_values());
         assert_eq!(test.target_values(), test2.target_values());
         let (_, test3) = ds.train_test_split(0.2, 43).unwrap();
-        assert_ne!(test.inputs(), test3.inputs());
+        assert_ne!(test.input_values(), test3.input_values());
     }
 
     #[test]
@@ -227,7 +230,7 @@ mod tests {
         let ds = load_from(&path).unwrap();
         assert_eq!(ds.len(), 2);
         assert_eq!(ds.target_values(), &[4.0, 9.0]);
-        assert_eq!(ds.inputs()[0], 3.0 / 16.0);
+        assert_eq!(ds.input_values()[0], 3.0 / 16.0);
     }
 
     #[test]

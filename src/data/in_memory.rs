@@ -1,7 +1,8 @@
-//! [`InMemoryDataset`]: samples and targets held in two contiguous `f32` buffers.
+//! [`InMemoryDataset`]: samples held in one contiguous buffer per input (each in its dtype)
+//! and targets in one contiguous `f32` buffer.
 //!
 //! It is what the bundled loaders (digits, CIFAR-10) return, and what a user builds from a pair
-//! of tensors. Reading a sample is one slice copy, so the loader's batch assembly is bound by
+//! of tensors, or from one tensor per input and per output (by name or in the model's order). Reading a sample is one slice copy, so the loader's batch assembly is bound by
 //! memory bandwidth. Every constructor validates its input and returns an error that names the
 //! counts, labels or shapes that do not fit; none of them panics.
 
@@ -9,14 +10,15 @@ use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use super::{Dataset, Targets};
+use super::{Batch, Dataset, InputSpec, PartBuffer, PartMut, Targets};
 use crate::{Error, Result};
 
-/// A dataset held in memory: inputs and targets in contiguous `f32` buffers.
+/// A dataset held in memory: each input in a contiguous buffer of its dtype, the targets in a
+/// contiguous `f32` buffer.
 ///
-/// Sample `i` is `x[i * sample_len..(i + 1) * sample_len]`, where `sample_len` is the product of
-/// [`sample_shape`](Dataset::sample_shape); its target is `targets().width()` floats at the same
-/// position of the target buffer (a class index is stored as its `f32` value).
+/// Sample `i` of an input is `x[i * sample_len..(i + 1) * sample_len]`, where `sample_len` is
+/// the product of its shape; its target is `targets().width()` floats at the same position of
+/// the target buffer (a class index is stored as its `f32` value).
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -35,9 +37,11 @@ use crate::{Error, Result};
 pub struct InMemoryDataset {
     name: String,
     len: usize,
-    sample_shape: Vec<usize>,
+    /// One entry per input; the first one's shape is [`Dataset::sample_shape`].
+    inputs: Vec<InputSpec>,
+    /// One buffer per input, in its dtype.
+    x: Vec<PartBuffer>,
     targets: Targets,
-    x: Vec<f32>,
     y: Vec<f32>,
 }
 
@@ -83,23 +87,25 @@ impl InMemoryDataset {
     }
 
     /// Builds the dataset of a model with several inputs and outputs (a functional model): one
-    /// tensor `(n, shape...)` per input and one target tensor per output, in the model's
-    /// orders, each as [`InMemoryDataset::new`] takes it (an integer tensor of class indices,
-    /// or a float tensor of values). A sample's inputs are laid out one after the other (the
-    /// model takes them apart), and its targets are [`Targets::Parts`].
+    /// tensor `(n, shape...)` per input, in the model's order, and one target tensor per
+    /// output, each as [`InMemoryDataset::new`] takes it (an integer tensor of class indices,
+    /// or a float tensor of values). Each input keeps its dtype (`f64` becomes `f32`), so
+    /// integer ids and half-precision images travel as they are; the model checks each
+    /// against the input it feeds.
     ///
     /// Errors when a part's sample count differs from the first input's.
     ///
     /// ```
-    /// use candle_core::{Device, Tensor};
+    /// use candle_core::{DType, Device, Tensor};
     /// use kandle::data::{Dataset, InMemoryDataset, Targets};
     ///
-    /// let images = Tensor::zeros((4, 1, 2, 2), candle_core::DType::F32, &Device::Cpu)?;
-    /// let extra = Tensor::ones((4, 3), candle_core::DType::F32, &Device::Cpu)?;
+    /// let images = Tensor::zeros((4, 1, 2, 2), DType::F32, &Device::Cpu)?;
+    /// let ids = Tensor::ones((4, 3), DType::U32, &Device::Cpu)?;
     /// let labels = Tensor::new(&[0u32, 1, 2, 1], &Device::Cpu)?;
-    /// let sizes = Tensor::ones((4, 1), candle_core::DType::F32, &Device::Cpu)?;
-    /// let data = InMemoryDataset::from_parts(&[images, extra], &[labels, sizes])?;
-    /// assert_eq!(data.sample_shape(), [7]);
+    /// let sizes = Tensor::ones((4, 1), DType::F32, &Device::Cpu)?;
+    /// let data = InMemoryDataset::from_parts(&[images, ids], &[labels, sizes])?;
+    /// assert_eq!(data.sample_shape(), [1, 2, 2]);
+    /// assert_eq!(data.input_values()[1].dtype, DType::U32);
     /// assert_eq!(
     ///     data.targets(),
     ///     Targets::Parts(vec![Targets::Classes(3), Targets::Values(vec![1])])
@@ -107,44 +113,94 @@ impl InMemoryDataset {
     /// # Ok::<(), kandle::Error>(())
     /// ```
     pub fn from_parts(inputs: &[Tensor], targets: &[Tensor]) -> Result<Self> {
+        let unnamed: Vec<(Option<&str>, &Tensor)> = inputs.iter().map(|t| (None, t)).collect();
+        Self::from_inputs(&unnamed, targets)
+    }
+
+    /// [`Self::from_parts`] with each input named after the model input it feeds (Keras's
+    /// dict of inputs): the model takes them by name, in any order.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use kandle::data::{Dataset, InMemoryDataset};
+    ///
+    /// let image = Tensor::zeros((4, 1, 2, 2), DType::F32, &Device::Cpu)?;
+    /// let extra = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
+    /// let labels = Tensor::new(&[0u32, 1, 2, 1], &Device::Cpu)?;
+    /// let data = InMemoryDataset::from_named_parts(&[("extra", extra), ("image", image)], &[labels])?;
+    /// assert_eq!(data.input_values()[0].name.as_deref(), Some("extra"));
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn from_named_parts(inputs: &[(&str, Tensor)], targets: &[Tensor]) -> Result<Self> {
+        let named: Vec<(Option<&str>, &Tensor)> =
+            inputs.iter().map(|(name, t)| (Some(*name), t)).collect();
+        for (i, (name, _)) in inputs.iter().enumerate() {
+            if inputs[..i].iter().any(|(other, _)| other == name) {
+                return Err(Error::invalid(format!("input `{name}` is given twice")));
+            }
+        }
+        Self::from_inputs(&named, targets)
+    }
+
+    fn from_inputs(inputs: &[(Option<&str>, &Tensor)], targets: &[Tensor]) -> Result<Self> {
         let n = inputs
             .first()
-            .and_then(|x| x.dims().first().copied())
+            .and_then(|(_, x)| x.dims().first().copied())
             .ok_or_else(|| {
                 Error::invalid("a dataset needs at least one input of shape (n, ...)")
             })?;
-        let rows = |t: &Tensor, what: String| -> Result<Tensor> {
+        let check_rows = |t: &Tensor, what: String| -> Result<()> {
             match t.dims().first() {
-                Some(&m) if m == n => Ok(t
-                    .to_device(&Device::Cpu)?
-                    .to_dtype(DType::F32)?
-                    .reshape((n, ()))?),
+                Some(&m) if m == n => Ok(()),
                 _ => Err(Error::invalid(format!(
                     "{what} has shape {:?}, but the first input holds {n} samples",
                     t.dims()
                 ))),
             }
         };
-        let mut x_parts = Vec::with_capacity(inputs.len());
-        for (i, x) in inputs.iter().enumerate() {
-            x_parts.push(rows(x, format!("input {}", i + 1))?);
+        let mut specs = Vec::with_capacity(inputs.len());
+        let mut x = Vec::with_capacity(inputs.len());
+        for (i, (name, t)) in inputs.iter().enumerate() {
+            let what = match name {
+                Some(name) => format!("input `{name}`"),
+                None => format!("input {}", i + 1),
+            };
+            check_rows(t, what)?;
+            let t = match t.dtype() {
+                DType::F64 => t.to_dtype(DType::F32)?,
+                _ => (*t).clone(),
+            };
+            let mut spec = InputSpec::new(&t.dims()[1..]).with_dtype(t.dtype());
+            spec.name = name.map(str::to_string);
+            if spec.sample_len() == 0 {
+                return Err(Error::invalid(format!("input {spec} has no element")));
+            }
+            x.push(PartBuffer::from_tensor(&t)?);
+            specs.push(spec);
         }
-        let x = Tensor::cat(&x_parts, 1)?;
         let mut y_parts = Vec::with_capacity(targets.len());
         let mut kinds = Vec::with_capacity(targets.len());
         for (i, y) in targets.iter().enumerate() {
-            rows(y, format!("target {}", i + 1))?;
+            check_rows(y, format!("target {}", i + 1))?;
             let (values, kind) = target_values(y)?;
             y_parts.push(Tensor::from_vec(values, (n, kind.width()), &Device::Cpu)?);
             kinds.push(kind);
         }
-        if kinds.is_empty() {
-            return Err(Error::invalid("a dataset needs at least one target"));
-        }
+        let targets = match kinds.len() {
+            0 => return Err(Error::invalid("a dataset needs at least one target")),
+            1 => kinds.remove(0),
+            _ => Targets::Parts(kinds),
+        };
         let y = Tensor::cat(&y_parts, 1)?.flatten_all()?.to_vec1::<f32>()?;
-        let width = x.dim(1)?;
-        let x = x.flatten_all()?.to_vec1::<f32>()?;
-        Self::from_vecs(x, &[width], y, Targets::Parts(kinds))
+        check_targets(&y, &targets)?;
+        Ok(Self {
+            name: "in-memory dataset".to_string(),
+            len: n,
+            inputs: specs,
+            x,
+            targets,
+            y,
+        })
     }
 
     /// Builds a dataset from flat buffers, as the file loaders do: `x` holds the samples one
@@ -192,25 +248,13 @@ impl InMemoryDataset {
                 "x holds {n} samples but y holds {ny}"
             )));
         }
-        match &targets {
-            Targets::Classes(k) => check_labels(&y, *k)?,
-            Targets::Values(_) => {}
-            Targets::Parts(_) => {
-                for (i, row) in y.chunks_exact(width).enumerate() {
-                    if let Some((label, k)) = targets.bad_label(row) {
-                        return Err(Error::invalid(format!(
-                            "label {label} of sample {i} is not a class index in 0..{k}"
-                        )));
-                    }
-                }
-            }
-        }
+        check_targets(&y, &targets)?;
         Ok(Self {
             name: "in-memory dataset".to_string(),
             len: n,
-            sample_shape: sample_shape.to_vec(),
+            inputs: vec![InputSpec::new(sample_shape)],
+            x: vec![PartBuffer::F32(x)],
             targets,
-            x,
             y,
         })
     }
@@ -284,20 +328,26 @@ impl InMemoryDataset {
                 self.name, self.len
             )));
         }
-        let sample_len = self.sample_len();
+        let x = self
+            .x
+            .iter()
+            .zip(&self.inputs)
+            .map(|(buffer, spec)| {
+                let len = spec.sample_len();
+                buffer.gather(indices.iter().map(move |&i| (i * len, len)))
+            })
+            .collect();
         let width = self.targets.width();
-        let mut x = Vec::with_capacity(indices.len() * sample_len);
         let mut y = Vec::with_capacity(indices.len() * width);
         for &i in indices {
-            x.extend_from_slice(&self.x[i * sample_len..(i + 1) * sample_len]);
             y.extend_from_slice(&self.y[i * width..(i + 1) * width]);
         }
         Ok(Self {
             name: self.name.clone(),
             len: indices.len(),
-            sample_shape: self.sample_shape.clone(),
-            targets: self.targets.clone(),
+            inputs: self.inputs.clone(),
             x,
+            targets: self.targets.clone(),
             y,
         })
     }
@@ -339,9 +389,13 @@ impl InMemoryDataset {
         Ok((train, test))
     }
 
-    /// All inputs, sample after sample, `len() * sample_shape().iter().product()` floats.
-    pub fn inputs(&self) -> &[f32] {
-        &self.x
+    /// The first input's values, sample after sample, `len() * sample_shape().iter().product()`
+    /// floats; empty when that input is not `f32`.
+    pub fn input_values(&self) -> &[f32] {
+        match self.x.first() {
+            Some(PartBuffer::F32(x)) => x,
+            _ => &[],
+        }
     }
 
     /// All targets, sample after sample, `len() * targets().width()` floats.
@@ -351,30 +405,61 @@ impl InMemoryDataset {
 
     /// The inputs as one CPU tensor `(n, sample_shape...)` and the targets as a `u32` tensor
     /// `(n,)` (class indices) or an `f32` tensor `(n, shape...)` (dense values), as in a
-    /// [`Batch`](super::Batch).
+    /// [`Batch`] of a model of one input and one output. Errors for a dataset of several
+    /// inputs or outputs: [`Self::to_batch`] gives every part.
     pub fn to_tensors(&self) -> Result<(Tensor, Tensor)> {
-        let mut x_shape = vec![self.len];
-        x_shape.extend_from_slice(&self.sample_shape);
-        let x = Tensor::from_slice(&self.x, x_shape, &Device::Cpu)?;
-        let y = match &self.targets {
-            Targets::Classes(_) => {
-                let labels: Vec<u32> = self.y.iter().map(|&v| v as u32).collect();
-                Tensor::from_vec(labels, self.len, &Device::Cpu)?
-            }
-            Targets::Values(shape) => {
-                let mut y_shape = vec![self.len];
-                y_shape.extend_from_slice(shape);
-                Tensor::from_slice(&self.y, y_shape, &Device::Cpu)?
-            }
-            Targets::Parts(_) => {
-                Tensor::from_slice(&self.y, (self.len, self.targets.width()), &Device::Cpu)?
-            }
-        };
-        Ok((x, y))
+        let batch = self.to_batch()?;
+        match (&batch.inputs[..], &batch.targets[..]) {
+            ([x], [y]) => Ok((x.clone(), y.clone())),
+            (inputs, targets) => Err(Error::invalid(format!(
+                "`{}` has {} inputs and {} targets; to_tensors gives one of each, to_batch \
+                 gives them all",
+                self.name,
+                inputs.len(),
+                targets.len()
+            ))),
+        }
     }
 
-    fn sample_len(&self) -> usize {
-        self.sample_shape.iter().product()
+    /// Every sample as one [`Batch`]: one tensor per input, in its dtype, and one per output.
+    pub fn to_batch(&self) -> Result<Batch> {
+        let inputs = self
+            .x
+            .iter()
+            .zip(&self.inputs)
+            .map(|(buffer, spec)| {
+                let mut dims = vec![self.len];
+                dims.extend_from_slice(&spec.shape);
+                buffer.clone().into_tensor(dims)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let indices: Vec<usize> = (0..self.len).collect();
+        let targets = self
+            .targets
+            .batch_tensors(self.y.clone(), &indices, &self.name)?;
+        Ok(Batch {
+            inputs,
+            targets,
+            weights: None,
+        })
+    }
+}
+
+/// Checks the class indices among targets `y`, `targets.width()` values per sample.
+fn check_targets(y: &[f32], targets: &Targets) -> Result<()> {
+    match targets {
+        Targets::Classes(k) => check_labels(y, *k),
+        Targets::Values(_) => Ok(()),
+        Targets::Parts(_) => {
+            for (i, row) in y.chunks_exact(targets.width()).enumerate() {
+                if let Some((label, k)) = targets.bad_label(row) {
+                    return Err(Error::invalid(format!(
+                        "label {label} of sample {i} is not a class index in 0..{k}"
+                    )));
+                }
+            }
+            Ok(())
+        }
     }
 }
 
@@ -441,21 +526,46 @@ impl Dataset for InMemoryDataset {
     }
 
     fn sample_shape(&self) -> &[usize] {
-        &self.sample_shape
+        &self.inputs[0].shape
     }
 
     fn targets(&self) -> Targets {
         self.targets.clone()
     }
 
+    fn inputs(&self) -> Vec<InputSpec> {
+        self.inputs.clone()
+    }
+
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
+        self.read_inputs(index, &mut [PartMut::F32(x)], y)
+    }
+
+    fn read_inputs(&self, index: usize, inputs: &mut [PartMut<'_>], y: &mut [f32]) -> Result<()> {
         if index >= self.len {
             return Err(super::out_of_range(&self.name, index, self.len));
         }
-        let sample_len = self.sample_len();
+        if inputs.len() != self.inputs.len() {
+            return Err(Error::invalid(format!(
+                "`{}` has {} inputs but was read into {}",
+                self.name,
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
         let width = self.targets.width();
-        super::check_buffers(&self.name, x, y, sample_len, width)?;
-        x.copy_from_slice(&self.x[index * sample_len..(index + 1) * sample_len]);
+        for ((buffer, spec), out) in self.x.iter().zip(&self.inputs).zip(inputs.iter_mut()) {
+            let sample_len = spec.sample_len();
+            if out.len() != sample_len || y.len() != width {
+                return Err(Error::invalid(format!(
+                    "reading `{}` needs buffers of {sample_len} and {width} values, got {} and {}",
+                    self.name,
+                    out.len(),
+                    y.len()
+                )));
+            }
+            buffer.copy_to(index * sample_len, out)?;
+        }
         y.copy_from_slice(&self.y[index * width..(index + 1) * width]);
         Ok(())
     }
@@ -614,7 +724,7 @@ mod tests {
         assert_eq!(sub.len(), 3);
         assert_eq!(sub.targets(), Targets::Classes(3));
         assert_eq!(sub.target_values(), &[1.0, 0.0, 1.0]);
-        assert_eq!(&sub.inputs()[..4], &[8.0, 9.0, 10.0, 11.0]);
+        assert_eq!(&sub.input_values()[..4], &[8.0, 9.0, 10.0, 11.0]);
         let err = ds.subset(&[0, 3]).unwrap_err().to_string();
         assert!(
             err.contains("index 3") && err.contains("3 samples"),
@@ -641,9 +751,9 @@ mod tests {
         assert_eq!(train.name(), "ten (train)");
         assert_eq!(test.name(), "ten (test)");
         let mut all: Vec<f32> = train
-            .inputs()
+            .input_values()
             .iter()
-            .chain(test.inputs())
+            .chain(test.input_values())
             .copied()
             .collect();
         all.sort_by(f32::total_cmp);

@@ -37,7 +37,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rayon::prelude::*;
 
-use super::{weighting, Augment, Batch, Dataset, Targets};
+use super::{weighting, Augment, Batch, Dataset, InputSpec, PartBuffer, PartMut, Targets};
 use crate::{Error, Result};
 
 /// How a [`Loader`] cuts an epoch into batches.
@@ -79,6 +79,9 @@ pub struct LoaderOptions {
     /// One weight per class, by class index (Keras's `class_weight`): a sample's weight is
     /// multiplied by its class's (the argmax of a one-hot target). Default `None`.
     pub class_weight: Option<Arc<[f32]>>,
+    /// `Some(order)`: a batch's input `i` is the dataset's input `order[i]` (a model takes a
+    /// dataset's named inputs in its own order). Default `None`: the dataset's order.
+    pub input_order: Option<Arc<[usize]>>,
 }
 
 /// Equal when every field is equal and both `augment`s are absent or the same object.
@@ -97,6 +100,7 @@ impl PartialEq for LoaderOptions {
             && self.shard == other.shard
             && self.sample_weight == other.sample_weight
             && self.class_weight == other.class_weight
+            && self.input_order == other.input_order
             && same_augment
     }
 }
@@ -115,6 +119,7 @@ impl Default for LoaderOptions {
             augment: None,
             sample_weight: None,
             class_weight: None,
+            input_order: None,
         }
     }
 }
@@ -134,8 +139,9 @@ impl Default for LoaderOptions {
 /// workers: the workers past its end then get a batch with 0 rows, which a strategy must weight
 /// by its sample count (zero). Set `drop_remainder` to avoid it.
 ///
-/// Inputs are batched as `f32` `(batch, sample_shape...)`; class targets as `u32` `(batch,)`,
-/// dense targets as `f32` `(batch, shape...)`, all on the CPU.
+/// Each input is batched in its dtype as `(batch, input shape...)` (see [`Dataset::inputs`]);
+/// class targets as `u32` `(batch,)`, dense targets as `f32` `(batch, shape...)`, one tensor
+/// per output, all on the CPU.
 #[derive(Debug, Clone)]
 pub struct Loader<'d> {
     dataset: &'d dyn Dataset,
@@ -143,6 +149,8 @@ pub struct Loader<'d> {
     len: usize,
     sample_shape: Vec<usize>,
     sample_len: usize,
+    /// The dataset's inputs; a lone `f32` input is read through [`Dataset::read`].
+    inputs: Vec<InputSpec>,
     targets: Targets,
     width: usize,
 }
@@ -171,11 +179,18 @@ impl<'d> Loader<'d> {
         if len == 0 {
             return Err(Error::EmptyDataset(dataset.name().to_string()));
         }
-        let sample_shape = dataset.sample_shape().to_vec();
+        let inputs = dataset.inputs();
+        let Some(first) = inputs.first() else {
+            return Err(Error::invalid(format!(
+                "`{}` declares no input",
+                dataset.name()
+            )));
+        };
+        let sample_shape = first.shape.clone();
         let sample_len: usize = sample_shape.iter().product();
         let targets = dataset.targets();
         let width = targets.width();
-        if sample_len == 0 || width == 0 {
+        if inputs.iter().any(|i| i.sample_len() == 0) || width == 0 {
             return Err(Error::invalid(format!(
                 "`{}` has samples of shape {sample_shape:?} and targets {targets:?}; both need \
                  at least one element",
@@ -183,6 +198,12 @@ impl<'d> Loader<'d> {
             )));
         }
         if let Some(augment) = &options.augment {
+            if first.dtype != candle_core::DType::F32 {
+                return Err(Error::invalid(format!(
+                    "`{}`: augmentation transforms the first input, {first}, which must be f32",
+                    dataset.name()
+                )));
+            }
             augment.check_shape(&sample_shape)?;
         }
         Ok(Self {
@@ -191,6 +212,7 @@ impl<'d> Loader<'d> {
             len,
             sample_shape,
             sample_len,
+            inputs,
             targets,
             width,
         })
@@ -336,11 +358,72 @@ impl<'d> Loader<'d> {
     }
 
     /// Reads the samples at `indices`, which sit at positions `first..` of epoch `epoch`'s
-    /// order, into one batch, augmenting each input if asked.
+    /// order, into one batch, augmenting each sample's first input if asked.
     fn assemble(&self, epoch: usize, first: usize, indices: &[usize]) -> Result<Batch> {
         let m = indices.len();
-        let mut x = vec![0f32; m * self.sample_len];
         let mut y = vec![0f32; m * self.width];
+        let inputs = match self.single_f32() {
+            true => vec![self.read_f32(epoch, first, indices, &mut y)?],
+            false => self.read_parts(epoch, first, indices, &mut y)?,
+        };
+        let weights = weighting::batch_weights(
+            self.options.sample_weight.as_deref(),
+            self.options.class_weight.as_deref(),
+            self.dataset.name(),
+            indices,
+            &y,
+            self.width,
+        )?;
+        let targets = self
+            .targets
+            .batch_tensors(y, indices, self.dataset.name())?;
+        let inputs = match &self.options.input_order {
+            Some(order) => order
+                .iter()
+                .map(|&i| {
+                    inputs.get(i).cloned().ok_or_else(|| {
+                        Error::invalid(format!(
+                            "input order {order:?} names input {i}, but `{}` has {}",
+                            self.dataset.name(),
+                            inputs.len()
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => inputs,
+        };
+        Ok(Batch {
+            inputs,
+            targets,
+            weights,
+        })
+    }
+
+    /// Whether the dataset has one `f32` input, read through [`Dataset::read`].
+    fn single_f32(&self) -> bool {
+        matches!(&self.inputs[..], [one] if one.dtype == candle_core::DType::F32)
+    }
+
+    /// The augmentation's generator for the sample at position `position` of the epoch whose
+    /// augmentation seed is `augment_seed`.
+    fn augment(&self, augment_seed: u64, position: usize, x: &mut [f32]) {
+        if let Some(augment) = &self.options.augment {
+            let mut rng =
+                rand::rngs::StdRng::seed_from_u64(mix_seed(augment_seed, position as u64));
+            augment.apply(x, &self.sample_shape, &mut rng);
+        }
+    }
+
+    /// The one `f32` input of the samples at `indices` (targets into `y`), read in parallel.
+    fn read_f32(
+        &self,
+        epoch: usize,
+        first: usize,
+        indices: &[usize],
+        y: &mut [f32],
+    ) -> Result<Tensor> {
+        let m = indices.len();
+        let mut x = vec![0f32; m * self.sample_len];
         // Give each rayon task at least ~16 KiB of input to copy.
         let min_len = (4096 / self.sample_len).max(1);
         let augment_seed = mix_seed(self.options.seed ^ AUGMENT_STREAM, epoch as u64);
@@ -351,65 +434,62 @@ impl<'d> Loader<'d> {
             .with_min_len(min_len)
             .try_for_each(|(k, ((xs, ys), &i))| {
                 self.dataset.read(i, xs, ys)?;
-                if let Some(augment) = &self.options.augment {
-                    let position = (first + k) as u64;
-                    let mut rng =
-                        rand::rngs::StdRng::seed_from_u64(mix_seed(augment_seed, position));
-                    augment.apply(xs, &self.sample_shape, &mut rng);
-                }
+                self.augment(augment_seed, first + k, xs);
                 Ok::<(), Error>(())
             })?;
         let mut x_shape = Vec::with_capacity(self.sample_shape.len() + 1);
         x_shape.push(m);
         x_shape.extend_from_slice(&self.sample_shape);
-        let x = Tensor::from_vec(x, x_shape, &Device::Cpu)?;
-        let weights = weighting::batch_weights(
-            self.options.sample_weight.as_deref(),
-            self.options.class_weight.as_deref(),
-            self.dataset.name(),
-            indices,
-            &y,
-            self.width,
-        )?;
-        let y = match &self.targets {
-            Targets::Classes(k) => {
-                let mut labels = Vec::with_capacity(m);
-                for (&value, &index) in y.iter().zip(indices) {
-                    if !(value >= 0.0 && value < *k as f32 && value.fract() == 0.0) {
-                        return Err(Error::Data {
-                            path: self.dataset.name().into(),
-                            reason: format!(
-                                "sample {index} has target {value}, which is not a class index \
-                                 in 0..{k}"
-                            ),
-                        });
-                    }
-                    labels.push(value as u32);
+        Ok(Tensor::from_vec(x, x_shape, &Device::Cpu)?)
+    }
+
+    /// Every input of the samples at `indices`, each in its dtype (targets into `y`), read in
+    /// parallel.
+    fn read_parts(
+        &self,
+        epoch: usize,
+        first: usize,
+        indices: &[usize],
+        y: &mut [f32],
+    ) -> Result<Vec<Tensor>> {
+        let m = indices.len();
+        let mut buffers = self
+            .inputs
+            .iter()
+            .map(|spec| PartBuffer::zeros(spec.dtype, m * spec.sample_len()))
+            .collect::<Result<Vec<_>>>()?;
+        let augment_seed = mix_seed(self.options.seed ^ AUGMENT_STREAM, epoch as u64);
+        let mut columns: Vec<std::vec::IntoIter<PartMut<'_>>> = buffers
+            .iter_mut()
+            .zip(&self.inputs)
+            .map(|(buffer, spec)| buffer.chunks_mut(spec.sample_len()).into_iter())
+            .collect();
+        let samples: Vec<Vec<PartMut<'_>>> = (0..m)
+            .map(|_| columns.iter_mut().filter_map(Iterator::next).collect())
+            .collect();
+        samples
+            .into_par_iter()
+            .zip(y.par_chunks_mut(self.width))
+            .zip(indices.par_iter())
+            .enumerate()
+            .try_for_each(|(k, ((mut parts, ys), &i))| {
+                self.dataset.read_inputs(i, &mut parts, ys)?;
+                if let Some(PartMut::F32(x)) = parts.first_mut() {
+                    self.augment(augment_seed, first + k, x);
                 }
-                Tensor::from_vec(labels, m, &Device::Cpu)?
-            }
-            Targets::Values(shape) => {
-                let mut y_shape = Vec::with_capacity(shape.len() + 1);
-                y_shape.push(m);
-                y_shape.extend_from_slice(shape);
-                Tensor::from_vec(y, y_shape, &Device::Cpu)?
-            }
-            Targets::Parts(_) => {
-                for (row, &index) in y.chunks_exact(self.width).zip(indices) {
-                    if let Some((value, k)) = self.targets.bad_label(row) {
-                        return Err(Error::Data {
-                            path: self.dataset.name().into(),
-                            reason: format!(
-                                "sample {index} has target {value}, which is not a class index \
-                                 in 0..{k}"
-                            ),
-                        });
-                    }
-                }
-                Tensor::from_vec(y, (m, self.width), &Device::Cpu)?
-            }
-        };
-        Ok(Batch { x, y, weights })
+                Ok::<(), Error>(())
+            })?;
+        drop(columns);
+        buffers
+            .into_iter()
+            .zip(&self.inputs)
+            .map(|(buffer, spec)| {
+                let mut dims = Vec::with_capacity(spec.shape.len() + 1);
+                dims.push(m);
+                dims.extend_from_slice(&spec.shape);
+                buffer.into_tensor(dims)
+            })
+            .collect()
     }
 }
 
@@ -565,8 +645,8 @@ mod tests {
 
     /// The sample indices in a batch of [`counting`].
     fn ids(batch: &Batch) -> Vec<usize> {
-        let x = batch.x.to_vec2::<f32>().unwrap();
-        let y = batch.y.to_vec1::<u32>().unwrap();
+        let x = batch.inputs[0].to_vec2::<f32>().unwrap();
+        let y = batch.targets[0].to_vec1::<u32>().unwrap();
         x.iter()
             .zip(&y)
             .map(|(row, &label)| {
@@ -615,15 +695,18 @@ mod tests {
         let ds = counting(5);
         let loader = Loader::new(&ds, options(3, false)).unwrap();
         let b = loader.iter(0).next().unwrap().unwrap();
-        assert_eq!(b.x.dims(), &[3, 2]);
-        assert_eq!(b.y.dims(), &[3]);
-        assert_eq!(b.y.dtype(), candle_core::DType::U32);
+        assert_eq!(b.inputs[0].dims(), &[3, 2]);
+        assert_eq!(b.targets[0].dims(), &[3]);
+        assert_eq!(b.targets[0].dtype(), candle_core::DType::U32);
         let hot = counting(5).one_hot().unwrap();
         let loader = Loader::new(&hot, options(3, false)).unwrap();
         let b = loader.iter(0).next().unwrap().unwrap();
-        assert_eq!(b.y.dims(), &[3, 3]);
-        assert_eq!(b.y.dtype(), candle_core::DType::F32);
-        assert_eq!(b.y.to_vec2::<f32>().unwrap()[1], vec![0.0, 1.0, 0.0]);
+        assert_eq!(b.targets[0].dims(), &[3, 3]);
+        assert_eq!(b.targets[0].dtype(), candle_core::DType::F32);
+        assert_eq!(
+            b.targets[0].to_vec2::<f32>().unwrap()[1],
+            vec![0.0, 1.0, 0.0]
+        );
     }
 
     #[test]
@@ -723,8 +806,8 @@ mod tests {
         .unwrap();
         let batches: Vec<Batch> = loader.iter(0).map(Result::unwrap).collect();
         assert_eq!(batches.len(), 2);
-        assert_eq!(batches[1].x.dims(), &[0, 2]);
-        assert_eq!(batches[1].y.dims(), &[0]);
+        assert_eq!(batches[1].inputs[0].dims(), &[0, 2]);
+        assert_eq!(batches[1].targets[0].dims(), &[0]);
         assert!(batches[1].is_empty());
     }
 
@@ -928,8 +1011,7 @@ mod tests {
         loader
             .iter(epoch)
             .map(|b| {
-                b.unwrap()
-                    .x
+                b.unwrap().inputs[0]
                     .flatten_all()
                     .unwrap()
                     .to_vec1::<f32>()
@@ -948,8 +1030,7 @@ mod tests {
         let prefetched: Vec<Vec<f32>> = std::thread::scope(|s| {
             a.spawn(s, 5)
                 .map(|b| {
-                    b.unwrap()
-                        .x
+                    b.unwrap().inputs[0]
                         .flatten_all()
                         .unwrap()
                         .to_vec1::<f32>()

@@ -130,8 +130,17 @@ pub struct MeanSubtracted<D> {
 }
 
 impl<D: Dataset> MeanSubtracted<D> {
-    /// Wraps `dataset`. Errors when the mean's shape differs from the dataset's sample shape.
+    /// Wraps `dataset`. Errors when the mean's shape differs from the dataset's sample shape,
+    /// or when the dataset's samples are not one `f32` image.
     pub fn new(dataset: D, mean: MeanImage) -> Result<Self> {
+        let inputs = dataset.inputs();
+        if !matches!(&inputs[..], [one] if one.dtype == candle_core::DType::F32) {
+            return Err(Error::invalid(format!(
+                "a mean image is subtracted from one f32 input, but `{}` has inputs {}",
+                dataset.name(),
+                super::list_inputs(&inputs)
+            )));
+        }
         if dataset.sample_shape() != mean.shape() {
             return Err(Error::invalid(format!(
                 "the mean image has shape {:?} but `{}` has samples of shape {:?}",
@@ -209,7 +218,7 @@ mod tests {
         let n = ds.len();
         for j in 0..6 {
             let expected: f64 = (0..n)
-                .map(|i| f64::from(ds.inputs()[i * 6 + j]))
+                .map(|i| f64::from(ds.input_values()[i * 6 + j]))
                 .sum::<f64>()
                 / n as f64;
             assert!((f64::from(mean.values()[j]) - expected).abs() < 1e-5);
@@ -229,7 +238,7 @@ mod tests {
         centred.read(3, &mut x, &mut y).unwrap();
         assert_eq!(y, vec![1.0]);
         for (j, &v) in x.iter().enumerate() {
-            assert_eq!(v, ds.inputs()[18 + j] - mean.values()[j]);
+            assert_eq!(v, ds.input_values()[18 + j] - mean.values()[j]);
         }
     }
 

@@ -8,13 +8,19 @@
 //! A dataset hands out samples by index into caller-provided buffers, so batches are assembled
 //! without a per-sample allocation. Images are `f32` in `(channels, height, width)` order.
 //! Targets are either class indices (for the sparse losses) or dense values such as one-hot
-//! rows (for the categorical losses and regression).
+//! rows (for the categorical losses and regression), or one of those per output.
+//!
+//! A sample may have several inputs ([`InputSpec`], one per model input, each with its own
+//! shape and dtype), and a [`Batch`] carries one tensor per input and one per output's
+//! targets: nothing is packed into one tensor, so each part is checked against the model
+//! input it feeds, by name and shape.
 
 use std::sync::Arc;
 
 use crate::{Error, Result};
 
 mod augment;
+mod batch;
 pub mod cifar10;
 pub mod digits;
 #[cfg(feature = "download")]
@@ -23,10 +29,12 @@ pub mod image_folder;
 mod in_memory;
 mod loader;
 mod mean_image;
+mod parts;
 mod subset;
 pub(crate) mod weighting;
 
 pub use augment::{Augment, RandomShiftFlip};
+pub use batch::Batch;
 pub use cifar10::{Cifar10, Cifar10Dataset};
 pub use image_folder::{
     ColorMode, ImageFolder, ImageFolderBuilder, Interpolation, SplitSubset, DEFAULT_IMAGE_SIZE,
@@ -35,6 +43,8 @@ pub use image_folder::{
 pub use in_memory::InMemoryDataset;
 pub use loader::{shard_range, Batches, EpochIter, Loader, LoaderOptions};
 pub use mean_image::{MeanImage, MeanSubtracted};
+pub(crate) use parts::PartBuffer;
+pub use parts::{InputSpec, PartMut};
 pub use subset::{split_tail, Subset};
 
 /// What a dataset's targets are.
@@ -85,6 +95,84 @@ impl Targets {
     }
 }
 
+impl Targets {
+    /// The targets of the samples at `indices` of `name`, read into `y` (`width()` values
+    /// each), as one tensor per output: class indices checked and as `u32` `(m,)`, values as
+    /// `f32` `(m, shape...)`. A label outside its classes is an error naming the sample.
+    pub(crate) fn batch_tensors(
+        &self,
+        y: Vec<f32>,
+        indices: &[usize],
+        name: &str,
+    ) -> Result<Vec<candle_core::Tensor>> {
+        let width = self.width();
+        for (row, &index) in y.chunks_exact(width.max(1)).zip(indices) {
+            if let Some((value, k)) = self.bad_label(row) {
+                return Err(Error::Data {
+                    path: name.into(),
+                    reason: format!(
+                        "sample {index} has target {value}, which is not a class index in 0..{k}"
+                    ),
+                });
+            }
+        }
+        let m = indices.len();
+        let parts = match self {
+            Targets::Parts(parts) => parts.as_slice(),
+            single => std::slice::from_ref(single),
+        };
+        let mut offset = 0;
+        let mut tensors = Vec::with_capacity(parts.len());
+        for part in parts {
+            let part_width = part.width();
+            let values: Vec<f32> = match parts.len() {
+                1 => y.clone(),
+                _ => y
+                    .chunks_exact(width)
+                    .flat_map(|row| row[offset..offset + part_width].iter().copied())
+                    .collect(),
+            };
+            offset += part_width;
+            let cpu = &candle_core::Device::Cpu;
+            tensors.push(match part {
+                Targets::Classes(_) => candle_core::Tensor::from_vec(
+                    values.into_iter().map(|v| v as u32).collect::<Vec<u32>>(),
+                    m,
+                    cpu,
+                )?,
+                Targets::Values(shape) => {
+                    let mut dims = Vec::with_capacity(shape.len() + 1);
+                    dims.push(m);
+                    dims.extend_from_slice(shape);
+                    candle_core::Tensor::from_vec(values, dims, cpu)?
+                }
+                Targets::Parts(_) => {
+                    return Err(Error::invalid(format!(
+                        "`{name}`: a target part cannot have parts of its own"
+                    )))
+                }
+            });
+        }
+        Ok(tensors)
+    }
+
+    /// Number of outputs the targets are for.
+    pub fn outputs(&self) -> usize {
+        match self {
+            Targets::Parts(parts) => parts.len(),
+            _ => 1,
+        }
+    }
+
+    /// The targets of output `i`.
+    pub fn part(&self, i: usize) -> Option<&Targets> {
+        match self {
+            Targets::Parts(parts) => parts.get(i),
+            single => (i == 0).then_some(single),
+        }
+    }
+}
+
 /// Samples addressed by index.
 pub trait Dataset: Send + Sync {
     /// Number of samples.
@@ -103,7 +191,34 @@ pub trait Dataset: Send + Sync {
 
     /// Writes sample `index` into `x` (`sample_shape` elements) and its target into `y`
     /// (`targets().width()` elements; a class index is written as its `f32` value).
+    ///
+    /// A dataset of several inputs, or of an input that is not `f32`, is read through
+    /// [`Self::read_inputs`] instead, and may answer this with an error.
     fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()>;
+
+    /// The inputs of a sample, one per model input: by default one unnamed `f32` input of
+    /// [`Self::sample_shape`]. A dataset of several inputs (or of integer ids, or of
+    /// half-precision images) lists each, with its name where it feeds a model input by name.
+    fn inputs(&self) -> Vec<InputSpec> {
+        vec![InputSpec::new(self.sample_shape())]
+    }
+
+    /// Writes sample `index`'s inputs into `inputs` (one slice per [`Self::inputs`] entry, of
+    /// its dtype and sample length) and its target into `y`. The default reads the one `f32`
+    /// input through [`Self::read`].
+    fn read_inputs(&self, index: usize, inputs: &mut [PartMut<'_>], y: &mut [f32]) -> Result<()> {
+        match inputs {
+            [x] => {
+                let name = self.name().to_string();
+                self.read(index, x.as_f32(&format!("the input of `{name}`"))?, y)
+            }
+            _ => Err(Error::invalid(format!(
+                "`{}` has one input but was asked for {}",
+                self.name(),
+                inputs.len()
+            ))),
+        }
+    }
 
     /// A name for error messages, e.g. `digits (train)`.
     fn name(&self) -> &str {
@@ -137,6 +252,12 @@ pub(crate) fn check_buffers(
     Ok(())
 }
 
+/// The inputs `specs` for an error message: `` `image` (batch, 1, 8, 8) f32, (batch, 3) u32 ``.
+pub(crate) fn list_inputs(specs: &[InputSpec]) -> String {
+    let each: Vec<String> = specs.iter().map(InputSpec::to_string).collect();
+    each.join(", ")
+}
+
 /// Writes class `label` into a checked target buffer: its index, or a one-hot row.
 pub(crate) fn write_class(y: &mut [f32], label: usize, one_hot: bool) {
     if one_hot {
@@ -166,6 +287,17 @@ macro_rules! forward_dataset {
             fn read(&self, index: usize, x: &mut [f32], y: &mut [f32]) -> Result<()> {
                 (**self).read(index, x, y)
             }
+            fn inputs(&self) -> Vec<InputSpec> {
+                (**self).inputs()
+            }
+            fn read_inputs(
+                &self,
+                index: usize,
+                inputs: &mut [PartMut<'_>],
+                y: &mut [f32],
+            ) -> Result<()> {
+                (**self).read_inputs(index, inputs, y)
+            }
             fn name(&self) -> &str {
                 (**self).name()
             }
@@ -181,76 +313,5 @@ impl std::fmt::Debug for dyn Dataset + '_ {
             .field("name", &self.name())
             .field("len", &self.len())
             .finish_non_exhaustive()
-    }
-}
-
-/// One batch, assembled on the CPU.
-#[derive(Debug, Clone)]
-pub struct Batch {
-    /// Inputs, `(batch, sample_shape...)`, `f32`.
-    pub x: candle_core::Tensor,
-    /// Targets: `u32` `(batch,)` for class indices, `f32` `(batch, shape...)` for values.
-    pub y: candle_core::Tensor,
-    /// Each sample's weight in the loss, `f32` `(batch,)` (sample weights times class weights),
-    /// or `None` when every sample weighs 1.
-    pub weights: Option<candle_core::Tensor>,
-}
-
-impl Batch {
-    /// A batch of unweighted samples.
-    pub fn new(x: candle_core::Tensor, y: candle_core::Tensor) -> Self {
-        Self {
-            x,
-            y,
-            weights: None,
-        }
-    }
-
-    /// The batch with each sample's loss weighted by `weights` (`(batch,)`).
-    pub fn with_weights(mut self, weights: candle_core::Tensor) -> Self {
-        self.weights = Some(weights);
-        self
-    }
-
-    /// Number of samples in the batch.
-    pub fn len(&self) -> usize {
-        self.x.dims().first().copied().unwrap_or(0)
-    }
-
-    /// Whether the batch holds no sample.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Samples `start..start + len`.
-    pub fn narrow(&self, start: usize, len: usize) -> Result<Self> {
-        Ok(Self {
-            x: self.x.narrow(0, start, len)?,
-            y: self.y.narrow(0, start, len)?,
-            weights: match &self.weights {
-                Some(w) => Some(w.narrow(0, start, len)?),
-                None => None,
-            },
-        })
-    }
-
-    /// Inputs, targets and weights moved to `device`.
-    pub fn to_device(
-        &self,
-        device: &candle_core::Device,
-    ) -> Result<(
-        candle_core::Tensor,
-        candle_core::Tensor,
-        Option<candle_core::Tensor>,
-    )> {
-        let weights = match &self.weights {
-            Some(w) => Some(w.to_device(device)?),
-            None => None,
-        };
-        Ok((
-            self.x.to_device(device)?,
-            self.y.to_device(device)?,
-            weights,
-        ))
     }
 }

@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 
-use super::{Dataset, Targets};
+use super::{Dataset, InputSpec, PartMut, Targets};
 use crate::{Error, Result};
 
 /// The samples of `dataset` at some indices, seen as a dataset of its own.
@@ -113,6 +113,17 @@ impl<D: Dataset> Dataset for Subset<D> {
             .source_index(index)
             .ok_or_else(|| super::out_of_range(&self.name, index, self.len()))?;
         self.dataset.read(source, x, y)
+    }
+
+    fn inputs(&self) -> Vec<InputSpec> {
+        self.dataset.inputs()
+    }
+
+    fn read_inputs(&self, index: usize, inputs: &mut [PartMut<'_>], y: &mut [f32]) -> Result<()> {
+        let source = self
+            .source_index(index)
+            .ok_or_else(|| super::out_of_range(&self.name, index, self.len()))?;
+        self.dataset.read_inputs(source, inputs, y)
     }
 
     fn name(&self) -> &str {

@@ -324,7 +324,7 @@ impl Functional {
         let store = ctx.into_store();
         let (trainable, non_trainable) = store.count("");
         Ok(Summary {
-            input_shape: shapes.first().cloned().unwrap_or_default(),
+            inputs: self.input_names().into_iter().zip(shapes).collect(),
             rows,
             trainable,
             non_trainable,

@@ -26,14 +26,13 @@ mod graph;
 mod merge;
 mod net;
 mod outputs;
-mod packed;
 mod symbolic;
 #[cfg(test)]
 mod tests;
 
 pub use graph::Functional;
 pub use merge::{add, average, concatenate, multiply, subtract, Merge, MergeKind};
+pub(crate) use net::GraphNet;
 pub use outputs::PerOutput;
-pub(crate) use packed::{pack, packed_size, unpack, Packed};
 pub(crate) use symbolic::{GraphLayer, Op};
 pub use symbolic::{Input, SharedLayer, SymbolicTensor};

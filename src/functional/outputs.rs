@@ -2,19 +2,17 @@
 //! `compile(loss={...}, loss_weights={...}, metrics={...})`.
 //!
 //! [`PerOutput`] names a loss (and optionally a weight and metrics) for each output; `compile`
-//! binds it to the model's outputs. The bound loss takes each output's part of the laid-out
-//! predictions and targets (see [`super::packed`]), and its value is the weighted sum of the
-//! outputs' losses. The logs keep Keras's keys: `loss` (the weighted sum), `<output>_loss`
+//! binds it to the model's outputs as an [`Objective`], which applies each output's loss to
+//! that output's tensor and its targets' tensor, and sums them with their weights. The logs keep Keras's keys: `loss` (the weighted sum), `<output>_loss`
 //! (each output's own mean loss), `<output>_<metric>`, and their `val_` forms.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 
-use crate::data::Targets;
-use crate::error::shape_with_batch;
 use crate::losses::Loss;
 use crate::metrics::{Metric, Metrics};
+use crate::objective::{list, Objective, OutputLoss};
 use crate::{Error, Result};
 
 /// Per-output losses, loss weights and metrics, for `compile` of a functional model with
@@ -80,15 +78,10 @@ impl PerOutput {
         }
     }
 
-    /// Binds the losses to the outputs named `names`, of shapes `shapes`: the loss `compile`
-    /// keeps, and the metrics (each output's loss, when there are several, then the per-output
-    /// metrics and `common`'s applied to every output).
-    pub(crate) fn bind(
-        self,
-        names: &[String],
-        shapes: &[Vec<usize>],
-        common: &Metrics,
-    ) -> Result<(Arc<dyn Loss>, Metrics)> {
+    /// Binds the losses to the outputs named `names`: the objective `compile` keeps, and the
+    /// metrics (each output's loss, when there are several, then the per-output metrics and
+    /// `common`'s applied to every output), each bound to its output.
+    pub(crate) fn bind(self, names: &[String], common: &Metrics) -> Result<(Objective, Metrics)> {
         let known = |name: &str, what: &str| -> Result<()> {
             match names.iter().any(|n| n == name) {
                 true => Ok(()),
@@ -110,8 +103,7 @@ impl PerOutput {
         let several = names.len() > 1;
         let mut parts = Vec::with_capacity(names.len());
         let mut metrics = Metrics::new();
-        let (mut pred_offset, mut target_offset) = (0, 0);
-        for (name, shape) in names.iter().zip(shapes) {
+        for (output, name) in names.iter().enumerate() {
             let loss = self
                 .losses
                 .iter()
@@ -134,28 +126,16 @@ impl PerOutput {
                     "the loss weight of output `{name}` is {weight}; it must be finite and >= 0"
                 )));
             }
-            let targets = loss.expected_targets(shape);
-            let part = Part {
-                name: name.clone(),
-                shape: shape.clone(),
-                pred_offset,
-                targets: targets.clone(),
-                target_offset,
-                loss: Arc::clone(&loss),
-                weight,
-            };
-            pred_offset += shape.iter().product::<usize>();
-            target_offset += targets.width();
             let prefixed = |metric: &str| match several {
                 true => format!("{name}_{metric}"),
                 false => metric.to_string(),
             };
             if several {
-                metrics = metrics.with(OutputMetric {
+                let own_loss = Renamed {
                     name: prefixed("loss"),
-                    part: part.clone(),
-                    inner: Arc::new(LossMean(loss)),
-                });
+                    inner: Arc::new(LossMean(Arc::clone(&loss))),
+                };
+                metrics = metrics.with_output(Arc::new(own_loss), output);
             }
             let own = self
                 .metrics
@@ -163,21 +143,20 @@ impl PerOutput {
                 .filter(|(n, _)| n == name)
                 .map(|(_, m)| m);
             for metric in own.chain(common.iter()) {
-                metrics = metrics.with(OutputMetric {
+                let renamed = Renamed {
                     name: prefixed(metric.name()),
-                    part: part.clone(),
                     inner: Arc::clone(metric),
-                });
+                };
+                metrics = metrics.with_output(Arc::new(renamed), output);
             }
-            parts.push(part);
+            parts.push(OutputLoss {
+                name: name.clone(),
+                loss,
+                weight,
+            });
         }
-        Ok((Arc::new(OutputLosses { parts }), metrics))
+        Ok((Objective::per_output(parts), metrics))
     }
-}
-
-fn list(names: &[String]) -> String {
-    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
-    quoted.join(", ")
 }
 
 /// Given to `compile` of a model of one output, or called outside a model, the per-output
@@ -194,131 +173,14 @@ impl Loss for PerOutput {
     }
 }
 
-/// One output's part of the laid-out predictions and targets, and its loss.
-#[derive(Debug, Clone)]
-struct Part {
-    name: String,
-    shape: Vec<usize>,
-    pred_offset: usize,
-    targets: Targets,
-    target_offset: usize,
-    loss: Arc<dyn Loss>,
-    weight: f64,
-}
-
-impl Part {
-    /// This output's prediction `(batch, shape...)` and targets (class indices as `u32`
-    /// `(batch,)`, values as `(batch, shape...)`), from the laid-out ones.
-    fn take(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<(Tensor, Tensor)> {
-        let batch = y_pred.dim(0)?;
-        let with_batch = |shape: &[usize]| {
-            let mut dims = vec![batch];
-            dims.extend(shape);
-            dims
-        };
-        let size = self.shape.iter().product();
-        let pred = y_pred
-            .narrow(1, self.pred_offset, size)?
-            .reshape(with_batch(&self.shape))?;
-        let width = self.targets.width();
-        let target = y_true.narrow(1, self.target_offset, width)?;
-        let target = match &self.targets {
-            Targets::Classes(_) => target.flatten_all()?.to_dtype(DType::U32)?,
-            Targets::Values(shape) => target
-                .to_dtype(y_pred.dtype())?
-                .reshape(with_batch(shape))?,
-            Targets::Parts(_) => {
-                return Err(Error::invalid(format!(
-                    "output `{}`: a loss's targets cannot have parts",
-                    self.name
-                )))
-            }
-        };
-        Ok((target, pred))
-    }
-}
-
-/// The bound losses: the weighted sum of every output's loss.
+/// A metric under another name: an output's metric as `<output>_<metric>`.
 #[derive(Debug)]
-struct OutputLosses {
-    parts: Vec<Part>,
-}
-
-impl Loss for OutputLosses {
-    fn name(&self) -> &str {
-        "loss"
-    }
-
-    fn call(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        let mut total: Option<Tensor> = None;
-        for part in &self.parts {
-            let (target, pred) = part.take(y_true, y_pred)?;
-            let loss = (part.loss.call(&target, &pred)? * part.weight)?;
-            total = Some(match total {
-                None => loss,
-                Some(sum) => (sum + loss)?,
-            });
-        }
-        total.ok_or_else(|| Error::invalid("a model without outputs"))
-    }
-
-    fn check_targets(&self, targets: &Targets, _output_shape: &[usize]) -> Result<()> {
-        let names: Vec<String> = self.parts.iter().map(|p| p.name.clone()).collect();
-        let given = match targets {
-            Targets::Parts(given) if given.len() == self.parts.len() => given,
-            Targets::Parts(given) => {
-                return Err(Error::invalid(format!(
-                    "the targets have {} parts but the model has {} outputs ({})",
-                    given.len(),
-                    self.parts.len(),
-                    list(&names)
-                )))
-            }
-            single if self.parts.len() == 1 => std::slice::from_ref(single),
-            _ => {
-                return Err(Error::invalid(format!(
-                    "the model has {} outputs ({}) but the targets are one tensor; give one \
-                     target per output (InMemoryDataset::from_parts)",
-                    self.parts.len(),
-                    list(&names)
-                )))
-            }
-        };
-        for (part, target) in self.parts.iter().zip(given) {
-            let context = |e: Error| Error::invalid(format!("output `{}`: {e}", part.name));
-            part.loss
-                .check_targets(target, &part.shape)
-                .map_err(context)?;
-            if target.width() != part.targets.width() {
-                return Err(Error::invalid(format!(
-                    "output `{}` {}: its {} takes {:?} but the targets give {target:?}",
-                    part.name,
-                    shape_with_batch(&part.shape),
-                    part.loss.name(),
-                    part.targets
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    fn expected_targets(&self, _output_shape: &[usize]) -> Targets {
-        match &self.parts[..] {
-            [one] => one.targets.clone(),
-            parts => Targets::Parts(parts.iter().map(|p| p.targets.clone()).collect()),
-        }
-    }
-}
-
-/// A metric of one output: the inner metric on that output's part, under its own name.
-#[derive(Debug)]
-struct OutputMetric {
+struct Renamed {
     name: String,
-    part: Part,
     inner: Arc<dyn Metric>,
 }
 
-impl Metric for OutputMetric {
+impl Metric for Renamed {
     fn name(&self) -> &str {
         &self.name
     }
@@ -328,12 +190,15 @@ impl Metric for OutputMetric {
     }
 
     fn batch_state(&self, y_true: &Tensor, y_pred: &Tensor) -> Result<Tensor> {
-        let (target, pred) = self.part.take(y_true, y_pred)?;
-        self.inner.batch_state(&target, &pred)
+        self.inner.batch_state(y_true, y_pred)
     }
 
     fn result(&self, state: &[f64]) -> f64 {
         self.inner.result(state)
+    }
+
+    fn check_targets(&self, targets: &crate::data::Targets, output_shape: &[usize]) -> Result<()> {
+        self.inner.check_targets(targets, output_shape)
     }
 }
 

@@ -84,7 +84,7 @@ impl Sequential {
         let store = ctx.into_store();
         let (trainable, non_trainable) = store.count("");
         let summary = Summary {
-            input_shape: input_shape.to_vec(),
+            inputs: vec![("input".into(), input_shape.to_vec())],
             rows: built.children,
             trainable,
             non_trainable,

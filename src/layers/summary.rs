@@ -33,8 +33,9 @@ pub struct SummaryRow {
 /// What `summary()` reports: one row per layer and the totals.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Summary {
-    /// The model's input shape without the batch dimension.
-    pub input_shape: Vec<usize>,
+    /// The model's inputs: each one's name (`input` for a `Sequential`'s) and shape without the
+    /// batch dimension.
+    pub inputs: Vec<(String, Vec<usize>)>,
     /// Top-level layers, with nested rows inside composites.
     pub rows: Vec<SummaryRow>,
     /// Trainable parameters in all.
@@ -129,7 +130,16 @@ impl fmt::Display for Summary {
             );
             writeln!(f, "{}", line.trim_end())
         };
-        writeln!(f, "Model input: {}", shape(&self.input_shape))?;
+        match &self.inputs[..] {
+            [(_, only)] => writeln!(f, "Model input: {}", shape(only))?,
+            inputs => {
+                let each: Vec<String> = inputs
+                    .iter()
+                    .map(|(name, dims)| format!("`{name}` {}", shape(dims)))
+                    .collect();
+                writeln!(f, "Model inputs: {}", each.join(", "))?
+            }
+        }
         writeln!(f, "{}", rule('─'))?;
         row(f, &header)?;
         writeln!(f, "{}", rule('═'))?;

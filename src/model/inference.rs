@@ -10,7 +10,6 @@ use super::totals::Totals;
 use super::{EvaluateOptions, Model, PredictOptions};
 use crate::callbacks::{Callback, CallbackList, Logs};
 use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
-use crate::functional::{pack, unpack};
 use crate::{Error, Result};
 
 impl Model {
@@ -60,9 +59,10 @@ impl Model {
         Ok(logs)
     }
 
-    /// A functional model's outputs, one tensor `(n, output shape...)` per output in the
-    /// model's order, for its inputs `inputs`, one tensor `(n, input shape...)` per input (see
-    /// [`Model::predict`]).
+    /// A model's outputs, one tensor `(n, output shape...)` per output in the model's order,
+    /// for its inputs `inputs`, one tensor `(n, input shape...)` per input in the model's
+    /// order, each in its own dtype (see [`Model::predict`]). Each is checked against the
+    /// input it feeds: a missing, extra, swapped or reshaped input is an error naming it.
     ///
     /// ```
     /// use candle_core::{Device, Tensor};
@@ -78,9 +78,10 @@ impl Model {
     /// let mut model = net.compile(Sgd::new(0.1), MeanSquaredError, (), &OneDeviceStrategy::cpu())?;
     /// let xa = Tensor::zeros((5, 2), candle_core::DType::F32, &Device::Cpu)?;
     /// let xb = Tensor::ones((5, 3), candle_core::DType::F32, &Device::Cpu)?;
-    /// let outputs = model.predict_outputs(&[xa, xb], 2)?;
+    /// let outputs = model.predict_outputs(&[xa.clone(), xb.clone()], 2)?;
     /// assert_eq!(outputs[0].dims(), [5, 1]);
     /// assert_eq!(outputs[1].dims(), [5, 4]);
+    /// assert!(model.predict_outputs(&[xb, xa], 2).is_err()); // swapped
     /// # Ok::<(), kandle::Error>(())
     /// ```
     pub fn predict_outputs(
@@ -88,79 +89,81 @@ impl Model {
         inputs: &[Tensor],
         options: impl Into<PredictOptions>,
     ) -> Result<Vec<Tensor>> {
-        let parts = self.network.parts().cloned();
-        match parts {
-            Some(parts) if parts.packed() => {
-                if inputs.len() != parts.input_shapes.len() {
-                    return Err(Error::invalid(format!(
-                        "the model takes {} inputs but was given {}",
-                        parts.input_shapes.len(),
-                        inputs.len()
-                    )));
-                }
-                let flat = inputs
+        let options = options.into();
+        if options.batch_size_per_replica == 0 {
+            return Err(Error::invalid("batch size must be positive, got 0"));
+        }
+        let n = self.prepare_inputs(inputs)?;
+        let outputs = self.strategy_call(|model| {
+            let batch = options.batch_size_per_replica * model.strategy.local_replicas();
+            let mut callbacks = CallbackList::new(options.callbacks, model.is_chief());
+            callbacks.on_predict_begin(model)?;
+            let mut outputs: Vec<Vec<Tensor>> = Vec::new();
+            for (step, start) in (0..n).step_by(batch).enumerate() {
+                callbacks.on_predict_batch_begin(step, model)?;
+                let parts = inputs
                     .iter()
-                    .map(|x| {
-                        Ok(x.to_device(&candle_core::Device::Cpu)?
-                            .to_dtype(candle_core::DType::F32)?)
-                    })
+                    .map(|x| Ok(x.narrow(0, start, batch.min(n - start))?))
                     .collect::<Result<Vec<_>>>()?;
-                let y = self.predict(&pack(&flat)?, options)?;
-                unpack(&y, &parts.output_shapes)
+                let out = model.replicas()?.predict_step(&parts)?;
+                if let Some(first) = out.first() {
+                    callbacks.on_predict_batch_end(step, first, model)?;
+                }
+                outputs.resize_with(out.len(), Vec::new);
+                for (all, part) in outputs.iter_mut().zip(out) {
+                    all.push(part);
+                }
             }
-            _ => match inputs {
-                [x] => Ok(vec![self.predict(x, options)?]),
-                _ => Err(Error::invalid(format!(
-                    "the model takes one input but was given {}",
-                    inputs.len()
-                ))),
-            },
+            callbacks.on_predict_end(model)?;
+            outputs
+                .iter()
+                .map(|parts| Ok(Tensor::cat(parts, 0)?))
+                .collect::<Result<Vec<_>>>()
+        })?;
+        match outputs {
+            Some(outputs) => Ok(outputs),
+            None => self.no_predictions(),
         }
     }
 
     /// The model's outputs for `x` (`(n, input_shape...)`, any device) on the CPU, computed in
     /// global batches of `batch_size_per_replica * num_replicas_in_sync()` (each replica takes
     /// its part). `options` is that batch size, or [`PredictOptions`] with callbacks. Under
-    /// multi-worker training each worker predicts all of `x` on its own replicas.
+    /// multi-worker training each worker predicts all of `x` on its own replicas. A model of
+    /// several inputs or outputs takes [`Model::predict_outputs`].
     pub fn predict(&mut self, x: &Tensor, options: impl Into<PredictOptions>) -> Result<Tensor> {
-        let options = options.into();
-        if options.batch_size_per_replica == 0 {
-            return Err(Error::invalid("batch size must be positive, got 0"));
-        }
-        let n = self.prepare_inputs(x)?;
-        let outputs = self.strategy_call(|model| {
-            let x = x.to_dtype(candle_core::DType::F32)?;
-            let batch = options.batch_size_per_replica * model.strategy.local_replicas();
-            let mut callbacks = CallbackList::new(options.callbacks, model.is_chief());
-            callbacks.on_predict_begin(model)?;
-            let mut outputs = Vec::with_capacity(n.div_ceil(batch));
-            for (step, start) in (0..n).step_by(batch).enumerate() {
-                callbacks.on_predict_batch_begin(step, model)?;
-                let part = x.narrow(0, start, batch.min(n - start))?;
-                let out = model.replicas()?.predict_step(&part)?;
-                callbacks.on_predict_batch_end(step, &out, model)?;
-                outputs.push(out);
-            }
-            callbacks.on_predict_end(model)?;
-            Ok(outputs)
-        })?;
-        match outputs {
-            Some(outputs) => Ok(Tensor::cat(&outputs, 0)?),
-            None => self.no_predictions(),
-        }
+        let outputs = self.predict_outputs(std::slice::from_ref(x), options)?;
+        only_output(outputs)
     }
 
-    /// Checks that `x` has a batch dimension and samples, builds for its sample shape if
-    /// needed, and returns its sample count.
-    fn prepare_inputs(&mut self, x: &Tensor) -> Result<usize> {
-        let dims = x.dims();
-        let Some((&n, sample)) = dims.split_first() else {
-            return Err(Error::invalid("the inputs need a batch dimension"));
-        };
+    /// Checks `inputs` against the model's inputs, in its order (the same sample count in each,
+    /// each of its input's shape), builds for them if needed, and returns the sample count.
+    fn prepare_inputs(&mut self, inputs: &[Tensor]) -> Result<usize> {
+        let mut given = Vec::with_capacity(inputs.len());
+        let mut count = None;
+        for (i, x) in inputs.iter().enumerate() {
+            let Some((&n, sample)) = x.dims().split_first() else {
+                return Err(Error::invalid(format!(
+                    "input {} needs a batch dimension, but it is a scalar",
+                    i + 1
+                )));
+            };
+            if *count.get_or_insert(n) != n {
+                return Err(Error::invalid(format!(
+                    "input {} holds {n} samples but input 1 holds {}",
+                    i + 1,
+                    count.unwrap_or_default()
+                )));
+            }
+            given.push(crate::data::InputSpec::new(sample).with_dtype(x.dtype()));
+        }
+        let n = count.ok_or_else(|| Error::invalid("the model was given no input"))?;
         if n == 0 {
             return Err(Error::EmptyDataset("the inputs".into()));
         }
-        self.build(sample)?;
+        super::inputs::match_inputs(&self.network.declared_inputs(), &given, "the inputs")?;
+        let shapes: Vec<Vec<usize>> = given.into_iter().map(|g| g.shape).collect();
+        self.build_inputs(&shapes)?;
         Ok(n)
     }
 
@@ -171,12 +174,10 @@ impl Model {
         y: &Tensor,
         sample_weight: Option<&Tensor>,
     ) -> Result<Batch> {
-        let n = self.prepare_inputs(x)?;
+        let n = self.prepare_inputs(std::slice::from_ref(x))?;
         let data = crate::data::InMemoryDataset::new(x.clone(), y.clone())?.named("the batch");
-        let output_shape = self.built()?.output_shape.clone();
-        self.loss.check_targets(&data.targets(), &output_shape)?;
-        let (x, y) = data.to_tensors()?;
-        let batch = Batch::new(x, y);
+        self.check_targets(&data.targets())?;
+        let batch = data.to_batch()?;
         Ok(match sample_weight {
             Some(w) => batch.with_weights(weighting::batch_sample_weight(w, n)?),
             None => batch,
@@ -226,25 +227,39 @@ impl Model {
 
     /// The outputs for this batch in one step, as Keras's `predict_on_batch`.
     pub fn predict_on_batch(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.prepare_inputs(x)?;
-        let out = self.strategy_call(|model| {
-            let x = x.to_dtype(candle_core::DType::F32)?;
-            model.replicas()?.predict_step(&x)
-        })?;
+        self.prepare_inputs(std::slice::from_ref(x))?;
+        let out =
+            self.strategy_call(|model| model.replicas()?.predict_step(std::slice::from_ref(x)))?;
         match out {
-            Some(out) => Ok(out),
-            None => self.no_predictions(),
+            Some(out) => only_output(out),
+            None => only_output(self.no_predictions()?),
         }
     }
 
-    /// What `predict` returns on a process that serves the others: no rows.
-    fn no_predictions(&self) -> Result<Tensor> {
-        let mut empty = vec![0];
-        empty.extend(&self.built()?.output_shape);
-        Ok(Tensor::zeros(
-            empty,
-            candle_core::DType::F32,
-            &candle_core::Device::Cpu,
-        )?)
+    /// What `predict` returns on a process that serves the others: no rows, per output.
+    fn no_predictions(&self) -> Result<Vec<Tensor>> {
+        self.built()?
+            .output_shapes
+            .iter()
+            .map(|shape| {
+                let mut empty = vec![0];
+                empty.extend(shape);
+                Ok(Tensor::zeros(
+                    empty,
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )?)
+            })
+            .collect()
+    }
+}
+
+/// The only output of a model of one output; an error for a model of several.
+fn only_output(mut outputs: Vec<Tensor>) -> Result<Tensor> {
+    match outputs.len() {
+        1 => Ok(outputs.remove(0)),
+        n => Err(Error::invalid(format!(
+            "the model gives {n} outputs; predict_outputs returns them all"
+        ))),
     }
 }

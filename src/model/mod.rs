@@ -26,6 +26,8 @@ use crate::functional::{Functional, PerOutput};
 use crate::layers::{Sequential, Summary};
 use crate::losses::Loss;
 use crate::metrics::Metrics;
+use crate::network::Network;
+use crate::objective::Objective;
 use crate::optimizers::OptimizerConfig;
 use crate::resume::FitRequests;
 use crate::strategy::{DistributedModel, ModelSpec, Strategy, WorkerInfo};
@@ -33,18 +35,17 @@ use crate::{ComputePath, DTypePolicy, Error, Result};
 
 mod fit;
 mod inference;
-mod network;
+mod inputs;
 mod options;
 mod state;
 mod totals;
 
-pub use network::Network;
 pub use options::{EvaluateOptions, FitOptions, PredictOptions};
 
 /// The model once built: its replicas and the shapes it was built for.
 struct BuiltModel {
-    input_shape: Vec<usize>,
-    output_shape: Vec<usize>,
+    input_shapes: Vec<Vec<usize>>,
+    output_shapes: Vec<Vec<usize>>,
     replicas: Box<dyn DistributedModel>,
 }
 
@@ -52,7 +53,7 @@ struct BuiltModel {
 pub struct Model {
     network: Network,
     optimizer: Box<dyn OptimizerConfig>,
-    loss: Arc<dyn Loss>,
+    loss: Objective,
     metrics: Metrics,
     strategy: Arc<dyn Strategy>,
     seed: u64,
@@ -155,8 +156,14 @@ impl Network {
             requests: FitRequests::default(),
             accumulated: 0,
         };
-        if let Some(shape) = model.network.declared_input_shape().map(<[usize]>::to_vec) {
-            model.build(&shape)?;
+        let declared: Vec<Vec<usize>> = model
+            .network
+            .declared_inputs()
+            .into_iter()
+            .map(|i| i.shape)
+            .collect();
+        if !declared.is_empty() {
+            model.build_inputs(&declared)?;
         }
         Ok(model)
     }
@@ -169,30 +176,29 @@ impl Network {
         &self,
         loss: L,
         metrics: Metrics,
-    ) -> Result<(Arc<dyn Loss>, Metrics)> {
+    ) -> Result<(Objective, Metrics)> {
         let loss: Box<dyn std::any::Any> = Box::new(loss);
+        let outputs = self.output_names();
         let per_output = match loss.downcast::<PerOutput>() {
             Ok(per_output) => Some(*per_output),
             Err(other) => match other.downcast::<L>() {
                 Ok(loss) => {
                     let loss: Arc<dyn Loss> = Arc::new(*loss);
-                    match self.parts() {
-                        Some(parts) if parts.output_names.len() > 1 => {
-                            Some(PerOutput::for_all(loss, &parts.output_names))
-                        }
-                        _ => return Ok((loss, metrics)),
+                    match &outputs {
+                        Some(names) if names.len() > 1 => Some(PerOutput::for_all(loss, names)),
+                        _ => return Ok((Objective::from(loss), metrics)),
                     }
                 }
                 Err(_) => return Err(Error::invalid("compile: the loss is of an unknown type")),
             },
         };
-        let (Some(parts), Some(per_output)) = (self.parts(), per_output) else {
+        let (Some(names), Some(per_output)) = (outputs, per_output) else {
             return Err(Error::invalid(
                 "compile: per-output losses (PerOutput) need a functional model; a Sequential \
                  has one output, which takes a loss as it is",
             ));
         };
-        per_output.bind(&parts.output_names, &parts.output_shapes, &metrics)
+        per_output.bind(&names, &metrics)
     }
 }
 
@@ -200,8 +206,8 @@ impl Model {
     /// Seeds the initial weights (default 0) and rebuilds the model if it was built.
     pub fn with_seed(mut self, seed: u64) -> Result<Self> {
         self.seed = seed;
-        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
-            self.build(&shape)?;
+        if let Some(shapes) = self.built.take().map(|b| b.input_shapes) {
+            self.build_inputs(&shapes)?;
         }
         Ok(self)
     }
@@ -211,8 +217,8 @@ impl Model {
     /// it was built. [`ComputePath::DeviceGeneric`] runs on the CPU the candle ops a GPU runs.
     pub fn with_compute_path(mut self, path: ComputePath) -> Result<Self> {
         self.compute_path = path;
-        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
-            self.build(&shape)?;
+        if let Some(shapes) = self.built.take().map(|b| b.input_shapes) {
+            self.build_inputs(&shapes)?;
         }
         Ok(self)
     }
@@ -241,8 +247,8 @@ impl Model {
     /// ```
     pub fn with_dtype_policy(mut self, policy: DTypePolicy) -> Result<Self> {
         self.dtype_policy = policy;
-        if let Some(shape) = self.built.take().map(|b| b.input_shape) {
-            self.build(&shape)?;
+        if let Some(shapes) = self.built.take().map(|b| b.input_shapes) {
+            self.build_inputs(&shapes)?;
         }
         Ok(self)
     }
@@ -259,44 +265,54 @@ impl Model {
 
     /// Builds the model for inputs of `input_shape` (without the batch dimension) on the
     /// strategy's devices. Building again for the same shape does nothing; another shape is an
-    /// error.
+    /// error. A model of several inputs is built for the shapes its inputs declare when it is
+    /// compiled.
     pub fn build(&mut self, input_shape: &[usize]) -> Result<()> {
+        self.build_inputs(&[input_shape.to_vec()])
+    }
+
+    /// [`Self::build`] for one shape per input.
+    fn build_inputs(&mut self, input_shapes: &[Vec<usize>]) -> Result<()> {
         if let Some(b) = &self.built {
-            if b.input_shape == input_shape {
+            if b.input_shapes == input_shapes {
                 return Ok(());
             }
+            let show = |shapes: &[Vec<usize>]| {
+                let each: Vec<String> = shapes
+                    .iter()
+                    .map(|s| crate::error::shape_with_batch(s))
+                    .collect();
+                each.join(", ")
+            };
             return Err(Error::Shape {
                 layer: "model".into(),
-                expected: crate::error::shape_with_batch(&b.input_shape),
-                got: crate::error::shape_with_batch(input_shape),
+                expected: show(&b.input_shapes),
+                got: show(input_shapes),
             });
         }
         let spec = ModelSpec {
             network: self.network.clone(),
-            input_shape: input_shape.to_vec(),
+            input_shapes: input_shapes.to_vec(),
             optimizer: self.optimizer.clone(),
-            loss: Arc::clone(&self.loss),
+            loss: self.loss.clone(),
             metrics: self.metrics.clone(),
             seed: self.seed,
             compute_path: self.compute_path,
             dtype_policy: self.dtype_policy,
         };
         let replicas = self.strategy.distribute(&spec)?;
-        let output_shape = match self.network.parts() {
-            Some(parts) if parts.packed() => {
-                vec![crate::functional::packed_size(&parts.output_shapes)]
-            }
-            Some(parts) => parts.output_shapes[0].clone(),
-            None => replicas
+        let output_shapes = match self.network.output_shapes() {
+            Some(shapes) => shapes,
+            None => vec![replicas
                 .summary()
                 .rows
                 .last()
                 .map(|r| r.output_shape.clone())
-                .unwrap_or_default(),
+                .unwrap_or_default()],
         };
         self.built = Some(BuiltModel {
-            input_shape: input_shape.to_vec(),
-            output_shape,
+            input_shapes: input_shapes.to_vec(),
+            output_shapes,
             replicas,
         });
         Ok(())
@@ -358,7 +374,7 @@ impl Model {
             }
             let saved = std::mem::replace(&mut self.network, network);
             let result = self
-                .build(&built.input_shape)
+                .build_inputs(&built.input_shapes)
                 .and_then(|()| self.set_weights(&weights));
             if result.is_err() {
                 self.network = saved;
@@ -397,14 +413,20 @@ impl Model {
         Ok(self.built_mut()?.replicas.as_mut())
     }
 
-    /// Builds for `data`'s sample shape if needed, and checks that its targets fit the loss,
-    /// the metrics and the model's output.
+    /// Checks `data`'s inputs against the model's (by name where it names them, else in
+    /// order), builds for them if needed, and checks that its targets fit the losses, the
+    /// metrics and the model's outputs.
     fn prepare_for(&mut self, data: &dyn Dataset) -> Result<()> {
         if data.is_empty() {
             return Err(Error::EmptyDataset(data.name().to_string()));
         }
-        let shape = data.sample_shape().to_vec();
-        self.build(&shape).map_err(|e| match e {
+        let given = data.inputs();
+        let order = inputs::match_inputs(&self.network.declared_inputs(), &given, data.name())?;
+        let shapes: Vec<Vec<usize>> = match &order {
+            Some(order) => order.iter().map(|&i| given[i].shape.clone()).collect(),
+            None => given.iter().map(|g| g.shape.clone()).collect(),
+        };
+        self.build_inputs(&shapes).map_err(|e| match e {
             Error::Shape { expected, got, .. } => Error::Shape {
                 layer: format!("model (input from `{}`)", data.name()),
                 expected,
@@ -412,11 +434,17 @@ impl Model {
             },
             other => other,
         })?;
-        let output_shape = self.built()?.output_shape.clone();
-        let targets = data.targets();
-        self.loss.check_targets(&targets, &output_shape)?;
-        for m in self.metrics.iter() {
-            m.check_targets(&targets, &output_shape)?;
+        self.check_targets(&data.targets())
+    }
+
+    /// Checks targets against the losses, the metrics and the model's outputs.
+    fn check_targets(&self, targets: &crate::data::Targets) -> Result<()> {
+        let output_shapes = &self.built()?.output_shapes;
+        self.loss.check_targets(targets, output_shapes)?;
+        for (m, output) in self.metrics.iter_outputs() {
+            if let (Some(target), Some(shape)) = (targets.part(output), output_shapes.get(output)) {
+                m.check_targets(target, shape)?;
+            }
         }
         Ok(())
     }
@@ -487,7 +515,8 @@ impl Model {
     }
 
     /// A loader over `data` in global batches of `batch_size_per_replica` times the replicas in
-    /// sync, yielding this worker's part of each under multi-worker training.
+    /// sync, yielding this worker's part of each under multi-worker training, with each
+    /// batch's inputs in the model's order (the data checked by `prepare_for`).
     fn loader<'d>(
         &self,
         data: &'d dyn Dataset,
@@ -498,11 +527,14 @@ impl Model {
             return Err(Error::invalid("batch size must be positive, got 0"));
         }
         let worker = self.strategy.worker();
+        let order =
+            inputs::match_inputs(&self.network.declared_inputs(), &data.inputs(), data.name())?;
         Loader::new(
             data,
             LoaderOptions {
                 batch_size: batch_size_per_replica * self.strategy.num_replicas_in_sync(),
                 shard: (worker.size > 1).then_some((worker.rank, worker.size)),
+                input_order: order.map(Arc::from),
                 ..options
             },
         )

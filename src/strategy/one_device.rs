@@ -89,9 +89,12 @@ impl DistributedModel for OneDeviceModel {
         })
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
-        let x = x.to_device(self.replica.device())?;
-        Ok(self.replica.predict(&x)?.to_device(&Device::Cpu)?)
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.replica
+            .predict(inputs)?
+            .into_iter()
+            .map(|y| Ok(y.to_device(&Device::Cpu)?))
+            .collect()
     }
 
     fn summary(&self) -> &crate::layers::Summary {

@@ -163,9 +163,9 @@ impl DistributedModel for CentralModel {
         self.set.evaluate(batch)
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.sync_replicas()?;
-        self.set.predict(x)
+        self.set.predict(inputs)
     }
 
     fn weights(&self) -> Result<Weights> {

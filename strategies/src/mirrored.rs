@@ -170,9 +170,9 @@ mod tests {
                 .add(Dense::new(10))
                 .add(Activation::Softmax)
                 .into(),
-            input_shape: vec![1, 8, 8],
+            input_shapes: vec![vec![1, 8, 8]],
             optimizer: Box::new(Sgd::new(0.1)),
-            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+            loss: kandle::Objective::new(SparseCategoricalCrossentropy::new()),
             metrics: [Accuracy].into(),
             seed: 1,
             compute_path: path,
@@ -206,9 +206,9 @@ mod tests {
                 .add(Dense::new(10))
                 .add(Activation::Softmax)
                 .into(),
-            input_shape: vec![1, 8, 8],
+            input_shapes: vec![vec![1, 8, 8]],
             optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
-            loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+            loss: kandle::Objective::new(SparseCategoricalCrossentropy::new()),
             metrics: [Accuracy].into(),
             seed: 1,
             compute_path: kandle::ComputePath::Auto,

@@ -246,9 +246,9 @@ mod tests {
     fn replicas(n: usize) -> Result<Vec<Replica>> {
         let spec = ModelSpec {
             network: Sequential::new().add(Flatten).add(Dense::new(2)).into(),
-            input_shape: vec![3],
+            input_shapes: vec![vec![3]],
             optimizer: Box::new(Sgd::new(0.1)),
-            loss: std::sync::Arc::new(MeanSquaredError),
+            loss: kandle::Objective::new(MeanSquaredError),
             metrics: ().into(),
             seed: 0,
             compute_path: kandle::ComputePath::Auto,

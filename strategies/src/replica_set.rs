@@ -334,24 +334,37 @@ impl ReplicaSet {
         total
     }
 
-    /// Outputs for `x` (CPU), each replica predicting its part, gathered on the CPU.
-    pub(crate) fn predict(&mut self, x: &Tensor) -> Result<Tensor> {
-        let n = x.dim(0)?;
+    /// Outputs for `inputs` (CPU, one tensor per model input), each replica predicting its
+    /// part of the samples, gathered on the CPU: one tensor per output.
+    pub(crate) fn predict(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let n = inputs.first().map_or(Ok(0), |x| x.dim(0))?;
         let parts = (0..self.len())
             .map(|i| {
                 let r = shard_range(n, i, self.len());
-                Ok(x.narrow(0, r.start, r.len())?)
+                inputs
+                    .iter()
+                    .map(|x| Ok(x.narrow(0, r.start, r.len())?))
+                    .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<Vec<_>>>()?;
         let outputs = self.pool.run(parts, |_, replica, part| {
-            if part.dim(0)? == 0 {
+            if part.first().map_or(Ok(0), |x| x.dim(0))? == 0 {
                 return Ok(None);
             }
-            let out = replica.predict(&part.to_device(replica.device())?)?;
-            Ok(Some(out.to_device(&Device::Cpu)?))
+            let out = replica.predict(&part)?;
+            out.into_iter()
+                .map(|y| Ok(y.to_device(&Device::Cpu)?))
+                .collect::<Result<Vec<_>>>()
+                .map(Some)
         })?;
-        let outputs: Vec<Tensor> = outputs.into_iter().flatten().collect();
-        Ok(Tensor::cat(&outputs, 0)?)
+        let outputs: Vec<Vec<Tensor>> = outputs.into_iter().flatten().collect();
+        let count = outputs.first().map_or(0, Vec::len);
+        (0..count)
+            .map(|o| {
+                let column: Vec<&Tensor> = outputs.iter().map(|out| &out[o]).collect();
+                Ok(Tensor::cat(&column, 0)?)
+            })
+            .collect()
     }
 
     /// The first replica's weights, on the CPU.
@@ -493,8 +506,8 @@ impl<R: Reduce> DistributedModel for ReplicaModel<R> {
         self.checked(result)
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.set.predict(x)
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.set.predict(inputs)
     }
 
     fn serve(&mut self) -> Result<bool> {

@@ -166,9 +166,9 @@ fn jpeg_pipeline(args: &Args) -> Result<()> {
 fn resnet50_step(batch: usize) -> Result<f64> {
     let spec = ModelSpec {
         network: kandle_models::resnet50(1000)?.into(),
-        input_shape: vec![3, 224, 224],
+        input_shapes: vec![vec![3, 224, 224]],
         optimizer: Box::new(Sgd::new(1e-2).momentum(0.9)),
-        loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path: kandle::ComputePath::Auto,
@@ -220,9 +220,9 @@ fn loader_rate(loader: &Loader, epochs: usize) -> Result<f64> {
 fn train_rate(loader: &Loader, steps: usize) -> Result<(f64, Duration)> {
     let spec = ModelSpec {
         network: kandle_models::mini_googlenet(10).into(),
-        input_shape: vec![3, 32, 32],
+        input_shapes: vec![vec![3, 32, 32]],
         optimizer: Box::new(Sgd::new(1e-2).momentum(0.9)),
-        loss: std::sync::Arc::new(CategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(CategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path: kandle::ComputePath::Auto,

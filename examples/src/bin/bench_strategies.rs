@@ -117,9 +117,9 @@ fn spec(args: &Args) -> ModelSpec {
     };
     ModelSpec {
         network: network.into(),
-        input_shape,
+        input_shapes: vec![input_shape],
         optimizer: Box::new(Sgd::new(1e-3).momentum(0.9)),
-        loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path: kandle::ComputePath::Auto,
@@ -132,7 +132,7 @@ fn step_time(strategy: &dyn Strategy, args: &Args) -> Result<f64> {
     let mut model = strategy.distribute(&spec)?;
     let n = args.batch_size_per_replica * strategy.num_replicas_in_sync();
     let mut dims = vec![n];
-    dims.extend(&spec.input_shape);
+    dims.extend(&spec.input_shapes[0]);
     let labels: Vec<u32> = (0..n as u32).map(|i| i % 10).collect();
     let batch = Batch::new(
         Tensor::randn(0f32, 1., dims, &Device::Cpu)?,

@@ -161,9 +161,9 @@ mod tests {
                 .add(BatchNormalization::new())
                 .add(Dense::new(3))
                 .into(),
-            input_shape: vec![5],
+            input_shapes: vec![vec![5]],
             optimizer: Box::new(Sgd::new(0.1)),
-            loss: std::sync::Arc::new(MeanSquaredError),
+            loss: kandle::Objective::new(MeanSquaredError),
             metrics: Metrics::default(),
             seed: 0,
             compute_path: kandle::ComputePath::default(),

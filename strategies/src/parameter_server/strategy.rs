@@ -301,8 +301,8 @@ impl DistributedModel for PsModel {
         self.worker("an evaluation step")?.test(batch)
     }
 
-    fn predict_step(&mut self, x: &Tensor) -> Result<Tensor> {
-        self.worker("a prediction")?.predict(x)
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.worker("a prediction")?.predict(inputs)
     }
 
     fn serve(&mut self) -> Result<bool> {

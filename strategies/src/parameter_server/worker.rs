@@ -320,13 +320,14 @@ impl Worker {
         })
     }
 
-    /// The model's outputs for `x`, on the servers' current weights.
-    pub(crate) fn predict(&mut self, x: &Tensor) -> Result<Tensor> {
+    /// The model's outputs for `inputs`, on the servers' current weights.
+    pub(crate) fn predict(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         self.fetch()?;
-        Ok(self
-            .replica
-            .predict(&x.to_device(self.replica.device())?)?
-            .to_device(&Device::Cpu)?)
+        self.replica
+            .predict(inputs)?
+            .into_iter()
+            .map(|y| Ok(y.to_device(&Device::Cpu)?))
+            .collect()
     }
 
     /// At an epoch's end (asynchronous mode): waits until every worker has ended the epoch,

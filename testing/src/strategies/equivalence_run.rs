@@ -93,14 +93,17 @@ pub fn two_in_two_out() -> Functional {
     build().expect("the two-input graph is a valid model")
 }
 
-/// The digits as [`two_in_two_out`] takes them: each image and its eight row means, with its
-/// class and its ink as the two targets (the image's mean value, standardised over `digits`:
-/// mean 0, variance 1).
+/// The digits as [`two_in_two_out`] takes them: each image (`f32`) and its eight row means
+/// (`f16`: the parts of a batch keep their own dtypes), with its class and its ink as the two
+/// targets (the image's mean value, standardised over `digits`: mean 0, variance 1).
 pub fn digits_with_row_means(
     digits: &kandle::data::InMemoryDataset,
 ) -> kandle::Result<kandle::data::InMemoryDataset> {
     let (x, y) = digits.to_tensors()?;
-    let rows = x.mean(3)?.flatten_from(1)?;
+    let rows = x
+        .mean(3)?
+        .flatten_from(1)?
+        .to_dtype(candle_core::DType::F16)?;
     let ink = x.flatten_from(1)?.mean_keepdim(1)?;
     let centred = ink.broadcast_sub(&ink.mean_all()?)?;
     let std = centred.sqr()?.mean_all()?.sqrt()?;

@@ -37,9 +37,9 @@ pub fn spec(which: CifarModel, policy: DTypePolicy) -> Result<ModelSpec> {
 fn spec_on(compute_path: ComputePath, which: CifarModel) -> Result<ModelSpec> {
     Ok(ModelSpec {
         network: which.network()?,
-        input_shape: vec![3, 32, 32],
+        input_shapes: vec![vec![3, 32, 32]],
         optimizer: Box::new(Sgd::new(LR).momentum(0.9)),
-        loss: std::sync::Arc::new(SparseCategoricalCrossentropy::new()),
+        loss: kandle::Objective::new(SparseCategoricalCrossentropy::new()),
         metrics: [Accuracy].into(),
         seed: 0,
         compute_path,
@@ -78,7 +78,7 @@ pub fn frozen_base_step_time(
     timer: Timer,
 ) -> Result<f64> {
     let mut spec = spec(which, policy)?;
-    let summary = spec.network.summary(&spec.input_shape)?;
+    let summary = spec.network.summary(&spec.input_shapes[0])?;
     let head = summary
         .rows
         .iter()
@@ -138,10 +138,12 @@ pub fn inference_time(
     timer: Timer,
 ) -> Result<f64> {
     let mut model = strategy.distribute(&spec(which, policy)?)?;
-    let x = random_batch(batch, device)?.x;
+    let x = random_batch(batch, device)?.inputs;
     timer.median(|| {
         // Read back to the host: on a GPU this waits for the computation, as PyTorch's side does.
-        std::hint::black_box(model.predict_step(&x)?.to_device(&Device::Cpu)?);
+        for y in model.predict_step(&x)? {
+            std::hint::black_box(y.to_device(&Device::Cpu)?);
+        }
         Ok(())
     })
 }

@@ -1,0 +1,350 @@
+//! `Network`: the recipe a model is compiled from, a [`Sequential`] or a [`Functional`], and
+//! what a replica builds from it at the top level (its layers named without a prefix): a
+//! [`BuiltNetwork`] that takes one tensor per input and gives one per output.
+//!
+//! A model of one input and one output runs as a layer, with every fusion the layers have; a
+//! functional model of several inputs or outputs runs as its graph, each input and output a
+//! tensor of its own.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::shape_with_batch;
+use crate::functional::{Functional, GraphNet};
+use crate::layers::{BuildContext, FastPath, Layer, LayerSpec, ParamGrads, Sequential, Summary};
+use crate::params::{ParamStore, TrainableRule};
+use crate::{Error, Result};
+
+/// A model's recipe: a [`Sequential`] stack or a [`Functional`] graph. Both convert into it
+/// (`.into()`), and it is what [`ModelSpec`](crate::strategy::ModelSpec) holds.
+///
+/// ```
+/// use kandle::layers::{Dense, LayerSpecExt, Sequential};
+/// use kandle::functional::{Functional, Input};
+/// use kandle::Network;
+///
+/// let stack: Network = Sequential::new().add(Dense::new(2)).into();
+/// let x = Input::new(&[3]).tensor();
+/// let graph: Network = Functional::new([&x], [&Dense::new(2).call(&x)?])?.into();
+/// assert_eq!(stack.declared_input_shape(), None);
+/// assert_eq!(graph.declared_input_shape(), Some(&[3][..]));
+/// # Ok::<(), kandle::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Network {
+    recipe: Recipe,
+    /// Trainability set by layer name after the recipe was written, in the order set.
+    trainable_rules: Vec<TrainableRule>,
+}
+
+#[derive(Debug, Clone)]
+enum Recipe {
+    Stack(Sequential),
+    Graph(Functional),
+}
+
+/// One input of a network: its name and its shape without the batch dimension.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NetworkInput {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<usize>,
+}
+
+impl From<Sequential> for Network {
+    fn from(stack: Sequential) -> Self {
+        Self {
+            recipe: Recipe::Stack(stack),
+            trainable_rules: Vec::new(),
+        }
+    }
+}
+
+impl From<Functional> for Network {
+    fn from(graph: Functional) -> Self {
+        Self {
+            recipe: Recipe::Graph(graph),
+            trainable_rules: Vec::new(),
+        }
+    }
+}
+
+impl Network {
+    /// The input shape the recipe declares (a functional model's first input; a
+    /// `Sequential`'s [`Sequential::input_shape`]), without the batch dimension.
+    pub fn declared_input_shape(&self) -> Option<&[usize]> {
+        match &self.recipe {
+            Recipe::Stack(stack) => stack.declared_input_shape(),
+            Recipe::Graph(graph) => graph.inputs().first().map(|i| i.shape.as_slice()),
+        }
+    }
+
+    /// The inputs the recipe declares, by name and shape: every input of a functional model,
+    /// a `Sequential`'s one input (named `input`) when it declares its shape, else none.
+    pub(crate) fn declared_inputs(&self) -> Vec<NetworkInput> {
+        match &self.recipe {
+            Recipe::Stack(stack) => stack
+                .declared_input_shape()
+                .map(|shape| NetworkInput {
+                    name: "input".into(),
+                    shape: shape.to_vec(),
+                })
+                .into_iter()
+                .collect(),
+            Recipe::Graph(graph) => graph
+                .inputs()
+                .iter()
+                .map(|i| NetworkInput {
+                    name: i.name.clone(),
+                    shape: i.shape.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// A functional model's input shapes, in order (`None` for a `Sequential`).
+    pub fn input_shapes(&self) -> Option<Vec<Vec<usize>>> {
+        match &self.recipe {
+            Recipe::Stack(_) => None,
+            Recipe::Graph(graph) => Some(graph.input_shapes()),
+        }
+    }
+
+    /// A functional model's input names, in order (`None` for a `Sequential`): the names a
+    /// dataset's parts are matched by.
+    pub fn input_names(&self) -> Option<Vec<String>> {
+        match &self.recipe {
+            Recipe::Stack(_) => None,
+            Recipe::Graph(graph) => Some(graph.input_names()),
+        }
+    }
+
+    /// A functional model's output names, in order (`None` for a `Sequential`): the keys of
+    /// per-output losses and logs.
+    pub fn output_names(&self) -> Option<Vec<String>> {
+        match &self.recipe {
+            Recipe::Stack(_) => None,
+            Recipe::Graph(graph) => Some(graph.output_names()),
+        }
+    }
+
+    /// A functional model's output shapes, in order (`None` for a `Sequential`).
+    pub(crate) fn output_shapes(&self) -> Option<Vec<Vec<usize>>> {
+        match &self.recipe {
+            Recipe::Stack(_) => None,
+            Recipe::Graph(graph) => Some(graph.output_shapes()),
+        }
+    }
+
+    /// The network with the layers under each of `names` trainable or frozen, overriding the
+    /// recipe's `.trainable(...)`: see [`TrainableRule`] for how a name covers layers. Later
+    /// calls override earlier ones where they name the same layers.
+    ///
+    /// ```
+    /// use kandle::layers::{Dense, LayerSpecExt, Sequential};
+    /// use kandle::Network;
+    ///
+    /// let stack = Sequential::new()
+    ///     .add(Dense::new(4).named("base").trainable(false))
+    ///     .add(Dense::new(2).named("head"));
+    /// let net = Network::from(stack).with_trainable(&["base"], true);
+    /// assert_eq!(net.summary(&[3])?.trainable, 3 * 4 + 4 + 4 * 2 + 2);
+    /// let net = net.with_trainable(&[""], false).with_trainable(&["head"], true);
+    /// assert_eq!(net.summary(&[3])?.trainable, 4 * 2 + 2);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn with_trainable(mut self, names: &[&str], trainable: bool) -> Self {
+        self.trainable_rules
+            .extend(names.iter().map(|n| TrainableRule::new(*n, trainable)));
+        self
+    }
+
+    /// The rules [`Self::with_trainable`] set, in order.
+    pub fn trainable_rules(&self) -> &[TrainableRule] {
+        &self.trainable_rules
+    }
+
+    /// The layer table for inputs of `input_shape` (the first input's, for a functional model
+    /// whose other inputs are declared), built on the CPU.
+    pub fn summary(&self, input_shape: &[usize]) -> Result<Summary> {
+        let ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
+        let mut shapes = self.input_shapes().unwrap_or_default();
+        match shapes.first_mut() {
+            Some(first) => *first = input_shape.to_vec(),
+            None => shapes.push(input_shape.to_vec()),
+        }
+        Ok(self.build(ctx, &shapes)?.2)
+    }
+
+    /// Builds the whole network in `ctx` for inputs of `input_shapes` (one per input).
+    pub(crate) fn build(
+        &self,
+        ctx: BuildContext,
+        input_shapes: &[Vec<usize>],
+    ) -> Result<(BuiltNetwork, ParamStore, Summary)> {
+        let mut ctx = ctx.with_trainable_rules(&self.trainable_rules);
+        let (net, rows, names) = match &self.recipe {
+            Recipe::Graph(graph) if graph.inputs().len() > 1 || graph.outputs().len() > 1 => {
+                let (net, rows) = graph.build_graph(&mut ctx, input_shapes)?;
+                (BuiltNetwork::Graph(net), rows, graph.input_names())
+            }
+            recipe => {
+                let [shape] = input_shapes else {
+                    return Err(Error::invalid(format!(
+                        "the model has one input but was given {}",
+                        input_shapes.len()
+                    )));
+                };
+                let (spec, name): (&dyn LayerSpec, String) = match recipe {
+                    Recipe::Stack(stack) => (stack, "input".into()),
+                    Recipe::Graph(graph) => (graph, graph.input_names().remove(0)),
+                };
+                let built = spec.build(&mut ctx, shape)?;
+                let rows = built.children.clone();
+                (
+                    BuiltNetwork::Layer(built.into_fast_path()),
+                    rows,
+                    vec![name],
+                )
+            }
+        };
+        let store = ctx.into_store();
+        let (trainable, non_trainable) = store.count("");
+        let summary = Summary {
+            inputs: names
+                .into_iter()
+                .zip(input_shapes.iter().cloned())
+                .collect(),
+            rows,
+            trainable,
+            non_trainable,
+        };
+        Ok((net, store, summary))
+    }
+}
+
+/// A built network: one tensor per input in, one per output out.
+pub(crate) enum BuiltNetwork {
+    /// One input and one output: a layer (a `Sequential`'s stack, or a functional model's
+    /// graph run as a layer).
+    Layer(Box<dyn FastPath>),
+    /// A functional model of several inputs or outputs.
+    Graph(GraphNet),
+}
+
+/// A recorded training forward of a whole network: its outputs, the logits of its only
+/// output's softmax when it gives them, and the backward pass from the outputs' gradients (or
+/// the logits').
+pub(crate) struct RecordedNetwork {
+    pub(crate) outputs: Vec<Tensor>,
+    pub(crate) logits: Option<Tensor>,
+    pub(crate) backward: NetworkBackward,
+}
+
+/// The backward pass of a whole network: from the outputs' gradients, in order, into the
+/// variables' gradients.
+pub(crate) type NetworkBackward = Box<dyn FnOnce(Vec<Tensor>, &mut ParamGrads) -> Result<()>>;
+
+impl BuiltNetwork {
+    /// The outputs for `inputs`, with the logits of the only output's softmax where the last
+    /// layer gives them.
+    pub(crate) fn forward_with_logits(
+        &self,
+        inputs: &[Tensor],
+        train: bool,
+    ) -> Result<(Vec<Tensor>, Option<Tensor>)> {
+        let inputs = &as_computed(inputs)?;
+        match self {
+            BuiltNetwork::Layer(layer) => {
+                let (y, logits) = layer.forward_with_logits(only(inputs)?, train)?;
+                Ok((vec![y], logits))
+            }
+            BuiltNetwork::Graph(net) => net.run(inputs, train, true),
+        }
+    }
+
+    /// The outputs for `inputs` in inference mode, as `f32`.
+    pub(crate) fn predict(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let inputs = &as_computed(inputs)?;
+        let outputs = match self {
+            BuiltNetwork::Layer(layer) => vec![layer.forward_t(only(inputs)?, false)?],
+            BuiltNetwork::Graph(net) => net.run(inputs, false, false)?.0,
+        };
+        outputs
+            .into_iter()
+            .map(|y| Ok(y.to_dtype(DType::F32)?))
+            .collect()
+    }
+
+    /// The recorded training forward for `inputs`, whose gradients nothing asks for.
+    pub(crate) fn record(&self, inputs: &[Tensor]) -> Result<RecordedNetwork> {
+        let inputs = &as_computed(inputs)?;
+        match self {
+            BuiltNetwork::Layer(layer) => {
+                let recorded =
+                    layer.forward_recorded_without_input_grad(&only(inputs)?.detach(), true)?;
+                let backward = recorded.backward;
+                Ok(RecordedNetwork {
+                    outputs: vec![recorded.output],
+                    logits: recorded.logits,
+                    backward: Box::new(move |mut dys: Vec<Tensor>, grads: &mut ParamGrads| {
+                        let dy = dys.pop().ok_or_else(|| {
+                            Error::invalid("the network's backward pass got no gradient")
+                        })?;
+                        backward.backward(dy, grads, false).map(|_| ())
+                    }),
+                })
+            }
+            BuiltNetwork::Graph(net) => {
+                let detached: Vec<Tensor> = inputs.iter().map(Tensor::detach).collect();
+                let (outputs, logits, backward) = net.record(&detached, true, false)?;
+                Ok(RecordedNetwork {
+                    outputs,
+                    logits,
+                    backward: Box::new(move |dys: Vec<Tensor>, grads: &mut ParamGrads| {
+                        backward.backward(dys, grads, false).map(|_| ())
+                    }),
+                })
+            }
+        }
+    }
+
+    /// The network as a layer, when it has one input and one output.
+    pub(crate) fn as_layer(&self) -> Option<&dyn Layer> {
+        match self {
+            BuiltNetwork::Layer(layer) => Some(layer.as_layer()),
+            BuiltNetwork::Graph(_) => None,
+        }
+    }
+}
+
+/// The inputs as the layers take them: float parts (float16 or bfloat16 images, say) as
+/// `f32`, which the layers cast to their policy's compute dtype; integer ids as they are.
+/// A part already in `f32` is not copied.
+fn as_computed(inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    inputs
+        .iter()
+        .map(|x| match x.dtype().is_float() {
+            true => Ok(x.to_dtype(DType::F32)?),
+            false => Ok(x.clone()),
+        })
+        .collect()
+}
+
+/// The only input of a network of one input.
+fn only(inputs: &[Tensor]) -> Result<&Tensor> {
+    match inputs {
+        [x] => Ok(x),
+        _ => Err(Error::invalid(format!(
+            "the model takes one input but was given {}",
+            inputs.len()
+        ))),
+    }
+}
+
+/// The error for a part of `shape` given for the input `input`, which takes `expected`.
+pub(crate) fn input_shape_error(input: &str, expected: &[usize], shape: &[usize]) -> Error {
+    Error::Shape {
+        layer: format!("model input `{input}`"),
+        expected: shape_with_batch(expected),
+        got: shape_with_batch(shape),
+    }
+}

@@ -6,7 +6,8 @@
 //! nothing packed: the `gemm` crate, which these products went to before, packs both operands
 //! of every product.
 
-use super::{transform_gradient, Tile, ELEMENTS, TILE};
+use super::transforms::transform_gradient;
+use super::{Tile, ELEMENTS, TILE};
 
 /// Output channels the transform takes at once, one per lane (a strip holds one or more sets).
 pub(super) const CHANNELS: usize = 16;

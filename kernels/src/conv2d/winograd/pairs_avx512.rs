@@ -398,7 +398,7 @@ mod tests {
                         }
                     }
                 }
-                super::super::transform_gradient(&d)
+                super::super::transforms::transform_gradient(&d)
             })
             .collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

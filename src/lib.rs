@@ -106,7 +106,8 @@ pub mod prelude {
     pub use crate::data::{Dataset, Targets};
     pub use crate::layers::{
         Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense,
-        Dropout, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding, Sequential,
+        Dropout, Embedding, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding,
+        Sequential,
     };
     pub use crate::losses::{
         BinaryCrossentropy, CategoricalCrossentropy, Huber, MeanSquaredError,

@@ -6,6 +6,8 @@
 //! functional model of several inputs or outputs runs as its graph, each input and output a
 //! tensor of its own.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor};
 
 use crate::error::shape_with_batch;
@@ -40,6 +42,19 @@ pub struct Network {
 enum Recipe {
     Stack(Sequential),
     Graph(Functional),
+    /// A functional model of one image input traced for one size, and how to trace it again
+    /// for another (a convolutional base with global pooling takes any size).
+    AnySize(Functional, Retrace),
+}
+
+/// Traces a functional model again for an input of another shape.
+#[derive(Clone)]
+struct Retrace(Arc<dyn Fn(&[usize]) -> Result<Functional> + Send + Sync>);
+
+impl std::fmt::Debug for Retrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Retrace")
+    }
 }
 
 /// One input of a network: its name and its shape without the batch dimension.
@@ -47,6 +62,19 @@ enum Recipe {
 pub(crate) struct NetworkInput {
     pub(crate) name: String,
     pub(crate) shape: Vec<usize>,
+    /// Whether it takes images of any height and width (the shape's first dimension, the
+    /// channels, still holds).
+    pub(crate) any_size: bool,
+}
+
+impl NetworkInput {
+    /// Whether a part of `shape` fits this input.
+    pub(crate) fn takes(&self, shape: &[usize]) -> bool {
+        match self.any_size {
+            true => shape.len() == self.shape.len() && shape.first() == self.shape.first(),
+            false => shape == self.shape,
+        }
+    }
 }
 
 impl From<Sequential> for Network {
@@ -68,12 +96,82 @@ impl From<Functional> for Network {
 }
 
 impl Network {
+    /// A network of one image input that takes images of any height and width, as Keras's
+    /// convolutional bases with `input_shape=None` and torchvision's models do: `trace` gives
+    /// the functional model for an input shape `(channels, height, width)`, and is called for
+    /// `shape` now and for every other size the model meets (`fit`, `evaluate`, `predict`, or
+    /// `Model::build`), which rebuilds the model with the same variables. `trace` must give
+    /// the same variables (names and shapes) whatever the size, as a network that ends in
+    /// global pooling does.
+    ///
+    /// ```
+    /// use kandle::functional::{Functional, Input};
+    /// use kandle::layers::{Conv2D, Dense, GlobalAveragePooling2D, LayerSpecExt};
+    /// use kandle::Network;
+    ///
+    /// let trace = |shape: &[usize]| {
+    ///     let image = Input::new(shape).named("image").tensor();
+    ///     let x = Conv2D::new(4, 3).call(&image)?;
+    ///     let y = Dense::new(2).call(&GlobalAveragePooling2D.call(&x)?)?;
+    ///     Functional::new([&image], [&y])
+    /// };
+    /// let net = Network::any_size(&[3, 32, 32], trace)?;
+    /// assert_eq!(net.summary(&[3, 64, 48])?.trainable, 3 * 3 * 3 * 4 + 4 + 4 * 2 + 2);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn any_size(
+        shape: &[usize],
+        trace: impl Fn(&[usize]) -> Result<Functional> + Send + Sync + 'static,
+    ) -> Result<Self> {
+        let graph = trace(shape)?;
+        if graph.inputs().len() != 1 || shape.len() != 3 {
+            return Err(Error::invalid(format!(
+                "Network::any_size takes a model of one image input (channels, height, width); \
+                 this one has {} input(s) of shape {}",
+                graph.inputs().len(),
+                shape_with_batch(shape)
+            )));
+        }
+        Ok(Self {
+            recipe: Recipe::AnySize(graph, Retrace(Arc::new(trace))),
+            trainable_rules: Vec::new(),
+        })
+    }
+
+    /// Whether the network takes images of any size ([`Self::any_size`]).
+    pub fn takes_any_size(&self) -> bool {
+        matches!(self.recipe, Recipe::AnySize(..))
+    }
+
+    /// The functional model, traced for `input_shapes` where it takes any size.
+    fn graph_for(&self, input_shapes: &[Vec<usize>]) -> Result<Option<Functional>> {
+        Ok(match &self.recipe {
+            Recipe::Stack(_) => None,
+            Recipe::Graph(graph) => Some(graph.clone()),
+            Recipe::AnySize(graph, retrace) => match input_shapes {
+                [shape] if *shape != graph.input_shapes()[0] => Some((retrace.0)(shape)?),
+                _ => Some(graph.clone()),
+            },
+        })
+    }
+
+    /// The outputs' shapes for inputs of `input_shapes`: a functional model's (traced again
+    /// for another size where it takes any size); `None` for a `Sequential`.
+    pub(crate) fn output_shapes_for(
+        &self,
+        input_shapes: &[Vec<usize>],
+    ) -> Result<Option<Vec<Vec<usize>>>> {
+        Ok(self.graph_for(input_shapes)?.map(|g| g.output_shapes()))
+    }
+
     /// The input shape the recipe declares (a functional model's first input; a
     /// `Sequential`'s [`Sequential::input_shape`]), without the batch dimension.
     pub fn declared_input_shape(&self) -> Option<&[usize]> {
         match &self.recipe {
             Recipe::Stack(stack) => stack.declared_input_shape(),
-            Recipe::Graph(graph) => graph.inputs().first().map(|i| i.shape.as_slice()),
+            Recipe::Graph(graph) | Recipe::AnySize(graph, _) => {
+                graph.inputs().first().map(|i| i.shape.as_slice())
+            }
         }
     }
 
@@ -86,15 +184,17 @@ impl Network {
                 .map(|shape| NetworkInput {
                     name: "input".into(),
                     shape: shape.to_vec(),
+                    any_size: false,
                 })
                 .into_iter()
                 .collect(),
-            Recipe::Graph(graph) => graph
+            Recipe::Graph(graph) | Recipe::AnySize(graph, _) => graph
                 .inputs()
                 .iter()
                 .map(|i| NetworkInput {
                     name: i.name.clone(),
                     shape: i.shape.clone(),
+                    any_size: self.takes_any_size(),
                 })
                 .collect(),
         }
@@ -104,7 +204,7 @@ impl Network {
     pub fn input_shapes(&self) -> Option<Vec<Vec<usize>>> {
         match &self.recipe {
             Recipe::Stack(_) => None,
-            Recipe::Graph(graph) => Some(graph.input_shapes()),
+            Recipe::Graph(graph) | Recipe::AnySize(graph, _) => Some(graph.input_shapes()),
         }
     }
 
@@ -113,7 +213,7 @@ impl Network {
     pub fn input_names(&self) -> Option<Vec<String>> {
         match &self.recipe {
             Recipe::Stack(_) => None,
-            Recipe::Graph(graph) => Some(graph.input_names()),
+            Recipe::Graph(graph) | Recipe::AnySize(graph, _) => Some(graph.input_names()),
         }
     }
 
@@ -122,15 +222,7 @@ impl Network {
     pub fn output_names(&self) -> Option<Vec<String>> {
         match &self.recipe {
             Recipe::Stack(_) => None,
-            Recipe::Graph(graph) => Some(graph.output_names()),
-        }
-    }
-
-    /// A functional model's output shapes, in order (`None` for a `Sequential`).
-    pub(crate) fn output_shapes(&self) -> Option<Vec<Vec<usize>>> {
-        match &self.recipe {
-            Recipe::Stack(_) => None,
-            Recipe::Graph(graph) => Some(graph.output_shapes()),
+            Recipe::Graph(graph) | Recipe::AnySize(graph, _) => Some(graph.output_names()),
         }
     }
 
@@ -181,21 +273,23 @@ impl Network {
         input_shapes: &[Vec<usize>],
     ) -> Result<(BuiltNetwork, ParamStore, Summary)> {
         let mut ctx = ctx.with_trainable_rules(&self.trainable_rules);
-        let (net, rows, names) = match &self.recipe {
-            Recipe::Graph(graph) if graph.inputs().len() > 1 || graph.outputs().len() > 1 => {
+        let graph = self.graph_for(input_shapes)?;
+        let (net, rows, names) = match (&self.recipe, &graph) {
+            (_, Some(graph)) if graph.inputs().len() > 1 || graph.outputs().len() > 1 => {
                 let (net, rows) = graph.build_graph(&mut ctx, input_shapes)?;
                 (BuiltNetwork::Graph(net), rows, graph.input_names())
             }
-            recipe => {
+            (recipe, graph) => {
                 let [shape] = input_shapes else {
                     return Err(Error::invalid(format!(
                         "the model has one input but was given {}",
                         input_shapes.len()
                     )));
                 };
-                let (spec, name): (&dyn LayerSpec, String) = match recipe {
-                    Recipe::Stack(stack) => (stack, "input".into()),
-                    Recipe::Graph(graph) => (graph, graph.input_names().remove(0)),
+                let (spec, name): (&dyn LayerSpec, String) = match (recipe, graph) {
+                    (_, Some(graph)) => (graph, graph.input_names().remove(0)),
+                    (Recipe::Stack(stack), None) => (stack, "input".into()),
+                    (_, None) => return Err(Error::invalid("a functional model without its graph")),
                 };
                 let built = spec.build(&mut ctx, shape)?;
                 let rows = built.children.clone();
@@ -340,11 +434,17 @@ fn only(inputs: &[Tensor]) -> Result<&Tensor> {
     }
 }
 
-/// The error for a part of `shape` given for the input `input`, which takes `expected`.
-pub(crate) fn input_shape_error(input: &str, expected: &[usize], shape: &[usize]) -> Error {
-    Error::Shape {
-        layer: format!("model input `{input}`"),
-        expected: shape_with_batch(expected),
-        got: shape_with_batch(shape),
-    }
+/// The error for a part of `shape`, from `source`, given for the input `input`, which takes
+/// `expected`.
+pub(crate) fn input_shape_error(
+    input: &str,
+    expected: &[usize],
+    shape: &[usize],
+    source: &str,
+) -> Error {
+    Error::invalid(format!(
+        "model input `{input}` takes {} but `{source}` gives {}",
+        shape_with_batch(expected),
+        shape_with_batch(shape)
+    ))
 }

@@ -3,6 +3,7 @@
 //! predictions in a freshly built model, its summary shows what each layer is connected to, and
 //! used as a layer of a `Sequential` it gives what it gives alone.
 
+use kandle::data::InMemoryDataset;
 use kandle::functional::{add, Functional, Input};
 use kandle::prelude::*;
 
@@ -126,12 +127,14 @@ fn data_of_another_shape_is_refused_naming_the_input() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Two inputs (the image and its row means), two outputs (`class` and `ink`, the image's
-/// standardised mean value), a residual sum and a concatenation of both inputs' features.
-fn two_input_classifier() -> kandle::Result<kandle::functional::Functional> {
+/// Three inputs (the image, its row means and the ids of each row's brightest column), two
+/// outputs (`class` and `ink`, the image's standardised mean value), a residual sum, an
+/// embedding of the ids and a concatenation of the inputs' features.
+fn three_input_classifier() -> kandle::Result<kandle::functional::Functional> {
     use kandle::functional::concatenate;
     let image = Input::new(&[1, 8, 8]).named("image").tensor();
     let rows = Input::new(&[8]).named("rows").tensor();
+    let brightest = Input::new(&[8]).named("brightest").tensor();
     let stem = Conv2D::new(16, 3).padding(Padding::Same).call(&image)?;
     let stem = Activation::Relu.call(&stem)?;
     let inner = Conv2D::new(16, 3).padding(Padding::Same).call(&stem)?;
@@ -139,31 +142,31 @@ fn two_input_classifier() -> kandle::Result<kandle::functional::Functional> {
     let h = Flatten.call(&MaxPooling2D::new(2).call(&h)?)?;
     let image_features = Activation::Relu.call(&Dense::new(32).call(&h)?)?;
     let row_features = Activation::Relu.call(&Dense::new(16).call(&rows)?)?;
-    let both = concatenate(&[&image_features, &row_features])?;
+    let columns = Flatten.call(&Embedding::new(8, 4).call(&brightest)?)?;
+    let both = concatenate(&[&image_features, &row_features, &columns])?;
     let class = Activation::Softmax
         .named("class")
         .call(&Dense::new(10).call(&both)?)?;
     let ink = Dense::new(1).named("ink").call(&both)?;
-    Functional::new([&image, &rows], [&class, &ink])
+    Functional::new([&image, &rows, &brightest], [&class, &ink])
 }
 
-/// A model of two inputs and two outputs learns both targets: the class to at least 95% test
-/// accuracy, the ink (standardised: variance 1) to a mean squared error under 0.1. The logs have Keras's keys, the total loss is the weighted sum of
-/// the outputs' losses, and `predict_outputs` gives one tensor per output.
+/// A model of three inputs of three dtypes (an `f32` image, `f16` row means, `u32` ids), given
+/// as named parts in another order than the model's, and two outputs learns both targets: the
+/// class to at least 95% test accuracy, the ink (standardised: variance 1) to a mean squared
+/// error under 0.1. The logs have Keras's keys, the total loss is the weighted sum of the
+/// outputs' losses, and `predict_outputs` gives one tensor per output.
 #[test]
-fn a_two_input_two_output_model_learns_both_targets() -> anyhow::Result<()> {
-    use kandle_testing::strategies::equivalence_run::digits_with_row_means;
+fn a_three_input_two_output_model_learns_both_targets() -> anyhow::Result<()> {
+    use kandle_testing::strategies::equivalence_run::digits_in_parts;
     let (train, test) = kandle::data::digits::load()?.train_test_split(0.2, 42)?;
-    let (train, test) = (
-        digits_with_row_means(&train)?,
-        digits_with_row_means(&test)?,
-    );
+    let (train, test) = (digits_in_parts(&train)?, digits_in_parts(&test)?);
     let losses = kandle::functional::PerOutput::new()
         .loss("class", SparseCategoricalCrossentropy::new())
         .loss("ink", MeanSquaredError)
         .weight("ink", 0.5)
         .metric("class", Accuracy);
-    let mut model = two_input_classifier()?
+    let mut model = three_input_classifier()?
         .compile(Adam::new(3e-3), losses, (), &OneDeviceStrategy::cpu())?
         .with_seed(1)?;
     let history = model.fit(
@@ -206,14 +209,102 @@ fn a_two_input_two_output_model_learns_both_targets() -> anyhow::Result<()> {
         "{logs:?}"
     );
 
-    let (x, _) = test.to_tensors()?;
-    let n = x.dim(0)?;
-    let image = x.narrow(1, 0, 64)?.reshape((n, 1, 8, 8))?;
-    let rows = x.narrow(1, 64, 8)?;
-    let outputs = model.predict_outputs(&[image, rows], 64)?;
+    let inputs = test.to_batch()?.inputs;
+    let n = inputs[0].dim(0)?;
+    assert_eq!(inputs[2].dtype(), candle_core::DType::U32);
+    let outputs = model.predict_outputs(&inputs, 64)?;
     assert_eq!(outputs[0].dims(), [n, 10]);
     assert_eq!(outputs[1].dims(), [n, 1]);
     let sums = outputs[0].sum(1)?.to_vec1::<f32>()?;
     assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-5), "softmax rows");
+    Ok(())
+}
+
+/// Parts that do not fit the model's inputs are errors that name the input and both shapes,
+/// before any step: swapped in order, an image given flat, a part missing, a part the model
+/// does not take; and ids given as floats are an error of the embedding at the first step.
+#[test]
+fn parts_that_do_not_fit_the_inputs_are_named_errors() -> anyhow::Result<()> {
+    let batch = kandle::data::digits::load()?.subset(&(0..64).collect::<Vec<_>>())?;
+    let parts = kandle_testing::strategies::equivalence_run::digits_in_parts(&batch)?.to_batch()?;
+    let [image, rows, ids] = &parts.inputs[..] else {
+        panic!("three inputs");
+    };
+    let mut model = three_input_classifier()?.compile(
+        Sgd::new(0.1),
+        kandle::functional::PerOutput::new()
+            .loss("class", SparseCategoricalCrossentropy::new())
+            .loss("ink", MeanSquaredError),
+        (),
+        &OneDeviceStrategy::cpu(),
+    )?;
+    let fit = |model: &mut kandle::Model, data: kandle::data::InMemoryDataset| {
+        let options = FitOptions {
+            epochs: 1,
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        };
+        match model.fit(&data, options) {
+            Ok(_) => panic!("fitted on parts that do not fit"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let targets = parts.targets.clone();
+    let swapped =
+        InMemoryDataset::from_parts(&[rows.clone(), image.clone(), ids.clone()], &targets)?;
+    let err = fit(&mut model, swapped);
+    for part in ["`image`", "(batch, 1, 8, 8)", "(batch, 8)"] {
+        assert!(err.contains(part), "`{part}` missing from: {err}");
+    }
+    let flat = image.flatten_from(1)?;
+    let err = fit(
+        &mut model,
+        InMemoryDataset::from_named_parts(
+            &[
+                ("image", flat),
+                ("rows", rows.clone()),
+                ("brightest", ids.clone()),
+            ],
+            &targets,
+        )?,
+    );
+    for part in ["`image`", "(batch, 1, 8, 8)", "(batch, 64)"] {
+        assert!(err.contains(part), "`{part}` missing from: {err}");
+    }
+    let err = fit(
+        &mut model,
+        InMemoryDataset::from_named_parts(
+            &[("image", image.clone()), ("rows", rows.clone())],
+            &targets,
+        )?,
+    );
+    assert!(err.contains("no input `brightest`"), "{err}");
+    let err = fit(
+        &mut model,
+        InMemoryDataset::from_named_parts(
+            &[
+                ("image", image.clone()),
+                ("rows", rows.clone()),
+                ("brightest", ids.clone()),
+                ("mask", rows.clone()),
+            ],
+            &targets,
+        )?,
+    );
+    assert!(
+        err.contains("`mask`") && err.contains("does not take"),
+        "{err}"
+    );
+    let float_ids = ids.to_dtype(candle_core::DType::F32)?;
+    let err = fit(
+        &mut model,
+        InMemoryDataset::from_parts(&[image.clone(), rows.clone(), float_ids], &targets)?,
+    );
+    assert!(err.contains("integer ids"), "{err}");
+    let err = model
+        .predict_outputs(&[rows.clone(), image.clone(), ids.clone()], 8)
+        .expect_err("swapped inputs")
+        .to_string();
+    assert!(err.contains("`image`"), "{err}");
     Ok(())
 }

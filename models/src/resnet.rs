@@ -15,7 +15,7 @@ use kandle::layers::{
     Activation, BatchNormalization, Conv2D, Dense, Flatten, GlobalAveragePooling2D, LayerSpecExt,
     MaxPooling2D, Padding,
 };
-use kandle::Result;
+use kandle::{Network, Result};
 
 /// torchvision's BatchNorm: epsilon 1e-5, momentum 0.1 (0.9 as Keras counts it).
 fn batch_norm() -> BatchNormalization {
@@ -208,8 +208,31 @@ impl ResNet {
         self
     }
 
-    /// The functional model. An input too small for the network's strides is an error naming
-    /// the layer.
+    /// The network as a model's recipe that takes images of any height and width, as
+    /// torchvision's ResNets and Keras's with `input_shape=None` do: built for
+    /// [`Self::input_shape`] (224x224 by default) and built again, with the same variables,
+    /// for the size of the images a model is given.
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use kandle::prelude::*;
+    /// use kandle_models::{Depth, Head, ResNet};
+    ///
+    /// let net = ResNet::new(Depth::ResNet18).head(Head::Logits(10)).network()?;
+    /// let mut model = net.compile(Sgd::new(0.1), MeanSquaredError, (), &OneDeviceStrategy::cpu())?;
+    /// let small = Tensor::zeros((1, 3, 64, 64), DType::F32, &Device::Cpu)?;
+    /// assert_eq!(model.predict(&small, 1)?.dims(), [1, 10]);
+    /// # Ok::<(), kandle::Error>(())
+    /// ```
+    pub fn network(&self) -> Result<Network> {
+        let recipe = self.clone();
+        Network::any_size(&self.input_shape, move |shape| {
+            recipe.clone().input_shape(shape).build()
+        })
+    }
+
+    /// The functional model for [`Self::input_shape`]. An input too small for the network's
+    /// strides is an error naming the layer.
     pub fn build(&self) -> Result<Functional> {
         let image = Input::new(&self.input_shape).named("image").tensor();
         let mut x = if self.small_images {

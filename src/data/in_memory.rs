@@ -105,7 +105,7 @@ impl InMemoryDataset {
     /// let sizes = Tensor::ones((4, 1), DType::F32, &Device::Cpu)?;
     /// let data = InMemoryDataset::from_parts(&[images, ids], &[labels, sizes])?;
     /// assert_eq!(data.sample_shape(), [1, 2, 2]);
-    /// assert_eq!(data.input_values()[1].dtype, DType::U32);
+    /// assert_eq!(data.inputs()[1].dtype, DType::U32);
     /// assert_eq!(
     ///     data.targets(),
     ///     Targets::Parts(vec![Targets::Classes(3), Targets::Values(vec![1])])
@@ -128,7 +128,7 @@ impl InMemoryDataset {
     /// let extra = Tensor::ones((4, 3), DType::F32, &Device::Cpu)?;
     /// let labels = Tensor::new(&[0u32, 1, 2, 1], &Device::Cpu)?;
     /// let data = InMemoryDataset::from_named_parts(&[("extra", extra), ("image", image)], &[labels])?;
-    /// assert_eq!(data.input_values()[0].name.as_deref(), Some("extra"));
+    /// assert_eq!(data.inputs()[0].name.as_deref(), Some("extra"));
     /// # Ok::<(), kandle::Error>(())
     /// ```
     pub fn from_named_parts(inputs: &[(&str, Tensor)], targets: &[Tensor]) -> Result<Self> {

@@ -277,16 +277,18 @@ fn assert_graph_recorded_matches_autograd(graph: &Functional, seed: u64) -> Resu
     generic_store.assign(&store.weights()?)?;
     let xs = shapes
         .iter()
-        .map(|shape| {
+        .zip(1..)
+        .map(|(shape, seed)| {
             let mut dims = vec![3];
             dims.extend(shape);
-            Ok(Tensor::randn(0f32, 1., dims, &Device::Cpu)?)
+            crate::layers::seeded_uniform(&dims, seed)
         })
         .collect::<Result<Vec<_>>>()?;
     let (outputs, _, backward) = recorded.record(&xs, false, true)?;
     let dys = outputs
         .iter()
-        .map(|y| Ok(Tensor::randn(0f32, 1., y.dims(), &Device::Cpu)?))
+        .zip(10..)
+        .map(|(y, seed)| crate::layers::seeded_uniform(y.dims(), seed))
         .collect::<Result<Vec<_>>>()?;
     let mut grads = crate::layers::ParamGrads::new();
     let dxs = backward.backward(dys.clone(), &mut grads, true)?;

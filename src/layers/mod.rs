@@ -40,6 +40,7 @@ mod dense;
 #[cfg(test)]
 mod device_generic_tests;
 mod dropout;
+mod embedding;
 mod fast_path;
 mod flatten;
 mod fold;
@@ -62,13 +63,14 @@ pub use activation::Activation;
 pub use add::Add;
 pub use batch_norm::BatchNormalization;
 #[cfg(test)]
-pub(crate) use branches::assert_recorded_matches_autograd;
+pub(crate) use branches::{assert_recorded_matches_autograd, seeded_uniform};
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;
 pub(crate) use concat::{channel_part, join_channels};
 pub use conv2d::Conv2D;
 pub use dense::Dense;
 pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub(crate) use fast_path::FastPath;
 use fast_path::Foreign;
 pub use flatten::Flatten;

@@ -49,11 +49,12 @@ pub(crate) fn match_inputs(
         }
     };
     for (input, &i) in model.iter().zip(&order) {
-        if given[i].shape != input.shape {
+        if !input.takes(&given[i].shape) {
             return Err(input_shape_error(
                 &input.name,
                 &input.shape,
                 &given[i].shape,
+                data,
             ));
         }
     }
@@ -105,10 +106,12 @@ mod tests {
             NetworkInput {
                 name: "image".into(),
                 shape: vec![1, 8, 8],
+                any_size: false,
             },
             NetworkInput {
                 name: "features".into(),
                 shape: vec![5],
+                any_size: false,
             },
         ]
     }

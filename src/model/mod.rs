@@ -271,11 +271,16 @@ impl Model {
         self.build_inputs(&[input_shape.to_vec()])
     }
 
-    /// [`Self::build`] for one shape per input.
+    /// [`Self::build`] for one shape per input. A model that takes images of any size
+    /// ([`Network::any_size`]) built for another size is built again for these, with its
+    /// weights and optimizer state.
     fn build_inputs(&mut self, input_shapes: &[Vec<usize>]) -> Result<()> {
         if let Some(b) = &self.built {
             if b.input_shapes == input_shapes {
                 return Ok(());
+            }
+            if self.network.takes_any_size() {
+                return self.rebuild_for(input_shapes);
             }
             let show = |shapes: &[Vec<usize>]| {
                 let each: Vec<String> = shapes
@@ -301,7 +306,7 @@ impl Model {
             dtype_policy: self.dtype_policy,
         };
         let replicas = self.strategy.distribute(&spec)?;
-        let output_shapes = match self.network.output_shapes() {
+        let output_shapes = match self.network.output_shapes_for(input_shapes)? {
             Some(shapes) => shapes,
             None => vec![replicas
                 .summary()
@@ -316,6 +321,25 @@ impl Model {
             replicas,
         });
         Ok(())
+    }
+
+    /// Builds the model again for `input_shapes` with the weights and the optimizer state it
+    /// has; on an error it stays as it was.
+    fn rebuild_for(&mut self, input_shapes: &[Vec<usize>]) -> Result<()> {
+        let Some(mut built) = self.built.take() else {
+            return self.build_inputs(input_shapes);
+        };
+        let weights = built.replicas.weights();
+        let state = built.replicas.optimizer_state();
+        let rebuilt = (|| {
+            self.build_inputs(input_shapes)?;
+            self.set_weights(&weights?)?;
+            self.replicas()?.set_optimizer_state(&state?)
+        })();
+        if rebuilt.is_err() {
+            self.built = Some(built);
+        }
+        rebuilt
     }
 
     /// Makes the layers under each of `names` trainable (`true`) or frozen, as Keras's

@@ -10,7 +10,7 @@ use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy
 
 use kandle_testing::strategies as support;
 use support::equivalence_run::{
-    bn_cnn, graph_cnn, plain_cnn, train_on, two_in_two_out, Order, SAMPLES,
+    bn_cnn, graph_cnn, plain_cnn, three_in_two_out, train_on, Order, SAMPLES,
 };
 use support::one_device_reference;
 
@@ -76,13 +76,13 @@ fn a_functional_model_matches_one_device() -> anyhow::Result<()> {
 /// and a residual sum), with a short last batch.
 #[test]
 fn a_two_input_two_output_model_matches_one_device() -> anyhow::Result<()> {
-    let reference = one_device_reference(two_in_two_out, SAMPLES)?;
+    let reference = one_device_reference(three_in_two_out, SAMPLES)?;
     reference.assert_matches(
-        &train(two_in_two_out(), &MirroredStrategy::cpu(2)?)?,
+        &train(three_in_two_out(), &MirroredStrategy::cpu(2)?)?,
         "two inputs and outputs, mirrored x2",
     )?;
     reference.assert_matches(
-        &train(two_in_two_out(), &CentralStorageStrategy::cpu(2)?)?,
+        &train(three_in_two_out(), &CentralStorageStrategy::cpu(2)?)?,
         "two inputs and outputs, central storage x2",
     )?;
     Ok(())

@@ -46,7 +46,7 @@ fn one_device_weights(model: &str, samples: usize) -> anyhow::Result<Reference> 
     match model {
         "bn" => one_device_reference(equivalence_run::bn_cnn, samples),
         "graph" => one_device_reference(equivalence_run::graph_cnn, samples),
-        "two-in-two-out" => one_device_reference(equivalence_run::two_in_two_out, samples),
+        "three-in-two-out" => one_device_reference(equivalence_run::three_in_two_out, samples),
         _ => one_device_reference(equivalence_run::plain_cnn, samples),
     }
 }
@@ -132,10 +132,10 @@ fn functional_models_train_on_two_workers_as_one_device() -> anyhow::Result<()> 
         &["--model", "graph"],
         &[("2", &[], "functional model, 2 workers x 2 replicas")],
     )?;
-    let reference = one_device_weights("two-in-two-out", SAMPLES)?;
+    let reference = one_device_weights("three-in-two-out", SAMPLES)?;
     check_equivalence(
         &reference,
-        &["--model", "two-in-two-out"],
+        &["--model", "three-in-two-out"],
         &[("1", &[], "two inputs and outputs, 2 workers x 1 replica")],
     )
 }

@@ -36,7 +36,7 @@ fn mpirun(ranks: usize, args: &[&str]) -> Command {
 #[test]
 fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> anyhow::Result<()> {
     let plain = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
-    let graph = one_device_reference(equivalence_run::two_in_two_out, SAMPLES)?;
+    let graph = one_device_reference(equivalence_run::three_in_two_out, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
     // The same updates in micro-batches of a third, gradients accumulated over 3; and under
@@ -58,7 +58,7 @@ fn synchronous_training_gives_one_devices_weights_with_one_and_two_servers() -> 
         (
             4,
             "2",
-            "two-in-two-out",
+            "three-in-two-out",
             &[],
             "two inputs and outputs, 2 workers, 2 servers",
         ),

@@ -5,7 +5,7 @@
 //! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
 //!        [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm]
 //!        [--communication auto|mpi|nccl] [--timeout-secs T]
-//!        <world | equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] [--accumulate K] [--dtype-policy P]
+//!        <world | equivalence --out FILE [--model plain|bn|graph|three-in-two-out] [--samples S] [--accumulate K] [--dtype-policy P]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K [--fail]]
 //!         | resume --state FILE --out FILE
@@ -86,7 +86,7 @@ fn parse_args() -> Result<Args> {
                         "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
                          [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
                          [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
-                         equivalence --out FILE [--model plain|bn|graph|two-in-two-out] [--samples S] \
+                         equivalence --out FILE [--model plain|bn|graph|three-in-two-out] [--samples S] \
                          [--accumulate K] [--dtype-policy P] | digits [--epochs E] \
                          [--min-accuracy A] | train [--epochs E] [--stall-worker R \
                          --stall-after-steps K [--fail]] | resume --state FILE --out FILE | backup \

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! mpirun -n W+P kandle-ps-check [--num-ps P] [--sync] [--max-staleness K] [--timeout-secs T]
-//!        <equivalence --out FILE [--samples S] [--model plain|bn|graph|two-in-two-out] [--accumulate K] [--dtype-policy P]
+//!        <equivalence --out FILE [--samples S] [--model plain|bn|graph|three-in-two-out] [--accumulate K] [--dtype-policy P]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | staleness [--epochs E] [--compute-ms C] [--slow-worker R --slow-ms M]
 //!         | train [--stall-worker R --stall-after-steps K [--fail]]

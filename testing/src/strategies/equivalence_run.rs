@@ -66,14 +66,16 @@ pub fn graph_cnn() -> Functional {
     build().expect("the equivalence graph is a valid model")
 }
 
-/// A model of two inputs (the digit image and its eight row means) and two outputs (`class`,
-/// the digit's class probabilities, and `ink`, the image's standardised mean value), with a residual sum, a
-/// dense layer shared by both inputs' features, and the class loss weighted 1 and the ink
-/// loss 0.5 (see [`compile`]). Its data is [`digits_with_row_means`].
-pub fn two_in_two_out() -> Functional {
+/// A model of three inputs (the digit image, its eight row means, and the column of each
+/// row's brightest pixel as ids) and two outputs (`class`, the digit's class probabilities,
+/// and `ink`, the image's standardised mean value), with a residual sum, a dense layer shared
+/// by the image's and the rows' features, an embedding of the ids, and the class loss
+/// weighted 1 and the ink loss 0.5 (see [`compile`]). Its data is [`digits_in_parts`].
+pub fn three_in_two_out() -> Functional {
     let build = || -> kandle::Result<Functional> {
         let image = Input::new(&[1, 8, 8]).named("image").tensor();
         let rows = Input::new(&[8]).named("rows").tensor();
+        let brightest = Input::new(&[8]).named("brightest").tensor();
         let stem =
             Activation::Relu.call(&Conv2D::new(4, 3).padding(Padding::Same).call(&image)?)?;
         let inner = Conv2D::new(4, 3).padding(Padding::Same).call(&stem)?;
@@ -81,22 +83,26 @@ pub fn two_in_two_out() -> Functional {
         let pooled = Flatten.call(&MaxPooling2D::new(4).call(&residual)?)?;
         let features = Dense::new(8).call(&pooled)?;
         let shared = Dense::new(8).named("shared").shared();
-        let both = add(&[&shared.call(&features)?, &shared.call(&rows)?])?;
+        let columns = Embedding::new(8, 2).call(&brightest)?;
+        let columns = Dense::new(8).call(&Flatten.call(&columns)?)?;
+        let both = add(&[&shared.call(&features)?, &shared.call(&rows)?, &columns])?;
         let both = Activation::Relu.call(&both)?;
         let class = Activation::Softmax
             .named("class")
             .call(&Dense::new(10).call(&both)?)?;
         let ink = Dense::new(1).named("ink").call(&both)?;
-        Functional::new([&image, &rows], [&class, &ink])
+        Functional::new([&image, &rows, &brightest], [&class, &ink])
     };
     // The graph is fixed: its checks cannot fail.
-    build().expect("the two-input graph is a valid model")
+    build().expect("the three-input graph is a valid model")
 }
 
-/// The digits as [`two_in_two_out`] takes them: each image (`f32`) and its eight row means
-/// (`f16`: the parts of a batch keep their own dtypes), with its class and its ink as the two
-/// targets (the image's mean value, standardised over `digits`: mean 0, variance 1).
-pub fn digits_with_row_means(
+/// The digits as [`three_in_two_out`] takes them, each input a part of its own dtype: each
+/// image (`f32`), its eight row means (`f16`) and the column of each row's brightest pixel
+/// (`u32` ids, the first such column on a tie), named after the model's inputs; with its
+/// class and its ink as the two targets (the image's mean value, standardised over `digits`:
+/// mean 0, variance 1).
+pub fn digits_in_parts(
     digits: &kandle::data::InMemoryDataset,
 ) -> kandle::Result<kandle::data::InMemoryDataset> {
     let (x, y) = digits.to_tensors()?;
@@ -108,7 +114,22 @@ pub fn digits_with_row_means(
     let centred = ink.broadcast_sub(&ink.mean_all()?)?;
     let std = centred.sqr()?.mean_all()?.sqrt()?;
     let ink = centred.broadcast_div(&std)?;
-    kandle::data::InMemoryDataset::from_parts(&[x, rows], &[y, ink])
+    let pixels = x.flatten_from(1)?.to_vec2::<f32>()?;
+    let brightest: Vec<u32> = pixels
+        .iter()
+        .flat_map(|image| {
+            image.chunks_exact(8).map(|row| {
+                let top = row.iter().copied().fold(f32::MIN, f32::max);
+                row.iter().position(|&v| v == top).unwrap_or(0) as u32
+            })
+        })
+        .collect();
+    let n = pixels.len();
+    let brightest = candle_core::Tensor::from_vec(brightest, (n, 8), &candle_core::Device::Cpu)?;
+    kandle::data::InMemoryDataset::from_named_parts(
+        &[("image", x), ("rows", rows), ("brightest", brightest)],
+        &[y, ink],
+    )
 }
 
 /// `net` compiled under `strategy` with `optimizer`, sparse cross-entropy and accuracy, its
@@ -145,7 +166,7 @@ where
     Ok(model)
 }
 
-/// Whether `net` is [`two_in_two_out`] (or another model of two outputs).
+/// Whether `net` is [`three_in_two_out`] (or another model of two outputs).
 pub fn two_outputs(net: &Network) -> bool {
     net.output_names().is_some_and(|names| names.len() == 2)
 }
@@ -302,7 +323,7 @@ fn fit_on<S: Strategy + Clone + 'static>(
     let net = net.into();
     let mut data = kandle::data::digits::load()?.subset(&order.indices(samples, GLOBAL_BATCH))?;
     if two_outputs(&net) {
-        data = digits_with_row_means(&data)?;
+        data = digits_in_parts(&data)?;
     }
     let sgd = Sgd::new(0.05)
         .momentum(0.9)

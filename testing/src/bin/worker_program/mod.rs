@@ -48,7 +48,7 @@ pub struct Common {
     pub timeout_secs: Option<f64>,
     /// `--out FILE`: where the chief writes its result.
     pub out: Option<String>,
-    /// `--model plain|bn|graph|two-in-two-out` (default `plain`).
+    /// `--model plain|bn|graph|three-in-two-out` (default `plain`).
     pub model: String,
     /// `--samples S`: digits in the equivalence run.
     pub samples: usize,
@@ -127,9 +127,9 @@ impl Common {
             "plain" => Ok(crate::equivalence_run::plain_cnn().into()),
             "bn" => Ok(crate::equivalence_run::bn_cnn().into()),
             "graph" => Ok(crate::equivalence_run::graph_cnn().into()),
-            "two-in-two-out" => Ok(crate::equivalence_run::two_in_two_out().into()),
+            "three-in-two-out" => Ok(crate::equivalence_run::three_in_two_out().into()),
             other => Err(Error::invalid(format!(
-                "--model: `{other}` is not plain, bn, graph or two-in-two-out"
+                "--model: `{other}` is not plain, bn, graph or three-in-two-out"
             ))),
         }
     }

@@ -1,7 +1,7 @@
 //! # kandle
 //!
 //! Keras-style training for [Candle](https://github.com/huggingface/candle): declare a
-//! [`Sequential`](layers::Sequential) of layers, [`compile`](layers::Sequential::compile) it
+//! [`Sequential`](layers::Sequential) of layers, [`compile`](Compile::compile) it
 //! with an optimizer, a loss, metrics and a [`Strategy`], then [`fit`](Model::fit),
 //! [`evaluate`](Model::evaluate) and [`predict`](Model::predict).
 //!
@@ -95,7 +95,7 @@ pub struct ReadmeDoctests;
 pub use losses::Loss;
 pub use metrics::{Metric, Metrics};
 pub use mixed_precision::{DTypePolicy, LossScale};
-pub use model::{EvaluateOptions, FitOptions, Model, PredictOptions};
+pub use model::{Compile, EvaluateOptions, FitOptions, Model, PredictOptions};
 pub use network::Network;
 pub use objective::Objective;
 pub use strategy::{OneDeviceStrategy, Strategy};
@@ -117,7 +117,7 @@ pub mod prelude {
     pub use crate::optimizers::{Adam, AdamW, Sgd};
     pub use crate::schedules::{CosineDecay, LinearWarmup, PolynomialDecay, Schedule, StepDecay};
     pub use crate::{
-        Error, EvaluateOptions, FitOptions, Loss, Metric, Metrics, Model, OneDeviceStrategy,
-        PredictOptions, Result, Strategy,
+        Compile, Error, EvaluateOptions, FitOptions, Loss, Metric, Metrics, Model,
+        OneDeviceStrategy, PredictOptions, Result, Strategy,
     };
 }

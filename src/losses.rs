@@ -4,7 +4,7 @@
 //! sample and class weights), sums them, and divides by the global batch's sample count, so a
 //! short last batch, or a batch split unevenly across replicas and workers, weighs exactly as
 //! many samples as it holds. Any type implementing [`Loss`] plugs into
-//! [`compile`](crate::layers::Sequential::compile), under every strategy.
+//! [`compile`](crate::Compile::compile), under every strategy.
 //!
 //! Cross-entropy from probabilities is numerically stable: when the model ends in a softmax,
 //! the built-in cross-entropies compute the loss from the logits before it with

@@ -99,7 +99,7 @@ macro_rules! forward_metric {
 
 forward_metric!(Box<M>, Arc<M>);
 
-/// The metrics a model reports: what [`compile`](crate::layers::Sequential::compile) takes.
+/// The metrics a model reports: what [`compile`](crate::Compile::compile) takes.
 ///
 /// Made from an array of one metric type (`[Accuracy]`), a tuple of different ones
 /// (`(Accuracy, TopKCategoricalAccuracy::new(5))`), `()` for none, or a `Vec` of boxed or

@@ -289,7 +289,9 @@ impl Network {
                 let (spec, name): (&dyn LayerSpec, String) = match (recipe, graph) {
                     (_, Some(graph)) => (graph, graph.input_names().remove(0)),
                     (Recipe::Stack(stack), None) => (stack, "input".into()),
-                    (_, None) => return Err(Error::invalid("a functional model without its graph")),
+                    (_, None) => {
+                        return Err(Error::invalid("a functional model without its graph"))
+                    }
                 };
                 let built = spec.build(&mut ctx, shape)?;
                 let rows = built.children.clone();

@@ -2,6 +2,7 @@
 //! early stopping with restored weights, termination on a NaN loss with the last good weights
 //! kept, the CSV log, the learning-rate reduction and the plot.
 
+use kandle::Compile;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Context, Result};

@@ -7,6 +7,7 @@ use kandle::layers::{Activation, Dense, Sequential};
 use kandle::optimizers::Sgd;
 use kandle::prelude::{Accuracy, SparseCategoricalCrossentropy};
 use kandle::schedules::PolynomialDecay;
+use kandle::Compile;
 use kandle::{Error, FitOptions, Model, OneDeviceStrategy};
 
 /// Eight points in the plane, class 1 when x + y > 0.

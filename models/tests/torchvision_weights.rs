@@ -359,3 +359,54 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
     assert!(failed.is_empty(), "{}", failed.join("\n"));
     Ok(())
 }
+
+/// The README's weights recipe on images of any size: a ResNet-18 recipe made with
+/// `ResNet::network` (built for 224x224), its weights loaded from a file, predicts on 64x64
+/// and 224x224 images with the same variables (each prediction equal to the model's that
+/// wrote the file), and trains on 64x64 images keeping its weights and optimizer state across
+/// sizes.
+#[test]
+fn a_resnet_network_takes_any_image_size() -> Result<()> {
+    let recipe = ResNet::new(Depth::ResNet18).head(Head::Logits(10));
+    let compile = |seed: u64| -> Result<Model> {
+        Ok(recipe
+            .network()?
+            .compile(
+                Sgd::new(0.01).momentum(0.9),
+                SparseCategoricalCrossentropy::new().from_logits(true),
+                (),
+                &OneDeviceStrategy::cpu(),
+            )?
+            .with_seed(seed)?)
+    };
+    let dir =
+        tempfile::tempdir().map_err(|e| kandle::Error::io("cannot create", "a temp dir", e))?;
+    let file = dir.path().join("resnet18.safetensors");
+    let mut source = compile(1)?;
+    source.save_weights(&file)?;
+    let mut model = compile(2)?;
+    model.load_weights_from(&file, &ImportOptions::new())?;
+    for side in [64, 224] {
+        let x = Tensor::randn(0f32, 1., (2, 3, side, side), &Device::Cpu)?;
+        let (got, want) = (model.predict(&x, 2)?, source.predict(&x, 2)?);
+        assert_eq!(got.dims(), [2, 10]);
+        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(diff, 0.0, "{side}x{side}");
+    }
+    let weights = model.get_weights()?;
+    let x = Tensor::randn(0f32, 1., (4, 3, 64, 64), &Device::Cpu)?;
+    let y = Tensor::new(&[0u32, 1, 2, 3], &Device::Cpu)?;
+    model.train_on_batch(&x, &y, None)?;
+    let moved = model.get_weights()?;
+    assert_ne!(
+        moved["fc.weight"].to_vec2::<f32>()?,
+        weights["fc.weight"].to_vec2::<f32>()?
+    );
+    let before = model.training_state()?.to_bytes()?;
+    model.predict(&Tensor::zeros((1, 3, 96, 96), DType::F32, &Device::Cpu)?, 1)?;
+    assert!(
+        model.training_state()?.to_bytes()? == before,
+        "the weights or the optimizer state changed when the model was built for 96x96"
+    );
+    Ok(())
+}

@@ -5,6 +5,7 @@ use crate::layers::{Activation, Dense, Sequential};
 use crate::losses::SparseCategoricalCrossentropy;
 use crate::metrics::Accuracy;
 use crate::optimizers::Sgd;
+use crate::Compile;
 use crate::{Model, OneDeviceStrategy, Result};
 
 /// A built 4 → 3 softmax classifier on the CPU with learning rate 0.1.

@@ -1,6 +1,7 @@
 //! The functional API's construction checks, its summary, and its recorded backward pass
 //! against candle's autograd.
 
+use crate::Compile;
 use candle_core::{Device, Tensor};
 
 use super::{add, average, concatenate, multiply, subtract, Functional, Input};

@@ -171,7 +171,7 @@ pub(crate) fn assert_recorded_matches_autograd(
     build: impl Fn(crate::ComputePath) -> Result<(super::SequentialNet, crate::params::ParamStore)>,
     input: &[usize],
 ) -> Result<()> {
-    use candle_core::{Device, Var};
+    use candle_core::Var;
 
     use super::Layer;
 

@@ -22,8 +22,8 @@
 use std::sync::Arc;
 
 use crate::data::{Dataset, Loader, LoaderOptions};
-use crate::functional::{Functional, PerOutput};
-use crate::layers::{Sequential, Summary};
+use crate::functional::PerOutput;
+use crate::layers::Summary;
 use crate::losses::Loss;
 use crate::metrics::Metrics;
 use crate::network::Network;
@@ -67,55 +67,48 @@ pub struct Model {
     accumulated: usize,
 }
 
-impl Sequential {
-    /// Compiles the stack with an optimizer, a loss, metrics and a strategy: see
-    /// [`Network::compile`].
-    pub fn compile<S, O, L, M>(
-        self,
-        optimizer: O,
-        loss: L,
-        metrics: M,
-        strategy: &S,
-    ) -> Result<Model>
+/// Compiling a model's recipe (a [`Sequential`](crate::layers::Sequential), a
+/// [`Functional`](crate::functional::Functional) or a [`Network`]) into a [`Model`] with an
+/// optimizer, a loss, metrics and a strategy: one `compile` for every kind of recipe, as
+/// Keras's `model.compile`. It is in the [prelude](crate::prelude).
+///
+/// The model is built now when the recipe declares its inputs (a functional model, or a
+/// `Sequential` with [`input_shape`](crate::layers::Sequential::input_shape)), otherwise on
+/// first use. `loss` is any
+/// [`Loss`] (Keras's built-ins live in [`crate::losses`]), or [`PerOutput`] losses for a
+/// functional model of several outputs; `metrics` is an array (`[Accuracy]`), a tuple of
+/// different metrics, `()`, or anything else that converts into [`Metrics`].
+///
+/// ```
+/// use kandle::prelude::*;
+///
+/// let model = Sequential::new()
+///     .add(Dense::new(2))
+///     .input_shape(&[3])
+///     .compile(Sgd::new(0.1), MeanSquaredError, (), &OneDeviceStrategy::cpu())?;
+/// assert!(model.is_built());
+/// # Ok::<(), kandle::Error>(())
+/// ```
+pub trait Compile: Into<Network> {
+    /// The compiled model.
+    fn compile<S, O, L, M>(self, optimizer: O, loss: L, metrics: M, strategy: &S) -> Result<Model>
     where
+        Self: Sized,
         S: Strategy + Clone + 'static,
         O: OptimizerConfig,
         L: Loss + 'static,
         M: Into<Metrics>,
     {
-        Network::from(self).compile(optimizer, loss, metrics, strategy)
+        Model::compile(self.into(), optimizer, loss, metrics, strategy)
     }
 }
 
-impl Functional {
-    /// Compiles the functional model with an optimizer, a loss, metrics and a strategy: see
-    /// [`Network::compile`]. It is built now, for its inputs' shapes.
-    pub fn compile<S, O, L, M>(
-        self,
-        optimizer: O,
-        loss: L,
-        metrics: M,
-        strategy: &S,
-    ) -> Result<Model>
-    where
-        S: Strategy + Clone + 'static,
-        O: OptimizerConfig,
-        L: Loss + 'static,
-        M: Into<Metrics>,
-    {
-        Network::from(self).compile(optimizer, loss, metrics, strategy)
-    }
-}
+impl<T: Into<Network>> Compile for T {}
 
-impl Network {
-    /// Compiles the network with an optimizer, a loss, metrics and a strategy. The model is
-    /// built now if an input shape was declared, otherwise on first use.
-    ///
-    /// `loss` is any [`Loss`] (Keras's built-ins live in [`crate::losses`]); `metrics` is an
-    /// array (`[Accuracy]`), a tuple of different metrics, `()`, or anything else that
-    /// converts into [`Metrics`].
-    pub fn compile<S, O, L, M>(
-        self,
+impl Model {
+    /// [`Compile::compile`].
+    fn compile<S, O, L, M>(
+        network: Network,
         optimizer: O,
         loss: L,
         metrics: M,
@@ -128,7 +121,7 @@ impl Network {
         M: Into<Metrics>,
     {
         let learning_rate = optimizer.learning_rate();
-        let (loss, metrics) = self.bind_outputs(loss, metrics.into())?;
+        let (loss, metrics) = network.bind_outputs(loss, metrics.into())?;
         let mut names = vec!["loss"];
         for m in metrics.iter() {
             let reserved = ["lr", "batch_loss"].contains(&m.name()) || m.name().starts_with("val_");
@@ -142,7 +135,7 @@ impl Network {
             names.push(m.name());
         }
         let mut model = Model {
-            network: self,
+            network,
             optimizer: Box::new(optimizer),
             loss,
             metrics,

@@ -2,6 +2,7 @@
 //! names (`conv1`, `bn1`, `fc`) and state dicts written here, or the committed `.pth` fixture
 //! of `bench/torchvision_resnet_parity.py`.
 
+use crate::Compile;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};

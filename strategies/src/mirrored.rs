@@ -128,6 +128,7 @@ mod tests {
     use kandle::losses::SparseCategoricalCrossentropy;
     use kandle::metrics::Accuracy;
     use kandle::optimizers::Sgd;
+    use kandle::Compile;
 
     type MirroredModel = ReplicaModel<CrossDeviceOps>;
 

@@ -308,3 +308,58 @@ fn parts_that_do_not_fit_the_inputs_are_named_errors() -> anyhow::Result<()> {
     assert!(err.contains("`image`"), "{err}");
     Ok(())
 }
+
+/// A network that takes images of any size (`Network::any_size`) trains on 8x8 digits and
+/// then predicts on 12x12 images: built again for them, it keeps every weight and the
+/// optimizer's momentum bit for bit, and its predictions on 8x8 images are unchanged after.
+#[test]
+fn an_any_size_network_keeps_its_state_across_sizes() -> anyhow::Result<()> {
+    use candle_core::Tensor;
+    let trace = |shape: &[usize]| {
+        let image = Input::new(shape).named("image").tensor();
+        let x = Conv2D::new(8, 3).padding(Padding::Same).call(&image)?;
+        let x = Activation::Relu.call(&BatchNormalization::new().call(&x)?)?;
+        let pooled = GlobalAveragePooling2D.call(&x)?;
+        let y = Activation::Softmax.call(&Dense::new(10).call(&pooled)?)?;
+        Functional::new([&image], [&y])
+    };
+    let data = kandle::data::digits::load()?.subset(&(0..256).collect::<Vec<_>>())?;
+    let mut model = kandle::Network::any_size(&[1, 8, 8], trace)?.compile(
+        Sgd::new(0.05).momentum(0.9),
+        SparseCategoricalCrossentropy::new(),
+        [Accuracy],
+        &OneDeviceStrategy::cpu(),
+    )?;
+    model.fit(
+        &data,
+        FitOptions {
+            epochs: 1,
+            verbosity: Verbosity::Silent,
+            ..Default::default()
+        },
+    )?;
+    let (x, _) = data.to_tensors()?;
+    let before = model.training_state()?;
+    let predicted = model.predict(&x, 64)?;
+    let large = Tensor::zeros(
+        (2, 1, 12, 12),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+    )?;
+    assert_eq!(model.predict(&large, 2)?.dims(), [2, 10]);
+    let after = model.training_state()?;
+    let same = |a: &Tensor, b: &Tensor| -> anyhow::Result<bool> {
+        Ok(a.flatten_all()?.to_vec1::<f32>()? == b.flatten_all()?.to_vec1::<f32>()?)
+    };
+    for (name, value) in &before.weights {
+        assert!(same(value, &after.weights[name])?, "weight {name} changed");
+    }
+    for (slot, values) in &before.optimizer.slots {
+        for (name, value) in values {
+            let now = &after.optimizer.slots[slot][name];
+            assert!(same(value, now)?, "optimizer slot {slot} of {name} changed");
+        }
+    }
+    assert!(same(&predicted, &model.predict(&x, 64)?)?);
+    Ok(())
+}

@@ -363,8 +363,9 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
 /// The README's weights recipe on images of any size: a ResNet-18 recipe made with
 /// `ResNet::network` (built for 224x224), its weights loaded from a file, predicts on 64x64
 /// and 224x224 images with the same variables (each prediction equal to the model's that
-/// wrote the file), and trains on 64x64 images keeping its weights and optimizer state across
-/// sizes.
+/// wrote the file), and trains on 64x64 images keeping its weights across sizes (the
+/// optimizer state's part of that is tested on a small network in kandle's
+/// `functional_models` tests).
 #[test]
 fn a_resnet_network_takes_any_image_size() -> Result<()> {
     let recipe = ResNet::new(Depth::ResNet18).head(Head::Logits(10));
@@ -387,26 +388,27 @@ fn a_resnet_network_takes_any_image_size() -> Result<()> {
     let mut model = compile(2)?;
     model.load_weights_from(&file, &ImportOptions::new())?;
     for side in [64, 224] {
-        let x = Tensor::randn(0f32, 1., (2, 3, side, side), &Device::Cpu)?;
-        let (got, want) = (model.predict(&x, 2)?, source.predict(&x, 2)?);
-        assert_eq!(got.dims(), [2, 10]);
+        let x = Tensor::randn(0f32, 1., (1, 3, side, side), &Device::Cpu)?;
+        let (got, want) = (model.predict(&x, 1)?, source.predict(&x, 1)?);
+        assert_eq!(got.dims(), [1, 10]);
         let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert_eq!(diff, 0.0, "{side}x{side}");
     }
     let weights = model.get_weights()?;
-    let x = Tensor::randn(0f32, 1., (4, 3, 64, 64), &Device::Cpu)?;
-    let y = Tensor::new(&[0u32, 1, 2, 3], &Device::Cpu)?;
+    let x = Tensor::randn(0f32, 1., (2, 3, 64, 64), &Device::Cpu)?;
+    let y = Tensor::new(&[0u32, 1], &Device::Cpu)?;
     model.train_on_batch(&x, &y, None)?;
     let moved = model.get_weights()?;
     assert_ne!(
         moved["fc.weight"].to_vec2::<f32>()?,
         weights["fc.weight"].to_vec2::<f32>()?
     );
-    let before = model.training_state()?.to_bytes()?;
     model.predict(&Tensor::zeros((1, 3, 96, 96), DType::F32, &Device::Cpu)?, 1)?;
-    assert!(
-        model.training_state()?.to_bytes()? == before,
-        "the weights or the optimizer state changed when the model was built for 96x96"
-    );
+    let kept = model.get_weights()?;
+    for (name, value) in &moved {
+        let same =
+            value.flatten_all()?.to_vec1::<f32>()? == kept[name].flatten_all()?.to_vec1::<f32>()?;
+        assert!(same, "{name} changed when the model was built for 96x96");
+    }
     Ok(())
 }

@@ -179,6 +179,13 @@ fn a_three_input_two_output_model_learns_both_targets() -> anyhow::Result<()> {
             ..Default::default()
         },
     )?;
+    let summary = model.summary()?.to_string();
+    assert!(
+        summary.contains(
+            "Model inputs: `image` (None, 1, 8, 8), `rows` (None, 8), `brightest` (None, 8)"
+        ),
+        "{summary}"
+    );
     let keys = [
         "loss",
         "class_loss",

@@ -49,7 +49,10 @@ enum Recipe {
 
 /// Traces a functional model again for an input of another shape.
 #[derive(Clone)]
-struct Retrace(Arc<dyn Fn(&[usize]) -> Result<Functional> + Send + Sync>);
+struct Retrace(Arc<TraceFn>);
+
+/// A function giving a functional model for an input shape.
+type TraceFn = dyn Fn(&[usize]) -> Result<Functional> + Send + Sync;
 
 impl std::fmt::Debug for Retrace {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

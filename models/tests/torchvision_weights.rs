@@ -370,7 +370,7 @@ fn resnet18_parity(paths: &[ComputePath]) -> Result<()> {
 fn a_resnet_network_takes_any_image_size() -> Result<()> {
     let recipe = ResNet::new(Depth::ResNet18).head(Head::Logits(10));
     let compile = |seed: u64| -> Result<Model> {
-        Ok(recipe
+        recipe
             .network()?
             .compile(
                 Sgd::new(0.01).momentum(0.9),
@@ -378,7 +378,7 @@ fn a_resnet_network_takes_any_image_size() -> Result<()> {
                 (),
                 &OneDeviceStrategy::cpu(),
             )?
-            .with_seed(seed)?)
+            .with_seed(seed)
     };
     let dir =
         tempfile::tempdir().map_err(|e| kandle::Error::io("cannot create", "a temp dir", e))?;

@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use candle_core::Device;
 use clap::ValueEnum;
 use kandle::Strategy;
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
 
 /// The value parser of a flag that counts something and must be at least 1 (a batch size, a
 /// number of replicas, steps or repetitions): `0` is refused with an error that names the flag,
@@ -207,18 +207,10 @@ pub fn build_strategy_on(
             Arc::new(kandle::OneDeviceStrategy::new(devices[0].clone()))
         }
         StrategyKind::Mirrored => {
-            let strategy = MirroredStrategy::new(devices)?;
-            Arc::new(match timeout {
-                Some(t) => strategy.timeout(t),
-                None => strategy,
-            })
+            Arc::new(MirroredStrategy::new(devices)?.with_options(replica_options(timeout)))
         }
         StrategyKind::CentralStorage => {
-            let strategy = CentralStorageStrategy::new(devices)?;
-            Arc::new(match timeout {
-                Some(t) => strategy.timeout(t),
-                None => strategy,
-            })
+            Arc::new(CentralStorageStrategy::new(devices)?.with_options(replica_options(timeout)))
         }
         StrategyKind::MultiWorker => multi_worker(devices, timeout)?,
         StrategyKind::ParameterServer => {
@@ -228,6 +220,15 @@ pub fn build_strategy_on(
             parameter_server(&PsArgs::default(), timeout)?
         }
     })
+}
+
+/// The replicas' options: the defaults, with `timeout` when given.
+fn replica_options(timeout: Option<Duration>) -> ReplicaOptions {
+    let options = ReplicaOptions::default();
+    match timeout {
+        Some(t) => options.timeout(t),
+        None => options,
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -261,10 +262,7 @@ fn parameter_server(_ps: &PsArgs, _timeout: Option<Duration>) -> Result<Arc<dyn 
 fn multi_worker(devices: Vec<Device>, timeout: Option<Duration>) -> Result<Arc<dyn Strategy>> {
     let strategy =
         kandle_strategies::MultiWorkerMirroredStrategy::from_env()?.local_devices(devices)?;
-    Ok(Arc::new(match timeout {
-        Some(t) => strategy.timeout(t),
-        None => strategy,
-    }))
+    Ok(Arc::new(strategy.with_options(replica_options(timeout))))
 }
 
 #[cfg(not(feature = "mpi"))]

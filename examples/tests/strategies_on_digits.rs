@@ -3,7 +3,7 @@
 //! predictions.
 
 use kandle::prelude::*;
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
 
 const EPOCHS: usize = 12;
 const GLOBAL_BATCH: usize = 32;
@@ -41,7 +41,8 @@ fn train<S: Strategy + Clone + 'static>(strategy: &S) -> anyhow::Result<(Model, 
 fn each_strategy_reaches_97_percent() -> anyhow::Result<()> {
     let (_, one) = train(&OneDeviceStrategy::cpu())?;
     let (_, mirrored) = train(&MirroredStrategy::cpu(2)?)?;
-    let (_, synced) = train(&MirroredStrategy::cpu(2)?.sync_batch_norm(true))?;
+    let sync_bn = ReplicaOptions::default().sync_batch_norm(true);
+    let (_, synced) = train(&MirroredStrategy::cpu(2)?.with_options(sync_bn))?;
     let (_, central) = train(&CentralStorageStrategy::cpu(2)?)?;
     for (name, accuracy) in [
         ("one device", one),

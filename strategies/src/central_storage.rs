@@ -3,8 +3,6 @@
 //! replicas compute their step buffers, the buffers are summed on the central device and the
 //! step's final phase runs there.
 
-use std::time::Duration;
-
 use candle_core::{Device, Tensor};
 use kandle::data::Batch;
 use kandle::layers::Summary;
@@ -16,7 +14,6 @@ use kandle::{Error, Result};
 use crate::replica_set::{
     all_gpus, cpu_weights, fuse_store, replica_devices, unzip, ReplicaOptions, ReplicaSet,
 };
-use crate::ReplicaThreads;
 
 /// The strategy's name in messages.
 const NAME: &str = "CentralStorageStrategy";
@@ -57,35 +54,8 @@ impl CentralStorageStrategy {
         self
     }
 
-    /// Batch normalisation with the statistics of the whole global batch, over every replica,
-    /// instead of each replica's part (`SyncBatchNorm`); default false. See
-    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
-    pub fn sync_batch_norm(self, sync: bool) -> Self {
-        Self {
-            options: self.options.sync_batch_norm(sync),
-            ..self
-        }
-    }
-
-    /// How long a step waits for a replica before failing with an error that names it (default
-    /// 60 s).
-    pub fn timeout(self, timeout: Duration) -> Self {
-        Self {
-            options: self.options.timeout(timeout),
-            ..self
-        }
-    }
-
-    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`]
-    /// (default [`ReplicaThreads::Auto`]: the cores divided evenly among the CPU replicas).
-    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
-        Self {
-            options: self.options.threads_per_replica(threads),
-            ..self
-        }
-    }
-
-    /// All of the replicas' options at once.
+    /// How the replicas run: SyncBatchNorm, the timeout, threads per replica (default
+    /// [`ReplicaOptions::default`]).
     pub fn with_options(self, options: ReplicaOptions) -> Self {
         Self { options, ..self }
     }

@@ -20,7 +20,8 @@
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all
 //! replicas, and writes checkpoints with the same names as one device. Mirrored, CentralStorage
 //! and MultiWorkerMirrored run their replicas with the same [`ReplicaOptions`] (SyncBatchNorm,
-//! the timeout, threads per replica), set through each one's builder methods.
+//! the timeout, threads per replica), built with its own builder methods and given to each
+//! strategy with `with_options`.
 //!
 //! ```
 //! use kandle::prelude::*;

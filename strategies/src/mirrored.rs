@@ -2,15 +2,12 @@
 //! replica; each step the global batch is split across replicas, their step buffers are summed
 //! as one fused buffer, and every replica runs the same final phase on the sum.
 
-use std::time::Duration;
-
 use candle_core::Device;
 use kandle::strategy::{DistributedModel, ModelSpec, Strategy};
 use kandle::Result;
 
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::replica_set::{all_gpus, replica_devices, ReplicaModel, ReplicaOptions, ReplicaSet};
-use crate::ReplicaThreads;
 
 /// The strategy's name in messages.
 const NAME: &str = "MirroredStrategy";
@@ -59,35 +56,8 @@ impl MirroredStrategy {
         self
     }
 
-    /// Batch normalisation with the statistics of the whole global batch, over every replica,
-    /// instead of each replica's part (`SyncBatchNorm`); default false. See
-    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
-    pub fn sync_batch_norm(self, sync: bool) -> Self {
-        Self {
-            options: self.options.sync_batch_norm(sync),
-            ..self
-        }
-    }
-
-    /// How long a step waits for a replica before failing with an error that names it (default
-    /// 60 s).
-    pub fn timeout(self, timeout: Duration) -> Self {
-        Self {
-            options: self.options.timeout(timeout),
-            ..self
-        }
-    }
-
-    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`]
-    /// (default [`ReplicaThreads::Auto`]: the cores divided evenly among the CPU replicas).
-    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
-        Self {
-            options: self.options.threads_per_replica(threads),
-            ..self
-        }
-    }
-
-    /// All of the replicas' options at once.
+    /// How the replicas run: SyncBatchNorm, the timeout, threads per replica (default
+    /// [`ReplicaOptions::default`]).
     pub fn with_options(self, options: ReplicaOptions) -> Self {
         Self { options, ..self }
     }

@@ -26,11 +26,13 @@ use kandle::{Error, Result};
 /// cores), shared by all replicas, which no budget changes.
 ///
 /// ```
-/// use kandle_strategies::{MirroredStrategy, ReplicaThreads};
+/// use kandle_strategies::{MirroredStrategy, ReplicaOptions, ReplicaThreads};
 ///
 /// let default = MirroredStrategy::cpu(2)?; // ReplicaThreads::Auto: cores / 2 threads each
-/// let one_each = MirroredStrategy::cpu(2)?.threads_per_replica(1);
-/// let shared = MirroredStrategy::cpu(2)?.threads_per_replica(ReplicaThreads::Shared);
+/// let one_each =
+///     MirroredStrategy::cpu(2)?.with_options(ReplicaOptions::default().threads_per_replica(1));
+/// let shared = MirroredStrategy::cpu(2)?
+///     .with_options(ReplicaOptions::default().threads_per_replica(ReplicaThreads::Shared));
 /// # Ok::<(), kandle::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -30,9 +30,11 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How a strategy runs its replicas: whether batch norm uses the statistics of the whole global
 /// batch, how long a step waits for a replica, and how many threads each replica may use.
 ///
-/// Every strategy with replicas in this process holds one, set through its own builder methods
-/// of the same names ([`MirroredStrategy::sync_batch_norm`](crate::MirroredStrategy::sync_batch_norm),
-/// ...) or all at once with `with_options`, and read back with `options`.
+/// Every strategy with replicas in this process ([`MirroredStrategy`](crate::MirroredStrategy),
+/// [`CentralStorageStrategy`](crate::CentralStorageStrategy) and, with the `mpi` feature,
+/// `MultiWorkerMirroredStrategy`) holds one: built here with the builder methods of the same
+/// names as the fields, given to the strategy with its `with_options`, and read back with its
+/// `options`.
 ///
 /// ```
 /// use std::time::Duration;
@@ -45,10 +47,8 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// let mirrored = MirroredStrategy::cpu(2)?.with_options(options);
 /// let central = CentralStorageStrategy::cpu(2)?.with_options(options);
 /// assert_eq!(mirrored.options(), central.options());
-/// assert_eq!(
-///     MirroredStrategy::cpu(2)?.sync_batch_norm(true).options().sync_batch_norm,
-///     true
-/// );
+/// assert!(mirrored.options().sync_batch_norm);
+/// assert_eq!(MirroredStrategy::cpu(2)?.options(), &ReplicaOptions::default());
 /// # Ok::<(), kandle::Error>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +77,10 @@ impl Default for ReplicaOptions {
 }
 
 impl ReplicaOptions {
-    /// Sets [`sync_batch_norm`](Self#structfield.sync_batch_norm).
+    /// Batch normalisation with the statistics of the whole global batch, over every replica
+    /// (and, for `MultiWorkerMirroredStrategy`, every worker), instead of each replica's part
+    /// (`SyncBatchNorm`); default false. See
+    /// [`sync_batch_norm`](Self#structfield.sync_batch_norm).
     pub fn sync_batch_norm(self, sync: bool) -> Self {
         Self {
             sync_batch_norm: sync,
@@ -85,13 +88,15 @@ impl ReplicaOptions {
         }
     }
 
-    /// Sets [`timeout`](Self#structfield.timeout).
+    /// How long a step waits for a replica (or a worker) before failing with an error that
+    /// names it; default 60 s. See [`timeout`](Self#structfield.timeout).
     pub fn timeout(self, timeout: Duration) -> Self {
         Self { timeout, ..self }
     }
 
-    /// Sets [`threads_per_replica`](Self#structfield.threads_per_replica): a count, or a
-    /// [`ReplicaThreads`].
+    /// How many threads each replica's CPU work may use: a count, or a [`ReplicaThreads`]
+    /// (default [`ReplicaThreads::Auto`]: the cores divided evenly among this process's CPU
+    /// replicas). See [`threads_per_replica`](Self#structfield.threads_per_replica).
     pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
         Self {
             threads_per_replica: threads.into(),

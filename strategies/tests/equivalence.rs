@@ -6,7 +6,7 @@
 use kandle::params::Weights;
 use kandle::prelude::*;
 use kandle::ComputePath;
-use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy, ReplicaOptions};
 
 use kandle_testing::strategies as support;
 use support::equivalence_run::{
@@ -91,11 +91,12 @@ fn a_two_input_two_output_model_matches_one_device() -> anyhow::Result<()> {
 #[test]
 fn sync_batch_norm_matches_one_device() -> anyhow::Result<()> {
     let reference = one_device_reference(bn_cnn, SAMPLES)?;
-    let mirrored = MirroredStrategy::cpu(2)?.sync_batch_norm(true);
+    let synced = ReplicaOptions::default().sync_batch_norm(true);
+    let mirrored = MirroredStrategy::cpu(2)?.with_options(synced);
     reference.assert_matches(&train(bn_cnn(), &mirrored)?, "mirrored x2 sync bn")?;
-    let mirrored3 = MirroredStrategy::cpu(3)?.sync_batch_norm(true);
+    let mirrored3 = MirroredStrategy::cpu(3)?.with_options(synced);
     reference.assert_matches(&train(bn_cnn(), &mirrored3)?, "mirrored x3 sync bn")?;
-    let central = CentralStorageStrategy::cpu(2)?.sync_batch_norm(true);
+    let central = CentralStorageStrategy::cpu(2)?.with_options(synced);
     reference.assert_matches(&train(bn_cnn(), &central)?, "central storage x2 sync bn")?;
     Ok(())
 }

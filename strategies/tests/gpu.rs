@@ -20,7 +20,7 @@
 use candle_core::{Device, Tensor};
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
 
 // This crate uses part of the support module.
 #[allow(dead_code)]
@@ -227,7 +227,8 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
     )?;
 
     let reference = weights(bn_cnn(), &OneDeviceStrategy::new(gpu))?;
-    let synced = MirroredStrategy::new(two)?.sync_batch_norm(true);
+    let synced =
+        MirroredStrategy::new(two)?.with_options(ReplicaOptions::default().sync_batch_norm(true));
     assert_matches(
         &reference,
         &weights(bn_cnn(), &synced)?,

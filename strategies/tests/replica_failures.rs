@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use kandle::layers::{BuildContext, Built, Layer, LayerSpec};
 use kandle::prelude::*;
-use kandle_strategies::MirroredStrategy;
+use kandle_strategies::{MirroredStrategy, ReplicaOptions};
 
 /// What replica 1 does in its forward pass.
 #[derive(Clone, Copy)]
@@ -47,7 +47,8 @@ impl Layer for FaultyLayer {
 
 fn fit_with(fault: Fault) -> anyhow::Result<(kandle::Error, Duration)> {
     let data = kandle::data::digits::load()?.subset(&(0..64).collect::<Vec<_>>())?;
-    let strategy = MirroredStrategy::cpu(2)?.timeout(Duration::from_secs(2));
+    let options = ReplicaOptions::default().timeout(Duration::from_secs(2));
+    let strategy = MirroredStrategy::cpu(2)?.with_options(options);
     let net = Sequential::new()
         .add(Flatten)
         .add(FaultyOnReplica1(fault))

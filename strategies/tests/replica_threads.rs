@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 use kandle::prelude::*;
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaThreads};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions, ReplicaThreads};
 
 /// The rayon pool sizes seen by the layers of every replica during one epoch of training.
 fn pool_sizes_during_fit<S: Strategy + Clone + 'static>(
@@ -53,9 +53,11 @@ fn pool_sizes_during_fit<S: Strategy + Clone + 'static>(
 
 #[test]
 fn configured_budget_is_the_pool_each_replica_runs_in() -> kandle::Result<()> {
-    let sizes = pool_sizes_during_fit(&MirroredStrategy::cpu(2)?.threads_per_replica(3))?;
+    let three = ReplicaOptions::default().threads_per_replica(3);
+    let sizes = pool_sizes_during_fit(&MirroredStrategy::cpu(2)?.with_options(three))?;
     assert!(sizes.iter().all(|&n| n == 3), "{sizes:?}");
-    let sizes = pool_sizes_during_fit(&CentralStorageStrategy::cpu(2)?.threads_per_replica(1))?;
+    let one = ReplicaOptions::default().threads_per_replica(1);
+    let sizes = pool_sizes_during_fit(&CentralStorageStrategy::cpu(2)?.with_options(one))?;
     assert!(sizes.iter().all(|&n| n == 1), "{sizes:?}");
     Ok(())
 }
@@ -66,9 +68,8 @@ fn default_budget_divides_the_cores_among_cpu_replicas() -> kandle::Result<()> {
     let sizes = pool_sizes_during_fit(&MirroredStrategy::cpu(2)?)?;
     let each = (cores / 2).max(1);
     assert!(sizes.iter().all(|&n| n == each), "{cores} cores: {sizes:?}");
-    let sizes = pool_sizes_during_fit(
-        &MirroredStrategy::cpu(2)?.threads_per_replica(ReplicaThreads::Shared),
-    )?;
+    let shared = ReplicaOptions::default().threads_per_replica(ReplicaThreads::Shared);
+    let sizes = pool_sizes_during_fit(&MirroredStrategy::cpu(2)?.with_options(shared))?;
     assert!(
         sizes.iter().all(|&n| n == cores),
         "{cores} cores: {sizes:?}"
@@ -85,7 +86,8 @@ fn a_zero_budget_is_refused() -> kandle::Result<()> {
             Sgd::new(0.1),
             MeanSquaredError,
             (),
-            &MirroredStrategy::cpu(2)?.threads_per_replica(0),
+            &MirroredStrategy::cpu(2)?
+                .with_options(ReplicaOptions::default().threads_per_replica(0)),
         )
         .err()
         .map(|e| e.to_string())

@@ -9,7 +9,7 @@ use std::path::Path;
 use kandle::optimizers::OptimizerConfig;
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
 
 use kandle_testing::strategies as support;
 use support::equivalence_run::{bn_cnn, graph_cnn, plain_cnn, Order};
@@ -133,7 +133,8 @@ fn sync_batch_norm_resumes_across_strategies() -> anyhow::Result<()> {
     let sgd = Sgd::new(0.05).momentum(0.9);
     let reference = uninterrupted(bn_cnn, sgd)?;
     let one = OneDeviceStrategy::cpu();
-    let mirrored = MirroredStrategy::cpu(2)?.sync_batch_norm(true);
+    let mirrored =
+        MirroredStrategy::cpu(2)?.with_options(ReplicaOptions::default().sync_batch_norm(true));
     reference.assert_matches(
         &resumed(bn_cnn, sgd, &mirrored, &one, &path)?,
         "sync bn: mirrored x2 -> one device",

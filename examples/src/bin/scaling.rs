@@ -126,9 +126,10 @@ mod job {
 
         /// Waits until every worker gets here (a guarded one-element all-reduce).
         pub fn barrier(&self) -> Result<()> {
+            let options = self.world.options().timeout(CHIEF_ALONE);
             self.world
                 .clone()
-                .timeout(CHIEF_ALONE)
+                .with_options(options)
                 .all_reduce_sum(&mut vec![0.0])?;
             Ok(())
         }

@@ -24,7 +24,6 @@ use crate::replica_set::unzip;
 use crate::replica_set::{
     fuse_store, load_fused, replica_devices, Reduce, ReplicaModel, ReplicaOptions, ReplicaSet,
 };
-use crate::ReplicaThreads;
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -153,36 +152,8 @@ impl MultiWorkerMirroredStrategy {
         self
     }
 
-    /// Batch normalisation with the statistics of the whole global batch, over every replica
-    /// of every worker, instead of each replica's part (`SyncBatchNorm`); default false. See
-    /// [`ReplicaOptions::sync_batch_norm`](ReplicaOptions#structfield.sync_batch_norm).
-    pub fn sync_batch_norm(self, sync: bool) -> Self {
-        Self {
-            options: self.options.sync_batch_norm(sync),
-            ..self
-        }
-    }
-
-    /// How long a step waits for a replica or a worker before failing with an error that names
-    /// it (default 60 s).
-    pub fn timeout(self, timeout: Duration) -> Self {
-        Self {
-            options: self.options.timeout(timeout),
-            ..self
-        }
-    }
-
-    /// How many threads each local replica's CPU work may use: a count, or a
-    /// [`ReplicaThreads`] (default [`ReplicaThreads::Auto`]: the cores divided evenly among
-    /// this worker's CPU replicas).
-    pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
-        Self {
-            options: self.options.threads_per_replica(threads),
-            ..self
-        }
-    }
-
-    /// All of the local replicas' options at once.
+    /// How the local replicas run: SyncBatchNorm (across every worker), the timeout (for a
+    /// replica or a worker), threads per local replica (default [`ReplicaOptions::default`]).
     pub fn with_options(self, options: ReplicaOptions) -> Self {
         Self { options, ..self }
     }

@@ -34,7 +34,9 @@
 use std::process::ExitCode;
 
 use kandle::prelude::*;
-use kandle_strategies::{CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy};
+use kandle_strategies::{
+    CommunicationImplementation, CrossDeviceOps, MultiWorkerMirroredStrategy, ReplicaOptions,
+};
 
 use kandle_testing::strategies::equivalence_run;
 mod worker_program;
@@ -111,15 +113,15 @@ fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
     };
     let mut strategy = strategy
         .local_replicas_cpu(local)?
-        .sync_batch_norm(args.sync_batch_norm)
         .communication(args.communication);
     if args.hierarchical {
         strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
     }
+    let mut options = ReplicaOptions::default().sync_batch_norm(args.sync_batch_norm);
     if let Some(secs) = args.common.timeout_secs {
-        strategy = strategy.timeout(worker_program::timeout(secs)?);
+        options = options.timeout(worker_program::timeout(secs)?);
     }
-    Ok(strategy)
+    Ok(strategy.with_options(options))
 }
 
 /// Runs the task; an error message names the worker that reports it.

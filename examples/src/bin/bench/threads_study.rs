@@ -6,7 +6,7 @@
 
 use anyhow::Result;
 use kandle::{OneDeviceStrategy, Strategy};
-use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaThreads};
+use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions, ReplicaThreads};
 use serde_json::{json, Value};
 
 use crate::model::train_step_time;
@@ -32,15 +32,16 @@ pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
         ReplicaThreads::Auto,
     ];
     for threads in budgets {
+        let options = ReplicaOptions::default().threads_per_replica(threads);
         configs.push((
             "mirrored x2".into(),
             budget(threads),
-            Box::new(MirroredStrategy::cpu(2)?.threads_per_replica(threads)),
+            Box::new(MirroredStrategy::cpu(2)?.with_options(options)),
         ));
         configs.push((
             "central_storage x2".into(),
             budget(threads),
-            Box::new(CentralStorageStrategy::cpu(2)?.threads_per_replica(threads)),
+            Box::new(CentralStorageStrategy::cpu(2)?.with_options(options)),
         ));
     }
     let mut rows = Vec::new();

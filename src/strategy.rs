@@ -122,8 +122,52 @@ impl<S: Strategy + ?Sized> Strategy for std::sync::Arc<S> {
     }
 }
 
-/// A model placed by a strategy: runs steps and exposes the weights by canonical name.
-pub trait DistributedModel: Send {
+/// The hooks by which the processes of a multi-process model keep in step: a parameter server
+/// serving its workers through a whole call, workers agreeing on epoch totals and on the
+/// backup to resume from, telling the servers a call ended. `fit`, `evaluate`, `predict` and
+/// the `*_on_batch` methods call them; every default suits a model of one process.
+pub trait WorkerHooks {
+    /// Called by `fit`, `evaluate`, `predict` and the `*_on_batch` methods once the model is
+    /// built, before anything else.
+    /// A model whose process does not train but serves the others (a parameter server) serves
+    /// them until every worker has ended the same call ([`WorkerHooks::end_call`]), then
+    /// returns `true`, and the call returns at once with nothing (an empty history, empty logs,
+    /// no predictions). The default returns `false`: this process trains.
+    fn serve(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Called by `fit` at the end of every epoch, before validation, with the totals of the
+    /// epoch's training steps as this process saw them (`samples`, `sums`; `applied` is
+    /// unused): a strategy whose workers saw different steps replaces them with the totals
+    /// over every worker, so that every worker's epoch logs (and the callbacks that read them)
+    /// agree, and returns values to add to the logs (a parameter-server worker reports the
+    /// staleness of its updates). A strategy may also make the workers wait for each other
+    /// here. The default changes nothing and adds nothing.
+    fn end_epoch(&mut self, totals: &mut StepStats) -> Result<Vec<(String, f64)>> {
+        let _ = totals;
+        Ok(Vec::new())
+    }
+
+    /// Called by the same methods as [`serve`](WorkerHooks::serve) when they end without
+    /// error on a process that did not serve: lets a worker tell the processes serving it that
+    /// it is done. The default does nothing.
+    fn end_call(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Every worker's `values` (of one length on every worker), in rank order. `fit` uses it to
+    /// check that all workers of a multi-process job resume from the same backup. The default,
+    /// for a strategy of one process, returns `values`.
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        Ok(values.to_vec())
+    }
+}
+
+/// A model placed by a strategy: runs steps and exposes the weights by canonical name. How its
+/// processes keep in step with each other is [`WorkerHooks`], which a model of one process
+/// implements with no method (`impl WorkerHooks for MyModel {}`).
+pub trait DistributedModel: WorkerHooks + Send {
     /// One training step on this worker's part of a global batch (CPU tensors), at `lr`.
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats>;
 
@@ -146,35 +190,6 @@ pub trait DistributedModel: Send {
     /// The model's outputs for `inputs` (one CPU tensor per model input, the same number of
     /// samples in each), one CPU tensor per output.
     fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
-
-    /// Called by `fit`, `evaluate`, `predict` and the `*_on_batch` methods once the model is
-    /// built, before anything else.
-    /// A model whose process does not train but serves the others (a parameter server) serves
-    /// them until every worker has ended the same call ([`DistributedModel::end_call`]), then
-    /// returns `true`, and the call returns at once with nothing (an empty history, empty logs,
-    /// no predictions). The default returns `false`: this process trains.
-    fn serve(&mut self) -> Result<bool> {
-        Ok(false)
-    }
-
-    /// Called by `fit` at the end of every epoch, before validation, with the totals of the
-    /// epoch's training steps as this process saw them (`samples`, `sums`; `applied` is
-    /// unused): a strategy whose workers saw different steps replaces them with the totals
-    /// over every worker, so that every worker's epoch logs (and the callbacks that read them)
-    /// agree, and returns values to add to the logs (a parameter-server worker reports the
-    /// staleness of its updates). A strategy may also make the workers wait for each other
-    /// here. The default changes nothing and adds nothing.
-    fn end_epoch(&mut self, totals: &mut StepStats) -> Result<Vec<(String, f64)>> {
-        let _ = totals;
-        Ok(Vec::new())
-    }
-
-    /// Called by the same methods as [`serve`](DistributedModel::serve) when they end without
-    /// error on a process that did not serve: lets a worker tell the processes serving it that
-    /// it is done. The default does nothing.
-    fn end_call(&mut self) -> Result<()> {
-        Ok(())
-    }
 
     /// The current weights by canonical name, on the CPU.
     fn weights(&self) -> Result<Weights>;
@@ -199,13 +214,6 @@ pub trait DistributedModel: Send {
             "this strategy's model does not implement DistributedModel::optimizer_state, so its \
              optimizer state cannot be saved",
         ))
-    }
-
-    /// Every worker's `values` (of one length on every worker), in rank order. `fit` uses it to
-    /// check that all workers of a multi-process job resume from the same backup. The default,
-    /// for a strategy of one process, returns `values`.
-    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
-        Ok(values.to_vec())
     }
 
     /// Replaces the optimizer's state on every replica that holds one

@@ -7,7 +7,7 @@ use kandle::data::{Batch, InMemoryDataset};
 use kandle::layers::Summary;
 use kandle::params::Weights;
 use kandle::prelude::*;
-use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats};
+use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, WorkerHooks};
 
 /// Two replicas on the CPU; each takes half of every batch (the first gets the extra sample
 /// of an odd batch), the gradients are summed in process, and both apply the same update.
@@ -44,6 +44,8 @@ fn halves(batch: &Batch) -> kandle::Result<[Batch; 2]> {
     let first = n.div_ceil(2);
     Ok([batch.narrow(0, first)?, batch.narrow(first, n - first)?])
 }
+
+impl WorkerHooks for TwoReplicaModel {}
 
 impl DistributedModel for TwoReplicaModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> kandle::Result<StepStats> {

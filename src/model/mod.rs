@@ -558,8 +558,8 @@ impl Model {
     }
 
     /// Runs `call`, one call of the strategy (`fit`, `evaluate`, `predict` or a `*_on_batch`
-    /// method, the model built), between [`DistributedModel::serve`] and
-    /// [`DistributedModel::end_call`]. Returns `None`, without running `call`, on a process
+    /// method, the model built), between [`WorkerHooks::serve`](crate::strategy::WorkerHooks::serve) and
+    /// [`WorkerHooks::end_call`](crate::strategy::WorkerHooks::end_call). Returns `None`, without running `call`, on a process
     /// that served the others (the caller then returns its empty result); otherwise `call`'s
     /// result once the call is ended. An error from `call` is returned as is, without ending
     /// the call.

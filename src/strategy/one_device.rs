@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
+use super::{DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerHooks};
 use crate::data::Batch;
 use crate::optimizers::NamedOptimizerState;
 use crate::params::Weights;
@@ -57,6 +57,8 @@ impl Strategy for OneDeviceStrategy {
 struct OneDeviceModel {
     replica: Replica,
 }
+
+impl WorkerHooks for OneDeviceModel {}
 
 impl DistributedModel for OneDeviceModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {

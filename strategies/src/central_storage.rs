@@ -8,7 +8,7 @@ use kandle::data::Batch;
 use kandle::layers::Summary;
 use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
-use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy};
+use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerHooks};
 use kandle::{Error, Result};
 
 use crate::replica_set::{
@@ -96,6 +96,8 @@ struct CentralModel {
     /// Holds the variables and the optimizer; it never runs a forward pass.
     central: Replica,
 }
+
+impl WorkerHooks for CentralModel {}
 
 impl DistributedModel for CentralModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {

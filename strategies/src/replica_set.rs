@@ -17,6 +17,7 @@ use kandle::strategy::fused::{fuse, FusedLayout};
 use kandle::strategy::step::{StepLayout, StepTotals};
 use kandle::strategy::{
     DistributedModel, ModelSpec, Replica, ReplicaGroup, ReplicaHandle, StepBuffer, StepStats,
+    WorkerHooks,
 };
 use kandle::Result;
 
@@ -436,7 +437,7 @@ pub(crate) trait Reduce: Send {
         Ok(local)
     }
 
-    /// [`DistributedModel::all_gather_workers`]; the default, for one process, returns
+    /// [`WorkerHooks::all_gather_workers`]; the default, for one process, returns
     /// `values`.
     fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
         Ok(values.to_vec())
@@ -446,10 +447,10 @@ pub(crate) trait Reduce: Send {
     fn failed(&self) {}
 
     /// Told that a call of `fit`, `evaluate`, `predict` or a single batch begins
-    /// ([`DistributedModel::serve`]). The default does nothing.
+    /// ([`WorkerHooks::serve`]). The default does nothing.
     fn begin_call(&mut self) {}
 
-    /// Told that such a call ended without error ([`DistributedModel::end_call`]). The default
+    /// Told that such a call ended without error ([`WorkerHooks::end_call`]). The default
     /// does nothing.
     fn end_call(&mut self) {}
 }
@@ -495,6 +496,23 @@ impl<R: Reduce> ReplicaModel<R> {
     }
 }
 
+impl<R: Reduce> WorkerHooks for ReplicaModel<R> {
+    fn serve(&mut self) -> Result<bool> {
+        self.reduce.begin_call();
+        Ok(false)
+    }
+
+    fn end_call(&mut self) -> Result<()> {
+        self.reduce.end_call();
+        Ok(())
+    }
+
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        let result = self.reduce.all_gather_workers(values);
+        self.checked(result)
+    }
+}
+
 impl<R: Reduce> DistributedModel for ReplicaModel<R> {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         let result = self.train(batch, lr);
@@ -515,16 +533,6 @@ impl<R: Reduce> DistributedModel for ReplicaModel<R> {
         self.set.predict(inputs)
     }
 
-    fn serve(&mut self) -> Result<bool> {
-        self.reduce.begin_call();
-        Ok(false)
-    }
-
-    fn end_call(&mut self) -> Result<()> {
-        self.reduce.end_call();
-        Ok(())
-    }
-
     fn weights(&self) -> Result<Weights> {
         self.set.weights()
     }
@@ -539,11 +547,6 @@ impl<R: Reduce> DistributedModel for ReplicaModel<R> {
 
     fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
         self.set.optimizer_state()
-    }
-
-    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
-        let result = self.reduce.all_gather_workers(values);
-        self.checked(result)
     }
 
     fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {

@@ -9,7 +9,9 @@ use kandle::data::Batch;
 use kandle::layers::Summary;
 use kandle::optimizers::NamedOptimizerState;
 use kandle::params::Weights;
-use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerInfo};
+use kandle::strategy::{
+    DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerHooks, WorkerInfo,
+};
 use kandle::{Error, Result};
 
 use super::server::{Mode, Server};
@@ -288,23 +290,7 @@ impl PsModel {
     }
 }
 
-impl DistributedModel for PsModel {
-    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        self.worker("a training step")?.train(batch, lr)
-    }
-
-    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
-        self.worker("gradient accumulation")?.accumulate(batch)
-    }
-
-    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
-        self.worker("an evaluation step")?.test(batch)
-    }
-
-    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.worker("a prediction")?.predict(inputs)
-    }
-
+impl WorkerHooks for PsModel {
     fn serve(&mut self) -> Result<bool> {
         match self {
             PsModel::Server(s) => s.serve().map(|()| true),
@@ -327,6 +313,29 @@ impl DistributedModel for PsModel {
             PsModel::Worker(w) => w.end_call(),
             PsModel::Server(_) => Ok(()),
         }
+    }
+
+    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        self.worker("a gather across the workers")?
+            .all_gather(values)
+    }
+}
+
+impl DistributedModel for PsModel {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        self.worker("a training step")?.train(batch, lr)
+    }
+
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.worker("gradient accumulation")?.accumulate(batch)
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        self.worker("an evaluation step")?.test(batch)
+    }
+
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.worker("a prediction")?.predict(inputs)
     }
 
     fn weights(&self) -> Result<Weights> {
@@ -359,10 +368,5 @@ impl DistributedModel for PsModel {
             PsModel::Worker(w) => w.set_optimizer_state(state),
             PsModel::Server(s) => s.set_optimizer_state(state),
         }
-    }
-
-    fn all_gather_workers(&mut self, values: &[u64]) -> Result<Vec<u64>> {
-        self.worker("a gather across the workers")?
-            .all_gather(values)
     }
 }

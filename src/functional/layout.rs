@@ -75,35 +75,86 @@ pub(super) enum StepRun {
     Graph(Arc<GraphNet>),
 }
 
-/// A chain while the graph is laid out: its layers with their full names (and whether each
-/// trains), and its shapes.
-struct ChainParts {
-    layers: Vec<(String, Box<dyn FastPath>)>,
-    trains: Vec<bool>,
-    input_shape: Vec<usize>,
-    output_shape: Vec<usize>,
+impl Functional {
+    /// The layer table, built on the CPU, with Keras's "Connected to" column when the graph is
+    /// not a chain.
+    pub fn summary(&self) -> Result<Summary> {
+        let mut ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
+        let shapes = self.input_shapes();
+        let (_, rows) = self.build_graph(&mut ctx, &shapes)?;
+        let store = ctx.into_store();
+        let (trainable, non_trainable) = store.count("");
+        Ok(Summary {
+            inputs: self.input_names().into_iter().zip(shapes).collect(),
+            rows,
+            trainable,
+            non_trainable,
+        })
+    }
+
+    /// Builds the layers in `ctx` for inputs of `input_shapes`: the runnable graph and the
+    /// summary rows.
+    pub(crate) fn build_graph(
+        &self,
+        ctx: &mut BuildContext,
+        input_shapes: &[Vec<usize>],
+    ) -> Result<(GraphNet, Vec<SummaryRow>)> {
+        let path = if ctx.path().is_empty() {
+            "model".to_string()
+        } else {
+            ctx.path()
+        };
+        if input_shapes.len() != self.inputs().len() {
+            return Err(Error::invalid(format!(
+                "`{path}` has {} inputs but was given {}",
+                self.inputs().len(),
+                input_shapes.len()
+            )));
+        }
+        for (input, shape) in self.inputs().iter().zip(input_shapes) {
+            if input.shape != *shape {
+                return Err(Error::Shape {
+                    layer: format!("{path}: input `{}`", input.name),
+                    expected: shape_with_batch(&input.shape),
+                    got: shape_with_batch(shape),
+                });
+            }
+        }
+        GraphNet::build(self, ctx, path)
+    }
 }
 
-enum PartsRun {
-    Chain(ChainParts),
-    Merge(MergeLayer),
-    Graph(Arc<GraphNet>),
-}
+impl LayerSpec for Functional {
+    fn kind(&self) -> &'static str {
+        "functional"
+    }
 
-/// A step while the graph is laid out: what it runs, its input slots and its output slots.
-struct Part {
-    run: PartsRun,
-    inputs: Vec<usize>,
-    outputs: Vec<usize>,
-}
+    fn class_name(&self) -> &'static str {
+        "Functional"
+    }
 
-/// A layer once built: owned by its one call, shared by several, a merge to make per call, or
-/// a functional model (its calls share its variables).
-enum BuiltLayer {
-    Unique(Option<Box<dyn FastPath>>),
-    Shared(Arc<dyn FastPath>),
-    Merge(Merge),
-    Graph(Arc<GraphNet>),
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        if self.inputs().len() != 1 || self.outputs().len() != 1 {
+            return Err(Error::invalid(format!(
+                "layer `{}`: a functional model with {} inputs and {} outputs is used where \
+                 a layer of one input and one output is expected",
+                ctx.path(),
+                self.inputs().len(),
+                self.outputs().len()
+            )));
+        }
+        let (net, rows) = self.build_graph(ctx, &[input_shape.to_vec()])?;
+        let output_shape = self.shape_of(self.outputs()[0]).to_vec();
+        Ok(Built::fast(net, output_shape, rows))
+    }
+
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+
+    fn name(&self) -> Option<&str> {
+        self.given_name()
+    }
 }
 
 impl GraphNet {
@@ -181,7 +232,7 @@ impl GraphNet {
                 }
             }
         }
-        let net = Self::lay_out(graph, (built, &trains), &path, ctx.path(), kernels)?;
+        let net = Self::lay_out(graph, built, &trains, &path, ctx.path(), kernels)?;
         Ok((net, graph.rows(rows)))
     }
 
@@ -189,151 +240,27 @@ impl GraphNet {
     /// value between them. `trains` says which layers have a trainable variable.
     fn lay_out(
         graph: &Functional,
-        (mut built, trains): (Vec<BuiltLayer>, &[bool]),
+        mut built: Vec<BuiltLayer>,
+        trains: &[bool],
         path: &str,
         scope: String,
         kernels: bool,
     ) -> Result<Self> {
-        let calls = graph.calls();
-        // How many calls take each call's output, and whether it is an output.
-        let mut takers = vec![0usize; calls.len()];
-        for source in calls
-            .iter()
-            .flat_map(|call| &call.inputs)
-            .chain(graph.outputs())
-        {
-            if let Source::Call(p, _) = source {
-                takers[*p] += 1;
-            }
-        }
-        let inputs = graph.inputs().len();
-        // The slot of each call's first output; a call's outputs have consecutive slots.
-        let mut slot_of_call = vec![0usize; calls.len()];
-        let mut step_of_slot: Vec<Option<usize>> = vec![None; inputs];
-        let mut parts: Vec<Part> = Vec::new();
-        let slot = |source: Source, slot_of_call: &[usize]| match source {
-            Source::Input(i) => i,
-            Source::Call(c, k) => slot_of_call[c] + k,
-        };
-        for (c, call) in calls.iter().enumerate() {
-            let layer = &graph.layers()[call.layer];
-            let full = match scope.is_empty() {
-                true => layer.name.clone(),
-                false => format!("{scope}.{}", layer.name),
-            };
-            let input_slots: Vec<usize> = call
-                .inputs
-                .iter()
-                .map(|&s| slot(s, &slot_of_call))
-                .collect();
-            let run = match &mut built[call.layer] {
-                BuiltLayer::Merge(merge) => {
-                    let shapes: Vec<Vec<usize>> = call
-                        .inputs
-                        .iter()
-                        .map(|&s| graph.shape_of(s).to_vec())
-                        .collect();
-                    PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
-                }
-                BuiltLayer::Graph(net) => PartsRun::Graph(Arc::clone(net)),
-                BuiltLayer::Unique(layer) => {
-                    let layer = layer
-                        .take()
-                        .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice")))?;
-                    // The call extends the chain that gives its input when nothing else takes
-                    // that value.
-                    if let [Source::Call(p, 0)] = call.inputs[..] {
-                        let step = step_of_slot[slot_of_call[p]];
-                        if let (1, Some(step)) = (takers[p], step) {
-                            if let PartsRun::Chain(chain) = &mut parts[step].run {
-                                chain.layers.push((full, layer));
-                                chain.trains.push(trains[call.layer]);
-                                chain.output_shape = call.output_shapes[0].clone();
-                                slot_of_call[c] = slot_of_call[p];
-                                continue;
-                            }
-                        }
-                    }
-                    PartsRun::Chain(ChainParts {
-                        layers: vec![(full, layer)],
-                        trains: vec![trains[call.layer]],
-                        input_shape: graph.shape_of(call.inputs[0]).to_vec(),
-                        output_shape: call.output_shapes[0].clone(),
-                    })
-                }
-                BuiltLayer::Shared(layer) => PartsRun::Chain(ChainParts {
-                    layers: vec![(full, Box::new(SharedCall(Arc::clone(layer))))],
-                    trains: vec![trains[call.layer]],
-                    input_shape: graph.shape_of(call.inputs[0]).to_vec(),
-                    output_shape: call.output_shapes[0].clone(),
-                }),
-            };
-            let first = step_of_slot.len();
-            let outputs: Vec<usize> = (first..first + call.output_shapes.len()).collect();
-            step_of_slot.extend(outputs.iter().map(|_| Some(parts.len())));
-            slot_of_call[c] = first;
-            parts.push(Part {
-                run,
-                inputs: input_slots,
-                outputs,
-            });
-        }
-        let outputs: Vec<usize> = graph
-            .outputs()
-            .iter()
-            .map(|&s| slot(s, &slot_of_call))
-            .collect();
-        let mut uses = vec![0usize; step_of_slot.len()];
-        for &s in parts.iter().flat_map(|p| &p.inputs).chain(&outputs) {
-            uses[s] += 1;
-        }
+        let takers = count_takers(graph);
+        let groups = join_chains(graph, &built, &takers);
+        let slots = assign_slots(graph, &groups);
+        let mut parts = make_parts(graph, &groups, &slots, &mut built, trains, &scope, kernels)?;
+        let outputs: Vec<usize> = graph.outputs().iter().map(|&s| slots.of(s)).collect();
+        let uses = count_uses(&parts, &outputs, slots.count);
         absorb_relus_after_merges(&mut parts, &uses);
-        let mut shape_of_slot: Vec<Vec<usize>> = vec![Vec::new(); uses.len()];
-        for (c, call) in calls.iter().enumerate() {
-            for (k, shape) in call.output_shapes.iter().enumerate() {
-                shape_of_slot[slot_of_call[c] + k] = shape.clone();
-            }
-        }
-        let mut trained_below = vec![false; uses.len()];
-        for part in &parts {
-            let trains = match &part.run {
-                PartsRun::Chain(chain) => chain.trains.contains(&true),
-                PartsRun::Graph(net) => net.trained_below.iter().any(|&t| t),
-                PartsRun::Merge(_) => false,
-            };
-            let below = trains || part.inputs.iter().any(|&s| trained_below[s]);
-            for &o in &part.outputs {
-                trained_below[o] = below;
-            }
-        }
-        let steps = parts
-            .into_iter()
-            .map(|part| {
-                let run = match part.run {
-                    PartsRun::Merge(merge) => StepRun::Merge(merge),
-                    PartsRun::Graph(net) => StepRun::Graph(net),
-                    PartsRun::Chain(chain) => StepRun::Chain(SequentialNet::chain(
-                        chain.layers[0].0.clone(),
-                        chain.input_shape,
-                        chain.output_shape,
-                        chain.layers,
-                        chain.trains,
-                    )),
-                };
-                Step {
-                    run,
-                    inputs: part.inputs,
-                    output_shape: shape_of_slot[part.outputs[0]].clone(),
-                    outputs: part.outputs,
-                }
-            })
-            .collect::<Vec<_>>();
+        let trained_below = mark_trained(&parts, slots.count);
+        let steps = build_steps(parts);
+        let in_place = in_place_concatenations(&steps, &uses);
         let inputs = graph
             .inputs()
             .iter()
             .map(|i| (i.name.clone(), i.shape.clone()))
             .collect();
-        let in_place = in_place_concatenations(&steps, &uses);
         Ok(Self {
             path: path.to_string(),
             inputs,
@@ -344,6 +271,243 @@ impl GraphNet {
             trained_below,
         })
     }
+}
+
+/// A chain while the graph is laid out: its layers with their full names (and whether each
+/// trains), and its input shape.
+struct ChainParts {
+    layers: Vec<(String, Box<dyn FastPath>)>,
+    trains: Vec<bool>,
+    input_shape: Vec<usize>,
+}
+
+enum PartsRun {
+    Chain(ChainParts),
+    Merge(MergeLayer),
+    Graph(Arc<GraphNet>),
+}
+
+/// A step while the graph is laid out: what it runs, its input slots, its output slots and
+/// the first output's shape.
+struct Part {
+    run: PartsRun,
+    inputs: Vec<usize>,
+    outputs: Vec<usize>,
+    output_shape: Vec<usize>,
+}
+
+/// A layer once built: owned by its one call, shared by several, a merge to make per call, or
+/// a functional model (its calls share its variables).
+enum BuiltLayer {
+    Unique(Option<Box<dyn FastPath>>),
+    Shared(Arc<dyn FastPath>),
+    Merge(Merge),
+    Graph(Arc<GraphNet>),
+}
+
+impl BuiltLayer {
+    /// Whether a call of the layer runs as (the start of) a chain: a layer's only call, or a
+    /// call of a shared layer.
+    fn chains(&self) -> bool {
+        matches!(self, BuiltLayer::Unique(_) | BuiltLayer::Shared(_))
+    }
+
+    /// The layer as a chain runs it, for its call named `full`: the layer itself from its one
+    /// call, a [`SharedCall`] from each call of a shared one.
+    fn chain_layer(&mut self, full: &str) -> Result<Box<dyn FastPath>> {
+        match self {
+            BuiltLayer::Unique(layer) => layer
+                .take()
+                .ok_or_else(|| Error::invalid(format!("layer `{full}` called twice"))),
+            BuiltLayer::Shared(layer) => Ok(Box::new(SharedCall(Arc::clone(layer)))),
+            BuiltLayer::Merge(_) | BuiltLayer::Graph(_) => Err(Error::invalid(format!(
+                "layer `{full}` is not one a chain runs"
+            ))),
+        }
+    }
+}
+
+/// Where each call writes: the slot of its first output, after the model's inputs' slots. A
+/// call's outputs have consecutive slots; the calls of one chain share the chain's.
+struct Slots {
+    of_call: Vec<usize>,
+    count: usize,
+}
+
+impl Slots {
+    /// The slot a source is read from.
+    fn of(&self, source: Source) -> usize {
+        match source {
+            Source::Input(i) => i,
+            Source::Call(c, k) => self.of_call[c] + k,
+        }
+    }
+}
+
+/// How many calls take each call's output, and whether it is an output.
+fn count_takers(graph: &Functional) -> Vec<usize> {
+    let mut takers = vec![0usize; graph.calls().len()];
+    for source in graph
+        .calls()
+        .iter()
+        .flat_map(|call| &call.inputs)
+        .chain(graph.outputs())
+    {
+        if let Source::Call(p, _) = source {
+            takers[*p] += 1;
+        }
+    }
+    takers
+}
+
+/// The calls grouped into steps, in the order of each step's first call. A layer's only call
+/// joins the chain that gives its input when nothing else takes that value; every other call
+/// (a merge, a functional model, a shared layer's call, or a call on a value that several take)
+/// starts a step of its own.
+fn join_chains(graph: &Functional, built: &[BuiltLayer], takers: &[usize]) -> Vec<Vec<usize>> {
+    let calls = graph.calls();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut group_of_call = Vec::with_capacity(calls.len());
+    for (c, call) in calls.iter().enumerate() {
+        let only_call = matches!(built[call.layer], BuiltLayer::Unique(_));
+        let joins = |p: usize| only_call && takers[p] == 1 && built[calls[p].layer].chains();
+        let group = match call.inputs[..] {
+            [Source::Call(p, 0)] if joins(p) => group_of_call[p],
+            _ => {
+                groups.push(Vec::new());
+                groups.len() - 1
+            }
+        };
+        groups[group].push(c);
+        group_of_call.push(group);
+    }
+    groups
+}
+
+/// Numbers the slots: the model's inputs first, then each step's outputs in step order.
+fn assign_slots(graph: &Functional, groups: &[Vec<usize>]) -> Slots {
+    let calls = graph.calls();
+    let mut of_call = vec![0usize; calls.len()];
+    let mut count = graph.inputs().len();
+    for group in groups {
+        for &c in group {
+            of_call[c] = count;
+        }
+        count += calls[group[0]].output_shapes.len();
+    }
+    Slots { of_call, count }
+}
+
+/// Each step's layers, taken from `built` (with whether each trains, from `trains`): a chain
+/// of the calls of a group, each named under `scope`, or a merge (with kandle's channel
+/// kernels where `kernels`) or a functional model.
+fn make_parts(
+    graph: &Functional,
+    groups: &[Vec<usize>],
+    slots: &Slots,
+    built: &mut [BuiltLayer],
+    trains: &[bool],
+    scope: &str,
+    kernels: bool,
+) -> Result<Vec<Part>> {
+    let calls = graph.calls();
+    let mut parts = Vec::with_capacity(groups.len());
+    for group in groups {
+        let (first, last) = (&calls[group[0]], &calls[group[group.len() - 1]]);
+        let run = match &built[first.layer] {
+            BuiltLayer::Merge(merge) => {
+                let shapes: Vec<Vec<usize>> = first
+                    .inputs
+                    .iter()
+                    .map(|&s| graph.shape_of(s).to_vec())
+                    .collect();
+                PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
+            }
+            BuiltLayer::Graph(net) => PartsRun::Graph(Arc::clone(net)),
+            BuiltLayer::Unique(_) | BuiltLayer::Shared(_) => {
+                let mut chain = ChainParts {
+                    layers: Vec::with_capacity(group.len()),
+                    trains: Vec::with_capacity(group.len()),
+                    input_shape: graph.shape_of(first.inputs[0]).to_vec(),
+                };
+                for &c in group {
+                    let layer = calls[c].layer;
+                    let name = &graph.layers()[layer].name;
+                    let full = match scope.is_empty() {
+                        true => name.clone(),
+                        false => format!("{scope}.{name}"),
+                    };
+                    let fast = built[layer].chain_layer(&full)?;
+                    chain.layers.push((full, fast));
+                    chain.trains.push(trains[layer]);
+                }
+                PartsRun::Chain(chain)
+            }
+        };
+        let start = slots.of_call[group[0]];
+        parts.push(Part {
+            run,
+            inputs: first.inputs.iter().map(|&s| slots.of(s)).collect(),
+            outputs: (start..start + first.output_shapes.len()).collect(),
+            output_shape: last.output_shapes[0].clone(),
+        });
+    }
+    Ok(parts)
+}
+
+/// For each of `count` slots, how many steps take it (once per time they take it) and how
+/// many of `outputs` it is.
+fn count_uses(parts: &[Part], outputs: &[usize], count: usize) -> Vec<usize> {
+    let mut uses = vec![0usize; count];
+    for &s in parts.iter().flat_map(|p| &p.inputs).chain(outputs) {
+        uses[s] += 1;
+    }
+    uses
+}
+
+/// For each of `count` slots, whether a layer that trains computes it, itself or through the
+/// values it takes.
+fn mark_trained(parts: &[Part], count: usize) -> Vec<bool> {
+    let mut trained_below = vec![false; count];
+    for part in parts {
+        let trains = match &part.run {
+            PartsRun::Chain(chain) => chain.trains.contains(&true),
+            PartsRun::Graph(net) => net.trained_below.iter().any(|&t| t),
+            PartsRun::Merge(_) => false,
+        };
+        let below = trains || part.inputs.iter().any(|&s| trained_below[s]);
+        for &o in &part.outputs {
+            trained_below[o] = below;
+        }
+    }
+    trained_below
+}
+
+/// The steps the parts make: each chain's layers become one [`SequentialNet`], named after its
+/// first layer.
+fn build_steps(parts: Vec<Part>) -> Vec<Step> {
+    parts
+        .into_iter()
+        .map(|part| {
+            let run = match part.run {
+                PartsRun::Merge(merge) => StepRun::Merge(merge),
+                PartsRun::Graph(net) => StepRun::Graph(net),
+                PartsRun::Chain(chain) => StepRun::Chain(SequentialNet::chain(
+                    chain.layers[0].0.clone(),
+                    chain.input_shape,
+                    part.output_shape.clone(),
+                    chain.layers,
+                    chain.trains,
+                )),
+            };
+            Step {
+                run,
+                inputs: part.inputs,
+                outputs: part.outputs,
+                output_shape: part.output_shape,
+            }
+        })
+        .collect()
 }
 
 /// Which steps write straight into a concatenation's output in inference: the chains whose
@@ -457,87 +621,5 @@ impl FastPath for SharedCall {
 
     fn passes_through(&self) -> bool {
         self.0.passes_through()
-    }
-}
-
-impl Functional {
-    /// The layer table, built on the CPU, with Keras's "Connected to" column when the graph is
-    /// not a chain.
-    pub fn summary(&self) -> Result<Summary> {
-        let mut ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
-        let shapes = self.input_shapes();
-        let (_, rows) = self.build_graph(&mut ctx, &shapes)?;
-        let store = ctx.into_store();
-        let (trainable, non_trainable) = store.count("");
-        Ok(Summary {
-            inputs: self.input_names().into_iter().zip(shapes).collect(),
-            rows,
-            trainable,
-            non_trainable,
-        })
-    }
-
-    /// Builds the layers in `ctx` for inputs of `input_shapes`: the runnable graph and the
-    /// summary rows.
-    pub(crate) fn build_graph(
-        &self,
-        ctx: &mut BuildContext,
-        input_shapes: &[Vec<usize>],
-    ) -> Result<(GraphNet, Vec<SummaryRow>)> {
-        let path = if ctx.path().is_empty() {
-            "model".to_string()
-        } else {
-            ctx.path()
-        };
-        if input_shapes.len() != self.inputs().len() {
-            return Err(Error::invalid(format!(
-                "`{path}` has {} inputs but was given {}",
-                self.inputs().len(),
-                input_shapes.len()
-            )));
-        }
-        for (input, shape) in self.inputs().iter().zip(input_shapes) {
-            if input.shape != *shape {
-                return Err(Error::Shape {
-                    layer: format!("{path}: input `{}`", input.name),
-                    expected: shape_with_batch(&input.shape),
-                    got: shape_with_batch(shape),
-                });
-            }
-        }
-        GraphNet::build(self, ctx, path)
-    }
-}
-
-impl LayerSpec for Functional {
-    fn kind(&self) -> &'static str {
-        "functional"
-    }
-
-    fn class_name(&self) -> &'static str {
-        "Functional"
-    }
-
-    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        if self.inputs().len() != 1 || self.outputs().len() != 1 {
-            return Err(Error::invalid(format!(
-                "layer `{}`: a functional model with {} inputs and {} outputs is used where \
-                 a layer of one input and one output is expected",
-                ctx.path(),
-                self.inputs().len(),
-                self.outputs().len()
-            )));
-        }
-        let (net, rows) = self.build_graph(ctx, &[input_shape.to_vec()])?;
-        let output_shape = self.shape_of(self.outputs()[0]).to_vec();
-        Ok(Built::fast(net, output_shape, rows))
-    }
-
-    fn clone_spec(&self) -> Box<dyn LayerSpec> {
-        Box::new(self.clone())
-    }
-
-    fn name(&self) -> Option<&str> {
-        self.given_name()
     }
 }

@@ -19,7 +19,7 @@ use super::merge::{Merge, MergeLayer};
 use crate::error::shape_with_batch;
 use crate::layers::{
     build_child, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath, Identity, Layer,
-    LayerSpec, Recorded, SequentialNet, Summary, SummaryRow,
+    LayerSpec, RecordRequest, Recorded, SequentialNet, Summary, SummaryRow,
 };
 use crate::{Error, Result};
 
@@ -590,12 +590,13 @@ impl Layer for SharedCall {
 }
 
 impl FastPath for SharedCall {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        self.0.forward_recorded(x)
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.0.forward_recorded_with_logits(x)
+    /// Records the shared layer with its input's gradient, whatever the request says.
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        let request = RecordRequest {
+            input_grad: true,
+            ..request
+        };
+        self.0.forward_recorded(x, request)
     }
 
     fn is_relu(&self) -> bool {

@@ -12,7 +12,7 @@ use super::backward::{GraphBackward, StepBackward};
 use super::layout::{GraphNet, InPlace, Step, StepRun};
 use crate::kernels::concat::ConcatOutput;
 use crate::layers::{
-    check_input, missing_input_grad, Backward, FastPath, Layer, ParamGrads, Recorded,
+    check_input, missing_input_grad, Backward, FastPath, Layer, ParamGrads, RecordRequest, Recorded,
 };
 use crate::{Error, Result};
 
@@ -192,14 +192,11 @@ impl GraphNet {
             let inputs_need = input_grad || step.inputs.iter().any(|&s| self.trained_below[s]);
             let (ys, backward) = match &step.run {
                 StepRun::Chain(chain) => {
-                    let logits_too = logits_step == Some(i);
-                    let recorded = if !inputs_need {
-                        chain.forward_recorded_without_input_grad(&xs[0], logits_too)?
-                    } else if logits_too {
-                        chain.forward_recorded_with_logits(&xs[0])?
-                    } else {
-                        chain.forward_recorded(&xs[0])?
+                    let request = RecordRequest {
+                        logits: logits_step == Some(i),
+                        input_grad: inputs_need,
                     };
+                    let recorded = chain.forward_recorded(&xs[0], request)?;
                     logits = recorded.logits;
                     let name = chain.path().to_string();
                     (
@@ -253,9 +250,9 @@ impl GraphNet {
         }
     }
 
-    fn record_as_layer(&self, x: &Tensor, with_logits: bool, input_grad: bool) -> Result<Recorded> {
+    fn record_as_layer(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         let (mut outputs, logits, backward) =
-            self.record(std::slice::from_ref(x), with_logits, input_grad)?;
+            self.record(std::slice::from_ref(x), request.logits, request.input_grad)?;
         let output = outputs
             .pop()
             .ok_or_else(|| Error::invalid(format!("`{}` has no output", self.path)))?;
@@ -288,19 +285,7 @@ impl Layer for GraphNet {
 }
 
 impl FastPath for GraphNet {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        self.record_as_layer(x, false, true)
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.record_as_layer(x, true, true)
-    }
-
-    fn forward_recorded_without_input_grad(
-        &self,
-        x: &Tensor,
-        with_logits: bool,
-    ) -> Result<Recorded> {
-        self.record_as_layer(x, with_logits, false)
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        self.record_as_layer(x, request)
     }
 }

@@ -214,10 +214,7 @@ impl Functional {
 
     /// The outputs' shapes, without the batch dimension, in order.
     pub fn output_shapes(&self) -> Vec<Vec<usize>> {
-        self.outputs
-            .iter()
-            .map(|&s| self.shape_of(s).to_vec())
-            .collect()
+        self.shapes_of(&self.outputs)
     }
 
     /// The name given with [`Self::named`], if any.
@@ -247,6 +244,11 @@ impl Functional {
             Source::Input(i) => &self.inputs[i].shape,
             Source::Call(c, k) => &self.calls[c].output_shapes[k],
         }
+    }
+
+    /// The shapes `sources` give, in order.
+    pub(crate) fn shapes_of(&self, sources: &[Source]) -> Vec<Vec<usize>> {
+        sources.iter().map(|&s| self.shape_of(s).to_vec()).collect()
     }
 
     /// The name of the layer (or input) a source comes from.

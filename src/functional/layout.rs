@@ -208,11 +208,7 @@ impl GraphNet {
                     built.push(BuiltLayer::Merge(merge.clone()));
                 }
                 Op::Graph(inner) => {
-                    let shapes: Vec<Vec<usize>> = first
-                        .inputs
-                        .iter()
-                        .map(|&s| graph.shape_of(s).to_vec())
-                        .collect();
+                    let shapes = graph.shapes_of(&first.inputs);
                     let (net, children) =
                         ctx.scoped(&layer.name, |ctx| inner.build_graph(ctx, &shapes))?;
                     let (trainable, non_trainable) = ctx.count_in(&layer.name);
@@ -416,11 +412,7 @@ fn make_parts(
         let (first, last) = (&calls[group[0]], &calls[group[group.len() - 1]]);
         let run = match &built[first.layer] {
             BuiltLayer::Merge(merge) => {
-                let shapes: Vec<Vec<usize>> = first
-                    .inputs
-                    .iter()
-                    .map(|&s| graph.shape_of(s).to_vec())
-                    .collect();
+                let shapes = graph.shapes_of(&first.inputs);
                 PartsRun::Merge(MergeLayer::new(merge, &shapes, kernels))
             }
             BuiltLayer::Graph(net) => PartsRun::Graph(Arc::clone(net)),

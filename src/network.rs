@@ -378,8 +378,8 @@ impl BuiltNetwork {
         let inputs = &as_computed(inputs)?;
         match self {
             BuiltNetwork::Layer(layer) => {
-                let recorded =
-                    layer.forward_recorded_without_input_grad(&only(inputs)?.detach(), true)?;
+                let request = crate::layers::RecordRequest::with_logits().without_input_grad();
+                let recorded = layer.forward_recorded(&only(inputs)?.detach(), request)?;
                 let backward = recorded.backward;
                 Ok(RecordedNetwork {
                     outputs: vec![recorded.output],

@@ -1,20 +1,18 @@
-//! `Functional`: a model recipe made from inputs and outputs, as Keras's functional
-//! `keras.Model(inputs, outputs)`.
+//! The recorded graph: a functional model's recipe, as Keras's functional
+//! `keras.Model(inputs, outputs)` keeps it.
 //!
-//! [`Functional::new`] walks back from the outputs over the calls that made them, checks the
-//! graph (every layer it needs is reached from the given inputs, every input is used, names are
-//! unique), names the layers (the user's names, or the kind numbered per model in the order of
-//! their first call: `conv2d_1`, `conv2d_2`, ...) and keeps the calls in an order where each
-//! comes after its inputs. The recipe holds no symbolic tensor: it is `Clone`, device-free and
-//! built like any other recipe, once per replica.
+//! [`Functional`] holds the model's inputs, its layers (each named, and each a recipe, a merge or
+//! a functional model: an [`Op`]), its calls in an order where each comes after the calls whose
+//! outputs it takes, and its outputs; it answers what the shapes and names are and what the
+//! summary's "Connected to" column says. It holds no symbolic tensor: it is `Clone`,
+//! device-free and built like any other recipe, once per replica. `symbolic` records it from
+//! symbolic tensors ([`Functional::new`]); `layout` builds it into the net a replica runs.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use super::net::GraphNet;
-use super::symbolic::{Call, GraphLayer, Node, Op, SharedLayer, SymbolicTensor};
+use super::merge::Merge;
 use crate::error::shape_with_batch;
-use crate::layers::{BuildContext, Built, LayerSpec, Summary, SummaryRow};
+use crate::layers::{LayerSpec, SummaryRow};
 use crate::{Error, Result};
 
 /// A model recipe made of layer calls on symbolic tensors, from its inputs to its outputs: the
@@ -85,6 +83,43 @@ pub(crate) enum Source {
     Call(usize, usize),
 }
 
+/// A graph layer's operation.
+#[derive(Clone)]
+pub(crate) enum Op {
+    /// A recipe called on one tensor.
+    Spec(Box<dyn LayerSpec>),
+    /// A merge of several tensors.
+    Merge(Merge),
+    /// A functional model called on its inputs, giving its outputs.
+    Graph(Box<Functional>),
+}
+
+impl Op {
+    pub(crate) fn name(&self) -> Option<&str> {
+        match self {
+            Op::Spec(spec) => spec.name(),
+            Op::Merge(merge) => merge.name(),
+            Op::Graph(graph) => graph.given_name(),
+        }
+    }
+
+    pub(crate) fn kind(&self) -> &'static str {
+        match self {
+            Op::Spec(spec) => spec.kind(),
+            Op::Merge(merge) => merge.kind(),
+            Op::Graph(graph) => graph.kind(),
+        }
+    }
+
+    pub(crate) fn class_name(&self) -> &'static str {
+        match self {
+            Op::Spec(spec) => spec.class_name(),
+            Op::Merge(merge) => merge.class_name(),
+            Op::Graph(graph) => graph.class_name(),
+        }
+    }
+}
+
 impl std::fmt::Debug for Op {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -96,71 +131,17 @@ impl std::fmt::Debug for Op {
 }
 
 impl Functional {
-    /// The model from `inputs` to `outputs`. A graph that needs an input not among `inputs`,
-    /// an input that no output uses, a tensor given as an input that is not an
-    /// [`Input`](super::Input)'s, and two layers with one name are errors naming the layers.
-    pub fn new<'a>(
-        inputs: impl IntoIterator<Item = &'a SymbolicTensor>,
-        outputs: impl IntoIterator<Item = &'a SymbolicTensor>,
+    /// The graph of `inputs`, `layers`, `calls` (each after the calls whose outputs it takes)
+    /// and `outputs`, unnamed. Two layers (or inputs) with one name are an error naming both.
+    pub(super) fn from_parts(
+        inputs: Vec<GraphInput>,
+        layers: Vec<GraphLayerSpec>,
+        calls: Vec<GraphCall>,
+        outputs: Vec<Source>,
     ) -> Result<Self> {
-        let inputs: Vec<&SymbolicTensor> = inputs.into_iter().collect();
-        let outputs: Vec<&SymbolicTensor> = outputs.into_iter().collect();
-        if inputs.is_empty() || outputs.is_empty() {
-            return Err(Error::invalid(
-                "a functional model needs at least one input and one output",
-            ));
-        }
-        let order = walk(&outputs);
-        let graph_inputs = check_inputs(&inputs, &order)?;
-        let mut input_index: HashMap<u64, usize> = HashMap::new();
-        for (i, t) in inputs.iter().enumerate() {
-            input_index.insert(t.node().id, i);
-        }
-        let mut layers: Vec<GraphLayerSpec> = Vec::new();
-        let mut layer_index: HashMap<u64, usize> = HashMap::new();
-        let mut call_index: HashMap<u64, usize> = HashMap::new();
-        let mut calls = Vec::new();
-        let mut kinds: HashMap<&'static str, usize> = HashMap::new();
-        let source = |t: &SymbolicTensor, call_index: &HashMap<u64, usize>| match input_index
-            .get(&t.node().id)
-        {
-            Some(&i) => Source::Input(i),
-            None => Source::Call(call_index[&t.node().id], t.output()),
-        };
-        for node in &order {
-            let Call::Layer(layer) = &node.call else {
-                continue;
-            };
-            let l = *layer_index.entry(layer.id).or_insert_with(|| {
-                let name = match layer.op.name() {
-                    Some(name) => name.to_string(),
-                    None => {
-                        let n = kinds.entry(layer.op.kind()).or_insert(0);
-                        *n += 1;
-                        format!("{}_{n}", layer.op.kind())
-                    }
-                };
-                layers.push(GraphLayerSpec {
-                    name,
-                    op: layer.op.clone(),
-                    calls: 0,
-                });
-                layers.len() - 1
-            });
-            let inputs = node.inputs.iter().map(|t| source(t, &call_index)).collect();
-            calls.push(GraphCall {
-                layer: l,
-                inputs,
-                output_shapes: node.output_shapes.clone(),
-                index: layers[l].calls,
-            });
-            layers[l].calls += 1;
-            call_index.insert(node.id, calls.len() - 1);
-        }
-        let outputs = outputs.iter().map(|t| source(t, &call_index)).collect();
         let graph = Self {
             name: None,
-            inputs: graph_inputs,
+            inputs,
             layers,
             calls,
             outputs,
@@ -173,82 +154,6 @@ impl Functional {
     pub fn named(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
-    }
-
-    /// Calls the model like a layer on `inputs`, one symbolic tensor per model input in order,
-    /// inside another functional model, as calling a Keras model on a list of tensors does;
-    /// returns one symbolic tensor per model output, in order. The outer model builds the
-    /// model's layers once per call, with their variables under the model's name
-    /// ([`Self::named`]; by default `functional_1`, ... numbered in the outer model), so they
-    /// are trained, saved and loaded with the outer model's. Each call makes a new layer with
-    /// its own variables; [`Self::shared`] gives one that several calls share, as calling one
-    /// Keras model object twice does.
-    ///
-    /// A number of inputs other than the model's, or an input whose shape is not the model's,
-    /// is an error naming the model (and the input, with both shapes). A model of one input
-    /// and one output may also be called with
-    /// [`LayerSpecExt::call`](crate::layers::LayerSpecExt::call).
-    ///
-    /// ```
-    /// use kandle::functional::{add, Functional, Input};
-    /// use kandle::layers::{Dense, LayerSpecExt};
-    ///
-    /// // An encoder of two inputs and two outputs...
-    /// let a = Input::new(&[4]).named("a").tensor();
-    /// let b = Input::new(&[3]).named("b").tensor();
-    /// let h = add(&[&Dense::new(8).call(&a)?, &Dense::new(8).call(&b)?])?;
-    /// let (mean, scale) = (Dense::new(2).call(&h)?, Dense::new(2).call(&h)?);
-    /// let encoder = Functional::new([&a, &b], [&mean, &scale])?.named("encoder");
-    ///
-    /// // ... called on two tensors of another model.
-    /// let x = Input::new(&[4]).tensor();
-    /// let y = Input::new(&[3]).tensor();
-    /// let outputs = encoder.call_on(&[&x, &y])?;
-    /// assert_eq!(outputs.len(), 2);
-    /// let sum = add(&[&outputs[0], &outputs[1]])?;
-    /// let model = Functional::new([&x, &y], [&sum])?;
-    /// assert_eq!(model.summary()?.trainable, 4 * 8 + 8 + 3 * 8 + 8 + 2 * (8 * 2 + 2));
-    ///
-    /// let err = encoder.call_on(&[&x]).unwrap_err().to_string();
-    /// assert!(err.contains("`encoder` takes 2 inputs"), "{err}");
-    /// # Ok::<(), kandle::Error>(())
-    /// ```
-    pub fn call_on(&self, inputs: &[&SymbolicTensor]) -> Result<Vec<SymbolicTensor>> {
-        GraphLayer::new(Op::Graph(Box::new(self.clone()))).call_all(inputs)
-    }
-
-    /// The model as a layer that several calls share: one set of variables, whose gradient is
-    /// the sum over the calls (a Siamese network's twin towers).
-    /// [`SharedLayer::call_on`] calls it on the model's inputs; [`SharedLayer::call`] when it
-    /// has one input and one output. Every call takes the shapes of the first.
-    ///
-    /// ```
-    /// use kandle::functional::{concatenate, Functional, Input};
-    /// use kandle::layers::{Dense, LayerSpecExt};
-    ///
-    /// // A tower of two inputs and two outputs...
-    /// let a = Input::new(&[4]).named("a").tensor();
-    /// let b = Input::new(&[3]).named("b").tensor();
-    /// let h = concatenate(&[&a, &b])?;
-    /// let (u, v) = (Dense::new(2).call(&h)?, Dense::new(5).call(&h)?);
-    /// let tower = Functional::new([&a, &b], [&u, &v])?.named("tower").shared();
-    ///
-    /// // ... called on two pairs of inputs, with one set of variables.
-    /// let (x1, y1) = (Input::new(&[4]).tensor(), Input::new(&[3]).tensor());
-    /// let (x2, y2) = (Input::new(&[4]).tensor(), Input::new(&[3]).tensor());
-    /// let first = tower.call_on(&[&x1, &y1])?;
-    /// let second = tower.call_on(&[&x2, &y2])?;
-    /// let out = concatenate(&[&first[0], &second[0], &first[1], &second[1]])?;
-    /// let model = Functional::new([&x1, &y1, &x2, &y2], [&out])?;
-    /// assert_eq!(model.summary()?.trainable, 7 * 2 + 2 + 7 * 5 + 5);
-    ///
-    /// let wrong = Input::new(&[5]).tensor();
-    /// let err = tower.call_on(&[&wrong, &y1]).unwrap_err().to_string();
-    /// assert!(err.contains("(batch, 5)"), "{err}");
-    /// # Ok::<(), kandle::Error>(())
-    /// ```
-    pub fn shared(self) -> SharedLayer {
-        SharedLayer::of_graph(self)
     }
 
     /// Checks that `shapes` are this model's input shapes, for a call named `layer`.
@@ -309,26 +214,12 @@ impl Functional {
 
     /// The outputs' shapes, without the batch dimension, in order.
     pub fn output_shapes(&self) -> Vec<Vec<usize>> {
-        self.outputs
-            .iter()
-            .map(|&s| self.shape_of(s).to_vec())
-            .collect()
+        self.shapes_of(&self.outputs)
     }
 
-    /// The layer table, built on the CPU, with Keras's "Connected to" column when the graph is
-    /// not a chain.
-    pub fn summary(&self) -> Result<Summary> {
-        let mut ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
-        let shapes = self.input_shapes();
-        let (_, rows) = self.build_graph(&mut ctx, &shapes)?;
-        let store = ctx.into_store();
-        let (trainable, non_trainable) = store.count("");
-        Ok(Summary {
-            inputs: self.input_names().into_iter().zip(shapes).collect(),
-            rows,
-            trainable,
-            non_trainable,
-        })
+    /// The name given with [`Self::named`], if any.
+    pub(super) fn given_name(&self) -> Option<&str> {
+        self.name.as_deref()
     }
 
     pub(crate) fn inputs(&self) -> &[GraphInput] {
@@ -353,6 +244,11 @@ impl Functional {
             Source::Input(i) => &self.inputs[i].shape,
             Source::Call(c, k) => &self.calls[c].output_shapes[k],
         }
+    }
+
+    /// The shapes `sources` give, in order.
+    pub(crate) fn shapes_of(&self, sources: &[Source]) -> Vec<Vec<usize>> {
+        sources.iter().map(|&s| self.shape_of(s).to_vec()).collect()
     }
 
     /// The name of the layer (or input) a source comes from.
@@ -441,141 +337,5 @@ impl Functional {
             }
         }
         Ok(())
-    }
-
-    /// Builds the layers in `ctx` for inputs of `input_shapes`: the runnable graph and the
-    /// summary rows.
-    pub(crate) fn build_graph(
-        &self,
-        ctx: &mut BuildContext,
-        input_shapes: &[Vec<usize>],
-    ) -> Result<(GraphNet, Vec<SummaryRow>)> {
-        let path = if ctx.path().is_empty() {
-            "model".to_string()
-        } else {
-            ctx.path()
-        };
-        if input_shapes.len() != self.inputs.len() {
-            return Err(Error::invalid(format!(
-                "`{path}` has {} inputs but was given {}",
-                self.inputs.len(),
-                input_shapes.len()
-            )));
-        }
-        for (input, shape) in self.inputs.iter().zip(input_shapes) {
-            if input.shape != *shape {
-                return Err(Error::Shape {
-                    layer: format!("{path}: input `{}`", input.name),
-                    expected: shape_with_batch(&input.shape),
-                    got: shape_with_batch(shape),
-                });
-            }
-        }
-        GraphNet::build(self, ctx, path)
-    }
-}
-
-/// The nodes the outputs depend on, in the order they were made, so each comes after the
-/// nodes it takes (a node is made after its inputs) and layers are numbered in the order the
-/// calls were written.
-fn walk(outputs: &[&SymbolicTensor]) -> Vec<Arc<Node>> {
-    let mut seen: HashMap<u64, Arc<Node>> = HashMap::new();
-    // Without recursion: deep networks have hundreds of calls.
-    let mut pending: Vec<Arc<Node>> = outputs.iter().map(|t| Arc::clone(t.node())).collect();
-    while let Some(node) = pending.pop() {
-        if seen.contains_key(&node.id) {
-            continue;
-        }
-        pending.extend(node.inputs.iter().map(|t| Arc::clone(t.node())));
-        seen.insert(node.id, node);
-    }
-    let mut order: Vec<Arc<Node>> = seen.into_values().collect();
-    order.sort_by_key(|node| node.id);
-    order
-}
-
-/// Checks `inputs` against the inputs the walk reached, and names them.
-fn check_inputs(inputs: &[&SymbolicTensor], order: &[Arc<Node>]) -> Result<Vec<GraphInput>> {
-    let mut named = Vec::with_capacity(inputs.len());
-    for (i, t) in inputs.iter().enumerate() {
-        let node = t.node();
-        let Call::Input { name } = &node.call else {
-            return Err(Error::invalid(format!(
-                "input {} of the functional model is the output of layer {}, not an Input: a \
-                 model's inputs are `Input` tensors",
-                i + 1,
-                node.describe()
-            )));
-        };
-        if inputs[..i].iter().any(|u| u.node().id == node.id) {
-            return Err(Error::invalid(format!(
-                "input {} of the functional model ({}) is given twice",
-                i + 1,
-                node.describe()
-            )));
-        }
-        if !order.iter().any(|n| n.id == node.id) {
-            return Err(Error::invalid(format!(
-                "input {} of the functional model (`{}`, {}) is not used by any output",
-                i + 1,
-                name.as_deref().unwrap_or("unnamed"),
-                shape_with_batch(t.shape())
-            )));
-        }
-        named.push(GraphInput {
-            name: name.clone().unwrap_or_else(|| format!("input_{}", i + 1)),
-            shape: t.shape().to_vec(),
-        });
-    }
-    for node in order {
-        if !matches!(node.call, Call::Input { .. }) || inputs.iter().any(|t| t.node().id == node.id)
-        {
-            continue;
-        }
-        let user = order
-            .iter()
-            .find(|n| n.inputs.iter().any(|t| t.node().id == node.id))
-            .map(|n| n.describe())
-            .unwrap_or_else(|| "an output".to_string());
-        return Err(Error::invalid(format!(
-            "the functional model's graph is disconnected: layer {user} is called on input {} \
-             ({}), which is not among the model's inputs",
-            node.describe(),
-            shape_with_batch(&node.output_shapes[0])
-        )));
-    }
-    Ok(named)
-}
-
-impl LayerSpec for Functional {
-    fn kind(&self) -> &'static str {
-        "functional"
-    }
-
-    fn class_name(&self) -> &'static str {
-        "Functional"
-    }
-
-    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        if self.inputs.len() != 1 || self.outputs.len() != 1 {
-            return Err(Error::invalid(format!(
-                "layer `{}`: a functional model with {} inputs and {} outputs is used where \
-                 a layer of one input and one output is expected",
-                ctx.path(),
-                self.inputs.len(),
-                self.outputs.len()
-            )));
-        }
-        let (net, rows) = self.build_graph(ctx, &[input_shape.to_vec()])?;
-        let output_shape = self.shape_of(self.outputs[0]).to_vec();
-        Ok(Built::fast(net, output_shape, rows))
-    }
-
-    fn clone_spec(&self) -> Box<dyn LayerSpec> {
-        Box::new(self.clone())
-    }
-
-    fn name(&self) -> Option<&str> {
-        self.name.as_deref()
     }
 }

@@ -1,6 +1,8 @@
 //! Merge layers: several tensors of a functional model made into one, as Keras's `Add`,
-//! `Subtract`, `Multiply`, `Average` and `Concatenate` layers (and their functional forms
-//! `add`, `subtract`, ...).
+//! `Subtract`, `Multiply`, `Average` and `Concatenate` layers: how each merges and what shapes
+//! it takes, and the built merges a graph runs. Calling one on symbolic tensors (and the
+//! functional forms `add`, `subtract`, ...) is `symbolic`'s; this module takes nothing from the
+//! rest of the functional API.
 //!
 //! Their backward passes hand each input its share of the output gradient without copying
 //! where the share is the gradient itself (a sum hands every input the same tensor, so an
@@ -10,7 +12,6 @@
 
 use candle_core::Tensor;
 
-use super::symbolic::{GraphLayer, Op, SymbolicTensor};
 use crate::error::shape_with_batch;
 use crate::layers::{channel_part, join_channels};
 use crate::{Error, Result};
@@ -58,12 +59,6 @@ impl Merge {
     pub fn named(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
         self
-    }
-
-    /// Merges `inputs`; shapes that do not merge are an error naming the layer, the inputs
-    /// and their shapes.
-    pub fn call(self, inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
-        GraphLayer::new(Op::Merge(self)).call(inputs)
     }
 
     /// How it merges.
@@ -142,45 +137,6 @@ impl Merge {
         }
         Ok(output)
     }
-}
-
-/// The sum of `inputs`, as Keras's `keras.layers.add`.
-///
-/// ```
-/// use kandle::functional::{add, Functional, Input};
-/// use kandle::layers::{Activation, BatchNormalization, Conv2D, LayerSpecExt, Padding};
-///
-/// // A residual block: relu(x + bn(conv(x))).
-/// let x = Input::new(&[8, 6, 6]).tensor();
-/// let y = Conv2D::new(8, 3).padding(Padding::Same).use_bias(false).call(&x)?;
-/// let y = BatchNormalization::new().call(&y)?;
-/// let y = Activation::Relu.call(&add(&[&x, &y])?)?;
-/// let block = Functional::new([&x], [&y])?;
-/// assert_eq!(block.summary()?.trainable, 8 * 8 * 9 + 2 * 8);
-/// # Ok::<(), kandle::Error>(())
-/// ```
-pub fn add(inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
-    Merge::new(MergeKind::Add).call(inputs)
-}
-
-/// `a - b`, as Keras's `keras.layers.subtract`.
-pub fn subtract(a: &SymbolicTensor, b: &SymbolicTensor) -> Result<SymbolicTensor> {
-    Merge::new(MergeKind::Subtract).call(&[a, b])
-}
-
-/// The element-wise product of `inputs`, as Keras's `keras.layers.multiply`.
-pub fn multiply(inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
-    Merge::new(MergeKind::Multiply).call(inputs)
-}
-
-/// The mean of `inputs`, as Keras's `keras.layers.average`.
-pub fn average(inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
-    Merge::new(MergeKind::Average).call(inputs)
-}
-
-/// `inputs` joined along channels, as Keras's `keras.layers.concatenate` on the channel axis.
-pub fn concatenate(inputs: &[&SymbolicTensor]) -> Result<SymbolicTensor> {
-    Merge::new(MergeKind::Concatenate).call(inputs)
 }
 
 /// A built merge: what the graph runs.

@@ -22,17 +22,22 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+mod backward;
 mod graph;
+mod layout;
 mod merge;
-mod net;
 mod outputs;
+mod run;
 mod symbolic;
 #[cfg(test)]
 mod tests;
 
 pub use graph::Functional;
-pub use merge::{add, average, concatenate, multiply, subtract, Merge, MergeKind};
-pub(crate) use net::GraphNet;
+pub(crate) use graph::Op;
+pub(crate) use layout::GraphNet;
+pub use merge::{Merge, MergeKind};
 pub use outputs::PerOutput;
-pub(crate) use symbolic::{GraphLayer, Op};
-pub use symbolic::{Input, SharedLayer, SymbolicTensor};
+pub(crate) use symbolic::GraphLayer;
+pub use symbolic::{
+    add, average, concatenate, multiply, subtract, Input, SharedLayer, SymbolicTensor,
+};

@@ -5,7 +5,7 @@ use candle_core::{Tensor, D};
 
 use super::{
     identity, missing_input_grad, pass_through, record_with_candle, BuildContext, Built, FastPath,
-    Layer, LayerSpec, ParamGrads, Recorded,
+    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
 };
 use crate::Result;
 
@@ -83,16 +83,16 @@ impl Activation {
 
     /// The recorded activation of the recorded `inner` output: the activation's backward pass
     /// runs first, then `inner`'s. With `with_logits`, a softmax gives `inner`'s output as the
-    /// logits (as [`FastPath::forward_recorded_with_logits`] does for the separate layer).
+    /// logits (as [`FastPath::forward_recorded`] does for the separate layer, asked for them).
     pub(crate) fn after_recorded(self, inner: Recorded, with_logits: bool) -> Result<Recorded> {
         if self == Activation::Linear {
             return Ok(inner);
         }
-        let outer = if with_logits {
-            self.forward_recorded_with_logits(&inner.output)?
-        } else {
-            self.forward_recorded(&inner.output)?
+        let request = RecordRequest {
+            logits: with_logits,
+            input_grad: true,
         };
+        let outer = self.forward_recorded(&inner.output, request)?;
         let (first, then) = (outer.backward, inner.backward);
         let kind = self.kind();
         Ok(Recorded {
@@ -149,8 +149,14 @@ impl Layer for Activation {
 }
 
 impl FastPath for Activation {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         match self {
+            // The backward pass takes the gradient of the logits, which pass through unchanged.
+            Activation::Softmax if request.logits => Ok(Recorded {
+                output: self.apply(x)?,
+                logits: Some(x.clone()),
+                backward: Box::new(pass_through),
+            }),
             Activation::Linear => Ok(identity(x)),
             Activation::Relu => {
                 // Candle's ReLU passes the gradient where the input is >= 0; so does this.
@@ -168,18 +174,6 @@ impl FastPath for Activation {
             }
             _ => record_with_candle(self, x, false),
         }
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        if *self != Activation::Softmax {
-            return self.forward_recorded(x);
-        }
-        // The backward pass takes the gradient of the logits, which pass through unchanged.
-        Ok(Recorded {
-            output: self.apply(x)?,
-            logits: Some(x.clone()),
-            backward: Box::new(pass_through),
-        })
     }
 
     fn is_relu(&self) -> bool {
@@ -251,11 +245,11 @@ mod tests {
         dy: &Tensor,
         with_logits: bool,
     ) -> Result<Pass> {
-        let r = if with_logits {
-            net.forward_recorded_with_logits(x)?
-        } else {
-            net.forward_recorded(x)?
+        let request = RecordRequest {
+            logits: with_logits,
+            input_grad: true,
         };
+        let r = net.forward_recorded(x, request)?;
         let mut grads = ParamGrads::new();
         let input = r.backward.backward(dy.clone(), &mut grads, true)?;
         let grads = store

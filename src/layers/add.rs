@@ -5,7 +5,10 @@
 use candle_core::Tensor;
 
 use super::branches::{boxed_specs, branch_name, Branches};
-use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    record_with_candle, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest,
+    Recorded,
+};
 use crate::Result;
 
 /// Runs each branch on the same input and adds the outputs, which must all have one shape (as
@@ -110,7 +113,10 @@ impl Layer for AddLayer {
 }
 
 impl FastPath for AddLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits {
+            return record_with_candle(self, x, true);
+        }
         let (outs, backward) = self.branches.record(x)?;
         let sum = sum(outs)?;
         // Candle's ReLU passes the gradient where its input is >= 0; so does the absorbed one.
@@ -143,7 +149,7 @@ mod tests {
 
     use crate::layers::{
         Activation, Add, BatchNormalization, BuildContext, Conv2D, FastPath, Identity, Layer,
-        LayerSpecExt, MaxPooling2D, Padding, ParamGrads, Sequential, SequentialNet,
+        LayerSpecExt, MaxPooling2D, Padding, ParamGrads, RecordRequest, Sequential, SequentialNet,
     };
     use crate::params::ParamStore;
     use crate::{ComputePath, Result};
@@ -207,7 +213,7 @@ mod tests {
         let ctx = BuildContext::new(&Device::Cpu, 0);
         let (net, _, _) = Sequential::new().add(Identity).build_in(ctx, &[4])?;
         let x = Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?;
-        let run = net.forward_recorded(&x)?;
+        let run = net.forward_recorded(&x, RecordRequest::output())?;
         assert_eq!(run.output.id(), x.id(), "the output is the input");
         let dy = Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?;
         let dx = run

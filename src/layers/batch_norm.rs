@@ -20,7 +20,7 @@ use candle_core::{Tensor, Var};
 
 use super::{
     record_with_candle, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath, Layer,
-    LayerSpec, ParamGrads, Recorded,
+    LayerSpec, ParamGrads, RecordRequest, Recorded,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm as kernels;
@@ -391,7 +391,10 @@ impl Backward for KernelBackward {
 }
 
 impl FastPath for BatchNormLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits {
+            return record_with_candle(self, x, true);
+        }
         if self.inference {
             return self.record_inference(x);
         }

@@ -11,7 +11,7 @@ use candle_core::Tensor;
 
 use super::{
     build_child, missing_input_grad, Backward, BuildContext, FastPath, LayerSpec, ParamGrads,
-    SummaryRow,
+    RecordRequest, SummaryRow,
 };
 use crate::Result;
 
@@ -101,7 +101,7 @@ impl Branches {
         let mut outputs = Vec::with_capacity(self.layers.len());
         let mut backwards = Vec::with_capacity(self.layers.len());
         for branch in &self.layers {
-            let recorded = branch.forward_recorded(x)?;
+            let recorded = branch.forward_recorded(x, RecordRequest::output())?;
             outputs.push(recorded.output);
             backwards.push(recorded.backward);
         }
@@ -186,7 +186,7 @@ pub(crate) fn assert_recorded_matches_autograd(
     dims.extend(input);
     let x = seeded_uniform(&dims, 1)?;
 
-    let run = recorded.forward_recorded(&x)?;
+    let run = recorded.forward_recorded(&x, RecordRequest::output())?;
     let dy = seeded_uniform(run.output.dims(), 2)?;
     let mut grads = ParamGrads::new();
     let dx = run.backward.backward(dy.clone(), &mut grads, true)?;

@@ -4,7 +4,10 @@
 use candle_core::{DType, Tensor};
 
 use super::branches::{boxed_specs, branch_name, Branches};
-use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    record_with_candle, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest,
+    Recorded,
+};
 use crate::kernels::concat::{self, ConcatOutput};
 use crate::Result;
 
@@ -135,7 +138,10 @@ impl Layer for ConcatLayer {
 }
 
 impl FastPath for ConcatLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits {
+            return record_with_candle(self, x, true);
+        }
         let (outs, backward) = self.branches.record(x)?;
         let y = join_channels(&outs, self.kernels)?;
         let kernels = self.kernels;
@@ -165,7 +171,7 @@ impl FastPath for ConcatLayer {
 
 #[cfg(test)]
 mod tests {
-    use crate::layers::FastPath;
+    use crate::layers::{FastPath, RecordRequest};
     use candle_core::{Device, Tensor};
 
     use crate::layers::{
@@ -255,7 +261,10 @@ mod tests {
         let adds = |conv: Conv2D| -> Result<bool> {
             let ctx = BuildContext::new(&Device::Cpu, 0);
             let (net, _, _) = module(conv).build_in(ctx, &INPUT)?;
-            Ok(net.forward_recorded(&x)?.backward.adds_in_place())
+            Ok(net
+                .forward_recorded(&x, RecordRequest::output())?
+                .backward
+                .adds_in_place())
         };
         assert!(adds(Conv2D::new(4, 1))?);
         assert!(adds(Conv2D::new(4, 3).stride(2))?);
@@ -273,7 +282,10 @@ mod tests {
         let takes = |branch: Sequential, path: ComputePath| -> Result<bool> {
             let ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);
             let (net, _, _) = branch.build_in(ctx, &INPUT)?;
-            Ok(net.forward_recorded(&x)?.backward.takes_channel_views())
+            Ok(net
+                .forward_recorded(&x, RecordRequest::output())?
+                .backward
+                .takes_channel_views())
         };
         let conv = || Conv2D::new(4, 1);
         assert!(takes(module(conv()), ComputePath::Auto)?);

@@ -10,7 +10,7 @@ use candle_core::{DType, Tensor};
 use super::window::{subsample, Padding, Window};
 use super::{
     missing_input_grad, record_with_candle, Activation, Backward, BuildContext, Built,
-    ChannelAffine, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads, Recorded,
+    ChannelAffine, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
 };
 use crate::kernels;
 use crate::kernels::conv2d::{FoldedAffine, KernelCache};
@@ -360,9 +360,9 @@ impl Layer for Conv2DLayer {
 }
 
 impl FastPath for Conv2DLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         self.activation
-            .after_recorded(self.record_convolution(x)?, false)
+            .after_recorded(self.record_convolution(x)?, request.logits)
     }
 
     fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
@@ -388,11 +388,6 @@ impl FastPath for Conv2DLayer {
         let folded = self.folded(&scale, &shift, relu);
         kernels::conv2d::conv2d_affine_into(x, &weight, folded, window, slot)?;
         Ok(true)
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.activation
-            .after_recorded(self.record_convolution(x)?, true)
     }
 }
 

@@ -4,7 +4,8 @@
 use candle_core::Tensor;
 
 use super::{
-    shape_error, Activation, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded,
+    shape_error, Activation, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded,
 };
 use crate::params::Init;
 use crate::Result;
@@ -176,12 +177,8 @@ impl Layer for DenseLayer {
 }
 
 impl FastPath for DenseLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         self.activation
-            .after_recorded(self.record_affine(x)?, false)
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.activation.after_recorded(self.record_affine(x)?, true)
+            .after_recorded(self.record_affine(x)?, request.logits)
     }
 }

@@ -11,12 +11,12 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::layers::FastPath;
 use crate::layers::{
     Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Dense, Dropout,
     Flatten, GlobalAveragePooling2D, Layer, LayerSpecExt, MaxPooling2D, Padding, ParamGrads,
     Sequential, SequentialNet,
 };
+use crate::layers::{FastPath, RecordRequest};
 use crate::params::ParamStore;
 use crate::ComputePath;
 use candle_core::{Device, Tensor, Var};
@@ -124,7 +124,7 @@ fn recorded_step(
     x: &Tensor,
     y: &Tensor,
 ) -> crate::Result<Step> {
-    let recorded = net.forward_recorded_with_logits(x)?;
+    let recorded = net.forward_recorded(x, RecordRequest::with_logits())?;
     let logits = recorded
         .logits
         .ok_or_else(|| crate::Error::invalid("the softmax head gave no logits"))?;

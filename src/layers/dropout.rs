@@ -9,7 +9,10 @@ use candle_core::{Device, Tensor};
 use rand::Rng;
 
 use super::random_stream::RandomStream;
-use super::{identity, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    identity, record_with_candle, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded,
+};
 use crate::Result;
 
 /// Inverted dropout.
@@ -99,7 +102,10 @@ impl FastPath for DropoutLayer {
         true
     }
 
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits {
+            return record_with_candle(self, x, true);
+        }
         if self.rate == 0.0 {
             return Ok(identity(x));
         }

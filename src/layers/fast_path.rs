@@ -16,37 +16,22 @@ use crate::Result;
 /// What kandle's own layers add to [`Layer`]: a recorded training forward for kandle's backward
 /// pass, and the hooks that let neighbouring layers run as one in inference.
 pub(crate) trait FastPath: Layer + AsLayer {
-    /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]).
-    /// The output is `forward_t(x, true)`'s, without logits. The default runs this layer alone
-    /// under candle's autograd ([`record_with_candle`]); layers with CPU kernels record their
-    /// kernels' backward passes instead.
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        record_with_candle(self, x, false)
-    }
-
-    /// [`Self::forward_recorded`] for the last layer of a network, which may also return the
-    /// logits of a softmax output (as [`Layer::forward_with_logits`] does); the backward pass
-    /// then takes the gradient of the logits. The default keeps the logits the layer gives
-    /// through candle's autograd.
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        record_with_candle(self, x, true)
-    }
-
-    /// [`Self::forward_recorded`] (with `with_logits`, [`Self::forward_recorded_with_logits`])
-    /// for a caller that never asks the backward pass for the input's gradient, as for a
-    /// network's input: a composite then runs the layers below its lowest trainable one (frozen
-    /// layers, and those without variables) without recording them, so none of them computes
-    /// a gradient. The backward pass must then be run with `input_grad` false. The default
-    /// records as [`Self::forward_recorded`] does.
-    fn forward_recorded_without_input_grad(
-        &self,
-        x: &Tensor,
-        with_logits: bool,
-    ) -> Result<Recorded> {
-        match with_logits {
-            true => self.forward_recorded_with_logits(x),
-            false => self.forward_recorded(x),
-        }
+    /// The training forward pass, recorded for kandle's own backward pass (see [`Recorded`]),
+    /// as `request` asks. The output is `forward_t(x, true)`'s. With [`RecordRequest::logits`]
+    /// (the last layer of a network), the layer also returns the logits of a softmax output,
+    /// as [`Layer::forward_with_logits`] does, and the backward pass then takes the gradient
+    /// of the logits. Without [`RecordRequest::input_grad`] (a caller that never asks the
+    /// backward pass for the input's gradient, as for a network's input), a composite runs the
+    /// layers below its lowest trainable one (frozen layers, and those without variables)
+    /// without recording them, so none of them computes a gradient; the backward pass must then
+    /// be run with `input_grad` false.
+    ///
+    /// The default runs this layer alone under candle's autograd ([`record_with_candle`]),
+    /// keeping the logits the layer gives when asked for them; layers with CPU kernels record
+    /// their kernels' backward passes instead, and those that give no logits leave a request
+    /// for logits to the default.
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        record_with_candle(self, x, request.logits)
     }
 
     /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
@@ -101,6 +86,42 @@ pub(crate) trait FastPath: Layer + AsLayer {
     #[cfg(test)]
     fn foreign(&self) -> bool {
         false
+    }
+}
+
+/// What a recorded forward pass is asked for ([`FastPath::forward_recorded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RecordRequest {
+    /// Whether the logits of a softmax output are wanted too, and the backward pass takes
+    /// their gradient.
+    pub(crate) logits: bool,
+    /// Whether the backward pass may be asked for the input's gradient.
+    pub(crate) input_grad: bool,
+}
+
+impl RecordRequest {
+    /// The output, with the input's gradient: what a layer inside a network is asked.
+    pub(crate) fn output() -> Self {
+        Self {
+            logits: false,
+            input_grad: true,
+        }
+    }
+
+    /// The output and its logits, with the input's gradient: what the last layer is asked.
+    pub(crate) fn with_logits() -> Self {
+        Self {
+            logits: true,
+            input_grad: true,
+        }
+    }
+
+    /// This request, without the input's gradient.
+    pub(crate) fn without_input_grad(self) -> Self {
+        Self {
+            input_grad: false,
+            ..self
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded};
 use crate::Result;
 
 /// Flattens everything but the batch axis.
@@ -38,7 +38,7 @@ impl Layer for Flatten {
 }
 
 impl FastPath for Flatten {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, _: RecordRequest) -> Result<Recorded> {
         let shape = x.shape().clone();
         Ok(Recorded::new(
             x.flatten_from(1)?,
@@ -50,9 +50,5 @@ impl FastPath for Flatten {
                 })
             },
         ))
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.forward_recorded(x)
     }
 }

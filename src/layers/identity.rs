@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 
-use super::{identity, BuildContext, Built, FastPath, Layer, LayerSpec, Recorded};
+use super::{identity, BuildContext, Built, FastPath, Layer, LayerSpec, RecordRequest, Recorded};
 use crate::Result;
 
 /// Returns its input unchanged, and passes the gradient through without a copy.
@@ -45,11 +45,7 @@ impl Layer for Identity {
 }
 
 impl FastPath for Identity {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        Ok(identity(x))
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, _: RecordRequest) -> Result<Recorded> {
         Ok(identity(x))
     }
 

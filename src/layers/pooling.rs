@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use super::window::{subsample, Padding, Window};
 use super::{
     record_with_candle, shape_error, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath,
-    Layer, LayerSpec, ParamGrads, Recorded,
+    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
 };
 use crate::kernels::pooling::{self as kernels, PoolWindow};
 use crate::kernels::replay::Replay1;
@@ -254,9 +254,9 @@ impl Layer for PoolLayer {
 }
 
 impl FastPath for PoolLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !self.kernel_takes(x) {
-            return record_with_candle(self, x, false);
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits || !self.kernel_takes(x) {
+            return record_with_candle(self, x, request.logits);
         }
         let replay = self.replay(x)?;
         let y = replay.output().clone();
@@ -444,8 +444,8 @@ impl Layer for GlobalAveragePooling2D {
 }
 
 impl FastPath for GlobalAveragePooling2D {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        GlobalPoolLayer { kernels: true }.forward_recorded(x)
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        GlobalPoolLayer { kernels: true }.forward_recorded(x, request)
     }
 }
 
@@ -459,9 +459,9 @@ impl Layer for GlobalPoolLayer {
 }
 
 impl FastPath for GlobalPoolLayer {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        if !self.kernels || !kernels::supported(x) {
-            return record_with_candle(self, x, false);
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits || !self.kernels || !kernels::supported(x) {
+            return record_with_candle(self, x, request.logits);
         }
         let replay = kernels::avg_pool2d_replay(x, &whole_plane(x)?)?;
         let y = replay.output().flatten_from(1)?;

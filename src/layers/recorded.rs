@@ -230,7 +230,7 @@ pub(crate) fn missing_input_grad(layer: &str) -> crate::Error {
 
 #[cfg(test)]
 mod tests {
-    use crate::layers::FastPath;
+    use crate::layers::{FastPath, RecordRequest};
     use candle_core::{Device, Tensor};
 
     use super::ParamGrads;
@@ -248,7 +248,7 @@ mod tests {
         let (net, store, _) = net.build_network(&Device::Cpu, &[4], 0)?;
         let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu)?;
         let dy = Tensor::randn(0f32, 1., (5, 2), &Device::Cpu)?;
-        let recorded = net.forward_recorded(&x)?;
+        let recorded = net.forward_recorded(&x, RecordRequest::output())?;
         let mut ours = ParamGrads::new();
         recorded.backward.backward(dy.clone(), &mut ours, false)?;
         let mut theirs = net.forward_t(&x, true)?.mul(&dy)?.sum_all()?.backward()?;

@@ -11,7 +11,7 @@ use candle_core::{Device, Tensor};
 use super::{
     build_child, check_input, child_names, missing_input_grad, run_layers, run_layers_into,
     Backward, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath, Identity, Layer,
-    LayerSpec, ParamGrads, Recorded, Summary, SummaryRow,
+    LayerSpec, ParamGrads, RecordRequest, Recorded, Summary, SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -237,12 +237,15 @@ impl SequentialNet {
             .collect()
     }
 
-    /// The recorded forward pass through every layer; with `with_logits`, the last layer may
-    /// give logits (see [`FastPath::forward_recorded_with_logits`]). Without `input_grad`, the
-    /// layers below the lowest that trains run unrecorded (see
-    /// [`FastPath::forward_recorded_without_input_grad`]).
-    fn record(&self, x: &Tensor, with_logits: bool, input_grad: bool) -> Result<Recorded> {
+    /// The recorded forward pass through every layer, as `request` asks (see
+    /// [`FastPath::forward_recorded`]): with its logits, the last layer may give logits;
+    /// without its input's gradient, the layers below the lowest that trains run unrecorded.
+    fn record(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         check_input(&self.path, x, &self.input_shape)?;
+        let RecordRequest {
+            logits: with_logits,
+            input_grad,
+        } = request;
         let last = self.layers.len().saturating_sub(1);
         let first = match input_grad {
             true => 0,
@@ -256,14 +259,11 @@ impl SequentialNet {
         let mut logits = None;
         let mut steps = Vec::with_capacity(self.layers.len() - first);
         for (i, (name, layer)) in self.layers.iter().enumerate().skip(first) {
-            let logits_too = with_logits && i == last;
-            let recorded = if !input_grad && i == first {
-                layer.forward_recorded_without_input_grad(&h, logits_too)?
-            } else if logits_too {
-                layer.forward_recorded_with_logits(&h)?
-            } else {
-                layer.forward_recorded(&h)?
+            let request = RecordRequest {
+                logits: with_logits && i == last,
+                input_grad: input_grad || i != first,
             };
+            let recorded = layer.forward_recorded(&h, request)?;
             h = recorded.output;
             logits = recorded.logits;
             steps.push((name.clone(), recorded.backward));
@@ -401,19 +401,7 @@ impl FastPath for SequentialNet {
         Ok(true)
     }
 
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
-        self.record(x, false, true)
-    }
-
-    fn forward_recorded_with_logits(&self, x: &Tensor) -> Result<Recorded> {
-        self.record(x, true, true)
-    }
-
-    fn forward_recorded_without_input_grad(
-        &self,
-        x: &Tensor,
-        with_logits: bool,
-    ) -> Result<Recorded> {
-        self.record(x, with_logits, false)
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        self.record(x, request)
     }
 }

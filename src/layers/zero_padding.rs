@@ -2,7 +2,10 @@
 
 use candle_core::Tensor;
 
-use super::{shape_error, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, Recorded};
+use super::{
+    record_with_candle, shape_error, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded,
+};
 use crate::Result;
 
 /// Adds `top` and `bottom` rows and `left` and `right` columns of zeros to each `(C, H, W)`
@@ -74,7 +77,10 @@ impl Layer for ZeroPadding2D {
 }
 
 impl FastPath for ZeroPadding2D {
-    fn forward_recorded(&self, x: &Tensor) -> Result<Recorded> {
+    fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+        if request.logits {
+            return record_with_candle(self, x, true);
+        }
         let (h, w) = (x.dim(2)?, x.dim(3)?);
         let (top, left) = (self.rows.0, self.columns.0);
         Ok(Recorded::new(
@@ -96,8 +102,8 @@ mod tests {
     use candle_core::{Device, Tensor, Var};
 
     use crate::layers::{
-        BuildContext, Conv2D, FastPath, Layer, MaxPooling2D, Padding, ParamGrads, Sequential,
-        SequentialNet, ZeroPadding2D,
+        BuildContext, Conv2D, FastPath, Layer, MaxPooling2D, Padding, ParamGrads, RecordRequest,
+        Sequential, SequentialNet, ZeroPadding2D,
     };
     use crate::params::ParamStore;
     use crate::{ComputePath, Result};
@@ -115,7 +121,7 @@ mod tests {
         let want = [0., 0., 0., 0., 0., 1., 2., 3., 0., 0., 4., 5., 6., 0., 0.];
         assert_eq!(values(&y)?, want);
         // The recorded gradient is candle's autograd's.
-        let recorded = pad.forward_recorded(&x)?;
+        let recorded = pad.forward_recorded(&x, RecordRequest::output())?;
         let dy = Tensor::randn(0f32, 1., recorded.output.dims(), &Device::Cpu)?;
         let dx = recorded
             .backward

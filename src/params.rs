@@ -5,14 +5,13 @@
 //! `inception_2.branch_3x3.bn.running_mean`. The names depend only on the recipe, never on the
 //! device or the strategy, so a checkpoint written by one strategy loads under any other.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::cross_replica::ReplicaHandle;
-use crate::mixed_precision::LOSS_SCALE;
 use crate::{ComputePath, Error, Result};
 
 /// Weights by name: what checkpoints hold and what strategies copy between replicas.
@@ -110,12 +109,22 @@ pub struct Param {
 pub struct ParamStore {
     params: Vec<Param>,
     index: BTreeMap<String, usize>,
+    /// Names a weights file may lack, or hold without the store having them: state kept beside
+    /// the weights (mixed precision's loss scale), marked by whoever builds the store.
+    bookkeeping: BTreeSet<String>,
 }
 
 impl ParamStore {
     /// An empty store.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Marks `name` as bookkeeping: a weights file checked against this store
+    /// ([`Self::check_compatible`]) may lack it, or hold it when the store has no such
+    /// variable, so that weights move between models that keep it and models that do not.
+    pub fn mark_bookkeeping(&mut self, name: &str) {
+        self.bookkeeping.insert(name.to_string());
     }
 
     /// Adds a trainable or frozen variable. Fails if the name is taken.
@@ -229,19 +238,18 @@ impl ParamStore {
     }
 
     /// Checks that `weights` holds exactly this store's names with the same shapes; the error
-    /// text lists missing, unexpected and mis-shaped tensors. Mixed precision's loss scale
-    /// ([`LOSS_SCALE`]) alone may be missing or unexpected, so that weights move between
-    /// models of different dtype policies.
+    /// text lists missing, unexpected and mis-shaped tensors. The names marked as bookkeeping
+    /// ([`Self::mark_bookkeeping`]) alone may be missing or unexpected.
     pub fn check_compatible(&self, weights: &Weights) -> std::result::Result<(), String> {
         let missing: Vec<&str> = self
             .params
             .iter()
-            .filter(|p| !weights.contains_key(&p.name) && p.name != LOSS_SCALE)
+            .filter(|p| !weights.contains_key(&p.name) && !self.bookkeeping.contains(&p.name))
             .map(|p| p.name.as_str())
             .collect();
         let unexpected: Vec<&str> = weights
             .keys()
-            .filter(|k| !self.index.contains_key(*k) && *k != LOSS_SCALE)
+            .filter(|k| !self.index.contains_key(*k) && !self.bookkeeping.contains(*k))
             .map(|k| k.as_str())
             .collect();
         let misshaped: Vec<String> = self

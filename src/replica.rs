@@ -160,6 +160,9 @@ impl Replica {
         let device = ctx.device().clone();
         spec.dtype_policy.check_on(spec.compute_path, &device)?;
         let (net, mut store, summary) = spec.network.build(ctx, &spec.input_shapes)?;
+        // Mixed precision's loss scale moves with the weights where both models keep one, and
+        // is left out or ignored where one of them does not.
+        store.mark_bookkeeping(crate::mixed_precision::LOSS_SCALE);
         let loss_scale = match spec.dtype_policy.loss_scale() {
             Some(scale) => {
                 let param = scale.param(&device)?;

@@ -438,10 +438,10 @@ impl Replica {
         Ok(per_sample.sum_all()?)
     }
 
-    /// The gradients (in trainable order), the summed loss and the outputs, through candle's
-    /// autograd over the whole network.
-    fn candle_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
-        let (outputs, logits) = self.net.forward_with_logits(&part.inputs, true)?;
+    /// The network's `f32` outputs for `part` (on this device) and their loss summed over the
+    /// batch, through candle's ops (training mode when `train`).
+    fn forward_loss(&self, part: &Batch, train: bool) -> Result<(Vec<Tensor>, Tensor)> {
+        let (outputs, logits) = self.net.forward_with_logits(&part.inputs, train)?;
         let (outputs, logits) = Self::in_f32(outputs, logits)?;
         let loss_sum = self.loss_sum(
             &outputs,
@@ -449,6 +449,13 @@ impl Replica {
             &part.targets,
             part.weights.as_ref(),
         )?;
+        Ok((outputs, loss_sum))
+    }
+
+    /// The gradients (in trainable order), the summed loss and the outputs, through candle's
+    /// autograd over the whole network.
+    fn candle_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+        let (outputs, loss_sum) = self.forward_loss(part, true)?;
         let mut store = self.objective(&loss_sum)?.backward()?;
         let grads = self
             .trainable
@@ -547,14 +554,7 @@ impl Replica {
             return self.zero_stats();
         }
         let part = part.to_device(&self.device)?;
-        let (outputs, logits) = self.net.forward_with_logits(&part.inputs, false)?;
-        let (outputs, logits) = Self::in_f32(outputs, logits)?;
-        let loss_sum = self.loss_sum(
-            &outputs,
-            logits.as_ref(),
-            &part.targets,
-            part.weights.as_ref(),
-        )?;
+        let (outputs, loss_sum) = self.forward_loss(&part, false)?;
         self.stats(&loss_sum, &outputs, &part.targets)
     }
 

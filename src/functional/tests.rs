@@ -305,10 +305,6 @@ fn assert_graph_recorded_matches_autograd(graph: &Functional, seed: u64) -> Resu
         objective = (objective + (y * dy)?.sum_all()?)?;
     }
     let autograd = objective.backward()?;
-    let relative_difference = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
-        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
-    };
     for (i, (dx, var)) in dxs.iter().zip(&vars).enumerate() {
         let dx = dx
             .as_ref()
@@ -316,25 +312,10 @@ fn assert_graph_recorded_matches_autograd(graph: &Functional, seed: u64) -> Resu
         let want = autograd
             .get(var.as_tensor())
             .ok_or_else(|| crate::Error::invalid("no autograd input gradient"))?;
-        let err = relative_difference(dx, want)?;
+        let err = crate::layers::relative_difference(dx, want)?;
         assert!(err < 1e-4, "input {i}'s gradient: relative error {err}");
     }
-    let compared = |p: &&crate::params::Param| p.trainable && !p.name.ends_with("bias");
-    for (p, q) in store
-        .iter()
-        .zip(generic_store.iter())
-        .filter(|(p, _)| compared(p))
-    {
-        let got = grads
-            .take(p.var.as_tensor())
-            .ok_or_else(|| crate::Error::invalid(format!("no gradient for {}", p.name)))?;
-        let want = autograd
-            .get(q.var.as_tensor())
-            .ok_or_else(|| crate::Error::invalid(format!("no autograd gradient for {}", q.name)))?;
-        let err = relative_difference(&got, want)?;
-        assert!(err < 1e-4, "{}: relative error {err}", p.name);
-    }
-    Ok(())
+    crate::layers::assert_param_grads_match(&store, &generic_store, &mut grads, &autograd)
 }
 
 /// A model of two inputs and two outputs, named `encoder`: a convolution, a BatchNorm and a

@@ -175,10 +175,6 @@ pub(crate) fn assert_recorded_matches_autograd(
 
     use super::Layer;
 
-    let relative_difference = |a: &Tensor, b: &Tensor| -> Result<f32> {
-        let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
-        Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
-    };
     let (recorded, store) = build(crate::ComputePath::Auto)?;
     let (generic, generic_store) = build(crate::ComputePath::DeviceGeneric)?;
     generic_store.assign(&store.weights()?)?;
@@ -200,8 +196,27 @@ pub(crate) fn assert_recorded_matches_autograd(
         .ok_or_else(|| crate::Error::invalid("no autograd input gradient"))?;
     let err = relative_difference(&dx, want)?;
     assert!(err < 1e-4, "input gradient: relative error {err}");
-    // A convolution's bias before a BatchNorm has a zero gradient that rounding makes
-    // noise: the kernels are compared.
+    assert_param_grads_match(&store, &generic_store, &mut grads, &autograd)
+}
+
+/// The largest difference between `a` and `b` relative to `b`'s largest magnitude.
+#[cfg(test)]
+pub(crate) fn relative_difference(a: &Tensor, b: &Tensor) -> Result<f32> {
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+    Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+}
+
+/// Asserts that the recorded pass's gradients `grads` of `store`'s trainable variables are
+/// `autograd`'s of `generic_store`'s (the same variables on the device-generic path), within
+/// 1e-4 relative. A convolution's bias before a BatchNorm has a zero gradient that rounding
+/// makes noise: the kernels are compared.
+#[cfg(test)]
+pub(crate) fn assert_param_grads_match(
+    store: &crate::params::ParamStore,
+    generic_store: &crate::params::ParamStore,
+    grads: &mut ParamGrads,
+    autograd: &candle_core::backprop::GradStore,
+) -> Result<()> {
     let compared = |p: &&crate::params::Param| p.trainable && !p.name.ends_with("bias");
     for (p, q) in store
         .iter()

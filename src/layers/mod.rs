@@ -63,7 +63,9 @@ pub use activation::Activation;
 pub use add::Add;
 pub use batch_norm::BatchNormalization;
 #[cfg(test)]
-pub(crate) use branches::{assert_recorded_matches_autograd, seeded_uniform};
+pub(crate) use branches::{
+    assert_param_grads_match, assert_recorded_matches_autograd, relative_difference, seeded_uniform,
+};
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;
 pub(crate) use concat::{channel_part, join_channels};

@@ -91,7 +91,7 @@ step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
 step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
-  layers::device_generic_tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+  layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
 step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
 

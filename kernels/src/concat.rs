@@ -218,3 +218,6 @@ impl ChannelSlot<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -29,6 +29,8 @@ mod lowered;
 mod microkernel;
 mod passes;
 mod plan;
+#[cfg(test)]
+mod tests;
 mod transpose;
 mod winograd;
 

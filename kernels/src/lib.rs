@@ -36,8 +36,6 @@ mod planes;
 mod simd;
 #[cfg(any(test, feature = "test-support"))]
 pub mod test_support;
-#[cfg(test)]
-mod tests;
 mod two_pass;
 
 pub use error::{Error, Result};

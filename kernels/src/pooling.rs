@@ -629,3 +629,6 @@ impl CustomOp1 for AvgPool {
         Ok(Some(Tensor::from_vec(dx, x.shape(), x.device())?))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,3 +1,6 @@
+//! The layers together. kandle's own layers build with their fast path and name their Keras
+//! class.
+//!
 //! `ComputePath::DeviceGeneric` runs, on the CPU, the code every other device runs: no kandle
 //! kernel, candle's device-generic ops, candle's autograd. For a network with every layer kind
 //! (convolutions with and without padding and strides, batch normalisation in training, frozen
@@ -11,15 +14,92 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::layers::{
-    Activation, AveragePooling2D, BatchNormalization, BuildContext, Concat, Conv2D, Dense, Dropout,
-    Flatten, GlobalAveragePooling2D, Layer, LayerSpecExt, MaxPooling2D, Padding, ParamGrads,
-    Sequential, SequentialNet,
-};
-use crate::layers::{FastPath, RecordRequest};
+use super::*;
 use crate::params::ParamStore;
 use crate::ComputePath;
 use candle_core::{Device, Tensor, Var};
+
+#[derive(Clone)]
+struct MyBlock<T>(std::marker::PhantomData<T>);
+
+impl<T: Send + Sync + Clone + 'static> LayerSpec for MyBlock<T> {
+    fn kind(&self) -> &'static str {
+        "my_block"
+    }
+    fn build(&self, _: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        Ok(Built::leaf(Flatten, input_shape.to_vec()))
+    }
+    fn clone_spec(&self) -> Box<dyn LayerSpec> {
+        Box::new(self.clone())
+    }
+}
+
+/// kandle's own layers keep their fast path when built; only layers from outside (here
+/// candle's, through `CandleLayer`) take the defaults.
+#[test]
+fn kandle_layers_build_with_their_fast_path() -> Result<()> {
+    let images: Vec<Box<dyn LayerSpec>> = vec![
+        Conv2D::new(2, 3).boxed(),
+        BatchNormalization::new().boxed(),
+        MaxPooling2D::new(2).boxed(),
+        AveragePooling2D::new(2).boxed(),
+        GlobalAveragePooling2D.boxed(),
+        Activation::Relu.boxed(),
+        Concat::new([Identity, Identity]).boxed(),
+        Add::new([Identity, Identity]).boxed(),
+        Identity.boxed(),
+        ZeroPadding2D::new(1, 1).boxed(),
+        Flatten.boxed(),
+        Dropout::new(0.5).boxed(),
+        Sequential::new().add(Flatten).boxed(),
+        Conv2D::new(2, 3).named("named").trainable(false).boxed(),
+    ];
+    let foreign = |spec: &dyn LayerSpec, shape: &[usize]| -> Result<bool> {
+        let mut ctx = BuildContext::new(&candle_core::Device::Cpu, 0);
+        Ok(spec.build(&mut ctx, shape)?.layer.foreign())
+    };
+    for spec in &images {
+        assert!(!foreign(spec.as_ref(), &[1, 4, 4])?, "{}", spec.kind());
+    }
+    assert!(!foreign(&Dense::new(2), &[3])?);
+    let candle = CandleLayer::new(|vb| candle_nn::linear(3, 2, vb));
+    assert!(foreign(&candle, &[3])?);
+    Ok(())
+}
+
+#[test]
+fn class_names() {
+    assert_eq!(short_type_name("a::b::C<d::E<f::G>>"), "C");
+    assert_eq!(short_type_name("Plain"), "Plain");
+    let user = MyBlock::<Vec<f32>>(std::marker::PhantomData);
+    assert_eq!(user.class_name(), "MyBlock");
+    assert_eq!(user.clone().boxed().class_name(), "MyBlock");
+    assert_eq!(user.named("block").class_name(), "MyBlock");
+    let specs: Vec<(Box<dyn LayerSpec>, &str)> = vec![
+        (Conv2D::new(1, 1).boxed(), "Conv2D"),
+        (BatchNormalization::new().boxed(), "BatchNormalization"),
+        (MaxPooling2D::new(2).boxed(), "MaxPooling2D"),
+        (AveragePooling2D::new(2).boxed(), "AveragePooling2D"),
+        (GlobalAveragePooling2D.boxed(), "GlobalAveragePooling2D"),
+        (Dense::new(1).boxed(), "Dense"),
+        (Activation::Relu.boxed(), "Activation"),
+        (Activation::Softmax.trainable(false).boxed(), "Activation"),
+        (Concat::new([Flatten]).boxed(), "Concatenate"),
+        (Add::new([Flatten]).boxed(), "Add"),
+        (Identity.boxed(), "Identity"),
+        (ZeroPadding2D::new(1, 1).boxed(), "ZeroPadding2D"),
+        (Flatten.boxed(), "Flatten"),
+        (Dropout::new(0.5).boxed(), "Dropout"),
+        (Sequential::new().boxed(), "Sequential"),
+        (
+            CandleLayer::new(|vb| candle_nn::linear(1, 1, vb)).boxed(),
+            "CandleLayer",
+        ),
+    ];
+    for (spec, class) in specs {
+        assert_eq!(spec.class_name(), class, "{}", spec.kind());
+    }
+}
 
 /// Tests of this file that run networks take turns.
 static SERIAL: Mutex<()> = Mutex::new(());

@@ -1,17 +1,107 @@
-//! The BatchNorm layer's fused path (the kernels) against its composed one (the
-//! `SyncBatchNorm` code path over a single replica), moving statistics and inference included;
-//! and a `Sequential` that lets BatchNorm absorb the ReLU after it against one that does not.
+//! The BatchNorm layer: normalisation per channel with its moving statistics, and accurate
+//! batch statistics on the device-generic path; its fused path (the kernels) against its
+//! composed one (the `SyncBatchNorm` code path over a single replica), moving statistics and
+//! inference included; and a `Sequential` that lets BatchNorm absorb the ReLU after it against
+//! one that does not.
 
 use std::sync::Arc;
 
-use super::support::{assert_close, gradients, random, random_var, weighted_sum};
+use super::*;
 use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 use crate::layers::{
     Activation, BatchNormalization, BuildContext, Layer, LayerSpec, LayerSpecExt, Sequential,
     SequentialNet,
 };
-use candle_core::Device;
-use candle_core::Var;
+use candle_core::{Device, Var};
+use kandle_kernels::test_support::{assert_close, gradients, random, random_var, weighted_sum};
+
+#[test]
+fn normalises_per_channel_and_moves_statistics() -> Result<()> {
+    let mut ctx = BuildContext::new(&Device::Cpu, 0);
+    let built = BatchNormalization::new().build(&mut ctx, &[2, 1, 2])?;
+    let store = ctx.into_store();
+    // channel 0: 1,3,5,7 (mean 4, var 5); channel 1: all 2 (mean 2, var 0)
+    let x = Tensor::new(
+        &[[[[1f32, 3.]], [[2., 2.]]], [[[5., 7.]], [[2., 2.]]]],
+        &Device::Cpu,
+    )?;
+    let y = built.layer.forward_t(&x, true)?;
+    let y0: Vec<f32> = y.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+    let s = (5f32 + 1e-3).sqrt();
+    for (got, want) in y0.iter().zip([-3. / s, -1. / s, 1. / s, 3. / s]) {
+        assert!((got - want).abs() < 1e-5, "{got} vs {want}");
+    }
+    let mean = store
+        .get("running_mean")
+        .map(|p| p.var.as_tensor().to_vec1::<f32>())
+        .transpose()?;
+    let var = store
+        .get("running_var")
+        .map(|p| p.var.as_tensor().to_vec1::<f32>())
+        .transpose()?;
+    let mean = mean.unwrap_or_default();
+    let var = var.unwrap_or_default();
+    assert!(
+        (mean[0] - 0.04).abs() < 1e-6 && (mean[1] - 0.02).abs() < 1e-6,
+        "{mean:?}"
+    );
+    assert!(
+        (var[0] - (0.99 + 0.05)).abs() < 1e-6 && (var[1] - 0.99).abs() < 1e-6,
+        "{var:?}"
+    );
+    let (trainable, frozen) = store.count("");
+    assert_eq!((trainable, frozen), (4, 4));
+    Ok(())
+}
+
+/// On the device-generic path, a channel's batch mean and variance over many values (4 x
+/// 64 x 64 here, an offset of 100 as after a convolution with a bias) are float64's within
+/// a few float32 roundings: summed in stages, not one value after another into a single
+/// float32 accumulator per channel (which misses the mean by 2e-6 here).
+#[test]
+fn device_generic_batch_statistics_are_accurate_over_many_values() -> Result<()> {
+    let mut ctx =
+        BuildContext::new(&Device::Cpu, 0).with_compute_path(crate::ComputePath::DeviceGeneric);
+    let layer = BatchNormalization::new().momentum(0.0);
+    let built = layer.build(&mut ctx, &[2, 64, 64])?;
+    let store = ctx.into_store();
+    let values: Vec<f32> = (0..4 * 2 * 64 * 64)
+        .map(|i| 100.0 + (i as f32 * 0.37).sin() + 0.1 * (i % 7) as f32)
+        .collect();
+    let x = Tensor::from_vec(values.clone(), (4, 2, 64, 64), &Device::Cpu)?;
+    built.layer.forward_t(&x, true)?;
+    let stat = |name: &str| -> Result<Vec<f32>> {
+        let p = store
+            .get(name)
+            .ok_or_else(|| crate::Error::invalid(format!("no `{name}`")))?;
+        Ok(p.var.as_tensor().to_vec1::<f32>()?)
+    };
+    let (mean, var) = (stat("running_mean")?, stat("running_var")?);
+    for c in 0..2 {
+        let channel: Vec<f64> = (0..4)
+            .flat_map(|n| {
+                let start = (n * 2 + c) * 64 * 64;
+                values[start..start + 64 * 64].iter().map(|&v| v as f64)
+            })
+            .collect();
+        let count = channel.len() as f64;
+        let want_mean = channel.iter().sum::<f64>() / count;
+        let want_var = channel.iter().map(|v| (v - want_mean).powi(2)).sum::<f64>() / count;
+        let mean_err = (mean[c] as f64 - want_mean).abs() / want_mean;
+        let var_err = (var[c] as f64 - want_var).abs() / want_var;
+        assert!(
+            mean_err < 2e-7,
+            "channel {c}: mean {} against {want_mean}",
+            mean[c]
+        );
+        assert!(
+            var_err < 1e-6,
+            "channel {c}: variance {} against {want_var}",
+            var[c]
+        );
+    }
+    Ok(())
+}
 
 /// `(shape, mean offset, seed)`: odd sizes, batch 1, one channel, a single value per channel,
 /// flat features, planes the kernels walk channel by channel and planes they stream (the shapes

@@ -1,7 +1,7 @@
 //! The CPU convolution kernel against candle's own `conv2d` and autograd: forward values and
 //! the gradients of the input and the kernel, over seeded random shapes, strides and paddings.
 
-use crate::conv2d::{
+use super::{
     conv2d, conv2d_affine, conv2d_backward, conv2d_input_grad, conv2d_weight_grad,
     input_grad_adds_in_place, FoldedAffine, KernelCache,
 };

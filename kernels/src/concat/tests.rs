@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::support::{gradients, random, random_var, weighted_sum};
-use crate::concat::{channel_slice, concat_channels, supported};
+use super::{channel_slice, concat_channels, supported};
+use crate::test_support::{gradients, random, random_var, weighted_sum};
 
 #[test]
 fn joins_like_cat_with_the_same_gradients() -> anyhow::Result<()> {

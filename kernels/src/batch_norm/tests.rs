@@ -1,9 +1,11 @@
 //! The fused BatchNorm kernels against candle's ops: forward values, batch statistics and
 //! gradients (through candle's autograd) on seeded random shapes, and clear errors on bad
-//! shapes. (kandle's BatchNorm layer tests its fused path against its composed one.)
+//! shapes; and the same bits at every vector width. (kandle's BatchNorm layer tests its fused
+//! path against its composed one.)
 
-use super::support::{assert_close, gradients, random, random_var, weighted_sum};
-use crate::batch_norm::{batch_norm_train, channel_affine};
+use super::*;
+use crate::simd::Width;
+use crate::test_support::{assert_close, gradients, random, random_var, weighted_sum};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// `(shape, mean offset)`: odd sizes, batch 1, one channel, a single value per channel, flat
@@ -106,7 +108,7 @@ fn without_weight_and_bias_the_offset_is_zero_and_the_scale_one() -> anyhow::Res
     let ones = Tensor::ones(2, DType::F32, &Device::Cpu)?;
     let zeros = ones.zeros_like()?;
     let (want, _) = batch_norm_train(&x, Some(&ones), Some(&zeros), EPSILON, false)?;
-    assert_eq!(super::support::max_diff(&y, &want)?, 0.0);
+    assert_eq!(crate::test_support::max_diff(&y, &want)?, 0.0);
     Ok(())
 }
 
@@ -140,7 +142,7 @@ fn a_gradient_that_is_a_channel_range_is_read_in_place() -> anyhow::Result<()> {
                 ("db", db, want_db),
             ] {
                 let (got, want) = (got.expect("a gradient"), want.expect("a gradient"));
-                let diff = super::support::max_diff(&got, &want)?;
+                let diff = crate::test_support::max_diff(&got, &want)?;
                 assert_eq!(
                     diff, 0.0,
                     "{name} of {shape:?} (relu {relu}) differs by {diff}"
@@ -250,7 +252,7 @@ const MINI_GOOGLENET_BN: &[(usize, usize)] = &[
 #[test]
 #[ignore = "timing; run on demand"]
 fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
-    use super::support::fwd_bwd_ms;
+    use crate::test_support::fwd_bwd_ms;
     let reps = 5;
     println!(
         "{:>14} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15} | {:>15}",
@@ -304,4 +306,78 @@ fn time_mini_googlenet_batch_norm() -> anyhow::Result<()> {
     println!("{:>14} | {}", "network total", cells.join(" | "));
     println!("(forward ms + backward ms, medians of {reps})");
     Ok(())
+}
+
+/// Deterministic values in `[-2, 2)`.
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (state >> 8) as f32 / (1u32 << 22) as f32 - 2.0
+        })
+        .collect()
+}
+
+/// A channel's sums and output values (as bits) through `kernel`, compiled for `width`.
+fn channel_bits<K: ChannelKernel>(
+    width: Width,
+    kernel: &K,
+    a: &[f32],
+    b: &[f32],
+    s: usize,
+    sums_of: impl Fn(&K::Channel) -> [f64; 2],
+) -> (Vec<u64>, Vec<u32>) {
+    width.run(
+        #[inline(always)]
+        || {
+            let mut sums = PairSums::default();
+            for (pa, pb) in a.chunks(s).zip(b.chunks(s)) {
+                kernel.sums(0, pa, pb, &mut sums);
+            }
+            let channel = kernel.finish(0, sums.total());
+            let out = a.iter().zip(b);
+            let out = out.map(|(&x, &y)| kernel.value(&channel, x, y).to_bits());
+            let sums = sums_of(&channel).map(f64::to_bits).to_vec();
+            (sums, out.collect())
+        },
+    )
+}
+
+#[test]
+fn every_vector_width_gives_the_same_bits() {
+    // Three planes of 37 values: full lanes and a tail, a ReLU that masks about half.
+    let s = 37;
+    let (x, dy) = (values(3 * s, 1), values(3 * s, 2));
+    let map = ChannelMap {
+        scale: vec![0.7],
+        shift: vec![0.1],
+    };
+    let backward = Backward::<true, _> {
+        map: &map,
+        center: &[0.2],
+        linear: |_, [a, b]: [f64; 2]| Linear {
+            dy: 0.9,
+            centered: (a * 1e-3) as f32,
+            constant: (b * 1e-3) as f32,
+        },
+    };
+    let normalize = Normalize::<true> {
+        x: &x,
+        s,
+        count: (3 * s) as f64,
+        weight: &[1.5],
+        bias: &[-0.25],
+        epsilon: 1e-3,
+    };
+    let widths = Width::available();
+    let grad = |w| channel_bits(w, &backward, &x, &dy, s, |c| c.sums);
+    let norm = |w| channel_bits(w, &normalize, &x, &x, s, |c| [c.mean, c.var]);
+    let (grad0, norm0) = (grad(widths[0]), norm(widths[0]));
+    // The ReLU clamps some of the normalised values (and masks their gradients).
+    assert!(norm0.1.contains(&0) && norm0.1.iter().any(|&v| v != 0));
+    for &width in &widths[1..] {
+        assert_eq!(grad(width), grad0, "backward at {width:?}");
+        assert_eq!(norm(width), norm0, "normalisation at {width:?}");
+    }
 }

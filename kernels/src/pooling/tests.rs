@@ -2,8 +2,8 @@
 //! forward and gradients; ties; NaN; and errors naming the op. (kandle's pooling layers test the
 //! kernels against their composed strided-view path over many more shapes.)
 
-use super::support::{assert_close, gradients, random_var, weighted_sum};
-use crate::pooling::{avg_pool2d, max_pool2d, PoolWindow};
+use super::{avg_pool2d, max_pool2d, PoolWindow};
+use crate::test_support::{assert_close, gradients, random_var, weighted_sum};
 use candle_core::{DType, Device, Tensor, Var};
 
 /// Candle's own `max_pool2d`/`avg_pool2d` where their backward passes are right: a window equal
@@ -34,7 +34,7 @@ fn kernels_match_candle_pooling_where_window_equals_stride() -> anyhow::Result<(
         assert_close(&format!("max y {shape:?}"), &y, &x.max_pool2d(2)?, 0.0)?;
         let dx = gradients(&weighted_sum(&y, 1)?, &[x.as_tensor()])?;
         let is_max = x.eq(&y.upsample_nearest2d(h, w)?)?.to_dtype(DType::F32)?;
-        let dy = super::support::random(y.dims(), 1, 0.0)?;
+        let dy = crate::test_support::random(y.dims(), 1, 0.0)?;
         let want_dx = (is_max * dy.upsample_nearest2d(h, w)?)?;
         assert_close(&format!("max dx {shape:?}"), &dx[0], &want_dx, 1e-6)?;
     }
@@ -156,7 +156,7 @@ fn max_of_views(x: &Tensor, k: usize, s: usize) -> anyhow::Result<Tensor> {
 #[test]
 #[ignore = "timing; run on demand"]
 fn time_mini_googlenet_pooling() -> anyhow::Result<()> {
-    use super::support::fwd_bwd_ms;
+    use crate::test_support::fwd_bwd_ms;
     let reps = 5;
     let valid = |k: usize, s: usize| PoolWindow {
         window: (k, k),

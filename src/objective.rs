@@ -1,6 +1,6 @@
 //! [`Objective`]: what a model's outputs are scored by. One loss per output with its weight in
 //! the total (Keras's `loss` and `loss_weights`), applied to that output's own tensor and its
-//! targets' own tensor, so a model of several outputs carries no packed layout.
+//! targets' own tensor.
 //!
 //! `compile` makes it: a single loss for a model of one output, or [`PerOutput`] bound to the
 //! outputs by name (see `functional::outputs`). The value differentiated is, per sample, the

@@ -354,7 +354,7 @@ impl Model {
     /// use kandle::layers::{Dense, LayerSpecExt, Sequential};
     /// use kandle::losses::MeanSquaredError;
     /// use kandle::optimizers::Sgd;
-    /// use kandle::OneDeviceStrategy;
+    /// use kandle::{Compile, OneDeviceStrategy};
     ///
     /// let mut model = Sequential::new()
     ///     .input_shape(&[3])

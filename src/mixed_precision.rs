@@ -21,7 +21,6 @@ use std::str::FromStr;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::params::Param;
-use crate::strategy::step::StepTotals;
 use crate::{ComputePath, Error, Result};
 
 /// The name of the loss-scale variable in a model's weights.
@@ -205,14 +204,14 @@ impl LossScale {
         })
     }
 
-    /// Moves `var`, a [`Self::param`], on after a step with `totals`: a step without samples
-    /// changes nothing.
-    pub(crate) fn update(&self, var: &Var, totals: &StepTotals) -> Result<()> {
-        if totals.samples == 0 {
+    /// Moves `var`, a [`Self::param`], on after a step of `samples` samples that `applied` or
+    /// was skipped: a step without samples changes nothing.
+    pub(crate) fn update(&self, var: &Var, samples: usize, applied: bool) -> Result<()> {
+        if samples == 0 {
             return Ok(());
         }
         let state = var.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>()?;
-        let (scale, good) = self.next((state[0], state[1]), totals.applies());
+        let (scale, good) = self.next((state[0], state[1]), applied);
         var.set(&Tensor::new(&[scale as f32, good as f32], var.device())?)?;
         Ok(())
     }

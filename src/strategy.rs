@@ -30,14 +30,14 @@
 //!   strategy, so checkpoints move freely between strategies; so does
 //!   [`DistributedModel::optimizer_state`].
 
-pub mod fused;
 mod one_device;
-pub mod step;
 
 pub use one_device::OneDeviceStrategy;
 
 pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 pub use crate::error::panic_message;
+pub use crate::replica::step::StepStats;
+pub use crate::replica::{fused, step};
 pub use crate::replica::{ModelSpec, Replica, StepBuffer};
 
 use candle_core::Tensor;
@@ -68,17 +68,6 @@ impl WorkerInfo {
     pub fn is_chief(&self) -> bool {
         self.rank == 0
     }
-}
-
-/// The sums a step produced, over all replicas and workers.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepStats {
-    /// Samples in the step.
-    pub samples: usize,
-    /// `[loss_sum, metric_sum...]`: divide by `samples` for means.
-    pub sums: Vec<f64>,
-    /// Whether the update was applied (false when the loss or a gradient was not finite).
-    pub applied: bool,
 }
 
 /// How a model is placed and trained. Implementations are cheap handles (`Clone`).

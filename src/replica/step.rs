@@ -19,7 +19,6 @@
 use candle_core::{DType, Tensor, Var};
 
 use super::fused::FusedLayout;
-use super::StepStats;
 use crate::optimizers::Optimizer;
 use crate::Result;
 
@@ -75,6 +74,17 @@ impl StepLayout {
             finite,
         })
     }
+}
+
+/// The sums a step produced, over all replicas and workers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepStats {
+    /// Samples in the step.
+    pub samples: usize,
+    /// `[loss_sum, metric_sum...]`: divide by `samples` for means.
+    pub sums: Vec<f64>,
+    /// Whether the update was applied (false when the loss or a gradient was not finite).
+    pub applied: bool,
 }
 
 /// What a summed step buffer says, read on the host; every replica and worker reads the same

@@ -6,6 +6,9 @@
 //! ([`Replica::finish_step`]). Strategies decide only where replicas live and how their buffers
 //! are summed between those two calls (see [`crate::strategy::step`]).
 
+pub mod fused;
+pub mod step;
+
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -20,9 +23,9 @@ use crate::objective::Objective;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
-use crate::strategy::fused::{fuse, FusedLayout};
-use crate::strategy::step::{StepLayout, StepTotals};
 use crate::{ComputePath, Result};
+use fused::{fuse, FusedLayout};
+use step::{StepLayout, StepTotals};
 
 /// Everything needed to build a replica: the recipe, the input shape and the training setup.
 #[derive(Clone)]
@@ -348,7 +351,7 @@ impl Replica {
     ) -> Result<()> {
         let total = total.to_device(&self.device)?;
         let layout = Arc::clone(&self.layout);
-        crate::strategy::step::finish(
+        step::finish(
             self.optimizer.as_mut(),
             &self.statistics,
             &layout,
@@ -365,7 +368,7 @@ impl Replica {
     /// finish steps itself (a parameter server's worker) runs with the step's totals.
     pub fn update_loss_scale(&self, totals: &StepTotals) -> Result<()> {
         match &self.loss_scale {
-            Some((scale, var)) => scale.update(var, totals),
+            Some((scale, var)) => scale.update(var, totals.samples, totals.applies()),
             None => Ok(()),
         }
     }

@@ -62,7 +62,6 @@ pub mod optimizers;
 pub mod params;
 pub mod pretrained;
 mod replica;
-mod resume;
 pub mod schedules;
 pub mod strategy;
 pub mod training_state;

@@ -116,8 +116,8 @@ impl BackupAndRestore {
         if candidates.is_empty() {
             return None;
         }
-        Some(match crate::resume::read(&candidates) {
-            Ok((path, state)) => match crate::resume::position(&state) {
+        Some(match crate::model::resume::read(&candidates) {
+            Ok((path, state)) => match crate::model::resume::position(&state) {
                 Some((epoch, step)) => format!(
                     "resuming from `{}`: epoch {} step {step}",
                     path.display(),

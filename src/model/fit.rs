@@ -9,11 +9,11 @@
 
 use candle_core::Tensor;
 
+use super::resume::{self, FitRequests, Position, RunShape};
 use super::totals::Totals;
 use super::{FitOptions, Model};
 use crate::callbacks::{Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity};
 use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
-use crate::resume::{self, FitRequests, Position, RunShape};
 use crate::strategy::StepStats;
 use crate::{Error, Result};
 

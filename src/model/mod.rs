@@ -29,14 +29,15 @@ use crate::metrics::Metrics;
 use crate::network::Network;
 use crate::objective::Objective;
 use crate::optimizers::OptimizerConfig;
-use crate::resume::FitRequests;
 use crate::strategy::{DistributedModel, ModelSpec, Strategy, WorkerInfo};
 use crate::{ComputePath, DTypePolicy, Error, Result};
+use resume::FitRequests;
 
 mod fit;
 mod inference;
 mod inputs;
 mod options;
+pub(crate) mod resume;
 mod state;
 mod totals;
 

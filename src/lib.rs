@@ -103,6 +103,7 @@ pub use strategy::{OneDeviceStrategy, Strategy};
 pub mod prelude {
     pub use crate::callbacks::{Callback, History, LearningRateScheduler, Logs, Verbosity};
     pub use crate::data::{Dataset, Targets};
+    pub use crate::functional::{Functional, Input, LayerCall};
     pub use crate::layers::{
         Activation, AveragePooling2D, BatchNormalization, CandleLayer, Concat, Conv2D, Dense,
         Dropout, Embedding, Flatten, GlobalAveragePooling2D, LayerSpecExt, MaxPooling2D, Padding,

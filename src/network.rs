@@ -20,8 +20,8 @@ use crate::{Error, Result};
 /// (`.into()`), and it is what [`ModelSpec`](crate::strategy::ModelSpec) holds.
 ///
 /// ```
-/// use kandle::layers::{Dense, LayerSpecExt, Sequential};
-/// use kandle::functional::{Functional, Input};
+/// use kandle::layers::{Dense, Sequential};
+/// use kandle::functional::{Functional, Input, LayerCall};
 /// use kandle::Network;
 ///
 /// let stack: Network = Sequential::new().add(Dense::new(2)).into();
@@ -108,7 +108,7 @@ impl Network {
     /// global pooling does.
     ///
     /// ```
-    /// use kandle::functional::{Functional, Input};
+    /// use kandle::functional::{Functional, Input, LayerCall};
     /// use kandle::layers::{Conv2D, Dense, GlobalAveragePooling2D, LayerSpecExt};
     /// use kandle::Network;
     ///

@@ -3,7 +3,7 @@
 //! `Sequential` of `Concat` blocks, and as the tutorial writes it, a functional model whose
 //! branches meet in `concatenate` (the same variables under the same names, the same outputs).
 
-use kandle::functional::{concatenate, Functional, Input, SymbolicTensor};
+use kandle::functional::{concatenate, Functional, Input, LayerCall, SymbolicTensor};
 use kandle::layers::{
     Activation, AveragePooling2D, BatchNormalization, Concat, Conv2D, Dense, Dropout, Flatten,
     LayerSpecExt, MaxPooling2D, Padding, Sequential,

@@ -10,7 +10,7 @@
 //! shortcut (the input itself, or a strided 1x1 projection and a BatchNorm where the shape
 //! changes), and the ReLU after the sum is absorbed into it.
 
-use kandle::functional::{add, Functional, Input, SymbolicTensor};
+use kandle::functional::{add, Functional, Input, LayerCall, SymbolicTensor};
 use kandle::layers::{
     Activation, BatchNormalization, Conv2D, Dense, Flatten, GlobalAveragePooling2D, LayerSpecExt,
     MaxPooling2D, Padding,

@@ -22,7 +22,7 @@ use crate::{Error, Result};
 /// called on several tensors inside another with [`Functional::call_on`].
 ///
 /// ```
-/// use kandle::functional::{add, Functional, Input};
+/// use kandle::functional::{add, Functional, Input, LayerCall};
 /// use kandle::layers::{Activation, Conv2D, Dense, GlobalAveragePooling2D, LayerSpecExt, Padding};
 ///
 /// let image = Input::new(&[3, 16, 16]).named("image").tensor();

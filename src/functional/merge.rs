@@ -35,7 +35,7 @@ pub enum MergeKind {
 /// A merge layer: a [`MergeKind`] with an optional name, called on several symbolic tensors.
 ///
 /// ```
-/// use kandle::functional::{Input, Merge, MergeKind};
+/// use kandle::functional::{Input, Merge, MergeKind, LayerCall};
 ///
 /// let a = Input::new(&[4, 8, 8]).tensor();
 /// let b = Input::new(&[6, 8, 8]).tensor();

@@ -264,11 +264,11 @@ impl GraphLayer {
 }
 
 /// A layer that keeps one set of variables over every call, as calling one Keras layer object
-/// several times does. Made by [`LayerSpecExt::shared`](crate::layers::LayerSpecExt::shared);
+/// several times does. Made by [`LayerCall::shared`](crate::functional::LayerCall::shared);
 /// cloning it gives another handle on the same layer.
 ///
 /// ```
-/// use kandle::functional::{Functional, Input};
+/// use kandle::functional::{Functional, Input, LayerCall};
 /// use kandle::layers::{Dense, LayerSpecExt};
 ///
 /// let left = Input::new(&[8]).named("left").tensor();
@@ -412,10 +412,10 @@ impl Functional {
     /// A number of inputs other than the model's, or an input whose shape is not the model's,
     /// is an error naming the model (and the input, with both shapes). A model of one input
     /// and one output may also be called with
-    /// [`LayerSpecExt::call`](crate::layers::LayerSpecExt::call).
+    /// [`LayerCall::call`](crate::functional::LayerCall::call).
     ///
     /// ```
-    /// use kandle::functional::{add, Functional, Input};
+    /// use kandle::functional::{add, Functional, Input, LayerCall};
     /// use kandle::layers::{Dense, LayerSpecExt};
     ///
     /// // An encoder of two inputs and two outputs...
@@ -448,7 +448,7 @@ impl Functional {
     /// has one input and one output. Every call takes the shapes of the first.
     ///
     /// ```
-    /// use kandle::functional::{concatenate, Functional, Input};
+    /// use kandle::functional::{concatenate, Functional, Input, LayerCall};
     /// use kandle::layers::{Dense, LayerSpecExt};
     ///
     /// // A tower of two inputs and two outputs...
@@ -560,8 +560,8 @@ impl Merge {
 /// The sum of `inputs`, as Keras's `keras.layers.add`.
 ///
 /// ```
-/// use kandle::functional::{add, Functional, Input};
-/// use kandle::layers::{Activation, BatchNormalization, Conv2D, LayerSpecExt, Padding};
+/// use kandle::functional::{add, Functional, Input, LayerCall};
+/// use kandle::layers::{Activation, BatchNormalization, Conv2D, Padding};
 ///
 /// // A residual block: relu(x + bn(conv(x))).
 /// let x = Input::new(&[8, 6, 6]).tensor();

@@ -4,7 +4,7 @@
 use crate::Compile;
 use candle_core::{Device, Tensor};
 
-use super::{add, average, concatenate, multiply, subtract, Functional, Input};
+use super::{add, average, concatenate, multiply, subtract, Functional, Input, LayerCall};
 use crate::layers::{
     Activation, BatchNormalization, Conv2D, Dense, Flatten, Layer, LayerSpecExt, Padding,
     Sequential,

@@ -4,7 +4,6 @@
 //! or not) and `.dtype_policy(...)` (a layer's own mixed-precision policy).
 
 use super::{BuildContext, Built, LayerSpec};
-use crate::functional::{GraphLayer, Op, SharedLayer, SymbolicTensor};
 use crate::{DTypePolicy, Result};
 
 /// A recipe with a user-chosen name, which becomes its variables' prefix.
@@ -199,18 +198,6 @@ pub trait LayerSpecExt: LayerSpec + Clone + Sized {
     /// The recipe as a trait object.
     fn boxed(self) -> Box<dyn LayerSpec> {
         Box::new(self)
-    }
-
-    /// Calls the layer on a symbolic tensor of a functional model (see
-    /// [`crate::functional`]): a shape it cannot take is an error naming it. Each call of a
-    /// recipe makes a new layer; [`LayerSpecExt::shared`] makes one that several calls share.
-    fn call(self, x: &SymbolicTensor) -> Result<SymbolicTensor> {
-        GraphLayer::new(Op::Spec(Box::new(self))).call(&[x])
-    }
-
-    /// The layer as one that several calls share, with one set of variables.
-    fn shared(self) -> SharedLayer {
-        SharedLayer::new(Box::new(self))
     }
 }
 

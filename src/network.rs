@@ -109,7 +109,7 @@ impl Network {
     ///
     /// ```
     /// use kandle::functional::{Functional, Input, LayerCall};
-    /// use kandle::layers::{Conv2D, Dense, GlobalAveragePooling2D, LayerSpecExt};
+    /// use kandle::layers::{Conv2D, Dense, GlobalAveragePooling2D};
     /// use kandle::Network;
     ///
     /// let trace = |shape: &[usize]| {

@@ -23,7 +23,7 @@ use crate::{Error, Result};
 ///
 /// ```
 /// use kandle::functional::{add, Functional, Input, LayerCall};
-/// use kandle::layers::{Activation, Conv2D, Dense, GlobalAveragePooling2D, LayerSpecExt, Padding};
+/// use kandle::layers::{Activation, Conv2D, Dense, GlobalAveragePooling2D, Padding};
 ///
 /// let image = Input::new(&[3, 16, 16]).named("image").tensor();
 /// let stem = Conv2D::new(8, 3).padding(Padding::Same).call(&image)?;

@@ -269,7 +269,7 @@ impl GraphLayer {
 ///
 /// ```
 /// use kandle::functional::{Functional, Input, LayerCall};
-/// use kandle::layers::{Dense, LayerSpecExt};
+/// use kandle::layers::Dense;
 ///
 /// let left = Input::new(&[8]).named("left").tensor();
 /// let right = Input::new(&[8]).named("right").tensor();
@@ -416,7 +416,7 @@ impl Functional {
     ///
     /// ```
     /// use kandle::functional::{add, Functional, Input, LayerCall};
-    /// use kandle::layers::{Dense, LayerSpecExt};
+    /// use kandle::layers::Dense;
     ///
     /// // An encoder of two inputs and two outputs...
     /// let a = Input::new(&[4]).named("a").tensor();
@@ -449,7 +449,7 @@ impl Functional {
     ///
     /// ```
     /// use kandle::functional::{concatenate, Functional, Input, LayerCall};
-    /// use kandle::layers::{Dense, LayerSpecExt};
+    /// use kandle::layers::Dense;
     ///
     /// // A tower of two inputs and two outputs...
     /// let a = Input::new(&[4]).named("a").tensor();

@@ -60,6 +60,7 @@ mod network;
 mod objective;
 pub mod optimizers;
 pub mod params;
+pub mod preemption;
 pub mod pretrained;
 mod replica;
 pub mod schedules;

@@ -2,7 +2,9 @@
 //! resumes at the step of its last backup and ends exactly where an uninterrupted run ends
 //! (bit for bit on one CPU device: same weights, same optimizer state, same history, the CSV
 //! log with each epoch once); a backup of another run is refused; the backups are deleted when
-//! `fit` completes; a damaged latest backup falls back to the previous one.
+//! `fit` completes; a damaged latest backup falls back to the previous one. A stop signal
+//! (SIGTERM's request) mid-epoch ends `fit` after that step with a backup there, which the same
+//! program resumes bit for bit.
 
 use std::path::Path;
 
@@ -12,7 +14,8 @@ use kandle::data::{digits, InMemoryDataset};
 use kandle::params::Weights;
 use kandle::prelude::*;
 
-use kandle_testing::crash::Crash;
+use kandle::preemption::{Preempted, StopSignal};
+use kandle_testing::crash::{Crash, Preempt};
 
 fn model() -> kandle::Result<Model> {
     model_with(Sgd::new(0.05).momentum(0.9))
@@ -59,7 +62,37 @@ fn fit_in_batches(
     crash: Option<(usize, usize)>,
     batch: usize,
 ) -> kandle::Result<History> {
+    fit_with(model, dir, Some(backup), crash, None, batch)
+}
+
+/// [`fit_in_batches`] with the backup optional and a stop signal raised during step
+/// `preempt_at`.
+fn fit_with(
+    model: &mut Model,
+    dir: &Path,
+    backup: Option<BackupAndRestore>,
+    crash: Option<(usize, usize)>,
+    preempt_at: Option<(usize, usize)>,
+    batch: usize,
+) -> kandle::Result<History> {
     let (train, test) = data().map_err(|e| kandle::Error::invalid(e.to_string()))?;
+    let signal = StopSignal::new();
+    let mut callbacks = vec![
+        LearningRateScheduler::new(PolynomialDecay::new(0.05, 4, 1.0)).boxed(),
+        Box::new(Crash {
+            at: crash,
+            epoch: 0,
+        }),
+        CsvLogger::new(dir.join("log.csv")).boxed(),
+        Box::new(Preempt {
+            at: preempt_at,
+            signal: signal.clone(),
+            epoch: 0,
+        }),
+    ];
+    if let Some(backup) = backup {
+        callbacks.push(backup.boxed());
+    }
     model.fit(
         &train,
         FitOptions {
@@ -68,15 +101,8 @@ fn fit_in_batches(
             validation: Some(&test),
             seed: Some(11),
             verbosity: Verbosity::Silent,
-            callbacks: vec![
-                LearningRateScheduler::new(PolynomialDecay::new(0.05, 4, 1.0)).boxed(),
-                Box::new(Crash {
-                    at: crash,
-                    epoch: 0,
-                }),
-                CsvLogger::new(dir.join("log.csv")).boxed(),
-                backup.boxed(),
-            ],
+            callbacks,
+            stop_signal: Some(signal),
             ..Default::default()
         },
     )
@@ -224,5 +250,106 @@ fn a_backup_asked_for_mid_group_resumes_exactly() -> Result<()> {
     let resumed = fit_in_batches(&mut second, dir.path(), backup_of(&backups), None, 20)?;
     same(&plain.get_weights()?, &second.get_weights()?)?;
     ensure!(resumed == reference, "{resumed:?}\nvs\n{reference:?}");
+    Ok(())
+}
+
+#[test]
+fn a_stop_signal_mid_epoch_backs_up_that_step_and_the_same_program_resumes_bit_for_bit(
+) -> Result<()> {
+    let plain_dir = tempfile::tempdir()?;
+    let mut plain = model()?;
+    let backup_of = |dir: &Path| BackupAndRestore::new(dir).save_freq(SaveFreq::Steps(7));
+    let reference = fit(
+        &mut plain,
+        plain_dir.path(),
+        backup_of(&plain_dir.path().join("b")),
+        None,
+    )?;
+
+    // The signal comes during epoch 2's step 4 (the sixth step of ten counted from 0 is 5):
+    // fit returns after it, with a backup there although the last scheduled one was at 21.
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let mut first = model()?;
+    let stopped = fit_with(
+        &mut first,
+        dir.path(),
+        Some(backup_of(&backups)),
+        None,
+        Some((2, 4)),
+        40,
+    )?;
+    let want = Preempted {
+        epoch: 2,
+        step: 5,
+        reason: "requested by the program".into(),
+        backed_up: true,
+    };
+    ensure!(
+        stopped.preempted.as_ref() == Some(&want),
+        "{:?}",
+        stopped.preempted
+    );
+    ensure!(stopped.epochs == [0, 1], "{:?}", stopped.epochs);
+    ensure!(first.preempted() == Some(&want));
+    let state = kandle::training_state::TrainingState::load(backups.join("backup.safetensors"))?;
+    let at = &state.extra["fit"];
+    ensure!(at["epoch"] == 2 && at["step"] == 5, "the backup is at {at}");
+    ensure!(
+        want.to_string()
+            == "stopped by requested by the program at epoch 3 step 5 (a backup was written there)",
+        "{want}"
+    );
+
+    // The same program again, without a signal: it resumes there and ends bit for bit.
+    let mut second = model()?;
+    let resumed = fit(&mut second, dir.path(), backup_of(&backups), None)?;
+    same(&plain.get_weights()?, &second.get_weights()?)?;
+    ensure!(resumed == reference, "{resumed:?}\nvs\n{reference:?}");
+    let csv = std::fs::read_to_string(dir.path().join("log.csv"))?;
+    let want_csv = std::fs::read_to_string(plain_dir.path().join("log.csv"))?;
+    ensure!(csv == want_csv, "{csv}\nvs\n{want_csv}");
+    ensure!(
+        !backups.join("backup.safetensors").exists(),
+        "a finished run deletes its backup"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_stop_signal_in_an_epoch_s_last_step_ends_the_epoch_first_and_without_a_backup_says_so(
+) -> Result<()> {
+    // During the last of ten steps: the epoch ends (validation, callbacks) and fit stops
+    // before the next one.
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let mut first = model()?;
+    let stopped = fit_with(
+        &mut first,
+        dir.path(),
+        Some(BackupAndRestore::new(&backups)),
+        None,
+        Some((1, 9)),
+        40,
+    )?;
+    let at = stopped
+        .preempted
+        .as_ref()
+        .map(|p| (p.epoch, p.step, p.backed_up));
+    ensure!(at == Some((2, 0, true)), "{:?}", stopped.preempted);
+    ensure!(stopped.epochs == [0, 1] && stopped.last("val_accuracy").is_some());
+
+    // Without BackupAndRestore, fit still stops cleanly, and says nothing was saved.
+    let mut alone = model()?;
+    let stopped = fit_with(&mut alone, dir.path(), None, None, Some((0, 3)), 40)?;
+    let preempted = stopped.preempted.clone().unwrap_or_else(|| Preempted {
+        epoch: 9,
+        step: 9,
+        reason: String::new(),
+        backed_up: true,
+    });
+    ensure!((preempted.epoch, preempted.step, preempted.backed_up) == (0, 4, false));
+    ensure!(stopped.epochs.is_empty());
+    ensure!(preempted.to_string().contains("no backup"), "{preempted}");
     Ok(())
 }

@@ -260,7 +260,9 @@ fn terminate_on_nan_stops_on_a_nan_input_and_keeps_the_last_good_weights() -> Re
         },
     )?;
     assert_eq!(history.epochs, [0], "stopped during the first epoch");
-    assert!(history.last("loss").is_some_and(f64::is_nan));
+    // The epoch's loss is that of the steps that trained; the skipped one is counted.
+    assert!(history.last("loss").is_some_and(f64::is_finite));
+    assert_eq!(history.last("skipped_steps"), Some(1.0));
     let weights = model.get_weights()?;
     assert_finite(&weights)?;
 
@@ -278,6 +280,76 @@ fn terminate_on_nan_stops_on_a_nan_input_and_keeps_the_last_good_weights() -> Re
     Ok(())
 }
 
+/// A two-output model (class and a score, the score's loss weighted 0.5) on the first 64
+/// digits with samples 2, 30 and 50 made NaN, in batches of 8 in order: batches 0, 3 and 6
+/// hold them. Their steps are skipped, counted, and left out of every loss alike.
+#[test]
+fn nan_samples_skip_their_steps_visibly_and_the_total_and_output_losses_agree() -> Result<()> {
+    use kandle::functional::{Functional, Input, LayerCall, PerOutput};
+    use kandle::layers::LayerSpecExt;
+    use kandle::prelude::MeanSquaredError;
+
+    let ds = digits::load()?.subset(&(0..64).collect::<Vec<_>>())?;
+    let (x, labels) = ds.to_tensors()?;
+    let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+    for sample in [2, 30, 50] {
+        values[sample * 64..(sample + 1) * 64].fill(f32::NAN);
+    }
+    let x = Tensor::from_vec(values, x.dims(), x.device())?;
+    let scores = (labels.to_dtype(candle_core::DType::F32)? * 0.1)?.reshape((64, 1))?;
+    let data = InMemoryDataset::from_parts(&[x], &[labels, scores])?;
+    let compile = || -> kandle::Result<Model> {
+        let image = Input::new(&[1, 8, 8]).tensor();
+        let h = Dense::new(16).call(&Flatten.call(&image)?)?;
+        let class = Activation::Softmax.named("class").call(&Dense::new(10).call(&h)?)?;
+        let score = Dense::new(1).named("score").call(&h)?;
+        let losses = PerOutput::new()
+            .loss("class", SparseCategoricalCrossentropy::new())
+            .loss("score", MeanSquaredError)
+            .weight("score", 0.5);
+        Functional::new([&image], [&class, &score])?.compile(
+            Sgd::new(0.05),
+            losses,
+            (),
+            &OneDeviceStrategy::cpu(),
+        )
+    };
+    let fit = |callbacks: Vec<Box<dyn Callback>>| -> Result<(Model, kandle::callbacks::History)> {
+        let mut model = compile()?;
+        let history = model.fit(
+            &data,
+            FitOptions {
+                epochs: 2,
+                batch_size_per_replica: 8,
+                shuffle: false,
+                verbosity: Verbosity::Silent,
+                callbacks,
+                ..Default::default()
+            },
+        )?;
+        Ok((model, history))
+    };
+    let (model, history) = fit(vec![])?;
+    for logs in &history.logs {
+        ensure!(logs.get("skipped_steps") == Some(3.0), "{logs:?}");
+        let (loss, class, score) = (
+            logs.get("loss").unwrap_or(f64::NAN),
+            logs.get("class_loss").unwrap_or(f64::NAN),
+            logs.get("score_loss").unwrap_or(f64::NAN),
+        );
+        ensure!(loss.is_finite() && class.is_finite() && score.is_finite(), "{logs:?}");
+        ensure!((loss - (class + 0.5 * score)).abs() <= 1e-6 * loss, "{logs:?}");
+        ensure!(logs.to_line().contains("skipped_steps: 3"), "{}", logs.to_line());
+    }
+    assert_finite(&model.get_weights()?)?;
+
+    // TerminateOnNaN stops at the first skipped step, the first batch.
+    let (_, history) = fit(vec![Box::new(TerminateOnNaN)])?;
+    ensure!(history.epochs == [0], "{:?}", history.epochs);
+    ensure!(history.last("skipped_steps") == Some(1.0), "{:?}", history.logs);
+    Ok(())
+}
+
 #[test]
 fn terminate_on_nan_stops_a_diverging_run() -> Result<()> {
     // SGD at 1e10 overflows the loss to infinity within the first epoch (at 1e6 it only
@@ -286,7 +358,8 @@ fn terminate_on_nan_stops_a_diverging_run() -> Result<()> {
     let mut model = mlp(Sgd::new(1e10))?;
     let history = model.fit(&train, options(20, vec![Box::new(TerminateOnNaN)]))?;
     assert_eq!(history.epochs, [0]);
-    assert!(history.last("loss").is_some_and(|l| !l.is_finite()));
+    // Stopped at the first step whose loss was not finite, which was skipped and counted.
+    assert_eq!(history.last("skipped_steps"), Some(1.0));
     assert_finite(&model.get_weights()?)
 }
 
@@ -306,7 +379,7 @@ fn csv_logger_writes_a_header_and_one_row_per_epoch() -> Result<()> {
     let text = std::fs::read_to_string(&path)?;
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
-        lines[0], "epoch,loss,accuracy,val_loss,val_accuracy,lr",
+        lines[0], "epoch,loss,accuracy,val_loss,val_accuracy,lr,skipped_steps",
         "{text}"
     );
     assert_eq!(lines.len(), 1 + 3);

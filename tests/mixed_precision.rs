@@ -114,8 +114,9 @@ fn an_overflow_skips_the_step_and_halves_the_scale() -> Result<()> {
     let (x, y) = split()?.0.to_tensors()?;
     let before = values(&m.get_weights()?)?;
     let logs = m.train_on_batch(&x.narrow(0, 0, 32)?, &y.narrow(0, 0, 32)?, None)?;
-    // The loss itself was finite: it is reported, not NaN.
+    // The loss itself was finite: it is reported, not NaN; the skip is counted.
     ensure!(logs.get("loss").is_some_and(f64::is_finite), "{logs:?}");
+    ensure!(logs.get("skipped_steps") == Some(1.0), "{logs:?}");
     ensure!(
         values(&m.get_weights()?)? == before,
         "the skipped step changed the weights"
@@ -132,6 +133,9 @@ fn an_overflow_skips_the_step_and_halves_the_scale() -> Result<()> {
     eprintln!("after one epoch from 2^40: loss scale 2^{}", scale.log2());
     ensure!(scale <= 2f64.powi(20) && scale >= 1.0, "{scale}");
     ensure!(logs.get("loss").is_some_and(f64::is_finite), "{logs:?}");
+    // Each halving was a skipped step: from 2^39 to the scale reached.
+    let halvings = 39.0 - scale.log2();
+    ensure!(logs.get("skipped_steps") == Some(halvings), "{logs:?}");
 
     // The scale is part of the training state.
     let dir = tempfile::tempdir()?;

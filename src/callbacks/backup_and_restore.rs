@@ -163,6 +163,8 @@ impl Callback for BackupAndRestore {
         if !candidates.is_empty() {
             model.request_resume(candidates);
         }
+        let previous = self.double_checkpoint.then(|| self.previous());
+        model.set_backup_target(self.latest(), previous);
         Ok(())
     }
 
@@ -184,7 +186,8 @@ impl Callback for BackupAndRestore {
     }
 
     fn on_train_end(&mut self, _logs: &Logs, model: &mut Model) -> Result<()> {
-        if self.delete_checkpoint && model.is_chief() {
+        // A preempted run resumes from its backup: only a finished one deletes it.
+        if self.delete_checkpoint && model.is_chief() && model.preempted().is_none() {
             for path in [self.latest(), self.previous()] {
                 remove_if_present(&path)?;
             }

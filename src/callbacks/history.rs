@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use super::{Callback, CallbackState, Logs};
+use crate::preemption::Preempted;
 use crate::{Model, Result};
 
 /// The per-epoch logs of a `fit` call, as Keras's `History.history`.
@@ -12,6 +13,9 @@ pub struct History {
     pub epochs: Vec<usize>,
     /// Each epoch's logs.
     pub logs: Vec<Logs>,
+    /// Where `fit` stopped for a [`StopSignal`](crate::preemption::StopSignal) (a preemption),
+    /// or `None` when it ran to its end (or stopped early for a callback).
+    pub preempted: Option<Preempted>,
 }
 
 impl History {
@@ -105,7 +109,11 @@ impl Callback for History {
                 Ok(logs)
             })
             .collect::<Result<Vec<_>>>()?;
-        *self = History { epochs, logs };
+        *self = History {
+            epochs,
+            logs,
+            preempted: None,
+        };
         Ok(())
     }
 }

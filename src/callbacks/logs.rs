@@ -1,5 +1,10 @@
 //! `Logs`: the flat, ordered `name -> value` map that callbacks read.
 
+/// The log key of the number of training steps in an epoch whose update was skipped: a loss or
+/// gradient that was not finite, or a mixed-precision loss-scale overflow. Always in `fit`'s
+/// training logs; the one-line form shows it only when it is not 0.
+pub const SKIPPED_STEPS: &str = "skipped_steps";
+
 /// Named values in insertion order: `loss`, the metrics, then `val_*`, then `lr`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Logs {
@@ -26,6 +31,12 @@ impl Logs {
         }
     }
 
+    /// Removes `key`, returning its value.
+    pub fn remove(&mut self, key: &str) -> Option<f64> {
+        let at = self.entries.iter().position(|(k, _)| k == key)?;
+        Some(self.entries.remove(at).1)
+    }
+
     /// The entries in order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, f64)> {
         self.entries.iter().map(|(k, v)| (k.as_str(), *v))
@@ -41,11 +52,16 @@ impl Logs {
         self.entries.is_empty()
     }
 
-    /// Keras's one-line form: `loss: 0.1234 - accuracy: 0.9612 - lr: 5.0000e-03`.
+    /// Keras's one-line form: `loss: 0.1234 - accuracy: 0.9612 - lr: 5.0000e-03`, and
+    /// `skipped_steps: 3` when steps were skipped.
     pub fn to_line(&self) -> String {
         self.entries
             .iter()
-            .map(|(k, v)| format!("{k}: {}", format_value(*v)))
+            .filter(|(k, v)| !(k == SKIPPED_STEPS && *v == 0.0))
+            .map(|(k, v)| match k == SKIPPED_STEPS {
+                true => format!("{k}: {v}"),
+                false => format!("{k}: {}", format_value(*v)),
+            })
             .collect::<Vec<_>>()
             .join(" - ")
     }
@@ -88,5 +104,18 @@ mod tests {
             logs.to_line(),
             "loss: 0.1250 - accuracy: 0.2500 - lr: 5.0000e-5"
         );
+    }
+
+    #[test]
+    fn skipped_steps_show_as_a_count_when_there_are_some() {
+        let mut logs = Logs::new();
+        logs.set("loss", 0.5);
+        logs.set(SKIPPED_STEPS, 0.0);
+        assert_eq!(logs.to_line(), "loss: 0.5000");
+        logs.set(SKIPPED_STEPS, 3.0);
+        assert_eq!(logs.to_line(), "loss: 0.5000 - skipped_steps: 3");
+        assert_eq!(logs.remove(SKIPPED_STEPS), Some(3.0));
+        assert_eq!(logs.remove(SKIPPED_STEPS), None);
+        assert_eq!(logs.keys().collect::<Vec<_>>(), ["loss"]);
     }
 }

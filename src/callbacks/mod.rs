@@ -44,7 +44,7 @@ pub use callback_list::CallbackList;
 pub use csv_logger::CsvLogger;
 pub use early_stopping::EarlyStopping;
 pub use history::History;
-pub use logs::Logs;
+pub use logs::{Logs, SKIPPED_STEPS};
 pub use lr_scheduler::LearningRateScheduler;
 pub use model_checkpoint::ModelCheckpoint;
 pub use monitor::Mode;

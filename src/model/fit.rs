@@ -9,11 +9,14 @@
 
 use candle_core::Tensor;
 
-use super::resume::{self, FitRequests, Position, RunShape};
+use super::resume::{self, FitRequests, Position, RunShape, RunningTotals};
 use super::totals::Totals;
 use super::{FitOptions, Model};
-use crate::callbacks::{Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity};
+use crate::callbacks::{
+    Callback, CallbackList, FitInfo, History, Logs, ProgressBar, Verbosity, SKIPPED_STEPS,
+};
 use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
+use crate::preemption::{Preempted, StopSignal};
 use crate::strategy::StepStats;
 use crate::{Error, Result};
 
@@ -124,8 +127,12 @@ impl Model {
                 epoch,
                 steps,
                 shape,
+                stop_signal: options.stop_signal.as_ref(),
             };
             let mut totals = self.train_epoch(&run, from, &mut callbacks, &history)?;
+            if self.requests.preempted.is_some() {
+                break;
+            }
             let mut epoch_totals = StepStats {
                 samples: totals.samples,
                 sums: std::mem::take(&mut totals.sums),
@@ -152,6 +159,10 @@ impl Model {
             if let Some(scale) = self.loss_scale()? {
                 logs.set("loss_scale", scale);
             }
+            // Last, so Keras's columns keep Keras's order.
+            if let Some(skipped) = logs.remove(SKIPPED_STEPS) {
+                logs.set(SKIPPED_STEPS, skipped);
+            }
             history.on_epoch_end(epoch, &logs, self)?;
             callbacks.on_epoch_end(epoch, &logs, self)?;
             let next = Position {
@@ -159,13 +170,56 @@ impl Model {
                 step: 0,
                 totals: None,
             };
+            let stops = epoch + 1 < options.epochs
+                && self.preempt_if_signalled(options.stop_signal.as_ref(), &next)?;
             self.write_requested_backup(&next, shape, &history, &callbacks)?;
-            if self.stop_training {
+            if self.stop_training || stops {
                 break;
             }
         }
         callbacks.on_train_end(&logs, self)?;
+        history.preempted = self.requests.preempted.clone();
         Ok(history)
+    }
+
+    /// Whether the stop signal was raised on any worker (every worker answers alike: they
+    /// agree through a gather of one word each). When it was, `fit` is marked preempted at
+    /// `position` and the backup a callback named ([`Model::set_backup_target`]) is asked for
+    /// there.
+    fn preempt_if_signalled(
+        &mut self,
+        signal: Option<&StopSignal>,
+        position: &Position,
+    ) -> Result<bool> {
+        let Some(signal) = signal else {
+            return Ok(false);
+        };
+        let local = u64::from(signal.requested());
+        let raised = match self.worker().size {
+            1 => local != 0,
+            _ => self
+                .replicas()?
+                .all_gather_workers(&[local])?
+                .iter()
+                .any(|&w| w != 0),
+        };
+        if !raised {
+            return Ok(false);
+        }
+        let target = self.requests.backup_target.clone();
+        if let Some((path, previous)) = target {
+            self.requests.backup = Some((path, previous));
+        }
+        let reason = signal
+            .reason()
+            .unwrap_or_else(|| "another worker's signal".to_string());
+        self.requests.preempted = Some(Preempted {
+            epoch: position.epoch,
+            step: position.step,
+            reason,
+            backed_up: self.requests.backup.is_some(),
+        });
+        Ok(true)
     }
 
     /// Loads the first readable backup of `candidates` into the model, the history and the
@@ -242,16 +296,12 @@ impl Model {
     fn train_epoch(
         &mut self,
         run: &EpochRun<'_, '_>,
-        from: (usize, Option<(usize, Vec<f64>)>),
+        from: (usize, Option<RunningTotals>),
         callbacks: &mut CallbackList,
         history: &History,
     ) -> Result<Totals> {
         let (first_step, totals_before) = from;
-        let mut totals = Totals::new(&self.metrics);
-        if let Some((samples, sums)) = totals_before {
-            totals.samples = samples;
-            totals.sums = sums;
-        }
+        let mut totals = Totals::training(&self.metrics, totals_before);
         let epoch = run.epoch;
         std::thread::scope(|scope| -> Result<()> {
             let batches = run.loader.spawn_from(scope, epoch, first_step);
@@ -281,15 +331,10 @@ impl Model {
                         step + 1
                     );
                 }
+                totals.add_training_step(&stats, overflowed);
                 let loss = match overflowed {
-                    true => {
-                        totals.add(&stats);
-                        mean_loss(&stats)
-                    }
-                    false => {
-                        totals.add_training_step(&stats);
-                        batch_loss(&stats)
-                    }
+                    true => mean_loss(&stats),
+                    false => batch_loss(&stats),
                 };
                 let mut logs = totals.logs();
                 logs.set("batch_loss", loss);
@@ -297,10 +342,12 @@ impl Model {
                 let position = Position {
                     epoch,
                     step: step + 1,
-                    totals: Some((totals.samples, totals.sums.clone())),
+                    totals: Some(totals.running()),
                 };
+                let stops = step + 1 < run.steps
+                    && self.preempt_if_signalled(run.stop_signal, &position)?;
                 self.write_requested_backup(&position, run.shape, history, callbacks)?;
-                if self.stop_training {
+                if self.stop_training || stops {
                     break;
                 }
             }
@@ -367,10 +414,11 @@ fn batch_loss(stats: &StepStats) -> f64 {
     }
 }
 
-/// One epoch of a `fit` run: its loader, number, steps and the run's shape.
+/// One epoch of a `fit` run: its loader, number, steps, the run's shape and stop signal.
 struct EpochRun<'l, 'd> {
     loader: &'l Loader<'d>,
     epoch: usize,
     steps: usize,
     shape: RunShape,
+    stop_signal: Option<&'l StopSignal>,
 }

@@ -206,8 +206,8 @@ impl Model {
         // loss was finite and the loss scale overflowed.
         let stepped = self.accumulated == 0;
         Ok(stats.map_or_else(Logs::new, |stats| {
-            let training = stepped && !self.overflowed(&stats);
-            Totals::of(&self.metrics, &stats, training).logs()
+            let overflowed = self.overflowed(&stats);
+            Totals::of(&self.metrics, &stats, stepped, overflowed).logs()
         }))
     }
 
@@ -221,7 +221,7 @@ impl Model {
         let batch = self.one_batch(x, y, sample_weight)?;
         let stats = self.strategy_call(|model| model.replicas()?.test_step(&batch))?;
         Ok(stats.map_or_else(Logs::new, |stats| {
-            Totals::of(&self.metrics, &stats, false).logs()
+            Totals::of(&self.metrics, &stats, false, false).logs()
         }))
     }
 

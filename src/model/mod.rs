@@ -527,6 +527,25 @@ impl Model {
         self.requests.resume = Some(candidates);
     }
 
+    /// Where `fit` writes a backup of its own accord (when a stop signal ends it; see
+    /// [`crate::preemption`]): `path`, after moving the backup already there to `previous` when
+    /// given, as [`Self::request_backup`]. Set from `on_train_begin` by callbacks such as
+    /// [`BackupAndRestore`](crate::callbacks::BackupAndRestore); without one, a preempted `fit`
+    /// stops without a backup.
+    pub fn set_backup_target(
+        &mut self,
+        path: std::path::PathBuf,
+        previous: Option<std::path::PathBuf>,
+    ) {
+        self.requests.backup_target = Some((path, previous));
+    }
+
+    /// Where the current (or last) `fit` stopped for a stop signal, once it did: callbacks'
+    /// `on_train_end` reads it to tell a preemption from the end of training.
+    pub fn preempted(&self) -> Option<&crate::preemption::Preempted> {
+        self.requests.preempted.as_ref()
+    }
+
     /// Whether a stop was requested during the current `fit`.
     pub fn stop_requested(&self) -> bool {
         self.stop_training

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use crate::callbacks::{Callback, Verbosity};
 use crate::data::{Augment, Dataset};
+use crate::preemption::StopSignal;
 
 /// Options of [`Model::fit`](crate::Model::fit), with Keras's defaults.
 pub struct FitOptions<'a> {
@@ -57,6 +58,11 @@ pub struct FitOptions<'a> {
     /// by its class's weight (classes not listed weigh 1). Works with class-index and one-hot
     /// targets. Default none.
     pub class_weight: Option<HashMap<usize, f32>>,
+    /// A request to stop cleanly (SIGTERM from a scheduler, Ctrl-C; see
+    /// [`crate::preemption`]): once raised, `fit` ends after the current step, writes the
+    /// [`BackupAndRestore`](crate::callbacks::BackupAndRestore) backup there, and returns the
+    /// history marked [`preempted`](crate::callbacks::History::preempted). Default none.
+    pub stop_signal: Option<StopSignal>,
 }
 
 impl Default for FitOptions<'_> {
@@ -77,6 +83,7 @@ impl Default for FitOptions<'_> {
             augment: None,
             sample_weight: None,
             class_weight: None,
+            stop_signal: None,
         }
     }
 }

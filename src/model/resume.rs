@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{json, Value};
 
 use crate::callbacks::{Callback, CallbackList, History};
+use crate::preemption::Preempted;
 use crate::training_state::TrainingState;
 use crate::{Error, Result};
 
@@ -30,6 +31,11 @@ pub(crate) struct FitRequests {
     pub(crate) backup: Option<(PathBuf, Option<PathBuf>)>,
     /// Resume from the first of these backups that can be read.
     pub(crate) resume: Option<Vec<PathBuf>>,
+    /// Where a backup goes when `fit` writes one of its own accord (at a preemption), as
+    /// `backup`.
+    pub(crate) backup_target: Option<(PathBuf, Option<PathBuf>)>,
+    /// Where `fit` stopped for a stop signal.
+    pub(crate) preempted: Option<Preempted>,
 }
 
 /// The shape of a `fit` run, the same on every worker: a backup resumes only into a run of the
@@ -45,12 +51,24 @@ pub(crate) struct RunShape {
 }
 
 /// Where a run is: the next step to run is `step` of `epoch`; `totals` are the epoch's running
-/// `(samples, sums)` up to there (none at an epoch's start).
+/// sums up to there (none at an epoch's start).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Position {
     pub(crate) epoch: usize,
     pub(crate) step: usize,
-    pub(crate) totals: Option<(usize, Vec<f64>)>,
+    pub(crate) totals: Option<RunningTotals>,
+}
+
+/// An epoch's running sums over the steps it applied, and the steps it skipped.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct RunningTotals {
+    /// Samples of the steps counted.
+    pub(crate) samples: usize,
+    /// `[loss_sum, metric_state...]` of the steps counted.
+    pub(crate) sums: Vec<f64>,
+    /// Steps whose update was skipped (a non-finite loss or gradient, or a loss-scale
+    /// overflow).
+    pub(crate) skipped: usize,
 }
 
 /// Adds the run's position, shape, history and callbacks' states to `state`.
@@ -64,7 +82,7 @@ pub(crate) fn record(
     let totals = position
         .totals
         .as_ref()
-        .map(|(samples, sums)| json!({ "samples": samples, "sums": sums }));
+        .map(|t| json!({ "samples": t.samples, "sums": t.sums, "skipped": t.skipped }));
     state.extra.insert(
         "fit".into(),
         json!({
@@ -194,7 +212,13 @@ pub(crate) fn restore(
                 .iter()
                 .map(|v| v.as_f64().unwrap_or(f64::NAN))
                 .collect();
-            Some((samples, sums))
+            // Backups from before skipped steps were counted hold none.
+            let skipped = t.get("skipped").and_then(Value::as_u64).unwrap_or(0) as usize;
+            Some(RunningTotals {
+                samples,
+                sums,
+                skipped,
+            })
         }
     };
     let in_context = |e: Error| Error::Checkpoint {

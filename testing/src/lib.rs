@@ -2,7 +2,8 @@
 //!
 //! - [`cifar10_fixture`]: a small, learnable CIFAR-10 set in the official binary format, for
 //!   tests and benchmarks where the real set is not available;
-//! - [`crash`]: a callback that fails one training step, for the tests of `BackupAndRestore`;
+//! - [`crash`]: callbacks that fail one training step or raise a stop signal at one, for the
+//!   tests of `BackupAndRestore` and preemption;
 //! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print;
 //! - [`strategies`]: the strategy tests' equivalence run, the steps of a resumed run, and
 //!   comparing weights with one device's within the float32 spread of an equivalent ordering;

@@ -175,6 +175,7 @@ fn joined(first: &History, second: &History) -> History {
     History {
         epochs: first.epochs.iter().chain(&second.epochs).copied().collect(),
         logs: first.logs.iter().chain(&second.logs).cloned().collect(),
+        preempted: second.preempted.clone(),
     }
 }
 

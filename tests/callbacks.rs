@@ -301,7 +301,9 @@ fn nan_samples_skip_their_steps_visibly_and_the_total_and_output_losses_agree() 
     let compile = || -> kandle::Result<Model> {
         let image = Input::new(&[1, 8, 8]).tensor();
         let h = Dense::new(16).call(&Flatten.call(&image)?)?;
-        let class = Activation::Softmax.named("class").call(&Dense::new(10).call(&h)?)?;
+        let class = Activation::Softmax
+            .named("class")
+            .call(&Dense::new(10).call(&h)?)?;
         let score = Dense::new(1).named("score").call(&h)?;
         let losses = PerOutput::new()
             .loss("class", SparseCategoricalCrossentropy::new())
@@ -337,16 +339,30 @@ fn nan_samples_skip_their_steps_visibly_and_the_total_and_output_losses_agree() 
             logs.get("class_loss").unwrap_or(f64::NAN),
             logs.get("score_loss").unwrap_or(f64::NAN),
         );
-        ensure!(loss.is_finite() && class.is_finite() && score.is_finite(), "{logs:?}");
-        ensure!((loss - (class + 0.5 * score)).abs() <= 1e-6 * loss, "{logs:?}");
-        ensure!(logs.to_line().contains("skipped_steps: 3"), "{}", logs.to_line());
+        ensure!(
+            loss.is_finite() && class.is_finite() && score.is_finite(),
+            "{logs:?}"
+        );
+        ensure!(
+            (loss - (class + 0.5 * score)).abs() <= 1e-6 * loss,
+            "{logs:?}"
+        );
+        ensure!(
+            logs.to_line().contains("skipped_steps: 3"),
+            "{}",
+            logs.to_line()
+        );
     }
     assert_finite(&model.get_weights()?)?;
 
     // TerminateOnNaN stops at the first skipped step, the first batch.
     let (_, history) = fit(vec![Box::new(TerminateOnNaN)])?;
     ensure!(history.epochs == [0], "{:?}", history.epochs);
-    ensure!(history.last("skipped_steps") == Some(1.0), "{:?}", history.logs);
+    ensure!(
+        history.last("skipped_steps") == Some(1.0),
+        "{:?}",
+        history.logs
+    );
     Ok(())
 }
 

@@ -56,16 +56,21 @@ pub fn init() {
     kandle::keep_freed_memory();
 }
 
-/// `--backup-dir` and `--backup-every-steps`, as every training binary takes them.
+/// `--backup-dir`, `--backup-every-steps` and `--grace-seconds`, as every training binary takes
+/// them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BackupArgs {
     /// Back the training state up in this directory, and resume from it when a backup is there
-    /// (run the same command again after a crash).
+    /// (run the same command again after a crash or a preemption).
     #[arg(long)]
     pub backup_dir: Option<std::path::PathBuf>,
     /// With --backup-dir: back up every this many steps (0: at the end of each epoch).
     #[arg(long, default_value_t = 0)]
     pub backup_every_steps: usize,
+    /// After SIGTERM or SIGINT (which stop training after the current step, with a backup
+    /// there), exit anyway once this many seconds have passed. Default: wait for the step.
+    #[arg(long)]
+    pub grace_seconds: Option<f64>,
 }
 
 impl BackupArgs {
@@ -84,6 +89,38 @@ impl BackupArgs {
         }
         Some(backup)
     }
+
+    /// The stop signal `fit` takes: SIGTERM and SIGINT stop training after the current step
+    /// (a second one at once), with `--grace-seconds` as the longest wait.
+    pub fn stop_signal(&self) -> kandle::Result<kandle::preemption::StopSignal> {
+        let grace = match self.grace_seconds {
+            Some(s) if !(s.is_finite() && s >= 0.0) => {
+                return Err(kandle::Error::invalid(format!(
+                    "--grace-seconds {s}: give a number of seconds, 0 or more"
+                )))
+            }
+            other => other.map(std::time::Duration::from_secs_f64),
+        };
+        kandle::preemption::StopSignal::on_signals(grace)
+    }
+}
+
+/// After `fit`: when a stop signal ended it, says where (and, on a backup, that the same
+/// command resumes there) on the chief, and ends the process with
+/// [`kandle::preemption::EXIT_PREEMPTED`] on every worker, skipping what the program would do
+/// after training (the time left is the scheduler's grace period).
+pub fn exit_if_preempted(history: &kandle::callbacks::History, chief: bool) {
+    let Some(preempted) = &history.preempted else {
+        return;
+    };
+    if chief {
+        let resume = match preempted.backed_up {
+            true => "; run the same command to resume",
+            false => "",
+        };
+        println!("preempted: {preempted}{resume}");
+    }
+    std::process::exit(kandle::preemption::EXIT_PREEMPTED);
 }
 
 /// `--gradient-accumulation-steps` and `--dtype-policy`, as every training binary takes them.

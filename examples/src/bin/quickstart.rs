@@ -10,7 +10,9 @@
 //! ```
 //!
 //! With `--backup-dir`, running the same command again after a crash resumes where the last
-//! backup was taken, and says so on its first line. With `--epochs 0` it trains nothing (as
+//! backup was taken, and says so on its first line. SIGTERM or Ctrl-C stops it after the
+//! current step with a backup there, a line saying so, and exit status 75 (a second signal, or
+//! `--grace-seconds` passing, ends it at once). With `--epochs 0` it trains nothing (as
 //! Keras's `fit` with `epochs=0`), writes no checkpoint, plot or CSV, and says so.
 //! `--batch-size` is the global batch: a multiple of the replicas in sync, which share it.
 
@@ -108,9 +110,11 @@ fn main() -> Result<()> {
             validation: Some(&test),
             seed: Some(args.seed),
             callbacks,
+            stop_signal: Some(args.backup.stop_signal()?),
             ..Default::default()
         },
     )?;
+    kandle_examples::exit_if_preempted(&history, model.is_chief());
     if let Some(path) = &args.save {
         model.save(path)?;
     }

@@ -16,7 +16,8 @@
 //! one-hot labels, random shifts of up to 10% and horizontal flips, validation on the test set.
 //! It writes the training curves (PNG), a CSV and a JSON history, and a checkpoint; with
 //! `--epochs 0` it trains nothing (as Keras's `fit` with `epochs=0`), writes none of them, and
-//! says so.
+//! says so. With `--backup-dir`, SIGTERM or Ctrl-C stops it after the current step with a
+//! backup there and exit status 75; the same command resumes.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -281,9 +282,11 @@ fn main() -> Result<()> {
             .into_iter()
             .chain(backup.map(Callback::boxed))
             .collect(),
+            stop_signal: Some(args.backup.stop_signal()?),
             ..Default::default()
         },
     )?;
+    kandle_examples::exit_if_preempted(&history, chief);
 
     if chief && history.epochs.is_empty() {
         // As Keras's fit with epochs=0: nothing trained, so no epoch-end file either.

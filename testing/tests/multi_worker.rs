@@ -429,6 +429,62 @@ fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow:
     assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-6)
 }
 
+/// A multi-worker job with `BackupAndRestore` whose worker 1 (not the chief) gets SIGTERM
+/// mid-epoch: both workers stop after the same step, the chief writes one backup there, and
+/// the job run again resumes there and ends within 1e-6 of an uninterrupted job.
+#[test]
+fn a_preempted_job_stops_as_a_whole_and_resumes_as_an_uninterrupted_one() -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let (plain, resumed) = (tmp.path().join("plain"), tmp.path().join("resumed"));
+    let plain_out = tmp.path().join("plain.safetensors");
+    let out = tmp.path().join("resumed.safetensors");
+    // Backups every 100 steps: none is due, the one there is the preemption's.
+    let task = |dir: &Path, out: &Path| {
+        backup_task(
+            &dir.to_string_lossy(),
+            out,
+            &["--step-millis", "20", "--every", "100"],
+        )
+    };
+    let outcome = run(mpirun_owned(2, &task(&plain, &plain_out)))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+
+    let backup = resumed.join("backup.safetensors");
+    let stopped = signal_after(
+        mpirun_owned(2, &task(&resumed, &out)),
+        "worker 1/2 ",
+        "worker 1/2 finished step 6",
+        "-TERM",
+    )?;
+    assert!(!stopped.status.success(), "{}", stopped.output);
+    let place = |rank: usize| {
+        stopped
+            .output
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("worker {rank}/2 stopped by ")))
+            .map(|rest| rest.split(" at ").nth(1).unwrap_or_default().to_string())
+    };
+    let (chief, worker) = (place(0), place(1));
+    assert!(chief.is_some() && chief == worker, "{}", stopped.output);
+    assert!(backup.is_file(), "no backup at the preemption");
+    assert!(!out.exists(), "the stopped job finished anyway");
+    let state = kandle::training_state::TrainingState::load(&backup)?;
+    let fit = &state.extra["fit"];
+    let at = format!(
+        "epoch {} step {}",
+        fit["epoch"].as_u64().unwrap_or(99) + 1,
+        fit["step"]
+    );
+    assert!(
+        chief.as_deref().is_some_and(|c| c.starts_with(&at)),
+        "the backup is at {at}, the workers said {chief:?}"
+    );
+
+    let outcome = run(mpirun_owned(2, &task(&resumed, &out)))?;
+    assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-6)
+}
+
 /// Workers that do not share the backup directory (`{rank}` makes one per worker): the chief
 /// finds the backup its last run left, worker 1 finds none, and both fail naming worker 1
 /// instead of training from different points.

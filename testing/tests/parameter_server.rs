@@ -270,6 +270,46 @@ fn a_killed_job_resumes_from_the_servers_state_and_ends_as_an_uninterrupted_one(
     assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-5)
 }
 
+/// The same synchronous job, its worker 1 (not the chief) sent SIGTERM mid-epoch: both
+/// workers stop after the same step, the chief writes one backup there (with the servers'
+/// state), and the job run again resumes and ends within 1e-5 of an uninterrupted job.
+#[test]
+fn a_preempted_job_stops_as_a_whole_and_resumes_as_an_uninterrupted_one() -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let (plain, resumed) = (tmp.path().join("plain"), tmp.path().join("resumed"));
+    let plain_out = tmp.path().join("plain.safetensors");
+    let out = tmp.path().join("resumed.safetensors");
+    let outcome = run(backup_run(&plain, &plain_out))?;
+    assert!(outcome.status.success(), "{}", outcome.output);
+
+    let backup = resumed.join("backup.safetensors");
+    let stopped = signal_after(
+        backup_run(&resumed, &out),
+        "rank 1/4 ",
+        "rank 1/4 finished step 6",
+        "-TERM",
+    )?;
+    assert!(!stopped.status.success(), "{}", stopped.output);
+    let place = |rank: usize| {
+        stopped
+            .output
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("rank {rank}/4 stopped by ")))
+            .map(|rest| rest.split(" at ").nth(1).unwrap_or_default().to_string())
+    };
+    assert!(
+        place(0).is_some() && place(0) == place(1),
+        "{}",
+        stopped.output
+    );
+    assert!(backup.is_file(), "no backup at the preemption");
+    assert!(!out.exists(), "the stopped job finished anyway");
+
+    let outcome = run(backup_run(&resumed, &out))?;
+    assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-5)
+}
+
 // ---- bad configurations --------------------------------------------------------------------
 
 /// The error lines of a failed launch: `rank R/N: ...`.

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kandle::callbacks::{BackupAndRestore, Callback, SaveFreq};
+use kandle::preemption::StopSignal;
 use kandle::prelude::*;
 
 use super::Common;
@@ -233,7 +234,9 @@ fn wait_for_file(path: &Path, timeout: Duration) -> Result<()> {
 /// becomes the process's rank, for processes that do not share one), printing each step and
 /// pausing `--step-millis` after it; saves the final training state to `--out` (every process
 /// takes part; the chief writes). Run again after a kill, it resumes; `--keep-backups` leaves
-/// the backup in place when the run completes.
+/// the backup in place when the run completes. SIGTERM or SIGINT on any process stops every
+/// worker after the same step, with a backup there: each prints `<label> stopped by ...` and
+/// exits with status 75.
 pub fn backup<S: Strategy + Clone + 'static>(
     strategy: &S,
     common: &Common,
@@ -264,8 +267,14 @@ pub fn backup<S: Strategy + Clone + 'static>(
                 }
                 .boxed(),
             ],
+            stop_signal: Some(StopSignal::on_signals(None)?),
             ..Default::default()
         },
     )?;
+    if let Some(preempted) = model.preempted() {
+        // As the example programs: say where, and leave at once with their status.
+        println!("{label} {preempted}");
+        std::process::exit(kandle::preemption::EXIT_PREEMPTED);
+    }
     model.save(out)
 }

@@ -35,6 +35,7 @@ mod monitor;
 mod plot_history;
 mod progress;
 mod reduce_lr;
+mod tensorboard;
 mod terminate_on_nan;
 #[cfg(test)]
 mod test_support;
@@ -51,6 +52,7 @@ pub use monitor::Mode;
 pub use plot_history::{plot_font, plot_history, PlotHistory};
 pub use progress::{ProgressBar, Verbosity};
 pub use reduce_lr::ReduceLROnPlateau;
+pub use tensorboard::{TensorBoard, UpdateFreq};
 pub use terminate_on_nan::TerminateOnNaN;
 
 use crate::{Error, Model, Result};

@@ -7,6 +7,7 @@
 //! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print;
 //! - [`strategies`]: the strategy tests' equivalence run, the steps of a resumed run, and
 //!   comparing weights with one device's within the float32 spread of an equivalent ordering;
+//! - [`tensorboard`]: reading TensorBoard event files back, independently of kandle's writer;
 //! - [`webp`]: a one-colour lossless WebP file, which the `image` crate cannot write.
 //!
 //! With the `mpi` feature it also builds the programs the MPI tests (`tests/`) launch under
@@ -20,4 +21,5 @@ pub mod cifar10_fixture;
 pub mod crash;
 pub mod launch;
 pub mod strategies;
+pub mod tensorboard;
 pub mod webp;

@@ -65,6 +65,7 @@ pub mod pretrained;
 mod replica;
 pub mod schedules;
 pub mod strategy;
+pub mod timeline;
 pub mod training_state;
 
 pub use allocator::keep_freed_memory;

@@ -39,6 +39,7 @@ mod tensorboard;
 mod terminate_on_nan;
 #[cfg(test)]
 mod test_support;
+mod timeline;
 
 pub use backup_and_restore::{BackupAndRestore, SaveFreq};
 pub use callback_list::CallbackList;
@@ -54,6 +55,7 @@ pub use progress::{ProgressBar, Verbosity};
 pub use reduce_lr::ReduceLROnPlateau;
 pub use tensorboard::{TensorBoard, UpdateFreq};
 pub use terminate_on_nan::TerminateOnNaN;
+pub use timeline::Timeline;
 
 use crate::{Error, Model, Result};
 

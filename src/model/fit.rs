@@ -18,6 +18,7 @@ use crate::callbacks::{
 use crate::data::{weighting, Batch, Dataset, Loader, LoaderOptions};
 use crate::preemption::{Preempted, StopSignal};
 use crate::strategy::StepStats;
+use crate::timeline;
 use crate::{Error, Result};
 
 impl Model {
@@ -273,6 +274,7 @@ impl Model {
         if !self.is_chief() {
             return Ok(());
         }
+        let _backup = timeline::span("backup");
         let mut state = self.training_state()?;
         resume::record(&mut state, position, shape, history, callbacks);
         resume::write(&state, &path, previous.as_deref())
@@ -304,17 +306,28 @@ impl Model {
         let mut totals = Totals::training(&self.metrics, totals_before);
         let epoch = run.epoch;
         std::thread::scope(|scope| -> Result<()> {
-            let batches = run.loader.spawn_from(scope, epoch, first_step);
-            let steps = run.steps.saturating_sub(first_step);
-            for (step, batch) in (first_step..).zip(batches.take(steps)) {
+            let mut batches = run.loader.spawn_from(scope, epoch, first_step);
+            for step in first_step..run.steps {
+                let _step = timeline::step(epoch * run.steps + step);
+                let batch = {
+                    let _wait = timeline::span("input wait");
+                    batches.next()
+                };
+                let Some(batch) = batch else {
+                    break;
+                };
                 let batch = batch?;
-                callbacks.on_train_batch_begin(step, self)?;
+                {
+                    let _callbacks = timeline::span("callbacks");
+                    callbacks.on_train_batch_begin(step, self)?;
+                }
                 let stats = self.train_or_accumulate(&batch, step + 1 == run.steps)?;
                 if self.accumulated > 0 {
                     // A micro-batch of a group whose update is still to come: its loss alone,
                     // and no backup or stop before the group is applied.
                     let mut logs = totals.logs();
                     logs.set("batch_loss", mean_loss(&stats));
+                    let _callbacks = timeline::span("callbacks");
                     callbacks.on_train_batch_end(step, &logs, self)?;
                     continue;
                 }
@@ -338,7 +351,10 @@ impl Model {
                 };
                 let mut logs = totals.logs();
                 logs.set("batch_loss", loss);
-                callbacks.on_train_batch_end(step, &logs, self)?;
+                {
+                    let _callbacks = timeline::span("callbacks");
+                    callbacks.on_train_batch_end(step, &logs, self)?;
+                }
                 let position = Position {
                     epoch,
                     step: step + 1,

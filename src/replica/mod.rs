@@ -23,6 +23,7 @@ use crate::objective::Objective;
 use crate::optimizers::{NamedOptimizerState, Optimizer, OptimizerConfig};
 use crate::params::BuildContext;
 use crate::params::ParamStore;
+use crate::timeline;
 use crate::{ComputePath, Result};
 use fused::{fuse, FusedLayout};
 use step::{StepLayout, StepTotals};
@@ -349,6 +350,7 @@ impl Replica {
         statistics_before: &[Tensor],
         lr: f64,
     ) -> Result<()> {
+        let _update = timeline::span("optimizer update");
         let total = total.to_device(&self.device)?;
         let layout = Arc::clone(&self.layout);
         step::finish(
@@ -458,7 +460,10 @@ impl Replica {
     /// The gradients (in trainable order), the summed loss and the outputs, through candle's
     /// autograd over the whole network.
     fn candle_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+        let forward = timeline::span("forward");
         let (outputs, loss_sum) = self.forward_loss(part, true)?;
+        drop(forward);
+        let _backward = timeline::span("backward");
         let mut store = self.objective(&loss_sum)?.backward()?;
         let grads = self
             .trainable
@@ -475,6 +480,7 @@ impl Replica {
     /// autograd differentiates only the loss, with respect to the network's outputs (or the
     /// only output's logits), and the layers' recorded passes take it from there.
     fn recorded_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+        let forward = timeline::span("forward");
         let recorded = self.net.record(&part.inputs)?;
         let heads: Vec<Var> = match &recorded.logits {
             Some(logits) => vec![Var::from_tensor(logits)?],
@@ -492,6 +498,8 @@ impl Replica {
             None => (heads.iter().map(|h| h.as_tensor().clone()).collect(), None),
         };
         let loss_sum = self.loss_sum(&outputs, logits, &part.targets, part.weights.as_ref())?;
+        drop(forward);
+        let _backward = timeline::span("backward");
         let mut head_grads = self.objective(&loss_sum)?.backward()?;
         let dheads = heads
             .iter()

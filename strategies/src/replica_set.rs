@@ -293,6 +293,7 @@ impl ReplicaSet {
         ops: CrossDeviceOps,
     ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
         let (fused, before) = unzip(self.compute(batch, None)?);
+        let _reduce = kandle::timeline::span("all-reduce");
         Ok((ops.all_reduce(fused, &self.devices)?, before))
     }
 

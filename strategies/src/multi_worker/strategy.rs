@@ -388,6 +388,7 @@ impl Reduce for CrossWorker {
                 let first = local
                     .first()
                     .ok_or_else(|| Error::invalid("a worker with no replica"))?;
+                let _reduce = kandle::timeline::span("all-reduce across workers");
                 copy_to_host(first, &mut self.host)?;
                 self.world
                     .all_reduce_sum(&mut self.host, phase, self.timeout)?;
@@ -398,6 +399,7 @@ impl Reduce for CrossWorker {
             Transport::Nccl(clique) => {
                 let (fused, before) = unzip(set.compute(batch, None)?);
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
+                let _reduce = kandle::timeline::span("all-reduce across workers");
                 let reduced = self.world.guarded_external(phase, self.timeout, |vigil| {
                     clique.all_reduce(&fused, vigil, phase)
                 })?;

@@ -16,10 +16,12 @@ impl Worker {
     pub(crate) fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         self.steps += 1;
         if !self.fresh {
+            let _pull = kandle::timeline::span("pull");
             self.pull(Message::Pull, "a pull of the weights")?;
             self.fresh = true;
         }
         let buffer = self.replica.step_buffer(batch)?;
+        let push = kandle::timeline::span("push and pull");
         copy_to_host(&buffer.fused, &mut self.host)?;
         let finite = self.host.iter().all(|v| v.is_finite());
         let messages: Vec<Message> = (0..self.sharding.servers())
@@ -43,6 +45,7 @@ impl Worker {
         let what = format!("the push of step {}", self.steps);
         let replies = self.exchange(&messages, Kind::Weights, weights_of, &what)?;
         self.load(&replies)?;
+        drop(push);
         self.fetched = false;
         let Some(first) = replies.first() else {
             return Err(Error::invalid(

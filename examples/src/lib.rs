@@ -123,6 +123,55 @@ pub fn exit_if_preempted(history: &kandle::callbacks::History, chief: bool) {
     std::process::exit(kandle::preemption::EXIT_PREEMPTED);
 }
 
+/// `--tensorboard`, `--timeline` and `--timeline-steps`, as every training binary takes them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MonitorArgs {
+    /// Write TensorBoard logs here (`train/` and `validation/` event files, per-epoch scalars
+    /// and each variable's histogram): `tensorboard --logdir DIR`.
+    #[arg(long)]
+    pub tensorboard: Option<std::path::PathBuf>,
+    /// Write a Chrome trace of a window of steps here (open it in Perfetto or
+    /// chrome://tracing): where each step's time goes, per replica.
+    #[arg(long)]
+    pub timeline: Option<std::path::PathBuf>,
+    /// The global steps --timeline records, as FIRST..END (END excluded).
+    #[arg(long, default_value = "10..20", value_parser = parse_steps)]
+    pub timeline_steps: std::ops::Range<usize>,
+}
+
+impl MonitorArgs {
+    /// The callbacks these flags ask for.
+    pub fn callbacks(&self) -> Vec<Box<dyn kandle::callbacks::Callback>> {
+        use kandle::callbacks::{Callback, TensorBoard, Timeline};
+        let mut callbacks = Vec::new();
+        if let Some(dir) = &self.tensorboard {
+            callbacks.push(TensorBoard::new(dir).histogram_freq(1).boxed());
+        }
+        if let Some(path) = &self.timeline {
+            callbacks.push(
+                Timeline::new(path)
+                    .steps(self.timeline_steps.clone())
+                    .boxed(),
+            );
+        }
+        callbacks
+    }
+}
+
+/// `FIRST..END`, a range of steps.
+fn parse_steps(text: &str) -> Result<std::ops::Range<usize>, String> {
+    let bad = || format!("`{text}`: give the steps as FIRST..END, e.g. 100..120");
+    let (first, end) = text.split_once("..").ok_or_else(bad)?;
+    let (first, end): (usize, usize) = (
+        first.trim().parse().map_err(|_| bad())?,
+        end.trim().parse().map_err(|_| bad())?,
+    );
+    if first >= end {
+        return Err(format!("`{text}`: the window is empty"));
+    }
+    Ok(first..end)
+}
+
 /// `--gradient-accumulation-steps` and `--dtype-policy`, as every training binary takes them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct PrecisionArgs {

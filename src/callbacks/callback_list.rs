@@ -49,21 +49,30 @@ impl Callback for CallbackList {
         ))
     }
 
-    /// Gives each callback its part of a state made by [`Self::state`] for the same callbacks.
+    /// Gives each callback with a state its part of a state made by [`Self::state`]: the
+    /// callbacks that keep a state (those whose [`Callback::state`] is `Some`) are matched in
+    /// order, so callbacks without one (a progress bar, TensorBoard, a timeline) may be added
+    /// or left out when a run resumes.
     fn load_state(&mut self, state: &super::CallbackState) -> Result<()> {
-        let parts = state.as_array().filter(|p| p.len() == self.callbacks.len());
-        let Some(parts) = parts else {
+        let saved: Vec<&serde_json::Value> = state
+            .as_array()
+            .map(|parts| parts.iter().filter(|p| !p.is_null()).collect())
+            .unwrap_or_default();
+        let mut stateful: Vec<&mut Box<dyn Callback>> = self
+            .callbacks
+            .iter_mut()
+            .filter(|cb| cb.state().is_some())
+            .collect();
+        if saved.len() != stateful.len() {
             return Err(crate::Error::invalid(format!(
-                "the saved callback state is for {} callbacks, but fit has {}: resume with the \
-                 same callbacks",
-                state.as_array().map_or(0, Vec::len),
-                self.callbacks.len()
+                "the saved callback state is for {} callbacks that keep a state, but fit has \
+                 {}: resume with the same callbacks",
+                saved.len(),
+                stateful.len()
             )));
-        };
-        for (cb, part) in self.callbacks.iter_mut().zip(parts) {
-            if !part.is_null() {
-                cb.load_state(part)?;
-            }
+        }
+        for (cb, part) in stateful.iter_mut().zip(saved) {
+            cb.load_state(part)?;
         }
         Ok(())
     }
@@ -114,5 +123,43 @@ impl Callback for CallbackList {
         model: &mut Model,
     ) -> Result<()> {
         self.each(|cb| cb.on_predict_batch_end(batch, outputs, model))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::callbacks::{CsvLogger, History, TerminateOnNaN};
+
+    #[test]
+    fn a_resumed_list_matches_the_callbacks_that_keep_a_state_in_order() -> Result<()> {
+        let dir = std::env::temp_dir();
+        let stateful = || -> Vec<Box<dyn Callback>> {
+            vec![
+                Box::new(History::new()),
+                Box::new(CsvLogger::new(dir.join("unused.csv"))),
+            ]
+        };
+        let saved = CallbackList::new(stateful(), true)
+            .state()
+            .unwrap_or_default();
+
+        // Stateless callbacks added around them change nothing.
+        let mut more = stateful();
+        more.insert(0, Box::new(TerminateOnNaN));
+        more.push(Box::new(TerminateOnNaN));
+        CallbackList::new(more, true).load_state(&saved)?;
+
+        // A stateful one missing is an error that says so.
+        let err = CallbackList::new(vec![Box::new(History::new())], true)
+            .load_state(&saved)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("for 2 callbacks that keep a state, but fit has 1"),
+            "{err}"
+        );
+        Ok(())
     }
 }

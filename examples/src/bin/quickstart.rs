@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, PrecisionArgs, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, MonitorArgs, PrecisionArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
@@ -57,6 +57,8 @@ struct Args {
     precision: PrecisionArgs,
     #[command(flatten)]
     backup: BackupArgs,
+    #[command(flatten)]
+    monitor: MonitorArgs,
     #[command(flatten)]
     ps: PsArgs,
 }
@@ -101,6 +103,7 @@ fn main() -> Result<()> {
             .title("Small CNN on digits")
             .boxed(),
     ];
+    callbacks.extend(args.monitor.callbacks());
     callbacks.extend(backup.map(Callback::boxed));
     let history = model.fit(
         &train,

@@ -28,7 +28,7 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, FitInfo, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, CifarModel, PrecisionArgs, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, CifarModel, MonitorArgs, PrecisionArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
@@ -80,6 +80,8 @@ struct Args {
     precision: PrecisionArgs,
     #[command(flatten)]
     backup: BackupArgs,
+    #[command(flatten)]
+    monitor: MonitorArgs,
     #[command(flatten)]
     ps: PsArgs,
 }
@@ -280,6 +282,7 @@ fn main() -> Result<()> {
                 timer.boxed(),
             ]
             .into_iter()
+            .chain(args.monitor.callbacks())
             .chain(backup.map(Callback::boxed))
             .collect(),
             stop_signal: Some(args.backup.stop_signal()?),

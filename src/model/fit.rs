@@ -103,6 +103,7 @@ impl Model {
         callbacks.on_train_begin(&info, self)?;
         let shape = RunShape {
             steps_per_epoch: steps,
+            full_steps: Some(loader.steps_per_epoch()),
             global_batch_size: info.global_batch_size,
             // The whole dataset's, the same on every worker (`info.samples` is this worker's).
             samples: data.len(),

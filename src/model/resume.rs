@@ -38,11 +38,14 @@ pub(crate) struct FitRequests {
     pub(crate) preempted: Option<Preempted>,
 }
 
-/// The shape of a `fit` run, the same on every worker: a backup resumes only into a run of the
-/// same shape.
+/// The shape of a `fit` run, the same on every worker: a backup resumes into a run of the same
+/// data, at the same global batch or (elastically) at another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RunShape {
     pub(crate) steps_per_epoch: usize,
+    /// The loader's steps per epoch, before `steps_per_epoch` cut them (`None` in backups of
+    /// runs before it was recorded).
+    pub(crate) full_steps: Option<usize>,
     pub(crate) global_batch_size: usize,
     /// Samples in the dataset.
     pub(crate) samples: usize,
@@ -90,6 +93,7 @@ pub(crate) fn record(
             "step": position.step,
             "totals": totals,
             "steps_per_epoch": shape.steps_per_epoch,
+            "full_steps": shape.full_steps,
             "global_batch_size": shape.global_batch_size,
             "samples": shape.samples,
             "workers": shape.workers,
@@ -165,39 +169,17 @@ pub(crate) fn restore(
     };
     let saved = RunShape {
         steps_per_epoch: number("steps_per_epoch")?,
+        full_steps: fit
+            .get("full_steps")
+            .filter(|v| !v.is_null())
+            .map(|_| number("full_steps"))
+            .transpose()?,
         global_batch_size: number("global_batch_size")?,
         samples: number("samples")?,
         // Backups of single-process runs before the field existed.
         workers: fit.get("workers").map_or(Ok(1), |_| number("workers"))?,
     };
-    if saved.workers != shape.workers {
-        return Err(Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!(
-                "was taken by a job of {} worker(s), but this job has {}: a multi-worker job \
-                 resumes as a whole, so restart every worker together (`mpirun -n {}` ...), \
-                 not one alone; to go on with another number of workers, load the training \
-                 state with `Model::load` and start a new fit",
-                saved.workers, shape.workers, saved.workers
-            ),
-        });
-    }
-    if saved != shape {
-        return Err(Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!(
-                "was taken in a run of {} steps per epoch, global batch {} and {} samples, but \
-                 this fit has {}, {} and {}: resume with the same data and batch size, or \
-                 delete the backup to start again",
-                saved.steps_per_epoch,
-                saved.global_batch_size,
-                saved.samples,
-                shape.steps_per_epoch,
-                shape.global_batch_size,
-                shape.samples
-            ),
-        });
-    }
+    let step = resumed_step(path, &saved, &shape, number("step")?)?;
     let totals = match fit.get("totals") {
         None | Some(Value::Null) => None,
         Some(t) => {
@@ -233,9 +215,70 @@ pub(crate) fn restore(
     }
     Ok(Position {
         epoch: number("epoch")?,
-        step: number("step")?,
+        step,
         totals,
     })
+}
+
+/// The step of this run at which a backup taken after `step` steps of a run of shape `saved`
+/// resumes. At the same global batch (and epoch length) it is `step`, whatever the number of
+/// replicas or workers. At another global batch (more or fewer replicas or workers at the same
+/// batch per replica), the samples seen so far in the epoch carry over: the data order is the
+/// seeded one, so the run resumes at the last whole global batch of the new size at or before
+/// them, and sees at most one batch's worth of samples again. Another dataset, or epochs cut
+/// short by `steps_per_epoch` at another batch size, are errors.
+pub(crate) fn resumed_step(
+    path: &Path,
+    saved: &RunShape,
+    shape: &RunShape,
+    step: usize,
+) -> Result<usize> {
+    let refuse = |reason: String| Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if saved.samples != shape.samples {
+        return Err(refuse(format!(
+            "was taken in a run over {} samples, but this fit has {}: resume with the same data, \
+             or delete the backup to start again",
+            saved.samples, shape.samples
+        )));
+    }
+    if saved.global_batch_size == shape.global_batch_size {
+        if saved.steps_per_epoch != shape.steps_per_epoch {
+            return Err(refuse(format!(
+                "was taken in a run of {} steps per epoch, but this fit has {}: resume with the \
+                 same steps_per_epoch and drop_remainder",
+                saved.steps_per_epoch, shape.steps_per_epoch
+            )));
+        }
+        return Ok(step);
+    }
+    let whole = |s: &RunShape| s.full_steps == Some(s.steps_per_epoch);
+    if !whole(saved) || !whole(shape) {
+        return Err(refuse(format!(
+            "was taken at global batch {} and this fit's is {}, but {}: where an epoch ends at \
+             another batch size is ambiguous, so resume at global batch {} (batch size per \
+             replica x replicas in sync) or without steps_per_epoch",
+            saved.global_batch_size,
+            shape.global_batch_size,
+            match saved.full_steps {
+                None => "the backup does not say how long its epochs were".to_string(),
+                Some(_) => "an epoch is cut short by steps_per_epoch".to_string(),
+            },
+            saved.global_batch_size
+        )));
+    }
+    let seen = (step * saved.global_batch_size).min(saved.samples);
+    let resumed = seen / shape.global_batch_size;
+    log::info!(
+        "the backup was taken at global batch {} after {seen} samples of its epoch; at global \
+         batch {} this run resumes at step {resumed} ({} samples seen again)",
+        saved.global_batch_size,
+        shape.global_batch_size,
+        seen - resumed * shape.global_batch_size
+    );
+    Ok(resumed.min(shape.steps_per_epoch))
 }
 
 /// What a worker found to resume from: the words the workers of a job compare before resuming.
@@ -396,6 +439,60 @@ mod tests {
             .to_string();
         assert!(
             err.contains("worker 1: found backups it cannot read"),
+            "{err}"
+        );
+    }
+
+    fn shape(batch: usize, steps: usize, full: Option<usize>) -> RunShape {
+        RunShape {
+            steps_per_epoch: steps,
+            full_steps: full,
+            global_batch_size: batch,
+            samples: 400,
+            workers: 1,
+        }
+    }
+
+    fn step(saved: RunShape, now: RunShape, at: usize) -> std::result::Result<usize, String> {
+        resumed_step(Path::new("b.safetensors"), &saved, &now, at).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_backup_resumes_at_the_samples_it_saw_at_any_global_batch() {
+        let at32 = shape(32, 13, Some(13));
+        // The same global batch (any replicas or workers): the same step.
+        assert_eq!(step(at32, at32, 5), Ok(5));
+        // 5 steps of 32 are 160 samples: 10 of 16, 3 whole ones of 48 (16 seen again).
+        assert_eq!(step(at32, shape(16, 25, Some(25)), 5), Ok(10));
+        assert_eq!(step(at32, shape(48, 9, Some(9)), 5), Ok(3));
+        // At the epoch's end the new run's epoch is over too.
+        assert_eq!(step(at32, shape(48, 9, Some(9)), 13), Ok(8));
+    }
+
+    #[test]
+    fn what_cannot_carry_over_is_an_error_saying_why() {
+        let at32 = shape(32, 13, Some(13));
+        let other_data = RunShape {
+            samples: 380,
+            ..at32
+        };
+        let err = step(at32, other_data, 5).unwrap_err();
+        assert!(
+            err.contains("over 400 samples, but this fit has 380"),
+            "{err}"
+        );
+        let cut = shape(32, 10, Some(13));
+        let err = step(cut, shape(16, 25, Some(25)), 5).unwrap_err();
+        assert!(err.contains("cut short by steps_per_epoch"), "{err}");
+        let old = shape(32, 13, None);
+        let err = step(old, shape(16, 25, Some(25)), 5).unwrap_err();
+        assert!(
+            err.contains("does not say how long its epochs were"),
+            "{err}"
+        );
+        let err = step(at32, shape(32, 10, Some(13)), 5).unwrap_err();
+        assert!(
+            err.contains("13 steps per epoch, but this fit has 10"),
             "{err}"
         );
     }

@@ -236,7 +236,7 @@ fn wait_for_file(path: &Path, timeout: Duration) -> Result<()> {
 /// takes part; the chief writes). Run again after a kill, it resumes; `--keep-backups` leaves
 /// the backup in place when the run completes. SIGTERM or SIGINT on any process stops every
 /// worker after the same step, with a backup there: each prints `<label> stopped by ...` and
-/// exits with status 75.
+/// exits with status 75. A finished run prints `<label> val_accuracy A`.
 pub fn backup<S: Strategy + Clone + 'static>(
     strategy: &S,
     common: &Common,
@@ -250,7 +250,7 @@ pub fn backup<S: Strategy + Clone + 'static>(
     let backups = BackupAndRestore::new(dir)
         .save_freq(SaveFreq::Steps(common.every.unwrap_or(4)))
         .delete_checkpoint(!common.keep_backups);
-    model.fit(
+    let history = model.fit(
         &train,
         FitOptions {
             epochs: common.epochs.unwrap_or(3),
@@ -275,6 +275,9 @@ pub fn backup<S: Strategy + Clone + 'static>(
         // As the example programs: say where, and leave at once with their status.
         println!("{label} {preempted}");
         std::process::exit(kandle::preemption::EXIT_PREEMPTED);
+    }
+    if let Some(accuracy) = history.last("val_accuracy") {
+        println!("{label} val_accuracy {accuracy}");
     }
     model.save(out)
 }

@@ -288,6 +288,48 @@ fn a_preempted_mirrored_run_resumes_within_1e_6() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Two SIGTERMs in a row while a backup is written after every step: the second ends the run
+/// at once (status 128 + 15) wherever it was, a backup write included, unless the run already
+/// stopped after its step (status 75; its steps take milliseconds); either way the backup there
+/// is whole and the same command resumes from it. (`testing/tests/multi_worker.rs` checks the
+/// second signal's exit on a run whose steps are slow.)
+#[test]
+fn two_signals_in_a_row_leave_a_whole_backup() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let backups = dir.path().join("backups");
+    let backup = backups.join("backup.safetensors");
+    // A backup after every step, so the signals are likely to land during one.
+    let mut cmd = quickstart(dir.path(), None, &[]);
+    cmd.arg("--backup-dir")
+        .arg(&backups)
+        .args(["--backup-every-steps", "1"]);
+    let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+    let start = Instant::now();
+    while !backup.is_file() && start.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    anyhow::ensure!(backup.is_file(), "no backup");
+    let pid = child.id().to_string();
+    for _ in 0..2 {
+        Command::new("kill").args(["-TERM", &pid]).status()?;
+    }
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(
+        matches!(out.status.code(), Some(143) | Some(75)),
+        "status {:?}",
+        out.status
+    );
+    eprintln!("two SIGTERMs: exit status {:?}", out.status.code());
+    TrainingState::load(&backup)?;
+    let resumed = run(quickstart(dir.path(), Some(&backups), &[]))?;
+    anyhow::ensure!(resumed
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .starts_with("resuming from"));
+    Ok(())
+}
+
 #[test]
 fn a_killed_run_resumes_bit_for_bit_on_one_device() -> anyhow::Result<()> {
     let r = kill_and_resume_quickstart(&[])?;

@@ -413,6 +413,37 @@ fn a_killed_job_resumes_as_a_whole_and_ends_as_an_uninterrupted_one() -> anyhow:
     assert_resumed_as_uninterrupted(&outcome, &backup, &plain_out, &out, 1e-6)
 }
 
+/// A second SIGTERM ends a worker at once, in the middle of a slow step: status 128 + 15, no
+/// waiting for the step to finish.
+#[test]
+fn a_second_signal_ends_a_worker_at_once() -> anyhow::Result<()> {
+    let _one = lock();
+    let tmp = tempfile::tempdir()?;
+    let out = tmp.path().join("out.safetensors");
+    let task = backup_task(
+        &tmp.path().join("b").to_string_lossy(),
+        &out,
+        &["--step-millis", "3000"],
+    );
+    let mut launch = launch::Launch::start(alone(&task))?;
+    let pid_line = launch.wait_for_line(|l| l.contains(" pid "))?;
+    let pid = pid_line.rsplit(' ').next().unwrap_or_default().to_string();
+    launch.wait_for_line(|l| l.ends_with("finished step 1"))?;
+    let start = Instant::now();
+    for _ in 0..2 {
+        Command::new("kill").args(["-TERM", &pid]).status()?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outcome = launch.finish()?;
+    assert_eq!(outcome.status.code(), Some(143), "{}", outcome.output);
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        start.elapsed()
+    );
+    Ok(())
+}
+
 /// The validation accuracy a finished `backup` task printed.
 fn val_accuracy(outcome: &Outcome) -> f64 {
     outcome

@@ -15,7 +15,11 @@
 //! statistics folded into `scale` and `shift`, differentiable in all three.
 //!
 //! Both can fold a following ReLU into the same pass (`relu = true`); its gradient passes
-//! where the pre-activation is `>= 0`, as candle's ReLU does.
+//! where the pre-activation is `>= 0`, as candle's ReLU does, or NaN, as PyTorch's does.
+//!
+//! NaNs propagate as in PyTorch: a NaN in a channel of a training batch makes that channel's
+//! mean and variance NaN, and so its whole output; in inference only the NaN's own output is
+//! NaN, and the ReLU keeps it.
 
 use std::sync::{Arc, OnceLock};
 
@@ -243,7 +247,7 @@ impl CustomOp3 for TrainOp {
                     c,
                     s,
                 },
-                &saved.mean,
+                Some(&saved.mean),
                 self.relu,
                 |ch, [sum_dy, sum_dy_centered]| {
                     let invstd = saved.invstd[ch] as f64;
@@ -316,7 +320,6 @@ impl CustomOp3 for AffineOp {
             shift: shift.to_vec1()?,
         };
         let (_, c, s) = nc_plane(x.dims());
-        let zeros = vec![0f32; c];
         channel_backward(AFFINE_OP, x, grad, |xs, dy, b_image| {
             let (dx, sums) = map.backward(
                 Inputs {
@@ -326,7 +329,7 @@ impl CustomOp3 for AffineOp {
                     c,
                     s,
                 },
-                &zeros,
+                None,
                 self.relu,
                 |ch, _| Linear {
                     dy: map.scale[ch],
@@ -387,17 +390,29 @@ impl ChannelMap {
     /// through this map's pre-activation, then the input gradient with the coefficients that
     /// `linear(channel, sums)` makes of them (a [`ChannelKernel`]). Returns the input gradient
     /// and the sums.
+    ///
+    /// Without a `center` (an affine map of `x` itself, inference's), the sums take `x` as it
+    /// is and the input gradient has no centred term (`linear`'s `centered` is not read), so a
+    /// NaN in `x` leaves its own gradient `dy' * linear.dy + linear.constant` finite, as
+    /// PyTorch's is.
     fn backward(
         &self,
         g: Inputs<'_>,
-        center: &[f32],
+        center: Option<&[f32]>,
         relu: bool,
         linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
     ) -> (Vec<f32>, Vec<[f64; 2]>) {
-        let (dx, channels) = if relu {
-            self.backward_with::<true>(g, center, linear)
-        } else {
-            self.backward_with::<false>(g, center, linear)
+        let zeros;
+        let (dx, channels) = match (center, relu) {
+            (Some(center), true) => self.backward_with::<true, true>(g, center, linear),
+            (Some(center), false) => self.backward_with::<false, true>(g, center, linear),
+            (None, relu) => {
+                zeros = vec![0f32; g.c];
+                match relu {
+                    true => self.backward_with::<true, false>(g, &zeros, linear),
+                    false => self.backward_with::<false, false>(g, &zeros, linear),
+                }
+            }
         };
         (
             dx,
@@ -405,14 +420,14 @@ impl ChannelMap {
         )
     }
 
-    /// [`ChannelMap::backward`], with or without the ReLU.
-    fn backward_with<const RELU: bool>(
+    /// [`ChannelMap::backward`], with or without the ReLU, and the centred term.
+    fn backward_with<const RELU: bool, const CENTERED: bool>(
         &self,
         g: Inputs<'_>,
         center: &[f32],
         linear: impl Fn(usize, [f64; 2]) -> Linear + Sync,
     ) -> (Vec<f32>, Vec<GradChannel>) {
-        let kernel = Backward::<RELU, _> {
+        let kernel = Backward::<RELU, CENTERED, _> {
             map: self,
             center,
             linear,
@@ -480,7 +495,10 @@ impl<const RELU: bool> ChannelKernel for Normalize<'_, RELU> {
 
     fn finish(&self, ch: usize, [sum, squares]: [f64; 2]) -> ChannelNorm {
         let shifted_mean = sum / self.count;
-        let var = (squares / self.count - shifted_mean * shifted_mean).max(0.0);
+        // Rounding may leave a tiny negative difference, clamped to zero; a NaN (a NaN in the
+        // channel) stays, as PyTorch's variance does (`f64::max` would make it zero).
+        let var = squares / self.count - shifted_mean * shifted_mean;
+        let var = if var < 0.0 { 0.0 } else { var };
         let mean = self.x[ch * self.s] as f64 + shifted_mean;
         let invstd = 1.0 / (var + self.epsilon).sqrt();
         let scale = self.weight[ch] as f64 * invstd;
@@ -501,9 +519,10 @@ impl<const RELU: bool> ChannelKernel for Normalize<'_, RELU> {
     }
 }
 
-/// The backward pass through a [`ChannelMap`] (and the ReLU when `RELU`) as a
-/// [`ChannelKernel`] over `x` and `dy`; see [`ChannelMap::backward`].
-struct Backward<'a, const RELU: bool, L> {
+/// The backward pass through a [`ChannelMap`] (and the ReLU when `RELU`, the input
+/// gradient's centred term when `CENTERED`) as a [`ChannelKernel`] over `x` and `dy`; see
+/// [`ChannelMap::backward`].
+struct Backward<'a, const RELU: bool, const CENTERED: bool, L> {
     map: &'a ChannelMap,
     center: &'a [f32],
     linear: L,
@@ -520,7 +539,7 @@ struct GradChannel {
     sums: [f64; 2],
 }
 
-impl<const RELU: bool, L> ChannelKernel for Backward<'_, RELU, L>
+impl<const RELU: bool, const CENTERED: bool, L> ChannelKernel for Backward<'_, RELU, CENTERED, L>
 where
     L: Fn(usize, [f64; 2]) -> Linear + Sync,
 {
@@ -554,7 +573,7 @@ where
             centered: p,
             constant: q,
         } = ch.lin;
-        let rest = p * (v - ch.m) + q;
+        let rest = if CENTERED { p * (v - ch.m) + q } else { q };
         select(relu_mask::<RELU>(v, ch.a, ch.b), rest + k * g, rest)
     }
 }
@@ -563,8 +582,8 @@ where
 #[inline(always)]
 fn affine<const RELU: bool>(v: f32, a: f32, b: f32) -> f32 {
     let z = v * a + b;
-    if RELU && z < 0.0 {
-        0.0
+    if RELU {
+        crate::relu::scalar(z)
     } else {
         z
     }

@@ -2,8 +2,9 @@
 //!
 //! Fast CPU kernels for the hot paths of [kandle](https://github.com/kandle-rs/kandle)'s layers,
 //! as candle custom ops with their backward registered, so autograd uses them unchanged:
-//! convolution ([`conv2d`]), batch normalisation ([`batch_norm`]), pooling ([`pooling`]) and
-//! concatenation along channels ([`concat`](mod@concat)), and optimizers' updates in place ([`optimizer`]).
+//! convolution ([`conv2d`]), batch normalisation ([`batch_norm`]), pooling ([`pooling`]),
+//! concatenation along channels ([`concat`](mod@concat)) and the ReLU ([`relu`](mod@relu)),
+//! and optimizers' updates in place ([`optimizer`]).
 //!
 //! Candle composes convolution backward, BatchNorm and overlapping pooling from many small
 //! generic ops; on the CPU that is an order of magnitude slower than a framework's dedicated
@@ -29,6 +30,7 @@ pub mod conv2d;
 mod error;
 pub mod optimizer;
 pub mod pooling;
+pub mod relu;
 pub mod replay;
 
 mod output;

@@ -13,7 +13,7 @@
 use candle_core::Tensor;
 
 use crate::error::shape_with_batch;
-use crate::layers::{channel_part, join_channels};
+use crate::layers::{channel_part, join_channels, relu, ReluRecord};
 use crate::{Error, Result};
 
 /// How a merge combines its inputs.
@@ -154,7 +154,7 @@ pub(crate) struct MergeLayer {
 pub(crate) struct MergeBackward {
     kind: MergeKind,
     /// The ReLU's mask, when one was absorbed.
-    passes: Option<Tensor>,
+    relu: Option<ReluRecord>,
     /// The inputs (for a product's gradient).
     inputs: Vec<Tensor>,
     channels: Vec<usize>,
@@ -211,25 +211,27 @@ impl MergeLayer {
     /// The output for `xs`.
     pub(crate) fn forward(&self, xs: &[Tensor]) -> Result<Tensor> {
         let y = self.combine(xs)?;
-        Ok(if self.relu { y.relu()? } else { y })
+        Ok(if self.relu {
+            relu(&y, self.kernels)?
+        } else {
+            y
+        })
     }
 
     /// The output for `xs` and its backward pass.
     pub(crate) fn record(&self, xs: &[Tensor]) -> Result<(Tensor, MergeBackward)> {
         let y = self.combine(xs)?;
-        // Candle's ReLU passes the gradient where its input is >= 0; so does the absorbed one.
-        let passes = match self.relu {
-            true => Some(y.ge(0.0)?.to_dtype(y.dtype())?),
-            false => None,
+        let (y, relu) = match self.relu {
+            true => ReluRecord::relu(&y, self.kernels).map(|(y, r)| (y, Some(r)))?,
+            false => (y, None),
         };
-        let y = if self.relu { y.relu()? } else { y };
         let inputs = match self.kind {
             MergeKind::Multiply => xs.to_vec(),
             _ => Vec::new(),
         };
         let backward = MergeBackward {
             kind: self.kind,
-            passes,
+            relu,
             inputs,
             channels: self.channels.clone(),
             kernels: self.kernels,
@@ -243,8 +245,8 @@ impl MergeBackward {
     /// of it, a view when `views(i)` (its producer reads such a range in place), a copy
     /// otherwise.
     pub(crate) fn backward(self, dy: Tensor, views: impl Fn(usize) -> bool) -> Result<Vec<Tensor>> {
-        let dy = match &self.passes {
-            Some(passes) => dy.mul(passes)?,
+        let dy = match &self.relu {
+            Some(relu) => relu.backward(&dy)?,
             None => dy,
         };
         let n = self.channels.len();

@@ -57,6 +57,36 @@ fn recorded_gradients_of_a_graph_match_autograd() -> Result<()> {
     )
 }
 
+/// A functional `add` with the ReLU it absorbs, and a `concatenate`, keep a NaN on every
+/// compute path (the layers' table, `layers/nan_tests.rs`, runs the same checks).
+#[test]
+fn merges_keep_a_nan() -> Result<()> {
+    use crate::layers::nan_tests::{both_halves, check_nans, same, Case};
+    let x = Input::new(&[4, 6, 6]).tensor();
+    let relu = Activation::Relu.call(&x)?;
+    let sum = Activation::Relu.call(&add(&[&x, &relu])?)?;
+    let joined = concatenate(&[&x, &relu])?;
+    for (name, y, rule) in [
+        (
+            "functional add + relu",
+            sum,
+            same as crate::layers::nan_tests::Rule,
+        ),
+        ("functional concatenate", joined, both_halves),
+    ] {
+        check_nans(&Case {
+            name,
+            net: Sequential::new().add(Functional::new([&x], [&y])?),
+            input: &[2, 4, 6, 6],
+            train: rule,
+            infer: rule,
+            // The NaN's gradient passes both the ReLU and the identity.
+            grad_at_nan: Some(2.0),
+        })?;
+    }
+    Ok(())
+}
+
 #[test]
 fn a_shared_layer_has_one_set_of_variables() -> Result<()> {
     let summary = every_merge()?.summary()?;

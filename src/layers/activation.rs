@@ -4,8 +4,8 @@
 use candle_core::{Tensor, D};
 
 use super::{
-    identity, missing_input_grad, pass_through, record_with_candle, BuildContext, Built, FastPath,
-    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
+    identity, missing_input_grad, pass_through, record_with_candle, relu, BuildContext, Built,
+    FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded, ReluRecord,
 };
 use crate::Result;
 
@@ -13,9 +13,9 @@ use crate::Result;
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub enum Activation {
-    /// `max(x, 0)`.
+    /// `max(x, 0)`, a NaN staying NaN (as PyTorch's `relu`).
     Relu,
-    /// `max(x, slope * x)`.
+    /// `max(x, slope * x)`, a NaN staying NaN.
     LeakyRelu(f64),
     /// Softmax over the last axis. Cross-entropy losses read the logits before it, so a model
     /// ending in softmax trains as stably as one that outputs logits.
@@ -33,10 +33,42 @@ pub enum Activation {
 }
 
 impl Activation {
-    /// Applies the function to a tensor.
+    /// Applies the function to a tensor (a ReLU of an `f32` CPU tensor on kandle's CPU kernel,
+    /// as a layer on the default compute path).
     pub fn apply(self, x: &Tensor) -> Result<Tensor> {
-        Ok(match self {
-            Activation::Relu => x.relu()?,
+        self.with_kernels(true).apply(x)
+    }
+
+    /// [`Activation::apply`], differentiable by candle's autograd in training (see
+    /// [`BuiltActivation::apply_t`]).
+    pub(crate) fn apply_t(self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.with_kernels(true).apply_t(x, train)
+    }
+
+    /// The activation built for a compute path: on kandle's CPU kernels where `kernels` (and
+    /// the tensor suits them), on candle's device-generic ops otherwise.
+    pub(crate) fn with_kernels(self, kernels: bool) -> BuiltActivation {
+        BuiltActivation {
+            activation: self,
+            kernels,
+        }
+    }
+}
+
+/// An [`Activation`] built for a compute path: the layer it builds, and the option a `Dense` or
+/// a `Conv2D` applies to its own output.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BuiltActivation {
+    activation: Activation,
+    /// Whether a ReLU may run on kandle's kernel (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
+}
+
+impl BuiltActivation {
+    /// The function of `x`.
+    fn apply(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self.activation {
+            Activation::Relu => relu(x, self.kernels)?,
             Activation::LeakyRelu(slope) => x.maximum(&(x * slope)?)?,
             Activation::Softmax => candle_nn::ops::softmax_last_dim(x)?,
             Activation::Sigmoid => candle_nn::ops::sigmoid(x)?,
@@ -46,15 +78,13 @@ impl Activation {
             Activation::Linear => x.clone(),
         })
     }
-}
 
-impl Activation {
-    /// [`Activation::apply`], differentiable by candle's autograd in training: candle's fused
+    /// [`Self::apply`], differentiable by candle's autograd in training: candle's fused
     /// softmax has no backward pass, so a softmax in training is composed of ops that have one
     /// (a softmax whose logits the loss takes is never differentiated, and keeps the fused
     /// op).
-    pub(crate) fn apply_t(self, x: &Tensor, train: bool) -> Result<Tensor> {
-        match (self, train) {
+    fn apply_t(self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match (self.activation, train) {
             (Activation::Softmax, true) => Ok(candle_nn::ops::softmax(x, candle_core::D::Minus1)?),
             _ => self.apply(x),
         }
@@ -63,10 +93,10 @@ impl Activation {
 
 /// The activation a layer carries as an option (`Dense::new(10).activation(..)`), applied to
 /// that layer's own output `y`: the same values, logits and gradients as the separate layer.
-impl Activation {
-    /// `y` through the activation (see [`Activation::apply_t`]).
+impl BuiltActivation {
+    /// `y` through the activation (see [`Self::apply_t`]).
     pub(crate) fn after(self, y: Tensor, train: bool) -> Result<Tensor> {
-        match self {
+        match self.activation {
             Activation::Linear => Ok(y),
             _ => self.apply_t(&y, train),
         }
@@ -74,7 +104,7 @@ impl Activation {
 
     /// `y` through the activation, with `y` as the logits when the activation is a softmax.
     pub(crate) fn after_with_logits(self, y: Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        match self {
+        match self.activation {
             Activation::Linear => Ok((y, None)),
             Activation::Softmax => Ok((self.apply(&y)?, Some(y))),
             _ => Ok((self.apply(&y)?, None)),
@@ -85,7 +115,7 @@ impl Activation {
     /// runs first, then `inner`'s. With `with_logits`, a softmax gives `inner`'s output as the
     /// logits (as [`FastPath::forward_recorded`] does for the separate layer, asked for them).
     pub(crate) fn after_recorded(self, inner: Recorded, with_logits: bool) -> Result<Recorded> {
-        if self == Activation::Linear {
+        if self.activation == Activation::Linear {
             return Ok(inner);
         }
         let request = RecordRequest {
@@ -94,7 +124,7 @@ impl Activation {
         };
         let outer = self.forward_recorded(&inner.output, request)?;
         let (first, then) = (outer.backward, inner.backward);
-        let kind = self.kind();
+        let kind = self.activation.kind();
         Ok(Recorded {
             output: outer.output,
             logits: outer.logits,
@@ -128,8 +158,9 @@ impl LayerSpec for Activation {
         "Activation"
     }
 
-    fn build(&self, _ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
-        Ok(Built::fast(*self, input_shape.to_vec(), Vec::new()))
+    fn build(&self, ctx: &mut BuildContext, input_shape: &[usize]) -> Result<Built> {
+        let layer = self.with_kernels(ctx.compute_path().uses_kernels());
+        Ok(Built::fast(layer, input_shape.to_vec(), Vec::new()))
     }
 
     fn clone_spec(&self) -> Box<dyn LayerSpec> {
@@ -137,20 +168,31 @@ impl LayerSpec for Activation {
     }
 }
 
+/// The recipe used directly as a layer, without building it, takes the default path.
 impl Layer for Activation {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.with_kernels(true).forward_t(x, train)
+    }
+
+    fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
+        self.with_kernels(true).forward_with_logits(x, train)
+    }
+}
+
+impl Layer for BuiltActivation {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.apply_t(x, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
-        let logits = (*self == Activation::Softmax).then(|| x.clone());
+        let logits = (self.activation == Activation::Softmax).then(|| x.clone());
         Ok((self.apply(x)?, logits))
     }
 }
 
-impl FastPath for Activation {
+impl FastPath for BuiltActivation {
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
-        match self {
+        match self.activation {
             // The backward pass takes the gradient of the logits, which pass through unchanged.
             Activation::Softmax if request.logits => Ok(Recorded {
                 output: self.apply(x)?,
@@ -159,13 +201,12 @@ impl FastPath for Activation {
             }),
             Activation::Linear => Ok(identity(x)),
             Activation::Relu => {
-                // Candle's ReLU passes the gradient where the input is >= 0; so does this.
-                let passes = x.ge(0.0)?.to_dtype(x.dtype())?;
+                let (y, relu) = ReluRecord::relu(x, self.kernels)?;
                 Ok(Recorded::new(
-                    x.relu()?,
+                    y,
                     move |dy: Tensor, _: &mut ParamGrads, input_grad: bool| {
                         Ok(if input_grad {
-                            Some(dy.mul(&passes)?)
+                            Some(relu.backward(&dy)?)
                         } else {
                             None
                         })
@@ -177,7 +218,7 @@ impl FastPath for Activation {
     }
 
     fn is_relu(&self) -> bool {
-        *self == Activation::Relu
+        self.activation == Activation::Relu
     }
 }
 

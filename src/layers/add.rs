@@ -6,8 +6,8 @@ use candle_core::Tensor;
 
 use super::branches::{boxed_specs, branch_name, Branches};
 use super::{
-    record_with_candle, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest,
-    Recorded,
+    record_with_candle, relu, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded, ReluRecord,
 };
 use crate::Result;
 
@@ -75,6 +75,7 @@ impl LayerSpec for Add {
         let layer = AddLayer {
             branches: built.branches,
             relu: false,
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::fast(layer, output_shape, built.rows))
     }
@@ -88,6 +89,8 @@ struct AddLayer {
     branches: Branches,
     /// Whether the ReLU after the sum is applied here ([`FastPath::fuse_relu`]).
     relu: bool,
+    /// Whether that ReLU may run on the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
+    kernels: bool,
 }
 
 /// The sum of `outs`, which are not empty (a merge layer has branches).
@@ -102,7 +105,11 @@ fn sum(outs: Vec<Tensor>) -> Result<Tensor> {
 impl AddLayer {
     /// The sum, and the ReLU after it when this layer absorbed one.
     fn output(&self, sum: Tensor) -> Result<Tensor> {
-        Ok(if self.relu { sum.relu()? } else { sum })
+        Ok(if self.relu {
+            relu(&sum, self.kernels)?
+        } else {
+            sum
+        })
     }
 }
 
@@ -119,17 +126,16 @@ impl FastPath for AddLayer {
         }
         let (outs, backward) = self.branches.record(x)?;
         let sum = sum(outs)?;
-        // Candle's ReLU passes the gradient where its input is >= 0; so does the absorbed one.
-        let passes = match self.relu {
-            true => Some(sum.ge(0.0)?.to_dtype(sum.dtype())?),
-            false => None,
+        let (y, relu) = match self.relu {
+            true => ReluRecord::relu(&sum, self.kernels).map(|(y, r)| (y, Some(r)))?,
+            false => (sum, None),
         };
         Ok(Recorded::new(
-            self.output(sum)?,
+            y,
             // Every branch gets the whole gradient, shared rather than copied.
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                let dy = match &passes {
-                    Some(passes) => dy.mul(passes)?,
+                let dy = match &relu {
+                    Some(relu) => relu.backward(&dy)?,
                     None => dy,
                 };
                 backward.backward(|_, _| Ok(dy.clone()), grads, input_grad)

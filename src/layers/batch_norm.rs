@@ -19,8 +19,8 @@
 use candle_core::{Tensor, Var};
 
 use super::{
-    record_with_candle, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath, Layer,
-    LayerSpec, ParamGrads, RecordRequest, Recorded,
+    record_with_candle, relu, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath,
+    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded, ReluRecord,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm as kernels;
@@ -199,12 +199,13 @@ impl BatchNormLayer {
             }
             false => None,
         };
-        let relu = self.relu.then(|| y.clone());
+        // The ReLU's gradient passes where its output is above zero or NaN.
+        let relu = self.relu.then(|| ReluRecord::of_output(&y)).transpose()?;
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
                 let dy = match relu {
-                    Some(y) => dy.mul(&y.gt(0.0)?.to_dtype(dy.dtype())?)?,
+                    Some(relu) => relu.backward(&dy)?,
                     None => dy,
                 };
                 if let Some((x, mean, inv_std, weight, bias)) = params {
@@ -356,7 +357,11 @@ impl Layer for BatchNormLayer {
             self.update_moving(&mean, &var)?;
             self.normalize(x, &mean, &var)?
         };
-        Ok(if self.relu { y.relu()? } else { y })
+        Ok(if self.relu {
+            relu(&y, self.kernels)?
+        } else {
+            y
+        })
     }
 }
 

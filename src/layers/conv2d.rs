@@ -10,7 +10,8 @@ use candle_core::{DType, Tensor};
 use super::window::{subsample, Padding, Window};
 use super::{
     missing_input_grad, record_with_candle, Activation, Backward, BuildContext, Built,
-    ChannelAffine, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
+    BuiltActivation, ChannelAffine, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded,
 };
 use crate::kernels;
 use crate::kernels::conv2d::{FoldedAffine, KernelCache};
@@ -201,6 +202,11 @@ impl Conv2DLayer {
         })
     }
 
+    /// The activation, on the CPU kernel where the layer may call kernels.
+    fn built_activation(&self) -> BuiltActivation {
+        self.activation.with_kernels(self.kernels)
+    }
+
     /// The folded convolution's epilogue, with this layer's kernel cache.
     fn folded<'a>(&'a self, scale: &'a Tensor, shift: &'a Tensor, relu: bool) -> FoldedAffine<'a> {
         FoldedAffine {
@@ -351,17 +357,17 @@ impl Layer for Convolution<'_> {
 
 impl Layer for Conv2DLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.activation.after(self.convolve(x)?, train)
+        self.built_activation().after(self.convolve(x)?, train)
     }
 
     fn forward_with_logits(&self, x: &Tensor, _train: bool) -> Result<(Tensor, Option<Tensor>)> {
-        self.activation.after_with_logits(self.convolve(x)?)
+        self.built_activation().after_with_logits(self.convolve(x)?)
     }
 }
 
 impl FastPath for Conv2DLayer {
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
-        self.activation
+        self.built_activation()
             .after_recorded(self.record_convolution(x)?, request.logits)
     }
 

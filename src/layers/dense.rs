@@ -4,8 +4,8 @@
 use candle_core::Tensor;
 
 use super::{
-    shape_error, Activation, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads,
-    RecordRequest, Recorded,
+    shape_error, Activation, BuildContext, Built, BuiltActivation, FastPath, Layer, LayerSpec,
+    ParamGrads, RecordRequest, Recorded,
 };
 use crate::params::Init;
 use crate::Result;
@@ -99,7 +99,9 @@ impl LayerSpec for Dense {
             weight: ctx.tensor_of(&weight),
             bias: bias.map(|b| ctx.tensor_of(&b)),
             trainable: ctx.trainable(),
-            activation: self.activation,
+            activation: self
+                .activation
+                .with_kernels(ctx.compute_path().uses_kernels()),
             compute: ctx.compute_dtype(),
         };
         Ok(Built::fast(layer, vec![self.units], Vec::new()))
@@ -115,7 +117,7 @@ struct DenseLayer {
     bias: Option<Tensor>,
     /// Whether the weight and bias train: a frozen layer computes no gradient for them.
     trainable: bool,
-    activation: Activation,
+    activation: BuiltActivation,
     /// The dtype the product computes in (mixed precision): the input and the variables are
     /// cast to it.
     compute: candle_core::DType,

@@ -47,6 +47,7 @@ mod pooling;
 mod preprocessing;
 mod random_stream;
 mod recorded;
+mod relu;
 mod sequential;
 mod summary;
 mod window;
@@ -56,6 +57,7 @@ mod zero_padding;
 pub(crate) use crate::kernels::concat::ChannelSlot;
 pub(crate) use activation::log_softmax as activation_log_softmax;
 pub use activation::Activation;
+pub(crate) use activation::BuiltActivation;
 pub use add::Add;
 pub use batch_norm::BatchNormalization;
 #[cfg(test)]
@@ -84,6 +86,7 @@ pub use preprocessing::{
 };
 pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
+pub(crate) use relu::{relu, ReluRecord};
 pub use sequential::{Sequential, SequentialNet};
 pub use summary::{Summary, SummaryRow};
 pub use window::Padding;
@@ -338,5 +341,7 @@ pub(crate) fn check_input(layer: &str, x: &Tensor, expected: &[usize]) -> Result
     Ok(())
 }
 
+#[cfg(test)]
+pub(crate) mod nan_tests;
 #[cfg(test)]
 mod tests;

@@ -93,9 +93,11 @@ impl Geometry {
         }
     }
 
-    /// Max or sum over each window, by combining the strided views of the padded input. With
-    /// `routed`, a max pool's gradient goes to each window's first maximum, as the CPU kernel's
-    /// does (training); without, it is candle's (inference, where no gradient is taken).
+    /// Max or sum over each window, by combining the strided views of the padded input. A
+    /// window that holds a NaN has a NaN maximum, as the CPU kernel's and PyTorch's. With
+    /// `routed`, a max pool's gradient goes to each window's first maximum (its first NaN, if
+    /// any), as the CPU kernel's does (training); without, it is candle's (inference, where no
+    /// gradient is taken).
     fn reduce(&self, x: &Tensor, kind: PoolKind, routed: bool) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
         let x = if self.padded() {
@@ -127,40 +129,52 @@ impl Geometry {
             });
         }
         let acc = acc.ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
-        match kind {
-            PoolKind::Max if routed => first_maximum(&views, &acc.detach()),
-            _ => Ok(acc),
+        if kind == PoolKind::Average {
+            return Ok(acc);
+        }
+        // Candle's `maximum` passes over a NaN (CUDA's always, the CPU's unless it comes
+        // first): where a view holds one, the window's maximum is NaN.
+        let nans = views
+            .iter()
+            .map(|view| Ok(view.ne(view)?))
+            .collect::<Result<Vec<_>>>()?;
+        let (first, rest) = nans
+            .split_first()
+            .ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
+        let any_nan = rest
+            .iter()
+            .try_fold(first.clone(), |any, nan| any.maximum(nan))?;
+        let max = any_nan.where_cond(&(acc.zeros_like()? + f64::NAN)?, &acc)?;
+        match routed {
+            true => first_maximum(&views, &nans, &max.detach()),
+            false => Ok(max),
         }
     }
 }
 
-/// The maxima `max` of `views` (a window's strided views, in row-major window order) as a sum
-/// that candle's autograd differentiates the way the CPU kernel's backward pass does: each output
-/// gradient goes to the first view that holds the maximum, and to no other. (Candle's `maximum`
-/// splits the gradient between equal operands, so a chain of them spreads it over every tied
-/// position: flat regions of an image, a ReLU's zeros.) The value is `max` exactly: one view per
-/// output is selected, the others contribute zeros. A window that holds a NaN gives a NaN, as
-/// the kernel's does.
-fn first_maximum(views: &[Tensor], max: &Tensor) -> Result<Tensor> {
+/// The maxima `max` of `views` (a window's strided views, in row-major window order; `nans`
+/// marks their NaNs) as a sum that candle's autograd differentiates the way the CPU kernel's
+/// backward pass does: each output gradient goes to the first view that holds the maximum (a
+/// NaN, where the window holds one), and to no other. (Candle's `maximum` splits the gradient
+/// between equal operands, so a chain of them spreads it over every tied position: flat
+/// regions of an image, a ReLU's zeros.) The value is `max` exactly: one view per output is
+/// selected, the others contribute zeros.
+fn first_maximum(views: &[Tensor], nans: &[Tensor], max: &Tensor) -> Result<Tensor> {
     let zeros = max.zeros_like()?;
     // 1 where no earlier view held the maximum.
     let mut free = max.ones_like()?.to_dtype(DType::U8)?;
-    // 1 where a view so far held a NaN: candle's `maximum` passes over NaNs, the kernel's
-    // maximum is NaN when the window holds one.
-    let mut nan = zeros.to_dtype(DType::U8)?;
     let mut sum: Option<Tensor> = None;
-    for view in views {
-        let first = (view.eq(max)? * &free)?;
+    for (view, nan) in views.iter().zip(nans) {
+        // A NaN view holds its window's maximum, a NaN (which equals nothing).
+        let first = (view.eq(max)?.maximum(nan)? * &free)?;
         free = (&free - &first)?;
-        nan = nan.maximum(&view.ne(view)?)?;
         let part = first.where_cond(view, &zeros)?;
         sum = Some(match sum {
             None => part,
             Some(s) => (s + part)?,
         });
     }
-    let sum = sum.ok_or_else(|| crate::Error::invalid("empty pooling window"))?;
-    Ok(nan.where_cond(&(zeros + f64::NAN)?, &sum)?)
+    sum.ok_or_else(|| crate::Error::invalid("empty pooling window"))
 }
 
 /// Pads `dim` with `before` and `after` elements of `value`.

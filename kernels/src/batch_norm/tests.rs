@@ -182,6 +182,102 @@ fn channel_affine_matches_candle_ops_and_gradients() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// NaNs propagate as in PyTorch: in training a NaN makes its channel's mean and variance NaN
+/// and so the whole channel's output (with the ReLU too) and its gradients, the other channels
+/// untouched; in inference only the NaN's own output is NaN, and the ReLU passes its gradient.
+/// Small planes walked channel by channel and 40x40 planes streamed.
+#[test]
+fn a_nan_spreads_over_its_channel_in_training_and_stays_put_in_inference() -> anyhow::Result<()> {
+    for (i, shape) in [[3, 4, 5, 5], [2, 3, 40, 40]].iter().enumerate() {
+        let seed = 400 + i as u64;
+        let c = shape[1];
+        let mut values = random(shape, seed, 0.5)?.flatten_all()?.to_vec1::<f32>()?;
+        let at = ((shape[0] - 1) * c + 1) * shape[2] * shape[3] + 7;
+        values[at] = f32::NAN;
+        let x = Var::from_vec(values, shape.as_slice(), &Device::Cpu)?;
+        let w = random_var(&[c], seed + 1, 1.0)?;
+        let b = random_var(&[c], seed + 2, 0.0)?;
+        let vars = [x.as_tensor(), w.as_tensor(), b.as_tensor()];
+        // Whether each element is NaN, channel by channel.
+        let nans = |t: &Tensor| -> anyhow::Result<Vec<Vec<bool>>> {
+            let t = t.transpose(0, 1)?.flatten_from(1)?.to_vec2::<f32>()?;
+            Ok(t.iter()
+                .map(|ch| ch.iter().map(|v| v.is_nan()).collect())
+                .collect())
+        };
+        for relu in [false, true] {
+            let what = format!("{shape:?}, relu {relu}");
+            let (y, stats) = batch_norm_train(&x, Some(&w), Some(&b), EPSILON, relu)?;
+            for (ch, ch_nans) in nans(&y)?.iter().enumerate() {
+                assert!(
+                    ch_nans.iter().all(|&n| n == (ch == 1)),
+                    "{what}: channel {ch}"
+                );
+            }
+            for stat in [&stats.mean, &stats.var] {
+                let stat = stat.to_vec1::<f32>()?;
+                assert!(
+                    stat.iter()
+                        .enumerate()
+                        .all(|(ch, v)| v.is_nan() == (ch == 1)),
+                    "{what}"
+                );
+            }
+            let [dx, dw, db] = <[Tensor; 3]>::try_from(gradients(&weighted_sum(&y, 5)?, &vars)?)
+                .map_err(|_| anyhow::anyhow!("three gradients"))?;
+            for (ch, ch_nans) in nans(&dx)?.iter().enumerate() {
+                assert!(
+                    ch_nans.iter().all(|&n| n == (ch == 1)),
+                    "{what}: dx channel {ch}"
+                );
+            }
+            assert!(dw
+                .to_vec1::<f32>()?
+                .iter()
+                .enumerate()
+                .all(|(ch, v)| v.is_nan() == (ch == 1)));
+            assert!(
+                db.to_vec1::<f32>()?.iter().all(|v| v.is_finite()),
+                "{what}: the bias"
+            );
+
+            let scale = random_var(&[c], seed + 3, 0.5)?;
+            let shift = random_var(&[c], seed + 4, 0.0)?;
+            let affine_vars = [x.as_tensor(), scale.as_tensor(), shift.as_tensor()];
+            let y = channel_affine(&x, &scale, &shift, relu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            assert!(
+                y.iter().enumerate().all(|(j, v)| v.is_nan() == (j == at)),
+                "{what}"
+            );
+            let grads = gradients(
+                &weighted_sum(&channel_affine(&x, &scale, &shift, relu)?, 6)?,
+                &affine_vars,
+            )?;
+            // The NaN's own gradient passes the ReLU, and is finite: `scale * dy`.
+            assert!(grads[0]
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|v| v.is_finite()));
+            let dscale = grads[1].to_vec1::<f32>()?;
+            assert!(
+                dscale
+                    .iter()
+                    .enumerate()
+                    .all(|(ch, v)| v.is_nan() == (ch == 1)),
+                "{what}"
+            );
+            assert!(
+                grads[2].to_vec1::<f32>()?.iter().all(|v| v.is_finite()),
+                "{what}"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn bad_shapes_and_dtypes_name_the_op_and_both_shapes() -> anyhow::Result<()> {
     let x = random(&[2, 4, 5, 5], 0, 0.0)?;
@@ -353,7 +449,7 @@ fn every_vector_width_gives_the_same_bits() {
         scale: vec![0.7],
         shift: vec![0.1],
     };
-    let backward = Backward::<true, _> {
+    let backward = Backward::<true, true, _> {
         map: &map,
         center: &[0.2],
         linear: |_, [a, b]: [f64; 2]| Linear {
@@ -379,5 +475,51 @@ fn every_vector_width_gives_the_same_bits() {
     for &width in &widths[1..] {
         assert_eq!(grad(width), grad0, "backward at {width:?}");
         assert_eq!(norm(width), norm0, "normalisation at {width:?}");
+    }
+}
+
+/// The same NaNs at every width: a NaN in the channel makes the statistics and every output
+/// NaN (with the ReLU), and the gradient's sums NaN; the sums of a channel without a NaN,
+/// whose pre-activation a NaN scale makes NaN, pass the ReLU everywhere.
+#[test]
+fn every_vector_width_keeps_the_same_nans() {
+    let s = 37;
+    let mut x = values(3 * s, 3);
+    x[s + 5] = f32::NAN;
+    let dy = values(3 * s, 4);
+    let normalize = Normalize::<true> {
+        x: &x,
+        s,
+        count: (3 * s) as f64,
+        weight: &[1.5],
+        bias: &[-0.25],
+        epsilon: 1e-3,
+    };
+    let map = ChannelMap {
+        scale: vec![f32::NAN],
+        shift: vec![0.1],
+    };
+    let backward = Backward::<true, true, _> {
+        map: &map,
+        center: &[0.2],
+        linear: |_, _| Linear {
+            dy: 0.9,
+            centered: 0.0,
+            constant: 0.0,
+        },
+    };
+    let clean = values(3 * s, 5);
+    for width in Width::available() {
+        let (stats, out) = channel_bits(width, &normalize, &x, &x, s, |c| [c.mean, c.var]);
+        assert!(
+            stats.iter().all(|&v| f64::from_bits(v).is_nan()),
+            "{width:?}"
+        );
+        assert!(out.iter().all(|&v| f32::from_bits(v).is_nan()), "{width:?}");
+        // A NaN pre-activation passes the ReLU: every `dy` reaches the input gradient.
+        let (_, dx) = channel_bits(width, &backward, &clean, &dy, s, |c| c.sums);
+        for (&got, &g) in dx.iter().zip(&dy) {
+            assert_eq!(f32::from_bits(got), 0.9 * g, "{width:?}");
+        }
     }
 }

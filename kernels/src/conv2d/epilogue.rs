@@ -26,12 +26,5 @@ impl Epilogue<'_> {
     }
 }
 
-/// `max(v, 0)`, a NaN staying a NaN.
-#[inline(always)]
-pub(crate) fn relu(v: f32) -> f32 {
-    if v < 0.0 {
-        0.0
-    } else {
-        v
-    }
-}
+/// `max(v, 0)`, a NaN staying a NaN: the ReLU kernel's rule.
+pub(crate) use crate::relu::scalar as relu;

@@ -436,6 +436,79 @@ mod tests {
         Ok(())
     }
 
+    /// The fused ReLU keeps a NaN, makes `-inf` zero and keeps `+inf`, as `x < 0 ? 0 : x` does,
+    /// at every width: a NaN from the right operand (a whole column), from `dst` (one output)
+    /// or from a row's start (a whole row), in full blocks and masked last columns.
+    #[test]
+    fn the_relu_keeps_nans_and_infinities_at_every_width() -> candle_core::Result<()> {
+        let (m, k, n) = (7, 3, 37);
+        let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
+        let lhs: Vec<f32> = (0..m * k).map(value).collect();
+        let mut rhs: Vec<f32> = (0..k * n).map(|i| value(i * 13 + 1)).collect();
+        // Column 3 (a full block) and column 35 (a masked tail) read a NaN.
+        rhs[n + 3] = f32::NAN;
+        rhs[2 * n + 35] = f32::NAN;
+        let mut before: Vec<f32> = (0..m * n).map(|i| value(i * 3 + 2)).collect();
+        before[2 * n + 20] = f32::NAN;
+        before[3 * n + 36] = f32::INFINITY;
+        before[4 * n + 9] = f32::NEG_INFINITY;
+        let mut rows: Vec<f32> = (0..m).map(|i| i as f32 * 0.5 - 1.0).collect();
+        rows[1] = f32::NAN;
+        rows[5] = f32::NEG_INFINITY;
+        rows[6] = f32::INFINITY;
+        let packed = PackedLhs::new(&lhs, m, k)?;
+        for (from, start) in [Start::Zero, Start::Dst, Start::Rows(&rows)]
+            .into_iter()
+            .enumerate()
+        {
+            for level in levels() {
+                let mut dst = before.clone();
+                let rhs_view = View {
+                    data: &rhs,
+                    offset: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let dst_view = ViewMut {
+                    data: &mut dst,
+                    offset: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let write = Write { start, relu: true };
+                product_at(
+                    level,
+                    packed.panels(),
+                    Right::Matrix(rhs_view),
+                    n,
+                    dst_view,
+                    write,
+                )?;
+                for (at, &got) in dst.iter().enumerate() {
+                    let (i, j) = (at / n, at % n);
+                    let start = match start {
+                        Start::Zero => 0.0,
+                        Start::Dst => before[at],
+                        Start::Rows(rows) => rows[i],
+                    };
+                    let sum = (0..k).fold(start, |s, p| s + lhs[i * k + p] * rhs[p * n + j]);
+                    let case = format!("start {from} at {level}, ({i}, {j})");
+                    if sum.is_nan() {
+                        assert!(got.is_nan(), "{case}: {got}, not NaN");
+                    } else if sum.is_infinite() {
+                        assert_eq!(got, sum.max(0.0), "{case}");
+                    } else {
+                        assert!(got >= 0.0 && (got - sum.max(0.0)).abs() < 1e-4, "{case}");
+                    }
+                }
+                let nans = dst.iter().filter(|v| v.is_nan()).count();
+                let want = [2 * m, 2 * m + 1, 2 * m + n - 2][from];
+                assert_eq!(nans, want, "start {from} at {level}: NaN outputs");
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn rows_in_place_and_strips_give_the_packed_products_bits() -> candle_core::Result<()> {
         // (m, k, n, ld_lhs): one panel and several with a short last one, masked last

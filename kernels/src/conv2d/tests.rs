@@ -336,6 +336,108 @@ fn folded_affine_and_relu_match_candle() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A NaN in the input reaches every output whose window holds it, and the fused ReLU keeps
+/// it: in the direct correlation exactly those (candle's NaNs), in Winograd's at least those
+/// (a NaN spreads over the 4x4 output tiles whose input tiles hold it); every other output is
+/// candle's. Products in the micro-kernel (several images) and in `gemm` (one image on four
+/// threads, its ReLU in a pass of its own); the training op's kernel gradient is NaN too.
+#[test]
+fn a_nan_reaches_the_outputs_whose_window_holds_it() -> anyhow::Result<()> {
+    let mut rng = StdRng::seed_from_u64(23);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build()?;
+    let cases = [
+        (case((2, 16, 9, 9), (16, 3, 3), (1, 1), (1, 1, 1, 1)), true),
+        (case((1, 16, 9, 9), (16, 3, 3), (1, 1), (1, 1, 1, 1)), true),
+        (case((3, 8, 7, 7), (12, 1, 1), (1, 1), (0, 0, 0, 0)), false),
+        (case((1, 5, 11, 9), (7, 3, 3), (2, 2), (1, 0, 1, 0)), false),
+    ];
+    for (case, winograd) in cases {
+        let mut x = random(&mut rng, &[case.n, case.c, case.h, case.w])?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        x[((case.n - 1) * case.c + 2) * case.h * case.w + 4 * case.w + 5] = f32::NAN;
+        let x = Var::from_vec(x, (case.n, case.c, case.h, case.w), &Device::Cpu)?;
+        let w = random(&mut rng, &[case.o, case.c, case.kh, case.kw])?;
+        let want = reference(&x, &w, &case)?;
+        let nan_mask = |t: &Tensor| -> anyhow::Result<Vec<bool>> {
+            Ok(t.flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|v| v.is_nan())
+                .collect())
+        };
+        let want_nan = nan_mask(&want)?;
+        assert!(want_nan.iter().any(|&n| n) && !want_nan.iter().all(|&n| n));
+        for relu in [false, true] {
+            let (scale, shift) = (
+                Tensor::ones(case.o, DType::F32, &Device::Cpu)?,
+                random(&mut rng, &[case.o])?,
+            );
+            let affine = FoldedAffine {
+                scale: &scale,
+                shift: &shift,
+                relu,
+                cache: None,
+            };
+            let got = pool.install(|| conv2d_affine(&x, &w, affine, (case.stride, case.pad)))?;
+            let shifted = want.broadcast_add(&shift.reshape((1, case.o, 1, 1))?)?;
+            let what = format!("{case:?}, relu {relu}");
+            let got_nan = nan_mask(&got)?;
+            for (i, (&g, &n)) in got_nan.iter().zip(&want_nan).enumerate() {
+                assert!(g || !n, "{what}: output {i} should be NaN");
+                assert!(winograd || g == n, "{what}: output {i} should not be NaN");
+            }
+            let (got, shifted) = (
+                got.flatten_all()?.to_vec1::<f32>()?,
+                shifted.flatten_all()?.to_vec1::<f32>()?,
+            );
+            for (i, (&g, &v)) in got
+                .iter()
+                .zip(&shifted)
+                .enumerate()
+                .filter(|(i, _)| !got_nan[*i])
+            {
+                let v = if relu && v < 0.0 { 0.0 } else { v };
+                assert!(
+                    (g - v).abs() < 1e-4 * v.abs().max(1.0),
+                    "{what}: output {i}: {g} vs {v}"
+                );
+            }
+        }
+        // The training op: the same NaNs, a kernel gradient NaN where a tap met the NaN (on
+        // its channel), and a finite input gradient (which does not read the input).
+        let w = Var::from_tensor(&w)?;
+        let y = conv2d(&x, &w, None, case.stride, case.pad)?;
+        let y_nan = nan_mask(&y)?;
+        let same = |(&g, &n): (&bool, &bool)| (g || !n) && (winograd || g == n);
+        assert!(y_nan.iter().zip(&want_nan).all(same), "{case:?}: training");
+        let grads = y.sum_all()?.backward()?;
+        let (Some(dx), Some(dw)) = (grads.get(x.as_tensor()), grads.get(w.as_tensor())) else {
+            anyhow::bail!("{case:?}: a gradient is missing");
+        };
+        assert!(
+            dx.flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .all(|v| v.is_finite()),
+            "{case:?}"
+        );
+        let taps = case.kh * case.kw;
+        let dw_nan = nan_mask(dw)?;
+        assert!(
+            dw_nan.iter().any(|&n| n),
+            "{case:?}: no NaN in the kernel gradient"
+        );
+        for (i, &n) in dw_nan.iter().enumerate() {
+            assert!(
+                !n || i / taps % case.c == 2,
+                "{case:?}: kernel gradient {i}"
+            );
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn a_cached_kernel_serves_only_the_values_it_was_made_from() -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(29);

@@ -77,9 +77,89 @@ fn max_pool_ties_send_the_gradient_to_the_first_maximum() -> anyhow::Result<()> 
 #[test]
 fn max_pool_propagates_nan() -> anyhow::Result<()> {
     let x = Tensor::new(&[[[[1f32, f32::NAN, 5.], [5., 0., 3.]]]], &Device::Cpu)?;
-    let (y, _) = max_pool_and_gradient(&x, (2, 3))?;
+    let (y, dx) = max_pool_and_gradient(&x, (2, 3))?;
     let y = y.to_vec1::<f32>()?;
     assert!(y[0].is_nan(), "{y:?}");
+    // PyTorch takes the NaN as the window's maximum: its gradient goes there.
+    assert_eq!(dx.to_vec1::<f32>()?, vec![0., 1., 0., 0., 0., 0.]);
+    Ok(())
+}
+
+/// Every window that holds a NaN gives a NaN, and only those, in inference (the maxima
+/// alone) and in training (the positions too), over padded and overlapping windows (3x3 at
+/// stride 2, MiniGoogLeNet's, with `same` padding), rows long enough for whole vectors; each
+/// window's gradient goes to its NaN. An average over a window that holds a NaN is NaN too.
+#[test]
+fn a_nan_gives_every_window_that_holds_it_a_nan() -> anyhow::Result<()> {
+    let (h, w) = (9, 21);
+    let mut values = crate::test_support::random(&[2, 3, h, w], 7, 0.0)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    // A NaN inside a plane (image 1, channel 1), one on a plane's padded corner (image 0,
+    // channel 2).
+    let nans = [(4 * h + 4) * w + 6, (2 * h + 8) * w + 20];
+    for &at in &nans {
+        values[at] = f32::NAN;
+    }
+    let x = Var::from_vec(values, (2, 3, h, w), &Device::Cpu)?;
+    let window = PoolWindow {
+        window: (3, 3),
+        stride: (2, 2),
+        pad: (1, 1, 1, 1),
+    };
+    let (oh, ow) = ((h + 2 - 3) / 2 + 1, (w + 2 - 3) / 2 + 1);
+    // Which outputs' windows hold a NaN: output (i, j) reads rows 2i-1..=2i+1 and columns
+    // 2j-1..=2j+1 of its plane.
+    let holds_nan = |o: usize| {
+        let (plane, i, j) = (o / (oh * ow), o / ow % oh, o % ow);
+        nans.iter().any(|&at| {
+            let (p, r, c) = (at / (h * w), at / w % h, at % w);
+            let window = |k: usize| 2 * k..=2 * k + 2;
+            p == plane && window(i).contains(&(r + 1)) && window(j).contains(&(c + 1))
+        })
+    };
+    let is_nan = |t: &Tensor| -> anyhow::Result<Vec<bool>> {
+        Ok(t.flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.is_nan())
+            .collect())
+    };
+    let inference = max_pool2d(x.as_tensor(), &window)?;
+    let replay = super::max_pool2d_replay(x.as_tensor(), &window)?;
+    let average = avg_pool2d(x.as_tensor(), &window)?;
+    for (what, y) in [
+        ("inference", &inference),
+        ("training", replay.output()),
+        ("average", &average),
+    ] {
+        assert_eq!(y.dims(), [2, 3, oh, ow], "{what}");
+        for (o, nan) in is_nan(y)?.into_iter().enumerate() {
+            assert_eq!(nan, holds_nan(o), "{what}: output {o}");
+        }
+    }
+    // Each output's gradient is 1 + its index: the NaNs' gradients are the sums of their
+    // windows'.
+    let dy: Vec<f32> = (0..2 * 3 * oh * ow).map(|o| 1.0 + o as f32).collect();
+    let want: Vec<f32> = nans
+        .iter()
+        .map(|&at| {
+            let plane = at / (h * w);
+            (0..dy.len())
+                .filter(|&o| o / (oh * ow) == plane && holds_nan(o))
+                .map(|o| dy[o])
+                .sum()
+        })
+        .collect();
+    let dy = Tensor::from_vec(dy, (2, 3, oh, ow), &Device::Cpu)?;
+    let dx = replay
+        .backward(&dy)?
+        .ok_or_else(|| anyhow::anyhow!("no gradient"))?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    for (&at, want) in nans.iter().zip(want) {
+        assert_eq!(dx[at], want, "the gradient of the NaN at {at}");
+    }
     Ok(())
 }
 

@@ -317,3 +317,48 @@ mod avx2 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{output_tiles, PairRows, ELEMENTS, LANES};
+    use crate::conv2d::epilogue;
+
+    /// The output rows with the fused ReLU are those without it, each through the portable
+    /// `epilogue::relu`, bit for bit: products holding a NaN, infinities of both signs (one
+    /// tile's `+inf` and `-inf` meet, a NaN) and values either side of zero.
+    #[test]
+    fn the_fused_relu_keeps_nans_as_the_portable_relu() {
+        let stride = LANES + 3;
+        let mut m: Vec<f32> = (0..(ELEMENTS - 1) * stride + LANES)
+            .map(|i| ((i * 7919 % 1999) as f32 - 999.0) / 333.0)
+            .collect();
+        m[5 * stride + 1] = f32::NAN;
+        m[stride + 4] = f32::INFINITY;
+        m[9 * stride + 6] = f32::NEG_INFINITY;
+        m[20 * stride + 6] = f32::INFINITY;
+        for bias in [0.0, -0.75, 1.25] {
+            let (mut plain, mut fused): (PairRows, PairRows) = Default::default();
+            if !output_tiles(&m, stride, (bias, false), &mut plain) {
+                eprintln!("skipped: the SIMD cap is below AVX2");
+                return;
+            }
+            assert!(output_tiles(&m, stride, (bias, true), &mut fused));
+            let bits = |rows: &PairRows| -> Vec<u32> {
+                rows.iter().flatten().map(|v| v.to_bits()).collect()
+            };
+            let mut want = plain;
+            for v in want.iter_mut().flatten() {
+                *v = epilogue::relu(*v);
+            }
+            assert_eq!(bits(&fused), bits(&want), "bias {bias}");
+            let count = |rows: &PairRows, f: fn(f32) -> bool| {
+                rows.iter().flatten().filter(|v| f(**v)).count()
+            };
+            assert!(
+                count(&fused, f32::is_nan) > 0,
+                "bias {bias}: no NaN to keep"
+            );
+            assert!(count(&plain, |v| v < 0.0) > 0 && count(&fused, |v| v < 0.0) == 0);
+        }
+    }
+}

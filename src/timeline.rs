@@ -71,10 +71,21 @@ pub(crate) fn start(window: Range<usize>) {
     ACTIVE.store(false, Ordering::SeqCst);
 }
 
-/// Ends the recording and returns its spans and lane names.
-pub(crate) fn finish() -> Option<(Vec<SpanRecord>, Vec<(u32, String)>)> {
+/// What a finished recording holds: its spans, and each lane's number and thread name.
+pub(crate) struct Recorded {
+    pub(crate) spans: Vec<SpanRecord>,
+    pub(crate) lanes: Vec<(u32, String)>,
+}
+
+/// Ends the recording and returns what it holds.
+pub(crate) fn finish() -> Option<Recorded> {
     ACTIVE.store(false, Ordering::SeqCst);
-    with_recording(|r| r.take().map(|r| (r.spans, r.lanes)))
+    with_recording(|r| {
+        r.take().map(|r| Recorded {
+            spans: r.spans,
+            lanes: r.lanes,
+        })
+    })
 }
 
 /// Whether a recording's window has passed `step`.

@@ -74,7 +74,7 @@ impl Timeline {
             return Ok(());
         }
         self.written = true;
-        let Some((spans, lanes)) = timeline::finish() else {
+        let Some(timeline::Recorded { spans, lanes }) = timeline::finish() else {
             return Ok(());
         };
         let pid = self.rank;

@@ -104,14 +104,22 @@ fn a_backup_resumes_under_another_strategy() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How a leg of an elastic run ended.
+#[derive(Debug, PartialEq)]
+enum Leg {
+    /// Trained to the end: the test accuracy.
+    Finished(f64),
+    /// Stopped by the signal: the epoch and the steps done in it.
+    Stopped(usize, usize),
+}
+
 /// One leg of an elastic run: trains digits at 16 samples per replica under `strategy` with
-/// `BackupAndRestore` into `backups`, a stop signal raised during `(epoch, step)` when given;
-/// returns the test accuracy (of a run that was not stopped) and where a stopped one stopped.
+/// `BackupAndRestore` into `backups`, a stop signal raised during `(epoch, step)` when given.
 fn elastic_leg<S: Strategy + Clone + 'static>(
     strategy: &S,
     backups: &Path,
     stop_at: Option<(usize, usize)>,
-) -> anyhow::Result<(Option<f64>, Option<(usize, usize)>)> {
+) -> anyhow::Result<Leg> {
     let (train, test) = digits::load()?.train_test_split(0.2, 42)?;
     let mut model = Sequential::new()
         .input_shape(&[1, 8, 8])
@@ -149,9 +157,11 @@ fn elastic_leg<S: Strategy + Clone + 'static>(
         },
     )?;
     if let Some(p) = history.preempted {
-        return Ok((None, Some((p.epoch, p.step))));
+        return Ok(Leg::Stopped(p.epoch, p.step));
     }
-    Ok((model.evaluate(&test, 128)?.get("accuracy"), None))
+    Ok(Leg::Finished(
+        model.evaluate(&test, 128)?.get("accuracy").unwrap_or(0.0),
+    ))
 }
 
 /// A run stopped under two mirrored replicas (global batch 32) resumes on one device (16),
@@ -160,19 +170,21 @@ fn elastic_leg<S: Strategy + Clone + 'static>(
 #[test]
 fn a_backup_resumes_on_other_replica_counts_at_the_same_batch_per_replica() -> anyhow::Result<()> {
     let none = tempfile::tempdir()?;
-    let (uninterrupted, _) = elastic_leg(&MirroredStrategy::cpu(2)?, none.path(), None)?;
-    let uninterrupted = uninterrupted.unwrap_or(0.0);
+    let Leg::Finished(uninterrupted) = elastic_leg(&MirroredStrategy::cpu(2)?, none.path(), None)?
+    else {
+        anyhow::bail!("the uninterrupted run stopped");
+    };
 
     let dir = tempfile::tempdir()?;
-    let (_, stopped) = elastic_leg(&MirroredStrategy::cpu(2)?, dir.path(), Some((1, 5)))?;
-    anyhow::ensure!(stopped == Some((1, 6)), "{stopped:?}");
+    let stopped = elastic_leg(&MirroredStrategy::cpu(2)?, dir.path(), Some((1, 5)))?;
+    anyhow::ensure!(stopped == Leg::Stopped(1, 6), "{stopped:?}");
     // 6 steps of 32 are 192 samples: 12 steps of 16 on one device, stopped during its 20th.
-    let (_, stopped) = elastic_leg(&OneDeviceStrategy::cpu(), dir.path(), Some((1, 19)))?;
-    anyhow::ensure!(stopped == Some((1, 20)), "{stopped:?}");
+    let stopped = elastic_leg(&OneDeviceStrategy::cpu(), dir.path(), Some((1, 19)))?;
+    anyhow::ensure!(stopped == Leg::Stopped(1, 20), "{stopped:?}");
     // 20 steps of 16 are 320 samples: 6 whole steps of 48 (32 samples seen again).
-    let (accuracy, stopped) = elastic_leg(&MirroredStrategy::cpu(3)?, dir.path(), None)?;
-    anyhow::ensure!(stopped.is_none());
-    let accuracy = accuracy.unwrap_or(0.0);
+    let Leg::Finished(accuracy) = elastic_leg(&MirroredStrategy::cpu(3)?, dir.path(), None)? else {
+        anyhow::bail!("the last leg stopped");
+    };
     eprintln!(
         "digits: uninterrupted {:.2}%, mirrored x2 -> one device -> mirrored x3 {:.2}%",
         100.0 * uninterrupted,

@@ -151,7 +151,7 @@ impl Callback for TensorBoard {
         };
         // The global batch count, the same when a run resumes.
         let step = self.epoch * self.steps_per_epoch + batch + 1;
-        if every == 0 || step % every != 0 {
+        if every == 0 || !step.is_multiple_of(every) {
             return Ok(());
         }
         let values = logs
@@ -175,7 +175,7 @@ impl Callback for TensorBoard {
         if !validation.is_empty() {
             self.validation()?.summary(step, validation)?;
         }
-        if self.histogram_freq > 0 && epoch % self.histogram_freq == 0 {
+        if self.histogram_freq > 0 && epoch.is_multiple_of(self.histogram_freq) {
             self.write_histograms(epoch, model)?;
         }
         for writer in [&mut self.train, &mut self.validation]

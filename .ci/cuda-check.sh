@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# CI: compile-check the GPU code (`--features cuda,nccl`, then `cuda,nccl,mpi` for the NCCL path of
-# MultiWorkerMirroredStrategy) on a machine with no GPU and no driver, so that it cannot rot. Needs
-# crates.io and PyPI (for the CUDA 13.0 toolchain wheels), and for the second check Open MPI
-# (`libopenmpi-dev`) and `libclang-dev`, which .ci/run installs before it runs this script.
+# CI: compile-check the GPU code (`--features cuda,nccl`, then kandle-kernels' cuDNN convolutions
+# with `cuda,cudnn`, then `cuda,nccl,mpi` for the NCCL path of MultiWorkerMirroredStrategy) on a
+# machine with no GPU and no driver, so that it cannot rot. Needs crates.io and PyPI (for the
+# CUDA 13.0 toolchain wheels), and for the last check Open MPI (`libopenmpi-dev`) and
+# `libclang-dev`, which .ci/run installs before it runs this script.
 #
 # Usage: .ci/cuda-check.sh
 #   KANDLE_CUDA_VENV   where the toolchain venv lives (default ~/.cache/kandle-cuda13). Keep it,
@@ -19,9 +20,11 @@
 # reused by a real `cargo build --features cuda`.
 #
 # `cargo clippy` is `cargo check` plus lints: it runs build scripts (so nvcc compiles candle's
-# kernels) but links nothing, so it needs neither libcuda nor the stub. Tests and examples are
-# checked too (`--all-targets`), and warnings fail the check, as in .ci/run: an unused import
-# behind `#[cfg(feature = "nccl")]` is rot that only this build sees.
+# kernels) but links nothing, so it needs neither libcuda nor the stub, nor cuDNN (cudarc's
+# bindings are pre-generated; only linking a binary needs libcudnn.so, which gpu/build.sh
+# installs). Tests and examples are checked too (`--all-targets`), and warnings fail the check,
+# as in .ci/run: an unused import behind `#[cfg(feature = "nccl")]` is rot that only this build
+# sees.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +50,10 @@ export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
 echo "== cargo clippy --features cuda,nccl (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
 cargo clippy --locked --all-targets -p kandle -p kandle-strategies -p kandle-examples \
   --features cuda,nccl -- -D warnings
+elapsed
+
+echo "== cargo clippy -p kandle-kernels --features cuda,cudnn (the cuDNN convolutions and their tests)"
+cargo clippy --locked --all-targets -p kandle-kernels --features cuda,cudnn -- -D warnings
 elapsed
 
 if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then

@@ -15,6 +15,8 @@
 #   - models-parity: kandle-models' `tests/torchvision_weights.rs` with `cuda` (ResNet-18 against
 #     PyTorch on the GPU);
 #   - bench, train_cifar10: the example binaries with `cuda,nccl`;
+#   - kernels-cuda-conv: kandle-kernels' `tests/cuda_conv.rs` with `cudnn` (its cuDNN
+#     convolutions against the CPU kernels);
 #   - bench-cudnn, train_cifar10-cudnn: the same with `cudnn` (candle's convolutions through
 #     cuDNN instead of its own im2col and cuBLAS).
 # Binaries are stripped (CARGO_PROFILE_RELEASE_STRIP) and built in target/gpu, apart from the
@@ -81,9 +83,14 @@ if [[ ${KANDLE_GPU_CUDNN:-1} == 0 ]]; then
   exit 0
 fi
 
-echo "== binaries with cudnn"
-# Another feature set: candle-core and the crates above it are compiled again, and these
-# binaries replace the ones packed above in the release folder.
+echo "== kandle-kernels' cuDNN convolution tests and binaries with cudnn"
+# Another feature set: candle-core and the crates above it are compiled again (once for both:
+# candle-core has `cuda,cudnn` in each), and these binaries replace the ones packed above in the
+# release folder.
+built=$(executables test --profile release --locked --no-run -p kandle-kernels --features cudnn \
+  --test cuda_conv)
+echo "$built"
+pack kernels-cuda-conv "$(awk '$1 == "kandle-kernels:cuda_conv" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,cudnn \
   --bin bench --bin train_cifar10 >/dev/null
 pack bench-cudnn "$CARGO_TARGET_DIR/release/bench"

@@ -7,7 +7,9 @@
 #                                # bench-*.json (5), epoch.json
 #
 # In order, each step under its own time limit, every step run whatever the ones before did:
-#   1. nvidia-smi;
+#   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
+#      against the CPU kernels and a float64 reference, the algorithm cache, deterministic
+#      algorithms (kernels/tests/cuda_conv.rs; when gpu-bin/ has it, built with cudnn);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
 #      ignored CUDA test included) and the rest of kandle's unit tests on this machine;
@@ -86,6 +88,10 @@ step() {
 }
 
 step nvidia-smi 30 nvidia-smi
+# First, as the newest code: kandle-kernels' cuDNN convolutions (under a minute).
+if [[ -x $BIN/kernels-cuda-conv ]]; then
+  step kernels-cudnn-conv 120 "$BIN/kernels-cuda-conv" --nocapture
+fi
 step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \

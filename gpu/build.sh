@@ -17,8 +17,9 @@
 #   - bench, train_cifar10: the example binaries with `cuda,nccl`;
 #   - kernels-cuda-conv: kandle-kernels' `tests/cuda_conv.rs` with `cudnn` (its cuDNN
 #     convolutions against the CPU kernels);
-#   - bench-cudnn, train_cifar10-cudnn: the same with `cudnn` (candle's convolutions through
-#     cuDNN instead of its own im2col and cuBLAS).
+#   - kandle-lib-cudnn: kandle's unit tests with `cudnn` (Conv2D on kandle-kernels' cuDNN ops);
+#   - bench-cudnn, train_cifar10-cudnn: the same with `cudnn` (Conv2D through kandle-kernels'
+#     cuDNN ops instead of candle's im2col and cuBLAS).
 # Binaries are stripped (CARGO_PROFILE_RELEASE_STRIP) and built in target/gpu, apart from the
 # CPU build's artifacts.
 set -euo pipefail
@@ -91,6 +92,11 @@ built=$(executables test --profile release --locked --no-run -p kandle-kernels -
   --test cuda_conv)
 echo "$built"
 pack kernels-cuda-conv "$(awk '$1 == "kandle-kernels:cuda_conv" { print $2 }' <<<"$built")"
+# kandle's unit tests with Conv2D on kandle's cuDNN ops (the layer against the CPU); candle-core
+# has the same features as above, so it is not compiled again.
+built=$(executables test --profile release --locked --no-run -p kandle --features cudnn --lib)
+echo "$built"
+pack kandle-lib-cudnn "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,cudnn \
   --bin bench --bin train_cifar10 >/dev/null
 pack bench-cudnn "$CARGO_TARGET_DIR/release/bench"

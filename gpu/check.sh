@@ -12,7 +12,8 @@
 #      algorithms (kernels/tests/cuda_conv.rs; when gpu-bin/ has it, built with cudnn);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
-#      ignored CUDA test included) and the rest of kandle's unit tests on this machine;
+#      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops) and the rest
+#      of kandle's unit tests on this machine;
 #   4. digits to 97% on the GPU (also under mixed_float16 and mixed_bfloat16), 20 steps against
 #      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage,
 #      training states between GPU and CPU, NCCL with one rank (tests/gpu.rs); ResNet-18 against
@@ -98,6 +99,10 @@ step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
   layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+if [[ -x $BIN/kandle-lib-cudnn ]]; then
+  step layers-cudnn-vs-cpu 120 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
+    layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+fi
 step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
 

@@ -126,8 +126,8 @@ pub fn exit_if_preempted(history: &kandle::callbacks::History, chief: bool) {
 /// `--tensorboard`, `--timeline` and `--timeline-steps`, as every training binary takes them.
 #[derive(clap::Args, Debug, Clone)]
 pub struct MonitorArgs {
-    /// Write TensorBoard logs here (`train/` and `validation/` event files, per-epoch scalars
-    /// and each variable's histogram): `tensorboard --logdir DIR`.
+    /// Write TensorBoard logs here (train and validation event files, per-epoch scalars and
+    /// each variable's histogram); watch them with: tensorboard --logdir DIR.
     #[arg(long)]
     pub tensorboard: Option<std::path::PathBuf>,
     /// Write a Chrome trace of a window of steps here (open it in Perfetto or

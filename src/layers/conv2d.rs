@@ -234,12 +234,27 @@ impl Conv2DLayer {
         })
     }
 
-    /// The convolution without bias through candle's own ops, for devices and types the CPU
-    /// kernel does not take.
-    /// The weight is cast to `x`'s dtype.
+    /// The convolution without bias for devices and types the CPU kernel does not take:
+    /// kandle's cuDNN op on CUDA devices (with the `cudnn` feature), candle's own ops
+    /// elsewhere. The weight is cast to `x`'s dtype.
     fn candle_conv(&self, x: &Tensor) -> Result<Tensor> {
         let (pt, pb, pl, pr) = self.pad;
         let weight = self.weight.to_dtype(x.dtype())?;
+        #[cfg(feature = "cudnn")]
+        if x.device().is_cuda() {
+            // kandle's cuDNN op: algorithms searched once per shape and kept, one workspace;
+            // candle's autograd differentiates it through cuDNN's two gradient operations.
+            let params = kernels::cuda::Conv2dParams {
+                stride: self.stride,
+                padding: self.pad,
+                ..Default::default()
+            };
+            return Ok(kernels::cuda::conv2d(
+                &x.contiguous()?,
+                &weight.contiguous()?,
+                params,
+            )?);
+        }
         if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
             Ok(x.conv2d(&weight, pt, self.stride.0, 1, 1)?)
         } else {

@@ -52,8 +52,8 @@ cargo clippy --locked --all-targets -p kandle -p kandle-strategies -p kandle-exa
   --features cuda,nccl -- -D warnings
 elapsed
 
-echo "== cargo clippy -p kandle-kernels --features cuda,cudnn (the cuDNN convolutions and their tests)"
-cargo clippy --locked --all-targets -p kandle-kernels --features cuda,cudnn -- -D warnings
+echo "== cargo clippy -p kandle-kernels -p kandle --features kandle/cudnn (the cuDNN convolutions, their tests, Conv2D on them)"
+cargo clippy --locked --all-targets -p kandle-kernels -p kandle --features kandle/cudnn -- -D warnings
 elapsed
 
 if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then

@@ -134,28 +134,13 @@ mod tests {
 
     use super::*;
     use crate::simd::Width;
+    use crate::test_support::{bits, SPECIAL_VALUES};
 
-    /// NaN, the infinities, both zeros, numbers either side of zero.
-    const SPECIAL: [f32; 8] = [
-        f32::NAN,
-        f32::NEG_INFINITY,
-        f32::INFINITY,
-        -0.0,
-        0.0,
-        -2.5,
-        3.0,
-        -f32::MIN_POSITIVE,
-    ];
-
-    fn bits(values: &[f32]) -> Vec<u32> {
-        values.iter().map(|v| v.to_bits()).collect()
-    }
-
-    /// `len` values that cycle through [`SPECIAL`] and numbers around zero.
+    /// `len` values that cycle through [`SPECIAL_VALUES`] and numbers around zero.
     fn values(len: usize) -> Vec<f32> {
         (0..len)
             .map(|i| match i % 11 {
-                k @ 0..=7 => SPECIAL[k],
+                k @ 0..=7 => SPECIAL_VALUES[k],
                 k => (i * 7919 % 199) as f32 / 99.0 - 1.0 + k as f32 * 0.01,
             })
             .collect()

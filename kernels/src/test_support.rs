@@ -6,6 +6,24 @@ use candle_core::{Device, Tensor, Var};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// Values a ReLU must treat as PyTorch does: NaN, the infinities, both zeros, and numbers on
+/// either side of zero.
+pub const SPECIAL_VALUES: [f32; 8] = [
+    f32::NAN,
+    f32::NEG_INFINITY,
+    f32::INFINITY,
+    -0.0,
+    0.0,
+    -2.5,
+    3.0,
+    -f32::MIN_POSITIVE,
+];
+
+/// The bits of `values`, to compare NaNs and signed zeros exactly.
+pub fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
 /// A seeded `f32` tensor of `shape` with values uniform in `[offset - 1, offset + 1)`.
 pub fn random(shape: &[usize], seed: u64, offset: f32) -> anyhow::Result<Tensor> {
     let mut rng = StdRng::seed_from_u64(seed);

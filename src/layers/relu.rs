@@ -85,17 +85,7 @@ mod tests {
     use candle_core::{Device, Var};
 
     use super::*;
-
-    const SPECIAL: [f32; 8] = [
-        f32::NAN,
-        f32::NEG_INFINITY,
-        f32::INFINITY,
-        -0.0,
-        0.0,
-        -2.5,
-        3.0,
-        -f32::MIN_POSITIVE,
-    ];
+    use crate::kernels::test_support::SPECIAL_VALUES;
 
     fn bits(t: &Tensor) -> Result<Vec<u32>> {
         Ok(t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
@@ -106,8 +96,8 @@ mod tests {
     /// every value but the NaN and the sign of a negative zero.
     #[test]
     fn keeps_nans_and_infinities() -> Result<()> {
-        let x = Tensor::new(&SPECIAL, &Device::Cpu)?;
-        let want: Vec<u32> = SPECIAL
+        let x = Tensor::new(&SPECIAL_VALUES, &Device::Cpu)?;
+        let want: Vec<u32> = SPECIAL_VALUES
             .iter()
             .map(|&v| if v < 0.0 { 0f32 } else { v }.to_bits())
             .collect();
@@ -131,7 +121,7 @@ mod tests {
     /// record made from the output stops at zero too.
     #[test]
     fn the_gradient_passes_where_the_input_is_not_negative() -> Result<()> {
-        let x = Var::new(&SPECIAL, &Device::Cpu)?;
+        let x = Var::new(&SPECIAL_VALUES, &Device::Cpu)?;
         let dy = Tensor::new(
             &[1f32, f32::NAN, 3., 4., 5., f32::NAN, 7., 8.],
             &Device::Cpu,

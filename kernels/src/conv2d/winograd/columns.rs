@@ -187,39 +187,32 @@ mod tests {
 
     use super::Vector;
     use crate::conv2d::epilogue;
+    use crate::test_support::{bits, SPECIAL_VALUES};
     use crate::SimdLevel;
-
-    /// NaN, the infinities, both zeros, and numbers on either side of zero, twice over.
-    const SPECIAL: [f32; 8] = [
-        f32::NAN,
-        f32::NEG_INFINITY,
-        f32::INFINITY,
-        -0.0,
-        0.0,
-        -1.5,
-        2.5,
-        -f32::MIN_POSITIVE,
-    ];
-
-    fn bits(values: &[f32]) -> Vec<u32> {
-        values.iter().map(|v| v.to_bits()).collect()
-    }
 
     /// Each width's vector ReLU is the portable `epilogue::relu` lane by lane, bit for bit: a
     /// NaN stays (the operand order of `max`), `-inf` becomes zero, `+inf` stays.
     #[test]
     fn the_vector_relu_is_the_portable_relu_at_every_width() {
-        let want: Vec<f32> = SPECIAL.iter().map(|&v| epilogue::relu(v)).collect();
+        let want: Vec<f32> = SPECIAL_VALUES.iter().map(|&v| epilogue::relu(v)).collect();
         assert!(want[0].is_nan() && want[1] == 0.0 && want[2] == f32::INFINITY);
         let level = SimdLevel::detected();
         if level >= SimdLevel::Avx2 {
             let mut got = [0f32; 8];
             // SAFETY: the CPU has AVX2; both arrays hold eight values.
-            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), _mm256_loadu_ps(SPECIAL.as_ptr()).relu()) };
+            unsafe {
+                _mm256_storeu_ps(
+                    got.as_mut_ptr(),
+                    _mm256_loadu_ps(SPECIAL_VALUES.as_ptr()).relu(),
+                )
+            };
             assert_eq!(bits(&got), bits(&want), "AVX2");
         }
         if level >= SimdLevel::Avx512 {
-            let (input, want) = ([SPECIAL, SPECIAL].concat(), [&want[..], &want[..]].concat());
+            let (input, want) = (
+                [SPECIAL_VALUES, SPECIAL_VALUES].concat(),
+                [&want[..], &want[..]].concat(),
+            );
             let mut got = [0f32; 16];
             // SAFETY: the CPU has AVX-512; both hold sixteen values.
             unsafe { _mm512_storeu_ps(got.as_mut_ptr(), _mm512_loadu_ps(input.as_ptr()).relu()) };

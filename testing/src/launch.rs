@@ -58,6 +58,15 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Where the process labelled `label` (`worker 0/2`, `rank 1/4`) said it stopped for a
+    /// stop signal: the `epoch E step S (...)` of its line `<label> stopped by ... at ...`.
+    pub fn stopped_at(&self, label: &str) -> Option<String> {
+        self.output
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{label} stopped by ")))
+            .map(|rest| rest.split(" at ").nth(1).unwrap_or_default().to_string())
+    }
+
     /// Asserts that the launch failed and said `want`.
     pub fn assert_failed_with(&self, want: &str) {
         assert!(!self.status.success(), "{}", self.output);

@@ -541,13 +541,7 @@ fn a_preempted_job_stops_as_a_whole_and_resumes_as_an_uninterrupted_one() -> any
         "-TERM",
     )?;
     assert!(!stopped.status.success(), "{}", stopped.output);
-    let place = |rank: usize| {
-        stopped
-            .output
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("worker {rank}/2 stopped by ")))
-            .map(|rest| rest.split(" at ").nth(1).unwrap_or_default().to_string())
-    };
+    let place = |rank: usize| stopped.stopped_at(&format!("worker {rank}/2"));
     let (chief, worker) = (place(0), place(1));
     assert!(chief.is_some() && chief == worker, "{}", stopped.output);
     assert!(backup.is_file(), "no backup at the preemption");

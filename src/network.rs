@@ -12,7 +12,9 @@ use candle_core::{DType, Tensor};
 
 use crate::error::shape_with_batch;
 use crate::functional::{Functional, GraphNet};
-use crate::layers::{BuildContext, FastPath, Layer, LayerSpec, ParamGrads, Sequential, Summary};
+use crate::layers::{
+    BuildContext, FastPath, Layer, LayerSpec, ParamGrads, Sequential, StagePlacement, Summary,
+};
 use crate::params::{ParamStore, TrainableRule};
 use crate::{Error, Result};
 
@@ -315,8 +317,50 @@ impl Network {
             rows,
             trainable,
             non_trainable,
+            stages: Vec::new(),
         };
         Ok((net, store, summary))
+    }
+}
+
+impl Network {
+    /// Builds a `Sequential` network in `ctx` as consecutive stages, each on its placement's
+    /// device (see [`Sequential::build_stages`]): each stage as a network of one input and one
+    /// output, its variables, its summary (its layers' rows and counts) and its device.
+    pub(crate) fn build_stages(
+        &self,
+        ctx: BuildContext,
+        input_shapes: &[Vec<usize>],
+        placements: &[StagePlacement],
+    ) -> Result<Vec<(BuiltNetwork, ParamStore, Summary)>> {
+        let Recipe::Stack(stack) = &self.recipe else {
+            return Err(Error::invalid(
+                "a pipeline cuts a Sequential model into stages, and this model is functional",
+            ));
+        };
+        let [shape] = input_shapes else {
+            return Err(Error::invalid(format!(
+                "a Sequential model has one input but was given {}",
+                input_shapes.len()
+            )));
+        };
+        let ctx = ctx.with_trainable_rules(&self.trainable_rules);
+        let stages = stack.build_stages(ctx, shape, placements)?;
+        Ok(stages
+            .into_iter()
+            .map(|stage| {
+                let (trainable, non_trainable) = stage.store.count("");
+                let summary = Summary {
+                    inputs: vec![("input".into(), stage.net.input_shape().to_vec())],
+                    rows: stage.rows,
+                    trainable,
+                    non_trainable,
+                    stages: Vec::new(),
+                };
+                let net = BuiltNetwork::Layer(Box::new(stage.net));
+                (net, stage.store, summary)
+            })
+            .collect())
     }
 }
 
@@ -403,6 +447,24 @@ impl BuiltNetwork {
                     }),
                 })
             }
+        }
+    }
+
+    /// The recorded training forward of a pipeline stage (a network of one input and one
+    /// output) for `x`, as `request` asks: through the layers' recorded backward passes when
+    /// `recorded_backward`, else under candle's autograd as one piece.
+    pub(crate) fn record_stage(
+        &self,
+        x: &Tensor,
+        request: crate::layers::RecordRequest,
+        recorded_backward: bool,
+    ) -> Result<crate::layers::Recorded> {
+        let BuiltNetwork::Layer(layer) = self else {
+            return Err(Error::invalid("a pipeline stage is a chain of layers"));
+        };
+        match recorded_backward {
+            true => layer.forward_recorded(x, request),
+            false => crate::layers::record_with_candle(layer.as_layer(), x, request.logits),
         }
     }
 

@@ -607,6 +607,19 @@ impl BuildContext {
         self.store.count(&format!("{}.", self.full_name(name)))
     }
 
+    /// Creates the variables of the layers built from now on on `device`: a pipeline builds
+    /// each stage of one recipe on its own device, drawing initial values from the one
+    /// generator, so every variable starts as it would on a single device.
+    pub(crate) fn move_to(&mut self, device: &Device) {
+        self.device = device.clone();
+    }
+
+    /// Hands over the variables created so far and goes on with an empty store: the variables
+    /// of one pipeline stage.
+    pub(crate) fn take_store(&mut self) -> ParamStore {
+        std::mem::take(&mut self.store)
+    }
+
     /// Ends the build and hands over the variables.
     pub fn into_store(self) -> ParamStore {
         self.store

@@ -36,9 +36,10 @@ pub use one_device::OneDeviceStrategy;
 
 pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 pub use crate::error::panic_message;
+pub use crate::layers::StagePlacement;
 pub use crate::replica::step::StepStats;
 pub use crate::replica::{fused, step};
-pub use crate::replica::{ModelSpec, Replica, StepBuffer};
+pub use crate::replica::{ModelSpec, Replica, StageStep, StepBuffer};
 
 use candle_core::Tensor;
 

@@ -89,6 +89,7 @@ impl Functional {
             rows,
             trainable,
             non_trainable,
+            stages: Vec::new(),
         })
     }
 

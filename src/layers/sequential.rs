@@ -63,6 +63,15 @@ impl Sequential {
         self.layers.is_empty()
     }
 
+    /// The layer recipes, in order, with the names they get when built (a recipe's own, or
+    /// its kind numbered: `conv2d_2`).
+    pub(crate) fn named_specs(&self) -> impl Iterator<Item = (&dyn LayerSpec, String)> {
+        self.layers
+            .iter()
+            .map(|l| l.as_ref())
+            .zip(child_names(&self.layers))
+    }
+
     /// Builds the stack as a whole network on `device`, with variables initialised from `seed`.
     pub fn build_network(
         &self,
@@ -88,6 +97,7 @@ impl Sequential {
             rows: built.children,
             trainable,
             non_trainable,
+            stages: Vec::new(),
         };
         Ok((built.net, store, summary))
     }

@@ -42,6 +42,33 @@ pub struct Summary {
     pub trainable: usize,
     /// Non-trainable parameters in all.
     pub non_trainable: usize,
+    /// The stages of a model cut into a pipeline, in order; empty for a model on one device.
+    pub stages: Vec<StageSummary>,
+}
+
+/// One stage of a pipeline in a [`Summary`]: where it lives and what it holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageSummary {
+    /// The device holding its variables, e.g. `cpu` or `cuda:1` (or a worker's rank).
+    pub device: String,
+    /// Its first and last top-level layers.
+    pub layers: (String, String),
+    /// Its parameters (trainable and not).
+    pub params: usize,
+    /// Bytes of the layer outputs of one sample that the stage keeps from a forward pass to
+    /// its backward pass (its top-level layers' outputs, in `float32`).
+    pub activation_bytes_per_sample: usize,
+    /// Micro-batches whose activations the stage holds at once under its schedule (GPipe:
+    /// all of a step's; 1F1B: at most the stages from it to the last).
+    pub micro_batches_held: usize,
+}
+
+impl StageSummary {
+    /// The stage's activation memory for micro-batches of `samples` samples: what one
+    /// micro-batch keeps, times the micro-batches held at once.
+    pub fn activation_bytes(&self, samples: usize) -> usize {
+        self.activation_bytes_per_sample * samples * self.micro_batches_held
+    }
 }
 
 impl Summary {
@@ -149,13 +176,52 @@ impl fmt::Display for Summary {
         writeln!(f, "{}", rule('─'))?;
         writeln!(f, "Total params: {}", thousands(self.total()))?;
         writeln!(f, "Trainable params: {}", thousands(self.trainable))?;
-        writeln!(f, "Non-trainable params: {}", thousands(self.non_trainable))
+        writeln!(f, "Non-trainable params: {}", thousands(self.non_trainable))?;
+        if !self.stages.is_empty() {
+            writeln!(f, "Pipeline stages:")?;
+            for (i, stage) in self.stages.iter().enumerate() {
+                writeln!(
+                    f,
+                    "  stage {i} on {}: {} to {}, {} params, activations {} per sample x {} \
+                     micro-batch(es) held",
+                    stage.device,
+                    stage.layers.0,
+                    stage.layers.1,
+                    thousands(stage.params),
+                    bytes(stage.activation_bytes_per_sample),
+                    stage.micro_batches_held
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A byte count in the unit that keeps it short (`1.5 MiB`).
+fn bytes(n: usize) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{n} B"),
+        _ => format!("{value:.1} {}", UNITS[unit]),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::thousands;
+    use super::{bytes, thousands};
+
+    #[test]
+    fn writes_bytes_in_short_units() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 << 20), "3.0 MiB");
+    }
 
     #[test]
     fn groups_digits() {

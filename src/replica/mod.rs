@@ -7,7 +7,11 @@
 //! are summed between those two calls (see [`crate::strategy::step`]).
 
 pub mod fused;
+mod stage;
 pub mod step;
+
+use stage::StagePosition;
+pub use stage::StageStep;
 
 use std::sync::{Arc, Mutex};
 
@@ -107,6 +111,37 @@ impl Gradients {
     }
 }
 
+/// A loss computed from a recorded forward's heads (its outputs, or its only output's logits),
+/// each head a variable of its own so that candle's autograd differentiates the loss alone.
+struct LossHeads {
+    heads: Vec<Var>,
+    /// The dtype each head had in the network, which its gradient is given in.
+    dtypes: Vec<DType>,
+    /// The loss summed over the batch.
+    loss_sum: Tensor,
+    /// The outputs in `float32`, detached, for the metrics.
+    outputs: Vec<Tensor>,
+}
+
+impl LossHeads {
+    /// The gradient of `replica`'s objective (the loss sum, scaled under a loss scale) with
+    /// respect to each head, in the head's dtype.
+    fn gradients(&self, replica: &Replica) -> Result<Vec<Tensor>> {
+        let mut grads = replica.objective(&self.loss_sum)?.backward()?;
+        self.heads
+            .iter()
+            .zip(&self.dtypes)
+            .map(|(h, &dtype)| {
+                let grad = match grads.remove(h.as_tensor()) {
+                    Some(g) => g,
+                    None => h.as_tensor().zeros_like()?,
+                };
+                Ok(grad.to_dtype(dtype)?)
+            })
+            .collect()
+    }
+}
+
 /// A replica's share of a step as one buffer laid out by [`StepLayout`], ready to be summed
 /// with the other replicas'.
 pub struct StepBuffer {
@@ -136,6 +171,8 @@ pub struct Replica {
     /// The micro-batches accumulated since the last step buffer (gradient accumulation): their
     /// gradients and sums, which the next [`Replica::step_buffer`] adds to its own.
     accumulated: Mutex<Option<Gradients>>,
+    /// Which part of the network it holds: the whole, or a pipeline's stage.
+    position: StagePosition,
 }
 
 impl Replica {
@@ -163,7 +200,19 @@ impl Replica {
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
         let device = ctx.device().clone();
         spec.dtype_policy.check_on(spec.compute_path, &device)?;
-        let (net, mut store, summary) = spec.network.build(ctx, &spec.input_shapes)?;
+        let (net, store, summary) = spec.network.build(ctx, &spec.input_shapes)?;
+        Self::assemble(spec, device, (net, store, summary), StagePosition::WHOLE)
+    }
+
+    /// A replica of the built network `built` (or of one stage of it) on `device`: its
+    /// optimizer, step layout and loss scale.
+    fn assemble(
+        spec: &ModelSpec,
+        device: Device,
+        built: (BuiltNetwork, ParamStore, Summary),
+        position: StagePosition,
+    ) -> Result<Self> {
+        let (net, mut store, summary) = built;
         // Mixed precision's loss scale moves with the weights where both models keep one, and
         // is left out or ignored where one of them does not.
         store.mark_bookkeeping(crate::mixed_precision::LOSS_SCALE);
@@ -204,6 +253,7 @@ impl Replica {
             loss_scale,
             device,
             accumulated: Mutex::new(None),
+            position,
         })
     }
 
@@ -291,7 +341,12 @@ impl Replica {
     /// gradients and sums are added to this part's, and the buffer's moving statistics, those
     /// after the last forward pass, are weighted by the sample count of them all.
     pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
-        let mut g = self.compute_gradients(&part.to_device(&self.device)?)?;
+        let g = self.compute_gradients(&part.to_device(&self.device)?)?;
+        self.buffer_of(g)
+    }
+
+    /// The step buffer of `g` plus the gradients accumulated since the last buffer.
+    fn buffer_of(&self, mut g: Gradients) -> Result<StepBuffer> {
         if let Some(earlier) = self.take_accumulated()? {
             g = earlier.plus(g)?;
         }
@@ -318,6 +373,12 @@ impl Replica {
     /// statistics). Returns the part's sample count and its `[loss_sum, metric states...]`.
     pub fn accumulate(&self, part: &Batch) -> Result<(usize, Vec<f64>)> {
         let g = self.compute_gradients(&part.to_device(&self.device)?)?;
+        self.keep(g)
+    }
+
+    /// Keeps `g`, added to the gradients accumulated before, for the next step buffer; returns
+    /// its sample count and its `[loss_sum, metric states...]`.
+    fn keep(&self, g: Gradients) -> Result<(usize, Vec<f64>)> {
         let own = (g.samples, g.stats.to_dtype(DType::F64)?.to_vec1::<f64>()?);
         let mut slot = self.accumulated_slot()?;
         *slot = Some(match slot.take() {
@@ -482,34 +543,57 @@ impl Replica {
     fn recorded_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
         let forward = timeline::span("forward");
         let recorded = self.net.record(&part.inputs)?;
-        let heads: Vec<Var> = match &recorded.logits {
-            Some(logits) => vec![Var::from_tensor(logits)?],
-            None => recorded
-                .outputs
-                .iter()
-                .map(|y| Ok(Var::from_tensor(y)?))
-                .collect::<Result<Vec<_>>>()?,
-        };
-        let (outputs, logits) = match recorded.logits {
-            Some(_) => (
-                vec![Activation::Softmax.apply(heads[0].as_tensor())?],
-                Some(heads[0].as_tensor()),
-            ),
-            None => (heads.iter().map(|h| h.as_tensor().clone()).collect(), None),
-        };
-        let loss_sum = self.loss_sum(&outputs, logits, &part.targets, part.weights.as_ref())?;
+        let heads = self.loss_heads(recorded.outputs, recorded.logits, part)?;
         drop(forward);
         let _backward = timeline::span("backward");
-        let mut head_grads = self.objective(&loss_sum)?.backward()?;
-        let dheads = heads
-            .iter()
-            .map(|h| match head_grads.remove(h.as_tensor()) {
-                Some(g) => Ok(g),
-                None => Ok(h.as_tensor().zeros_like()?),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let dheads = heads.gradients(self)?;
         let mut store = ParamGrads::new();
         (recorded.backward)(dheads, &mut store)?;
+        let grads = self.gradients_from(&mut store)?;
+        Ok((grads, heads.loss_sum, heads.outputs))
+    }
+
+    /// The loss of a recorded forward's `outputs` (or its only output's `logits`) on `part`'s
+    /// targets, ready to be differentiated with respect to them. The loss is computed in
+    /// `float32` (from logits, the softmax again), whatever the layers computed in.
+    fn loss_heads(
+        &self,
+        outputs: Vec<Tensor>,
+        logits: Option<Tensor>,
+        part: &Batch,
+    ) -> Result<LossHeads> {
+        let from_logits = logits.is_some();
+        let differentiated = match logits {
+            Some(logits) => vec![logits],
+            None => outputs,
+        };
+        let dtypes = differentiated.iter().map(Tensor::dtype).collect();
+        let heads = differentiated
+            .iter()
+            .map(|h| Ok(Var::from_tensor(&h.to_dtype(DType::F32)?)?))
+            .collect::<Result<Vec<_>>>()?;
+        let logits = from_logits.then(|| heads[0].as_tensor().clone());
+        let outputs = match &logits {
+            Some(logits) => vec![Activation::Softmax.apply(logits)?],
+            None => heads.iter().map(|h| h.as_tensor().clone()).collect(),
+        };
+        let loss_sum = self.loss_sum(
+            &outputs,
+            logits.as_ref(),
+            &part.targets,
+            part.weights.as_ref(),
+        )?;
+        Ok(LossHeads {
+            outputs: outputs.iter().map(Tensor::detach).collect(),
+            heads,
+            dtypes,
+            loss_sum,
+        })
+    }
+
+    /// The trainable variables' gradients from `store` (zero for those it lacks), in trainable
+    /// order, divided back by the loss scale.
+    fn gradients_from(&self, store: &mut ParamGrads) -> Result<Vec<Tensor>> {
         let grads = self
             .trainable
             .iter()
@@ -518,8 +602,7 @@ impl Replica {
                 None => Ok(v.as_tensor().zeros_like()?),
             })
             .collect::<Result<Vec<_>>>()?;
-        let outputs = outputs.iter().map(Tensor::detach).collect();
-        Ok((self.unscaled(grads)?, loss_sum, outputs))
+        self.unscaled(grads)
     }
 
     fn statistics_snapshot(&self) -> Result<Vec<Tensor>> {

@@ -47,6 +47,7 @@ mod nccl;
 #[cfg(feature = "mpi")]
 pub mod parameter_server;
 pub mod partition;
+pub mod pipeline;
 mod rendezvous;
 mod replica_pool;
 mod replica_set;
@@ -58,5 +59,6 @@ pub use mirrored::MirroredStrategy;
 pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy};
 #[cfg(feature = "mpi")]
 pub use parameter_server::ParameterServerStrategy;
+pub use pipeline::PipelineStrategy;
 pub use replica_pool::ReplicaThreads;
 pub use replica_set::ReplicaOptions;

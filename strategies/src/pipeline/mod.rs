@@ -1,0 +1,206 @@
+//! `PipelineStrategy`: model parallelism. The model is cut into consecutive stages, each on
+//! its own device (its variables live only there), and every global batch is split into
+//! micro-batches that flow through the stages on a [`Schedule`], so that the stages work on
+//! different micro-batches at once.
+//!
+//! Each stage sums its variables' gradients over a step's micro-batches and applies them once,
+//! so a step updates the weights as one device would on the whole batch (for a model without
+//! batch statistics). Batch normalisation computes its statistics per micro-batch, as GPipe
+//! does: a step equals one device's step with gradient accumulation over the same
+//! micro-batches (`FitOptions::accumulation_steps`), and each micro-batch's forward pass moves
+//! the moving statistics on in turn.
+//!
+//! On the CPU each stage runs on a thread of its own with its own share of the cores, so two
+//! stages really overlap; on CUDA each stage runs on its GPU and its activations are copied
+//! from device to device. The idle share of a step is the pipeline's bubble, `(S - 1) / (M +
+//! S - 1)` for `S` stages of equal cost and `M` micro-batches ([`ideal_idle_fraction`]);
+//! [`PipelineStrategy::last_step`] reports what each stage did in the last step.
+//!
+//! ```
+//! use kandle::prelude::*;
+//! use kandle_strategies::pipeline::{PipelineStrategy, Schedule, StageSplit};
+//!
+//! let strategy = PipelineStrategy::cpu(2)? // the one line that changes
+//!     .micro_batches(4)
+//!     .schedule(Schedule::OneFOneB)
+//!     .split(StageSplit::at(["dense_2"]));
+//! let net = Sequential::new()
+//!     .add(Flatten)
+//!     .add(Dense::new(32).activation(Activation::Relu))
+//!     .add(Dense::new(10))
+//!     .add(Activation::Softmax);
+//! let mut model = net.compile(Sgd::new(0.1), SparseCategoricalCrossentropy::new(), [Accuracy], &strategy)?;
+//! let (train, _) = kandle::data::digits::load()?.train_test_split(0.9, 0)?;
+//! let options = FitOptions { batch_size_per_replica: 32, verbosity: Verbosity::Silent, ..Default::default() };
+//! model.fit(&train, options)?;
+//! let report = strategy.last_step().expect("a step ran");
+//! assert_eq!(report.stages.len(), 2);
+//! # Ok::<(), kandle::Error>(())
+//! ```
+
+mod model;
+mod schedule;
+mod split;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::Device;
+use kandle::strategy::{DistributedModel, ModelSpec, Strategy};
+use kandle::{Error, Result};
+
+pub use schedule::{ideal_idle_fraction, Schedule};
+pub use split::{Balance, StageSplit};
+
+use crate::replica_set::{all_gpus, replica_devices, ReplicaOptions};
+
+const NAME: &str = "PipelineStrategy";
+
+/// Model parallelism: the model's stages on several devices, pipelined with micro-batches.
+/// See the [module](self) documentation.
+#[derive(Debug, Clone)]
+pub struct PipelineStrategy {
+    devices: Vec<Device>,
+    micro_batches: usize,
+    schedule: Schedule,
+    split: StageSplit,
+    options: ReplicaOptions,
+    report: Arc<Mutex<Option<PipelineReport>>>,
+}
+
+impl PipelineStrategy {
+    /// One stage per device, in order. Defaults: 4 micro-batches, [`Schedule::OneFOneB`], the
+    /// stages balanced by measured time ([`StageSplit::default`]).
+    pub fn new(devices: Vec<Device>) -> Result<Self> {
+        Ok(Self {
+            devices: replica_devices(devices, NAME)?,
+            micro_batches: 4,
+            schedule: Schedule::default(),
+            split: StageSplit::default(),
+            options: ReplicaOptions::default(),
+            report: Arc::new(Mutex::new(None)),
+        })
+    }
+
+    /// `stages` stages on the CPU, each on a thread of its own with its share of the cores.
+    pub fn cpu(stages: usize) -> Result<Self> {
+        Self::new(vec![Device::Cpu; stages])
+    }
+
+    /// One stage on every visible GPU.
+    pub fn all_gpus() -> Result<Self> {
+        Self::new(all_gpus(NAME)?)
+    }
+
+    /// Splits every global batch into `micro_batches` micro-batches (at least 1; a batch of
+    /// fewer samples runs one micro-batch per sample). Micro-batches that do not divide the
+    /// batch differ in size by at most one sample.
+    pub fn micro_batches(self, micro_batches: usize) -> Self {
+        Self {
+            micro_batches,
+            ..self
+        }
+    }
+
+    /// The order of the stages' forward and backward passes.
+    pub fn schedule(self, schedule: Schedule) -> Self {
+        Self { schedule, ..self }
+    }
+
+    /// Where the model is cut into stages.
+    pub fn split(self, split: StageSplit) -> Self {
+        Self { split, ..self }
+    }
+
+    /// The stages' time-out (how long a step waits for a stage before failing with an error
+    /// naming it) and threads per stage (`threads_per_replica`). Whole-batch statistics
+    /// across stages (`sync_batch_norm`) are not offered: each micro-batch normalises with its
+    /// own statistics.
+    pub fn with_options(self, options: ReplicaOptions) -> Self {
+        Self { options, ..self }
+    }
+
+    /// The devices, one stage each.
+    pub fn devices(&self) -> &[Device] {
+        &self.devices
+    }
+
+    /// What each stage did in the last training step of the model this strategy built, if
+    /// one ran.
+    pub fn last_step(&self) -> Option<PipelineReport> {
+        self.report.lock().ok().and_then(|r| r.clone())
+    }
+}
+
+impl Strategy for PipelineStrategy {
+    fn name(&self) -> &str {
+        "pipeline"
+    }
+
+    /// One: a pipeline trains one copy of the model, whose stages all see the whole batch.
+    fn num_replicas_in_sync(&self) -> usize {
+        1
+    }
+
+    fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        if self.micro_batches == 0 {
+            return Err(Error::invalid(
+                "a pipeline needs at least one micro-batch per batch",
+            ));
+        }
+        if self.options.sync_batch_norm {
+            return Err(Error::invalid(
+                "PipelineStrategy does not synchronise batch statistics: each micro-batch \
+                 normalises with its own (set sync_batch_norm to false)",
+            ));
+        }
+        let (placements, rows) = split::placements(spec, &self.devices, &self.split)?;
+        Ok(Box::new(model::PipelineModel::build(
+            spec,
+            &placements,
+            &rows,
+            model::Settings {
+                micro_batches: self.micro_batches,
+                schedule: self.schedule,
+                timeout: self.options.timeout,
+                threads: self.options.threads_per_replica,
+            },
+            Arc::clone(&self.report),
+        )?))
+    }
+}
+
+/// What each stage of a pipeline did in one training step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PipelineReport {
+    /// The step's wall time, from the first stage's start to the last stage's end.
+    pub step: Duration,
+    /// The micro-batches the step ran.
+    pub micro_batches: usize,
+    /// Each stage's share, in order.
+    pub stages: Vec<StageReport>,
+}
+
+/// One stage's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageReport {
+    /// Time spent computing (forward and backward passes, the loss, sending).
+    pub busy: Duration,
+    /// Time spent waiting for another stage's activations or gradients.
+    pub waiting: Duration,
+    /// The most micro-batches it held forwarded and not yet backwarded.
+    pub peak_in_flight: usize,
+}
+
+impl PipelineReport {
+    /// The share of the stages' time in the step that they spent not computing: `1 -` the
+    /// summed busy time over (stages x the step's wall time).
+    pub fn idle_fraction(&self) -> f64 {
+        let busy: f64 = self.stages.iter().map(|s| s.busy.as_secs_f64()).sum();
+        let whole = self.step.as_secs_f64() * self.stages.len() as f64;
+        match whole > 0.0 {
+            true => (1.0 - busy / whole).max(0.0),
+            false => 0.0,
+        }
+    }
+}

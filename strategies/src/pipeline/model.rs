@@ -1,0 +1,604 @@
+//! `PipelineModel`: the stages of a pipeline on their threads, and a step's micro-batches
+//! flowing through them over channels.
+//!
+//! Each call sends every stage one job: its passes in its schedule's order, the channel from
+//! the stage before (activations in, gradients out) and to the stage after (activations out,
+//! gradients in), and the micro-batches' inputs (the first stage) or targets (the last). A
+//! stage that fails drops its channels, so its neighbours stop too instead of waiting; the
+//! error that is returned is the stage's own, not a neighbour's.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+use kandle::data::{shard_range, Batch};
+use kandle::layers::{StageSummary, Summary, SummaryRow};
+use kandle::optimizers::NamedOptimizerState;
+use kandle::params::{ParamStore, Weights};
+use kandle::strategy::step::{StepLayout, StepTotals};
+use kandle::strategy::{
+    DistributedModel, ModelSpec, Replica, StagePlacement, StepBuffer, StepStats, WorkerHooks,
+};
+use kandle::{Error, Result};
+
+use super::schedule::{Pass, Schedule};
+use super::{PipelineReport, StageReport};
+use crate::replica_pool::{ReplicaPool, ReplicaThreads};
+use crate::replica_set::cpu_weights;
+
+/// How a pipeline runs its stages.
+pub(crate) struct Settings {
+    pub(crate) micro_batches: usize,
+    pub(crate) schedule: Schedule,
+    pub(crate) timeout: Duration,
+    pub(crate) threads: ReplicaThreads,
+}
+
+/// The stages of a model, each on its thread and device.
+pub(crate) struct PipelineModel {
+    pool: ReplicaPool,
+    /// Handles on each stage's variables (sharing storage with the stage threads).
+    stores: Vec<ParamStore>,
+    layouts: Vec<Arc<StepLayout>>,
+    summary: Summary,
+    settings: Settings,
+    report: Arc<Mutex<Option<PipelineReport>>>,
+}
+
+/// A tensor of one micro-batch, sent between stages.
+type Message = (usize, Tensor);
+
+/// What one stage's job gets.
+struct StageJob {
+    passes: Vec<Pass>,
+    /// Activations from the stage before (none for the first stage).
+    activations_in: Option<Receiver<Message>>,
+    activations_out: Option<Sender<Message>>,
+    /// Gradients from the stage after (none for the last stage).
+    gradients_in: Option<Receiver<Message>>,
+    gradients_out: Option<Sender<Message>>,
+    /// The micro-batches, for the first stage (inputs) and the last (targets); empty for the
+    /// others.
+    parts: Vec<Batch>,
+    /// The samples of the whole batch.
+    samples: usize,
+    work: Work,
+}
+
+/// What a job is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// A training step's gradients, as a step buffer.
+    Step,
+    /// Gradient accumulation: gradients kept for the next step.
+    Accumulate,
+    /// The loss and metric sums in inference mode.
+    Evaluate,
+    /// The outputs in inference mode.
+    Predict,
+}
+
+/// What one stage's job gives back.
+enum Done {
+    Step(StepBuffer),
+    Sums(Vec<f64>),
+    Outputs(Vec<Vec<Tensor>>),
+    Nothing,
+}
+
+struct StageDone {
+    done: Done,
+    busy: Duration,
+    waiting: Duration,
+    peak_in_flight: usize,
+}
+
+/// A stage's error, or the error of a stage that stopped because a neighbour did.
+enum StageError {
+    Own(Error),
+    NeighbourStopped,
+}
+
+impl From<Error> for StageError {
+    fn from(e: Error) -> Self {
+        StageError::Own(e)
+    }
+}
+
+impl From<candle_core::Error> for StageError {
+    fn from(e: candle_core::Error) -> Self {
+        StageError::Own(e.into())
+    }
+}
+
+impl PipelineModel {
+    /// Builds the stages of `spec` as `placements` say (`rows`: the model's top-level layers),
+    /// each on a thread of its own.
+    pub(crate) fn build(
+        spec: &ModelSpec,
+        placements: &[StagePlacement],
+        rows: &[SummaryRow],
+        settings: Settings,
+        report: Arc<Mutex<Option<PipelineReport>>>,
+    ) -> Result<Self> {
+        let stages = Replica::stages(spec, placements)?;
+        let devices: Vec<Device> = placements.iter().map(|p| p.device.clone()).collect();
+        let summary = summary_of(&stages, placements, rows, &settings);
+        let stores = stages.iter().map(|s| s.store().clone()).collect();
+        let layouts = stages.iter().map(|s| Arc::clone(s.layout())).collect();
+        let labels = devices
+            .iter()
+            .enumerate()
+            .map(|(s, d)| format!("pipeline stage {s} ({})", kandle::devices::label(d)))
+            .collect();
+        let threads = settings.threads.pool_sizes(&devices)?;
+        let pool = ReplicaPool::new(stages, labels, settings.timeout, &threads)?;
+        Ok(Self {
+            pool,
+            stores,
+            layouts,
+            summary,
+            settings,
+            report,
+        })
+    }
+
+    fn stages(&self) -> usize {
+        self.stores.len()
+    }
+
+    /// `batch` as micro-batches: as many as the settings ask, or one per sample for a smaller
+    /// batch, differing in size by at most one sample.
+    fn micro_batches(&self, batch: &Batch) -> Result<Vec<Batch>> {
+        let n = batch.len();
+        let count = self.settings.micro_batches.min(n).max(1);
+        (0..count)
+            .map(|i| {
+                let r = shard_range(n, i, count);
+                batch.narrow(r.start, r.len())
+            })
+            .collect()
+    }
+
+    /// Runs `work` on `batch` through every stage; returns each stage's result and the wall
+    /// time.
+    fn run(&mut self, batch: &Batch, work: Work) -> Result<(Vec<StageDone>, Duration)> {
+        let parts = self.micro_batches(batch)?;
+        let stages = self.stages();
+        let micro = parts.len();
+        let inference = matches!(work, Work::Evaluate | Work::Predict);
+        let (mut act_tx, mut act_rx): (Vec<_>, Vec<_>) = (0..stages - 1)
+            .map(|_| mpsc::channel::<Message>())
+            .map(|(tx, rx)| (Some(tx), Some(rx)))
+            .unzip();
+        let (mut grad_tx, mut grad_rx): (Vec<_>, Vec<_>) = (0..stages - 1)
+            .map(|_| mpsc::channel::<Message>())
+            .map(|(tx, rx)| (Some(tx), Some(rx)))
+            .unzip();
+        let jobs = (0..stages)
+            .map(|s| {
+                let passes = match inference {
+                    true => (0..micro).map(Pass::Forward).collect(),
+                    false => self.settings.schedule.passes(s, stages, micro),
+                };
+                let ends = s == 0 || s + 1 == stages;
+                StageJob {
+                    passes,
+                    activations_in: s.checked_sub(1).and_then(|p| act_rx[p].take()),
+                    activations_out: act_tx.get_mut(s).and_then(Option::take),
+                    gradients_in: grad_rx.get_mut(s).and_then(Option::take),
+                    gradients_out: s.checked_sub(1).and_then(|p| grad_tx[p].take()),
+                    parts: if ends { parts.clone() } else { Vec::new() },
+                    samples: batch.len(),
+                    work,
+                }
+            })
+            .collect();
+        let start = Instant::now();
+        let results = self
+            .pool
+            .run(jobs, |_, replica, job| Ok(run_stage(replica, job)))?;
+        let wall = start.elapsed();
+        let mut done = Vec::with_capacity(stages);
+        let mut neighbour_stopped = None;
+        for (s, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(d) => done.push(d),
+                Err(StageError::Own(e)) => {
+                    return Err(Error::Replica {
+                        replica: format!("pipeline stage {s}"),
+                        reason: e.to_string(),
+                    })
+                }
+                Err(StageError::NeighbourStopped) => {
+                    neighbour_stopped.get_or_insert(s);
+                }
+            }
+        }
+        if let Some(s) = neighbour_stopped {
+            return Err(Error::Replica {
+                replica: format!("pipeline stage {s}"),
+                reason: "a neighbouring stage stopped without an error".into(),
+            });
+        }
+        Ok((done, wall))
+    }
+
+    fn record(&self, done: &[StageDone], wall: Duration, micro_batches: usize) {
+        let report = PipelineReport {
+            step: wall,
+            micro_batches,
+            stages: done
+                .iter()
+                .map(|d| StageReport {
+                    busy: d.busy,
+                    waiting: d.waiting,
+                    peak_in_flight: d.peak_in_flight,
+                })
+                .collect(),
+        };
+        if let Ok(mut slot) = self.report.lock() {
+            *slot = Some(report);
+        }
+    }
+
+    /// The last stage's sums, from a job that gives them.
+    fn last_sums(done: Vec<StageDone>) -> Result<Vec<f64>> {
+        match done.into_iter().last().map(|d| d.done) {
+            Some(Done::Sums(sums)) => Ok(sums),
+            _ => Err(Error::invalid("the pipeline's last stage gave no sums")),
+        }
+    }
+}
+
+/// A stage's part of a job: its passes in order, then what the job is for.
+fn run_stage(replica: &Replica, job: StageJob) -> std::result::Result<StageDone, StageError> {
+    let start = Instant::now();
+    let mut activations = Inbox::new(job.activations_in);
+    let mut gradients = Inbox::new(job.gradients_in);
+    let last = job.activations_out.is_none();
+    let inference = matches!(job.work, Work::Evaluate | Work::Predict);
+    let input = |m: usize, inbox: &mut Inbox| -> std::result::Result<Tensor, StageError> {
+        match inbox.receiver.is_some() {
+            true => inbox.take(m),
+            false => Ok(job.parts[m].inputs[0].clone()),
+        }
+    };
+    if inference {
+        let mut sums: Option<Vec<f64>> = None;
+        let mut outputs = Vec::new();
+        for pass in &job.passes {
+            let Pass::Forward(m) = *pass else { continue };
+            let x = input(m, &mut activations)?;
+            if !last {
+                send(&job.activations_out, m, replica.stage_infer(&x)?)?;
+                continue;
+            }
+            let part = &job.parts[m];
+            if job.work == Work::Predict {
+                let ys = replica.predict(&[x])?;
+                outputs.push(
+                    ys.iter()
+                        .map(|y| y.to_device(&Device::Cpu))
+                        .collect::<candle_core::Result<_>>()?,
+                );
+                continue;
+            }
+            let with_input = Batch {
+                inputs: vec![x],
+                targets: part.targets.clone(),
+                weights: part.weights.clone(),
+            };
+            let stats = replica
+                .evaluate(&with_input)?
+                .to_dtype(DType::F64)?
+                .to_vec1::<f64>()?;
+            sums = Some(match sums {
+                Some(before) => before.iter().zip(&stats).map(|(a, b)| a + b).collect(),
+                None => stats,
+            });
+        }
+        let done = match (last, job.work) {
+            (false, _) => Done::Nothing,
+            (true, Work::Predict) => Done::Outputs(outputs),
+            (true, _) => Done::Sums(sums.unwrap_or_default()),
+        };
+        return Ok(finished(done, start, activations.waited, 0));
+    }
+    let mut step = replica.begin_stage_step()?;
+    for pass in &job.passes {
+        match *pass {
+            Pass::Forward(m) => {
+                let x = input(m, &mut activations)?;
+                match last {
+                    true => {
+                        let dx = step.forward_loss_backward(&x, &job.parts[m])?;
+                        if let Some(dx) = dx {
+                            send(&job.gradients_out, m, dx)?;
+                        }
+                    }
+                    false => send(&job.activations_out, m, step.forward(m, &x)?)?,
+                }
+            }
+            Pass::Backward(m) => {
+                let dy = gradients.take(m)?;
+                if let Some(dx) = step.backward(m, &dy)? {
+                    send(&job.gradients_out, m, dx)?;
+                }
+            }
+        }
+    }
+    let peak = step.peak_in_flight();
+    let done = match job.work {
+        Work::Accumulate => Done::Sums(step.keep(job.samples)?),
+        _ => Done::Step(step.finish(job.samples)?),
+    };
+    let waited = activations.waited + gradients.waited;
+    Ok(finished(done, start, waited, peak))
+}
+
+fn finished(done: Done, start: Instant, waiting: Duration, peak_in_flight: usize) -> StageDone {
+    StageDone {
+        done,
+        busy: start.elapsed().saturating_sub(waiting),
+        waiting,
+        peak_in_flight,
+    }
+}
+
+/// Sends micro-batch `m`'s tensor to a neighbour; a neighbour that has stopped stops this
+/// stage too.
+fn send(
+    to: &Option<Sender<Message>>,
+    m: usize,
+    tensor: Tensor,
+) -> std::result::Result<(), StageError> {
+    match to {
+        Some(tx) => tx
+            .send((m, tensor))
+            .map_err(|_| StageError::NeighbourStopped),
+        None => Ok(()),
+    }
+}
+
+/// The tensors a stage receives from one neighbour, taken by micro-batch.
+struct Inbox {
+    receiver: Option<Receiver<Message>>,
+    early: HashMap<usize, Tensor>,
+    waited: Duration,
+}
+
+impl Inbox {
+    fn new(receiver: Option<Receiver<Message>>) -> Self {
+        Self {
+            receiver,
+            early: HashMap::new(),
+            waited: Duration::ZERO,
+        }
+    }
+
+    /// Micro-batch `m`'s tensor, waiting for it (the time counted as waiting).
+    fn take(&mut self, m: usize) -> std::result::Result<Tensor, StageError> {
+        if let Some(t) = self.early.remove(&m) {
+            return Ok(t);
+        }
+        let receiver = self.receiver.as_ref().ok_or(StageError::NeighbourStopped)?;
+        let start = Instant::now();
+        let found = loop {
+            match receiver.recv() {
+                Ok((got, t)) if got == m => break Ok(t),
+                Ok((got, t)) => {
+                    self.early.insert(got, t);
+                }
+                Err(_) => break Err(StageError::NeighbourStopped),
+            }
+        };
+        self.waited += start.elapsed();
+        found
+    }
+}
+
+/// The whole model's summary with a row per stage.
+fn summary_of(
+    stages: &[Replica],
+    placements: &[StagePlacement],
+    rows: &[SummaryRow],
+    settings: &Settings,
+) -> Summary {
+    let count = stages.len();
+    let mut whole = Summary {
+        inputs: stages[0].summary().inputs.clone(),
+        rows: rows.to_vec(),
+        trainable: 0,
+        non_trainable: 0,
+        stages: Vec::new(),
+    };
+    for (s, (stage, placement)) in stages.iter().zip(placements).enumerate() {
+        let own = stage.summary();
+        whole.trainable += own.trainable;
+        whole.non_trainable += own.non_trainable;
+        let first = own.rows.first().map(|r| r.name.clone()).unwrap_or_default();
+        let last = own.rows.last().map(|r| r.name.clone()).unwrap_or_default();
+        whole.stages.push(StageSummary {
+            device: kandle::devices::label(&placement.device),
+            layers: (first, last),
+            params: own.total(),
+            activation_bytes_per_sample: own
+                .rows
+                .iter()
+                .map(|r| r.output_shape.iter().product::<usize>() * 4)
+                .sum(),
+            micro_batches_held: settings.schedule.held(s, count, settings.micro_batches),
+        });
+    }
+    whole
+}
+
+impl WorkerHooks for PipelineModel {}
+
+impl DistributedModel for PipelineModel {
+    fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        let (done, wall) = self.run(batch, Work::Step)?;
+        self.record(&done, wall, self.micro_batches(batch)?.len());
+        let mut buffers = Vec::with_capacity(done.len());
+        for d in done {
+            match d.done {
+                Done::Step(buffer) => buffers.push(buffer),
+                _ => return Err(Error::invalid("a pipeline stage gave no step buffer")),
+            }
+        }
+        let mut reads = Vec::with_capacity(buffers.len());
+        for (buffer, layout) in buffers.iter().zip(&self.layouts) {
+            reads.push(layout.read(&buffer.fused)?);
+        }
+        let last = reads
+            .last()
+            .cloned()
+            .ok_or_else(|| Error::invalid("no stage"))?;
+        let totals = Arc::new(StepTotals {
+            sums: last.sums,
+            samples: batch.len(),
+            finite: reads.iter().all(|r| r.finite),
+        });
+        let shared = Arc::clone(&totals);
+        let inputs = buffers
+            .into_iter()
+            .map(|b| (b.fused, b.statistics_before))
+            .collect();
+        self.pool.run(inputs, move |_, replica, (total, before)| {
+            replica.finish_step(&total, &shared, &before, lr)
+        })?;
+        Ok((*totals).clone().into_stats())
+    }
+
+    fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
+        let (done, _) = self.run(batch, Work::Accumulate)?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums: Self::last_sums(done)?,
+            applied: false,
+        })
+    }
+
+    fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
+        let (done, _) = self.run(batch, Work::Evaluate)?;
+        Ok(StepStats {
+            samples: batch.len(),
+            sums: Self::last_sums(done)?,
+            applied: false,
+        })
+    }
+
+    fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let [x] = inputs else {
+            return Err(Error::invalid(format!(
+                "a Sequential model takes one input but was given {}",
+                inputs.len()
+            )));
+        };
+        let batch = Batch {
+            inputs: vec![x.clone()],
+            targets: Vec::new(),
+            weights: None,
+        };
+        let (done, _) = self.run(&batch, Work::Predict)?;
+        let Some(Done::Outputs(micro)) = done.into_iter().last().map(|d| d.done) else {
+            return Err(Error::invalid("the pipeline's last stage gave no outputs"));
+        };
+        let outputs = micro.first().map_or(0, Vec::len);
+        (0..outputs)
+            .map(|o| {
+                let parts: Vec<&Tensor> = micro.iter().map(|ys| &ys[o]).collect();
+                Ok(Tensor::cat(&parts, 0)?)
+            })
+            .collect()
+    }
+
+    fn weights(&self) -> Result<Weights> {
+        let mut all = Weights::new();
+        for store in &self.stores {
+            all.extend(cpu_weights(store)?);
+        }
+        Ok(all)
+    }
+
+    fn summary(&self) -> &Summary {
+        &self.summary
+    }
+
+    fn set_weights(&mut self, weights: &Weights) -> Result<()> {
+        let parts: Vec<Weights> = self
+            .stores
+            .iter()
+            .map(|store| {
+                weights
+                    .iter()
+                    .filter(|(name, _)| store.get(name).is_some())
+                    .map(|(n, t)| (n.clone(), t.clone()))
+                    .collect()
+            })
+            .collect();
+        let unknown: Vec<&str> = weights
+            .keys()
+            .filter(|n| self.stores.iter().all(|s| s.get(n).is_none()))
+            .filter(|n| n.as_str() != kandle::mixed_precision::LOSS_SCALE)
+            .map(String::as_str)
+            .collect();
+        if !unknown.is_empty() {
+            return Err(Error::invalid(format!(
+                "cannot set weights: the model has no variable named {}",
+                unknown.join(", ")
+            )));
+        }
+        for (store, part) in self.stores.iter().zip(&parts) {
+            store
+                .check_compatible(part)
+                .map_err(|reason| Error::invalid(format!("cannot set weights: {reason}")))?;
+        }
+        for (store, part) in self.stores.iter().zip(&parts) {
+            store.assign(part)?;
+        }
+        Ok(())
+    }
+
+    fn optimizer_state(&mut self) -> Result<NamedOptimizerState> {
+        let stages = self.stages();
+        let parts = self.pool.run(vec![(); stages], |_, replica, ()| {
+            replica.optimizer_state()?.to_device(&Device::Cpu)
+        })?;
+        NamedOptimizerState::join(parts)
+    }
+
+    fn set_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
+        let parts: Vec<NamedOptimizerState> = self
+            .stores
+            .iter()
+            .map(|store| {
+                let names: Vec<String> = store
+                    .iter()
+                    .filter(|p| p.trainable)
+                    .map(|p| p.name.clone())
+                    .collect();
+                let part = state.restricted_to(&names);
+                part.to_positional(&names, &store.trainable_vars())?;
+                Ok(part)
+            })
+            .collect::<Result<_>>()?;
+        let known: usize = parts
+            .iter()
+            .map(|p| p.slots.values().map(|w| w.len()).sum::<usize>())
+            .sum();
+        let given: usize = state.slots.values().map(|w| w.len()).sum();
+        if known != given {
+            return Err(Error::invalid(
+                "cannot load the optimizer state: it holds variables the model does not have",
+            ));
+        }
+        self.pool.run(parts, |_, replica, part| {
+            replica.load_optimizer_state(&part)
+        })?;
+        Ok(())
+    }
+}

@@ -19,6 +19,7 @@ use anyhow::{bail, Result};
 use candle_core::Device;
 use clap::ValueEnum;
 use kandle::Strategy;
+use kandle_strategies::pipeline::{PipelineStrategy, Schedule, StageSplit};
 use kandle_strategies::{CentralStorageStrategy, MirroredStrategy, ReplicaOptions};
 
 /// The value parser of a flag that counts something and must be at least 1 (a batch size, a
@@ -207,6 +208,77 @@ pub enum StrategyKind {
     /// Variables on parameter-server ranks of the mpirun job, workers push gradients and pull
     /// weights (feature mpi; set up with --num-ps, --sync or --async, and --max-staleness).
     ParameterServer,
+    /// Model parallelism: the model cut into stages, one per device, micro-batches pipelined
+    /// through them (set up with --stages, --micro-batches, --schedule and --stage-starts).
+    Pipeline,
+}
+
+/// `--stages`, `--micro-batches`, `--schedule` and `--stage-starts`: how `--strategy pipeline`
+/// runs, as every training binary takes them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PipelineArgs {
+    /// With --strategy pipeline: the number of stages, one per device (GPUs when built with
+    /// the cuda feature and that many are visible, else CPU stages on threads of their own).
+    #[arg(long, default_value_t = 2)]
+    pub stages: usize,
+    /// With --strategy pipeline: micro-batches per batch.
+    #[arg(long, default_value_t = 4)]
+    pub micro_batches: usize,
+    /// With --strategy pipeline: gpipe (all forwards, then all backwards) or 1f1b (one
+    /// forward, one backward: fewer activations held).
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: Schedule,
+    /// With --strategy pipeline: the layers that start stages 1, 2 and so on, comma-separated
+    /// (default: stages balanced by each layer's measured time).
+    #[arg(long, value_delimiter = ',')]
+    pub stage_starts: Vec<String>,
+}
+
+impl Default for PipelineArgs {
+    fn default() -> Self {
+        Self {
+            stages: 2,
+            micro_batches: 4,
+            schedule: Schedule::default(),
+            stage_starts: Vec::new(),
+        }
+    }
+}
+
+impl PipelineArgs {
+    /// The pipeline these flags describe.
+    pub fn strategy(&self) -> Result<PipelineStrategy> {
+        let split = match self.stage_starts.is_empty() {
+            true => StageSplit::default(),
+            false => StageSplit::at(self.stage_starts.iter().cloned()),
+        };
+        Ok(PipelineStrategy::new(devices(self.stages)?)?
+            .micro_batches(self.micro_batches)
+            .schedule(self.schedule)
+            .split(split))
+    }
+}
+
+/// Builds the chosen strategy over `replicas` devices (per worker, for multi-worker), with the
+/// parameter-server flags `ps` and the pipeline flags `pipeline` where the strategy takes them.
+pub fn build_strategy_with(
+    kind: StrategyKind,
+    replicas: usize,
+    ps: &PsArgs,
+    pipeline: &PipelineArgs,
+) -> Result<Arc<dyn Strategy>> {
+    match kind {
+        StrategyKind::Pipeline => {
+            if replicas != 1 {
+                bail!(
+                    "--strategy pipeline places one copy of the model over --stages devices; \
+                     drop --replicas/--gpus or set it to 1"
+                );
+            }
+            Ok(Arc::new(pipeline.strategy()?))
+        }
+        _ => ps.build_strategy(kind, replicas),
+    }
 }
 
 /// `--num-ps`, `--sync` / `--async` and `--max-staleness`: how `--strategy parameter-server`
@@ -299,6 +371,9 @@ pub fn build_strategy_on(
             Arc::new(CentralStorageStrategy::new(devices)?.with_options(replica_options(timeout)))
         }
         StrategyKind::MultiWorker => multi_worker(devices, timeout)?,
+        StrategyKind::Pipeline => {
+            Arc::new(PipelineStrategy::new(devices)?.with_options(replica_options(timeout)))
+        }
         StrategyKind::ParameterServer => {
             if devices.iter().any(|d| !d.is_cpu()) || replicas != 1 {
                 bail!("--strategy parameter-server runs one CPU replica per worker");

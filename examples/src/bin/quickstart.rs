@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use clap::{Parser, ValueEnum};
 use kandle::callbacks::{CsvLogger, ModelCheckpoint, PlotHistory};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, MonitorArgs, PrecisionArgs, PsArgs, StrategyKind};
+use kandle_examples::{BackupArgs, MonitorArgs, PipelineArgs, PrecisionArgs, PsArgs, StrategyKind};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small CNN on the digits set and plot its curves")]
@@ -61,12 +61,19 @@ struct Args {
     monitor: MonitorArgs,
     #[command(flatten)]
     ps: PsArgs,
+    #[command(flatten)]
+    pipeline: PipelineArgs,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
     kandle_examples::init();
-    let strategy = args.ps.build_strategy(args.strategy, args.replicas)?;
+    let strategy = kandle_examples::build_strategy_with(
+        args.strategy,
+        args.replicas,
+        &args.ps,
+        &args.pipeline,
+    )?;
     let replicas = strategy.num_replicas_in_sync();
     if args.batch_size % replicas != 0 {
         bail!(

@@ -28,7 +28,9 @@ use clap::Parser;
 use kandle::callbacks::{Callback, CsvLogger, FitInfo, Logs, ModelCheckpoint, PlotHistory};
 use kandle::data::{cifar10, RandomShiftFlip};
 use kandle::prelude::*;
-use kandle_examples::{BackupArgs, CifarModel, MonitorArgs, PrecisionArgs, PsArgs, StrategyKind};
+use kandle_examples::{
+    BackupArgs, CifarModel, MonitorArgs, PipelineArgs, PrecisionArgs, PsArgs, StrategyKind,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Train MiniGoogLeNet on CIFAR-10, as the Keras multi-GPU tutorial does")]
@@ -84,6 +86,8 @@ struct Args {
     monitor: MonitorArgs,
     #[command(flatten)]
     ps: PsArgs,
+    #[command(flatten)]
+    pipeline: PipelineArgs,
 }
 
 /// One epoch's timing.
@@ -220,7 +224,7 @@ fn main() -> Result<()> {
     } else {
         StrategyKind::Mirrored
     });
-    let strategy = args.ps.build_strategy(kind, args.gpus)?;
+    let strategy = kandle_examples::build_strategy_with(kind, args.gpus, &args.ps, &args.pipeline)?;
     let backup = args.backup.callback(&strategy);
     let replicas = strategy.num_replicas_in_sync();
     let lr = if args.scale_lr {

@@ -90,6 +90,16 @@ pub trait Strategy: Send + Sync {
         WorkerInfo::default()
     }
 
+    /// Which part of every global batch this process reads, as `(index, parts)`: the loader
+    /// splits each global batch into `parts` near-equal parts and yields part `index`; `None`
+    /// reads every batch whole. The default is this worker's rank among the workers when there
+    /// are several; a strategy whose processes share samples (the stages of a pipeline) says
+    /// otherwise.
+    fn data_shard(&self) -> Option<(usize, usize)> {
+        let worker = self.worker();
+        (worker.size > 1).then_some((worker.rank, worker.size))
+    }
+
     /// Builds the replicas of `spec`, all starting from the same weights.
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>>;
 }
@@ -106,6 +116,9 @@ impl<S: Strategy + ?Sized> Strategy for std::sync::Arc<S> {
     }
     fn worker(&self) -> WorkerInfo {
         (**self).worker()
+    }
+    fn data_shard(&self) -> Option<(usize, usize)> {
+        (**self).data_shard()
     }
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         (**self).distribute(spec)

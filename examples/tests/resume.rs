@@ -364,6 +364,28 @@ fn a_killed_mirrored_run_resumes_within_1e_6() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A pipeline of two stages (four micro-batches, 1F1B) killed after a backup resumes as an
+/// uninterrupted run: its stages sum each step's micro-batches in a fixed order, so bit for
+/// bit.
+#[test]
+fn a_killed_pipeline_run_resumes_bit_for_bit() -> anyhow::Result<()> {
+    let r = kill_and_resume_quickstart(&[
+        "--strategy",
+        "pipeline",
+        "--stages",
+        "2",
+        "--micro-batches",
+        "4",
+        "--stage-starts",
+        "batch_normalization_2",
+    ])?;
+    anyhow::ensure!(r.csv == r.want_csv, "{}\nvs\n{}", r.csv, r.want_csv);
+    let (worst, bitwise) = r.difference;
+    anyhow::ensure!(bitwise, "final states differ by {worst:e} (relative)");
+    anyhow::ensure!(r.same_plot, "the resumed run drew another plot");
+    Ok(())
+}
+
 /// What one backup of the flagship model costs: the training state of MiniGoogLeNet with SGD
 /// momentum (weights, batch-norm statistics, momentum buffers), saved with `Model::save` as
 /// `BackupAndRestore` does. A measurement, not a check: run by hand with

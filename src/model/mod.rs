@@ -563,14 +563,13 @@ impl Model {
         if batch_size_per_replica == 0 {
             return Err(Error::invalid("batch size must be positive, got 0"));
         }
-        let worker = self.strategy.worker();
         let order =
             inputs::match_inputs(&self.network.declared_inputs(), &data.inputs(), data.name())?;
         Loader::new(
             data,
             LoaderOptions {
                 batch_size: batch_size_per_replica * self.strategy.num_replicas_in_sync(),
-                shard: (worker.size > 1).then_some((worker.rank, worker.size)),
+                shard: self.strategy.data_shard(),
                 input_order: order.map(Arc::from),
                 ..options
             },

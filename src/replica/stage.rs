@@ -132,8 +132,9 @@ pub struct StageStep<'a> {
     stats: Tensor,
     samples: usize,
     statistics_before: Vec<Tensor>,
-    /// The micro-batches forwarded and not yet backwarded, by index.
-    in_flight: Vec<(usize, Box<dyn Backward>)>,
+    /// The micro-batches forwarded and not yet backwarded, by index, with their output's
+    /// dtype (the gradient's, whatever dtype it arrives in).
+    in_flight: Vec<(usize, Box<dyn Backward>, DType)>,
     peak_in_flight: usize,
 }
 
@@ -146,7 +147,8 @@ impl StageStep<'_> {
         let _forward = timeline::span("forward");
         let request = self.request(false);
         let recorded = self.record(x, request)?;
-        self.in_flight.push((micro, recorded.backward));
+        let dtype = recorded.output.dtype();
+        self.in_flight.push((micro, recorded.backward, dtype));
         self.peak_in_flight = self.peak_in_flight.max(self.in_flight.len());
         Ok(recorded.output)
     }
@@ -160,15 +162,15 @@ impl StageStep<'_> {
         let at = self
             .in_flight
             .iter()
-            .position(|(m, _)| *m == micro)
+            .position(|(m, _, _)| *m == micro)
             .ok_or_else(|| {
                 Error::invalid(format!(
                     "pipeline stage: micro-batch {micro} was not forwarded, or was already \
                      backwarded"
                 ))
             })?;
-        let (_, backward) = self.in_flight.remove(at);
-        let dy = dy.to_device(&self.replica.device)?;
+        let (_, backward, dtype) = self.in_flight.remove(at);
+        let dy = dy.to_device(&self.replica.device)?.to_dtype(dtype)?;
         let first = self.replica.position.first;
         backward.backward(dy, &mut self.grads, !first)
     }
@@ -236,7 +238,7 @@ impl StageStep<'_> {
     }
 
     fn into_gradients(mut self, samples: usize) -> Result<Gradients> {
-        if let Some((micro, _)) = self.in_flight.first() {
+        if let Some((micro, _, _)) = self.in_flight.first() {
             return Err(Error::invalid(format!(
                 "pipeline stage: micro-batch {micro} was forwarded but never backwarded"
             )));

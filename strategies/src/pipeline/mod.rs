@@ -38,9 +38,11 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+mod channels;
 mod model;
 mod schedule;
 mod split;
+mod stage_run;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

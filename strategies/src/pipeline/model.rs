@@ -7,23 +7,23 @@
 //! stage that fails drops its channels, so its neighbours stop too instead of waiting; the
 //! error that is returned is the stage's own, not a neighbour's.
 
-use std::collections::HashMap;
-use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use kandle::data::{shard_range, Batch};
 use kandle::layers::{StageSummary, Summary, SummaryRow};
 use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
 use kandle::strategy::step::{StepLayout, StepTotals};
 use kandle::strategy::{
-    DistributedModel, ModelSpec, Replica, StagePlacement, StepBuffer, StepStats, WorkerHooks,
+    DistributedModel, ModelSpec, Replica, StagePlacement, StepStats, WorkerHooks,
 };
 use kandle::{Error, Result};
 
+use super::channels::ChannelLinks;
 use super::schedule::{Pass, Schedule};
+use super::stage_run::{run_stage, Done, StageDone, StageError, StageJob, Work};
 use super::{PipelineReport, StageReport};
 use crate::replica_pool::{ReplicaPool, ReplicaThreads};
 use crate::replica_set::cpu_weights;
@@ -45,72 +45,6 @@ pub(crate) struct PipelineModel {
     summary: Summary,
     settings: Settings,
     report: Arc<Mutex<Option<PipelineReport>>>,
-}
-
-/// A tensor of one micro-batch, sent between stages.
-type Message = (usize, Tensor);
-
-/// What one stage's job gets.
-struct StageJob {
-    passes: Vec<Pass>,
-    /// Activations from the stage before (none for the first stage).
-    activations_in: Option<Receiver<Message>>,
-    activations_out: Option<Sender<Message>>,
-    /// Gradients from the stage after (none for the last stage).
-    gradients_in: Option<Receiver<Message>>,
-    gradients_out: Option<Sender<Message>>,
-    /// The micro-batches, for the first stage (inputs) and the last (targets); empty for the
-    /// others.
-    parts: Vec<Batch>,
-    /// The samples of the whole batch.
-    samples: usize,
-    work: Work,
-}
-
-/// What a job is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Work {
-    /// A training step's gradients, as a step buffer.
-    Step,
-    /// Gradient accumulation: gradients kept for the next step.
-    Accumulate,
-    /// The loss and metric sums in inference mode.
-    Evaluate,
-    /// The outputs in inference mode.
-    Predict,
-}
-
-/// What one stage's job gives back.
-enum Done {
-    Step(StepBuffer),
-    Sums(Vec<f64>),
-    Outputs(Vec<Vec<Tensor>>),
-    Nothing,
-}
-
-struct StageDone {
-    done: Done,
-    busy: Duration,
-    waiting: Duration,
-    peak_in_flight: usize,
-}
-
-/// A stage's error, or the error of a stage that stopped because a neighbour did.
-enum StageError {
-    Own(Error),
-    NeighbourStopped,
-}
-
-impl From<Error> for StageError {
-    fn from(e: Error) -> Self {
-        StageError::Own(e)
-    }
-}
-
-impl From<candle_core::Error> for StageError {
-    fn from(e: candle_core::Error) -> Self {
-        StageError::Own(e.into())
-    }
 }
 
 impl PipelineModel {
@@ -168,62 +102,30 @@ impl PipelineModel {
         let parts = self.micro_batches(batch)?;
         let stages = self.stages();
         let micro = parts.len();
-        let inference = matches!(work, Work::Evaluate | Work::Predict);
-        let (mut act_tx, mut act_rx): (Vec<_>, Vec<_>) = (0..stages - 1)
-            .map(|_| mpsc::channel::<Message>())
-            .map(|(tx, rx)| (Some(tx), Some(rx)))
-            .unzip();
-        let (mut grad_tx, mut grad_rx): (Vec<_>, Vec<_>) = (0..stages - 1)
-            .map(|_| mpsc::channel::<Message>())
-            .map(|(tx, rx)| (Some(tx), Some(rx)))
-            .unzip();
-        let jobs = (0..stages)
-            .map(|s| {
-                let passes = match inference {
+        let jobs: Vec<(StageJob, ChannelLinks)> = ChannelLinks::chain(stages)
+            .into_iter()
+            .enumerate()
+            .map(|(s, links)| {
+                let passes = match work.is_inference() {
                     true => (0..micro).map(Pass::Forward).collect(),
                     false => self.settings.schedule.passes(s, stages, micro),
                 };
                 let ends = s == 0 || s + 1 == stages;
-                StageJob {
+                let job = StageJob {
                     passes,
-                    activations_in: s.checked_sub(1).and_then(|p| act_rx[p].take()),
-                    activations_out: act_tx.get_mut(s).and_then(Option::take),
-                    gradients_in: grad_rx.get_mut(s).and_then(Option::take),
-                    gradients_out: s.checked_sub(1).and_then(|p| grad_tx[p].take()),
                     parts: if ends { parts.clone() } else { Vec::new() },
                     samples: batch.len(),
                     work,
-                }
+                };
+                (job, links)
             })
             .collect();
         let start = Instant::now();
-        let results = self
-            .pool
-            .run(jobs, |_, replica, job| Ok(run_stage(replica, job)))?;
+        let results = self.pool.run(jobs, |_, replica, (job, mut links)| {
+            Ok(run_stage(replica, job, &mut links))
+        })?;
         let wall = start.elapsed();
-        let mut done = Vec::with_capacity(stages);
-        let mut neighbour_stopped = None;
-        for (s, result) in results.into_iter().enumerate() {
-            match result {
-                Ok(d) => done.push(d),
-                Err(StageError::Own(e)) => {
-                    return Err(Error::Replica {
-                        replica: format!("pipeline stage {s}"),
-                        reason: e.to_string(),
-                    })
-                }
-                Err(StageError::NeighbourStopped) => {
-                    neighbour_stopped.get_or_insert(s);
-                }
-            }
-        }
-        if let Some(s) = neighbour_stopped {
-            return Err(Error::Replica {
-                replica: format!("pipeline stage {s}"),
-                reason: "a neighbouring stage stopped without an error".into(),
-            });
-        }
-        Ok((done, wall))
+        Ok((stage_results(results)?, wall))
     }
 
     fn record(&self, done: &[StageDone], wall: Duration, micro_batches: usize) {
@@ -253,150 +155,33 @@ impl PipelineModel {
     }
 }
 
-/// A stage's part of a job: its passes in order, then what the job is for.
-fn run_stage(replica: &Replica, job: StageJob) -> std::result::Result<StageDone, StageError> {
-    let start = Instant::now();
-    let mut activations = Inbox::new(job.activations_in);
-    let mut gradients = Inbox::new(job.gradients_in);
-    let last = job.activations_out.is_none();
-    let inference = matches!(job.work, Work::Evaluate | Work::Predict);
-    let input = |m: usize, inbox: &mut Inbox| -> std::result::Result<Tensor, StageError> {
-        match inbox.receiver.is_some() {
-            true => inbox.take(m),
-            false => Ok(job.parts[m].inputs[0].clone()),
-        }
-    };
-    if inference {
-        let mut sums: Option<Vec<f64>> = None;
-        let mut outputs = Vec::new();
-        for pass in &job.passes {
-            let Pass::Forward(m) = *pass else { continue };
-            let x = input(m, &mut activations)?;
-            if !last {
-                send(&job.activations_out, m, replica.stage_infer(&x)?)?;
-                continue;
+/// Each stage's result, or the first stage's own error (naming the stage): a stage that
+/// stopped because a neighbour did is not the cause.
+pub(crate) fn stage_results(
+    results: Vec<std::result::Result<StageDone, StageError>>,
+) -> Result<Vec<StageDone>> {
+    let mut done = Vec::with_capacity(results.len());
+    let mut neighbour_stopped = None;
+    for (s, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(d) => done.push(d),
+            Err(StageError::Own(e)) => {
+                return Err(Error::Replica {
+                    replica: format!("pipeline stage {s}"),
+                    reason: e.to_string(),
+                })
             }
-            let part = &job.parts[m];
-            if job.work == Work::Predict {
-                let ys = replica.predict(&[x])?;
-                outputs.push(
-                    ys.iter()
-                        .map(|y| y.to_device(&Device::Cpu))
-                        .collect::<candle_core::Result<_>>()?,
-                );
-                continue;
-            }
-            let with_input = Batch {
-                inputs: vec![x],
-                targets: part.targets.clone(),
-                weights: part.weights.clone(),
-            };
-            let stats = replica
-                .evaluate(&with_input)?
-                .to_dtype(DType::F64)?
-                .to_vec1::<f64>()?;
-            sums = Some(match sums {
-                Some(before) => before.iter().zip(&stats).map(|(a, b)| a + b).collect(),
-                None => stats,
-            });
-        }
-        let done = match (last, job.work) {
-            (false, _) => Done::Nothing,
-            (true, Work::Predict) => Done::Outputs(outputs),
-            (true, _) => Done::Sums(sums.unwrap_or_default()),
-        };
-        return Ok(finished(done, start, activations.waited, 0));
-    }
-    let mut step = replica.begin_stage_step()?;
-    for pass in &job.passes {
-        match *pass {
-            Pass::Forward(m) => {
-                let x = input(m, &mut activations)?;
-                match last {
-                    true => {
-                        let dx = step.forward_loss_backward(&x, &job.parts[m])?;
-                        if let Some(dx) = dx {
-                            send(&job.gradients_out, m, dx)?;
-                        }
-                    }
-                    false => send(&job.activations_out, m, step.forward(m, &x)?)?,
-                }
-            }
-            Pass::Backward(m) => {
-                let dy = gradients.take(m)?;
-                if let Some(dx) = step.backward(m, &dy)? {
-                    send(&job.gradients_out, m, dx)?;
-                }
+            Err(StageError::NeighbourStopped) => {
+                neighbour_stopped.get_or_insert(s);
             }
         }
     }
-    let peak = step.peak_in_flight();
-    let done = match job.work {
-        Work::Accumulate => Done::Sums(step.keep(job.samples)?),
-        _ => Done::Step(step.finish(job.samples)?),
-    };
-    let waited = activations.waited + gradients.waited;
-    Ok(finished(done, start, waited, peak))
-}
-
-fn finished(done: Done, start: Instant, waiting: Duration, peak_in_flight: usize) -> StageDone {
-    StageDone {
-        done,
-        busy: start.elapsed().saturating_sub(waiting),
-        waiting,
-        peak_in_flight,
-    }
-}
-
-/// Sends micro-batch `m`'s tensor to a neighbour; a neighbour that has stopped stops this
-/// stage too.
-fn send(
-    to: &Option<Sender<Message>>,
-    m: usize,
-    tensor: Tensor,
-) -> std::result::Result<(), StageError> {
-    match to {
-        Some(tx) => tx
-            .send((m, tensor))
-            .map_err(|_| StageError::NeighbourStopped),
-        None => Ok(()),
-    }
-}
-
-/// The tensors a stage receives from one neighbour, taken by micro-batch.
-struct Inbox {
-    receiver: Option<Receiver<Message>>,
-    early: HashMap<usize, Tensor>,
-    waited: Duration,
-}
-
-impl Inbox {
-    fn new(receiver: Option<Receiver<Message>>) -> Self {
-        Self {
-            receiver,
-            early: HashMap::new(),
-            waited: Duration::ZERO,
-        }
-    }
-
-    /// Micro-batch `m`'s tensor, waiting for it (the time counted as waiting).
-    fn take(&mut self, m: usize) -> std::result::Result<Tensor, StageError> {
-        if let Some(t) = self.early.remove(&m) {
-            return Ok(t);
-        }
-        let receiver = self.receiver.as_ref().ok_or(StageError::NeighbourStopped)?;
-        let start = Instant::now();
-        let found = loop {
-            match receiver.recv() {
-                Ok((got, t)) if got == m => break Ok(t),
-                Ok((got, t)) => {
-                    self.early.insert(got, t);
-                }
-                Err(_) => break Err(StageError::NeighbourStopped),
-            }
-        };
-        self.waited += start.elapsed();
-        found
+    match neighbour_stopped {
+        Some(s) => Err(Error::Replica {
+            replica: format!("pipeline stage {s}"),
+            reason: "a neighbouring stage stopped without an error".into(),
+        }),
+        None => Ok(done),
     }
 }
 

@@ -65,6 +65,8 @@ enum YAxis {
     Efficiency,
     /// Milliseconds on a log10 scale.
     LogMilliseconds,
+    /// The idle share of a pipeline stage's step against the micro-batches, in percent.
+    IdleFraction,
 }
 
 /// Draws `series` (efficiency against replicas) under `title` and `caption` into the PNG
@@ -79,6 +81,12 @@ pub fn draw_log_time(path: &Path, title: &str, caption: &str, series: &[Series])
     draw_with(path, title, caption, series, YAxis::LogMilliseconds)
 }
 
+/// Draws `series` of `(micro-batches, idle fraction)` (the pipeline's bubble of
+/// `bench_pipeline`), otherwise as [`draw`] does.
+pub fn draw_idle(path: &Path, title: &str, caption: &str, series: &[Series]) -> Result<()> {
+    draw_with(path, title, caption, series, YAxis::IdleFraction)
+}
+
 fn draw_with(
     path: &Path,
     title: &str,
@@ -89,7 +97,7 @@ fn draw_with(
     let (width, height) = SIZE;
     let mut rgb = vec![0u8; width as usize * height as usize * 3];
     let series: Vec<Series> = match y_axis {
-        YAxis::Efficiency => series.to_vec(),
+        YAxis::Efficiency | YAxis::IdleFraction => series.to_vec(),
         YAxis::LogMilliseconds => series
             .iter()
             .map(|s| Series {
@@ -134,7 +142,7 @@ fn render(
     let points = series.iter().flat_map(|s| s.points.iter());
     let x_max = points.clone().map(|&(n, _)| log2(n)).fold(0.0, f64::max);
     let y_range = match y_axis {
-        YAxis::Efficiency => {
+        YAxis::Efficiency | YAxis::IdleFraction => {
             let y_max = points.map(|&(_, e)| e).fold(1.0, f64::max);
             0.0..(y_max * 1.05).max(1.05)
         }
@@ -165,9 +173,13 @@ fn render(
             "workers W (log2 scale)",
             "communication per step, ms (log10 scale)",
         ),
+        YAxis::IdleFraction => (
+            "micro-batches M (log2 scale)",
+            "idle share of each stage's step",
+        ),
     };
     let y_label = |y: &f64| match y_axis {
-        YAxis::Efficiency => format!("{:.0}%", y * 100.0),
+        YAxis::Efficiency | YAxis::IdleFraction => format!("{:.0}%", y * 100.0),
         YAxis::LogMilliseconds if y.fract().abs() < 1e-6 => {
             let ms = 10f64.powf(*y);
             if ms >= 1.0 {
@@ -179,7 +191,7 @@ fn render(
         YAxis::LogMilliseconds => String::new(),
     };
     let y_labels = match y_axis {
-        YAxis::Efficiency => 10,
+        YAxis::Efficiency | YAxis::IdleFraction => 10,
         YAxis::LogMilliseconds => (y_range.end - y_range.start) as usize + 1,
     };
     let powers_of_two = |x: &f64| {
@@ -234,6 +246,7 @@ fn render(
         .position(match y_axis {
             YAxis::Efficiency => SeriesLabelPosition::LowerRight,
             YAxis::LogMilliseconds => SeriesLabelPosition::LowerRight,
+            YAxis::IdleFraction => SeriesLabelPosition::UpperRight,
         })
         .label_font((font, 14))
         .background_style(WHITE.mix(0.9))

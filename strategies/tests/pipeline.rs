@@ -216,3 +216,60 @@ fn bad_splits_are_clear_errors() -> anyhow::Result<()> {
     assert!(none.contains("at least one micro-batch"), "{none}");
     Ok(())
 }
+
+/// Mixed precision: on the CPU kernels (which stay float32) `mixed_float16` trains as float32
+/// does; on the device-generic path the stages pass float16 activations and gradients, an
+/// overflow skips the step on every stage and halves the loss scale, and training goes on.
+#[test]
+fn mixed_precision_trains_through_the_stages() -> anyhow::Result<()> {
+    use kandle::{ComputePath, DTypePolicy, LossScale};
+    let reference = one_device_reference(plain_cnn, SAMPLES)?;
+    let strategy = pipeline(&["dense_1"], 2, Schedule::OneFOneB)?;
+    let policy = DTypePolicy::mixed_float16();
+    let mut model =
+        support::equivalence_run::train_with(plain_cnn(), &strategy, SAMPLES, 1, policy)?;
+    assert_eq!(model.loss_scale()?, Some(32768.0));
+    reference.assert_matches(&model.get_weights()?, "pipeline x2, mixed_float16")?;
+
+    let policy = policy.with_loss_scale(Some(LossScale {
+        initial: 2f64.powi(40),
+        growth_steps: 2000,
+    }));
+    let mut model = compile(plain_cnn(), Sgd::new(0.05), &strategy, 5)?
+        .with_compute_path(ComputePath::DeviceGeneric)?
+        .with_dtype_policy(policy)?;
+    let (x, y) = kandle::data::digits::load()?.to_tensors()?;
+    let before = model.get_weights()?;
+    model.train_on_batch(&x.narrow(0, 0, 24)?, &y.narrow(0, 0, 24)?, None)?;
+    assert_eq!(model.loss_scale()?, Some(2f64.powi(39)));
+    for (name, w) in model.get_weights()? {
+        if name != kandle::mixed_precision::LOSS_SCALE {
+            let diff = (w - &before[&name])?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{name} changed in a skipped step");
+        }
+    }
+    let mut first_layer_moved = false;
+    for step in 1..40 {
+        let logs = model.train_on_batch(
+            &x.narrow(0, step * 24, 24)?,
+            &y.narrow(0, step * 24, 24)?,
+            None,
+        )?;
+        assert!(logs.get("loss").is_some_and(f64::is_finite), "{logs:?}");
+        let now = model.get_weights()?;
+        let moved = |name: &str| -> anyhow::Result<bool> {
+            Ok(now[name].flatten_all()?.to_vec1::<f32>()?
+                != before[name].flatten_all()?.to_vec1::<f32>()?)
+        };
+        if moved("conv2d_1.weight")? {
+            assert!(
+                moved("dense_2.weight")?,
+                "the first stage applied a step the last did not"
+            );
+            first_layer_moved = true;
+            break;
+        }
+    }
+    assert!(first_layer_moved, "no step applied after the overflow");
+    Ok(())
+}

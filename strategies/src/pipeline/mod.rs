@@ -122,6 +122,11 @@ impl PipelineStrategy {
         Self { options, ..self }
     }
 
+    /// The micro-batches each batch is split into (fewer for a batch of fewer samples).
+    pub fn micro_batches_per_batch(&self) -> usize {
+        self.micro_batches
+    }
+
     /// The devices, one stage each.
     pub fn devices(&self) -> &[Device] {
         &self.devices

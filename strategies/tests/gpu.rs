@@ -2,8 +2,9 @@
 //! training under `OneDeviceStrategy::gpu(0)` reaches 97% test accuracy (also under the
 //! `mixed_float16` and `mixed_bfloat16` policies, and an overflow skips a step and halves the
 //! loss scale), gradient accumulation gives the weights of whole batches, and the equivalence
-//! run's 20 steps on the GPU match the CPU's; two Mirrored replicas sharing the one GPU, and
-//! CentralStorage (variables on the CPU, compute on the GPU), match one GPU; a training state
+//! run's 20 steps on the GPU match the CPU's; two Mirrored replicas sharing the one GPU,
+//! CentralStorage (variables on the CPU, compute on the GPU), and a pipeline of two stages on
+//! the GPU (or on the GPU and the CPU) match one GPU; a training state
 //! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces.
 //!
 //! Built with `--features cuda` (and `nccl` for the NCCL tests). Every test needs a GPU, so each
@@ -180,6 +181,29 @@ fn gradient_accumulation_on_the_gpu_matches_whole_batches() -> anyhow::Result<()
         &accumulated,
         "mirrored x2 on cuda:0, accumulating 3",
     )
+}
+
+/// A pipeline of two stages sharing the one GPU (and of a GPU stage and a CPU stage, so that
+/// activations and gradients cross devices) trains as one GPU does, under both schedules.
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn pipeline_stages_on_the_gpu_match_one_gpu() -> anyhow::Result<()> {
+    use kandle_strategies::pipeline::{PipelineStrategy, Schedule, StageSplit};
+    let reference = weights(plain_cnn(), &OneDeviceStrategy::new(gpu()?))?;
+    for (devices, what) in [
+        (vec![gpu()?, gpu()?], "two stages on cuda:0"),
+        (vec![gpu()?, Device::Cpu], "cuda:0 then the cpu"),
+    ] {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            let strategy = PipelineStrategy::new(devices.clone())?
+                .micro_batches(4)
+                .schedule(schedule)
+                .split(StageSplit::at(["dense_1"]));
+            let trained = weights(plain_cnn(), &strategy)?;
+            assert_matches(&reference, &trained, &format!("pipeline, {what}, {schedule}"))?;
+        }
+    }
+    Ok(())
 }
 
 #[test]

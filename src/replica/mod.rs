@@ -493,11 +493,10 @@ impl Replica {
         &self,
         outputs: &[Tensor],
         logits: Option<&Tensor>,
-        targets: &[Tensor],
-        weights: Option<&Tensor>,
+        part: &Batch,
     ) -> Result<Tensor> {
-        let per_sample = self.loss.per_sample(targets, outputs, logits)?;
-        let per_sample = match weights {
+        let per_sample = self.loss.per_sample(&part.targets, outputs, logits)?;
+        let per_sample = match &part.weights {
             Some(w) => (per_sample.broadcast_mul(&w.to_dtype(per_sample.dtype())?))?,
             None => per_sample,
         };
@@ -509,12 +508,7 @@ impl Replica {
     fn forward_loss(&self, part: &Batch, train: bool) -> Result<(Vec<Tensor>, Tensor)> {
         let (outputs, logits) = self.net.forward_with_logits(&part.inputs, train)?;
         let (outputs, logits) = Self::in_f32(outputs, logits)?;
-        let loss_sum = self.loss_sum(
-            &outputs,
-            logits.as_ref(),
-            &part.targets,
-            part.weights.as_ref(),
-        )?;
+        let loss_sum = self.loss_sum(&outputs, logits.as_ref(), part)?;
         Ok((outputs, loss_sum))
     }
 
@@ -577,12 +571,7 @@ impl Replica {
             Some(logits) => vec![Activation::Softmax.apply(logits)?],
             None => heads.iter().map(|h| h.as_tensor().clone()).collect(),
         };
-        let loss_sum = self.loss_sum(
-            &outputs,
-            logits.as_ref(),
-            &part.targets,
-            part.weights.as_ref(),
-        )?;
+        let loss_sum = self.loss_sum(&outputs, logits.as_ref(), part)?;
         Ok(LossHeads {
             outputs: outputs.iter().map(Tensor::detach).collect(),
             heads,

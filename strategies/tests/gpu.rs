@@ -200,7 +200,11 @@ fn pipeline_stages_on_the_gpu_match_one_gpu() -> anyhow::Result<()> {
                 .schedule(schedule)
                 .split(StageSplit::at(["dense_1"]));
             let trained = weights(plain_cnn(), &strategy)?;
-            assert_matches(&reference, &trained, &format!("pipeline, {what}, {schedule}"))?;
+            assert_matches(
+                &reference,
+                &trained,
+                &format!("pipeline, {what}, {schedule}"),
+            )?;
         }
     }
     Ok(())

@@ -14,6 +14,7 @@ use crate::error::shape_with_batch;
 use crate::functional::{Functional, GraphNet};
 use crate::layers::{
     BuildContext, FastPath, Layer, LayerSpec, ParamGrads, Sequential, StagePlacement, Summary,
+    SummaryRow,
 };
 use crate::params::{ParamStore, TrainableRule};
 use crate::{Error, Result};
@@ -324,41 +325,96 @@ impl Network {
 }
 
 impl Network {
-    /// Builds a `Sequential` network in `ctx` as consecutive stages, each on its placement's
-    /// device (see [`Sequential::build_stages`]): each stage as a network of one input and one
-    /// output, its variables, its summary (its layers' rows and counts) and its device.
+    /// For each top-level layer (the summary's rows, in order), whether a pipeline stage may
+    /// start at it: every layer of a `Sequential`; in a functional model the first layer and
+    /// those past which one tensor flows (not inside a residual block, say), for inputs of
+    /// `input_shapes`.
+    pub fn stage_starts_allowed(&self, input_shapes: &[Vec<usize>]) -> Result<Vec<bool>> {
+        match (&self.recipe, self.graph_for(input_shapes)?) {
+            (_, Some(graph)) => Ok(graph.stage_starts_allowed()),
+            (Recipe::Stack(stack), None) => Ok(vec![true; stack.len()]),
+            (_, None) => Err(Error::invalid("a functional model without its graph")),
+        }
+    }
+
+    /// The summary rows of the layers a pipeline's stages are cut between, in order (the
+    /// indices of [`StagePlacement::first_layer`] and [`Self::stage_starts_allowed`]): a
+    /// `Sequential`'s layers; a functional model's, without its input rows.
+    pub fn stage_layers(&self, input_shapes: &[Vec<usize>]) -> Result<Vec<SummaryRow>> {
+        let ctx = BuildContext::new(&candle_core::Device::Cpu, 0).zero_initialised();
+        let summary = self.build(ctx, input_shapes)?.2;
+        let inputs = match self.graph_for(input_shapes)? {
+            Some(graph) => graph.inputs().len(),
+            None => 0,
+        };
+        Ok(summary.rows[inputs..].to_vec())
+    }
+
+    /// Builds the network in `ctx` as consecutive stages, each on its placement's device:
+    /// a `Sequential` as [`Sequential::build_stages`] does, a functional model of one input and
+    /// one output cut where one tensor flows between its layers. Returns each stage as a
+    /// network of one input and one output, its variables and its summary (its layers' rows
+    /// and counts). The stages are built in the order of the whole model's layers, with their
+    /// names, so each variable starts as it would on one device.
     pub(crate) fn build_stages(
         &self,
         ctx: BuildContext,
         input_shapes: &[Vec<usize>],
         placements: &[StagePlacement],
     ) -> Result<Vec<(BuiltNetwork, ParamStore, Summary)>> {
-        let Recipe::Stack(stack) = &self.recipe else {
-            return Err(Error::invalid(
-                "a pipeline cuts a Sequential model into stages, and this model is functional",
-            ));
-        };
         let [shape] = input_shapes else {
             return Err(Error::invalid(format!(
-                "a Sequential model has one input but was given {}",
+                "a pipeline cuts a model of one input into stages, and this one was given {}",
                 input_shapes.len()
             )));
         };
-        let ctx = ctx.with_trainable_rules(&self.trainable_rules);
-        let stages = stack.build_stages(ctx, shape, placements)?;
-        Ok(stages
+        let mut ctx = ctx.with_trainable_rules(&self.trainable_rules);
+        let built: Vec<(BuiltNetwork, ParamStore, Vec<SummaryRow>, Vec<usize>)> =
+            match (&self.recipe, self.graph_for(input_shapes)?) {
+                (_, Some(graph)) => {
+                    crate::layers::check_stage_starts(placements, graph.layers().len())?;
+                    let starts: Vec<usize> = placements.iter().map(|p| p.first_layer).collect();
+                    let stages = graph.split_at(&starts)?;
+                    let mut input = shape.clone();
+                    let mut built = Vec::with_capacity(stages.len());
+                    for (stage, placement) in stages.iter().zip(placements) {
+                        ctx.move_to(&placement.device);
+                        let layer = stage.build(&mut ctx, &input)?;
+                        let stage_input = std::mem::replace(&mut input, layer.output_shape.clone());
+                        // A functional stage's rows start with its input's.
+                        let rows = layer.children[stage.inputs().len()..].to_vec();
+                        let net = BuiltNetwork::Layer(layer.into_fast_path());
+                        built.push((net, ctx.take_store(), rows, stage_input));
+                    }
+                    built
+                }
+                (Recipe::Stack(stack), None) => stack
+                    .build_stages(ctx, shape, placements)?
+                    .into_iter()
+                    .map(|stage| {
+                        let input = stage.net.input_shape().to_vec();
+                        (
+                            BuiltNetwork::Layer(Box::new(stage.net)),
+                            stage.store,
+                            stage.rows,
+                            input,
+                        )
+                    })
+                    .collect(),
+                (_, None) => return Err(Error::invalid("a functional model without its graph")),
+            };
+        Ok(built
             .into_iter()
-            .map(|stage| {
-                let (trainable, non_trainable) = stage.store.count("");
+            .map(|(net, store, rows, input)| {
+                let (trainable, non_trainable) = store.count("");
                 let summary = Summary {
-                    inputs: vec![("input".into(), stage.net.input_shape().to_vec())],
-                    rows: stage.rows,
+                    inputs: vec![("input".into(), input)],
+                    rows,
                     trainable,
                     non_trainable,
                     stages: Vec::new(),
                 };
-                let net = BuiltNetwork::Layer(Box::new(stage.net));
-                (net, stage.store, summary)
+                (net, store, summary)
             })
             .collect())
     }

@@ -75,7 +75,7 @@ pub(crate) struct GraphCall {
 }
 
 /// Where a call's input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) enum Source {
     /// The model's input `i`.
     Input(usize),

@@ -29,6 +29,7 @@ mod layout;
 mod merge;
 mod outputs;
 mod run;
+mod stages;
 mod symbolic;
 #[cfg(test)]
 mod tests;

@@ -89,6 +89,7 @@ pub(crate) use recorded::{identity, missing_input_grad, pass_through};
 pub(crate) use recorded::{record_with_candle, Backward, ParamGrads, Recorded};
 pub(crate) use relu::{relu, ReluRecord};
 pub use sequential::{Sequential, SequentialNet};
+pub(crate) use stages::check_starts as check_stage_starts;
 pub use stages::StagePlacement;
 pub use summary::{StageSummary, Summary, SummaryRow};
 pub use window::Padding;

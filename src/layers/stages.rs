@@ -72,8 +72,9 @@ impl Sequential {
     }
 }
 
-/// Checks that the stages cut a stack of `layers` layers into non-empty consecutive runs.
-fn check_starts(placements: &[StagePlacement], layers: usize) -> Result<()> {
+/// Checks that the stages cut a model of `layers` top-level layers into non-empty consecutive
+/// runs.
+pub(crate) fn check_starts(placements: &[StagePlacement], layers: usize) -> Result<()> {
     let starts: Vec<usize> = placements.iter().map(|p| p.first_layer).collect();
     if placements.len() > layers {
         return Err(Error::invalid(format!(

@@ -1,8 +1,7 @@
 //! A replica that holds one stage of a pipeline (model parallelism), and a step's passes
 //! through it.
 //!
-//! [`Replica::stages`] builds a `Sequential` recipe cut into consecutive stages, each on its
-//! device, with the variables (names and initial values) the whole model has on one device.
+//! [`Replica::stages`] builds a recipe cut into consecutive stages, each on its device, with the variables (names and initial values) the whole model has on one device.
 //! A pipeline strategy then runs each stage's part of a step as a [`StageStep`]: forward
 //! passes of micro-batches, recorded, whose outputs go to the next stage; backward passes,
 //! from the gradients of those outputs that the next stage sends back, whose input gradients go
@@ -38,15 +37,18 @@ impl StagePosition {
 }
 
 impl Replica {
-    /// Builds `spec`'s network, a `Sequential`, cut into stages: stage `s` holds the top-level
-    /// layers from `placements[s].first_layer` to the next stage's first, its variables on
-    /// `placements[s].device`. Each stage is a replica of its own (its optimizer over its
+    /// Builds `spec`'s network cut into stages: stage `s` holds the top-level layers (those of
+    /// [`Network::stage_layers`](crate::Network::stage_layers)) from
+    /// `placements[s].first_layer` to the next stage's first, its variables on
+    /// `placements[s].device`; a functional model is cut only where one tensor flows
+    /// ([`Network::stage_starts_allowed`](crate::Network::stage_starts_allowed)). Each stage is a replica of its own (its optimizer over its
     /// variables, its step layout); every variable has the name and the initial value it has
     /// in the whole model built on one device. Under a loss scale every stage keeps the scale,
     /// and every stage moves it on alike.
     ///
-    /// Fails, saying why, when the network is not a `Sequential`, the stages do not start at
-    /// layer 0 at rising indices, or there are more stages than layers. A stage may hold no
+    /// Fails, saying why, when the stages do not start at layer 0 at rising indices, there are
+    /// more stages than layers, a functional model would be cut where more than one tensor
+    /// flows, or it has several inputs or outputs. A stage may hold no
     /// variables (a pooling layer alone, say): a strategy that cannot use one says so.
     pub fn stages(spec: &ModelSpec, placements: &[StagePlacement]) -> Result<Vec<Replica>> {
         let Some(first) = placements.first() else {

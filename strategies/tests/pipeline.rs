@@ -9,7 +9,7 @@ use kandle::prelude::*;
 use kandle_strategies::pipeline::{Balance, PipelineStrategy, Schedule, StageSplit};
 
 use kandle_testing::strategies as support;
-use support::equivalence_run::{bn_cnn, compile, graph_cnn, plain_cnn, train, SAMPLES};
+use support::equivalence_run::{bn_cnn, compile, plain_cnn, three_in_two_out, train, SAMPLES};
 use support::{one_device_reference, relative_difference};
 
 /// `stages` stages on the CPU cut at `starts`, `micro` micro-batches under `schedule`.
@@ -18,6 +18,71 @@ fn pipeline(starts: &[&str], micro: usize, schedule: Schedule) -> anyhow::Result
         .micro_batches(micro)
         .schedule(schedule)
         .split(StageSplit::at(starts.iter().copied())))
+}
+
+/// A functional model with a residual block: stages may start before the block (one tensor,
+/// the block's input, flows there) and after it, not inside it (two do).
+fn residual_cnn() -> kandle::functional::Functional {
+    use kandle::functional::{add, Functional, Input, LayerCall};
+    let build = || -> kandle::Result<Functional> {
+        let image = Input::new(&[1, 8, 8]).tensor();
+        let a = Conv2D::new(6, 3)
+            .padding(Padding::Same)
+            .named("conv_a")
+            .call(&image)?;
+        let a = Activation::Relu.named("block_in").call(&a)?;
+        let b = Conv2D::new(6, 3)
+            .padding(Padding::Same)
+            .named("conv_b")
+            .call(&a)?;
+        let b = Activation::Relu.call(&b)?;
+        let c = Conv2D::new(6, 3)
+            .padding(Padding::Same)
+            .named("conv_c")
+            .call(&b)?;
+        let sum = Activation::Relu.call(&add(&[&a, &c])?)?;
+        let pooled = MaxPooling2D::new(2).named("pool").call(&sum)?;
+        let h = Dense::new(16)
+            .named("hidden")
+            .call(&Flatten.call(&pooled)?)?;
+        let h = Activation::Relu.call(&h)?;
+        let y = Activation::Softmax.call(&Dense::new(10).call(&h)?)?;
+        Functional::new([&image], [&y])
+    };
+    build().expect("the residual CNN is a valid model")
+}
+
+/// A functional model cut before and after its residual block trains as one device.
+#[test]
+fn functional_stages_train_as_one_device() -> anyhow::Result<()> {
+    let reference = one_device_reference(residual_cnn, SAMPLES)?;
+    let runs = [
+        ("conv_b", pipeline(&["conv_b"], 4, Schedule::OneFOneB)?),
+        (
+            "conv_b, pool",
+            pipeline(&["conv_b", "pool"], 2, Schedule::GPipe)?,
+        ),
+        (
+            "balanced",
+            PipelineStrategy::cpu(3)?.split(StageSplit::Balanced(Balance::Time)),
+        ),
+    ];
+    for (what, strategy) in &runs {
+        let weights = train(residual_cnn(), strategy, SAMPLES)?.get_weights()?;
+        reference.assert_matches(&weights, &format!("functional, stages at {what}"))?;
+        let difference = relative_difference(&reference.weights, &weights)?;
+        assert!(difference < 1e-5, "{what}: {difference:.2e}");
+    }
+    let model = train(residual_cnn(), &runs[1].1, SAMPLES)?;
+    let layers: Vec<(&str, &str)> = model
+        .summary()?
+        .stages
+        .iter()
+        .map(|s| (s.layers.0.as_str(), s.layers.1.as_str()))
+        .collect();
+    assert_eq!(layers[1].0, "conv_b");
+    assert_eq!(layers[2].0, "pool");
+    Ok(())
 }
 
 /// Within the float32 spread of a reordered run, and 1e-5 of the largest magnitude.
@@ -178,8 +243,9 @@ fn states_move_between_a_pipeline_and_one_device() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A split that names no layer, a stage without variables, more stages than layers, a
-/// functional model and no micro-batch: errors that say what is wrong.
+/// A split that names no layer, a stage without variables, more stages than layers, a cut
+/// inside a residual block, a model of three inputs and no micro-batch: errors that say what is
+/// wrong.
 #[test]
 fn bad_splits_are_clear_errors() -> anyhow::Result<()> {
     let sgd = || Sgd::new(0.1);
@@ -210,8 +276,22 @@ fn bad_splits_are_clear_errors() -> anyhow::Result<()> {
         many.contains("9 stages") && many.contains("has 8"),
         "{many}"
     );
-    let graph = error(compile(graph_cnn(), sgd(), &PipelineStrategy::cpu(2)?, 0).map(|_| ()));
-    assert!(graph.contains("functional"), "{graph}");
+    let graph = error(
+        compile(
+            residual_cnn(),
+            sgd(),
+            &pipeline(&["conv_c"], 2, Schedule::GPipe)?,
+            0,
+        )
+        .map(|_| ()),
+    );
+    assert!(
+        graph.contains("cannot start at `conv_c`") && graph.contains("block_in"),
+        "{graph}"
+    );
+    let inputs =
+        error(compile(three_in_two_out(), sgd(), &PipelineStrategy::cpu(2)?, 0).map(|_| ()));
+    assert!(inputs.contains("one input"), "{inputs}");
     let none = error(build(&PipelineStrategy::cpu(2)?.micro_batches(0)));
     assert!(none.contains("at least one micro-batch"), "{none}");
     Ok(())

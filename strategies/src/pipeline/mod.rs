@@ -1,5 +1,7 @@
-//! `PipelineStrategy`: model parallelism. The model is cut into consecutive stages, each on
-//! its own device (its variables live only there), and every global batch is split into
+//! `PipelineStrategy`: model parallelism. The model (a `Sequential`, or a functional model of
+//! one input and one output, cut where one tensor flows between its layers) is cut into
+//! consecutive stages, each on its own device (its variables live only there), and every global
+//! batch is split into
 //! micro-batches that flow through the stages on a [`Schedule`], so that the stages work on
 //! different micro-batches at once.
 //!
@@ -161,11 +163,11 @@ impl Strategy for PipelineStrategy {
                  normalises with its own (set sync_batch_norm to false)",
             ));
         }
-        let (placements, rows) = split::placements(spec, &self.devices, &self.split)?;
+        let (placements, whole) = split::placements(spec, &self.devices, &self.split)?;
         Ok(Box::new(model::PipelineModel::build(
             spec,
             &placements,
-            &rows,
+            whole,
             model::Settings {
                 micro_batches: self.micro_batches,
                 schedule: self.schedule,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 use kandle::data::{shard_range, Batch};
-use kandle::layers::{StageSummary, Summary, SummaryRow};
+use kandle::layers::{StageSummary, Summary};
 use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
 use kandle::strategy::step::{StepLayout, StepTotals};
@@ -48,18 +48,18 @@ pub(crate) struct PipelineModel {
 }
 
 impl PipelineModel {
-    /// Builds the stages of `spec` as `placements` say (`rows`: the model's top-level layers),
+    /// Builds the stages of `spec` as `placements` say (`whole`: the whole model's summary),
     /// each on a thread of its own.
     pub(crate) fn build(
         spec: &ModelSpec,
         placements: &[StagePlacement],
-        rows: &[SummaryRow],
+        whole: Summary,
         settings: Settings,
         report: Arc<Mutex<Option<PipelineReport>>>,
     ) -> Result<Self> {
         let stages = Replica::stages(spec, placements)?;
         let devices: Vec<Device> = placements.iter().map(|p| p.device.clone()).collect();
-        let summary = summary_of(&stages, placements, rows, &settings);
+        let summary = summary_of(&stages, placements, whole, &settings);
         let stores = stages.iter().map(|s| s.store().clone()).collect();
         let layouts = stages.iter().map(|s| Arc::clone(s.layout())).collect();
         let labels = devices
@@ -189,17 +189,11 @@ pub(crate) fn stage_results(
 fn summary_of(
     stages: &[Replica],
     placements: &[StagePlacement],
-    rows: &[SummaryRow],
+    mut whole: Summary,
     settings: &Settings,
 ) -> Summary {
     let count = stages.len();
-    let mut whole = Summary {
-        inputs: stages[0].summary().inputs.clone(),
-        rows: rows.to_vec(),
-        trainable: 0,
-        non_trainable: 0,
-        stages: Vec::new(),
-    };
+    (whole.trainable, whole.non_trainable) = (0, 0);
     for (s, (stage, placement)) in stages.iter().zip(placements).enumerate() {
         let own = stage.summary();
         whole.trainable += own.trainable;

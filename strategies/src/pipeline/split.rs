@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use kandle::layers::SummaryRow;
+use kandle::layers::{Summary, SummaryRow};
 use kandle::strategy::{ModelSpec, Replica, StagePlacement};
 use kandle::{Error, Result};
 
@@ -53,22 +53,23 @@ pub enum Balance {
 /// The samples of the micro-batch each layer's time is measured on.
 const PROBE_SAMPLES: usize = 16;
 
-/// The stages of `spec`'s model (a `Sequential`) on `devices`, one each, cut as `split` says.
-/// Returns the placements and the model's top-level rows.
+/// The stages of `spec`'s model (a `Sequential`, or a functional model of one input and one
+/// output) on `devices`, one each, cut as `split` says. Returns the placements and the whole
+/// model's summary.
 pub(crate) fn placements(
     spec: &ModelSpec,
     devices: &[Device],
     split: &StageSplit,
-) -> Result<(Vec<StagePlacement>, Vec<SummaryRow>)> {
-    if spec.network.input_shapes().is_some() {
-        return Err(Error::invalid(
-            "a pipeline cuts a Sequential model into stages, and this model is functional",
-        ));
-    }
+) -> Result<(Vec<StagePlacement>, Summary)> {
     let [shape] = &spec.input_shapes[..] else {
-        return Err(Error::invalid("a Sequential model has one input"));
+        return Err(Error::invalid(format!(
+            "a pipeline cuts a model of one input into stages, and this one has {}",
+            spec.input_shapes.len()
+        )));
     };
-    let rows = spec.network.summary(shape)?.rows;
+    let whole = spec.network.summary(shape)?;
+    let rows = spec.network.stage_layers(&spec.input_shapes)?;
+    let allowed = spec.network.stage_starts_allowed(&spec.input_shapes)?;
     let stages = devices.len();
     if stages > rows.len() {
         return Err(Error::invalid(format!(
@@ -77,17 +78,17 @@ pub(crate) fn placements(
         )));
     }
     let starts = match split {
-        StageSplit::At(names) => named_starts(names, &rows, stages)?,
+        StageSplit::At(names) => named_starts(names, &rows, &allowed, stages)?,
         StageSplit::Balanced(balance) => {
             let costs = match balance {
                 Balance::Parameters => rows
                     .iter()
                     .map(|r| (r.trainable + r.non_trainable) as f64)
                     .collect(),
-                Balance::Time => layer_times(spec, &devices[0], rows.len())?,
+                Balance::Time => segment_times(spec, &devices[0], &allowed)?,
             };
             let holds: Vec<bool> = rows.iter().map(has_variables).collect();
-            balanced_starts(&costs, &holds, stages)?
+            balanced_starts(&costs, &holds, &allowed, stages)?
         }
     };
     check_variables(&starts, &rows)?;
@@ -99,15 +100,21 @@ pub(crate) fn placements(
             device: device.clone(),
         })
         .collect();
-    Ok((placements, rows))
+    Ok((placements, whole))
 }
 
 fn has_variables(row: &SummaryRow) -> bool {
     row.trainable + row.non_trainable > 0
 }
 
-/// The first layer of each stage when `names` start the stages after the first.
-fn named_starts(names: &[String], rows: &[SummaryRow], stages: usize) -> Result<Vec<usize>> {
+/// The first layer of each stage when `names` start the stages after the first; a stage may
+/// start only at a layer `allowed` says.
+fn named_starts(
+    names: &[String],
+    rows: &[SummaryRow],
+    allowed: &[bool],
+    stages: usize,
+) -> Result<Vec<usize>> {
     if names.len() + 1 != stages {
         return Err(Error::invalid(format!(
             "a pipeline of {stages} stages is cut at {} layers, and {} were named ({})",
@@ -126,6 +133,20 @@ fn named_starts(names: &[String], rows: &[SummaryRow], stages: usize) -> Result<
                 all.join(", ")
             )));
         };
+        if !allowed.get(at).copied().unwrap_or(false) {
+            let allowed: Vec<&str> = rows
+                .iter()
+                .zip(allowed)
+                .skip(1)
+                .filter(|(_, &a)| a)
+                .map(|(r, _)| r.name.as_str())
+                .collect();
+            return Err(Error::invalid(format!(
+                "a pipeline stage cannot start at `{name}`: more than one tensor flows past it \
+                 (inside a residual block, say); stages may start at {}",
+                allowed.join(", ")
+            )));
+        }
         if at <= *starts.last().unwrap_or(&0) {
             return Err(Error::invalid(format!(
                 "the pipeline's stage split names `{name}` out of order (or the first layer, \
@@ -156,10 +177,15 @@ fn check_variables(starts: &[usize], rows: &[SummaryRow]) -> Result<()> {
     Ok(())
 }
 
-/// Cuts layers of `costs` into `stages` consecutive runs, each with a layer that `holds`
-/// variables, so that the costliest run costs as little as it can; returns each run's first
-/// layer.
-fn balanced_starts(costs: &[f64], holds: &[bool], stages: usize) -> Result<Vec<usize>> {
+/// Cuts layers of `costs` into `stages` consecutive runs, each starting at a layer `allowed`
+/// says and holding a layer that `holds` variables, so that the costliest run costs as little
+/// as it can; returns each run's first layer.
+fn balanced_starts(
+    costs: &[f64],
+    holds: &[bool],
+    allowed: &[bool],
+    stages: usize,
+) -> Result<Vec<usize>> {
     let n = costs.len();
     let prefix: Vec<f64> = std::iter::once(0.0)
         .chain(costs.iter().scan(0.0, |sum, c| {
@@ -181,7 +207,7 @@ fn balanced_starts(costs: &[f64], holds: &[bool], stages: usize) -> Result<Vec<u
         for i in k..=n {
             for j in (k - 1)..i {
                 let before = best[k - 1][j].0;
-                if !before.is_finite() || held[i] == held[j] {
+                if !before.is_finite() || held[i] == held[j] || !allowed[j] {
                     continue;
                 }
                 let worst = before.max(prefix[i] - prefix[j]);
@@ -194,7 +220,7 @@ fn balanced_starts(costs: &[f64], holds: &[bool], stages: usize) -> Result<Vec<u
     if !best[stages][n].0.is_finite() {
         return Err(Error::invalid(format!(
             "the model cannot be cut into {stages} stages that each hold a layer with \
-             variables: use fewer stages"
+             variables and start where one tensor flows: use fewer stages"
         )));
     }
     let mut starts = vec![0; stages];
@@ -207,11 +233,15 @@ fn balanced_starts(costs: &[f64], holds: &[bool], stages: usize) -> Result<Vec<u
     Ok(starts)
 }
 
-/// Each top-level layer's forward and backward time on `device`, on a probe micro-batch: the
-/// model built with every layer a stage of its own, each run twice and the faster kept.
-fn layer_times(spec: &ModelSpec, device: &Device, layers: usize) -> Result<Vec<f64>> {
-    let each: Vec<StagePlacement> = (0..layers)
-        .map(|first_layer| StagePlacement {
+/// The forward and backward time on `device`, on a probe micro-batch, of each run of layers
+/// from one layer `allowed` to start a stage to the next (given to the run's first layer; the
+/// others cost nothing): the model built with every such run a stage of its own, each run
+/// twice and the faster kept.
+fn segment_times(spec: &ModelSpec, device: &Device, allowed: &[bool]) -> Result<Vec<f64>> {
+    let starts: Vec<usize> = (0..allowed.len()).filter(|&i| allowed[i]).collect();
+    let each: Vec<StagePlacement> = starts
+        .iter()
+        .map(|&first_layer| StagePlacement {
             first_layer,
             device: device.clone(),
         })
@@ -220,8 +250,8 @@ fn layer_times(spec: &ModelSpec, device: &Device, layers: usize) -> Result<Vec<f
     let mut shape = vec![PROBE_SAMPLES];
     shape.extend(&spec.input_shapes[0]);
     let mut x = Tensor::randn(0f32, 1.0, shape, device)?;
-    let mut times = Vec::with_capacity(layers);
-    for stage in &stages {
+    let mut times = vec![0.0; allowed.len()];
+    for (stage, &first) in stages.iter().zip(&starts) {
         let mut fastest = f64::INFINITY;
         let mut output = None;
         for _ in 0..2 {
@@ -237,7 +267,7 @@ fn layer_times(spec: &ModelSpec, device: &Device, layers: usize) -> Result<Vec<f
             output = Some(y);
         }
         x = output.ok_or_else(|| Error::invalid("a layer without output"))?;
-        times.push(fastest);
+        times[first] = fastest;
     }
     Ok(times)
 }
@@ -249,14 +279,31 @@ mod tests {
     #[test]
     fn balanced_cuts_even_out_the_largest_stage() -> Result<()> {
         let costs = [1.0, 1.0, 1.0, 1.0, 4.0, 0.0];
-        let holds = [true; 6];
-        assert_eq!(balanced_starts(&costs, &holds, 2)?, vec![0, 4]);
-        assert_eq!(balanced_starts(&costs, &holds, 3)?, vec![0, 2, 4]);
+        let (holds, anywhere) = ([true; 6], [true; 6]);
+        assert_eq!(balanced_starts(&costs, &holds, &anywhere, 2)?, vec![0, 4]);
+        assert_eq!(
+            balanced_starts(&costs, &holds, &anywhere, 3)?,
+            vec![0, 2, 4]
+        );
         // A stage of the one variable-free layer is no stage.
         let holds = [true, true, true, true, true, false];
-        assert_eq!(balanced_starts(&costs, &holds, 3)?, vec![0, 2, 4]);
-        let err = balanced_starts(&costs, &[false, false, false, false, true, false], 2);
+        assert_eq!(
+            balanced_starts(&costs, &holds, &anywhere, 3)?,
+            vec![0, 2, 4]
+        );
+        let err = balanced_starts(
+            &costs,
+            &[false, false, false, false, true, false],
+            &anywhere,
+            2,
+        );
         assert!(err.is_err());
+        // Stages start only where allowed (where one tensor flows).
+        let allowed = [true, false, false, true, false, false];
+        assert_eq!(
+            balanced_starts(&costs, &[true; 6], &allowed, 2)?,
+            vec![0, 3]
+        );
         Ok(())
     }
 }

@@ -14,7 +14,10 @@
 //! - `ParameterServerStrategy` (the `mpi` feature): variables sharded over parameter-server
 //!   processes launched with the workers by `mpirun`; workers push gradients and pull weights,
 //!   synchronously (one update per global batch) or asynchronously (with an optional staleness
-//!   bound).
+//!   bound);
+//! - [`PipelineStrategy`]: model parallelism: the model cut into stages, one per device (each
+//!   stage's variables only there), every batch pipelined through them in micro-batches on a
+//!   GPipe or 1F1B [`pipeline::Schedule`].
 //!
 //! Every strategy trains as one device would at the same global batch (for models without
 //! per-replica batch statistics, or with `sync_batch_norm`), reports metrics summed over all

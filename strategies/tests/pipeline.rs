@@ -1,6 +1,7 @@
 //! `PipelineStrategy` against one device on the equivalence run (470 digits at a global batch
 //! of 24: 19 steps and a short one of 14): stages and micro-batches reorder the gradient sums
-//! and nothing else, under both schedules; batch normalisation per micro-batch is one device's
+//! and nothing else, under both schedules, with gradient accumulation too, for `Sequential` and
+//! functional models; batch normalisation per micro-batch is one device's
 //! gradient accumulation over the same micro-batches; weights and training states move between
 //! a pipeline and one device; a bad split is a clear error.
 
@@ -104,6 +105,11 @@ fn stages_and_micro_batches_train_as_one_device() -> anyhow::Result<()> {
             ));
         }
     }
+    let accumulating = pipeline(&["dense_1"], 2, Schedule::OneFOneB)?;
+    let weights =
+        support::equivalence_run::train_accumulating(plain_cnn(), &accumulating, SAMPLES, 2)?
+            .get_weights()?;
+    reference.assert_matches(&weights, "2 stages, M = 2, accumulating 2 batches")?;
     for balance in [Balance::Parameters, Balance::Time] {
         let strategy = PipelineStrategy::cpu(2)?.split(StageSplit::Balanced(balance));
         runs.push((format!("2 stages balanced by {balance:?}"), strategy));

@@ -236,9 +236,10 @@ impl DistributedModel for PipelineModel {
             .last()
             .cloned()
             .ok_or_else(|| Error::invalid("no stage"))?;
+        // The samples of every micro-batch accumulated since the last step, and this batch's.
         let totals = Arc::new(StepTotals {
             sums: last.sums,
-            samples: batch.len(),
+            samples: last.samples,
             finite: reads.iter().all(|r| r.finite),
         });
         let shared = Arc::clone(&totals);

@@ -16,11 +16,11 @@ if ! command -v mpirun >/dev/null; then
 fi
 echo "== $(mpirun --version | head -n 1)"
 
-echo "== cargo test --features mpi: kandle-strategies' unit tests; kandle-testing's multi-worker, parameter-server and resume tests"
+echo "== cargo test --features mpi: kandle-strategies' unit tests; kandle-testing's multi-worker, parameter-server, resume and pipeline tests"
 # The multi-worker tests serialise their mpirun launches themselves; one test thread keeps the
 # timings they assert meaningful on a small machine.
 cargo test -p kandle-strategies --features mpi --lib
-cargo test -p kandle-testing --features mpi --test multi_worker --test parameter_server --test mpi_resume -- --test-threads=1
+cargo test -p kandle-testing --features mpi --test multi_worker --test parameter_server --test mpi_resume --test pipeline_mpi -- --test-threads=1
 
 echo "== cargo test -p kandle-examples --features mpi (quickstart under mpirun -n 3 with a parameter server)"
 cargo test -p kandle-examples --features mpi --test quickstart_parameter_server

@@ -258,14 +258,23 @@ impl World {
     }
 
     /// Runs `f` under the MPI lock with the world communicator, for point-to-point messages
-    /// (the parameter servers' protocol), marking the world broken if it fails. `f` must not
-    /// leave a message half sent: a send it cannot complete ends the job
-    /// ([`abort_job`](super::abort::abort_job)).
+    /// (the parameter servers' protocol, a pipeline's activations), marking the world broken
+    /// if it fails. `f` must not leave a message half sent: a send it cannot complete ends the
+    /// job ([`abort_job`](super::abort::abort_job)). Unlike a collective it is not numbered:
+    /// ranks exchange as many messages as they need between collectives.
     pub(crate) fn point_to_point<R>(
         &self,
         f: impl FnOnce(&SimpleCommunicator) -> Result<R>,
     ) -> Result<R> {
-        self.guarded(|comm, _, _| f(comm))
+        let inner = self.lock()?;
+        let Some(universe) = &inner.universe else {
+            return Err(Error::Device("MPI is finalised".into()));
+        };
+        let result = f(&universe.world());
+        if result.is_err() {
+            self.broken.store(true, Ordering::SeqCst);
+        }
+        result
     }
 
     /// Marks the world unusable: it will not be finalised, so the process can exit at once.

@@ -42,6 +42,8 @@
 
 mod channels;
 mod model;
+#[cfg(feature = "mpi")]
+mod ranks;
 mod schedule;
 mod split;
 mod stage_run;
@@ -50,7 +52,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use candle_core::Device;
-use kandle::strategy::{DistributedModel, ModelSpec, Strategy};
+use kandle::strategy::{DistributedModel, ModelSpec, Strategy, WorkerInfo};
 use kandle::{Error, Result};
 
 pub use schedule::{ideal_idle_fraction, Schedule};
@@ -70,6 +72,9 @@ pub struct PipelineStrategy {
     split: StageSplit,
     options: ReplicaOptions,
     report: Arc<Mutex<Option<PipelineReport>>>,
+    /// Over the ranks of an MPI job rather than this process's devices.
+    #[cfg(feature = "mpi")]
+    ranks: Option<ranks::Ranks>,
 }
 
 impl PipelineStrategy {
@@ -83,7 +88,56 @@ impl PipelineStrategy {
             split: StageSplit::default(),
             options: ReplicaOptions::default(),
             report: Arc::new(Mutex::new(None)),
+            #[cfg(feature = "mpi")]
+            ranks: None,
         })
+    }
+
+    /// Joins the MPI job this process was launched in (`mpirun -n S <binary>`, the `mpi`
+    /// feature): one stage per rank, in rank order, on the CPU (see
+    /// [`local_device`](Self::local_device)); with
+    /// [`replicas_per_stage`](Self::replicas_per_stage) `R`, `mpirun -n S*R` makes a mesh of
+    /// `S` stages by `R` data-parallel replicas. Every rank runs the same program; the chief
+    /// (rank 0, the first stage) logs and writes files, and gathers the other stages' weights
+    /// and optimizer state when it saves them.
+    #[cfg(feature = "mpi")]
+    pub fn from_env() -> Result<Self> {
+        let mut strategy = Self::new(vec![Device::Cpu])?;
+        strategy.ranks = Some(ranks::Ranks {
+            world: crate::mpi::world::World::get()?,
+            replicas: 1,
+            device: Device::Cpu,
+        });
+        Ok(strategy)
+    }
+
+    /// Over MPI ranks ([`from_env`](Self::from_env)): `replicas` replicas of every stage, the
+    /// ranks a mesh of stages x replicas (rank `r` holds stage `r / replicas` of replica
+    /// `r % replicas`); each replica reads its part of every global batch, and each stage's
+    /// replicas sum their gradients. Fails when the ranks are not a multiple of `replicas`, or
+    /// outside an MPI job.
+    #[cfg(feature = "mpi")]
+    pub fn replicas_per_stage(mut self, replicas: usize) -> Result<Self> {
+        let Some(ranks) = self.ranks.as_mut() else {
+            return Err(Error::invalid(
+                "replicas_per_stage is for a pipeline over MPI ranks: start from \
+                 PipelineStrategy::from_env()",
+            ));
+        };
+        ranks.replicas = replicas;
+        ranks.check()?;
+        Ok(self)
+    }
+
+    /// Over MPI ranks ([`from_env`](Self::from_env)): the device this rank's stage runs on
+    /// (default the CPU).
+    #[cfg(feature = "mpi")]
+    pub fn local_device(mut self, device: Device) -> Self {
+        if let Some(ranks) = self.ranks.as_mut() {
+            ranks.device = device.clone();
+        }
+        self.devices = vec![device];
+        self
     }
 
     /// `stages` stages on the CPU, each on a thread of its own with its share of the cores.
@@ -146,9 +200,35 @@ impl Strategy for PipelineStrategy {
         "pipeline"
     }
 
-    /// One: a pipeline trains one copy of the model, whose stages all see the whole batch.
+    /// One: a pipeline trains one copy of the model, whose stages all see the whole batch; over
+    /// MPI ranks, the replicas of every stage.
     fn num_replicas_in_sync(&self) -> usize {
+        #[cfg(feature = "mpi")]
+        if let Some(ranks) = &self.ranks {
+            return ranks.replicas;
+        }
         1
+    }
+
+    /// The rank among the job's ranks, over MPI.
+    fn worker(&self) -> WorkerInfo {
+        #[cfg(feature = "mpi")]
+        if let Some(ranks) = &self.ranks {
+            return WorkerInfo {
+                rank: ranks.world.rank(),
+                size: ranks.world.size(),
+            };
+        }
+        WorkerInfo::default()
+    }
+
+    /// The ranks of one replica (all of a column's stages) read the same part of each batch.
+    fn data_shard(&self) -> Option<(usize, usize)> {
+        #[cfg(feature = "mpi")]
+        if let Some(ranks) = &self.ranks {
+            return (ranks.replicas > 1).then(|| (ranks.column(), ranks.replicas));
+        }
+        None
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
@@ -163,17 +243,23 @@ impl Strategy for PipelineStrategy {
                  normalises with its own (set sync_batch_norm to false)",
             ));
         }
+        let settings = model::Settings {
+            micro_batches: self.micro_batches,
+            schedule: self.schedule,
+            timeout: self.options.timeout,
+            threads: self.options.threads_per_replica,
+        };
+        #[cfg(feature = "mpi")]
+        if let Some(ranks) = &self.ranks {
+            let report = Arc::clone(&self.report);
+            return ranks::distribute(ranks, spec, &self.split, settings, report);
+        }
         let (placements, whole) = split::placements(spec, &self.devices, &self.split)?;
         Ok(Box::new(model::PipelineModel::build(
             spec,
             &placements,
             whole,
-            model::Settings {
-                micro_batches: self.micro_batches,
-                schedule: self.schedule,
-                timeout: self.options.timeout,
-                threads: self.options.threads_per_replica,
-            },
+            settings,
             Arc::clone(&self.report),
         )?))
     }

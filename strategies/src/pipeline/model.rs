@@ -59,7 +59,8 @@ impl PipelineModel {
     ) -> Result<Self> {
         let stages = Replica::stages(spec, placements)?;
         let devices: Vec<Device> = placements.iter().map(|p| p.device.clone()).collect();
-        let summary = summary_of(&stages, placements, whole, &settings);
+        let places: Vec<String> = devices.iter().map(kandle::devices::label).collect();
+        let summary = summary_of(&stages, &places, whole, &settings);
         let stores = stages.iter().map(|s| s.store().clone()).collect();
         let layouts = stages.iter().map(|s| Arc::clone(s.layout())).collect();
         let labels = devices
@@ -83,17 +84,8 @@ impl PipelineModel {
         self.stores.len()
     }
 
-    /// `batch` as micro-batches: as many as the settings ask, or one per sample for a smaller
-    /// batch, differing in size by at most one sample.
     fn micro_batches(&self, batch: &Batch) -> Result<Vec<Batch>> {
-        let n = batch.len();
-        let count = self.settings.micro_batches.min(n).max(1);
-        (0..count)
-            .map(|i| {
-                let r = shard_range(n, i, count);
-                batch.narrow(r.start, r.len())
-            })
-            .collect()
+        micro_batches(batch, self.settings.micro_batches)
     }
 
     /// Runs `work` on `batch` through every stage; returns each stage's result and the wall
@@ -155,6 +147,19 @@ impl PipelineModel {
     }
 }
 
+/// `batch` as `count` micro-batches, or one per sample for a smaller batch (none for an empty
+/// one), differing in size by at most one sample.
+pub(crate) fn micro_batches(batch: &Batch, count: usize) -> Result<Vec<Batch>> {
+    let n = batch.len();
+    let count = count.min(n);
+    (0..count)
+        .map(|i| {
+            let r = shard_range(n, i, count);
+            batch.narrow(r.start, r.len())
+        })
+        .collect()
+}
+
 /// Each stage's result, or the first stage's own error (naming the stage): a stage that
 /// stopped because a neighbour did is not the cause.
 pub(crate) fn stage_results(
@@ -185,23 +190,24 @@ pub(crate) fn stage_results(
     }
 }
 
-/// The whole model's summary with a row per stage.
-fn summary_of(
+/// The whole model's summary with a row per stage, each stage's device (or place) as `places`
+/// say.
+pub(crate) fn summary_of(
     stages: &[Replica],
-    placements: &[StagePlacement],
+    places: &[String],
     mut whole: Summary,
     settings: &Settings,
 ) -> Summary {
     let count = stages.len();
     (whole.trainable, whole.non_trainable) = (0, 0);
-    for (s, (stage, placement)) in stages.iter().zip(placements).enumerate() {
+    for (s, (stage, place)) in stages.iter().zip(places).enumerate() {
         let own = stage.summary();
         whole.trainable += own.trainable;
         whole.non_trainable += own.non_trainable;
         let first = own.rows.first().map(|r| r.name.clone()).unwrap_or_default();
         let last = own.rows.last().map(|r| r.name.clone()).unwrap_or_default();
         whole.stages.push(StageSummary {
-            device: kandle::devices::label(&placement.device),
+            device: place.clone(),
             layers: (first, last),
             params: own.total(),
             activation_bytes_per_sample: own

@@ -170,21 +170,17 @@ pub const RESUME_STEPS: usize = 6;
 pub fn resume<S: Strategy + Clone + 'static>(strategy: &S, common: &Common) -> Result<()> {
     let state = common.path("--state", &common.state)?;
     let out = common.out()?;
-    let worker = strategy.worker();
+    // Each process reads its part of every global batch (the stages of a pipeline share one).
+    let (index, parts) = strategy.data_shard().unwrap_or((0, 1));
     let global = equivalence_run::GLOBAL_BATCH;
-    if !global.is_multiple_of(worker.size) {
+    if !global.is_multiple_of(parts) {
         return Err(Error::invalid(format!(
-            "{} workers do not divide the global batch of {global}",
-            worker.size
+            "{parts} parts do not divide the global batch of {global}"
         )));
     }
-    let share = global / worker.size;
+    let share = global / parts;
     // A parameter server's rank is past the workers': it passes the chief's part, unused.
-    let part = if worker.rank < worker.size {
-        worker.rank
-    } else {
-        0
-    };
+    let part = if index < parts { index } else { 0 };
     let (x, y) = kandle::data::digits::load()?.to_tensors()?;
     let step = |model: &mut Model, i: usize| -> Result<()> {
         let start = i * global + part * share;

@@ -22,8 +22,8 @@ echo "== cargo test --features mpi: kandle-strategies' unit tests; kandle-testin
 cargo test -p kandle-strategies --features mpi --lib
 cargo test -p kandle-testing --features mpi --test multi_worker --test parameter_server --test mpi_resume --test pipeline_mpi -- --test-threads=1
 
-echo "== cargo test -p kandle-examples --features mpi (quickstart under mpirun -n 3 with a parameter server)"
-cargo test -p kandle-examples --features mpi --test quickstart_parameter_server
+echo "== cargo test -p kandle-examples --features mpi (quickstart under mpirun: 3 ranks with a parameter server, 2 pipeline stages)"
+cargo test -p kandle-examples --features mpi --test quickstart_parameter_server --test quickstart_pipeline
 
 echo "== cargo test --doc -p kandle-strategies --features mpi"
 cargo test --doc -p kandle-strategies --features mpi

@@ -232,6 +232,10 @@ pub struct PipelineArgs {
     /// (default: stages balanced by each layer's measured time).
     #[arg(long, value_delimiter = ',')]
     pub stage_starts: Vec<String>,
+    /// With --strategy pipeline under mpirun (feature mpi): replicas of every stage, the ranks
+    /// a mesh of stages x replicas (mpirun -n S*R); --stages is then the ranks' count over R.
+    #[arg(long, default_value_t = 1)]
+    pub replicas_per_stage: usize,
 }
 
 impl Default for PipelineArgs {
@@ -241,22 +245,51 @@ impl Default for PipelineArgs {
             micro_batches: 4,
             schedule: Schedule::default(),
             stage_starts: Vec::new(),
+            replicas_per_stage: 1,
         }
     }
 }
 
 impl PipelineArgs {
-    /// The pipeline these flags describe.
+    /// The pipeline these flags describe: under `mpirun` (with the `mpi` feature) one stage per
+    /// rank, else `--stages` stages on this process's devices.
     pub fn strategy(&self) -> Result<PipelineStrategy> {
         let split = match self.stage_starts.is_empty() {
             true => StageSplit::default(),
             false => StageSplit::at(self.stage_starts.iter().cloned()),
         };
-        Ok(PipelineStrategy::new(devices(self.stages)?)?
+        let strategy = match under_mpirun() {
+            true => self.over_ranks()?,
+            false => {
+                if self.replicas_per_stage != 1 {
+                    bail!("--replicas-per-stage makes a mesh of MPI ranks: run under mpirun");
+                }
+                PipelineStrategy::new(devices(self.stages)?)?
+            }
+        };
+        Ok(strategy
             .micro_batches(self.micro_batches)
             .schedule(self.schedule)
             .split(split))
     }
+
+    #[cfg(feature = "mpi")]
+    fn over_ranks(&self) -> Result<PipelineStrategy> {
+        Ok(PipelineStrategy::from_env()?.replicas_per_stage(self.replicas_per_stage)?)
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    fn over_ranks(&self) -> Result<PipelineStrategy> {
+        bail!(
+            "--strategy pipeline under mpirun needs the mpi feature: cargo build --release -p \
+             kandle-examples --features mpi"
+        )
+    }
+}
+
+/// Whether this process was started by Open MPI's `mpirun`.
+fn under_mpirun() -> bool {
+    std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some()
 }
 
 /// Builds the chosen strategy over `replicas` devices (per worker, for multi-worker), with the

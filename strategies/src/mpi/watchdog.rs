@@ -297,6 +297,36 @@ fn chief_gathers(
     }
 }
 
+/// Tags of other protocols that the chief may send a worker waiting at a rendezvous (a
+/// pipeline's requests for a stage's state, and its activations and gradients): left for
+/// their handler, never taken for the watchdog's.
+pub(crate) const SIDE_TAGS: std::ops::RangeInclusive<i32> = 0x5f00..=0x7fff;
+
+fn is_side_tag(tag: i32) -> bool {
+    SIDE_TAGS.contains(&tag)
+}
+
+/// What a worker does for another protocol while it waits at a rendezvous (a pipeline stage
+/// answers the chief's requests for its state), set by the model that needs it.
+type SideDuty = std::sync::Arc<dyn Fn(&SimpleCommunicator) + Send + Sync>;
+
+static SIDE_DUTY: std::sync::Mutex<Option<SideDuty>> = std::sync::Mutex::new(None);
+
+/// Sets (or clears) what this process does for another protocol while it waits at a
+/// rendezvous.
+pub(crate) fn set_side_duty(duty: Option<SideDuty>) {
+    if let Ok(mut slot) = SIDE_DUTY.lock() {
+        *slot = duty;
+    }
+}
+
+fn run_side_duty(comm: &SimpleCommunicator) {
+    let duty = SIDE_DUTY.lock().ok().and_then(|slot| slot.clone());
+    if let Some(duty) = duty {
+        duty(comm);
+    }
+}
+
 fn worker_reports(
     comm: &SimpleCommunicator,
     sequence: u64,
@@ -310,7 +340,21 @@ fn worker_reports(
     let deadline = Instant::now() + patience;
     let mut backoff = Backoff::default();
     loop {
-        if let Some((message, status)) = chief.immediate_matched_probe() {
+        // The chief's messages of other protocols (a pipeline's request for this rank's
+        // state) wait for their own handler, which runs meanwhile.
+        let ours = [GO, ABORT]
+            .into_iter()
+            .find_map(|tag| chief.immediate_matched_probe_with_tag(tag))
+            .or_else(|| match chief.immediate_probe() {
+                Some(status) if !is_side_tag(status.tag()) => {
+                    chief.immediate_matched_probe_with_tag(status.tag())
+                }
+                _ => None,
+            });
+        if ours.is_none() {
+            run_side_duty(comm);
+        }
+        if let Some((message, status)) = ours {
             let mut words = [0u64; 3];
             message.matched_receive_into(&mut words[..]);
             return match status.tag() {

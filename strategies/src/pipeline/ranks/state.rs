@@ -23,6 +23,7 @@ use kandle::{Error, Result};
 
 use crate::mpi::abort::abort_job;
 use crate::mpi::poll::{Backoff, SendPace};
+use crate::mpi::watchdog;
 use crate::mpi::world::World;
 
 /// The tag of a request for a stage's state, of the answer, and of a rank's word that it asks
@@ -159,12 +160,24 @@ pub(crate) struct StateServer {
 }
 
 impl StateServer {
-    /// Starts answering for the stage in `replica`.
+    /// Starts answering for the stage in `replica`: on a thread of its own, and while this
+    /// rank waits at a collective's rendezvous (where the chief's request may come when the
+    /// chief writes a checkpoint and this rank has gone on to the next collective).
     pub(crate) fn start(
         world: Arc<World>,
         replica: Arc<Mutex<Replica>>,
         timeout: Duration,
     ) -> Result<Self> {
+        let waiting = Arc::clone(&replica);
+        watchdog::set_side_duty(Some(Arc::new(move |comm: &SimpleCommunicator| {
+            // A step holds the stage through its collectives; the chief asks only between its
+            // own steps, when no step here holds it.
+            if let Ok(stage) = waiting.try_lock() {
+                if let Err(e) = answer_requests(comm, &stage, timeout) {
+                    log::warn!("pipeline stage state: {e}");
+                }
+            }
+        })));
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
         let serving = Arc::clone(&world);
@@ -237,6 +250,7 @@ impl StateServer {
 impl Drop for StateServer {
     fn drop(&mut self) {
         self.finish_with_the_others();
+        watchdog::set_side_duty(None);
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();

@@ -37,17 +37,7 @@ fn quickstart_reaches_97_percent_with_a_stage_per_rank() -> anyhow::Result<()> {
         ],
     ))?;
     assert!(outcome.status.success(), "{}", outcome.output);
-    let line = outcome
-        .output
-        .lines()
-        .find(|l| l.starts_with("final model:"))
-        .ok_or_else(|| anyhow::anyhow!("no final line:\n{}", outcome.output))?;
-    let accuracy: f64 = line
-        .split("test accuracy ")
-        .nth(1)
-        .and_then(|rest| rest.split('%').next())
-        .and_then(|a| a.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("cannot read `{line}`"))?;
+    let (line, accuracy) = launch::test_accuracy(&outcome.output, "final model:")?;
     eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
     assert!(accuracy >= 97.0, "{line}");
     assert!(

@@ -227,6 +227,22 @@ pub fn run(cmd: Command) -> anyhow::Result<Outcome> {
     Launch::start(cmd)?.finish()
 }
 
+/// The first line of `output` that starts with `prefix`, and the test accuracy it gives: the
+/// number after `test accuracy ` (a fraction, or a percentage whose `%` is dropped).
+pub fn test_accuracy(output: &str, prefix: &str) -> anyhow::Result<(String, f64)> {
+    let line = output
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .ok_or_else(|| anyhow::anyhow!("no line starting with `{prefix}`:\n{output}"))?;
+    let accuracy = line
+        .split("test accuracy ")
+        .nth(1)
+        .and_then(|rest| rest.split(['%', ' ', ',']).next())
+        .and_then(|a| a.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("cannot read the accuracy of `{line}`"))?;
+    Ok((line.to_string(), accuracy))
+}
+
 /// One launch at a time in this test binary.
 pub fn lock() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())

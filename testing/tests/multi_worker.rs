@@ -600,16 +600,7 @@ fn two_workers_learn_digits() -> anyhow::Result<()> {
         ],
     ))?;
     assert!(outcome.status.success(), "{}", outcome.output);
-    let line = outcome
-        .output
-        .lines()
-        .find(|l| l.starts_with("worker 0/2 test accuracy"))
-        .ok_or_else(|| anyhow::anyhow!("no accuracy line:\n{}", outcome.output))?;
-    let accuracy: f64 = line
-        .split_whitespace()
-        .nth(4)
-        .and_then(|a| a.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("cannot read `{line}`"))?;
+    let (line, accuracy) = launch::test_accuracy(&outcome.output, "worker 0/2 test accuracy")?;
     assert!(accuracy >= 0.97, "{line}");
     eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
     Ok(())

@@ -161,11 +161,8 @@ fn the_chief_checkpoints_every_stage_during_fit_and_a_mesh_learns_digits() -> an
         ],
     ))?;
     assert!(outcome.status.success(), "{}", outcome.output);
-    let line = outcome
-        .output
-        .lines()
-        .find(|l| l.starts_with("rank 0/4 test accuracy"))
-        .ok_or_else(|| anyhow::anyhow!("no accuracy line:\n{}", outcome.output))?;
+    let (line, accuracy) = launch::test_accuracy(&outcome.output, "rank 0/4 test accuracy")?;
+    assert!(accuracy >= 0.97, "{line}");
     eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
     Ok(())
 }

@@ -190,6 +190,23 @@ pub(crate) fn stage_results(
     }
 }
 
+/// Fails, naming them, when `weights` hold variables that are `known` to no stage (mixed
+/// precision's loss scale aside, which a model without a loss scale ignores).
+pub(crate) fn check_known(weights: &Weights, known: impl Fn(&str) -> bool) -> Result<()> {
+    let unknown: Vec<&str> = weights
+        .keys()
+        .map(String::as_str)
+        .filter(|n| !known(n) && *n != kandle::mixed_precision::LOSS_SCALE)
+        .collect();
+    match unknown.is_empty() {
+        true => Ok(()),
+        false => Err(Error::invalid(format!(
+            "cannot set weights: the model has no variable named {}",
+            unknown.join(", ")
+        ))),
+    }
+}
+
 /// The whole model's summary with a row per stage, each stage's device (or place) as `places`
 /// say.
 pub(crate) fn summary_of(
@@ -326,18 +343,9 @@ impl DistributedModel for PipelineModel {
                     .collect()
             })
             .collect();
-        let unknown: Vec<&str> = weights
-            .keys()
-            .filter(|n| self.stores.iter().all(|s| s.get(n).is_none()))
-            .filter(|n| n.as_str() != kandle::mixed_precision::LOSS_SCALE)
-            .map(String::as_str)
-            .collect();
-        if !unknown.is_empty() {
-            return Err(Error::invalid(format!(
-                "cannot set weights: the model has no variable named {}",
-                unknown.join(", ")
-            )));
-        }
+        check_known(weights, |name| {
+            self.stores.iter().any(|s| s.get(name).is_some())
+        })?;
         for (store, part) in self.stores.iter().zip(&parts) {
             store
                 .check_compatible(part)

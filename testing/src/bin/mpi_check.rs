@@ -138,7 +138,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
         ))),
         _ => match args.common.task.as_str() {
             "world" => Ok(()),
-            "equivalence" => equivalence(&strategy, args),
+            "equivalence" => tasks::equivalence(&strategy, &args.common),
             "digits" => tasks::digits(&strategy, &args.common, &label, false),
             "train" => {
                 let stalls = args.common.stall_worker == Some(worker.rank);
@@ -150,15 +150,6 @@ fn run(args: &Args) -> std::result::Result<(), String> {
         },
     };
     result.map_err(|e| format!("{label}: {e}"))
-}
-
-fn equivalence(strategy: &MultiWorkerMirroredStrategy, args: &Args) -> Result<()> {
-    let out = args.common.out()?;
-    let net = args.common.equivalence_model()?;
-    let (samples, k) = (args.common.samples, args.common.accumulate);
-    let policy = args.common.dtype_policy;
-    let model = equivalence_run::train_with(net, strategy, samples, k, policy)?;
-    model.save_weights(out)
 }
 
 fn main() -> ExitCode {

@@ -86,7 +86,7 @@ fn run(args: &Args) -> std::result::Result<(), String> {
     let label = format!("rank {}/{}", worker.rank, worker.size);
     println!("{label} pid {}", std::process::id());
     let result = match args.common.task.as_str() {
-        "equivalence" => equivalence(&strategy, &args.common),
+        "equivalence" => tasks::equivalence(&strategy, &args.common),
         "digits" => tasks::digits(&strategy, &args.common, &label, false),
         "train" => {
             let stalls = args.common.stall_worker == Some(worker.rank);
@@ -98,13 +98,6 @@ fn run(args: &Args) -> std::result::Result<(), String> {
         other => Err(Error::invalid(format!("unknown task `{other}`"))),
     };
     result.map_err(|e| format!("{label}: {e}"))
-}
-
-fn equivalence(strategy: &PipelineStrategy, common: &Common) -> Result<()> {
-    let net = common.equivalence_model()?;
-    let (samples, k) = (common.samples, common.accumulate);
-    let model = equivalence_run::train_with(net, strategy, samples, k, common.dtype_policy)?;
-    model.save_weights(common.out()?)
 }
 
 fn checkpoints(strategy: &PipelineStrategy, common: &Common) -> Result<()> {

@@ -129,8 +129,7 @@ fn equivalence(strategy: &ParameterServerStrategy, args: &Args) -> Result<()> {
         let rank = strategy.worker().rank;
         return kandle::checkpoint::save(&model.get_weights()?, format!("{out}.rank{rank}"));
     }
-    let model = equivalence_run::train_with(net, strategy, samples, k, policy)?;
-    model.save_weights(out)
+    tasks::equivalence(strategy, &args.common)
 }
 
 fn staleness(strategy: &ParameterServerStrategy, args: &Args, label: &str) -> Result<()> {

@@ -33,7 +33,7 @@ use kandle::strategy::{
 };
 use kandle::{Error, Result};
 
-use super::model::{micro_batches, summary_of, Settings};
+use super::model::{check_known, micro_batches, summary_of, Settings};
 use super::schedule::Pass;
 use super::split::{placements, StageSplit};
 use super::stage_run::{run_stage, Done, StageError, StageJob, Work};
@@ -438,35 +438,11 @@ impl DistributedModel for RankModel {
     }
 
     fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
-        let held = Arc::clone(&self.replica);
-        let replica = lock(&held)?;
-        let sums = match self.run(&replica, batch, Work::Accumulate)? {
-            Done::Sums(sums) => Some(sums),
-            _ => None,
-        };
-        let width = replica.layout().num_stats;
-        let (sums, samples) = self.global_sums(sums, batch.len(), width)?;
-        Ok(StepStats {
-            samples,
-            sums,
-            applied: false,
-        })
+        self.sums_of(batch, Work::Accumulate)
     }
 
     fn test_step(&mut self, batch: &Batch) -> Result<StepStats> {
-        let held = Arc::clone(&self.replica);
-        let replica = lock(&held)?;
-        let sums = match self.run(&replica, batch, Work::Evaluate)? {
-            Done::Sums(sums) => Some(sums),
-            _ => None,
-        };
-        let width = replica.layout().num_stats;
-        let (sums, samples) = self.global_sums(sums, batch.len(), width)?;
-        Ok(StepStats {
-            samples,
-            sums,
-            applied: false,
-        })
+        self.sums_of(batch, Work::Evaluate)
     }
 
     fn predict_step(&mut self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -523,18 +499,11 @@ impl DistributedModel for RankModel {
     }
 
     fn set_weights(&mut self, weights: &Weights) -> Result<()> {
-        let unknown: Vec<&str> = weights
-            .keys()
-            .filter(|n| !self.names.iter().any(|stage| stage.contains(n)))
-            .filter(|n| n.as_str() != kandle::mixed_precision::LOSS_SCALE)
-            .map(String::as_str)
-            .collect();
-        if !unknown.is_empty() {
-            return Err(Error::invalid(format!(
-                "cannot set weights: the model has no variable named {}",
-                unknown.join(", ")
-            )));
-        }
+        check_known(weights, |name| {
+            self.names
+                .iter()
+                .any(|stage| stage.iter().any(|n| n == name))
+        })?;
         let own: Weights = weights
             .iter()
             .filter(|(name, _)| self.store.get(name).is_some())
@@ -565,6 +534,24 @@ impl DistributedModel for RankModel {
 }
 
 impl RankModel {
+    /// The loss and metric sums of `work` (a gradient accumulation or an evaluation) on this
+    /// column's `batch`, over every column.
+    fn sums_of(&mut self, batch: &Batch, work: Work) -> Result<StepStats> {
+        let held = Arc::clone(&self.replica);
+        let replica = lock(&held)?;
+        let sums = match self.run(&replica, batch, work)? {
+            Done::Sums(sums) => Some(sums),
+            _ => None,
+        };
+        let width = replica.layout().num_stats;
+        let (sums, samples) = self.global_sums(sums, batch.len(), width)?;
+        Ok(StepStats {
+            samples,
+            sums,
+            applied: false,
+        })
+    }
+
     /// On the chief, the states of the other stages, from their first column's ranks (which,
     /// after a step of the chief's, wait for the chief's next activations and answer
     /// meanwhile); none on the other ranks, which hold their own stage only. Only the chief

@@ -160,6 +160,16 @@ pub fn train<S: Strategy + Clone + 'static>(
     Ok(())
 }
 
+/// The equivalence run of the strategy tests on the model `--model` names (`--samples`,
+/// `--accumulate`, `--dtype-policy`); every process saves the weights to `--out`, the chief
+/// writes.
+pub fn equivalence<S: Strategy + Clone + 'static>(strategy: &S, common: &Common) -> Result<()> {
+    let net = common.equivalence_model()?;
+    let (samples, k) = (common.samples, common.accumulate);
+    let model = equivalence_run::train_with(net, strategy, samples, k, common.dtype_policy)?;
+    model.save_weights(common.out()?)
+}
+
 /// Steps before the training state is saved, and as many after it is loaded.
 pub const RESUME_STEPS: usize = 6;
 

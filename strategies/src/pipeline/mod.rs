@@ -189,7 +189,7 @@ impl PipelineStrategy {
     }
 
     /// What each stage did in the last training step of the model this strategy built, if
-    /// one ran.
+    /// one ran. Over MPI ranks, what this rank's stage did.
     pub fn last_step(&self) -> Option<PipelineReport> {
         self.report.lock().ok().and_then(|r| r.clone())
     }

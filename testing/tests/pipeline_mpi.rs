@@ -1,7 +1,7 @@
 //! `PipelineStrategy` over the ranks of an MPI job: each test launches
 //! `mpirun -n N kandle-pipeline-check ...` (the program in `src/bin/pipeline_check.rs`), one
-//! stage per rank, and checks what it did: the same weights as one device with 2 and 3 stages
-//! and on a mesh of 2 stages x 2 replicas, a training state saved and loaded across the stages,
+//! stage per rank, and checks what it did: the same weights as one device with 2 and 3 stages,
+//! on a mesh of 2 stages x 2 replicas and with gradient accumulation, a training state saved and loaded across the stages,
 //! the chief's checkpoints during `fit` gathering the other stages' weights, and real accuracy
 //! on digits.
 //!
@@ -30,7 +30,7 @@ fn stages_on_ranks_train_as_one_device() -> anyhow::Result<()> {
     let reference = one_device_reference(equivalence_run::plain_cnn, SAMPLES)?;
     let dir = tempfile::tempdir()?;
     let _one = lock();
-    let runs: [(usize, &[&str], &str); 4] = [
+    let runs: [(usize, &[&str], &str); 5] = [
         (
             2,
             &["--stage-starts", "dense_1"],
@@ -57,6 +57,11 @@ fn stages_on_ranks_train_as_one_device() -> anyhow::Result<()> {
             4,
             &["--stage-starts", "dense_1", "--replicas-per-stage", "2"],
             "4 ranks: 2 stages x 2 replicas",
+        ),
+        (
+            2,
+            &["--stage-starts", "dense_1", "--accumulate", "2"],
+            "2 ranks, gradients accumulated over 2 batches",
         ),
     ];
     for (ranks, options, what) in runs {

@@ -11,30 +11,13 @@ use kandle_testing::launch;
 #[test]
 fn quickstart_reaches_97_percent_with_asynchronous_parameter_servers() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let plot = dir.path().join("quickstart.png");
-    let checkpoint = dir.path().join("quickstart.safetensors");
-    let state = dir.path().join("state.safetensors");
-    let (plot, checkpoint, state_arg) = (
-        plot.to_string_lossy().to_string(),
-        checkpoint.to_string_lossy().to_string(),
-        state.to_string_lossy().to_string(),
-    );
-    let _one = launch::lock();
-    let outcome = launch::run(launch::mpirun(
+    let run = launch::train_under_mpirun(
         env!("CARGO_BIN_EXE_quickstart"),
         3,
-        &[
-            "--strategy",
-            "parameter-server",
-            "--plot",
-            &plot,
-            "--checkpoint",
-            &checkpoint,
-            "--save",
-            &state_arg,
-        ],
-    ))?;
-    assert!(outcome.status.success(), "{}", outcome.output);
+        &["--strategy", "parameter-server"],
+        dir.path(),
+    )?;
+    let outcome = run.outcome;
     let (line, accuracy) = launch::test_accuracy(&outcome.output, "final model:")?;
     eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
     assert!(accuracy >= 97.0, "{line}");
@@ -44,9 +27,9 @@ fn quickstart_reaches_97_percent_with_asynchronous_parameter_servers() -> anyhow
         "{}",
         outcome.output
     );
-    assert!(std::path::Path::new(&checkpoint).exists());
+    assert!(run.checkpoint.exists());
     // The server's optimizer state: a moment of every trainable variable, not all zero.
-    let saved = kandle::training_state::TrainingState::load(&state)?;
+    let saved = kandle::training_state::TrainingState::load(&run.state)?;
     let trainable = saved
         .weights
         .keys()

@@ -11,32 +11,13 @@ use kandle_testing::launch;
 #[test]
 fn quickstart_reaches_97_percent_with_a_stage_per_rank() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let plot = dir.path().join("quickstart.png");
-    let checkpoint = dir.path().join("quickstart.safetensors");
-    let state = dir.path().join("state.safetensors");
-    let (plot, checkpoint_arg, state_arg) = (
-        plot.to_string_lossy().to_string(),
-        checkpoint.to_string_lossy().to_string(),
-        state.to_string_lossy().to_string(),
-    );
-    let _one = launch::lock();
-    let outcome = launch::run(launch::mpirun(
+    let run = launch::train_under_mpirun(
         env!("CARGO_BIN_EXE_quickstart"),
         2,
-        &[
-            "--strategy",
-            "pipeline",
-            "--micro-batches",
-            "4",
-            "--plot",
-            &plot,
-            "--checkpoint",
-            &checkpoint_arg,
-            "--save",
-            &state_arg,
-        ],
-    ))?;
-    assert!(outcome.status.success(), "{}", outcome.output);
+        &["--strategy", "pipeline", "--micro-batches", "4"],
+        dir.path(),
+    )?;
+    let outcome = run.outcome;
     let (line, accuracy) = launch::test_accuracy(&outcome.output, "final model:")?;
     eprintln!("{line} ({:.1} s in all)", outcome.elapsed.as_secs_f64());
     assert!(accuracy >= 97.0, "{line}");
@@ -45,11 +26,11 @@ fn quickstart_reaches_97_percent_with_a_stage_per_rank() -> anyhow::Result<()> {
         "{}",
         outcome.output
     );
-    let weights = kandle::checkpoint::load(&checkpoint)?;
+    let weights = kandle::checkpoint::load(&run.checkpoint)?;
     for name in ["conv2d_1.weight", "dense_2.weight"] {
         assert!(weights.contains_key(name), "the checkpoint lacks {name}");
     }
-    let saved = kandle::training_state::TrainingState::load(&state)?;
+    let saved = kandle::training_state::TrainingState::load(&run.state)?;
     let moments = saved
         .optimizer
         .slots

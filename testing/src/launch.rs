@@ -243,6 +243,54 @@ pub fn test_accuracy(output: &str, prefix: &str) -> anyhow::Result<(String, f64)
     Ok((line.to_string(), accuracy))
 }
 
+/// What a training binary run under `mpirun` by [`train_under_mpirun`] left.
+pub struct TrainingRun {
+    /// The launch's exit status and output.
+    pub outcome: Outcome,
+    /// Where it wrote its checkpoint (`--checkpoint`).
+    pub checkpoint: std::path::PathBuf,
+    /// Where it saved its final training state (`--save`).
+    pub state: std::path::PathBuf,
+}
+
+/// Runs `program` (a binary such as `quickstart`) under `mpirun -n ranks` with `args`, its plot,
+/// checkpoint and final training state (`--plot`, `--checkpoint`, `--save`) written into `dir`,
+/// one launch at a time, and checks that it succeeded.
+pub fn train_under_mpirun(
+    program: &str,
+    ranks: usize,
+    args: &[&str],
+    dir: &std::path::Path,
+) -> anyhow::Result<TrainingRun> {
+    let (plot, checkpoint, state) = (
+        dir.join("quickstart.png"),
+        dir.join("quickstart.safetensors"),
+        dir.join("state.safetensors"),
+    );
+    let (plot_arg, checkpoint_arg, state_arg) = (
+        plot.to_string_lossy().to_string(),
+        checkpoint.to_string_lossy().to_string(),
+        state.to_string_lossy().to_string(),
+    );
+    let mut all = args.to_vec();
+    all.extend([
+        "--plot",
+        &plot_arg,
+        "--checkpoint",
+        &checkpoint_arg,
+        "--save",
+        &state_arg,
+    ]);
+    let _one = lock();
+    let outcome = run(mpirun(program, ranks, &all))?;
+    anyhow::ensure!(outcome.status.success(), "{}", outcome.output);
+    Ok(TrainingRun {
+        outcome,
+        checkpoint,
+        state,
+    })
+}
+
 /// One launch at a time in this test binary.
 pub fn lock() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())

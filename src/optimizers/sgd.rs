@@ -168,7 +168,9 @@ impl Optimizer for SgdState {
                 let buf = match buffer.as_ref() {
                     Some(buf) => ((buf * mu)? + &g)?.detach(),
                     // A copy, as torch's `clone`: the caller may reuse the gradient's storage.
-                    None => g.copy()?,
+                    // Of this gradient's elements only: it is often a view of a fused buffer
+                    // of every gradient, which `Tensor::copy` would copy whole.
+                    None => g.force_contiguous()?,
                 };
                 g = if nesterov {
                     ((&buf * mu)? + g)?
@@ -253,5 +255,44 @@ fn update_in_place(
             Ok(true)
         }
         _ => Ok(false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Storage, Tensor, Var};
+
+    use super::*;
+
+    /// Elements held by `t`'s storage, whatever part of it `t` views.
+    fn storage_len(t: &Tensor) -> usize {
+        match &*t.storage_and_layout().0 {
+            Storage::Cpu(s) => s.as_slice::<f32>().map_or(0, <[f32]>::len),
+            _ => 0,
+        }
+    }
+
+    #[test]
+    fn momentum_buffers_copy_their_gradient_not_the_fused_buffer() -> Result<()> {
+        // Gradients as the step hands them over: views of one fused buffer.
+        let fused = Tensor::arange(0f32, 3000., &Device::Cpu)?;
+        let params: Vec<Var> = (0..3)
+            .map(|_| Var::zeros(1000, DType::F32, &Device::Cpu))
+            .collect::<candle_core::Result<_>>()?;
+        let grads: Vec<Tensor> = (0..3)
+            .map(|i| fused.narrow(0, 1000 * i, 1000))
+            .collect::<candle_core::Result<_>>()?;
+        let mut sgd = Sgd::new(0.1).momentum(0.9).build(params.clone())?;
+        sgd.step(&grads, 0.1)?;
+        let state = sgd.state()?;
+        let buffers = state.slot(MOMENTUM).expect("momentum after a step");
+        for (i, buffer) in buffers.iter().enumerate() {
+            assert_eq!(storage_len(buffer), 1000, "buffer {i}");
+            assert_eq!(buffer.to_vec1::<f32>()?, grads[i].to_vec1::<f32>()?);
+        }
+        // The parameters moved by lr times their gradient.
+        let moved = params[2].as_tensor().to_vec1::<f32>()?;
+        assert_eq!(moved[0], -0.1 * 2000.);
+        Ok(())
     }
 }

@@ -145,7 +145,8 @@ impl OptimizerState {
                 Ok(t.to_device(p.device())?
                     .to_dtype(p.dtype())?
                     .detach()
-                    .copy()?)
+                    // Only this slot's elements, though it may be a view of a larger storage.
+                    .force_contiguous()?)
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)

@@ -145,7 +145,7 @@ mod tests {
         if step.momentum != 0.0 {
             let buf = match buf {
                 Some(b) => ((b * step.momentum)? + &g)?,
-                None => g.copy()?,
+                None => g.force_contiguous()?,
             };
             g = if step.nesterov {
                 ((&buf * step.momentum)? + g)?

@@ -2,9 +2,13 @@
 """PyTorch reference for kandle's `bench` binary.
 
 Times MiniGoogLeNet exactly as the Keras multi-GPU CIFAR-10 tutorial defines it (1,656,250
-parameters), or with `--model resnet18` torchvision's ResNet-18 with a small-image stem, on the CPU or a CUDA GPU (`--device`): a training step (forward, cross-entropy,
-backward, SGD with momentum 0.9) and inference, at the same batch and thread count as the kandle
-side, in each configuration of
+parameters), or with `--model resnet18` torchvision's ResNet-18 with a small-image stem, on the
+CPU or a CUDA GPU (`--device`); with `--image-size` other than 32 (and always for `--model
+resnet50`) torchvision's ImageNet ResNet-18 or ResNet-50 (7x7 stem, max pool, 1,000 classes): a
+training step (forward, cross-entropy, backward, SGD with momentum 0.9) and inference, at the
+same batch and thread count as the kandle side, and with `--frozen-base` the step of transfer
+learning's first phase (every layer frozen but the classifier, the frozen batch norms on their
+running statistics, as Keras freezes them), in each configuration of
 `--configs` (default the float32 ones): the default layout (`eager`), `channels_last`, and both
 under `torch.compile`; `channels_last+amp` (autocast to float16 with a GradScaler) and
 `channels_last+bf16` (autocast to bfloat16) for mixed precision. A configuration that cannot run here is reported with its error. With `--ops`, it also
@@ -21,6 +25,7 @@ the accuracy back, and inference copies the probabilities to the host, as kandle
 Prints one JSON object on stdout; progress goes to stderr.
 
     python3 bench/pytorch_minigooglenet.py --batch 64 --threads 2 --iters 10 --warmup 2
+    python3 bench/pytorch_minigooglenet.py --model resnet50 --image-size 224 --batch 16 --frozen-base
 """
 
 import argparse
@@ -141,11 +146,78 @@ class CifarResNet18(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-# The parameters (trainable and moving statistics) each model must have.
+class Bottleneck(nn.Module):
+    """torchvision's bottleneck (ResNet v1.5, the stride on the 3x3): 1x1 to `width`, 3x3, 1x1
+    to `4 * width`, each with a batch norm, added to the input or to a 1x1 projection of it."""
+
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, 4 * width, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(4 * width)
+        self.downsample = None
+        if stride != 1 or cin != 4 * width:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, 4 * width, 1, stride=stride, bias=False), nn.BatchNorm2d(4 * width)
+            )
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ImageNetResNet(nn.Module):
+    """torchvision's ImageNet ResNet: a 7x7 stride-2 stem padded by 3, a 3x3 stride-2 max pool
+    padded by 1, four stages of `block`s, global average pooling and the classifier `fc`."""
+
+    def __init__(self, bottleneck, blocks, classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, cin = [], 64
+        for stage, (count, width) in enumerate(zip(blocks, [64, 128, 256, 512])):
+            for block in range(count):
+                stride = 2 if block == 0 and stage > 0 else 1
+                if bottleneck:
+                    layers.append(Bottleneck(cin, width, stride))
+                    cin = 4 * width
+                else:
+                    layers.append(BasicBlock(cin, width, stride))
+                    cin = width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, stride=2, padding=1)
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def is_cifar(args):
+    """CIFAR-10's networks: 32x32 images, except ResNet-50, always ImageNet's."""
+    return args.image_size == 32 and args.model != "resnet50"
+
+
+# Per model and CIFAR or not: the network, and the parameters (trainable and moving statistics)
+# kandle's has.
 MODELS = {
-    "mini_googlenet": (lambda: MiniGoogLeNet(10), KERAS_PARAMETERS),
-    "resnet18": (lambda: CifarResNet18(10), 11_173_962 + 2 * 4_800),
+    ("mini_googlenet", True): (lambda: MiniGoogLeNet(10), KERAS_PARAMETERS),
+    ("resnet18", True): (lambda: CifarResNet18(10), 11_173_962 + 2 * 4_800),
+    ("resnet18", False): (lambda: ImageNetResNet(False, [2, 2, 2, 2]), 11_689_512 + 2 * 4_800),
+    ("resnet50", False): (lambda: ImageNetResNet(True, [3, 4, 6, 3]), 25_557_032 + 2 * 26_560),
 }
+
+
+def model_entry(args):
+    key = (args.model, is_cifar(args))
+    if key not in MODELS:
+        raise SystemExit(f"--model {args.model} takes 32x32 images only")
+    return MODELS[key]
 
 
 class MiniGoogLeNet(nn.Module):
@@ -219,7 +291,8 @@ def autocast(args, name):
 
 
 def time_config(args, name):
-    """One configuration's training step and inference, each the median of `--iters` runs."""
+    """One configuration's training step and inference, each the median of `--iters` runs, and
+    with `--frozen-base` the step with the base frozen."""
     model, net, opt, x, y = setup(args, name)
     compiled = CONFIGS[name][1]
     scaler = torch.amp.GradScaler(enabled=CONFIGS[name][2] == torch.float16)
@@ -247,17 +320,51 @@ def time_config(args, name):
     log(f"pytorch {name}: inference, batch {args.batch}")
     model.eval()
     infer = median_time(inference, warmup, args.iters)
-    return {"name": name, "train_step_s": train, "inference_s": infer}
+    result = {"name": name, "train_step_s": train, "inference_s": infer}
+    if args.frozen_base:
+        del net, opt
+        result["train_step_frozen_base_s"] = time_frozen_base(args, name, warmup)
+    return result
+
+
+def time_frozen_base(args, name, warmup):
+    """The step of transfer learning's first phase: every parameter frozen but the classifier's
+    (the last module with parameters), the frozen batch norms in eval mode, as Keras runs a frozen
+    BatchNormalization. The base runs under autograd as a user's model does; none of its inputs
+    needs a gradient, so autograd records nothing there."""
+    model, net, _, x, y = setup(args, name)
+    head = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))][-1]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    model.eval()
+    opt = torch.optim.SGD(head.parameters(), lr=5e-3, momentum=0.9)
+
+    def train_step():
+        opt.zero_grad(set_to_none=True)
+        with autocast(args, name):
+            out = net(x)
+            loss = F.cross_entropy(out.float(), y)
+        loss.backward()
+        opt.step()
+        correct = (out.argmax(1) == y).sum()
+        return loss.item(), correct.item()
+
+    log(f"pytorch {name}: training step with the base frozen, batch {args.batch}")
+    return median_time(train_step, warmup, args.iters)
 
 
 def setup(args, name):
-    """MiniGoogLeNet on the device in configuration `name`, its SGD and a random batch."""
+    """The model on the device in configuration `name`, its SGD and a random batch."""
     memory_format, compiled, _ = CONFIGS[name]
     torch.manual_seed(0)
-    model = MODELS[args.model][0]().to(args.device).to(memory_format=memory_format)
-    x = torch.randn(args.batch, 3, 32, 32, device=args.device)
+    model = model_entry(args)[0]().to(args.device).to(memory_format=memory_format)
+    size = args.image_size
+    x = torch.randn(args.batch, 3, size, size, device=args.device)
     x = x.contiguous(memory_format=memory_format)
-    y = torch.randint(0, 10, (args.batch,), device=args.device)
+    classes = 10 if is_cifar(args) else 1000
+    y = torch.randint(0, classes, (args.batch,), device=args.device)
     opt = torch.optim.SGD(model.parameters(), lr=5e-3, momentum=0.9)
     net = torch.compile(model) if compiled else model
     return model, net, opt, x, y
@@ -291,7 +398,7 @@ def time_epoch(args, name):
 
 def time_model(args):
     torch.manual_seed(0)
-    make, parameters = MODELS[args.model]
+    make, parameters = model_entry(args)
     trainable, moving = parameter_counts(make())
     if trainable + moving != parameters:
         raise SystemExit(
@@ -372,8 +479,9 @@ def time_op(op, batch, warmup, iters):
         return {"fwd": fwd, "bwd": both - fwd}
     if kind in ("max_pool", "avg_pool"):
         window, stride = tuple(op["window"]), tuple(op["stride"])
+        pad = tuple(op.get("pad", [0, 0]))
         pool = F.max_pool2d if kind == "max_pool" else F.avg_pool2d
-        forward = lambda xs: pool(xs[0], window, stride)  # noqa: E731
+        forward = lambda xs: pool(xs[0], window, stride, pad)  # noqa: E731
         fwd, both, _ = passes(forward, one, [], warmup, iters)
         return {"fwd": fwd, "bwd": both - fwd}
     if kind == "concat":
@@ -400,8 +508,20 @@ def main():
     parser.add_argument(
         "--model",
         default="mini_googlenet",
-        choices=sorted(MODELS),
+        choices=sorted({m for m, _ in MODELS}),
         help="the model to time (default mini_googlenet)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        default=32,
+        help="height and width of the images (32, CIFAR-10's, by default; other sizes take "
+        "ImageNet's ResNets)",
+    )
+    parser.add_argument(
+        "--frozen-base",
+        action="store_true",
+        help="also time the training step with every layer frozen but the classifier",
     )
     parser.add_argument(
         "--epoch-images",

@@ -126,7 +126,15 @@ pub enum Depth {
 }
 
 impl Depth {
-    fn blocks(self) -> [usize; 4] {
+    /// Blocks in each of the four stages.
+    ///
+    /// ```
+    /// use kandle_models::Depth;
+    ///
+    /// assert_eq!(Depth::ResNet50.blocks(), [3, 4, 6, 3]);
+    /// assert!(Depth::ResNet50.bottleneck() && !Depth::ResNet34.bottleneck());
+    /// ```
+    pub fn blocks(self) -> [usize; 4] {
         match self {
             Depth::ResNet18 => [2, 2, 2, 2],
             Depth::ResNet34 | Depth::ResNet50 => [3, 4, 6, 3],
@@ -135,7 +143,8 @@ impl Depth {
         }
     }
 
-    fn bottleneck(self) -> bool {
+    /// Whether the blocks are bottlenecks (1x1, 3x3, 1x1) rather than basic blocks (two 3x3).
+    pub fn bottleneck(self) -> bool {
         !matches!(self, Depth::ResNet18 | Depth::ResNet34)
     }
 }

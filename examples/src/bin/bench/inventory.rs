@@ -1,18 +1,22 @@
-//! The distinct op shapes of the network `bench` times (MiniGoogLeNet or the small-image
-//! ResNet-18): every convolution, batch norm, pooling and concatenation with its input shape, how
-//! often it occurs, and its arithmetic.
+//! The distinct op shapes of the network `bench` times (MiniGoogLeNet, or a ResNet on CIFAR's or
+//! ImageNet's images): every convolution, batch norm, pooling and concatenation with its input
+//! shape, how often it occurs, and its arithmetic.
 //!
 //! Each list is walked from the network's definition (MiniGoogLeNet: the Keras tutorial's stem,
-//! three stages of inception and downsample modules, average pool; ResNet-18: torchvision's 3x3
-//! stem without max pooling, four stages of two basic blocks, global average pooling) and
+//! three stages of inception and downsample modules, average pool; a ResNet: torchvision's stem
+//! (on 32x32 images a 3x3 convolution without max pooling, else the 7x7 stride-2 convolution and
+//! the padded 3x3 stride-2 max pool), four stages of basic or bottleneck blocks, global average
+//! pooling) and
 //! checked against the summary of the network `--model` builds, layer by layer (kind, output
 //! shape, parameters), so it cannot drift from the model the training step runs. The ops of no
 //! timed kind (ReLU, dropout, the residual additions, the dense head) are not in the lists.
 
 use anyhow::{bail, Result};
 use kandle::layers::{Padding, SummaryRow};
-use kandle_examples::CifarModel;
+use kandle_models::Depth;
 use serde_json::{json, Value};
+
+use crate::workload::Workload;
 
 /// A stage: its inception modules' `(k1x1, k3x3)` filters, then an optional downsample's filters.
 type Stage = (&'static [(usize, usize)], Option<usize>);
@@ -48,6 +52,8 @@ pub enum OpKind {
         window: usize,
         /// Stride along both axes.
         stride: usize,
+        /// Padding on every side (never part of a window's maximum).
+        pad: usize,
     },
     /// Average pooling with the stride equal to the window.
     AvgPool {
@@ -108,9 +114,19 @@ impl OpShape {
                 dims(&self.output),
                 padding_name(*padding)
             ),
-            OpKind::MaxPool { window, stride } => {
-                format!("{}, {window}x{window}/{stride}", dims(&self.input))
-            }
+            OpKind::MaxPool {
+                window,
+                stride,
+                pad: 0,
+            } => format!("{}, {window}x{window}/{stride}", dims(&self.input)),
+            OpKind::MaxPool {
+                window,
+                stride,
+                pad,
+            } => format!(
+                "{}, {window}x{window}/{stride} pad {pad}",
+                dims(&self.input)
+            ),
             OpKind::AvgPool { window } => format!("{}, {window}x{window}", dims(&self.input)),
             OpKind::GlobalAvgPool => format!("{}, global", dims(&self.input)),
             OpKind::Concat { parts } => {
@@ -180,9 +196,13 @@ impl OpShape {
                 "bias": bias,
             }),
             OpKind::BatchNorm => json!({"kind": "batch_norm", "name": name, "input": [c, h, w]}),
-            OpKind::MaxPool { window, stride } => json!({
+            OpKind::MaxPool {
+                window,
+                stride,
+                pad,
+            } => json!({
                 "kind": "max_pool", "name": name, "input": [c, h, w],
-                "window": [window, window], "stride": [stride, stride],
+                "window": [window, window], "stride": [stride, stride], "pad": [pad, pad],
             }),
             OpKind::AvgPool { window } => json!({
                 "kind": "avg_pool", "name": name, "input": [c, h, w],
@@ -347,6 +367,7 @@ impl Walk {
         let pool = OpKind::MaxPool {
             window: 3,
             stride: 2,
+            pad: 0,
         };
         self.push(format!("{path}.branch_pool"), pool, input, pooled);
         self.concat(path, [a, pooled])
@@ -385,11 +406,38 @@ impl Walk {
         let names = |conv: &str, bn: &str| [format!("{prefix}{conv}"), format!("{prefix}{bn}")];
         let y = self.resnet_conv_bn(names("conv1", "bn1"), input, filters, 3, stride);
         let y = self.resnet_conv_bn(names("conv2", "bn2"), y, filters, 3, 1);
+        self.shortcut(prefix, input, filters, stride);
+        y
+    }
+
+    /// A bottleneck block named `<prefix>...` (torchvision's, the stride on the 3x3): conv1 (1x1
+    /// to `width`), conv2 (3x3), conv3 (1x1 to `4 * width`), each with its BatchNorm, then the
+    /// shortcut's projection where the shape changes.
+    fn bottleneck_block(
+        &mut self,
+        prefix: &str,
+        input: [usize; 3],
+        width: usize,
+        stride: usize,
+    ) -> [usize; 3] {
+        let names = |conv: &str, bn: &str| [format!("{prefix}{conv}"), format!("{prefix}{bn}")];
+        let y = self.resnet_conv_bn(names("conv1", "bn1"), input, width, 1, 1);
+        let y = self.resnet_conv_bn(names("conv2", "bn2"), y, width, 3, stride);
+        let y = self.resnet_conv_bn(names("conv3", "bn3"), y, 4 * width, 1, 1);
+        self.shortcut(prefix, input, 4 * width, stride);
+        y
+    }
+
+    /// A block's projection `downsample.0` and its BatchNorm `downsample.1`, where the block
+    /// changes the shape (its input is the shortcut otherwise).
+    fn shortcut(&mut self, prefix: &str, input: [usize; 3], filters: usize, stride: usize) {
         if stride != 1 || input[0] != filters {
-            let names = names("downsample.0", "downsample.1");
+            let names = [
+                format!("{prefix}downsample.0"),
+                format!("{prefix}downsample.1"),
+            ];
             self.resnet_conv_bn(names, input, filters, 1, stride);
         }
-        y
     }
 }
 
@@ -418,18 +466,35 @@ fn mini_googlenet_occurrences() -> Vec<OpShape> {
     walk.ops
 }
 
-/// Every op occurrence of ResNet-18 with the small-image stem on 3x32x32 inputs, in execution
-/// order: a 3x3 stride-1 stem, four stages of two basic blocks (64, 128, 256 and 512 filters,
+/// Every op occurrence of a ResNet of `depth` on `workload`'s images, in execution order: the
+/// stem (CIFAR's 3x3 stride-1 convolution, or ImageNet's 7x7 stride-2 one and its padded 3x3
+/// stride-2 max pool), four stages of blocks (64, 128, 256 and 512 filters or bottleneck widths,
 /// the first block of each later stage with stride 2), global average pooling.
-fn resnet18_occurrences() -> Vec<OpShape> {
+fn resnet_occurrences(depth: Depth, workload: &Workload) -> Vec<OpShape> {
     let mut walk = Walk::default();
     let stem = ["conv1".to_string(), "bn1".to_string()];
-    let mut shape = walk.resnet_conv_bn(stem, [3, 32, 32], 64, 3, 1);
-    for (stage, filters) in [64, 128, 256, 512].into_iter().enumerate() {
-        for block in 0..2 {
+    let input = workload.input_shape();
+    let mut shape = if workload.is_cifar() {
+        walk.resnet_conv_bn(stem, input, 64, 3, 1)
+    } else {
+        let y = walk.resnet_conv_bn(stem, input, 64, 7, 2);
+        let pool = OpKind::MaxPool {
+            window: 3,
+            stride: 2,
+            pad: 1,
+        };
+        let pooled = [y[0], (y[1] - 1) / 2 + 1, (y[2] - 1) / 2 + 1];
+        walk.push("maxpool".into(), pool, y, pooled);
+        pooled
+    };
+    for (stage, (&count, width)) in depth.blocks().iter().zip([64, 128, 256, 512]).enumerate() {
+        for block in 0..count {
             let stride = if block == 0 && stage > 0 { 2 } else { 1 };
             let prefix = format!("layer{}.{block}.", stage + 1);
-            shape = walk.basic_block(&prefix, shape, filters, stride);
+            shape = match depth.bottleneck() {
+                true => walk.bottleneck_block(&prefix, shape, width, stride),
+                false => walk.basic_block(&prefix, shape, width, stride),
+            };
         }
     }
     let pooled = [shape[0], 1, 1];
@@ -490,18 +555,19 @@ fn check(title: &str, all: &[OpShape], rows: &[SummaryRow]) -> Result<()> {
     Ok(())
 }
 
-/// The distinct op shapes of `model` (both forms of MiniGoogLeNet have the same), in order of
-/// first occurrence, after checking the walk against the summary of the network `model`
+/// The distinct op shapes of `workload`'s network (both forms of MiniGoogLeNet have the same),
+/// in order of first occurrence, after checking the walk against the summary of the network it
 /// builds (for MiniGoogLeNet, its Sequential form).
-pub fn ops(model: CifarModel) -> Result<Vec<OpShape>> {
-    let (all, network) = match model {
-        CifarModel::MiniGooglenet | CifarModel::MiniGooglenetFunctional => (
+pub fn ops(workload: &Workload) -> Result<Vec<OpShape>> {
+    let (all, network) = match workload.resnet_depth() {
+        None => (
             mini_googlenet_occurrences(),
-            CifarModel::MiniGooglenet.network()?,
+            Workload::mini_googlenet().network()?,
         ),
-        CifarModel::Resnet18 => (resnet18_occurrences(), model.network()?),
+        Some(depth) => (resnet_occurrences(depth, workload), workload.network()?),
     };
-    check(model.title(), &all, &network.summary(&[3, 32, 32])?.rows)?;
+    let summary = network.summary(&workload.input_shape())?;
+    check(&workload.title(), &all, &summary.rows)?;
     let mut distinct: Vec<OpShape> = Vec::new();
     for op in all {
         match distinct
@@ -518,6 +584,11 @@ pub fn ops(model: CifarModel) -> Result<Vec<OpShape>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::workload::BenchModel;
+
+    fn workload(model: BenchModel, size: Option<usize>) -> Workload {
+        Workload::new(model, size).expect("a workload")
+    }
 
     fn count(ops: &[OpShape], family: fn(&OpKind) -> bool) -> usize {
         ops.iter()
@@ -532,21 +603,21 @@ mod tests {
 
     #[test]
     fn mini_googlenet_inventory_matches_its_summary() -> Result<()> {
-        let ops = ops(CifarModel::MiniGooglenet)?;
+        let ops = ops(&Workload::mini_googlenet())?;
         // The stem, two per inception module (8), one per downsample module (2).
         assert_eq!(count(&ops, is_conv), 19);
         assert_eq!(count(&ops, |k| *k == OpKind::BatchNorm), 19);
         assert_eq!(count(&ops, |k| matches!(k, OpKind::Concat { .. })), 10);
         assert!(ops[0].on_network_input && ops.iter().skip(1).all(|o| !o.on_network_input));
         // The functional form has the same ops.
-        let functional = super::ops(CifarModel::MiniGooglenetFunctional)?;
+        let functional = super::ops(&workload(BenchModel::MiniGooglenetFunctional, None))?;
         assert_eq!(functional.len(), ops.len());
         Ok(())
     }
 
     #[test]
     fn resnet18_inventory_matches_its_summary() -> Result<()> {
-        let ops = ops(CifarModel::Resnet18)?;
+        let ops = ops(&workload(BenchModel::Resnet18, None))?;
         let shapes: Vec<(String, usize)> = ops
             .iter()
             .filter(|op| is_conv(&op.kind))
@@ -611,9 +682,42 @@ mod tests {
     }
 
     #[test]
+    fn imagenet_resnets_walk_their_stem_pool_and_bottlenecks() -> Result<()> {
+        let ops50 = ops(&workload(BenchModel::Resnet50, None))?;
+        // The stem, 16 blocks of three and four projections.
+        assert_eq!(count(&ops50, is_conv), 1 + 16 * 3 + 4);
+        assert_eq!(count(&ops50, |k| *k == OpKind::BatchNorm), 53);
+        assert_eq!(ops50[0].shape(), "3x224x224 -> 64x112x112, 7x7/2 pad 3");
+        let pool = ops50
+            .iter()
+            .find(|op| op.layers[0] == "maxpool")
+            .expect("the stem's pool");
+        assert_eq!(pool.shape(), "64x112x112, 3x3/2 pad 1");
+        assert_eq!(pool.to_json("op")["pad"], json!([1, 1]));
+        // ResNet v1.5: the stride on the bottleneck's 3x3.
+        let strided = ops50
+            .iter()
+            .find(|op| op.layers[0] == "layer2.0.conv2")
+            .expect("layer2.0.conv2");
+        assert_eq!(strided.shape(), "128x56x56 -> 128x28x28, 3x3/2 pad 1");
+        let last = ops50.last().expect("ops");
+        assert_eq!(last.shape(), "2048x7x7, global");
+        let weights: usize = ops50
+            .iter()
+            .map(|op| op.count() * op.trainable().unwrap_or(0))
+            .sum();
+        assert_eq!(weights, 25_557_032 - (2048 * 1000 + 1000));
+        let ops18 = ops(&workload(BenchModel::Resnet18, Some(224)))?;
+        assert_eq!(count(&ops18, is_conv), 20);
+        assert_eq!(ops18.last().expect("ops").shape(), "512x7x7, global");
+        Ok(())
+    }
+
+    #[test]
     fn a_walk_that_drifts_from_the_summary_is_refused() -> Result<()> {
-        let rows = CifarModel::Resnet18.network()?.summary(&[3, 32, 32])?.rows;
-        let mut all = resnet18_occurrences();
+        let resnet18 = workload(BenchModel::Resnet18, None);
+        let rows = resnet18.network()?.summary(&[3, 32, 32])?.rows;
+        let mut all = resnet_occurrences(Depth::ResNet18, &resnet18);
         check("ResNet-18", &all, &rows)?;
         // A downsample projection forgotten.
         let at = all

@@ -17,7 +17,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use kandle::layers::{
     AveragePooling2D, BatchNormalization, BuildContext, CandleLayer, Concat, Conv2D,
-    GlobalAveragePooling2D, Layer, LayerSpec, MaxPooling2D,
+    GlobalAveragePooling2D, Layer, LayerSpec, MaxPooling2D, Padding,
 };
 use kandle::params::ParamStore;
 
@@ -82,7 +82,15 @@ fn spec_of(kind: &OpKind) -> Result<Box<dyn LayerSpec>> {
                 .use_bias(bias),
         ),
         OpKind::BatchNorm => Box::new(BatchNormalization::new()),
-        OpKind::MaxPool { window, stride } => Box::new(MaxPooling2D::new(window).stride(stride)),
+        OpKind::MaxPool {
+            window,
+            stride,
+            pad,
+        } => Box::new(
+            MaxPooling2D::new(window)
+                .stride(stride)
+                .padding(Padding::symmetric(pad, pad)),
+        ),
         OpKind::AvgPool { window } => Box::new(AveragePooling2D::new(window)),
         OpKind::GlobalAvgPool => Box::new(GlobalAveragePooling2D),
         OpKind::Concat { .. } => bail!("a concatenation is built from its parts"),

@@ -1,6 +1,7 @@
 //! kandle against PyTorch on this CPU (or a CUDA GPU), measured side by side in one run: the
 //! training step (forward, loss, backward, SGD update, as `fit` runs it) and inference of
-//! MiniGoogLeNet or ResNet-18 (`--model`) as images/s, then every distinct op shape of that
+//! MiniGoogLeNet or a ResNet (`--model`; `--image-size 224` for ImageNet's networks, the
+//! transfer-learning workload) as images/s, then every distinct op shape of that
 //! network (convolution forward, backward-input and backward-weight, batch norm, pooling,
 //! concatenation; `inventory`), and the convolutions' achieved GFLOP/s against the machine's
 //! fp32 peak. The PyTorch reference is
@@ -15,6 +16,7 @@
 //! ```text
 //! cargo run --release -p kandle-examples --bin bench
 //! cargo run --release -p kandle-examples --bin bench -- --no-ops --threads-study --json bench.json
+//! cargo run --release -p kandle-examples --bin bench -- --model resnet50 --image-size 224 --batch 16 --frozen-base
 //! cargo run --release -p kandle-examples --features cuda --bin bench -- --device cuda:0 --batch 256
 //! ```
 //!
@@ -30,6 +32,7 @@ mod pytorch;
 mod report;
 mod threads_study;
 mod timing;
+mod workload;
 
 use std::path::PathBuf;
 
@@ -43,16 +46,22 @@ use serde_json::{json, Value};
 use crate::passes::Passes;
 use crate::report::{ms, ratio, OpTimes};
 use crate::timing::Timer;
+use crate::workload::{BenchModel, Workload};
 
 #[derive(Parser, Debug)]
 #[command(
-    about = "kandle vs PyTorch: MiniGoogLeNet or ResNet-18 and its ops on the CPU or a GPU, side by side"
+    about = "kandle vs PyTorch: MiniGoogLeNet or a ResNet and its ops on the CPU or a GPU, side by side"
 )]
 struct Args {
     /// The network whose training step, inference and distinct op shapes (the per-op tables)
     /// are timed.
     #[arg(long, value_enum, default_value = "mini-googlenet")]
-    model: kandle_examples::CifarModel,
+    model: BenchModel,
+    /// Height and width of the images (default 32, CIFAR-10's; 224 for resnet50). At a size
+    /// other than 32 a ResNet is torchvision's ImageNet network (7x7 stem, max pool, 1,000
+    /// classes).
+    #[arg(long, value_parser = kandle_examples::at_least_one())]
+    image_size: Option<usize>,
     /// Where both sides run: cpu, or cuda:N (a build with the cuda feature; the model's
     /// step and inference only).
     #[arg(long, default_value = "cpu")]
@@ -174,6 +183,7 @@ fn main() -> Result<()> {
         std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
     }
     let threads = candle_core::utils::get_num_threads();
+    let workload = Workload::new(args.model, args.image_size)?;
     let sections = args.sections();
     let device = parse_device(&args.device)?;
     let on_cpu = device.is_cpu();
@@ -188,7 +198,7 @@ fn main() -> Result<()> {
     let load_at_start = load_line();
     println!(
         "# kandle vs PyTorch: {} on {}",
-        args.model.title(),
+        workload.title(),
         if on_cpu {
             "the CPU".to_string()
         } else {
@@ -205,15 +215,19 @@ fn main() -> Result<()> {
         "- threads: {threads} (kandle: rayon and candle's matmul; PyTorch: torch.set_num_threads)"
     );
     println!(
-        "- batch {}, kandle's dtype policy {}, random 3x32x32 inputs; {} warm-up runs, then {} \
-         timed runs: the median for whole steps, the fastest for single ops",
-        args.batch, args.dtype_policy, args.warmup, args.iters
+        "- batch {}, kandle's dtype policy {}, random 3x{size}x{size} inputs; {} warm-up runs, \
+         then {} timed runs: the median for whole steps, the fastest for single ops",
+        args.batch,
+        args.dtype_policy,
+        args.warmup,
+        args.iters,
+        size = workload.image_size,
     );
     println!("- fp32 peak: {}", peak.how);
     println!();
 
     let ops = if sections.ops {
-        inventory::ops(args.model)?
+        inventory::ops(&workload)?
     } else {
         Vec::new()
     };
@@ -223,28 +237,24 @@ fn main() -> Result<()> {
     if sections.model {
         let strategy = OneDeviceStrategy::new(device.clone());
         eprintln!(
-            "kandle: {:?} training step, batch {}",
-            args.model, args.batch
+            "kandle: {} training step, batch {}",
+            workload.title(),
+            args.batch
         );
-        let workload = (args.model, args.dtype_policy);
-        let train = model::train_step_time(workload, &strategy, &device, args.batch, timer)?;
+        let policy = (workload, args.dtype_policy);
+        let train = model::train_step_time(policy, &strategy, &device, args.batch, timer)?;
         eprintln!("kandle: inference, batch {}", args.batch);
-        let infer = model::inference_time(workload, &strategy, &device, args.batch, timer)?;
+        let infer = model::inference_time(policy, &strategy, &device, args.batch, timer)?;
         kandle_model = Some((train, infer));
         if args.frozen_base {
             eprintln!("kandle: training step with the base frozen");
-            let frozen = model::frozen_base_step_time(
-                (args.model, args.dtype_policy),
-                &strategy,
-                &device,
-                args.batch,
-                timer,
-            )?;
+            let frozen =
+                model::frozen_base_step_time(policy, &strategy, &device, args.batch, timer)?;
             frozen_step = Some((frozen, train));
         }
         if on_cpu {
             eprintln!("kandle: one replica's step, recorded backward pass and candle's autograd");
-            let replica = |path| model::replica_step_time(args.model, path, args.batch, timer);
+            let replica = |path| model::replica_step_time(workload, path, args.batch, timer);
             let recorded = replica(ComputePath::Auto)?;
             let autograd = replica(ComputePath::Autograd)?;
             backward_paths = Some((recorded, autograd));
@@ -258,7 +268,7 @@ fn main() -> Result<()> {
     let torch = if args.no_pytorch || !(sections.model || sections.ops) {
         None
     } else {
-        reference(&args, threads, &sections, &ops)?
+        reference(&args, &workload, threads, &sections, &ops)?
     };
 
     let mut out = json!({
@@ -274,34 +284,16 @@ fn main() -> Result<()> {
             .as_ref()
             .map(pytorch::model_configs)
             .unwrap_or_default();
-        out["vs_pytorch_best"] = print_model(args.model, args.batch, train, infer, &configs);
+        out["vs_pytorch_best"] = print_model(&workload, args.batch, train, infer, &configs);
         out["kandle"] = json!({"train_step_s": train, "inference_s": infer});
     }
     if let Some((frozen, whole)) = frozen_step {
-        println!(
-            "## Transfer learning: {} training step, batch {}",
-            args.model.title(),
-            args.batch
-        );
-        println!();
-        println!("| step | ms | images/s |");
-        println!("|---|---|---|");
-        for (what, s) in [
-            ("whole network trains", whole),
-            ("base frozen, head trains", frozen),
-        ] {
-            println!(
-                "| {what} | {} | {:.0} |",
-                ms(Some(s)),
-                args.batch as f64 / s
-            );
-        }
-        println!();
-        println!(
-            "The frozen step takes {:.2}x the whole step's time.",
-            frozen / whole
-        );
-        println!();
+        let configs = torch
+            .as_ref()
+            .map(pytorch::model_configs)
+            .unwrap_or_default();
+        out["vs_pytorch_best"]["frozen_base"] =
+            print_frozen_base(&workload, args.batch, (frozen, whole), &configs);
         out["kandle"]["train_step_frozen_base_s"] = json!(frozen);
     }
     if let Some((recorded, autograd)) = backward_paths {
@@ -317,7 +309,7 @@ fn main() -> Result<()> {
         let rows = op_rows(&ops, &kandle_ops, torch.as_ref());
         print_ops(
             &rows,
-            args.model,
+            &workload,
             args.batch,
             peak.gflops,
             kandle_model.map(|m| m.0),
@@ -354,6 +346,7 @@ fn main() -> Result<()> {
 /// The PyTorch reference's results, or `None` (with the reason printed) when torch is missing.
 fn reference(
     args: &Args,
+    workload: &Workload,
     threads: usize,
     sections: &Sections,
     ops: &[inventory::OpShape],
@@ -379,7 +372,8 @@ fn reference(
         warmup: args.warmup,
         iters: args.iters,
         model: sections.model,
-        which: model::pytorch_name(args.model),
+        which: workload.pytorch_name(),
+        image_size: workload.image_size,
         configs: args.pytorch_configs.as_deref(),
         ops: ops
             .iter()
@@ -388,6 +382,7 @@ fn reference(
             .collect(),
         device: &args.device,
         epoch_images: args.epoch_images,
+        frozen_base: args.frozen_base && sections.model,
     };
     Ok(Some(pytorch::run(&request)?))
 }
@@ -414,6 +409,57 @@ fn print_pytorch_device(torch: &Value) {
     }
 }
 
+/// Transfer learning's first phase (the base frozen, the head training) against the whole
+/// network's step, kandle's and each PyTorch configuration's; returns kandle against PyTorch's
+/// fastest frozen step as JSON.
+fn print_frozen_base(
+    which: &Workload,
+    batch: usize,
+    (frozen, whole): (f64, f64),
+    configs: &[pytorch::ModelConfig],
+) -> Value {
+    println!(
+        "## Transfer learning: {} training step, batch {batch}",
+        which.title()
+    );
+    println!();
+    println!("| | whole network trains, ms | base frozen, head trains, ms | frozen images/s | kandle / it (frozen) |");
+    println!("|---|---|---|---|---|");
+    let images = |s: f64| format!("{:.1}", batch as f64 / s);
+    println!(
+        "| kandle | {} | {} | {} | |",
+        ms(Some(whole)),
+        ms(Some(frozen)),
+        images(frozen)
+    );
+    for c in configs.iter().filter(|c| c.error.is_none()) {
+        println!(
+            "| PyTorch {} | {} | {} | {} | {} |",
+            c.name,
+            ms(c.train_step_s),
+            ms(c.frozen_base_s),
+            c.frozen_base_s.map_or("-".into(), images),
+            ratio(c.frozen_base_s, Some(frozen)),
+        );
+    }
+    println!();
+    println!(
+        "kandle's frozen step takes {:.2}x its whole step's time.",
+        frozen / whole
+    );
+    let best = pytorch::best(configs, |c| c.frozen_base_s);
+    if let Some((name, s)) = best {
+        println!(
+            "Against PyTorch's best frozen step: **{:.2}x** its images/s ({name}).",
+            s / frozen
+        );
+    }
+    println!();
+    best.map_or(Value::Null, |(name, s)| {
+        json!({"pytorch_config": name, "pytorch_s": s, "kandle_s": frozen, "ratio": s / frozen})
+    })
+}
+
 /// kandle's two ways to compute gradients, side by side.
 fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
     println!("## kandle's backward pass: recorded layers vs candle's autograd, batch {batch}");
@@ -437,14 +483,14 @@ fn print_backward_paths(batch: usize, recorded: f64, autograd: f64) {
 /// kandle's step and inference against every PyTorch configuration, then against the fastest
 /// one; returns the latter as JSON.
 fn print_model(
-    which: kandle_examples::CifarModel,
+    which: &Workload,
     batch: usize,
     train: f64,
     infer: f64,
     configs: &[pytorch::ModelConfig],
 ) -> Value {
     let images = |s: f64| format!("{:.1} ({} ms)", batch as f64 / s, ms(Some(s)));
-    println!("## {} ({which:?}), batch {batch}", which.title());
+    println!("## {} ({:?}), batch {batch}", which.title(), which.model);
     println!();
     println!(
         "| | training images/s (ms per step) | kandle / it | inference images/s (ms) | kandle / it |"
@@ -507,7 +553,7 @@ fn op_rows<'a>(
 
 fn print_ops(
     rows: &[OpTimes<'_>],
-    which: kandle_examples::CifarModel,
+    which: &Workload,
     batch: usize,
     peak: Option<f64>,
     kandle_step: Option<f64>,

@@ -50,6 +50,8 @@ pub struct Request<'a> {
     pub model: bool,
     /// Which model (the script's `--model`).
     pub which: &'a str,
+    /// The images' height and width (the script's `--image-size`).
+    pub image_size: usize,
     /// The configurations of the model to time (the script's `--configs`), or all of them.
     pub configs: Option<&'a str>,
     /// The ops to time, as the script reads them (empty for none).
@@ -58,6 +60,8 @@ pub struct Request<'a> {
     pub device: &'a str,
     /// Images of an epoch to time in the fastest configuration (0: none).
     pub epoch_images: usize,
+    /// Also time the training step with the base frozen (the script's `--frozen-base`).
+    pub frozen_base: bool,
 }
 
 /// Runs the script and parses its JSON.
@@ -69,12 +73,16 @@ pub fn run(req: &Request<'_>) -> Result<Value> {
         .args(["--warmup", &req.warmup.to_string()])
         .args(["--iters", &req.iters.to_string()])
         .args(["--device", req.device])
-        .args(["--model", req.which]);
+        .args(["--model", req.which])
+        .args(["--image-size", &req.image_size.to_string()]);
     if req.epoch_images > 0 {
         cmd.args(["--epoch-images", &req.epoch_images.to_string()]);
     }
     if !req.model {
         cmd.arg("--no-model");
+    }
+    if req.frozen_base {
+        cmd.arg("--frozen-base");
     }
     if let Some(configs) = req.configs {
         cmd.args(["--configs", configs]);
@@ -114,8 +122,8 @@ pub fn f64_at(v: &Value, path: &[&str]) -> Option<f64> {
     path.iter().try_fold(v, |v, k| v.get(k))?.as_f64()
 }
 
-/// One configuration of PyTorch's MiniGoogLeNet the script timed (`eager`, `channels_last`,
-/// `compile`, `channels_last+compile`).
+/// One configuration of PyTorch's model the script timed (`eager`, `channels_last`, `compile`,
+/// `channels_last+compile`).
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
     /// The configuration's name.
@@ -124,6 +132,8 @@ pub struct ModelConfig {
     pub train_step_s: Option<f64>,
     /// Seconds per inference batch.
     pub inference_s: Option<f64>,
+    /// Seconds per training step with the base frozen (asked for with `--frozen-base`).
+    pub frozen_base_s: Option<f64>,
     /// Why it could not run here.
     pub error: Option<String>,
 }
@@ -141,6 +151,7 @@ pub fn model_configs(v: &Value) -> Vec<ModelConfig> {
             name: c.get("name").and_then(Value::as_str).unwrap_or("?").into(),
             train_step_s: c.get("train_step_s").and_then(Value::as_f64),
             inference_s: c.get("inference_s").and_then(Value::as_f64),
+            frozen_base_s: c.get("train_step_frozen_base_s").and_then(Value::as_f64),
             error: c.get("error").and_then(Value::as_str).map(String::from),
         })
         .collect()

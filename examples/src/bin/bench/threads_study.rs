@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::model::train_step_time;
 use crate::timing::Timer;
-use kandle_examples::CifarModel;
+use crate::workload::Workload;
 
 /// Runs the study at global batch `batch` on `cores` threads and prints its table; returns the
 /// rows for `--json`.
@@ -49,7 +49,7 @@ pub fn run(batch: usize, cores: usize, timer: Timer) -> Result<Value> {
     for (name, threads, strategy) in configs {
         eprintln!("kandle: threads study, {name}, {threads}");
         let step = train_step_time(
-            (CifarModel::MiniGooglenet, kandle::DTypePolicy::float32()),
+            (Workload::mini_googlenet(), kandle::DTypePolicy::float32()),
             strategy.as_ref(),
             &candle_core::Device::Cpu,
             batch,

@@ -14,6 +14,9 @@
 #   - strategies-gpu: kandle-strategies' `tests/gpu.rs` with `cuda,nccl`;
 #   - models-parity: kandle-models' `tests/torchvision_weights.rs` with `cuda` (ResNet-18 against
 #     PyTorch on the GPU);
+#   - kernels-cuda-bn, kernels-cuda-pool: kandle-kernels' `tests/cuda_batch_norm.rs` and
+#     `tests/cuda_pooling.rs` with `cuda` (kandle's own CUDA batch norm and pooling kernels against
+#     the CPU kernels), in the same cargo run, so candle is not compiled again;
 #   - bench, train_cifar10: the example binaries with `cuda,nccl`;
 #   - kernels-cuda-conv: kandle-kernels' `tests/cuda_conv.rs` with `cudnn` (its cuDNN
 #     convolutions against the CPU kernels);
@@ -66,13 +69,18 @@ pack() { # pack NAME PATH
 
 echo "== tests and binaries with cuda,nccl"
 # One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
+# kandle-kernels' CUDA batch norm and pooling tests come in the same run (their `test-support`
+# is on already, through kandle's dev-dependency); `--lib` builds its unit tests too, unpacked.
 built=$(executables test --profile release --locked --no-run -p kandle -p kandle-strategies \
-  -p kandle-models --features kandle/cuda,kandle-strategies/nccl --lib --test gpu \
-  --test torchvision_weights)
+  -p kandle-models -p kandle-kernels \
+  --features kandle/cuda,kandle-strategies/nccl,kandle-kernels/test-support --lib --test gpu \
+  --test torchvision_weights --test cuda_batch_norm --test cuda_pooling)
 echo "$built"
 pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
 pack strategies-gpu "$(awk '$1 == "kandle-strategies:gpu" { print $2 }' <<<"$built")"
 pack models-parity "$(awk '$1 == "kandle-models:torchvision_weights" { print $2 }' <<<"$built")"
+pack kernels-cuda-bn "$(awk '$1 == "kandle-kernels:cuda_batch_norm" { print $2 }' <<<"$built")"
+pack kernels-cuda-pool "$(awk '$1 == "kandle-kernels:cuda_pooling" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,nccl \
   --bin bench --bin train_cifar10 >/dev/null
 pack bench "$CARGO_TARGET_DIR/release/bench"

@@ -10,6 +10,9 @@
 #   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
 #      against the CPU kernels and a float64 reference, the algorithm cache, deterministic
 #      algorithms (kernels/tests/cuda_conv.rs; when gpu-bin/ has it, built with cudnn);
+#      kandle-kernels' own CUDA batch norm (training with its statistics, inference's affine,
+#      the fused ReLU) and max and average pooling, outputs and gradients against the CPU
+#      kernels (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
 #      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops) and the rest
@@ -92,6 +95,13 @@ step nvidia-smi 30 nvidia-smi
 # First, as the newest code: kandle-kernels' cuDNN convolutions (under a minute).
 if [[ -x $BIN/kernels-cuda-conv ]]; then
   step kernels-cudnn-conv 120 "$BIN/kernels-cuda-conv" --nocapture
+fi
+# Then kandle's own CUDA batch norm and pooling kernels against the CPU kernels (NVRTC compiles
+# them at the first launch; seconds).
+if [[ -x $BIN/kernels-cuda-bn && -x $BIN/kernels-cuda-pool ]]; then
+  step kernels-cuda-bn-pool 60 bash -c \
+    '"$1" --include-ignored; bn=$?; "$2" --include-ignored; pool=$?; exit $((bn || pool))' _ \
+    "$BIN/kernels-cuda-bn" "$BIN/kernels-cuda-pool"
 fi
 step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible

@@ -1,0 +1,241 @@
+// Batch normalisation over the channels of an (N, C, ...) tensor: `plane` values per image and
+// channel, `count = N * plane` per channel. `S` (`Num<T>::C`) is the dtype of the statistics, the
+// weight and bias, and the per-channel tables.
+//
+// Training forward: `bn_stats_partial` (a block per slice of a channel: sums of the values less
+// the channel's first value, and of their squares), `bn_stats_finalize` (a thread per channel:
+// the table below), `bn_forward_apply` (`y = x * scale + shift`, then the ReLU).
+// Backward: `bn_grad_partial` (the sums of `dy'` and `dy' * (x - mean)`, `dy'` the output
+// gradient where the ReLU passes it), `bn_grad_finalize` (the gradients of the weight and bias
+// and the input gradient's coefficients), `bn_grad_apply` (the input gradient).
+
+// Rows of the statistics table (5, C) that the training forward pass writes and the backward
+// pass reads (an inference affine's backward writes mean 0, invstd 1).
+#define ROW_MEAN 0
+#define ROW_VAR 1
+#define ROW_INVSTD 2
+#define ROW_SCALE 3
+#define ROW_SHIFT 4
+
+// Rows of the backward table (7, C): the bias's and weight's gradients, the input gradient's
+// coefficients `dx = mask ? p * (x - mean) + q + k * dy : p * (x - mean) + q` (without the
+// centred term for an affine), and the forward map, which gives the ReLU's mask.
+#define GROW_DBIAS 0
+#define GROW_DWEIGHT 1
+#define GROW_P 2
+#define GROW_Q 3
+#define GROW_SCALE 4
+#define GROW_SHIFT 5
+#define GROW_MEAN 6
+
+// Per block (slice `blockIdx.x` of channel `blockIdx.y`, `chunk` values from the channel's
+// `count`): the sums of `x - x[channel's first value]` and of their squares, in `partials`.
+template <typename T>
+__device__ void bn_stats_partial(const T *x, double *partials, unsigned channels, unsigned plane,
+                                 unsigned count, unsigned chunk) {
+  typedef typename Num<T>::C C;
+  const unsigned c = blockIdx.y;
+  const unsigned begin = blockIdx.x * chunk;
+  const unsigned end = min(begin + chunk, count);
+  const C shift = load(x[(size_t)c * plane]);
+  C sum = 0, squares = 0;
+  for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    const unsigned n = j / plane, i = j - n * plane;
+    const C d = load(x[((size_t)n * channels + c) * plane + i]) - shift;
+    sum += d;
+    squares += d * d;
+  }
+  double a = sum, b = squares;
+  block_sum2(a, b);
+  if (threadIdx.x == 0) {
+    const size_t at = ((size_t)c * gridDim.x + blockIdx.x) * 2;
+    partials[at] = a;
+    partials[at + 1] = b;
+  }
+}
+
+// Per channel: the mean and biased variance from the `splits` partial sums, `invstd`, and the
+// map `scale = weight * invstd`, `shift = bias - mean * scale`, into the (5, C) `table`. A
+// negative variance from rounding is zero; a NaN stays NaN.
+template <typename T>
+__device__ void bn_stats_finalize(const double *partials, unsigned splits, const T *x,
+                                  const typename Num<T>::C *weight,
+                                  const typename Num<T>::C *bias, typename Num<T>::C *table,
+                                  unsigned channels, unsigned plane, double count,
+                                  double epsilon) {
+  typedef typename Num<T>::C S;
+  const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) {
+    return;
+  }
+  double sum = 0.0, squares = 0.0;
+  for (unsigned k = 0; k < splits; ++k) {
+    sum += partials[((size_t)c * splits + k) * 2];
+    squares += partials[((size_t)c * splits + k) * 2 + 1];
+  }
+  const double shifted_mean = sum / count;
+  double var = squares / count - shifted_mean * shifted_mean;
+  if (var < 0.0) {
+    var = 0.0;
+  }
+  const double mean = (double)load(x[(size_t)c * plane]) + shifted_mean;
+  const double invstd = 1.0 / sqrt(var + epsilon);
+  const double scale = (double)weight[c] * invstd;
+  const double shift = (double)bias[c] - mean * scale;
+  table[ROW_MEAN * channels + c] = (S)mean;
+  table[ROW_VAR * channels + c] = (S)var;
+  table[ROW_INVSTD * channels + c] = (S)invstd;
+  table[ROW_SCALE * channels + c] = (S)scale;
+  table[ROW_SHIFT * channels + c] = (S)shift;
+}
+
+// `y = x * scale[c] + shift[c]`, then `max(y, 0)` when `relu` (a NaN stays NaN).
+template <typename T>
+__device__ void bn_forward_apply(const T *x, const typename Num<T>::C *scale,
+                                 const typename Num<T>::C *shift, T *y, unsigned total,
+                                 unsigned channels, unsigned plane, int relu) {
+  typedef typename Num<T>::C C;
+  KANDLE_FOR_EACH(i, total) {
+    const unsigned c = (i / plane) % channels;
+    C z = add_rn(mul_rn(load(x[i]), scale[c]), shift[c]);
+    if (relu && z < (C)0) {
+      z = 0;
+    }
+    y[i] = store<T>(z);
+  }
+}
+
+// Per block (as `bn_stats_partial`): the sums of `dy'` and `dy' * (x - mean)`, where `dy'` is
+// `dy` where the ReLU (when `relu`) passes it and zero elsewhere, from the (5, C) `table`.
+template <typename T>
+__device__ void bn_grad_partial(const T *x, const T *dy, const typename Num<T>::C *table,
+                                double *partials, unsigned channels, unsigned plane,
+                                unsigned count, unsigned chunk, int relu) {
+  typedef typename Num<T>::C C;
+  const unsigned c = blockIdx.y;
+  const unsigned begin = blockIdx.x * chunk;
+  const unsigned end = min(begin + chunk, count);
+  const C mean = table[ROW_MEAN * channels + c];
+  const C a = table[ROW_SCALE * channels + c];
+  const C b = table[ROW_SHIFT * channels + c];
+  C sum_dy = 0, sum_centered = 0;
+  for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    const unsigned n = j / plane, i = j - n * plane;
+    const size_t at = ((size_t)n * channels + c) * plane + i;
+    const C v = load(x[at]);
+    const C g = load(dy[at]);
+    if (!relu || relu_passes(v, a, b)) {
+      sum_dy += g;
+      sum_centered += mul_rn(g, v - mean);
+    }
+  }
+  double s = sum_dy, p = sum_centered;
+  block_sum2(s, p);
+  if (threadIdx.x == 0) {
+    const size_t at = ((size_t)c * gridDim.x + blockIdx.x) * 2;
+    partials[at] = s;
+    partials[at + 1] = p;
+  }
+}
+
+// Per channel: the (7, C) backward `grads` table from the partial sums and the forward `table`.
+// Training (`centered`): `dbias = sum(dy')`, `dweight = sum(dy' * (x - mean)) * invstd`,
+// `p = -k * invstd^2 * sum(dy' * (x - mean)) / count`, `q = -k * sum(dy') / count` with
+// `k = weight * invstd` (the map's scale). An affine: `dshift = sum(dy')`,
+// `dscale = sum(dy' * x)`, `p = q = 0`.
+template <typename T>
+__device__ void bn_grad_finalize(const double *partials, unsigned splits,
+                                 const typename Num<T>::C *table, typename Num<T>::C *grads,
+                                 unsigned channels, double count, int centered) {
+  typedef typename Num<T>::C S;
+  const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) {
+    return;
+  }
+  double sum_dy = 0.0, sum_centered = 0.0;
+  for (unsigned k = 0; k < splits; ++k) {
+    sum_dy += partials[((size_t)c * splits + k) * 2];
+    sum_centered += partials[((size_t)c * splits + k) * 2 + 1];
+  }
+  const double invstd = (double)table[ROW_INVSTD * channels + c];
+  const double k = (double)table[ROW_SCALE * channels + c];
+  double dweight = sum_centered, p = 0.0, q = 0.0;
+  if (centered) {
+    dweight = sum_centered * invstd;
+    p = -k * invstd * invstd * sum_centered / count;
+    q = -k * sum_dy / count;
+  }
+  grads[GROW_DBIAS * channels + c] = (S)sum_dy;
+  grads[GROW_DWEIGHT * channels + c] = (S)dweight;
+  grads[GROW_P * channels + c] = (S)p;
+  grads[GROW_Q * channels + c] = (S)q;
+  grads[GROW_SCALE * channels + c] = table[ROW_SCALE * channels + c];
+  grads[GROW_SHIFT * channels + c] = table[ROW_SHIFT * channels + c];
+  grads[GROW_MEAN * channels + c] = table[ROW_MEAN * channels + c];
+}
+
+// The input gradient from the (7, C) `grads` table: `rest = p * (x - mean) + q` (`q` alone
+// without `centered`, so that a NaN in `x` leaves an affine's gradient finite), then
+// `dx = rest + k * dy` where the ReLU passes the gradient and `rest` elsewhere.
+template <typename T>
+__device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C *grads, T *dx,
+                              unsigned total, unsigned channels, unsigned plane, int relu,
+                              int centered) {
+  typedef typename Num<T>::C C;
+  KANDLE_FOR_EACH(i, total) {
+    const unsigned c = (i / plane) % channels;
+    const C v = load(x[i]);
+    const C k = grads[GROW_SCALE * channels + c];
+    const C q = grads[GROW_Q * channels + c];
+    C rest = q;
+    if (centered) {
+      const C centred = mul_rn(grads[GROW_P * channels + c], v - grads[GROW_MEAN * channels + c]);
+      rest = add_rn(centred, q);
+    }
+    const bool passes = !relu || relu_passes(v, k, grads[GROW_SHIFT * channels + c]);
+    dx[i] = store<T>(passes ? add_rn(rest, mul_rn(k, load(dy[i]))) : rest);
+  }
+}
+
+// The kernels for each element type, named `<kernel>_<dtype>`.
+#define BN_KERNELS(T, NAME)                                                                    \
+  extern "C" __global__ void bn_stats_partial_##NAME(const T *x, double *partials,             \
+                                                      unsigned channels, unsigned plane,       \
+                                                      unsigned count, unsigned chunk) {        \
+    bn_stats_partial<T>(x, partials, channels, plane, count, chunk);                           \
+  }                                                                                            \
+  extern "C" __global__ void bn_stats_finalize_##NAME(                                         \
+      const double *partials, unsigned splits, const T *x, const Num<T>::C *weight,            \
+      const Num<T>::C *bias, Num<T>::C *table, unsigned channels, unsigned plane,              \
+      double count, double epsilon) {                                                          \
+    bn_stats_finalize<T>(partials, splits, x, weight, bias, table, channels, plane, count,     \
+                         epsilon);                                                             \
+  }                                                                                            \
+  extern "C" __global__ void bn_forward_apply_##NAME(const T *x, const Num<T>::C *scale,       \
+                                                      const Num<T>::C *shift, T *y,            \
+                                                      unsigned total, unsigned channels,       \
+                                                      unsigned plane, int relu) {              \
+    bn_forward_apply<T>(x, scale, shift, y, total, channels, plane, relu);                     \
+  }                                                                                            \
+  extern "C" __global__ void bn_grad_partial_##NAME(                                           \
+      const T *x, const T *dy, const Num<T>::C *table, double *partials, unsigned channels,     \
+      unsigned plane, unsigned count, unsigned chunk, int relu) {                              \
+    bn_grad_partial<T>(x, dy, table, partials, channels, plane, count, chunk, relu);           \
+  }                                                                                            \
+  extern "C" __global__ void bn_grad_finalize_##NAME(const double *partials, unsigned splits,  \
+                                                      const Num<T>::C *table,                  \
+                                                      Num<T>::C *grads, unsigned channels,     \
+                                                      double count, int centered) {            \
+    bn_grad_finalize<T>(partials, splits, table, grads, channels, count, centered);            \
+  }                                                                                            \
+  extern "C" __global__ void bn_grad_apply_##NAME(const T *x, const T *dy,                     \
+                                                   const Num<T>::C *grads, T *dx,              \
+                                                   unsigned total, unsigned channels,          \
+                                                   unsigned plane, int relu, int centered) {   \
+    bn_grad_apply<T>(x, dy, grads, dx, total, channels, plane, relu, centered);                \
+  }
+
+BN_KERNELS(float, f32)
+BN_KERNELS(double, f64)
+BN_KERNELS(kf16, f16)
+BN_KERNELS(kbf16, bf16)

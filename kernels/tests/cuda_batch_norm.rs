@@ -1,0 +1,356 @@
+//! kandle's CUDA batch normalisation (`kandle_kernels::cuda::{batch_norm_train,
+//! channel_affine}`) on a GPU against the CPU kernels (`kandle_kernels::batch_norm`): the output,
+//! the batch statistics, and the gradients of the input, weight and bias through candle's
+//! autograd and through the kept op, with and without the fused ReLU, on MiniGoogLeNet's and
+//! ResNet's shapes and odd ones, within 1e-4 of the largest magnitude in `f32`; `f64`, `f16` and
+//! `bf16`; NaN propagation; strided inputs; and errors for inputs the kernels cannot take.
+//!
+//! Built with `cuda` and `test-support`. The GPU tests are `#[ignore]`d (`gpu/check.sh` runs
+//! them with `--include-ignored`); the test of a CPU tensor's error runs anywhere the binary
+//! starts.
+
+mod cuda_support;
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use cuda_support::{assert_invalid, assert_matches, gpu, gradients, weighted_sum};
+use kandle_kernels::test_support::random;
+use kandle_kernels::{batch_norm as cpu, cuda};
+
+/// Keras's default epsilon.
+const EPSILON: f64 = 1e-3;
+
+/// MiniGoogLeNet's and ResNet's shapes, odd sizes, a dense layer's `(N, C)` and a
+/// three-dimensional one.
+const SHAPES: [&[usize]; 6] = [
+    &[64, 96, 32, 32],
+    &[64, 512, 4, 4],
+    &[3, 5, 7, 9],
+    &[1, 7, 1, 1],
+    &[10, 33],
+    &[4, 6, 15],
+];
+
+/// Everything a training pass gives: the output, the batch statistics and the gradients of a
+/// weighted sum of the output for the input, the weight and the bias.
+struct Pass {
+    y: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    grads: Vec<Tensor>,
+}
+
+/// Seeded input, weight and bias for `dims` (on the CPU, `f32`); the input around `offset`.
+fn operands(dims: &[usize], seed: u64, offset: f32) -> Result<[Tensor; 3]> {
+    let c = dims[1];
+    Ok([
+        random(dims, seed, offset)?,
+        random(&[c], seed + 1, 1.0)?,
+        random(&[c], seed + 2, 0.0)?,
+    ])
+}
+
+/// A training pass of `train` (the CPU's or the GPU's function, both of one signature) on the
+/// operands moved to `dev`, the input in `dtype` and the weight and bias in `param_dtype`; the
+/// output gradient's weights rounded to `rounding` (the dtype under test, on both devices).
+fn training_pass(
+    train: impl Fn(&Tensor, &Tensor, &Tensor) -> kandle_kernels::Result<(Tensor, cpu::BatchStats)>,
+    [x, w, b]: &[Tensor; 3],
+    dev: &Device,
+    (dtype, param_dtype): (DType, DType),
+    (seed, rounding): (u64, DType),
+) -> Result<Pass> {
+    let x = Var::from_tensor(&x.to_dtype(dtype)?.to_device(dev)?)?;
+    let w = Var::from_tensor(&w.to_dtype(param_dtype)?.to_device(dev)?)?;
+    let b = Var::from_tensor(&b.to_dtype(param_dtype)?.to_device(dev)?)?;
+    let (y, stats) = train(x.as_tensor(), w.as_tensor(), b.as_tensor())?;
+    let grads = gradients(&weighted_sum(&y, seed, rounding)?, &[&x, &w, &b])?;
+    Ok(Pass {
+        y,
+        mean: stats.mean,
+        var: stats.var,
+        grads,
+    })
+}
+
+/// Fails naming `what` unless the two passes agree within `tol`.
+fn assert_passes_match(what: &str, got: &Pass, want: &Pass, tol: f32) -> Result<()> {
+    assert_matches(&format!("{what}: y"), &got.y, &want.y, tol)?;
+    assert_matches(&format!("{what}: mean"), &got.mean, &want.mean, tol)?;
+    assert_matches(&format!("{what}: var"), &got.var, &want.var, tol)?;
+    for (name, (g, w)) in ["dx", "dweight", "dbias"]
+        .iter()
+        .zip(got.grads.iter().zip(&want.grads))
+    {
+        assert_matches(&format!("{what}: {name}"), g, w, tol)?;
+    }
+    Ok(())
+}
+
+/// The GPU's training pass against the CPU's on `dims`, the input in `dtype` (the CPU's on
+/// the same values in `f32`), within `tol`.
+fn check_training(dims: &[usize], relu: bool, dtype: DType, offset: f32, tol: f32) -> Result<()> {
+    let dev = gpu()?;
+    let seed = dims.iter().sum::<usize>() as u64 + relu as u64;
+    let mut ops = operands(dims, seed, offset)?;
+    // The reference sees the input rounded as the GPU does.
+    ops[0] = ops[0].to_dtype(dtype)?.to_dtype(DType::F32)?;
+    let param_dtype = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let want = training_pass(
+        |x, w, b| cpu::batch_norm_train(x, Some(w), Some(b), EPSILON, relu),
+        &ops,
+        &Device::Cpu,
+        (DType::F32, DType::F32),
+        (seed, dtype),
+    )?;
+    let got = training_pass(
+        |x, w, b| cuda::batch_norm_train(x, Some(w), Some(b), EPSILON, relu),
+        &ops,
+        &dev,
+        (dtype, param_dtype),
+        (seed, dtype),
+    )?;
+    ensure_dtypes(&got, dtype, param_dtype)?;
+    assert_passes_match(&format!("{dims:?} {dtype:?} relu {relu}"), &got, &want, tol)
+}
+
+/// Fails unless the GPU's output has the input's dtype and the statistics the parameters'.
+fn ensure_dtypes(pass: &Pass, dtype: DType, param_dtype: DType) -> Result<()> {
+    anyhow::ensure!(
+        pass.y.dtype() == dtype && pass.mean.dtype() == param_dtype,
+        "y {:?} and statistics {:?}, expected {dtype:?} and {param_dtype:?}",
+        pass.y.dtype(),
+        pass.mean.dtype()
+    );
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn training_matches_the_cpu_kernel_in_f32() -> Result<()> {
+    for dims in SHAPES {
+        for relu in [false, true] {
+            check_training(dims, relu, DType::F32, 0.0, 1e-4)?;
+        }
+    }
+    // A large mean over a small spread: the sums around each channel's first value keep the
+    // variance accurate.
+    check_training(&[16, 8, 8, 8], true, DType::F32, 1000.0, 1e-4)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn training_in_f64_and_half_precision() -> Result<()> {
+    for dims in [&[64, 96, 32, 32][..], &[3, 5, 7, 9]] {
+        check_training(dims, true, DType::F64, 0.0, 1e-4)?;
+        check_training(dims, true, DType::F16, 0.0, 2e-3)?;
+        check_training(dims, false, DType::BF16, 0.0, 1e-2)?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_kept_op_gives_the_cpu_kernels_gradients() -> Result<()> {
+    let dev = gpu()?;
+    let dims = [8, 12, 6, 5];
+    let [x, w, b] = operands(&dims, 7, 0.0)?;
+    let dy = random(&dims, 8, 0.0)?;
+    let (cpu_replay, cpu_stats) =
+        cpu::batch_norm_train_replay(&x, Some(&w), Some(&b), EPSILON, true)?;
+    let on_gpu = |t: &Tensor| t.to_device(&dev);
+    let (replay, stats) = cuda::batch_norm_train_replay(
+        &on_gpu(&x)?,
+        Some(&on_gpu(&w)?),
+        Some(&on_gpu(&b)?),
+        EPSILON,
+        true,
+    )?;
+    assert_matches("y", replay.output(), cpu_replay.output(), 1e-4)?;
+    assert_matches("mean", &stats.mean, &cpu_stats.mean, 1e-4)?;
+    assert_matches("var", &stats.var, &cpu_stats.var, 1e-4)?;
+    let (dx, dw, db) = replay.backward(&on_gpu(&dy)?)?;
+    let (want_dx, want_dw, want_db) = cpu_replay.backward(&dy)?;
+    for (name, got, want) in [
+        ("dx", dx, want_dx),
+        ("dweight", dw, want_dw),
+        ("dbias", db, want_db),
+    ] {
+        let (Some(got), Some(want)) = (got, want) else {
+            anyhow::bail!("{name}: no gradient");
+        };
+        assert_matches(name, &got, &want, 1e-4)?;
+    }
+    // Without weight and bias: ones and zeros.
+    let (y, _) = cuda::batch_norm_train(&on_gpu(&x)?, None, None, EPSILON, false)?;
+    let (want, _) = cpu::batch_norm_train(&x, None, None, EPSILON, false)?;
+    assert_matches("y without weight and bias", &y, &want, 1e-4)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn inference_affine_matches_the_cpu_kernel() -> Result<()> {
+    let dev = gpu()?;
+    for dims in SHAPES {
+        for relu in [false, true] {
+            let seed = dims.iter().product::<usize>() as u64 + relu as u64;
+            let [x, scale, shift] = operands(dims, seed, 0.0)?;
+            let run =
+                |dev: &Device,
+                 affine: fn(&Tensor, &Tensor, &Tensor, bool) -> kandle_kernels::Result<Tensor>|
+                 -> Result<(Tensor, Vec<Tensor>)> {
+                    let vars = [&x, &scale, &shift]
+                        .map(|t| t.to_device(dev).and_then(|t| Var::from_tensor(&t)));
+                    let [x, a, b] = vars;
+                    let (x, a, b) = (x?, a?, b?);
+                    let y = affine(x.as_tensor(), a.as_tensor(), b.as_tensor(), relu)?;
+                    let grads = gradients(&weighted_sum(&y, seed, DType::F32)?, &[&x, &a, &b])?;
+                    Ok((y, grads))
+                };
+            let (y, grads) = run(&dev, cuda::channel_affine)?;
+            let (want_y, want_grads) = run(&Device::Cpu, cpu::channel_affine)?;
+            let what = format!("{dims:?} relu {relu}");
+            assert_matches(&format!("{what}: y"), &y, &want_y, 1e-4)?;
+            for (name, (g, w)) in ["dx", "dscale", "dshift"]
+                .iter()
+                .zip(grads.iter().zip(&want_grads))
+            {
+                assert_matches(&format!("{what}: {name}"), g, w, 1e-4)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nans_propagate_as_on_the_cpu() -> Result<()> {
+    let dev = gpu()?;
+    let dims = [4, 3, 5, 5];
+    let [x, w, b] = operands(&dims, 11, 0.0)?;
+    // One NaN in channel 1 and one infinity in channel 2.
+    let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+    values[(3 + 1) * 25 + 7] = f32::NAN;
+    values[(2 * 3 + 2) * 25 + 3] = f32::INFINITY;
+    let x = Tensor::from_vec(values, &dims[..], &Device::Cpu)?;
+    let ops = [x.clone(), w.clone(), b.clone()];
+    for relu in [false, true] {
+        let want = training_pass(
+            |x, w, b| cpu::batch_norm_train(x, Some(w), Some(b), EPSILON, relu),
+            &ops,
+            &Device::Cpu,
+            (DType::F32, DType::F32),
+            (3, DType::F32),
+        )?;
+        let got = training_pass(
+            |x, w, b| cuda::batch_norm_train(x, Some(w), Some(b), EPSILON, relu),
+            &ops,
+            &dev,
+            (DType::F32, DType::F32),
+            (3, DType::F32),
+        )?;
+        let mean = got.mean.to_vec1::<f32>()?;
+        anyhow::ensure!(mean[1].is_nan() && mean[0].is_finite(), "means {mean:?}");
+        assert_passes_match(&format!("NaN, relu {relu}"), &got, &want, 1e-4)?;
+        // In inference only the NaN's own output is NaN, and its gradient stays finite.
+        let y = cuda::channel_affine(
+            &x.to_device(&dev)?,
+            &w.to_device(&dev)?,
+            &b.to_device(&dev)?,
+            relu,
+        )?;
+        let want_y = cpu::channel_affine(&x, &w, &b, relu)?;
+        assert_matches(
+            &format!("affine with a NaN, relu {relu}"),
+            &y,
+            &want_y,
+            1e-4,
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn strided_inputs_are_made_contiguous() -> Result<()> {
+    let dev = gpu()?;
+    let x = random(&[6, 4, 5, 8], 21, 0.0)?;
+    // (N, C, H, W) seen through a transpose of its last two axes.
+    let strided = x.to_device(&dev)?.transpose(2, 3)?;
+    let (y, stats) = cuda::batch_norm_train(&strided, None, None, EPSILON, true)?;
+    let (want, want_stats) =
+        cpu::batch_norm_train(&x.transpose(2, 3)?.contiguous()?, None, None, EPSILON, true)?;
+    assert_matches("y", &y, &want, 1e-4)?;
+    assert_matches("var", &stats.var, &want_stats.var, 1e-4)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn inputs_the_kernels_cannot_take_are_errors_naming_the_op() -> Result<()> {
+    let dev = gpu()?;
+    let x = random(&[2, 3, 4, 4], 31, 0.0)?.to_device(&dev)?;
+    let ones = |c: usize, dtype: DType| Tensor::ones(c, dtype, &dev);
+    let op = "cuda_batch_norm";
+    let train =
+        |x: &Tensor, w: Option<&Tensor>, eps: f64| cuda::batch_norm_train(x, w, None, eps, false);
+    assert_invalid(train(&x.to_dtype(DType::U32)?, None, EPSILON), &[op, "U32"])?;
+    assert_invalid(
+        train(&x.flatten_all()?, None, EPSILON),
+        &[op, "(N, C, ...)"],
+    )?;
+    assert_invalid(
+        train(&x.narrow(0, 0, 0)?, None, EPSILON),
+        &[op, "no values"],
+    )?;
+    assert_invalid(train(&x, None, -1.0), &[op, "epsilon"])?;
+    assert_invalid(
+        train(&x, Some(&ones(4, DType::F32)?), EPSILON),
+        &[op, "weight", "[4]"],
+    )?;
+    assert_invalid(
+        train(&x, Some(&ones(3, DType::F64)?), EPSILON),
+        &[op, "weight", "F64"],
+    )?;
+    let on_cpu = Tensor::ones(3, DType::F32, &Device::Cpu)?;
+    assert_invalid(train(&x, Some(&on_cpu), EPSILON), &[op, "weight", "Cpu"])?;
+    let affine = "cuda_channel_affine";
+    let shift = ones(3, DType::F32)?;
+    assert_invalid(
+        cuda::channel_affine(&x, &ones(2, DType::F32)?, &shift, true),
+        &[affine, "scale"],
+    )?;
+    let half = x.to_dtype(DType::F16)?;
+    assert_invalid(
+        cuda::channel_affine(&half, &ones(3, DType::F64)?, &shift, true),
+        &[affine, "F64"],
+    )?;
+    Ok(())
+}
+
+/// Runs without a GPU: a CPU tensor is an error that names the op and the CPU's kernel.
+#[test]
+fn a_cpu_tensor_is_an_error_pointing_to_the_cpu_kernel() -> Result<()> {
+    let x = random(&[2, 3, 4, 4], 41, 0.0)?;
+    anyhow::ensure!(!cuda::supported(&x), "a CPU tensor reported as supported");
+    assert_invalid(
+        cuda::batch_norm_train(&x, None, None, EPSILON, true),
+        &[
+            "cuda_batch_norm",
+            "CUDA device",
+            "kandle_kernels::batch_norm::batch_norm_train",
+        ],
+    )?;
+    let c = Tensor::ones(3, DType::F32, &Device::Cpu)?;
+    assert_invalid(
+        cuda::channel_affine(&x, &c, &c, false),
+        &[
+            "cuda_channel_affine",
+            "CUDA device",
+            "kandle_kernels::batch_norm::channel_affine",
+        ],
+    )
+}

@@ -307,8 +307,14 @@ mod tests {
         // and partial column blocks (masked tails of 1 to 31 columns, and tails of exactly one
         // AVX-512 register), more columns than a chunk, strided rows, a zero-depth and a
         // one-deep product, one panel (read in place) and several (rows close together read in
-        // place, rows far apart from strips); each start, with and without the ReLU.
+        // place, rows far apart from strips), products deeper than a slice of the depth (at
+        // every width, a slice's last row and one past it); each start, with and without the
+        // ReLU.
         let cases = [
+            (13, 600, 150, 160, 151),
+            (7, 257, 40, 1024, 40),
+            (6, 256, 33, 33, 33),
+            (1, 129, 20, 20, 20),
             (6, 5, 16, 16, 16),
             (13, 37, 48, 50, 64),
             (1, 160, 32, 32, 32),
@@ -518,6 +524,7 @@ mod tests {
             (13, 37, 48, 40),
             (20, 64, 160, 64),
             (7, 5, 17, 9),
+            (8, 300, 70, 300),
         ] {
             let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
             let lhs: Vec<f32> = (0..m * ld_lhs).map(value).collect();

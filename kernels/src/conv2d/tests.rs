@@ -695,3 +695,75 @@ fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Times the three passes of each distinct convolution of ResNet-50 on 224x224 images at batch
+/// 16 (torchvision's shapes: the 7x7 stem, the bottlenecks' 1x1 products, their 3x3 layers and
+/// the strided projections), the kernels alone. Run with
+/// `cargo test --release -p kandle-kernels --lib timings_resnet50 -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, run by hand in a release build"]
+fn timings_resnet50_batch_16() -> anyhow::Result<()> {
+    // (name, C, H, O, k, stride, count per step), padded by k / 2 on every side.
+    let shapes = [
+        ("conv1 7x7/2", 3, 224, 64, 7, 2, 1),
+        ("l1 1x1 64>64", 64, 56, 64, 1, 1, 1),
+        ("l1 3x3", 64, 56, 64, 3, 1, 3),
+        ("l1 1x1 64>256", 64, 56, 256, 1, 1, 4),
+        ("l1 1x1 256>64", 256, 56, 64, 1, 1, 2),
+        ("l2 1x1 256>128", 256, 56, 128, 1, 1, 1),
+        ("l2 3x3/2", 128, 56, 128, 3, 2, 1),
+        ("l2 1x1 128>512", 128, 28, 512, 1, 1, 4),
+        ("l2 proj 1x1/2", 256, 56, 512, 1, 2, 1),
+        ("l2 1x1 512>128", 512, 28, 128, 1, 1, 3),
+        ("l2 3x3", 128, 28, 128, 3, 1, 3),
+        ("l3 1x1 512>256", 512, 28, 256, 1, 1, 1),
+        ("l3 3x3/2", 256, 28, 256, 3, 2, 1),
+        ("l3 1x1 256>1024", 256, 14, 1024, 1, 1, 6),
+        ("l3 proj 1x1/2", 512, 28, 1024, 1, 2, 1),
+        ("l3 1x1 1024>256", 1024, 14, 256, 1, 1, 5),
+        ("l3 3x3", 256, 14, 256, 3, 1, 5),
+        ("l4 1x1 1024>512", 1024, 14, 512, 1, 1, 1),
+        ("l4 3x3/2", 512, 14, 512, 3, 2, 1),
+        ("l4 1x1 512>2048", 512, 7, 2048, 1, 1, 3),
+        ("l4 proj 1x1/2", 1024, 14, 2048, 1, 2, 1),
+        ("l4 1x1 2048>512", 2048, 7, 512, 1, 1, 2),
+        ("l4 3x3", 512, 7, 512, 3, 1, 2),
+    ];
+    let n = 16;
+    let mut rng = StdRng::seed_from_u64(1);
+    let mut totals = [0f64; 3];
+    println!(
+        "{:<16} {:>22} | {:>22} | {:>22}",
+        "batch 16", "fwd ms (GFLOP/s)", "input grad ms (GFLOP/s)", "weight grad ms (GFLOP/s)"
+    );
+    for (name, c, h, o, k, s, count) in shapes {
+        let p = k / 2;
+        let pad = (p, p, p, p);
+        let x = random(&mut rng, &[n, c, h, h])?;
+        let w = random(&mut rng, &[o, c, k, k])?;
+        let y = conv2d(&x, &w, None, (s, s), pad)?;
+        let dy = random(&mut rng, y.dims())?;
+        let (_, _, ho, wo) = y.dims4()?;
+        let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
+        let ours = [
+            median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
+            median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
+        ];
+        let cell = |ms: f64| format!("{ms:8.2} ({:6.1})", gflop / ms * 1e3);
+        println!(
+            "{name:<16} {:>22} | {:>22} | {:>22}",
+            cell(ours[0]),
+            cell(ours[1]),
+            cell(ours[2]),
+        );
+        for (t, v) in totals.iter_mut().zip(&ours) {
+            *t += v * count as f64;
+        }
+    }
+    println!(
+        "per step (each shape times its count), ms: fwd {:.1}, input grad {:.1}, weight grad {:.1}",
+        totals[0], totals[1], totals[2]
+    );
+    Ok(())
+}

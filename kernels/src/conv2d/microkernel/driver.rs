@@ -8,6 +8,10 @@
 
 use super::{Panels, Start, Write, COLUMN_CHUNK, MR};
 
+/// Bytes of one strip of the right operand a block reads at once (its `kc x NR` values): half
+/// an L1 data cache, so the strip and the panel's values meeting it stay there.
+const STRIP_BYTES: usize = 16 * 1024;
+
 /// How [`product`] reads the right operand: rows `ld` apart (copied a chunk at a time into the
 /// strips at `copy` when given), or strips of `NR` columns already laid out, `k` rows of `NR`
 /// values each, strip `s` at `ptr + s * stride`, the last one padded with zeros.
@@ -111,9 +115,11 @@ macro_rules! compiled_product {
 pub(super) use compiled_product;
 
 /// Every panel of `lhs` against every block of `NV` registers of columns (`NR = NV * LANES`)
-/// of `rhs`, a chunk of [`COLUMN_CHUNK`] columns at a time (see [`Rhs`]); a last block
-/// narrower than `NR` is read (from rows) and written through masks. `write` as for
-/// [`super::product`].
+/// of `rhs`, a chunk of [`COLUMN_CHUNK`] columns at a time (see [`Rhs`]), and within a chunk
+/// a slice of the depth at a time (as many rows as fill [`STRIP_BYTES`] of a strip; later
+/// slices add to the sums the earlier ones stored, so the sums and their rounding are those of
+/// one pass); a last block narrower than `NR` is read (from rows) and written through masks.
+/// `write` as for [`super::product`], its ReLU applied after the last slice.
 ///
 /// # Safety
 ///
@@ -132,86 +138,115 @@ pub(super) unsafe fn product<L: Lanes, const NV: usize>(
     let nr = NV * L::LANES;
     debug_assert_eq!(COLUMN_CHUNK % nr, 0);
     let k = lhs.k;
+    // The depth a block runs at once: a strip of `kc x NR` values stays in L1 while every
+    // panel reads it, and each panel's `MR x kc` values while it meets the chunk's strips.
+    let kc = (STRIP_BYTES / std::mem::size_of::<f32>() / nr).max(1);
     for j0 in (0..n).step_by(COLUMN_CHUNK) {
         let j1 = (j0 + COLUMN_CHUNK).min(n);
-        if let Rhs::Rows {
-            ptr,
-            ld,
-            copy: Some(strips),
-        } = rhs
-        {
-            copy_strips::<L, NV>((ptr.add(j0), ld), k, j1 - j0, strips);
-        }
-        for r0 in (0..lhs.m).step_by(MR) {
-            let rows = MR.min(lhs.m - r0);
-            let (start, a_row, a_step) = lhs.panel(r0 / MR, rows);
-            let a = (lhs.data.as_ptr().add(start), a_row, a_step);
-            let out = dst.add(r0 * ld_dst);
-            // The panel's rows of the start values, if any.
-            let start = match write.start {
-                Start::Zero => BlockStart::Zero,
-                Start::Dst => BlockStart::Dst,
-                Start::Rows(values) => BlockStart::Rows(values.as_ptr().add(r0)),
-            };
-            let write = (start, write.relu);
-            for j in (j0..j1).step_by(nr) {
-                let width = nr.min(j1 - j);
-                // Whether the block's columns of `rhs` are read as rows, through masks.
-                let (b, from_rows) = match rhs {
-                    Rhs::Rows {
-                        copy: Some(strips), ..
-                    } => ((strips.add((j - j0) * k).cast_const(), nr), false),
-                    Rhs::Rows {
-                        ptr,
-                        ld,
-                        copy: None,
-                    } => ((ptr.add(j), ld), true),
-                    Rhs::Strips { ptr, stride } => ((ptr.add(j / nr * stride), nr), false),
+        // One pass over the whole depth when it is shallow (or zero: the start values alone).
+        let mut k0 = 0;
+        loop {
+            let kb = kc.min(k - k0);
+            let (first, last) = (k0 == 0, k0 + kb == k);
+            if let Rhs::Rows {
+                ptr,
+                ld,
+                copy: Some(strips),
+            } = rhs
+            {
+                copy_strips::<L, NV>((ptr.add(k0 * ld + j0), ld), kb, j1 - j0, strips);
+            }
+            for r0 in (0..lhs.m).step_by(MR) {
+                let rows = MR.min(lhs.m - r0);
+                let (start, a_row, a_step) = lhs.panel(r0 / MR, rows);
+                let a = (lhs.data.as_ptr().add(start + k0 * a_step), a_row, a_step);
+                let out = dst.add(r0 * ld_dst);
+                // The panel's rows of the start values, if any; later depths add to the sums.
+                let start = match write.start {
+                    _ if !first => BlockStart::Dst,
+                    Start::Zero => BlockStart::Zero,
+                    Start::Dst => BlockStart::Dst,
+                    Start::Rows(values) => BlockStart::Rows(values.as_ptr().add(r0)),
                 };
-                let args = BlockArgs {
-                    k,
-                    a,
-                    b,
-                    c: (out.add(j), ld_dst),
-                    write,
-                    width,
-                };
-                let vectors = if L::NARROW_TAILS {
-                    width.div_ceil(L::LANES)
-                } else {
-                    NV
-                };
-                macro_rules! run {
-                    ($rows:literal, $v:literal) => {
-                        match (width == $v * L::LANES, from_rows) {
-                            (true, _) => L::block::<$rows, $v, false, false>(args),
-                            (false, false) => L::block::<$rows, $v, true, false>(args),
-                            (false, true) => L::block::<$rows, $v, true, true>(args),
+                let write = (start, write.relu && last);
+                for j in (j0..j1).step_by(nr) {
+                    let width = nr.min(j1 - j);
+                    // Whether the block's columns of `rhs` are read as rows, through masks.
+                    let (b, from_rows) = match rhs {
+                        Rhs::Rows {
+                            copy: Some(strips), ..
+                        } => ((strips.add((j - j0) * kb).cast_const(), nr), false),
+                        Rhs::Rows {
+                            ptr,
+                            ld,
+                            copy: None,
+                        } => ((ptr.add(k0 * ld + j), ld), true),
+                        Rhs::Strips { ptr, stride } => {
+                            ((ptr.add(j / nr * stride + k0 * nr), nr), false)
                         }
                     };
-                }
-                macro_rules! rows {
-                    ($v:literal) => {
-                        match rows {
-                            6 => run!(6, $v),
-                            5 => run!(5, $v),
-                            4 => run!(4, $v),
-                            3 => run!(3, $v),
-                            2 => run!(2, $v),
-                            _ => run!(1, $v),
-                        }
+                    let args = BlockArgs {
+                        k: kb,
+                        a,
+                        b,
+                        c: (out.add(j), ld_dst),
+                        write,
+                        width,
                     };
-                }
-                // Only the counts up to `NV` are compiled in.
-                match vectors {
-                    1 if NV == 1 || L::NARROW_TAILS => rows!(1),
-                    2 if NV == 2 || (NV > 2 && L::NARROW_TAILS) => rows!(2),
-                    3 if NV == 3 || (NV > 3 && L::NARROW_TAILS) => rows!(3),
-                    _ if NV == 4 => rows!(4),
-                    _ => unreachable!("{NV} registers per row"),
+                    run_block::<L, NV>(args, rows, from_rows);
                 }
             }
+            if last {
+                break;
+            }
+            k0 += kb;
         }
+    }
+}
+
+/// Runs `args`' block of `rows` rows at the width its columns need: as few registers per row
+/// as cover them where the width's masks cost nothing, all `NV` otherwise (through masks for a
+/// last, narrower block; reading `rhs` through them too when `from_rows`).
+///
+/// # Safety
+///
+/// As for [`block`].
+#[inline(always)]
+unsafe fn run_block<L: Lanes, const NV: usize>(args: BlockArgs, rows: usize, from_rows: bool) {
+    let width = args.width;
+    let vectors = if L::NARROW_TAILS {
+        width.div_ceil(L::LANES)
+    } else {
+        NV
+    };
+    macro_rules! run {
+        ($rows:literal, $v:literal) => {
+            match (width == $v * L::LANES, from_rows) {
+                (true, _) => L::block::<$rows, $v, false, false>(args),
+                (false, false) => L::block::<$rows, $v, true, false>(args),
+                (false, true) => L::block::<$rows, $v, true, true>(args),
+            }
+        };
+    }
+    macro_rules! rows {
+        ($v:literal) => {
+            match rows {
+                6 => run!(6, $v),
+                5 => run!(5, $v),
+                4 => run!(4, $v),
+                3 => run!(3, $v),
+                2 => run!(2, $v),
+                _ => run!(1, $v),
+            }
+        };
+    }
+    // Only the counts up to `NV` are compiled in.
+    match vectors {
+        1 if NV == 1 || L::NARROW_TAILS => rows!(1),
+        2 if NV == 2 || (NV > 2 && L::NARROW_TAILS) => rows!(2),
+        3 if NV == 3 || (NV > 3 && L::NARROW_TAILS) => rows!(3),
+        _ if NV == 4 => rows!(4),
+        _ => unreachable!("{NV} registers per row"),
     }
 }
 

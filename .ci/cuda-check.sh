@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CI: compile-check the GPU code (`--features cuda,nccl`, then kandle-kernels' cuDNN convolutions
-# with `cuda,cudnn`, then `cuda,nccl,mpi` for the NCCL path of MultiWorkerMirroredStrategy) on a
+# CI: compile-check the GPU code (`--features cuda,nccl` with cuDNN, then kandle-kernels with
+# `cuda` alone, then `cuda,nccl,mpi` for the NCCL path of MultiWorkerMirroredStrategy) on a
 # machine with no GPU and no driver, so that it cannot rot. Needs crates.io and PyPI (for the
 # CUDA 13.0 toolchain wheels), and for the last check Open MPI (`libopenmpi-dev`) and
 # `libclang-dev`, which .ci/run installs before it runs this script.
@@ -47,13 +47,16 @@ elapsed
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/cuda-check"
 export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
-echo "== cargo clippy --features cuda,nccl (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
-cargo clippy --locked --all-targets -p kandle -p kandle-strategies -p kandle-examples \
-  --features cuda,nccl -- -D warnings
+# One build of everything with cuDNN too (`cudnn` adds code and removes none), then
+# kandle-kernels alone with `cuda` only, the one crate whose code differs without cuDNN: candle
+# and kandle-kernels are checked again, not the rest.
+echo "== cargo clippy --features cuda,nccl,kandle/cudnn (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
+cargo clippy --locked --all-targets -p kandle -p kandle-kernels -p kandle-strategies \
+  -p kandle-examples --features cuda,nccl,kandle/cudnn -- -D warnings
 elapsed
 
-echo "== cargo clippy -p kandle-kernels -p kandle --features kandle/cudnn (the cuDNN convolutions, their tests, Conv2D on them)"
-cargo clippy --locked --all-targets -p kandle-kernels -p kandle --features kandle/cudnn -- -D warnings
+echo "== cargo clippy -p kandle-kernels --features cuda,test-support (its CUDA kernels without cuDNN)"
+cargo clippy --locked --all-targets -p kandle-kernels --features cuda,test-support -- -D warnings
 elapsed
 
 if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then

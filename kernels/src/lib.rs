@@ -18,9 +18,11 @@
 //! instruction sets the kernels run and caps them. How the kernels work and how fast they are:
 //! the crate's `README.md`.
 //!
-//! With the `cudnn` feature, [`cuda`] runs convolutions on CUDA devices through cuDNN (forward,
-//! input and kernel gradients), as custom ops on candle's own device and stream, with a
-//! per-device cache of cuDNN's handle, searched algorithms and workspace.
+//! With the `cuda` feature, [`cuda`] runs batch normalisation and pooling on CUDA devices on
+//! kandle's own kernels (CUDA C compiled at run time with NVRTC), and with `cudnn` also
+//! convolutions through cuDNN (forward, input and kernel gradients), all as custom ops on
+//! candle's own device and stream, with a per-device cache of cuDNN's handle, searched
+//! algorithms and workspace.
 //!
 //! Unsafe code is confined to the modules that need it (vector intrinsics, writes into memory
 //! not zeroed first), each of which allows it and gives every `unsafe` block a `SAFETY` comment;
@@ -31,7 +33,7 @@
 pub mod batch_norm;
 pub mod concat;
 pub mod conv2d;
-#[cfg(feature = "cudnn")]
+#[cfg(feature = "cuda")]
 pub mod cuda;
 mod error;
 pub mod optimizer;

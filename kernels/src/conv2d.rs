@@ -25,6 +25,7 @@
 mod cache;
 mod epilogue;
 mod gemm;
+mod groups;
 mod lowered;
 mod microkernel;
 mod passes;

@@ -677,4 +677,55 @@ mod tests {
         assert!(dst.iter().all(|v| *v == 0.0));
         Ok(())
     }
+
+    /// The product alone on one thread, on the shapes of ResNet-50's 1x1 layers at batch 16 (a
+    /// group of six 7x7 images side by side, a tile of 512 positions of a 56x56 plane), for
+    /// the rate the micro-kernel reaches against the machine's peak. Run with `cargo test
+    /// --release -p kandle-kernels --lib timing_products -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "timing, run by hand in a release build"]
+    fn timing_products() -> candle_core::Result<()> {
+        for (m, k, n) in [
+            (2048, 512, 294),
+            (512, 2048, 294),
+            (256, 64, 512),
+            (64, 256, 512),
+            (1024, 256, 392),
+        ] {
+            let value = |i: usize| ((i * 7919 % 211) as f32 - 105.0) / 105.0;
+            let lhs: Vec<f32> = (0..m * k).map(value).collect();
+            let rhs: Vec<f32> = (0..k * n).map(|i| value(i * 13 + 1)).collect();
+            let mut dst = vec![0f32; m * n];
+            let packed = PackedLhs::new(&lhs, m, k)?;
+            let mut best = f64::INFINITY;
+            for _ in 0..20 {
+                let t = std::time::Instant::now();
+                let view = View {
+                    data: &rhs,
+                    offset: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let out = ViewMut {
+                    data: &mut dst,
+                    offset: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let write = Write {
+                    start: Start::Zero,
+                    relu: false,
+                };
+                product(packed.panels(), view, n, out, write)?;
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let gflop = 2.0 * (m * k * n) as f64 / 1e9;
+            println!(
+                "{m}x{k}x{n}: {:.3} ms, {:.1} GFLOP/s on one thread",
+                best * 1e3,
+                gflop / best
+            );
+        }
+        Ok(())
+    }
 }

@@ -80,7 +80,8 @@ fn winograd_weight_grad(
     let threads = rayon::current_num_threads();
     let tasks = threads.min(conv.n).max(1);
     let per_task = conv.n.div_ceil(tasks).max(1);
-    let group = wino.group(per_task, 1);
+    // One task's images, one group after another: as many as fill a block.
+    let group = wino.images_per_block().min(per_task).max(1);
     let par = gemm_parallelism(tasks);
     let run = |t: usize| -> candle_core::Result<Vec<f32>> {
         // The transformed kernel's gradient, started by the first group's products, then the

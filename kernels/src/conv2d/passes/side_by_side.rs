@@ -8,6 +8,7 @@
 use super::{at_least, Scratch};
 use crate::conv2d::epilogue::Epilogue;
 use crate::conv2d::gemm::{View, ViewMut};
+use crate::conv2d::groups::balanced_group;
 use crate::conv2d::lowered::PackedKernel;
 use crate::conv2d::microkernel::{self, Start, Write};
 use crate::conv2d::plan::Plan;
@@ -19,8 +20,8 @@ const GROUP_COLUMNS: usize = 256;
 
 /// Images per GEMM for `plan` out of `n`: one, unless an image's positions would leave much of
 /// the micro-kernel's last column block empty (7x7 planes fill 49 of 64 columns), the image is
-/// one tile, and the micro-kernel runs the products; then enough images for about
-/// [`GROUP_COLUMNS`] columns, with a group per thread at least.
+/// one tile, and the micro-kernel runs the products; then about enough images for
+/// [`GROUP_COLUMNS`] columns, in groups that keep every thread busy ([`balanced_group`]).
 pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
     let positions = plan.ho * plan.wo;
     if kernel.panels.is_empty()
@@ -30,11 +31,8 @@ pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize
     {
         return 1;
     }
-    let threads = rayon::current_num_threads().max(1);
-    GROUP_COLUMNS
-        .div_ceil(positions)
-        .min(n.div_ceil(threads))
-        .max(1)
+    let threads = rayon::current_num_threads();
+    balanced_group(n, GROUP_COLUMNS.div_ceil(positions), threads)
 }
 
 /// The GEMM operands of the one-tile images `x` (whole images, back to back) side by side:

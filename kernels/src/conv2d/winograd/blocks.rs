@@ -5,6 +5,7 @@
 //! block's element matrices.
 
 use super::{Tile, Winograd, ELEMENTS, LANES, LANE_TILE, TILE};
+use crate::conv2d::groups::balanced_group;
 use crate::conv2d::microkernel::NR;
 use crate::conv2d::plan::Plan;
 
@@ -40,12 +41,16 @@ impl Winograd {
         (self.plan.ho.div_ceil(TILE), self.plan.wo.div_ceil(TILE))
     }
 
-    /// Images to correlate together out of `n`, over `threads` threads: enough to fill a block,
-    /// but no fewer groups than threads while there are images.
-    pub(crate) fn group(&self, n: usize, threads: usize) -> usize {
+    /// Images whose tiles fill a block.
+    pub(crate) fn images_per_block(&self) -> usize {
         let (th, tw) = self.tiles();
-        let wanted = self.block.div_ceil(th * tw).max(1);
-        wanted.min(n.div_ceil(threads.max(1))).max(1)
+        self.block.div_ceil(th * tw).max(1)
+    }
+
+    /// Images to correlate together out of `n`, over `threads` threads: about enough to fill a
+    /// block, in groups that keep every thread busy ([`balanced_group`]).
+    pub(crate) fn group(&self, n: usize, threads: usize) -> usize {
+        balanced_group(n, self.images_per_block(), threads)
     }
 
     /// The tiles of a group of `images` images (numbered row-major through them) in blocks of

@@ -11,19 +11,23 @@
 //!
 //! For `f32` tensors on the CPU the layer runs the fused kernels of
 //! [`crate::kernels::batch_norm`]: one op for training (statistics, normalisation and their
-//! backward pass) and a per-channel affine map for inference. Under `SyncBatchNorm`, on other
-//! devices, and when built for [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric),
-//! it composes candle ops. A [`Sequential`](super::Sequential) lets the layer
-//! absorb a ReLU that follows it, which the kernels apply in the same pass.
+//! backward pass) and a per-channel affine map for inference. With the `cuda` feature, tensors
+//! on a CUDA device in `f32`, `f16` or `bf16` run the same two ops of `kandle_kernels::cuda`
+//! (half precision computing, and keeping the statistics, in `f32`). Under `SyncBatchNorm`, on
+//! other devices and dtypes, and when built for
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric), it composes candle ops. A
+//! [`Sequential`](super::Sequential) lets the layer absorb a ReLU that follows it, which the
+//! kernels apply in the same pass.
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::{
     record_with_candle, relu, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath,
     Layer, LayerSpec, ParamGrads, RecordRequest, Recorded, ReluRecord,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
-use crate::kernels::batch_norm as kernels;
+use crate::kernels::batch_norm::{self as kernels, BatchStats};
+use crate::kernels::replay::Replay3;
 use crate::params::Init;
 use crate::Result;
 
@@ -152,11 +156,76 @@ struct BatchNormLayer {
     sync: Option<ReplicaHandle>,
     /// Whether the ReLU that follows the layer is applied here (see [`FastPath::fuse_relu`]).
     relu: bool,
-    /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
+    /// Whether the layer may call the kernels (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
 }
 
+/// The fused kernels of one device, which take the same arguments and keep the same semantics:
+/// kandle's CPU kernels ([`crate::kernels::batch_norm`]) or, with the `cuda` feature, its CUDA
+/// kernels (`kandle_kernels::cuda`).
+#[derive(Debug, Clone, Copy)]
+enum BnKernels {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+impl BnKernels {
+    /// The kernels that take `x`, if any: `f32` on the CPU; `f32`, `f16` or `bf16` on a CUDA
+    /// device. (The CUDA kernels would keep an `f64` input's statistics in `f64`, which the
+    /// `f32` moving statistics do not take: the layer casts it to `f32` first, as on the CPU.)
+    fn of(x: &Tensor) -> Option<Self> {
+        if kernels::supported(x) {
+            return Some(BnKernels::Cpu);
+        }
+        #[cfg(feature = "cuda")]
+        if crate::kernels::cuda::supported(x) && x.rank() >= 2 && x.dtype() != DType::F64 {
+            return Some(BnKernels::Cuda);
+        }
+        None
+    }
+
+    /// Training's normalisation with the batch statistics, kept for calling its backward pass
+    /// directly (`batch_norm_train_replay`; `batch_norm_train` is its output).
+    fn batch_norm_train_replay(
+        self,
+        x: &Tensor,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        epsilon: f64,
+        relu: bool,
+    ) -> Result<(Replay3, BatchStats)> {
+        Ok(match self {
+            BnKernels::Cpu => kernels::batch_norm_train_replay(x, weight, bias, epsilon, relu)?,
+            #[cfg(feature = "cuda")]
+            BnKernels::Cuda => {
+                crate::kernels::cuda::batch_norm_train_replay(x, weight, bias, epsilon, relu)?
+            }
+        })
+    }
+
+    /// Inference's per-channel affine map (`channel_affine`).
+    fn channel_affine(
+        self,
+        x: &Tensor,
+        scale: &Tensor,
+        shift: &Tensor,
+        relu: bool,
+    ) -> Result<Tensor> {
+        Ok(match self {
+            BnKernels::Cpu => kernels::channel_affine(x, scale, shift, relu)?,
+            #[cfg(feature = "cuda")]
+            BnKernels::Cuda => crate::kernels::cuda::channel_affine(x, scale, shift, relu)?,
+        })
+    }
+}
+
 impl BatchNormLayer {
+    /// The fused kernels that take `x`, where the layer may call kernels.
+    fn fused(&self, x: &Tensor) -> Option<BnKernels> {
+        self.kernels.then(|| BnKernels::of(x)).flatten()
+    }
+
     /// Reshapes a per-channel vector so it broadcasts against the input.
     fn per_channel(&self, v: &Tensor) -> Result<Tensor> {
         per_channel(v, self.rank)
@@ -269,9 +338,9 @@ impl BatchNormLayer {
 
     /// Inference with the fused kernel: the running statistics folded into a per-channel
     /// scale and shift, which stay differentiable in `weight` and `bias`.
-    fn affine_with_running_stats(&self, x: &Tensor) -> Result<Tensor> {
+    fn affine_with_running_stats(&self, fused: BnKernels, x: &Tensor) -> Result<Tensor> {
         let (scale, shift) = self.running_affine()?;
-        Ok(kernels::channel_affine(x, &scale, &shift, self.relu)?)
+        fused.channel_affine(x, &scale, &shift, self.relu)
     }
 
     /// The per-channel scale and shift of inference: the running statistics, then `weight`
@@ -325,22 +394,27 @@ fn reduce_dims(rank: usize) -> &'static [usize] {
 
 impl Layer for BatchNormLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        if x.dtype() != candle_core::DType::F32 {
+        // The kernels run inference, and training unless the statistics are the replica
+        // group's.
+        let fused = self
+            .fused(x)
+            .filter(|_| !train || self.inference || self.sync.is_none());
+        if fused.is_none() && x.dtype() != DType::F32 {
             // Mixed precision: statistics and normalisation in float32, the output in the
-            // input's dtype.
-            let y = self.forward_t(&x.to_dtype(candle_core::DType::F32)?, train)?;
+            // input's dtype. (The CUDA kernels take half precision as it is, computing in
+            // float32.)
+            let y = self.forward_t(&x.to_dtype(DType::F32)?, train)?;
             return Ok(y.to_dtype(x.dtype())?);
         }
-        let fused = self.kernels && kernels::supported(x);
         let y = if !train || self.inference {
-            if fused {
-                return self.affine_with_running_stats(x);
+            if let Some(fused) = fused {
+                return self.affine_with_running_stats(fused, x);
             }
             let mean = self.running_mean.as_tensor().detach();
             let var = self.running_var.as_tensor().detach();
             self.normalize(x, &mean, &var)?
-        } else if fused && self.sync.is_none() {
-            let (y, stats) = kernels::batch_norm_train(
+        } else if let Some(fused) = fused {
+            let (replay, stats) = fused.batch_norm_train_replay(
                 x,
                 self.weight.as_ref(),
                 self.bias.as_ref(),
@@ -348,7 +422,7 @@ impl Layer for BatchNormLayer {
                 self.relu,
             )?;
             self.update_moving(&stats.mean, &stats.var)?;
-            return Ok(y);
+            return Ok(replay.output().clone());
         } else {
             let (mean, var) = match &self.sync {
                 Some(group) => self.global_batch_stats(x, group)?,
@@ -366,10 +440,10 @@ impl Layer for BatchNormLayer {
 }
 
 /// The training pass's backward through kandle's kernel: the input's gradient and the
-/// weight's and bias's, from an output gradient the kernel reads in place even when it is a
-/// range of a concatenation's gradient.
+/// weight's and bias's, from an output gradient the CPU kernel reads in place even when it is a
+/// range of a concatenation's gradient (the CUDA kernels copy such a range first).
 struct KernelBackward {
-    replay: crate::kernels::replay::Replay3,
+    replay: Replay3,
     weight: Option<Tensor>,
     bias: Option<Tensor>,
 }
@@ -391,7 +465,7 @@ impl Backward for KernelBackward {
     }
 
     fn takes_channel_views(&self) -> bool {
-        true
+        self.replay.output().device().is_cpu()
     }
 }
 
@@ -403,10 +477,10 @@ impl FastPath for BatchNormLayer {
         if self.inference {
             return self.record_inference(x);
         }
-        if !self.kernels || !kernels::supported(x) || self.sync.is_some() {
+        let Some(fused) = self.fused(x).filter(|_| self.sync.is_none()) else {
             return record_with_candle(self, x, false);
-        }
-        let (replay, stats) = kernels::batch_norm_train_replay(
+        };
+        let (replay, stats) = fused.batch_norm_train_replay(
             x,
             self.weight.as_ref().map(Tensor::detach).as_ref(),
             self.bias.as_ref().map(Tensor::detach).as_ref(),
@@ -429,6 +503,7 @@ impl FastPath for BatchNormLayer {
     }
 
     fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        // Offered to the CPU kernels alone, which fold it into the layer before's output.
         if !self.kernels || !kernels::supported(like) || self.rank != 4 {
             return Ok(None);
         }

@@ -7,7 +7,9 @@
 //! size, and its average-pool backward misplaces it when the windows leave a remainder). `same` average pooling divides by the number of real (unpadded) elements, as
 //! TensorFlow does. For `f32` tensors on the CPU, all three run the dedicated kernels of
 //! [`crate::kernels::pooling`] instead, with the same results, unless they are built for
-//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric).
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric). With the `cuda` feature,
+//! the max and average pools run the same kernels of `kandle_kernels::cuda` for tensors on a
+//! CUDA device (`f32`, `f64`, or `f16` and `bf16` computing in `f32`), on the same condition.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -202,23 +204,70 @@ struct PoolLayer {
     kind: PoolKind,
     geometry: Geometry,
     divisor: Option<Tensor>,
-    /// Whether the layer may call the CPU kernels (see [`crate::ComputePath::uses_kernels`]).
+    /// Whether the layer may call the kernels (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
 }
 
-impl PoolLayer {
-    /// Whether the CPU kernels pool `x`.
-    fn kernel_takes(&self, x: &Tensor) -> bool {
-        self.kernels && kernels::supported(x)
+/// The pooling kernels of one device, which take the same arguments and keep the same
+/// semantics: kandle's CPU kernels ([`crate::kernels::pooling`]) or, with the `cuda` feature,
+/// its CUDA kernels (`kandle_kernels::cuda`).
+#[derive(Debug, Clone, Copy)]
+enum PoolKernels {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+impl PoolKernels {
+    /// The kernels that take `x`, if any: `f32` on the CPU; `f32`, `f64`, `f16` or `bf16` on a
+    /// CUDA device; `(N, C, H, W)` on both.
+    fn of(x: &Tensor) -> Option<Self> {
+        if kernels::supported(x) {
+            return Some(PoolKernels::Cpu);
+        }
+        #[cfg(feature = "cuda")]
+        if crate::kernels::cuda::supported(x) && x.rank() == 4 {
+            return Some(PoolKernels::Cuda);
+        }
+        None
     }
 
-    /// The CPU kernel's pass, kept for calling its backward directly.
-    fn replay(&self, x: &Tensor) -> Result<Replay1> {
-        let window = self.geometry.kernel_window();
-        match self.kind {
-            PoolKind::Max => Ok(kernels::max_pool2d_replay(x, &window)?),
-            PoolKind::Average => Ok(kernels::avg_pool2d_replay(x, &window)?),
-        }
+    /// The maxima alone, for inference (`max_pool2d`).
+    fn max_pool2d(self, x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
+        Ok(match self {
+            PoolKernels::Cpu => kernels::max_pool2d(x, window)?,
+            #[cfg(feature = "cuda")]
+            PoolKernels::Cuda => crate::kernels::cuda::max_pool2d(x, window)?,
+        })
+    }
+
+    /// The `kind` pool, kept for calling its backward pass directly (`max_pool2d_replay` or
+    /// `avg_pool2d_replay`).
+    fn replay(self, kind: PoolKind, x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
+        Ok(match (self, kind) {
+            (PoolKernels::Cpu, PoolKind::Max) => kernels::max_pool2d_replay(x, window)?,
+            (PoolKernels::Cpu, PoolKind::Average) => kernels::avg_pool2d_replay(x, window)?,
+            #[cfg(feature = "cuda")]
+            (PoolKernels::Cuda, PoolKind::Max) => {
+                crate::kernels::cuda::max_pool2d_replay(x, window)?
+            }
+            #[cfg(feature = "cuda")]
+            (PoolKernels::Cuda, PoolKind::Average) => {
+                crate::kernels::cuda::avg_pool2d_replay(x, window)?
+            }
+        })
+    }
+}
+
+impl PoolLayer {
+    /// The kernels that pool `x`, where the layer may call kernels.
+    fn kernels_for(&self, x: &Tensor) -> Option<PoolKernels> {
+        self.kernels.then(|| PoolKernels::of(x)).flatten()
+    }
+
+    /// The kernel's pass, kept for calling its backward directly.
+    fn replay(&self, ops: PoolKernels, x: &Tensor) -> Result<Replay1> {
+        ops.replay(self.kind, x, &self.geometry.kernel_window())
     }
 }
 
@@ -240,12 +289,12 @@ fn record_replay(replay: Replay1, output: Tensor) -> Recorded {
 impl Layer for PoolLayer {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         let g = &self.geometry;
-        if self.kernel_takes(x) {
+        if let Some(ops) = self.kernels_for(x) {
             if !train && self.kind == PoolKind::Max {
                 // No backward pass is expected: the maxima alone (one still works if it comes).
-                return Ok(kernels::max_pool2d(x, &g.kernel_window())?);
+                return ops.max_pool2d(x, &g.kernel_window());
             }
-            return Ok(self.replay(x)?.output().clone());
+            return Ok(self.replay(ops, x)?.output().clone());
         }
         // Candle's pooling backward is right only for an average over windows that tile the
         // input exactly (its max-pool backward scales the gradient by one over the window size).
@@ -269,10 +318,10 @@ impl Layer for PoolLayer {
 
 impl FastPath for PoolLayer {
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
-        if request.logits || !self.kernel_takes(x) {
+        let Some(ops) = self.kernels_for(x).filter(|_| !request.logits) else {
             return record_with_candle(self, x, request.logits);
-        }
-        let replay = self.replay(x)?;
+        };
+        let replay = self.replay(ops, x)?;
         let y = replay.output().clone();
         Ok(record_replay(replay, y))
     }
@@ -283,7 +332,9 @@ impl FastPath for PoolLayer {
         affine: Option<&ChannelAffine>,
         slot: &mut ChannelSlot<'_>,
     ) -> Result<bool> {
-        if affine.is_some() || self.kind != PoolKind::Max || !self.kernel_takes(x) {
+        // The CPU kernel alone writes into a slot.
+        let cpu = matches!(self.kernels_for(x), Some(PoolKernels::Cpu));
+        if affine.is_some() || self.kind != PoolKind::Max || !cpu {
             return Ok(false);
         }
         kernels::max_pool2d_into(x, &self.geometry.kernel_window(), slot)?;

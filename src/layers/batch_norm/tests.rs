@@ -2,7 +2,8 @@
 //! batch statistics on the device-generic path; its fused path (the kernels) against its
 //! composed one (the `SyncBatchNorm` code path over a single replica), moving statistics and
 //! inference included; and a `Sequential` that lets BatchNorm absorb the ReLU after it against
-//! one that does not.
+//! one that does not. With the `cuda` feature and a GPU (`#[ignore]`d), the layer on
+//! kandle's CUDA kernels against the same layer on candle's ops there.
 
 use std::sync::Arc;
 
@@ -130,7 +131,7 @@ impl ReplicaGroup for Alone {
 }
 
 struct BuiltBn {
-    layer: Box<dyn Layer>,
+    layer: Box<dyn FastPath>,
     store: crate::params::ParamStore,
 }
 
@@ -139,6 +140,12 @@ fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltB
     if composed {
         ctx = ctx.with_replica_group(ReplicaHandle::new(Arc::new(Alone), 0));
     }
+    build_bn_in(ctx, shape, seed)
+}
+
+/// [`build_bn`] in `ctx` (its device and compute path): the layer for `shape`, its variables
+/// seeded random values.
+fn build_bn_in(mut ctx: BuildContext, shape: &[usize], seed: u64) -> anyhow::Result<BuiltBn> {
     let built = BatchNormalization::new()
         .momentum(0.9)
         .build(&mut ctx, &shape[1..])?;
@@ -154,7 +161,7 @@ fn build_bn(shape: &[usize], composed: bool, seed: u64) -> anyhow::Result<BuiltB
             .get(name)
             .ok_or_else(|| anyhow::anyhow!("no {name}"))?;
         let value = random(&[c], seed + s, offset)?;
-        p.var.set(&value)?;
+        p.var.set(&value.to_device(p.var.device())?)?;
     }
     Ok(BuiltBn {
         layer: built.layer,
@@ -294,5 +301,138 @@ fn sequential_absorbs_relu_into_batch_norm_keeping_names_and_results() -> anyhow
             }
         }
     }
+    Ok(())
+}
+
+/// The layer's training pass on `x` through candle's autograd, its output weighted by
+/// [`output_weights`]: the output and the gradients of `x`, the weight and the bias.
+#[cfg(feature = "cuda")]
+fn autograd_pass(bn: &BuiltBn, x: &Var, seed: u64) -> anyhow::Result<(Tensor, Vec<Tensor>)> {
+    let y = bn.layer.forward_t(x.as_tensor(), true)?;
+    let (w, b) = (param(&bn.store, "weight")?, param(&bn.store, "bias")?);
+    let loss = (&y * output_weights(&y, seed)?)?.sum_all()?;
+    let grads = gradients(&loss, &[x.as_tensor(), w.as_tensor(), b.as_tensor()])?;
+    Ok((y, grads))
+}
+
+/// [`autograd_pass`] through the layer's recorded backward pass.
+#[cfg(feature = "cuda")]
+fn recorded_pass(bn: &BuiltBn, x: &Var, seed: u64) -> anyhow::Result<(Tensor, Vec<Tensor>)> {
+    let recorded = bn
+        .layer
+        .forward_recorded(x.as_tensor(), RecordRequest::output())?;
+    let dy = output_weights(&recorded.output, seed)?;
+    let mut grads = ParamGrads::new();
+    let dx = recorded.backward.backward(dy, &mut grads, true)?;
+    let dx = dx.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+    let mut param_grad = |name: &str| -> anyhow::Result<Tensor> {
+        let var = param(&bn.store, name)?;
+        let grad = grads.take(var.as_tensor());
+        grad.ok_or_else(|| anyhow::anyhow!("no gradient for {name}"))
+    };
+    let grads = vec![
+        dx.to_dtype(DType::F32)?,
+        param_grad("weight")?,
+        param_grad("bias")?,
+    ];
+    Ok((recorded.output, grads))
+}
+
+/// Seeded random weights of `y`'s outputs, on its device and in its dtype: the output gradient
+/// of `sum(y * weights)`.
+#[cfg(feature = "cuda")]
+fn output_weights(y: &Tensor, seed: u64) -> anyhow::Result<Tensor> {
+    let w = random(y.dims(), seed + 7, 0.0)?;
+    Ok(w.to_device(y.device())?.to_dtype(y.dtype())?)
+}
+
+/// `t`'s values as `f32` on the CPU.
+#[cfg(feature = "cuda")]
+fn values(t: &Tensor) -> anyhow::Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// On a CUDA device the layer runs `kandle_kernels::cuda`'s kernels by default: its `f32`
+/// training output is theirs bit for bit (and candle's ops give other bits somewhere, so this
+/// tells the paths apart). It agrees with the same layer built for
+/// [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric) (what
+/// `KANDLE_COMPUTE=device-generic` runs: candle's ops and autograd) in the output, the
+/// gradients of the input, weight and bias, the moving statistics (`f32` for an `f16` input
+/// too) and inference, for `f32` and `f16` inputs, through candle's autograd (first step) and
+/// the recorded backward pass (second step).
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
+    use crate::ComputePath;
+    let gpu = crate::devices::cuda(0)?;
+    let mut distinguishable = false;
+    for &(shape, offset, seed) in CASES {
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::F16, 1e-2)] {
+            let on_gpu = |path: ComputePath| {
+                let ctx = BuildContext::new(&gpu, 0).with_compute_path(path);
+                build_bn_in(ctx, shape, seed)
+            };
+            let kernel = on_gpu(ComputePath::Auto)?;
+            let generic = on_gpu(ComputePath::DeviceGeneric)?;
+            for step in 0..2u64 {
+                let what = |part: &str| format!("{part} of {shape:?} in {dtype:?}, step {step}");
+                let x = random(shape, seed + 5 + step, offset)?;
+                let x = Var::from_tensor(&x.to_device(&gpu)?.to_dtype(dtype)?)?;
+                let want = autograd_pass(&generic, &x, seed)?;
+                let got = match step {
+                    0 => autograd_pass(&kernel, &x, seed)?,
+                    _ => recorded_pass(&kernel, &x, seed)?,
+                };
+                assert_eq!(got.0.dtype(), dtype, "{}", what("output dtype"));
+                assert_close(&what("y"), &got.0, &want.0, tol)?;
+                for (name, (g, r)) in ["dx", "dweight", "dbias"]
+                    .iter()
+                    .zip(got.1.iter().zip(&want.1))
+                {
+                    assert_close(&what(name), g, r, tol)?;
+                }
+                for name in ["running_mean", "running_var"] {
+                    let (k, g) = (param(&kernel.store, name)?, param(&generic.store, name)?);
+                    assert_eq!(k.dtype(), DType::F32, "{}", what(name));
+                    assert_close(&what(name), k.as_tensor(), g.as_tensor(), 1e-4)?;
+                }
+                if step == 0 && dtype == DType::F32 {
+                    let (w, b) = (
+                        param(&kernel.store, "weight")?,
+                        param(&kernel.store, "bias")?,
+                    );
+                    let (direct, _) = kandle_kernels::cuda::batch_norm_train(
+                        x.as_tensor(),
+                        Some(w.as_tensor()),
+                        Some(b.as_tensor()),
+                        1e-3,
+                        false,
+                    )?;
+                    let direct = values(&direct)?;
+                    assert_eq!(values(&got.0)?, direct, "{}", what("the kernel's output"));
+                    distinguishable |= values(&want.0)? != direct;
+                }
+            }
+            let x = random(shape, seed + 9, offset)?
+                .to_device(&gpu)?
+                .to_dtype(dtype)?;
+            let (got, want) = (
+                kernel.layer.forward_t(&x, false)?,
+                generic.layer.forward_t(&x, false)?,
+            );
+            assert_eq!(got.dtype(), dtype);
+            assert_close(
+                &format!("inference of {shape:?} in {dtype:?}"),
+                &got,
+                &want,
+                tol,
+            )?;
+        }
+    }
+    anyhow::ensure!(
+        distinguishable,
+        "candle's ops gave the kernel's bits in every case: the check cannot tell the paths apart"
+    );
     Ok(())
 }

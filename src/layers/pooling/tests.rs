@@ -3,7 +3,9 @@
 //! layers on `f32` (the kernels) against the same layers on `f64` (the composed strided-view
 //! path), forward and gradients, over seeded random shapes with odd sizes, batch 1, one
 //! channel, strides 1 and 2, `same` and `valid`, and max pooling's inference (the maxima
-//! without their positions) against its training forward.
+//! without their positions) against its training forward. With the `cuda` feature and a GPU
+//! (`#[ignore]`d), the max and average pools on kandle's CUDA kernels against the same layers on
+//! candle's ops there.
 
 use super::*;
 use crate::layers::{
@@ -210,5 +212,112 @@ fn global_average_pooling_matches_the_mean() -> anyhow::Result<()> {
     {
         check_layer(&GlobalAveragePooling2D, shape, 80 + i as u64)?;
     }
+    Ok(())
+}
+
+/// On a CUDA device the max and average pools run `kandle_kernels::cuda`'s kernels by default:
+/// their outputs are the kernels' bit for bit (and candle's ops give other bits for some average
+/// pool, so this tells the paths apart). They agree with the same layers built for
+/// [`ComputePath::DeviceGeneric`] (what `KANDLE_COMPUTE=device-generic` runs: candle's ops and
+/// autograd) in the output and the input's gradient, through candle's autograd and the recorded
+/// backward pass, and in inference, for `f32` and `f16` inputs.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
+    let gpu = crate::devices::cuda(0)?;
+    let values = |t: &Tensor| -> anyhow::Result<Vec<f32>> {
+        Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    };
+    let mut distinguishable = false;
+    for (i, &(shape, window, stride, padding)) in CASES.iter().enumerate() {
+        let (kh, kw) = window;
+        let specs: [(PoolKind, Box<dyn LayerSpec>); 2] = [
+            (
+                PoolKind::Max,
+                Box::new(
+                    MaxPooling2D::new(kh)
+                        .window(kh, kw)
+                        .strides(stride.0, stride.1)
+                        .padding(padding),
+                ),
+            ),
+            (
+                PoolKind::Average,
+                Box::new(
+                    AveragePooling2D::new(kh)
+                        .window(kh, kw)
+                        .strides(stride.0, stride.1)
+                        .padding(padding),
+                ),
+            ),
+        ];
+        for (kind, spec) in &specs {
+            for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 1e-2)] {
+                let what =
+                    |part: &str| format!("{} on {shape:?} in {dtype:?}: {part}", spec.kind());
+                let mut ctx = BuildContext::new(&gpu, 0);
+                let kernel = spec.build(&mut ctx, &shape[1..])?;
+                let pad = Window::resolve(&ctx, &shape[1..], window, stride, padding, "pool")?.pad;
+                let mut ctx =
+                    BuildContext::new(&gpu, 0).with_compute_path(ComputePath::DeviceGeneric);
+                let generic = spec.build(&mut ctx, &shape[1..])?.layer;
+                let out_dims: Vec<usize> = shape[..1]
+                    .iter()
+                    .chain(&kernel.output_shape)
+                    .copied()
+                    .collect();
+                let kernel = kernel.layer;
+
+                let x = random(shape, 90 + i as u64, 0.0)?
+                    .to_device(&gpu)?
+                    .to_dtype(dtype)?;
+                let x = Var::from_tensor(&x)?;
+                let dy = random(&out_dims, 7, 0.0)?
+                    .to_device(&gpu)?
+                    .to_dtype(dtype)?;
+                let pass = |layer: &dyn FastPath| -> anyhow::Result<(Tensor, Tensor)> {
+                    let y = layer.forward_t(x.as_tensor(), true)?;
+                    let dx = gradients(&(&y * &dy)?.sum_all()?, &[x.as_tensor()])?;
+                    Ok((y, dx[0].clone()))
+                };
+                let (y, dx) = pass(kernel.as_ref())?;
+                let (want_y, want_dx) = pass(generic.as_ref())?;
+                assert_eq!(y.dtype(), dtype, "{}", what("output dtype"));
+                assert_close(&what("y"), &y, &want_y, tol)?;
+                assert_close(&what("dx"), &dx, &want_dx, tol)?;
+
+                let recorded = kernel.forward_recorded(x.as_tensor(), RecordRequest::output())?;
+                let recorded_dx = recorded
+                    .backward
+                    .backward(dy, &mut ParamGrads::new(), true)?;
+                let recorded_dx =
+                    recorded_dx.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+                assert_close(&what("recorded y"), &recorded.output, &want_y, tol)?;
+                assert_close(&what("recorded dx"), &recorded_dx, &want_dx, tol)?;
+
+                let inference = kernel.forward_t(x.as_tensor(), false)?;
+                let want_inference = generic.forward_t(x.as_tensor(), false)?;
+                assert_close(&what("inference"), &inference, &want_inference, tol)?;
+
+                let pool = PoolWindow {
+                    window,
+                    stride,
+                    pad,
+                };
+                let direct = match kind {
+                    PoolKind::Max => kandle_kernels::cuda::max_pool2d(x.as_tensor(), &pool)?,
+                    PoolKind::Average => kandle_kernels::cuda::avg_pool2d(x.as_tensor(), &pool)?,
+                };
+                let direct = values(&direct)?;
+                assert_eq!(values(&y)?, direct, "{}", what("the kernel's output"));
+                distinguishable |= values(&want_y)? != direct;
+            }
+        }
+    }
+    anyhow::ensure!(
+        distinguishable,
+        "candle's ops gave the kernels' bits in every case: the check cannot tell the paths apart"
+    );
     Ok(())
 }

@@ -109,6 +109,10 @@ step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
   layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+# BatchNormalization and the pools on kandle's CUDA kernels against the same layers built
+# device-generic (candle's ops), and against the kernels' own bits.
+step layers-cuda-kernels 60 "$BIN/kandle-lib" --include-ignored \
+  cuda_kernels_match_the_device_generic_path --nocapture
 if [[ -x $BIN/kandle-lib-cudnn ]]; then
   step layers-cudnn-vs-cpu 120 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
     layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture

@@ -13,10 +13,12 @@ const COMPUTE_ENV: &str = "KANDLE_COMPUTE";
 /// Which kernels run and which backward pass differentiates them.
 ///
 /// On the CPU, `f32` tensors go through kandle's own kernels and a replica trains through the
-/// layers' recorded backward pass. Every other device
-/// composes candle's device-generic ops in the layers and differentiates with candle's autograd.
-/// [`ComputePath::DeviceGeneric`] makes CPU tensors take that second path too, so the code a GPU
-/// runs is exercised, and can be compared, on a machine without one; [`ComputePath::Autograd`]
+/// layers' recorded backward pass. On CUDA devices (the `cuda` feature) batch normalisation and
+/// pooling run kandle's CUDA kernels (convolutions cuDNN's with `cudnn`), the other layers
+/// compose candle's device-generic ops, and candle's autograd differentiates them.
+/// [`ComputePath::DeviceGeneric`] makes every layer compose candle's ops on any device, so the
+/// code a GPU runs without kandle's kernels is exercised, and can be compared, on a machine
+/// without one; [`ComputePath::Autograd`]
 /// keeps the kernels but differentiates with candle's autograd, to compare the two backward
 /// passes.
 ///

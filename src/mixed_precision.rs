@@ -4,7 +4,8 @@
 //! Under a mixed policy, variables, optimizer state, batch-norm statistics, the loss and the
 //! final softmax stay `float32`; convolutions and dense layers compute in the policy's dtype
 //! on the device-generic path (what CUDA runs: each casts its input and its variables, and
-//! candle's autograd casts the gradients back to `float32`). kandle's CPU kernels stay
+//! candle's autograd casts the gradients back to `float32`; kandle's CUDA batch norm takes
+//! half-precision activations and keeps its statistics in `float32`). kandle's CPU kernels stay
 //! `float32`, so on the CPU's default path a mixed policy changes only the loss scaling.
 //!
 //! The loss scale is Keras's `LossScaleOptimizer`'s: the loss is multiplied by the scale

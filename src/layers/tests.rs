@@ -343,8 +343,8 @@ fn device_generic_outputs_and_gradients_match_the_default_path() -> crate::Resul
     Ok(())
 }
 
-/// The network on CUDA (candle's device-generic ops and autograd there) against the CPU's default
-/// path: the same variables, the outputs and every gradient of two training steps within 1e-4
+/// The network on CUDA (kandle's CUDA batch norm and pooling, candle's ops for the rest, candle's
+/// autograd) against the CPU's default path: the same variables, the outputs and every gradient of two training steps within 1e-4
 /// (float32 in two summation orders: cuBLAS's and the CPU kernels', as the device-generic path
 /// against the kernels above), the moving statistics, and inference.
 #[cfg(feature = "cuda")]

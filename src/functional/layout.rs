@@ -600,6 +600,14 @@ impl FastPath for SharedCall {
         self.0.inference_affine(like)
     }
 
+    fn frozen_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        self.0.frozen_affine(like)
+    }
+
+    fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward_frozen(x)
+    }
+
     fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
         self.0.forward_then_affine(x, affine)
     }

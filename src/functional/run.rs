@@ -178,7 +178,7 @@ impl GraphNet {
             let trained = step.outputs.iter().any(|&o| self.trained_below[o]);
             if !input_grad && !trained && logits_step != Some(i) {
                 let ys = match &step.run {
-                    StepRun::Chain(chain) => vec![chain.forward_t(&xs[0], true)?],
+                    StepRun::Chain(chain) => vec![chain.forward_frozen(&xs[0])?],
                     StepRun::Merge(merge) => vec![merge.forward(&xs)?],
                     StepRun::Graph(net) => net.run(&xs, true, false)?.0,
                 };

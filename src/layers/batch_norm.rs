@@ -502,6 +502,15 @@ impl FastPath for BatchNormLayer {
         true
     }
 
+    fn frozen_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        // Frozen (or built in inference mode), training normalises with the running statistics
+        // too: the same map.
+        match self.inference {
+            true => self.inference_affine(like),
+            false => Ok(None),
+        }
+    }
+
     fn inference_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
         // Offered to the CPU kernels alone, which fold it into the layer before's output.
         if !self.kernels || !kernels::supported(like) || self.rank != 4 {

@@ -54,8 +54,28 @@ pub(crate) trait FastPath: Layer + AsLayer {
         Ok(None)
     }
 
+    /// The training forward pass where no gradient is asked of this layer or any below it (a
+    /// frozen stretch under every layer that trains): [`Layer::forward_t`] in training by
+    /// default; a stack of layers folds its frozen BatchNorms as in inference
+    /// ([`Self::frozen_affine`]).
+    fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_t(x, true)
+    }
+
+    /// In training too, the per-channel affine map (and ReLU) [`Self::inference_affine`] gives,
+    /// when the layer's training forward is that same map (a frozen BatchNorm normalises with
+    /// its running statistics in training): where no gradient is asked of a stretch of layers
+    /// (a frozen base under a head that trains), the layer before folds it in as in inference.
+    /// `None` by default.
+    fn frozen_affine(&self, like: &Tensor) -> Result<Option<ChannelAffine>> {
+        let _ = like;
+        Ok(None)
+    }
+
     /// This layer's inference output with `affine` applied to it, computed at once, or `None`
-    /// when the layer cannot fold it in (the default).
+    /// when the layer cannot fold it in (the default). A layer that folds must give the same
+    /// output in training (it is also called where a frozen stretch trains, see
+    /// [`Self::frozen_affine`]), as a convolution does.
     fn forward_then_affine(&self, x: &Tensor, affine: &ChannelAffine) -> Result<Option<Tensor>> {
         let _ = (x, affine);
         Ok(None)

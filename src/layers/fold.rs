@@ -4,7 +4,10 @@
 //! layers cost one pass over memory instead of two. A [`SequentialNet`](super::SequentialNet)
 //! in inference asks each layer's successor for its map ([`FastPath::inference_affine`]) and the
 //! layer whether it can apply it ([`FastPath::forward_then_affine`]); training runs every layer
-//! on its own, so its recorded backward pass is untouched.
+//! on its own, so its recorded backward pass is untouched, except where no gradient goes
+//! through a stretch of frozen layers (a frozen base under a head that trains): there a frozen
+//! BatchNorm, which normalises with its running statistics in training too, folds as in
+//! inference ([`Pass::FrozenTraining`], [`FastPath::frozen_affine`]).
 
 use candle_core::Tensor;
 
@@ -24,14 +27,43 @@ pub struct ChannelAffine {
     pub relu: bool,
 }
 
-/// Runs `layers` in order on `x`; in inference (`!train`), a layer whose successor offers its
-/// affine map and that can apply it runs both at once.
-pub(crate) fn run_layers(layers: &[Named], x: &Tensor, train: bool) -> Result<Tensor> {
+/// How a stack of layers runs, and which maps of the layer after a layer it folds in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// Training, every layer on its own (a backward pass may follow).
+    Training,
+    /// Training where no gradient is asked of the stack (a frozen stretch below every layer
+    /// that trains): the maps frozen layers apply in training too are folded in
+    /// ([`FastPath::frozen_affine`]).
+    FrozenTraining,
+    /// Inference: the maps of inference are folded in ([`FastPath::inference_affine`]).
+    Inference,
+}
+
+impl Pass {
+    /// The pass of `forward_t`'s `train`.
+    pub(crate) fn of(train: bool) -> Self {
+        if train {
+            Pass::Training
+        } else {
+            Pass::Inference
+        }
+    }
+
+    fn train(self) -> bool {
+        self != Pass::Inference
+    }
+}
+
+/// Runs `layers` in order on `x`; where `pass` folds (in inference, or frozen layers in a
+/// training pass that no gradient goes through), a layer whose successor offers its affine map
+/// and that can apply it runs both at once.
+pub(crate) fn run_layers(layers: &[Named], x: &Tensor, pass: Pass) -> Result<Tensor> {
     let mut h = x.clone();
     let mut rest = layers;
-    while let Some((step, after)) = next_step(rest, &h, train)? {
+    while let Some((step, after)) = next_step(rest, &h, pass)? {
         rest = after;
-        h = step.run(&h, train)?;
+        h = step.run(&h, pass)?;
     }
     Ok(h)
 }
@@ -46,13 +78,13 @@ pub(crate) fn run_layers_into(
 ) -> Result<()> {
     let mut h = x.clone();
     let mut rest = layers;
-    while let Some((step, after)) = next_step(rest, &h, false)? {
+    while let Some((step, after)) = next_step(rest, &h, Pass::Inference)? {
         rest = after;
         let last = after.iter().all(|(_, layer)| layer.passes_through());
         if last && step.layer.forward_into(&h, step.affine(), slot)? {
             return Ok(());
         }
-        h = step.run(&h, false)?;
+        h = step.run(&h, Pass::Inference)?;
     }
     Ok(slot.copy_from(&h)?)
 }
@@ -73,36 +105,43 @@ impl Step<'_> {
         self.then.as_ref().map(|(_, affine)| affine)
     }
 
-    /// The step's output: the layer's with the map folded in where the layer can, otherwise
-    /// the two layers one after the other.
-    fn run(&self, h: &Tensor, train: bool) -> Result<Tensor> {
+    /// The step's output in `pass`: the layer's with the map folded in where the layer can,
+    /// otherwise the two layers one after the other.
+    fn run(&self, h: &Tensor, pass: Pass) -> Result<Tensor> {
+        let forward = |layer: &dyn FastPath, h: &Tensor| match pass {
+            Pass::FrozenTraining => layer.forward_frozen(h),
+            _ => layer.forward_t(h, pass.train()),
+        };
         let Some((next, affine)) = &self.then else {
-            return self.layer.forward_t(h, train);
+            return forward(self.layer, h);
         };
         match self.layer.forward_then_affine(h, affine)? {
             Some(y) => Ok(y),
-            None => next.forward_t(&self.layer.forward_t(h, train)?, train),
+            None => forward(*next, &forward(self.layer, h)?),
         }
     }
 }
 
-/// The first step of `layers` on the input `h`, and the layers after it; `None` when there
-/// are none.
+/// The first step of `layers` on the input `h` in `pass`, and the layers after it; `None` when
+/// there are none.
 fn next_step<'a>(
     layers: &'a [Named],
     h: &Tensor,
-    train: bool,
+    pass: Pass,
 ) -> Result<Option<(Step<'a>, &'a [Named])>> {
     let Some(((_, layer), after)) = layers.split_first() else {
         return Ok(None);
     };
     let layer = layer.as_ref();
-    if !train {
-        if let Some(((_, next), rest)) = after.split_first() {
-            if let Some(affine) = next.inference_affine(h)? {
-                let then = Some((next.as_ref(), affine));
-                return Ok(Some((Step { layer, then }, rest)));
-            }
+    if let Some(((_, next), rest)) = after.split_first() {
+        let affine = match pass {
+            Pass::Training => None,
+            Pass::FrozenTraining => next.frozen_affine(h)?,
+            Pass::Inference => next.inference_affine(h)?,
+        };
+        if let Some(affine) = affine {
+            let then = Some((next.as_ref(), affine));
+            return Ok(Some((Step { layer, then }, rest)));
         }
     }
     Ok(Some((Step { layer, then: None }, after)))
@@ -135,8 +174,8 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use crate::layers::{
-        Activation, BatchNormalization, BuildContext, Conv2D, Layer, Padding, Sequential,
-        SequentialNet,
+        Activation, BatchNormalization, BuildContext, Conv2D, Layer, LayerSpecExt, Padding,
+        Sequential, SequentialNet,
     };
     use crate::params::ParamStore;
     use crate::ComputePath;
@@ -174,6 +213,46 @@ mod tests {
         assert!(err < 1e-5, "relative error {err}");
         // The ReLU at the end was applied.
         assert_eq!(got.lt(0f32)?.sum_all()?.to_scalar::<u8>()?, 0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_frozen_stack_folds_in_training_as_in_inference() -> crate::Result<()> {
+        // The stack frozen (its BatchNorms normalise with their running statistics in training
+        // too), inside an outer stack as a base under a head.
+        let build_frozen = |path| -> crate::Result<(SequentialNet, ParamStore)> {
+            let base = Sequential::new()
+                .add(Conv2D::new(20, 3).padding(Padding::Same))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Conv2D::new(8, 3).stride(2))
+                .add(BatchNormalization::new().center(false));
+            let net = Sequential::new().add(base.trainable(false));
+            let ctx = BuildContext::new(&Device::Cpu, 3).with_compute_path(path);
+            let (net, store, _) = net.build_in(ctx, &INPUT)?;
+            Ok((net, store))
+        };
+        let (net, store) = build_frozen(ComputePath::Auto)?;
+        let (apart, apart_store) = build_frozen(ComputePath::DeviceGeneric)?;
+        super::move_variables(&store, &apart_store)?;
+        let x = Tensor::randn(0f32, 1., (4, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let bits = |t: &Tensor| -> crate::Result<Vec<u32>> {
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.iter().map(|f| f.to_bits()).collect())
+        };
+        // No gradient goes through it: the BatchNorms fold into the convolutions before them,
+        // bit for bit inference's folded pass.
+        let frozen = net.forward_frozen(&x)?;
+        assert_eq!(bits(&frozen)?, bits(&net.forward_t(&x, false)?)?);
+        // The same values as the layers run apart in training, to float32's rounding.
+        let want = apart.forward_t(&x, true)?;
+        let scale = want.abs()?.max_all()?.to_scalar::<f32>()?.max(1.0);
+        let err = (&frozen - &want)?.abs()?.max_all()?.to_scalar::<f32>()? / scale;
+        assert!(err < 1e-5, "relative error {err}");
+        // Training's own pass, which a backward pass may follow, keeps the layers apart (the
+        // folded convolution keeps no gradient).
+        let trained = net.forward_t(&x, true)?;
+        assert_ne!(bits(&trained)?, bits(&frozen)?);
         Ok(())
     }
 

@@ -76,7 +76,7 @@ use fast_path::Foreign;
 pub(crate) use fast_path::{FastPath, RecordRequest};
 pub use flatten::Flatten;
 pub(crate) use fold::ChannelAffine;
-pub(crate) use fold::{run_layers, run_layers_into};
+pub(crate) use fold::{run_layers, run_layers_into, Pass};
 pub use identity::Identity;
 pub use pooling::{
     Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,

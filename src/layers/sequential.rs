@@ -11,7 +11,7 @@ use candle_core::{Device, Tensor};
 use super::{
     build_child, check_input, child_names, missing_input_grad, run_layers, run_layers_into,
     Backward, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath, Identity, Layer,
-    LayerSpec, ParamGrads, RecordRequest, Recorded, Summary, SummaryRow,
+    LayerSpec, ParamGrads, Pass, RecordRequest, Recorded, Summary, SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -265,7 +265,8 @@ impl SequentialNet {
                 lowest.unwrap_or(if with_logits { last } else { self.layers.len() })
             }
         };
-        let mut h = run_layers(&self.layers[..first], x, true)?;
+        // No gradient goes through the layers below `first`: frozen ones fold as in inference.
+        let mut h = run_layers(&self.layers[..first], x, Pass::FrozenTraining)?;
         let mut logits = None;
         let mut steps = Vec::with_capacity(self.layers.len() - first);
         for (i, (name, layer)) in self.layers.iter().enumerate().skip(first) {
@@ -384,7 +385,7 @@ impl Backward for StackBackward {
 impl Layer for SequentialNet {
     fn forward_t(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         check_input(&self.path, x, &self.input_shape)?;
-        run_layers(&self.layers, x, train)
+        run_layers(&self.layers, x, Pass::of(train))
     }
 
     fn forward_with_logits(&self, x: &Tensor, train: bool) -> Result<(Tensor, Option<Tensor>)> {
@@ -392,7 +393,7 @@ impl Layer for SequentialNet {
         let Some(((_, last), init)) = self.layers.split_last() else {
             return Ok((x.clone(), None));
         };
-        last.forward_with_logits(&run_layers(init, x, train)?, train)
+        last.forward_with_logits(&run_layers(init, x, Pass::of(train))?, train)
     }
 }
 
@@ -413,5 +414,10 @@ impl FastPath for SequentialNet {
 
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         self.record(x, request)
+    }
+
+    fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {
+        check_input(&self.path, x, &self.input_shape)?;
+        run_layers(&self.layers, x, Pass::FrozenTraining)
     }
 }

@@ -28,6 +28,36 @@
 #define GROW_SHIFT 5
 #define GROW_MEAN 6
 
+// The index in the (N, C, ...) tensor of value `j` of channel `c`.
+__device__ __forceinline__ size_t channel_value(unsigned j, unsigned c, unsigned channels,
+                                                unsigned plane) {
+  const unsigned n = j / plane, i = j - n * plane;
+  return ((size_t)n * channels + c) * plane + i;
+}
+
+// The block's sums of `a` and `b` over its threads into its pair of `partials`. Every thread of
+// the block must call it.
+__device__ __forceinline__ void store_partials(double *partials, double a, double b) {
+  block_sum2(a, b);
+  if (threadIdx.x == 0) {
+    const size_t at = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 2;
+    partials[at] = a;
+    partials[at + 1] = b;
+  }
+}
+
+// Channel `c`'s two sums from its `splits` blocks' `partials`, added in block order.
+__device__ __forceinline__ void sum_partials(const double *partials, unsigned splits, unsigned c,
+                                             double *a, double *b) {
+  double sum_a = 0.0, sum_b = 0.0;
+  for (unsigned k = 0; k < splits; ++k) {
+    sum_a += partials[((size_t)c * splits + k) * 2];
+    sum_b += partials[((size_t)c * splits + k) * 2 + 1];
+  }
+  *a = sum_a;
+  *b = sum_b;
+}
+
 // Per block (slice `blockIdx.x` of channel `blockIdx.y`, `chunk` values from the channel's
 // `count`): the sums of `x - x[channel's first value]` and of their squares, in `partials`.
 template <typename T>
@@ -40,18 +70,11 @@ __device__ void bn_stats_partial(const T *x, double *partials, unsigned channels
   const C shift = load(x[(size_t)c * plane]);
   C sum = 0, squares = 0;
   for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const unsigned n = j / plane, i = j - n * plane;
-    const C d = load(x[((size_t)n * channels + c) * plane + i]) - shift;
+    const C d = load(x[channel_value(j, c, channels, plane)]) - shift;
     sum += d;
     squares += d * d;
   }
-  double a = sum, b = squares;
-  block_sum2(a, b);
-  if (threadIdx.x == 0) {
-    const size_t at = ((size_t)c * gridDim.x + blockIdx.x) * 2;
-    partials[at] = a;
-    partials[at + 1] = b;
-  }
+  store_partials(partials, sum, squares);
 }
 
 // Per channel: the mean and biased variance from the `splits` partial sums, `invstd`, and the
@@ -68,11 +91,8 @@ __device__ void bn_stats_finalize(const double *partials, unsigned splits, const
   if (c >= channels) {
     return;
   }
-  double sum = 0.0, squares = 0.0;
-  for (unsigned k = 0; k < splits; ++k) {
-    sum += partials[((size_t)c * splits + k) * 2];
-    squares += partials[((size_t)c * splits + k) * 2 + 1];
-  }
+  double sum, squares;
+  sum_partials(partials, splits, c, &sum, &squares);
   const double shifted_mean = sum / count;
   double var = squares / count - shifted_mean * shifted_mean;
   if (var < 0.0) {
@@ -120,8 +140,7 @@ __device__ void bn_grad_partial(const T *x, const T *dy, const typename Num<T>::
   const C b = table[ROW_SHIFT * channels + c];
   C sum_dy = 0, sum_centered = 0;
   for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const unsigned n = j / plane, i = j - n * plane;
-    const size_t at = ((size_t)n * channels + c) * plane + i;
+    const size_t at = channel_value(j, c, channels, plane);
     const C v = load(x[at]);
     const C g = load(dy[at]);
     if (!relu || relu_passes(v, a, b)) {
@@ -129,13 +148,7 @@ __device__ void bn_grad_partial(const T *x, const T *dy, const typename Num<T>::
       sum_centered += mul_rn(g, v - mean);
     }
   }
-  double s = sum_dy, p = sum_centered;
-  block_sum2(s, p);
-  if (threadIdx.x == 0) {
-    const size_t at = ((size_t)c * gridDim.x + blockIdx.x) * 2;
-    partials[at] = s;
-    partials[at + 1] = p;
-  }
+  store_partials(partials, sum_dy, sum_centered);
 }
 
 // Per channel: the (7, C) backward `grads` table from the partial sums and the forward `table`.
@@ -152,11 +165,8 @@ __device__ void bn_grad_finalize(const double *partials, unsigned splits,
   if (c >= channels) {
     return;
   }
-  double sum_dy = 0.0, sum_centered = 0.0;
-  for (unsigned k = 0; k < splits; ++k) {
-    sum_dy += partials[((size_t)c * splits + k) * 2];
-    sum_centered += partials[((size_t)c * splits + k) * 2 + 1];
-  }
+  double sum_dy, sum_centered;
+  sum_partials(partials, splits, c, &sum_dy, &sum_centered);
   const double invstd = (double)table[ROW_INVSTD * channels + c];
   const double k = (double)table[ROW_SCALE * channels + c];
   double dweight = sum_centered, p = 0.0, q = 0.0;

@@ -24,12 +24,15 @@
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
+};
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
 use super::operands::{
-    address, address_mut, check_input, companion, kernel, on_cpu, stats_dtype, tensor, uninit,
+    address_mut, addresses, check_input, companion, kernel, on_cpu, stats_dtype, storage, tensor,
+    uninit,
 };
 use super::program::{blocks_of, per_item, Arg, Program};
 use crate::batch_norm::BatchStats;
@@ -229,39 +232,119 @@ fn partial_sums(
     Ok(partials)
 }
 
+/// Launches the finishing kernel `kernel_name` over the `partials` of `e`, a thread per channel,
+/// which writes a new table of `rows` rows of a value per channel in the statistics' dtype: its
+/// arguments the partials and their blocks per channel, `inputs`, the table, then `rest`. `then`
+/// runs with the table's address before the guards of the partials and the table drop; returns
+/// the table and what `then` returns.
+#[allow(clippy::too_many_arguments)]
+fn finalize<R>(
+    op: &str,
+    kernel_name: &str,
+    (dev, stream): (&CudaDevice, &CudaStream),
+    dtype: DType,
+    e: Extent,
+    (partials, rows): (&CudaSlice<f64>, usize),
+    (inputs, rest): (&[Arg], &[Arg]),
+    then: impl FnOnce(u64) -> candle_core::Result<R>,
+) -> candle_core::Result<(CudaStorageSlice, R)> {
+    let c = e.channels as usize;
+    // SAFETY: the finishing kernel writes every row of every channel.
+    let mut table = unsafe { uninit(dev, stats_dtype(dtype), rows * c) }?;
+    let out = {
+        let (pp, read_p) = partials.device_ptr(stream);
+        let (pt, written) = address_mut(&mut table, stream)?;
+        let mut args = vec![Arg::Ptr(pp), Arg::U32(e.splits())];
+        args.extend_from_slice(inputs);
+        args.push(Arg::Ptr(pt));
+        args.extend_from_slice(rest);
+        let name = kernel(op, kernel_name, dtype)?;
+        // SAFETY: the partials of `e`; the callers pass the kernel's inputs in its order, `x` of
+        // `dtype` and the per-channel operands (checked) of the statistics' dtype, and the table
+        // holds its `rows` rows of one value per channel.
+        unsafe { PROGRAM.launch(dev, &name, per_item(c), &args) }?;
+        let out = then(pt)?;
+        drop((read_p, written));
+        out
+    };
+    Ok((table, out))
+}
+
+/// Launches `kernel_name` over the extent `e` of `dtype`, a thread per value, and returns its
+/// output of `e.total` values of `dtype`: its arguments `inputs`, the output, the extent's total,
+/// channels and plane, then `rest`.
+fn apply(
+    op: &str,
+    kernel_name: &str,
+    (dev, stream): (&CudaDevice, &CudaStream),
+    dtype: DType,
+    e: Extent,
+    (inputs, rest): (&[Arg], &[Arg]),
+) -> candle_core::Result<CudaStorageSlice> {
+    // SAFETY: the kernel writes every value.
+    let mut out = unsafe { uninit(dev, dtype, e.total as usize) }?;
+    let (po, written) = address_mut(&mut out, stream)?;
+    let mut args = inputs.to_vec();
+    args.extend([Arg::Ptr(po), Arg::U32(e.total)]);
+    args.extend(e.dims_args());
+    args.extend_from_slice(rest);
+    let name = kernel(op, kernel_name, dtype)?;
+    // SAFETY: the callers pass the kernel's inputs in its order: those of the input's shape
+    // `e.total` values of `dtype` (checked), the per-channel ones (checked) of the statistics'
+    // dtype; the output holds `e.total` values of `dtype`.
+    unsafe { PROGRAM.launch(dev, &name, per_item(e.total as usize), &args) }?;
+    drop(written);
+    Ok(out)
+}
+
 /// Launches `y = x * scale + shift` (then the ReLU) over the extent `e` of `dtype` and returns
 /// `y`.
-#[allow(clippy::too_many_arguments)]
 fn forward_apply(
     op: &str,
-    dev: &CudaDevice,
-    stream: &CudaStream,
+    ctx: (&CudaDevice, &CudaStream),
     dtype: DType,
     e: Extent,
     x: u64,
     (scale, shift): (u64, u64),
     relu: bool,
 ) -> candle_core::Result<CudaStorageSlice> {
-    // SAFETY: the kernel writes every value.
-    let mut y = unsafe { uninit(dev, dtype, e.total as usize) }?;
-    let (py, written) = address_mut(&mut y, stream)?;
-    let [channels, plane] = e.dims_args();
-    let args = [
-        Arg::Ptr(x),
-        Arg::Ptr(scale),
-        Arg::Ptr(shift),
-        Arg::Ptr(py),
-        Arg::U32(e.total),
-        channels,
-        plane,
-        Arg::I32(relu.into()),
-    ];
-    let name = kernel(op, "bn_forward_apply", dtype)?;
-    // SAFETY: `x` and `y` hold `e.total` values of `dtype`, `scale` and `shift` one value of the
-    // statistics' dtype per channel.
-    unsafe { PROGRAM.launch(dev, &name, per_item(e.total as usize), &args) }?;
-    drop(written);
-    Ok(y)
+    let inputs = [Arg::Ptr(x), Arg::Ptr(scale), Arg::Ptr(shift)];
+    let rest = [Arg::I32(relu.into())];
+    apply(op, "bn_forward_apply", ctx, dtype, e, (&inputs, &rest))
+}
+
+/// How an op's second and third operands are checked against its input.
+#[derive(Debug, Clone, Copy)]
+enum Companions {
+    /// Two per-channel vectors, named so (the weight and bias, or the scale and shift).
+    Vectors(&'static str, &'static str),
+    /// The output gradient, then the per-channel table named so, of the rows given.
+    Gradient(&'static str, usize),
+}
+
+/// What each op's CUDA forward pass starts with: the extent of its input `x` (the first
+/// operand), the checks of the other two (`companions`), and the device addresses of all three,
+/// with their guards to hold until the kernels that read them are queued.
+fn operands<'a>(
+    op: &str,
+    [x, a, b]: [(&'a CudaStorage, &Layout); 3],
+    companions: Companions,
+    stream: &'a CudaStream,
+) -> candle_core::Result<(Extent, [u64; 3], Vec<SyncOnDrop<'a>>)> {
+    let e = Extent::of(op, x.1.dims()).map_err(candle_core::Error::Msg)?;
+    let dtype = x.0.dtype();
+    match companions {
+        Companions::Vectors(first, second) => {
+            check_table(op, first, a, dtype, None, e.channels)?;
+            check_table(op, second, b, dtype, None, e.channels)?;
+        }
+        Companions::Gradient(what, rows) => {
+            check_gradient(op, x, a)?;
+            check_table(op, what, b, dtype, Some(rows), e.channels)?;
+        }
+    }
+    let (pointers, guards) = addresses(op, [x, a, b], stream)?;
+    Ok((e, pointers, guards))
 }
 
 /// An error unless the per-channel operand `(s, l)` `what` has `rows` rows of `channels`
@@ -320,55 +403,43 @@ impl CustomOp3 for TrainOp {
         b: &CudaStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let e = Extent::of(TRAIN_OP, xl.dims()).map_err(candle_core::Error::Msg)?;
         let (dev, dtype) = (&x.device, x.dtype());
-        check_table(TRAIN_OP, "weight", (w, wl), dtype, None, e.channels)?;
-        check_table(TRAIN_OP, "bias", (b, bl), dtype, None, e.channels)?;
         let stream = dev.cuda_stream();
-        let (px, read_x) = address(TRAIN_OP, x, xl, &stream)?;
-        let (pw, read_w) = address(TRAIN_OP, w, wl, &stream)?;
-        let (pb, read_b) = address(TRAIN_OP, b, bl, &stream)?;
+        let params = Companions::Vectors("weight", "bias");
+        let (e, [px, pw, pb], read) =
+            operands(TRAIN_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
         let name = kernel(TRAIN_OP, "bn_stats_partial", dtype)?;
         let partials = partial_sums(dev, &stream, &name, e, &[Arg::Ptr(px)], &[])?;
         let c = e.channels as usize;
-        // SAFETY: the finishing kernel writes every row of every channel.
-        let mut table = unsafe { uninit(dev, stats_dtype(dtype), TABLE_ROWS * c) }?;
         let row = stats_dtype(dtype).size_in_bytes() * c;
-        let y = {
-            let (pp, read_p) = partials.device_ptr(&stream);
-            let (pt, written) = address_mut(&mut table, &stream)?;
-            let [channels, plane] = e.dims_args();
-            let args = [
-                Arg::Ptr(pp),
-                Arg::U32(e.splits()),
-                Arg::Ptr(px),
-                Arg::Ptr(pw),
-                Arg::Ptr(pb),
-                Arg::Ptr(pt),
-                channels,
-                plane,
-                Arg::F64(e.count.into()),
-                Arg::F64(self.epsilon),
-            ];
-            let name = kernel(TRAIN_OP, "bn_stats_finalize", dtype)?;
-            // SAFETY: the partials of `e`, `x` of `dtype`, the weight, bias and table of the
-            // statistics' dtype, one value (five rows) per channel.
-            unsafe { PROGRAM.launch(dev, &name, per_item(c), &args) }?;
-            let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
-            let y = forward_apply(TRAIN_OP, dev, &stream, dtype, e, px, map, self.relu)?;
-            drop((read_p, written));
-            y
-        };
-        drop((read_x, read_w, read_b));
+        let [channels, plane] = e.dims_args();
+        let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
+        let rest = [
+            channels,
+            plane,
+            Arg::F64(e.count.into()),
+            Arg::F64(self.epsilon),
+        ];
+        let ctx = (dev, &*stream);
+        let (table, y) = finalize(
+            TRAIN_OP,
+            "bn_stats_finalize",
+            ctx,
+            dtype,
+            e,
+            (&partials, TABLE_ROWS),
+            (&inputs, &rest),
+            |pt| {
+                let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
+                forward_apply(TRAIN_OP, ctx, dtype, e, px, map, self.relu)
+            },
+        )?;
+        drop(read);
         let table = tensor(table, dev, &[TABLE_ROWS, c]);
         self.saved
             .set(table)
             .map_err(|_| candle_core::Error::Msg(format!("{TRAIN_OP}: op applied twice")))?;
-        let y = CudaStorage {
-            slice: y,
-            device: dev.clone(),
-        };
-        Ok((y, xl.shape().clone()))
+        Ok((storage(y, dev), xl.shape().clone()))
     }
 
     fn bwd(
@@ -417,21 +488,15 @@ impl CustomOp3 for AffineOp {
         b: &CudaStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let e = Extent::of(AFFINE_OP, xl.dims()).map_err(candle_core::Error::Msg)?;
         let (dev, dtype) = (&x.device, x.dtype());
-        check_table(AFFINE_OP, "scale", (a, al), dtype, None, e.channels)?;
-        check_table(AFFINE_OP, "shift", (b, bl), dtype, None, e.channels)?;
         let stream = dev.cuda_stream();
-        let (px, read_x) = address(AFFINE_OP, x, xl, &stream)?;
-        let (pa, read_a) = address(AFFINE_OP, a, al, &stream)?;
-        let (pb, read_b) = address(AFFINE_OP, b, bl, &stream)?;
-        let y = forward_apply(AFFINE_OP, dev, &stream, dtype, e, px, (pa, pb), self.relu)?;
-        drop((read_x, read_a, read_b));
-        let y = CudaStorage {
-            slice: y,
-            device: dev.clone(),
-        };
-        Ok((y, xl.shape().clone()))
+        let map = Companions::Vectors("scale", "shift");
+        let (e, [px, pa, pb], read) =
+            operands(AFFINE_OP, [(x, xl), (a, al), (b, bl)], map, &stream)?;
+        let ctx = (dev, &*stream);
+        let y = forward_apply(AFFINE_OP, ctx, dtype, e, px, (pa, pb), self.relu)?;
+        drop(read);
+        Ok((storage(y, dev), xl.shape().clone()))
     }
 
     fn bwd(
@@ -513,52 +578,33 @@ impl CustomOp3 for GradSums {
         t: &CudaStorage,
         tl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let e = Extent::of(GRAD_SUMS_OP, xl.dims()).map_err(candle_core::Error::Msg)?;
         let (dev, dtype) = (&x.device, x.dtype());
-        check_gradient(GRAD_SUMS_OP, (x, xl), (dy, dyl))?;
-        check_table(
-            GRAD_SUMS_OP,
-            "statistics",
-            (t, tl),
-            dtype,
-            Some(TABLE_ROWS),
-            e.channels,
-        )?;
         let stream = dev.cuda_stream();
-        let (px, read_x) = address(GRAD_SUMS_OP, x, xl, &stream)?;
-        let (pdy, read_dy) = address(GRAD_SUMS_OP, dy, dyl, &stream)?;
-        let (pt, read_t) = address(GRAD_SUMS_OP, t, tl, &stream)?;
+        let table = Companions::Gradient("statistics", TABLE_ROWS);
+        let (e, [px, pdy, pt], read) =
+            operands(GRAD_SUMS_OP, [(x, xl), (dy, dyl), (t, tl)], table, &stream)?;
         let name = kernel(GRAD_SUMS_OP, "bn_grad_partial", dtype)?;
         let inputs = [Arg::Ptr(px), Arg::Ptr(pdy), Arg::Ptr(pt)];
         let relu = [Arg::I32(self.relu.into())];
         let partials = partial_sums(dev, &stream, &name, e, &inputs, &relu)?;
+        let rest = [
+            Arg::U32(e.channels),
+            Arg::F64(e.count.into()),
+            Arg::I32(self.centered.into()),
+        ];
+        let (grads, ()) = finalize(
+            GRAD_SUMS_OP,
+            "bn_grad_finalize",
+            (dev, &stream),
+            dtype,
+            e,
+            (&partials, GRAD_ROWS),
+            (&[Arg::Ptr(pt)], &rest),
+            |_| Ok(()),
+        )?;
+        drop(read);
         let c = e.channels as usize;
-        // SAFETY: the finishing kernel writes every row of every channel.
-        let mut grads = unsafe { uninit(dev, stats_dtype(dtype), GRAD_ROWS * c) }?;
-        {
-            let (pp, read_p) = partials.device_ptr(&stream);
-            let (pg, written) = address_mut(&mut grads, &stream)?;
-            let args = [
-                Arg::Ptr(pp),
-                Arg::U32(e.splits()),
-                Arg::Ptr(pt),
-                Arg::Ptr(pg),
-                Arg::U32(e.channels),
-                Arg::F64(e.count.into()),
-                Arg::I32(self.centered.into()),
-            ];
-            let name = kernel(GRAD_SUMS_OP, "bn_grad_finalize", dtype)?;
-            // SAFETY: the partials of `e`; the statistics table (checked) and the backward
-            // table of the statistics' dtype, their rows of one value per channel.
-            unsafe { PROGRAM.launch(dev, &name, per_item(c), &args) }?;
-            drop((read_p, written));
-        }
-        drop((read_x, read_dy, read_t));
-        let grads = CudaStorage {
-            slice: grads,
-            device: dev.clone(),
-        };
-        Ok((grads, Shape::from((GRAD_ROWS, c))))
+        Ok((storage(grads, dev), Shape::from((GRAD_ROWS, c))))
     }
 }
 
@@ -594,46 +640,23 @@ impl CustomOp3 for InputGrad {
         g: &CudaStorage,
         gl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let e = Extent::of(GRAD_OP, xl.dims()).map_err(candle_core::Error::Msg)?;
         let (dev, dtype) = (&x.device, x.dtype());
-        check_gradient(GRAD_OP, (x, xl), (dy, dyl))?;
-        check_table(
-            GRAD_OP,
-            "backward table",
-            (g, gl),
-            dtype,
-            Some(GRAD_ROWS),
-            e.channels,
-        )?;
         let stream = dev.cuda_stream();
-        let (px, read_x) = address(GRAD_OP, x, xl, &stream)?;
-        let (pdy, read_dy) = address(GRAD_OP, dy, dyl, &stream)?;
-        let (pg, read_g) = address(GRAD_OP, g, gl, &stream)?;
-        // SAFETY: the kernel writes every value.
-        let mut dx = unsafe { uninit(dev, dtype, e.total as usize) }?;
-        let (pdx, written) = address_mut(&mut dx, &stream)?;
-        let [channels, plane] = e.dims_args();
-        let args = [
-            Arg::Ptr(px),
-            Arg::Ptr(pdy),
-            Arg::Ptr(pg),
-            Arg::Ptr(pdx),
-            Arg::U32(e.total),
-            channels,
-            plane,
-            Arg::I32(self.relu.into()),
-            Arg::I32(self.centered.into()),
-        ];
-        let name = kernel(GRAD_OP, "bn_grad_apply", dtype)?;
-        // SAFETY: `x`, `dy` and `dx` hold `e.total` values of `dtype` (checked), the backward
-        // table its rows of one value per channel.
-        unsafe { PROGRAM.launch(dev, &name, per_item(e.total as usize), &args) }?;
-        drop((read_x, read_dy, read_g, written));
-        let dx = CudaStorage {
-            slice: dx,
-            device: dev.clone(),
-        };
-        Ok((dx, xl.shape().clone()))
+        let table = Companions::Gradient("backward table", GRAD_ROWS);
+        let (e, [px, pdy, pg], read) =
+            operands(GRAD_OP, [(x, xl), (dy, dyl), (g, gl)], table, &stream)?;
+        let inputs = [Arg::Ptr(px), Arg::Ptr(pdy), Arg::Ptr(pg)];
+        let rest = [Arg::I32(self.relu.into()), Arg::I32(self.centered.into())];
+        let dx = apply(
+            GRAD_OP,
+            "bn_grad_apply",
+            (dev, &stream),
+            dtype,
+            e,
+            (&inputs, &rest),
+        )?;
+        drop(read);
+        Ok((storage(dx, dev), xl.shape().clone()))
     }
 }
 

@@ -137,6 +137,23 @@ pub(crate) fn address<'a>(
     Ok((ptr, guard))
 }
 
+/// The device addresses of the operands `(s, l)`, in order, as [`address`] finds each, and their
+/// guards to hold until the kernels that read them are queued.
+pub(crate) fn addresses<'a, const N: usize>(
+    op: &str,
+    operands: [(&'a CudaStorage, &Layout); N],
+    stream: &'a CudaStream,
+) -> candle_core::Result<([u64; N], Vec<SyncOnDrop<'a>>)> {
+    let mut pointers = [0; N];
+    let mut guards = Vec::with_capacity(N);
+    for (p, (s, l)) in pointers.iter_mut().zip(operands) {
+        let (ptr, guard) = address(op, s, l, stream)?;
+        *p = ptr;
+        guards.push(guard);
+    }
+    Ok((pointers, guards))
+}
+
 /// The address of value `start` of `v`, its read guard and `v`'s length.
 fn read<'a, T>(
     v: &'a CudaSlice<T>,
@@ -190,14 +207,18 @@ fn write<'a, T: DeviceRepr>(
     v.device_ptr_mut(stream)
 }
 
-/// A tensor of `dims` over `slice` on `dev`, detached from any graph.
-pub(crate) fn tensor(slice: S, dev: &CudaDevice, dims: &[usize]) -> Tensor {
-    let storage = CudaStorage {
+/// A new output over `slice` on `dev`, as candle's storage.
+pub(crate) fn storage(slice: S, dev: &CudaDevice) -> CudaStorage {
+    CudaStorage {
         slice,
         device: dev.clone(),
-    };
+    }
+}
+
+/// A tensor of `dims` over `slice` on `dev`, detached from any graph.
+pub(crate) fn tensor(slice: S, dev: &CudaDevice, dims: &[usize]) -> Tensor {
     Tensor::from_storage(
-        Storage::Cuda(storage),
+        Storage::Cuda(storage(slice, dev)),
         Shape::from(dims.to_vec()),
         BackpropOp::none(),
         false,

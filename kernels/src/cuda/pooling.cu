@@ -29,6 +29,49 @@ __device__ __forceinline__ void covering(int i, int stride, int pad, int k, int 
   *last = min((i + pad) / stride, outputs - 1);
 }
 
+// A forward pass's output `o`: its plane `p`, its position (orow, ocol) and its window's real
+// span, rows `[r0, r1)` and columns `[c0, c1)`.
+struct Output {
+  unsigned p;
+  int orow, ocol, r0, r1, c0, c1;
+};
+
+__device__ __forceinline__ Output output_window(unsigned o, unsigned out_plane,
+                                                const Geometry &g) {
+  Output win;
+  win.p = o / out_plane;
+  const unsigned at = o - win.p * out_plane;
+  win.orow = (int)at / g.ow;
+  win.ocol = (int)at - win.orow * g.ow;
+  window_span(win.orow, g.sh, g.pt, g.kh, g.h, &win.r0, &win.r1);
+  window_span(win.ocol, g.sw, g.pl, g.kw, g.w, &win.c0, &win.c1);
+  return win;
+}
+
+// A backward pass's input `idx`: its plane `p`, its index `i` in the plane, and the windows that
+// hold it, output rows `[or0, or1]` and columns `[oc0, oc1]`.
+struct Input {
+  unsigned p, i;
+  int or0, or1, oc0, oc1;
+};
+
+__device__ __forceinline__ Input input_windows(unsigned idx, unsigned in_plane,
+                                               const Geometry &g) {
+  Input in;
+  in.p = idx / in_plane;
+  in.i = idx - in.p * in_plane;
+  const int r = (int)in.i / g.w, c = (int)in.i - r * g.w;
+  covering(r, g.sh, g.pt, g.kh, g.oh, &in.or0, &in.or1);
+  covering(c, g.sw, g.pl, g.kw, g.ow, &in.oc0, &in.oc1);
+  return in;
+}
+
+// The index of output (orow, ocol) of plane `p`.
+__device__ __forceinline__ size_t output_index(unsigned p, unsigned out_plane, int orow, int ocol,
+                                               const Geometry &g) {
+  return (size_t)p * out_plane + (unsigned)(orow * g.ow + ocol);
+}
+
 // Each window's maximum into `y` and its index in the plane into `argmax`, either of them null to
 // skip it. The window is walked column by column, top to bottom, as the CPU kernel folds it: a
 // larger value wins, as does a NaN over a number; on a tie the smaller index (the first in
@@ -38,16 +81,12 @@ __device__ void max_pool_forward(const T *x, T *y, unsigned *argmax, Geometry g)
   typedef typename Num<T>::C C;
   const unsigned out_plane = (unsigned)(g.oh * g.ow);
   KANDLE_FOR_EACH(o, g.planes * out_plane) {
-    const unsigned p = o / out_plane, at = o - p * out_plane;
-    const int orow = (int)at / g.ow, ocol = (int)at - orow * g.ow;
-    int r0, r1, c0, c1;
-    window_span(orow, g.sh, g.pt, g.kh, g.h, &r0, &r1);
-    window_span(ocol, g.sw, g.pl, g.kw, g.w, &c0, &c1);
-    const T *xp = x + (size_t)p * g.h * g.w;
+    const Output win = output_window(o, out_plane, g);
+    const T *xp = x + (size_t)win.p * g.h * g.w;
     C best = -KANDLE_INFINITY;
     unsigned best_at = NO_ARGMAX;
-    for (int c = c0; c < c1; ++c) {
-      for (int r = r0; r < r1; ++r) {
+    for (int c = win.c0; c < win.c1; ++c) {
+      for (int r = win.r0; r < win.r1; ++r) {
         const unsigned i = (unsigned)(r * g.w + c);
         const C v = load(xp[i]);
         const bool wins = v > best || (isnan(v) && !isnan(best)) || (v == best && i < best_at);
@@ -63,30 +102,6 @@ __device__ void max_pool_forward(const T *x, T *y, unsigned *argmax, Geometry g)
     if (argmax) {
       argmax[o] = best_at;
     }
-  }
-}
-
-// The input gradient: each input's sum of the output gradients whose window's maximum it is.
-template <typename T>
-__device__ void max_pool_backward(const T *dy, const unsigned *argmax, T *dx, Geometry g) {
-  typedef typename Num<T>::C C;
-  const unsigned in_plane = (unsigned)(g.h * g.w), out_plane = (unsigned)(g.oh * g.ow);
-  KANDLE_FOR_EACH(idx, g.planes * in_plane) {
-    const unsigned p = idx / in_plane, i = idx - p * in_plane;
-    const int r = (int)i / g.w, c = (int)i - r * g.w;
-    int or0, or1, oc0, oc1;
-    covering(r, g.sh, g.pt, g.kh, g.oh, &or0, &or1);
-    covering(c, g.sw, g.pl, g.kw, g.ow, &oc0, &oc1);
-    C sum = 0;
-    for (int orow = or0; orow <= or1; ++orow) {
-      for (int ocol = oc0; ocol <= oc1; ++ocol) {
-        const size_t o = (size_t)p * out_plane + (unsigned)(orow * g.ow + ocol);
-        if (argmax[o] == i) {
-          sum = add_rn(sum, load(dy[o]));
-        }
-      }
-    }
-    dx[idx] = store<T>(sum);
   }
 }
 
@@ -107,41 +122,40 @@ __device__ void avg_pool_forward(const T *x, T *y, Geometry g) {
   typedef typename Num<T>::C C;
   const unsigned out_plane = (unsigned)(g.oh * g.ow);
   KANDLE_FOR_EACH(o, g.planes * out_plane) {
-    const unsigned p = o / out_plane, at = o - p * out_plane;
-    const int orow = (int)at / g.ow, ocol = (int)at - orow * g.ow;
-    int r0, r1, c0, c1;
-    window_span(orow, g.sh, g.pt, g.kh, g.h, &r0, &r1);
-    window_span(ocol, g.sw, g.pl, g.kw, g.w, &c0, &c1);
-    const T *xp = x + (size_t)p * g.h * g.w;
+    const Output win = output_window(o, out_plane, g);
+    const T *xp = x + (size_t)win.p * g.h * g.w;
     C sum = 0;
-    for (int r = r0; r < r1; ++r) {
+    for (int r = win.r0; r < win.r1; ++r) {
       C row = 0;
-      for (int c = c0; c < c1; ++c) {
+      for (int c = win.c0; c < win.c1; ++c) {
         row = add_rn(row, load(xp[r * g.w + c]));
       }
       sum = add_rn(sum, row);
     }
-    y[o] = store<T>(mul_rn(sum, inverse_count<C>(orow, ocol, g)));
+    y[o] = store<T>(mul_rn(sum, inverse_count<C>(win.orow, win.ocol, g)));
   }
 }
 
-// The input gradient: each input's sum of its windows' output gradients, each divided by its
-// window's count.
-template <typename T>
-__device__ void avg_pool_backward(const T *dy, T *dx, Geometry g) {
+// The input gradient of either pool, gathered over the windows that hold each input. `MAX`: each
+// input's sum of the output gradients whose window's maximum it is (`argmax`); otherwise its sum
+// of its windows' output gradients, each divided by its window's count (`argmax` unused).
+template <typename T, bool MAX>
+__device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geometry g) {
   typedef typename Num<T>::C C;
   const unsigned in_plane = (unsigned)(g.h * g.w), out_plane = (unsigned)(g.oh * g.ow);
   KANDLE_FOR_EACH(idx, g.planes * in_plane) {
-    const unsigned p = idx / in_plane, i = idx - p * in_plane;
-    const int r = (int)i / g.w, c = (int)i - r * g.w;
-    int or0, or1, oc0, oc1;
-    covering(r, g.sh, g.pt, g.kh, g.oh, &or0, &or1);
-    covering(c, g.sw, g.pl, g.kw, g.ow, &oc0, &oc1);
+    const Input in = input_windows(idx, in_plane, g);
     C sum = 0;
-    for (int orow = or0; orow <= or1; ++orow) {
-      for (int ocol = oc0; ocol <= oc1; ++ocol) {
-        const size_t o = (size_t)p * out_plane + (unsigned)(orow * g.ow + ocol);
-        sum = add_rn(sum, mul_rn(load(dy[o]), inverse_count<C>(orow, ocol, g)));
+    for (int orow = in.or0; orow <= in.or1; ++orow) {
+      for (int ocol = in.oc0; ocol <= in.oc1; ++ocol) {
+        const size_t o = output_index(in.p, out_plane, orow, ocol, g);
+        if (MAX) {
+          if (argmax[o] == in.i) {
+            sum = add_rn(sum, load(dy[o]));
+          }
+        } else {
+          sum = add_rn(sum, mul_rn(load(dy[o]), inverse_count<C>(orow, ocol, g)));
+        }
       }
     }
     dx[idx] = store<T>(sum);
@@ -162,7 +176,7 @@ __device__ void avg_pool_backward(const T *dy, T *dx, Geometry g) {
   extern "C" __global__ void max_pool_backward_##NAME(const T *dy, const unsigned *argmax,     \
                                                        T *dx, POOL_GEOMETRY_PARAMS) {          \
     const Geometry g = POOL_GEOMETRY;                                                          \
-    max_pool_backward<T>(dy, argmax, dx, g);                                                   \
+    pool_backward<T, true>(dy, argmax, dx, g);                                                 \
   }                                                                                            \
   extern "C" __global__ void avg_pool_forward_##NAME(const T *x, T *y, POOL_GEOMETRY_PARAMS) { \
     const Geometry g = POOL_GEOMETRY;                                                          \
@@ -171,7 +185,7 @@ __device__ void avg_pool_backward(const T *dy, T *dx, Geometry g) {
   extern "C" __global__ void avg_pool_backward_##NAME(const T *dy, T *dx,                      \
                                                        POOL_GEOMETRY_PARAMS) {                 \
     const Geometry g = POOL_GEOMETRY;                                                          \
-    avg_pool_backward<T>(dy, dx, g);                                                           \
+    pool_backward<T, false>(dy, 0, dx, g);                                                     \
   }
 
 POOL_KERNELS(float, f32)

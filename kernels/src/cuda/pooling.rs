@@ -20,7 +20,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
 
-use super::operands::{address, address_mut, check_input, kernel, on_cpu, tensor, uninit};
+use super::operands::{
+    address, address_mut, addresses, check_input, kernel, on_cpu, storage, tensor, uninit,
+};
 use super::program::{per_item, Arg, Program};
 use crate::pooling::PoolWindow;
 use crate::replay::Replay1;
@@ -196,14 +198,6 @@ fn launch(
     unsafe { PROGRAM.launch(dev, &name, per_item(items.iter().product()), &args) }
 }
 
-/// A new output of `dims` in `dtype` on the operand's device, as candle's storage.
-fn storage(slice: CudaStorageSlice, dev: &CudaDevice) -> CudaStorage {
-    CudaStorage {
-        slice,
-        device: dev.clone(),
-    }
-}
-
 /// The max pool's forward pass: the maxima (unless `values` is false) and, when `indices`, the
 /// index of each in its plane, from `(x, xl)`.
 fn max_forward(
@@ -364,8 +358,7 @@ impl CustomOp2 for MaxPoolGrad {
         // SAFETY: the kernel writes every value.
         let mut dx = unsafe { uninit(dev, dtype, g.in_dims().iter().product()) }?;
         {
-            let (pdy, read_dy) = address(MAX_GRAD_OP, dy, dyl, &stream)?;
-            let (pat, read_at) = address(MAX_GRAD_OP, at, atl, &stream)?;
+            let ([pdy, pat], read) = addresses(MAX_GRAD_OP, [(dy, dyl), (at, atl)], &stream)?;
             let (pdx, written) = address_mut(&mut dx, &stream)?;
             let pointers = [pdy, pat, pdx];
             launch(
@@ -377,7 +370,7 @@ impl CustomOp2 for MaxPoolGrad {
                 g,
                 g.in_dims(),
             )?;
-            drop((read_dy, read_at, written));
+            drop((read, written));
         }
         Ok((storage(dx, dev), Shape::from(g.in_dims().to_vec())))
     }

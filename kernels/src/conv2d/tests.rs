@@ -612,6 +612,48 @@ fn median_ms(reps: usize, mut f: impl FnMut() -> anyhow::Result<Tensor>) -> anyh
     Ok(times[reps / 2])
 }
 
+/// One convolution's random operands and the median time of each of its three passes.
+struct Timed {
+    x: Tensor,
+    w: Tensor,
+    dy: Tensor,
+    /// Output height.
+    ho: usize,
+    /// Billions of operations of one pass.
+    gflop: f64,
+    /// Forward, input gradient and kernel gradient, ms.
+    ours: [f64; 3],
+}
+
+/// Times the three passes of an `(o, c, k, k)` convolution at stride `s` of `n` images of `c x
+/// h x h`, padded by `pad`.
+fn time_passes(
+    rng: &mut StdRng,
+    n: usize,
+    (c, h, o, k, s): (usize, usize, usize, usize, usize),
+    pad: (usize, usize, usize, usize),
+) -> anyhow::Result<Timed> {
+    let x = random(rng, &[n, c, h, h])?;
+    let w = random(rng, &[o, c, k, k])?;
+    let y = conv2d(&x, &w, None, (s, s), pad)?;
+    let dy = random(rng, y.dims())?;
+    let (_, _, ho, wo) = y.dims4()?;
+    let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
+    let ours = [
+        median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
+        median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
+        median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
+    ];
+    Ok(Timed {
+        x,
+        w,
+        dy,
+        ho,
+        gflop,
+        ours,
+    })
+}
+
 /// Times the three passes of every convolution of MiniGoogLeNet at batch 64 against candle's
 /// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
 /// `conv2d` for the kernel). Run with
@@ -651,19 +693,16 @@ fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
         "batch 64", "fwd ms (GFLOP/s)", "input grad ms (GFLOP/s)", "weight grad ms (GFLOP/s)"
     );
     for (name, c, h, o, k, s, pad) in shapes {
-        let x = random(&mut rng, &[n, c, h, h])?;
-        let w = random(&mut rng, &[o, c, k, k])?;
-        let y = conv2d(&x, &w, None, (s, s), pad)?;
-        let dy = random(&mut rng, y.dims())?;
-        let (_, _, ho, wo) = y.dims4()?;
-        let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
+        let Timed {
+            x,
+            w,
+            dy,
+            ho,
+            gflop,
+            ours,
+        } = time_passes(&mut rng, n, (c, h, o, k, s), pad)?;
         let p = pad.0;
         let out_pad = h - ((ho - 1) * s + k - 2 * p);
-        let ours = [
-            median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
-            median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
-            median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
-        ];
         let candle = [
             median_ms(3, || Ok(x.conv2d(&w, p, s, 1, 1)?))?,
             median_ms(3, || Ok(dy.conv_transpose2d(&w, p, out_pad, s, 1)?))?,
@@ -738,18 +777,7 @@ fn timings_resnet50_batch_16() -> anyhow::Result<()> {
     );
     for (name, c, h, o, k, s, count) in shapes {
         let p = k / 2;
-        let pad = (p, p, p, p);
-        let x = random(&mut rng, &[n, c, h, h])?;
-        let w = random(&mut rng, &[o, c, k, k])?;
-        let y = conv2d(&x, &w, None, (s, s), pad)?;
-        let dy = random(&mut rng, y.dims())?;
-        let (_, _, ho, wo) = y.dims4()?;
-        let gflop = 2.0 * (n * o * c * k * k * ho * wo) as f64 / 1e9;
-        let ours = [
-            median_ms(5, || Ok(conv2d(&x, &w, None, (s, s), pad)?))?,
-            median_ms(5, || Ok(conv2d_input_grad(&dy, &w, (h, h), (s, s), pad)?))?,
-            median_ms(5, || Ok(conv2d_weight_grad(&x, &dy, (k, k), (s, s), pad)?))?,
-        ];
+        let Timed { gflop, ours, .. } = time_passes(&mut rng, n, (c, h, o, k, s), (p, p, p, p))?;
         let cell = |ms: f64| format!("{ms:8.2} ({:6.1})", gflop / ms * 1e3);
         println!(
             "{name:<16} {:>22} | {:>22} | {:>22}",

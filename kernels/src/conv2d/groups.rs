@@ -1,10 +1,11 @@
 //! How a batch splits into groups of images over the pool's threads.
 //!
 //! A pass hands each group of images to one task, so the slowest thread ends the pass: three
-//! groups of six images over two threads leave one thread idle for a third of the time. Where a
-//! pass would like groups of some size (to fill its GEMM's columns or Winograd's blocks), it
-//! takes the size near that whose groups, dealt out a round of one per thread, leave the fewest
-//! images on the busiest thread.
+//! groups of six images over two threads leave one thread idle for a third of the time. Where
+//! the side-by-side GEMMs would like groups of some size (to fill their columns), they take the
+//! size near that whose groups, dealt out a round of one per thread, leave the fewest images on
+//! the busiest thread. (Winograd's groups do not: their size sets a block's width, and an
+//! image's bits would then change with the batch.)
 
 /// Images per group for `n` images over `threads` threads, at most `wanted` (and no more than
 /// an even share, `n / threads` rounded up), at least half of it: the size whose groups, a

@@ -5,7 +5,6 @@
 //! block's element matrices.
 
 use super::{Tile, Winograd, ELEMENTS, LANES, LANE_TILE, TILE};
-use crate::conv2d::groups::balanced_group;
 use crate::conv2d::microkernel::NR;
 use crate::conv2d::plan::Plan;
 
@@ -47,10 +46,14 @@ impl Winograd {
         self.block.div_ceil(th * tw).max(1)
     }
 
-    /// Images to correlate together out of `n`, over `threads` threads: about enough to fill a
-    /// block, in groups that keep every thread busy ([`balanced_group`]).
+    /// Images to correlate together out of `n`, over `threads` threads: enough to fill a block,
+    /// but no fewer groups than threads while there are images. (Groups sized in whole rounds
+    /// over the threads, as the side-by-side GEMMs take them, change a block's width with the
+    /// batch, and with it an image's bits: inference at batch 64 and 100 differed.)
     pub(crate) fn group(&self, n: usize, threads: usize) -> usize {
-        balanced_group(n, self.images_per_block(), threads)
+        self.images_per_block()
+            .min(n.div_ceil(threads.max(1)))
+            .max(1)
     }
 
     /// The tiles of a group of `images` images (numbered row-major through them) in blocks of

@@ -12,10 +12,10 @@
 //! written for all of them side by side, so its columns fill the blocks.
 //!
 //! The forward pass (`forward`), the input gradient (`input_grad`) and the kernel gradient
-//! (`kernel_grad`) each have a module, and `side_by_side` writes small images' operands side by
-//! side; this one holds what they share: the sizes of a convolution, each thread's buffers, the
-//! split of a batch into groups of images over the pool, and the walk over a row-shift
-//! expansion's GEMMs.
+//! (`kernel_grad`, its Winograd pass in `winograd_kernel_grad`) each have a module, and
+//! `side_by_side` writes small images' operands side by side; this one holds what they share:
+//! the sizes of a convolution, each thread's buffers, the split of a batch into groups of
+//! images over the pool, and the walk over a row-shift expansion's GEMMs.
 
 use std::cell::Cell;
 
@@ -28,6 +28,7 @@ mod forward;
 mod input_grad;
 mod kernel_grad;
 mod side_by_side;
+mod winograd_kernel_grad;
 
 pub(crate) use forward::forward;
 pub(crate) use input_grad::{input_grad, input_grad_adds_in_place};
@@ -86,6 +87,9 @@ struct Scratch {
     grouped: Vec<f32>,
     /// The products of a group of small images, before they go to each image's output.
     products: Vec<f32>,
+    /// The gradient of Winograd's transformed kernel for a run of input channels, summed over
+    /// the images (`winograd_kernel_grad`'s split by channels).
+    kernel_grad_sum: Vec<f32>,
 }
 
 thread_local! {

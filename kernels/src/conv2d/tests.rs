@@ -768,14 +768,48 @@ fn timings_resnet50_batch_16() -> anyhow::Result<()> {
         ("l4 1x1 2048>512", 2048, 7, 512, 1, 1, 2),
         ("l4 3x3", 512, 7, 512, 3, 1, 2),
     ];
-    let n = 16;
+    print_timings(16, &shapes)
+}
+
+/// Times the three passes of ResNet-18's convolutions (the small-image variant, CIFAR's 32x32
+/// images) at batch 64. Run with
+/// `cargo test --release -p kandle-kernels --lib timings_resnet18 -- --ignored --nocapture`.
+#[test]
+#[ignore = "timing, run by hand"]
+fn timings_resnet18_batch_64() -> anyhow::Result<()> {
+    // (name, C, H, O, k, stride, count per step), padded by k / 2 on every side.
+    let shapes = [
+        ("conv1 3x3", 3, 32, 64, 3, 1, 1),
+        ("l1 3x3", 64, 32, 64, 3, 1, 4),
+        ("l2 3x3/2", 64, 32, 128, 3, 2, 1),
+        ("l2 proj 1x1/2", 64, 32, 128, 1, 2, 1),
+        ("l2 3x3", 128, 16, 128, 3, 1, 3),
+        ("l3 3x3/2", 128, 16, 256, 3, 2, 1),
+        ("l3 proj 1x1/2", 128, 16, 256, 1, 2, 1),
+        ("l3 3x3", 256, 8, 256, 3, 1, 3),
+        ("l4 3x3/2", 256, 8, 512, 3, 2, 1),
+        ("l4 proj 1x1/2", 256, 8, 512, 1, 2, 1),
+        ("l4 3x3", 512, 4, 512, 3, 1, 3),
+    ];
+    print_timings(64, &shapes)
+}
+
+/// Prints the three passes' times of each `(name, C, H, O, k, stride, count per step)` shape
+/// at batch `n`, and their totals over a step.
+fn print_timings(
+    n: usize,
+    shapes: &[(&str, usize, usize, usize, usize, usize, usize)],
+) -> anyhow::Result<()> {
     let mut rng = StdRng::seed_from_u64(1);
     let mut totals = [0f64; 3];
     println!(
         "{:<16} {:>22} | {:>22} | {:>22}",
-        "batch 16", "fwd ms (GFLOP/s)", "input grad ms (GFLOP/s)", "weight grad ms (GFLOP/s)"
+        format!("batch {n}"),
+        "fwd ms (GFLOP/s)",
+        "input grad ms (GFLOP/s)",
+        "weight grad ms (GFLOP/s)"
     );
-    for (name, c, h, o, k, s, count) in shapes {
+    for &(name, c, h, o, k, s, count) in shapes {
         let p = k / 2;
         let Timed { gflop, ours, .. } = time_passes(&mut rng, n, (c, h, o, k, s), (p, p, p, p))?;
         let cell = |ms: f64| format!("{ms:8.2} ({:6.1})", gflop / ms * 1e3);

@@ -61,7 +61,7 @@ const SIDE: usize = TILE + 2;
 const ELEMENTS: usize = SIDE * SIDE;
 
 /// Fewest input and output channels for which the transforms pay for themselves.
-const MIN_CHANNELS: usize = 16;
+pub(crate) const MIN_CHANNELS: usize = 16;
 
 /// Fewest output positions per tile, on average over a plane: a tile costs 36 products per
 /// channel pair where the direct correlation costs 9 per position, so at 6 positions a tile

@@ -2,10 +2,11 @@
 //! contiguous run of images into an accumulator of its own, `E dY^T` for each GEMM of each tile
 //! (in the micro-kernel, the output gradient transposed into its strips once per image, or in
 //! the `gemm` crate), or the transformed kernel's gradient through Winograd's transforms; the
-//! accumulators are added in a fixed order.
+//! accumulators are added in a fixed order (`winograd_kernel_grad` holds the Winograd pass).
 
 use rayon::prelude::*;
 
+use super::winograd_kernel_grad;
 use super::{
     at_least, for_each_tile_gemm, gemm_parallelism, split_images, with_scratch, Conv, Scratch,
 };
@@ -28,7 +29,7 @@ pub(crate) fn weight_grad(
 ) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     if let Some(wino) = Winograd::for_kernel_grad(&plan) {
-        return winograd_weight_grad(conv, &wino, x, dy, with_bias);
+        return winograd_kernel_grad::weight_grad(conv, &wino, x, dy, with_bias);
     }
     let packed_len = plan.calls() * plan.o * plan.depth();
     let acc_len = packed_len + if with_bias { plan.o } else { 0 };
@@ -63,60 +64,9 @@ pub(crate) fn weight_grad(
     Ok(dw)
 }
 
-/// [`weight_grad`] through Winograd's transforms: each task sums the gradient of the
-/// transformed kernel over a contiguous run of images, a group at a time; the sums are added
-/// in a fixed order and transformed back into the kernel's gradient.
-fn winograd_weight_grad(
-    conv: &Conv,
-    wino: &Winograd,
-    x: &[f32],
-    dy: &[f32],
-    with_bias: bool,
-) -> candle_core::Result<Vec<f32>> {
-    let plan = conv.forward_plan();
-    let (in_len, dy_len) = (plan.input_len(), plan.output_len());
-    let grad_len = wino.kernel_grad_len();
-    let bias_len = if with_bias { plan.o } else { 0 };
-    let threads = rayon::current_num_threads();
-    let tasks = threads.min(conv.n).max(1);
-    let per_task = conv.n.div_ceil(tasks).max(1);
-    // One task's images, one group after another: as many as fill a block.
-    let group = wino.images_per_block().min(per_task).max(1);
-    let par = gemm_parallelism(tasks);
-    let run = |t: usize| -> candle_core::Result<Vec<f32>> {
-        // The transformed kernel's gradient, started by the first group's products, then the
-        // bias's.
-        let mut du = Vec::with_capacity(grad_len + bias_len);
-        let mut bias = vec![0f32; bias_len];
-        let images = t * per_task..((t + 1) * per_task).min(conv.n);
-        with_scratch(|s| -> candle_core::Result<()> {
-            for i0 in images.clone().step_by(group) {
-                let i1 = (i0 + group).min(images.end);
-                let (xs, dys) = (&x[i0 * in_len..i1 * in_len], &dy[i0 * dy_len..i1 * dy_len]);
-                if with_bias {
-                    for dyi in dys.chunks_exact(dy_len) {
-                        add_channel_sums(dyi, &mut bias);
-                    }
-                }
-                wino.accumulate_kernel_grad(xs, dys, &mut du, &mut s.winograd, par)?;
-            }
-            Ok(())
-        })?;
-        // A task without images (none: every task gets at least one) would leave it empty.
-        du.resize(grad_len, 0.0);
-        du.extend_from_slice(&bias);
-        Ok(du)
-    };
-    let mut partials = each_task(tasks, run)?;
-    let total = sum_partials(&mut partials);
-    let mut dw = wino.kernel_grad(&total[..grad_len]);
-    dw.extend_from_slice(&total[grad_len..]);
-    Ok(dw)
-}
-
 /// The sum of equal-length `partials` in the first one's memory, added in order (so the result
 /// does not depend on the thread count's timing), in parallel over chunks.
-fn sum_partials(partials: &mut [Vec<f32>]) -> Vec<f32> {
+pub(super) fn sum_partials(partials: &mut [Vec<f32>]) -> Vec<f32> {
     /// Values per rayon task.
     const CHUNK: usize = 16 * 1024;
     let Some((first, rest)) = partials.split_first_mut() else {
@@ -138,7 +88,7 @@ fn sum_partials(partials: &mut [Vec<f32>]) -> Vec<f32> {
 
 /// The results of `run(t)` for each of `tasks` tasks, in order: in parallel when there are
 /// several.
-fn each_task(
+pub(super) fn each_task(
     tasks: usize,
     run: impl Fn(usize) -> candle_core::Result<Vec<f32>> + Sync + Send,
 ) -> candle_core::Result<Vec<Vec<f32>>> {
@@ -172,7 +122,7 @@ fn unpack_sum(plan: &Plan, partials: &[Vec<f32>], dw: &mut [f32]) {
 
 /// Adds the sum of each of `sums.len()` equal planes of `dy` to `sums`, in lanes the compiler
 /// vectorises.
-fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
+pub(super) fn add_channel_sums(dy: &[f32], sums: &mut [f32]) {
     const LANES: usize = 16;
     let plane = dy.len() / sums.len().max(1);
     for (sum, row) in sums.iter_mut().zip(dy.chunks_exact(plane.max(1))) {

@@ -35,11 +35,12 @@ impl Winograd {
     }
 
     /// Adds the gradient of the transformed kernel, `dU[e]^T (c x o) = sum over tiles of
-    /// V[e] * dM[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[e][c][o]`,
+    /// V[e] * dM[e]^T` with `dM = A dY At`, for a group of images to `acc` (`[c][e][o]`,
     /// [`Self::kernel_grad_len`] values): `x` holds the group's inputs and `dy` their output
-    /// gradients. An empty `acc` starts the sum: the first block's products write each
-    /// element's slice as it is made, in cache, instead of adding to a buffer zeroed in a pass
-    /// over memory of its own. [`Self::kernel_grad`] turns the sum into the kernel's gradient.
+    /// gradients. Unless `started`, the group starts the sum: `acc` takes its length (zeroed
+    /// only where it grows) and the first block's products overwrite its values instead of
+    /// adding to them, so a buffer kept between calls is not zeroed again.
+    /// [`Self::kernel_grad`] turns the sum into the kernel's gradient.
     ///
     /// With the micro-kernel (and the group on one thread), `dM` is made with output channels
     /// in the lanes, as its strips (`gradient_strips`), and `V` read in place; otherwise both
@@ -48,7 +49,7 @@ impl Winograd {
         &self,
         x: &[f32],
         dy: &[f32],
-        acc: &mut Vec<f32>,
+        (acc, started): (&mut Vec<f32>, bool),
         buffers: &mut Buffers,
         parallelism: Parallelism,
     ) -> candle_core::Result<()> {
@@ -58,11 +59,11 @@ impl Winograd {
         let images = dy.len() / out_len.max(1);
         if x.len() != images * in_len
             || dy.len() != images * out_len
-            || !(acc.is_empty() || acc.len() == self.kernel_grad_len())
+            || (started && acc.len() != self.kernel_grad_len())
         {
             candle_core::bail!(
                 "winograd: {} input and {} gradient values do not hold whole images of {in_len} \
-                 and {out_len}, or {} accumulated values are not {}",
+                 and {out_len}, or {} values of a started sum are not {}",
                 x.len(),
                 dy.len(),
                 acc.len(),
@@ -81,6 +82,11 @@ impl Winograd {
         } else {
             self.pad_gradient(dy, images, &mut buffers.padded_gradient);
         }
+        if acc.len() < self.kernel_grad_len() {
+            acc.resize(self.kernel_grad_len(), 0.0);
+        }
+        acc.truncate(self.kernel_grad_len());
+        let mut started = started;
         for range in self.blocks(images) {
             let width = range.len().next_multiple_of(NR);
             let Buffers {
@@ -111,16 +117,13 @@ impl Winograd {
                 stride
             };
             let (v, dm) = (&*v, &products[..ELEMENTS * m_stride]);
-            let started = !acc.is_empty();
             for e in 0..ELEMENTS {
-                if !started {
-                    acc.resize((e + 1) * o * c, 0.0);
-                }
-                // dU[e]^T (c x o), row-major: `[e][c][o]`.
+                // dU[e]^T (c x o), each input channel's row beside its other elements':
+                // `[c][e][o]`.
                 let du = ViewMut {
                     data: acc,
-                    offset: e * o * c,
-                    rs: o,
+                    offset: e * o,
+                    rs: ELEMENTS * o,
                     cs: 1,
                 };
                 let ve = View {
@@ -164,6 +167,7 @@ impl Winograd {
                     matmul(product, du, ve, dme)?;
                 }
             }
+            started = true;
         }
         Ok(())
     }
@@ -174,11 +178,21 @@ impl Winograd {
     }
 
     /// The kernel's gradient `(o, c, 3, 3)`, `dg = Gt dU G`, from the summed gradient of the
-    /// transformed kernel `du` (`[e][c][o]`). Each input channel's output channels go
+    /// transformed kernel `du` (`[c][e][o]`: each input channel's values one run). Each input channel's output channels go
     /// [`KERNEL_GRAD_LANES`] at a time, every element's values read as one run and transformed
     /// lane by lane (the same operations on each lane, so the same values as one at a time),
     /// into `[c][tap][o]`; then transposed.
     pub(crate) fn kernel_grad(&self, du: &[f32]) -> Vec<f32> {
+        let by_channel = self.kernel_grad_by_channel(du);
+        let (o, c) = (self.plan.o, self.plan.c);
+        let mut dw = vec![0f32; o * c * 9];
+        transpose(&by_channel, c * 9, o, &mut dw);
+        dw
+    }
+
+    /// The kernel's gradient laid out `[c][tap][o]`, from `du` as [`Self::kernel_grad`] takes
+    /// it: each input channel's taps, output channels last.
+    pub(crate) fn kernel_grad_by_channel(&self, du: &[f32]) -> Vec<f32> {
         const LANES: usize = KERNEL_GRAD_LANES;
         let (o, c) = (self.plan.o, self.plan.c);
         let mut by_channel = vec![0f32; c * 9 * o];
@@ -197,9 +211,17 @@ impl Winograd {
                             let mut column = [[0f32; LANES]; SIDE];
                             for (b, gt_du) in columns.iter_mut().enumerate() {
                                 for (a, values) in column.iter_mut().enumerate() {
-                                    let at = ((a * SIDE + b) * c + ci) * o + o0;
-                                    for (v, d) in values.iter_mut().zip(&du[at..at + lanes]) {
-                                        *v = *d;
+                                    let at = (ci * ELEMENTS + a * SIDE + b) * o + o0;
+                                    let run = &du[at..at + lanes];
+                                    match <&[f32; LANES]>::try_from(run) {
+                                        // A fixed-size copy, inlined: a copy of `lanes` values
+                                        // would be a call to `memcpy` per element.
+                                        Ok(all) => *values = *all,
+                                        Err(_) => {
+                                            for (v, d) in values.iter_mut().zip(run) {
+                                                *v = *d;
+                                            }
+                                        }
                                     }
                                 }
                                 kernel_grad_lanes(&column, gt_du);
@@ -227,9 +249,7 @@ impl Winograd {
                     },
                 )
             });
-        let mut dw = vec![0f32; o * c * 9];
-        transpose(&by_channel, c * 9, o, &mut dw);
-        dw
+        by_channel
     }
 }
 

@@ -69,18 +69,21 @@ pack() { # pack NAME PATH
 
 echo "== tests and binaries with cuda,nccl"
 # One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
-# kandle-kernels' CUDA batch norm and pooling tests come in the same run (their `test-support`
+# kandle-kernels' CUDA batch norm, pooling, optimizer and cross-entropy tests come in the same run (their `test-support`
 # is on already, through kandle's dev-dependency); `--lib` builds its unit tests too, unpacked.
 built=$(executables test --profile release --locked --no-run -p kandle -p kandle-strategies \
   -p kandle-models -p kandle-kernels \
   --features kandle/cuda,kandle-strategies/nccl,kandle-kernels/test-support --lib --test gpu \
-  --test torchvision_weights --test cuda_batch_norm --test cuda_pooling)
+  --test torchvision_weights --test cuda_batch_norm --test cuda_pooling --test cuda_optimizer \
+  --test cuda_softmax_cross_entropy)
 echo "$built"
 pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
 pack strategies-gpu "$(awk '$1 == "kandle-strategies:gpu" { print $2 }' <<<"$built")"
 pack models-parity "$(awk '$1 == "kandle-models:torchvision_weights" { print $2 }' <<<"$built")"
 pack kernels-cuda-bn "$(awk '$1 == "kandle-kernels:cuda_batch_norm" { print $2 }' <<<"$built")"
 pack kernels-cuda-pool "$(awk '$1 == "kandle-kernels:cuda_pooling" { print $2 }' <<<"$built")"
+pack kernels-cuda-opt "$(awk '$1 == "kandle-kernels:cuda_optimizer" { print $2 }' <<<"$built")"
+pack kernels-cuda-xent "$(awk '$1 == "kandle-kernels:cuda_softmax_cross_entropy" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,nccl \
   --bin bench --bin train_cifar10 >/dev/null
 pack bench "$CARGO_TARGET_DIR/release/bench"

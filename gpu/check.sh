@@ -12,7 +12,10 @@
 #      algorithms (kernels/tests/cuda_conv.rs; when gpu-bin/ has it, built with cudnn);
 #      kandle-kernels' own CUDA batch norm (training with its statistics, inference's affine,
 #      the fused ReLU) and max and average pooling, outputs and gradients against the CPU
-#      kernels (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs);
+#      kernels (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs); its CUDA optimizer updates
+#      (SGD, Adam, AdamW over several steps) against the CPU kernels and its softmax
+#      cross-entropy (loss and gradient) against the CPU path (cuda_optimizer.rs,
+#      cuda_softmax_cross_entropy.rs, when gpu-bin/ has them);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
 #      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops) and the rest
@@ -103,6 +106,13 @@ if [[ -x $BIN/kernels-cuda-bn && -x $BIN/kernels-cuda-pool ]]; then
     '"$1" --include-ignored; bn=$?; "$2" --include-ignored; pool=$?; exit $((bn || pool))' _ \
     "$BIN/kernels-cuda-bn" "$BIN/kernels-cuda-pool"
 fi
+# kandle's CUDA optimizer updates and softmax cross-entropy against the CPU kernels and the CPU
+# path (seconds; each optimizer test says whether its values were the CPU's bit for bit).
+if [[ -x $BIN/kernels-cuda-opt && -x $BIN/kernels-cuda-xent ]]; then
+  step kernels-cuda-opt-xent 60 bash -c \
+    '"$1" --include-ignored --nocapture; opt=$?; "$2" --include-ignored; xent=$?; exit $((opt || xent))' _ \
+    "$BIN/kernels-cuda-opt" "$BIN/kernels-cuda-xent"
+fi
 step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
 step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
@@ -110,7 +120,8 @@ step gpu-hidden 60 env CUDA_VISIBLE_DEVICES= KANDLE_EXPECT_GPUS=0 \
 step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
   layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
 # BatchNormalization and the pools on kandle's CUDA kernels against the same layers built
-# device-generic (candle's ops), and against the kernels' own bits.
+# device-generic (candle's ops), and against the kernels' own bits; likewise SGD, Adam and AdamW
+# (optimizers::cuda) and the sparse cross-entropy (losses) on the kernels against candle's ops.
 step layers-cuda-kernels 60 "$BIN/kandle-lib" --include-ignored \
   cuda_kernels_match_the_device_generic_path --nocapture
 if [[ -x $BIN/kandle-lib-cudnn ]]; then

@@ -9,7 +9,10 @@
 //! Cross-entropy from probabilities is numerically stable: when the model ends in a softmax,
 //! the built-in cross-entropies compute the loss from the logits before it with
 //! `log_softmax`, as Keras does ([`Loss::call_with_logits`]); otherwise probabilities are
-//! clipped to `[1e-7, 1 - 1e-7]`. `from_logits(true)` says the model outputs logits.
+//! clipped to `[1e-7, 1 - 1e-7]`. `from_logits(true)` says the model outputs logits. On a CUDA
+//! device (the `cuda` feature), the sparse cross-entropy of `f32` logits is one fused kernel of
+//! kandle's, its gradient too, unless the model runs the device-generic path
+//! ([`Loss::call_on_path`]), which keeps candle's ops.
 //!
 //! A loss of your own needs only [`Loss::call`] and a name:
 //!
@@ -43,7 +46,7 @@ use candle_core::{DType, Tensor, D};
 
 use crate::data::Targets;
 use crate::layers::activation_log_softmax as log_softmax;
-use crate::{Error, Result};
+use crate::{ComputePath, Error, Result};
 
 /// The objective `fit` minimises: one value per sample.
 pub trait Loss: Send + Sync + Debug {
@@ -65,6 +68,22 @@ pub trait Loss: Send + Sync + Debug {
         _logits: Option<&Tensor>,
     ) -> Result<Tensor> {
         self.call(y_true, y_pred)
+    }
+
+    /// [`Self::call_with_logits`] for a model that runs the code path `path` ([`ComputePath`];
+    /// a model's training step calls its loss this way): the sparse cross-entropy runs kandle's
+    /// fused CUDA kernel on `f32` logits on a CUDA device unless `path` is the device-generic
+    /// one, and `call_with_logits` alone takes the path from the environment
+    /// ([`ComputePath::from_env`]). The default ignores the path.
+    fn call_on_path(
+        &self,
+        y_true: &Tensor,
+        y_pred: &Tensor,
+        logits: Option<&Tensor>,
+        path: ComputePath,
+    ) -> Result<Tensor> {
+        let _ = path;
+        self.call_with_logits(y_true, y_pred, logits)
     }
 
     /// Checks, before training, that a dataset's targets suit this loss and a model whose
@@ -99,6 +118,15 @@ macro_rules! forward_loss {
                 logits: Option<&Tensor>,
             ) -> Result<Tensor> {
                 (**self).call_with_logits(y, p, logits)
+            }
+            fn call_on_path(
+                &self,
+                y: &Tensor,
+                p: &Tensor,
+                logits: Option<&Tensor>,
+                path: ComputePath,
+            ) -> Result<Tensor> {
+                (**self).call_on_path(y, p, logits, path)
             }
             fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
                 (**self).check_targets(targets, output_shape)
@@ -291,9 +319,23 @@ impl Loss for SparseCategoricalCrossentropy {
     }
 
     fn call_with_logits(&self, y: &Tensor, p: &Tensor, logits: Option<&Tensor>) -> Result<Tensor> {
-        let idx = y.to_dtype(DType::U32)?.flatten_all()?.unsqueeze(1)?;
+        self.call_on_path(y, p, logits, ComputePath::from_env())
+    }
+
+    fn call_on_path(
+        &self,
+        y: &Tensor,
+        p: &Tensor,
+        logits: Option<&Tensor>,
+        path: ComputePath,
+    ) -> Result<Tensor> {
+        let idx = y.to_dtype(DType::U32)?.flatten_all()?;
+        let logits = if self.from_logits { Some(p) } else { logits };
+        if let Some(loss) = fused_on_cuda(logits, &idx, path)? {
+            return Ok(loss);
+        }
         let log_p = log_probabilities(p, logits, self.from_logits)?;
-        Ok(log_p.gather(&idx, 1)?.squeeze(1)?.neg()?)
+        Ok(log_p.gather(&idx.unsqueeze(1)?, 1)?.squeeze(1)?.neg()?)
     }
 
     fn check_targets(&self, targets: &Targets, output_shape: &[usize]) -> Result<()> {
@@ -318,6 +360,43 @@ impl Loss for SparseCategoricalCrossentropy {
     fn expected_targets(&self, output_shape: &[usize]) -> Targets {
         Targets::Classes(output_shape.first().copied().unwrap_or(1))
     }
+}
+
+/// The sparse cross-entropy of `(N, C)` `f32` logits on a CUDA device against the class indices
+/// `labels`, through kandle's fused CUDA kernel (the `cuda` feature): what `log_softmax`, the
+/// gather and the negation compute, its gradient registered with candle's autograd. `None`
+/// where it does not apply (no logits, another device, dtype or rank, no `cuda` feature, or the
+/// device-generic `path`, which keeps candle's ops).
+#[cfg(feature = "cuda")]
+fn fused_on_cuda(
+    logits: Option<&Tensor>,
+    labels: &Tensor,
+    path: ComputePath,
+) -> Result<Option<Tensor>> {
+    let Some(x) = logits else {
+        return Ok(None);
+    };
+    let fits = x.device().is_cuda() && x.dtype() == DType::F32 && x.rank() == 2;
+    if !(fits && path.uses_kernels()) {
+        return Ok(None);
+    }
+    // A dataset's labels are checked when it is made: a label outside the classes here gives
+    // a NaN loss (which training reports), not a wait for the stream every step.
+    use crate::kernels::cuda::{sparse_softmax_cross_entropy_with, LabelCheck};
+    Ok(Some(sparse_softmax_cross_entropy_with(
+        x,
+        labels,
+        LabelCheck::NanLoss,
+    )?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_on_cuda(
+    _logits: Option<&Tensor>,
+    _labels: &Tensor,
+    _path: ComputePath,
+) -> Result<Option<Tensor>> {
+    Ok(None)
 }
 
 /// `y_true` as `f32` values shaped like `y_pred` (class indices become a column).
@@ -563,6 +642,69 @@ mod tests {
         let bce = BinaryCrossentropy::new();
         assert!(bce.check_targets(&Targets::Classes(2), &[1]).is_ok());
         assert!(bce.check_targets(&Targets::Classes(3), &[1]).is_err());
+        Ok(())
+    }
+
+    /// On a CUDA device the sparse cross-entropy of `f32` logits (from logits, or from a final
+    /// softmax's) runs kandle's fused kernel: its loss and the logits' gradient agree with
+    /// candle's ops on the same device (the device-generic path, `KANDLE_COMPUTE=device-generic`)
+    /// and on the CPU.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
+        use candle_core::Var;
+        use kandle_kernels::test_support::{assert_close, gradients, random, weighted_sum};
+
+        let gpu = crate::devices::cuda(0)?;
+        let sce = SparseCategoricalCrossentropy::new();
+        for (i, &(n, c)) in [(64usize, 10usize), (7, 33), (3, 1000), (300, 2)]
+            .iter()
+            .enumerate()
+        {
+            let labels: Vec<u32> = (0..n).map(|k| ((k * 7 + i) % c) as u32).collect();
+            let x = (random(&[n, c], 11 + i as u64, 0.0)? * 4.0)?;
+            // The loss and the gradient of a weighted sum of it, by `loss` on `dev`.
+            let pass = |dev: &Device,
+                        loss: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>|
+             -> anyhow::Result<(Tensor, Tensor)> {
+                let xv = Var::from_tensor(&x.to_device(dev)?)?;
+                let y = Tensor::new(labels.as_slice(), dev)?;
+                let l = loss(&y, xv.as_tensor())?;
+                let dx = gradients(&weighted_sum(&l, 5)?, &[xv.as_tensor()])?;
+                Ok((l.to_device(&Device::Cpu)?, dx[0].to_device(&Device::Cpu)?))
+            };
+            let generic = |y: &Tensor, x: &Tensor| -> Result<Tensor> {
+                let idx = y.flatten_all()?.unsqueeze(1)?;
+                Ok(log_softmax(x)?.gather(&idx, 1)?.squeeze(1)?.neg()?)
+            };
+            let fused = |y: &Tensor, x: &Tensor| -> Result<Tensor> {
+                fused_on_cuda(Some(x), y, ComputePath::Auto)?
+                    .ok_or_else(|| Error::invalid("the fused kernel did not run"))
+            };
+            let from_softmax = |y: &Tensor, x: &Tensor| -> Result<Tensor> {
+                let probs = candle_nn::ops::softmax_last_dim(x)?;
+                sce.call_with_logits(y, &probs, Some(x))
+            };
+            let from_logits = |y: &Tensor, x: &Tensor| sce.from_logits(true).call(y, x);
+            let (want, want_dx) = pass(&gpu, &generic)?;
+            let (cpu, cpu_dx) = pass(&Device::Cpu, &generic)?;
+            for (what, loss) in [
+                (
+                    "fused",
+                    &fused as &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>,
+                ),
+                ("from a softmax's logits", &from_softmax),
+                ("from logits", &from_logits),
+            ] {
+                let (got, dx) = pass(&gpu, loss)?;
+                let what = |part: &str| format!("({n}, {c}) {what}: {part}");
+                assert_close(&what("loss"), &got, &want, 1e-5)?;
+                assert_close(&what("gradient"), &dx, &want_dx, 1e-5)?;
+                assert_close(&what("loss against the CPU"), &got, &cpu, 1e-5)?;
+                assert_close(&what("gradient against the CPU"), &dx, &cpu_dx, 1e-5)?;
+            }
+        }
         Ok(())
     }
 

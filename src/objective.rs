@@ -15,7 +15,7 @@ use candle_core::Tensor;
 use crate::data::Targets;
 use crate::error::shape_with_batch;
 use crate::losses::Loss;
-use crate::{Error, Result};
+use crate::{ComputePath, Error, Result};
 
 /// The losses of a model's outputs and their weights: what a replica differentiates.
 ///
@@ -65,12 +65,14 @@ impl Objective {
 
     /// Each sample's loss `(batch,)`: the outputs' losses, weighted and summed, for targets
     /// `targets` and outputs `outputs` (one tensor each, in the model's order); `logits` are
-    /// those of the only output's softmax, when the model gives them.
+    /// those of the only output's softmax, when the model gives them; `path` is the code path
+    /// the model runs ([`Loss::call_on_path`]).
     pub(crate) fn per_sample(
         &self,
         targets: &[Tensor],
         outputs: &[Tensor],
         logits: Option<&Tensor>,
+        path: ComputePath,
     ) -> Result<Tensor> {
         if targets.len() != self.outputs.len() || outputs.len() != self.outputs.len() {
             return Err(Error::invalid(format!(
@@ -81,7 +83,9 @@ impl Objective {
             )));
         }
         if let [one] = &self.outputs[..] {
-            return one.loss.call_with_logits(&targets[0], &outputs[0], logits);
+            return one
+                .loss
+                .call_on_path(&targets[0], &outputs[0], logits, path);
         }
         let mut total: Option<Tensor> = None;
         for ((part, y), out) in self.outputs.iter().zip(targets).zip(outputs) {

@@ -1,6 +1,7 @@
 //! kandle's operations on CUDA devices, as candle custom ops on candle's own device and stream:
-//! batch normalisation and pooling on kandle's own CUDA kernels (the `cuda` feature), and
-//! convolutions through cuDNN (the `cudnn` feature).
+//! batch normalisation, pooling, the softmax cross-entropy and the optimizers' updates on
+//! kandle's own CUDA kernels (the `cuda` feature), and convolutions through cuDNN (the `cudnn`
+//! feature).
 //!
 //! **Batch normalisation and pooling** ([`batch_norm_train`], [`channel_affine`],
 //! [`max_pool2d`], [`avg_pool2d`], and the `_replay` forms that keep the op for calling its
@@ -13,6 +14,15 @@
 //! device in `f32` or `f64`, or `f16` or `bf16` computing (and keeping batch norm's statistics
 //! and parameters) in `f32`. The kernels are CUDA C compiled at run time with NVRTC, once per
 //! process, and loaded once per device.
+//!
+//! **The softmax cross-entropy** ([`sparse_softmax_cross_entropy`]) is `-log_softmax(x)[label]`
+//! of each row of `(N, C)` logits with its gradient, registered with candle's autograd, in
+//! two kernels; NaNs propagate as in PyTorch, and a label outside the classes is an error, as
+//! on the CPU.
+//!
+//! **The optimizers' updates** ([`sgd_step`], [`adam_step`]) write every `f32` variable of a
+//! device and its state in place in one launch, with the arithmetic of the CPU kernels of
+//! [`crate::optimizer`], bit for bit.
 //!
 //! Shapes, dtypes and devices the ops cannot take are errors ([`Error::InvalidInput`]) naming
 //! the op and what it got, as are failures inside cuDNN or NVRTC (as candle errors with the call
@@ -62,11 +72,13 @@ mod batch_norm;
 mod cache;
 #[cfg(feature = "cudnn")]
 mod conv;
+mod cross_entropy;
 #[cfg(feature = "cudnn")]
 mod descriptors;
 mod operands;
 #[cfg(feature = "cudnn")]
 mod ops;
+mod optimizer;
 #[cfg(feature = "cudnn")]
 mod params;
 mod pooling;
@@ -79,6 +91,10 @@ pub use batch_norm::{batch_norm_train, batch_norm_train_replay, channel_affine};
 pub use cache::{cache_stats, clear_caches, CacheStats};
 #[cfg(feature = "cudnn")]
 pub use conv::{conv2d, conv2d_input_grad, conv2d_kernel_grad};
+pub use cross_entropy::{
+    sparse_softmax_cross_entropy, sparse_softmax_cross_entropy_with, LabelCheck,
+};
+pub use optimizer::{adam_step, sgd_step, MomentumBuffers};
 #[cfg(feature = "cudnn")]
 pub use params::{AlgoSearch, Algorithms, Conv2dParams};
 pub use pooling::{avg_pool2d, avg_pool2d_replay, max_pool2d, max_pool2d_replay};

@@ -18,6 +18,11 @@
 //! The epsilon is added after the bias-corrected square root, as in PyTorch. Keras adds it to
 //! the uncorrected one, which differs only while `eps` is large against `sqrt(v)`. Defaults are
 //! Keras's: `eps = 1e-7`, and AdamW's weight decay 0.004.
+//!
+//! `f32` variables are updated in place by kandle's kernels: on the CPU one variable at a
+//! time, on a CUDA device (the `cuda` feature) all of the device's in one launch, unless the
+//! optimizer was built for a model on the device-generic path (`build_on_path`); candle's ops
+//! update the rest, with the same values (on the CPU bit for bit).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -28,6 +33,7 @@ use super::{
     check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig,
     OptimizerState,
 };
+use crate::kernels::optimizer::adam as kernel;
 use crate::{Error, Result};
 
 /// Adam: `Adam::new(1e-3)`, with `.betas(0.9, 0.999)`, `.epsilon(1e-7)` and an optional L2
@@ -194,6 +200,34 @@ impl<D: WeightDecay> OptimizerConfig for AdamFamily<D> {
     }
 
     fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
+        self.build_on_path(params, crate::ComputePath::from_env())
+    }
+
+    fn build_on_path(
+        &self,
+        params: Vec<Var>,
+        path: crate::ComputePath,
+    ) -> Result<Box<dyn Optimizer>> {
+        self.build_with(params, super::cuda_kernels(path))
+    }
+
+    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
+        Box::new(*self)
+    }
+
+    fn gradient_accumulation_steps(&self) -> usize {
+        self.gradient_accumulation_steps
+    }
+}
+
+impl<D: WeightDecay> AdamFamily<D> {
+    /// The optimizer for `params`, updating those on a CUDA device with kandle's CUDA kernels
+    /// when `cuda_kernels`.
+    pub(super) fn build_with(
+        &self,
+        params: Vec<Var>,
+        cuda_kernels: bool,
+    ) -> Result<Box<dyn Optimizer>> {
         let hyper = Hyper {
             name: D::NAME,
             beta_1: self.beta_1,
@@ -204,15 +238,7 @@ impl<D: WeightDecay> OptimizerConfig for AdamFamily<D> {
         };
         hyper.validate(self.learning_rate)?;
         super::check_accumulation(D::NAME, self.gradient_accumulation_steps)?;
-        Ok(Box::new(AdamState::new(hyper, params)?))
-    }
-
-    fn clone_config(&self) -> Box<dyn OptimizerConfig> {
-        Box::new(*self)
-    }
-
-    fn gradient_accumulation_steps(&self) -> usize {
-        self.gradient_accumulation_steps
+        Ok(Box::new(AdamState::new(hyper, params, cuda_kernels)?))
     }
 }
 
@@ -254,10 +280,14 @@ struct AdamState {
     v: Vec<Tensor>,
     /// Steps taken so far.
     t: u64,
+    /// Whether the variables on a CUDA device are updated by kandle's CUDA kernels (not on the
+    /// device-generic path).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cuda_kernels: bool,
 }
 
 impl AdamState {
-    fn new(hyper: Hyper, params: Vec<Var>) -> Result<Self> {
+    fn new(hyper: Hyper, params: Vec<Var>, cuda_kernels: bool) -> Result<Self> {
         // Two sets of zeros: the steps update the moments in place.
         let zeros = || {
             params
@@ -272,7 +302,30 @@ impl AdamState {
             m,
             v,
             t: 0,
+            cuda_kernels,
         })
+    }
+
+    /// Updates the variables kandle's CUDA kernels take (those of the first variable's CUDA
+    /// device) in one launch; returns which it updated. `rates` as [`update_in_place`]'s.
+    #[cfg(feature = "cuda")]
+    fn update_on_cuda(&self, grads: &[Tensor], rates: (f64, f64, f64)) -> Result<Vec<bool>> {
+        if !self.cuda_kernels {
+            return Ok(vec![false; self.params.len()]);
+        }
+        let (first, second, step) = kernel_ops(self.hyper, rates);
+        super::cuda::adam(
+            &self.params,
+            grads,
+            (&self.m, &self.v),
+            (&first, &second, &step),
+        )
+    }
+
+    /// Without the `cuda` feature, none.
+    #[cfg(not(feature = "cuda"))]
+    fn update_on_cuda(&self, _grads: &[Tensor], _rates: (f64, f64, f64)) -> Result<Vec<bool>> {
+        Ok(vec![false; self.params.len()])
     }
 }
 
@@ -287,8 +340,13 @@ impl Optimizer for AdamState {
         let bias_correction_2 = 1.0 - h.beta_2.powf(t as f64);
         let step_size = lr / bias_correction_1;
         let inv_sqrt_bc2 = 1.0 / bias_correction_2.sqrt();
-        let params = self.params.iter().zip(grads);
-        for ((param, grad), (m, v)) in params.zip(self.m.iter_mut().zip(self.v.iter_mut())) {
+        let on_cuda = self.update_on_cuda(grads, (lr, step_size, inv_sqrt_bc2))?;
+        let params = self.params.iter().zip(grads).zip(on_cuda);
+        for (((param, grad), done), (m, v)) in params.zip(self.m.iter_mut().zip(self.v.iter_mut()))
+        {
+            if done {
+                continue;
+            }
             let (p, moments) = (param.as_tensor(), (&*m, &*v));
             if update_in_place(p, grad, moments, h, (lr, step_size, inv_sqrt_bc2))? {
                 continue;
@@ -367,41 +425,44 @@ fn update_in_place(
     h: Hyper,
     (lr, step_size, inv_sqrt_bc2): (f64, f64, f64),
 ) -> Result<bool> {
-    use crate::kernels::optimizer::adam::{AdamStep, FirstMoment, SecondMoment, WeightDecay};
     let fits = |t: &Tensor| {
         t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
     };
     if ![p, grad, m, v].into_iter().all(fits) {
         return Ok(false);
     }
+    let (first, second, step) = kernel_ops(h, (lr, step_size, inv_sqrt_bc2));
+    m.inplace_op3(grad, p, &first)?;
+    v.inplace_op3(grad, p, &second)?;
+    p.inplace_op3(m, v, &step)?;
+    Ok(true)
+}
+
+/// The kernels' three ops of a step (the moments' and the variable's) for `h` at `rates` (the
+/// learning rate, the step size and `1 / sqrt(bc2)`), on the CPU and on CUDA devices alike.
+fn kernel_ops(
+    h: Hyper,
+    (lr, step_size, inv_sqrt_bc2): (f64, f64, f64),
+) -> (kernel::FirstMoment, kernel::SecondMoment, kernel::AdamStep) {
     let decay = match (h.weight_decay != 0.0, h.decoupled) {
-        (true, false) => WeightDecay::L2(h.weight_decay),
-        _ => WeightDecay::None,
+        (true, false) => kernel::WeightDecay::L2(h.weight_decay),
+        _ => kernel::WeightDecay::None,
     };
-    m.inplace_op3(
-        grad,
-        p,
-        &FirstMoment {
-            beta: h.beta_1,
-            decay,
-        },
-    )?;
-    v.inplace_op3(
-        grad,
-        p,
-        &SecondMoment {
-            beta: h.beta_2,
-            decay,
-        },
-    )?;
-    let step = AdamStep {
+    let first = kernel::FirstMoment {
+        beta: h.beta_1,
+        decay,
+    };
+    let second = kernel::SecondMoment {
+        beta: h.beta_2,
+        decay,
+    };
+    let step = kernel::AdamStep {
         step_size,
         inv_sqrt_bc2,
         epsilon: h.epsilon,
         decay_factor: (h.weight_decay != 0.0 && h.decoupled).then_some(1.0 - lr * h.weight_decay),
     };
-    p.inplace_op3(m, v, &step)?;
-    Ok(true)
+    (first, second, step)
 }
 
 /// The slot of the first moments.

@@ -9,6 +9,8 @@
 //! stop and resume exactly.
 
 mod adam;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod sgd;
 mod state;
 
@@ -19,7 +21,14 @@ pub use state::{NamedOptimizerState, OptimizerState};
 
 use candle_core::{Tensor, Var};
 
-use crate::{Error, Result};
+use crate::{ComputePath, Error, Result};
+
+/// Whether an optimizer built for a model on `path` updates its `f32` variables on CUDA devices
+/// with kandle's CUDA kernels: with the `cuda` feature, unless `path` is the device-generic one,
+/// which keeps candle's ops.
+fn cuda_kernels(path: ComputePath) -> bool {
+    cfg!(feature = "cuda") && path.uses_kernels()
+}
 
 /// An optimizer's hyper-parameters: builds the stateful [`Optimizer`] for a set of variables.
 pub trait OptimizerConfig: Send + Sync + 'static {
@@ -28,6 +37,16 @@ pub trait OptimizerConfig: Send + Sync + 'static {
 
     /// The optimizer for `params`, with fresh state.
     fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>>;
+
+    /// [`Self::build`] for a model that runs the code path `path` ([`ComputePath`]; a model
+    /// builds its optimizer this way): kandle's optimizers update `f32` variables on a CUDA
+    /// device with kandle's fused kernels unless `path` is the device-generic one. `build`
+    /// alone takes the path from the environment ([`ComputePath::from_env`]). The default
+    /// ignores the path.
+    fn build_on_path(&self, params: Vec<Var>, path: ComputePath) -> Result<Box<dyn Optimizer>> {
+        let _ = path;
+        self.build(params)
+    }
 
     /// A boxed copy.
     fn clone_config(&self) -> Box<dyn OptimizerConfig>;

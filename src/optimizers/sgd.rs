@@ -12,7 +12,11 @@
 //! p   = p - lr * g
 //! ```
 //!
-//! Candle's own `SGD` has no momentum, hence this one.
+//! Candle's own `SGD` has no momentum, hence this one. `f32` variables are updated in place by
+//! kandle's kernels: on the CPU one variable at a time, on a CUDA device (the `cuda` feature)
+//! all of the device's in one launch, unless the optimizer was built on the device-generic path
+//! (`build_on_path`); candle's ops update the rest, with the same values (on
+//! the CPU bit for bit).
 
 use candle_core::{Tensor, Var};
 
@@ -94,6 +98,23 @@ impl Sgd {
         self
     }
 
+    /// The optimizer for `params`, updating those on a CUDA device with kandle's CUDA kernels
+    /// when `cuda_kernels`.
+    pub(super) fn build_with(
+        &self,
+        params: Vec<Var>,
+        cuda_kernels: bool,
+    ) -> Result<Box<dyn Optimizer>> {
+        self.validate()?;
+        let buffers = vec![None; params.len()];
+        Ok(Box::new(SgdState {
+            config: *self,
+            params,
+            buffers,
+            cuda_kernels,
+        }))
+    }
+
     fn validate(&self) -> Result<()> {
         check_lr("SGD", self.learning_rate)?;
         check_unit("SGD", "momentum", self.momentum)?;
@@ -114,13 +135,15 @@ impl OptimizerConfig for Sgd {
     }
 
     fn build(&self, params: Vec<Var>) -> Result<Box<dyn Optimizer>> {
-        self.validate()?;
-        let buffers = vec![None; params.len()];
-        Ok(Box::new(SgdState {
-            config: *self,
-            params,
-            buffers,
-        }))
+        self.build_on_path(params, crate::ComputePath::from_env())
+    }
+
+    fn build_on_path(
+        &self,
+        params: Vec<Var>,
+        path: crate::ComputePath,
+    ) -> Result<Box<dyn Optimizer>> {
+        self.build_with(params, super::cuda_kernels(path))
     }
 
     fn clone_config(&self) -> Box<dyn OptimizerConfig> {
@@ -143,6 +166,28 @@ struct SgdState {
     params: Vec<Var>,
     /// Detached momentum buffers; `None` before the first step or without momentum.
     buffers: Vec<Option<Tensor>>,
+    /// Whether the variables on a CUDA device are updated by kandle's CUDA kernels (not on the
+    /// device-generic path).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cuda_kernels: bool,
+}
+
+impl SgdState {
+    /// Updates the variables kandle's CUDA kernels take (those of the first variable's CUDA
+    /// device) in one launch; returns which it updated.
+    #[cfg(feature = "cuda")]
+    fn update_on_cuda(&mut self, grads: &[Tensor], lr: f64) -> Result<Vec<bool>> {
+        if !self.cuda_kernels {
+            return Ok(vec![false; self.params.len()]);
+        }
+        super::cuda::sgd(&self.params, grads, &mut self.buffers, self.config, lr)
+    }
+
+    /// Without the `cuda` feature, none.
+    #[cfg(not(feature = "cuda"))]
+    fn update_on_cuda(&mut self, _grads: &[Tensor], _lr: f64) -> Result<Vec<bool>> {
+        Ok(vec![false; self.params.len()])
+    }
 }
 
 impl Optimizer for SgdState {
@@ -155,7 +200,12 @@ impl Optimizer for SgdState {
             weight_decay: wd,
             ..
         } = self.config;
-        for ((param, grad), buffer) in self.params.iter().zip(grads).zip(&mut self.buffers) {
+        let on_cuda = self.update_on_cuda(grads, lr)?;
+        let vars = self.params.iter().zip(grads).zip(&mut self.buffers);
+        for (((param, grad), buffer), done) in vars.zip(on_cuda) {
+            if done {
+                continue;
+            }
             let p = param.as_tensor();
             if update_in_place(p, grad, buffer.as_ref(), self.config, lr)? {
                 continue;

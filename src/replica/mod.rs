@@ -166,6 +166,8 @@ pub struct Replica {
     layout: Arc<StepLayout>,
     summary: Summary,
     records_backward: bool,
+    /// The code path the model runs, for the loss ([`crate::losses::Loss::call_on_path`]).
+    compute_path: ComputePath,
     /// Mixed precision's dynamic loss scale and the variable holding its state.
     loss_scale: Option<(LossScale, Var)>,
     /// The micro-batches accumulated since the last step buffer (gradient accumulation): their
@@ -232,7 +234,9 @@ impl Replica {
             .map(|p| p.name.clone())
             .collect();
         let statistics = store.statistics();
-        let optimizer = spec.optimizer.build(trainable.clone())?;
+        let optimizer = spec
+            .optimizer
+            .build_on_path(trainable.clone(), spec.compute_path)?;
         let layout = Arc::new(StepLayout {
             grads: FusedLayout::from_shapes(trainable.iter().map(|v| v.shape().clone())),
             num_stats: spec.num_stats(),
@@ -250,6 +254,7 @@ impl Replica {
             layout,
             summary,
             records_backward: spec.compute_path.records_backward(&device),
+            compute_path: spec.compute_path,
             loss_scale,
             device,
             accumulated: Mutex::new(None),
@@ -495,7 +500,9 @@ impl Replica {
         logits: Option<&Tensor>,
         part: &Batch,
     ) -> Result<Tensor> {
-        let per_sample = self.loss.per_sample(&part.targets, outputs, logits)?;
+        let per_sample = self
+            .loss
+            .per_sample(&part.targets, outputs, logits, self.compute_path)?;
         let per_sample = match &part.weights {
             Some(w) => (per_sample.broadcast_mul(&w.to_dtype(per_sample.dtype())?))?,
             None => per_sample,

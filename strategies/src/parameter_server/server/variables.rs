@@ -51,7 +51,7 @@ impl Variables {
             .map(|p| p.var.clone())
             .collect();
         Ok(Self {
-            optimizer: spec.optimizer.build(trainable)?,
+            optimizer: spec.optimizer.build_on_path(trainable, spec.compute_path)?,
             layout: sharding.layouts[index].clone(),
             sharding: sharding.clone(),
             replica,

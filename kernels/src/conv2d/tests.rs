@@ -598,7 +598,11 @@ fn bad_shapes_and_types_are_errors() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Median wall time of `f` over `reps` runs after one warm-up, in milliseconds.
+/// Median wall time of `f` over `reps` runs after one warm-up, in milliseconds. The test runs on
+/// a thread of libtest's, whose glibc arena unmaps its heaps as they fall empty: without the
+/// environment above (one arena, the main heap kept, as `kandle::keep_freed_memory` sets for a
+/// program), a pass whose buffers pass tens of megabytes (Winograd's transformed kernels of 512
+/// channels) faults them in afresh every run and times that too.
 fn median_ms(reps: usize, mut f: impl FnMut() -> anyhow::Result<Tensor>) -> anyhow::Result<f64> {
     f()?;
     let mut times = Vec::with_capacity(reps);
@@ -657,7 +661,8 @@ fn time_passes(
 /// Times the three passes of every convolution of MiniGoogLeNet at batch 64 against candle's
 /// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
 /// `conv2d` for the kernel). Run with
-/// `cargo test --release -p kandle-kernels --lib timings_mini_googlenet -- --ignored --nocapture`.
+/// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 cargo test --release -p kandle-kernels
+/// --lib timings_mini_googlenet -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand in a release build"]
 fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
@@ -738,7 +743,8 @@ fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
 /// Times the three passes of each distinct convolution of ResNet-50 on 224x224 images at batch
 /// 16 (torchvision's shapes: the 7x7 stem, the bottlenecks' 1x1 products, their 3x3 layers and
 /// the strided projections), the kernels alone. Run with
-/// `cargo test --release -p kandle-kernels --lib timings_resnet50 -- --ignored --nocapture`.
+/// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 cargo test --release -p kandle-kernels
+/// --lib timings_resnet50 -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand in a release build"]
 fn timings_resnet50_batch_16() -> anyhow::Result<()> {
@@ -773,7 +779,8 @@ fn timings_resnet50_batch_16() -> anyhow::Result<()> {
 
 /// Times the three passes of ResNet-18's convolutions (the small-image variant, CIFAR's 32x32
 /// images) at batch 64. Run with
-/// `cargo test --release -p kandle-kernels --lib timings_resnet18 -- --ignored --nocapture`.
+/// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 cargo test --release -p kandle-kernels
+/// --lib timings_resnet18 -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand"]
 fn timings_resnet18_batch_64() -> anyhow::Result<()> {

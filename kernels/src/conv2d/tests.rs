@@ -662,8 +662,8 @@ fn time_passes(
 /// `conv2d` and the ops its backward pass uses (`conv_transpose2d` for the input, a transposed
 /// `conv2d` for the kernel). Run with
 /// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 MALLOC_TRIM_THRESHOLD_=4294967295
-/// cargo test --release -p kandle-kernels
-/// --lib timings_mini_googlenet -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
+/// cargo test --release -p kandle-kernels --lib timings_mini_googlenet -- --ignored --nocapture`
+/// (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand in a release build"]
 fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
@@ -745,8 +745,8 @@ fn timings_mini_googlenet_batch_64() -> anyhow::Result<()> {
 /// 16 (torchvision's shapes: the 7x7 stem, the bottlenecks' 1x1 products, their 3x3 layers and
 /// the strided projections), the kernels alone. Run with
 /// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 MALLOC_TRIM_THRESHOLD_=4294967295
-/// cargo test --release -p kandle-kernels
-/// --lib timings_resnet50 -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
+/// cargo test --release -p kandle-kernels --lib timings_resnet50 -- --ignored --nocapture`
+/// (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand in a release build"]
 fn timings_resnet50_batch_16() -> anyhow::Result<()> {
@@ -782,8 +782,8 @@ fn timings_resnet50_batch_16() -> anyhow::Result<()> {
 /// Times the three passes of ResNet-18's convolutions (the small-image variant, CIFAR's 32x32
 /// images) at batch 64. Run with
 /// `MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=536870912 MALLOC_TRIM_THRESHOLD_=4294967295
-/// cargo test --release -p kandle-kernels
-/// --lib timings_resnet18 -- --ignored --nocapture` (see [`median_ms`] for the allocator settings).
+/// cargo test --release -p kandle-kernels --lib timings_resnet18 -- --ignored --nocapture`
+/// (see [`median_ms`] for the allocator settings).
 #[test]
 #[ignore = "timing, run by hand"]
 fn timings_resnet18_batch_64() -> anyhow::Result<()> {

@@ -4,7 +4,7 @@
 # One command, about 4 minutes on an H100:
 #
 #   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
-#                                # bench-*.json (5), epoch.json
+#                                # bench-*.json (6), epoch.json
 #
 # In order, each step under its own time limit, every step run whatever the ones before did:
 #   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
@@ -18,15 +18,18 @@
 #      cuda_softmax_cross_entropy.rs, when gpu-bin/ has them);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
-#      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops) and the rest
-#      of kandle's unit tests on this machine;
+#      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops), the recorded
+#      backward pass on the GPU against candle's autograd (replica::tests, also with cudnn) and
+#      the rest of kandle's unit tests on this machine;
 #   4. digits to 97% on the GPU (also under mixed_float16 and mixed_bfloat16), 20 steps against
 #      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage,
 #      training states between GPU and CPU, NCCL with one rank (tests/gpu.rs); ResNet-18 against
 #      PyTorch's float64 step on torchvision's weights (parity-files, parity);
 #   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the
-#      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images; under
-#      mixed_float16 and mixed_bfloat16 against PyTorch's autocast at batch 256;
+#      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images; kandle's steps
+#      with the driver's default memory pool (KANDLE_CUDA_SETTINGS=default), what the pool's
+#      setting buys; under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
+#      batch 256;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
 #   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
@@ -124,9 +127,20 @@ step layers-cuda-vs-cpu 120 "$BIN/kandle-lib" --include-ignored --exact \
 # (optimizers::cuda) and the sparse cross-entropy (losses) on the kernels against candle's ops.
 step layers-cuda-kernels 60 "$BIN/kandle-lib" --include-ignored \
   cuda_kernels_match_the_device_generic_path --nocapture
+# A CNN and a functional graph training four steps through the recorded backward pass on the
+# GPU against candle's autograd over the same kernels, in float32, mixed_float16 and
+# mixed_bfloat16 (seconds).
+step replica-recorded-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
+  replica::tests::recorded_steps_on_cuda_match_autograd --nocapture
+# A device kandle opens keeps the memory freed on it in its pool across synchronisations.
+step cuda-memory-pool 30 "$BIN/kandle-lib" --include-ignored --exact \
+  devices::tests::a_cuda_device_keeps_freed_memory_in_its_pool
 if [[ -x $BIN/kandle-lib-cudnn ]]; then
   step layers-cudnn-vs-cpu 120 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
     layers::tests::cuda_outputs_and_gradients_match_the_cpu --nocapture
+  # The same recorded steps with Conv2D on cuDNN, its gradients called by the recorded pass.
+  step replica-recorded-cudnn 60 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
+    replica::tests::recorded_steps_on_cuda_match_autograd --nocapture
 fi
 step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
@@ -150,6 +164,9 @@ bench() { # bench NAME LIMIT BINARY ARGS...
 }
 bench bench-64 120 bench --batch 64 --pytorch-configs eager,channels_last --epoch-images 50000
 bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
+# What the memory pool's setting buys: kandle's steps with the driver's default pool.
+step bench-64-default-pool 60 env KANDLE_CUDA_SETTINGS=default "$BIN/bench" --device cuda:0 \
+  --warmup 3 --iters 10 --batch 64 --no-pytorch --no-ops --json "$OUT/bench-64-default-pool.json"
 
 # Mixed precision: kandle's policies against PyTorch's autocast (float16 with a GradScaler, and
 # bfloat16) and float32, on the same GPU.

@@ -15,7 +15,9 @@ const COMPUTE_ENV: &str = "KANDLE_COMPUTE";
 /// On the CPU, `f32` tensors go through kandle's own kernels and a replica trains through the
 /// layers' recorded backward pass. On CUDA devices (the `cuda` feature) batch normalisation and
 /// pooling run kandle's CUDA kernels (convolutions cuDNN's with `cudnn`), the other layers
-/// compose candle's device-generic ops, and candle's autograd differentiates them.
+/// compose candle's device-generic ops, and a replica trains through the recorded backward
+/// pass too: the layers with a CUDA kernel record its backward, the others their backward in
+/// candle's ops or, one layer at a time, under candle's autograd.
 /// [`ComputePath::DeviceGeneric`] makes every layer compose candle's ops on any device, so the
 /// code a GPU runs without kandle's kernels is exercised, and can be compared, on a machine
 /// without one; [`ComputePath::Autograd`]
@@ -51,15 +53,17 @@ const COMPUTE_ENV: &str = "KANDLE_COMPUTE";
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum ComputePath {
-    /// The default: kandle's kernels for `f32` CPU tensors, and the recorded backward pass on
-    /// the CPU. Other devices take the device-generic path.
+    /// The default: kandle's kernels for the tensors they take (`f32` on the CPU; on CUDA
+    /// devices, with the `cuda` feature, batch normalisation and pooling), and the recorded
+    /// backward pass on the CPU and on CUDA devices. Other devices take the device-generic
+    /// path.
     #[default]
     Auto,
     /// kandle's kernels for `f32` CPU tensors, differentiated by candle's autograd (the
     /// kernels register their backward passes with candle).
     Autograd,
-    /// No kandle kernel and candle's autograd: the path every non-CPU device takes, here taken
-    /// by CPU tensors too.
+    /// No kandle kernel and candle's autograd: the path a device without kandle's kernels
+    /// takes, here taken by CPU and CUDA tensors too.
     DeviceGeneric,
 }
 
@@ -82,9 +86,13 @@ impl ComputePath {
     }
 
     /// Whether a replica on `device` trains through the layers' recorded backward pass rather
-    /// than candle's autograd: only [`ComputePath::Auto`] on the CPU does.
+    /// than candle's autograd: [`ComputePath::Auto`] on the CPU and on CUDA devices does (each
+    /// layer records its kernel's backward where it has one for the tensor, its backward in
+    /// candle's ops or under candle's autograd otherwise, with the same gradients);
+    /// [`ComputePath::Autograd`] and [`ComputePath::DeviceGeneric`] keep candle's autograd, for
+    /// comparison.
     pub fn records_backward(self, device: &Device) -> bool {
-        self == ComputePath::Auto && device.is_cpu()
+        self == ComputePath::Auto && (device.is_cpu() || device.is_cuda())
     }
 
     /// The name [`Self::from_env`] and [`FromStr`] accept.

@@ -475,7 +475,12 @@ impl FastPath for BatchNormLayer {
             return record_with_candle(self, x, true);
         }
         if self.inference {
-            return self.record_inference(x);
+            // The explicit backward computes in `float32`, the running statistics' dtype; a
+            // half-precision input (mixed precision) is recorded through candle's autograd.
+            return match x.dtype() {
+                DType::F32 => self.record_inference(x),
+                _ => record_with_candle(self, x, false),
+            };
         }
         let Some(fused) = self.fused(x).filter(|_| self.sync.is_none()) else {
             return record_with_candle(self, x, false);

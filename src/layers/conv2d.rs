@@ -3,7 +3,10 @@
 //!
 //! `f32` tensors on the CPU go through the GEMM kernel in [`crate::kernels::conv2d`]; other
 //! devices and types, and every tensor of a layer built for
-//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric), use candle's `conv2d`.
+//! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric), use candle's `conv2d`
+//! (kandle's cuDNN op on CUDA devices with the `cudnn` feature). The recorded backward pass
+//! calls the CPU kernel's backward, or cuDNN's two gradient operations on a CUDA device, and
+//! records candle's `conv2d` under candle's autograd elsewhere.
 
 use candle_core::{DType, Tensor};
 
@@ -243,16 +246,12 @@ impl Conv2DLayer {
         #[cfg(feature = "cudnn")]
         if x.device().is_cuda() {
             // kandle's cuDNN op: algorithms searched once per shape and kept, one workspace;
-            // candle's autograd differentiates it through cuDNN's two gradient operations.
-            let params = kernels::cuda::Conv2dParams {
-                stride: self.stride,
-                padding: self.pad,
-                ..Default::default()
-            };
+            // candle's autograd differentiates it through cuDNN's two gradient operations,
+            // which the recorded pass calls itself (`record_cudnn`).
             return Ok(kernels::cuda::conv2d(
                 &x.contiguous()?,
                 &weight.contiguous()?,
-                params,
+                self.cudnn_params(),
             )?);
         }
         if pt == pb && pl == pr && pt == pl && self.stride.0 == self.stride.1 {
@@ -267,6 +266,10 @@ impl Conv2DLayer {
     /// backward pass, or candle's autograd over candle's ops when the kernel does not take `x`.
     fn record_convolution(&self, x: &Tensor) -> Result<Recorded> {
         if !self.kernel_takes(x) {
+            #[cfg(feature = "cudnn")]
+            if x.device().is_cuda() {
+                return self.record_cudnn(x);
+            }
             return record_with_candle(&Convolution(self), x, false);
         }
         let weight = self.weight.detach();
@@ -285,6 +288,57 @@ impl Conv2DLayer {
                     .then(|| (self.weight.clone(), self.bias.clone())),
                 window,
                 adds_in_place,
+            },
+        ))
+    }
+}
+
+#[cfg(feature = "cudnn")]
+impl Conv2DLayer {
+    /// The window of kandle's cuDNN convolution.
+    fn cudnn_params(&self) -> kernels::cuda::Conv2dParams {
+        kernels::cuda::Conv2dParams {
+            stride: self.stride,
+            padding: self.pad,
+            ..Default::default()
+        }
+    }
+
+    /// The recorded convolution with its bias on a CUDA device: kandle's cuDNN forward, and
+    /// cuDNN's two gradient operations called directly by the backward pass, in the layer's
+    /// compute dtype; the gradients are cast back as candle's autograd casts them (the
+    /// variables' to theirs, the input's to the input's).
+    fn record_cudnn(&self, x: &Tensor) -> Result<Recorded> {
+        let params = self.cudnn_params();
+        let input = x.to_dtype(self.compute)?.contiguous()?;
+        let weight = self.weight.detach().to_dtype(self.compute)?.contiguous()?;
+        let y = kernels::cuda::conv2d(&input, &weight, params)?;
+        let y = match &self.bias {
+            Some(b) => {
+                let b = b.detach().to_dtype(self.compute)?;
+                y.broadcast_add(&b.reshape((1, b.dim(0)?, 1, 1))?)?
+            }
+            None => y,
+        };
+        let vars = self
+            .trainable
+            .then(|| (self.weight.clone(), self.bias.clone()));
+        let input_dtype = x.dtype();
+        Ok(Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                if let Some((weight_var, bias_var)) = vars {
+                    let dw = kernels::cuda::conv2d_kernel_grad(&input, &dy, weight.dims(), params)?;
+                    grads.add(&weight_var, dw.to_dtype(weight_var.dtype())?)?;
+                    if let Some(b) = bias_var {
+                        grads.add(&b, dy.sum(&[0usize, 2, 3][..])?.to_dtype(b.dtype())?)?;
+                    }
+                }
+                if !input_grad {
+                    return Ok(None);
+                }
+                let dx = kernels::cuda::conv2d_input_grad(&dy, &weight, input.dims(), params)?;
+                Ok(Some(dx.to_dtype(input_dtype)?))
             },
         ))
     }

@@ -133,24 +133,32 @@ impl DenseLayer {
         })
     }
 
-    /// The recorded `x W^T + b`, before the activation.
+    /// The recorded `x W^T + b`, before the activation, in the layer's compute dtype: the
+    /// input and the variables are cast to it (a no-op in `float32`), and the gradients are cast
+    /// back, the variables' to `float32` and the input's to the input's dtype, as candle's
+    /// autograd casts them.
     fn record_affine(&self, x: &Tensor) -> Result<Recorded> {
-        let weight = self.weight.detach();
-        let y = Self::affine(x, &weight, self.bias.as_ref().map(Tensor::detach).as_ref())?;
+        let cast = |t: &Tensor| t.to_dtype(self.compute);
+        let weight = cast(&self.weight.detach())?;
+        let input = cast(x)?;
+        let bias = self.bias.as_ref().map(|b| cast(&b.detach())).transpose()?;
+        let y = Self::affine(&input, &weight, bias.as_ref())?;
+        let input_dtype = x.dtype();
         let params = self
             .trainable
-            .then(|| (x.clone(), self.weight.clone(), self.bias.clone()));
+            .then(|| (input, self.weight.clone(), self.bias.clone()));
         Ok(Recorded::new(
             y,
             move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
                 if let Some((x, weight_var, bias_var)) = params {
-                    grads.add(&weight_var, dy.t()?.matmul(&x)?)?;
+                    let dw = dy.t()?.matmul(&x)?.to_dtype(weight_var.dtype())?;
+                    grads.add(&weight_var, dw)?;
                     if let Some(b) = bias_var {
-                        grads.add(&b, dy.sum(0)?)?;
+                        grads.add(&b, dy.sum(0)?.to_dtype(b.dtype())?)?;
                     }
                 }
                 Ok(if input_grad {
-                    Some(dy.matmul(&weight)?)
+                    Some(dy.matmul(&weight)?.to_dtype(input_dtype)?)
                 } else {
                     None
                 })

@@ -27,9 +27,11 @@ pub(crate) trait FastPath: Layer + AsLayer {
     /// be run with `input_grad` false.
     ///
     /// The default runs this layer alone under candle's autograd ([`record_with_candle`]),
-    /// keeping the logits the layer gives when asked for them; layers with CPU kernels record
-    /// their kernels' backward passes instead, and those that give no logits leave a request
-    /// for logits to the default.
+    /// keeping the logits the layer gives when asked for them; layers with kernels record
+    /// their kernels' backward passes instead (where a kernel takes the tensor: its device and
+    /// dtype), others their backward in candle's ops, and those that give no logits leave a
+    /// request for logits to the default. Whatever the device, the gradients are those of
+    /// candle's autograd over [`Layer::forward_t`].
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         record_with_candle(self, x, request.logits)
     }

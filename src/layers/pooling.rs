@@ -8,8 +8,9 @@
 //! TensorFlow does. For `f32` tensors on the CPU, all three run the dedicated kernels of
 //! [`crate::kernels::pooling`] instead, with the same results, unless they are built for
 //! [`ComputePath::DeviceGeneric`](crate::ComputePath::DeviceGeneric). With the `cuda` feature,
-//! the max and average pools run the same kernels of `kandle_kernels::cuda` for tensors on a
-//! CUDA device (`f32`, `f64`, or `f16` and `bf16` computing in `f32`), on the same condition.
+//! the three run the same kernels of `kandle_kernels::cuda` for tensors on a CUDA device
+//! (`f32`, `f64`, or `f16` and `bf16` computing in `f32`), on the same condition; the recorded
+//! backward pass calls the kernels' backward passes directly, on both devices.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -497,8 +498,15 @@ fn whole_plane(x: &Tensor) -> Result<PoolWindow> {
 
 /// A built [`GlobalAveragePooling2D`].
 struct GlobalPoolLayer {
-    /// Whether the layer may call the CPU kernel (see [`crate::ComputePath::uses_kernels`]).
+    /// Whether the layer may call the kernels (see [`crate::ComputePath::uses_kernels`]).
     kernels: bool,
+}
+
+impl GlobalPoolLayer {
+    /// The average pooling kernels that take `x`, where the layer may call kernels.
+    fn kernels_for(&self, x: &Tensor) -> Option<PoolKernels> {
+        self.kernels.then(|| PoolKernels::of(x)).flatten()
+    }
 }
 
 /// The recipe used directly as a layer, without building it, takes the default path.
@@ -516,19 +524,27 @@ impl FastPath for GlobalAveragePooling2D {
 
 impl Layer for GlobalPoolLayer {
     fn forward_t(&self, x: &Tensor, _train: bool) -> Result<Tensor> {
-        if self.kernels && kernels::supported(x) {
-            return Ok(kernels::avg_pool2d(x, &whole_plane(x)?)?.flatten_from(1)?);
+        match self.kernels_for(x) {
+            Some(PoolKernels::Cpu) => {
+                Ok(kernels::avg_pool2d(x, &whole_plane(x)?)?.flatten_from(1)?)
+            }
+            // The CUDA kernel's pool, differentiable through its own backward pass.
+            #[cfg(feature = "cuda")]
+            Some(ops @ PoolKernels::Cuda) => {
+                let replay = ops.replay(PoolKind::Average, x, &whole_plane(x)?)?;
+                Ok(replay.output().flatten_from(1)?)
+            }
+            None => Ok(x.mean((2, 3))?),
         }
-        Ok(x.mean((2, 3))?)
     }
 }
 
 impl FastPath for GlobalPoolLayer {
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
-        if request.logits || !self.kernels || !kernels::supported(x) {
+        let Some(ops) = self.kernels_for(x).filter(|_| !request.logits) else {
             return record_with_candle(self, x, request.logits);
-        }
-        let replay = kernels::avg_pool2d_replay(x, &whole_plane(x)?)?;
+        };
+        let replay = ops.replay(PoolKind::Average, x, &whole_plane(x)?)?;
         let y = replay.output().flatten_from(1)?;
         Ok(record_replay(replay, y))
     }

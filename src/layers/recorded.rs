@@ -9,9 +9,11 @@
 //! really fans out (the branches of a [`Concat`](super::Concat)), and never computes the
 //! gradient of the images.
 //!
-//! Layers with a CPU kernel record their kernels' backward passes directly; any other layer
-//! gets [`record_with_candle`], which runs that one layer under candle's autograd, so every
-//! network can be trained this way and gives the same gradients.
+//! Layers with a kernel for the tensor (kandle's CPU kernels; on CUDA devices its CUDA kernels
+//! and, with `cudnn`, cuDNN's convolution gradients) record their kernels' backward passes
+//! directly; others write their backward out in candle's ops, which run on any device, or get
+//! [`record_with_candle`], which runs that one layer under candle's autograd, so every network
+//! can be trained this way, on any device, and gives the same gradients.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -148,7 +150,7 @@ impl ParamGrads {
 /// gives the input's gradient and every variable's. With `with_logits`, the layer's
 /// [`Layer::forward_with_logits`] runs and its logits are kept; otherwise its
 /// [`Layer::forward_t`]. This is the default of [`FastPath::forward_recorded`]; it costs a copy of
-/// the input, so layers with a CPU kernel record their own backward instead.
+/// the input, so layers with a kernel record their own backward instead.
 pub fn record_with_candle<L: Layer + ?Sized>(
     layer: &L,
     x: &Tensor,

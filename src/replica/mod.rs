@@ -9,6 +9,8 @@
 pub mod fused;
 mod stage;
 pub mod step;
+#[cfg(test)]
+mod tests;
 
 use stage::StagePosition;
 pub use stage::StageStep;
@@ -260,6 +262,17 @@ impl Replica {
             accumulated: Mutex::new(None),
             position,
         })
+    }
+
+    /// This replica, training through the recorded backward pass when `on` and candle's
+    /// autograd otherwise, whatever its compute path chose. Built for
+    /// [`ComputePath::DeviceGeneric`] and recording, its layers record their backward passes as
+    /// they do on a device without a kandle kernel for them: in candle's ops, or under candle's
+    /// autograd one layer at a time.
+    #[cfg(test)]
+    pub(crate) fn recording_backward(mut self, on: bool) -> Self {
+        self.records_backward = on;
+        self
     }
 
     /// The device this replica runs on.

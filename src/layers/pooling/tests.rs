@@ -4,8 +4,8 @@
 //! path), forward and gradients, over seeded random shapes with odd sizes, batch 1, one
 //! channel, strides 1 and 2, `same` and `valid`, and max pooling's inference (the maxima
 //! without their positions) against its training forward. With the `cuda` feature and a GPU
-//! (`#[ignore]`d), the max and average pools on kandle's CUDA kernels against the same layers on
-//! candle's ops there.
+//! (`#[ignore]`d), the max, average and global average pools on kandle's CUDA kernels against
+//! the same layers on candle's ops there.
 
 use super::*;
 use crate::layers::{
@@ -319,5 +319,57 @@ fn cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
         distinguishable,
         "candle's ops gave the kernels' bits in every case: the check cannot tell the paths apart"
     );
+    Ok(())
+}
+
+/// On a CUDA device global average pooling runs the CUDA average pool over each whole plane:
+/// its output, its input's gradient through candle's autograd and through the recorded pass
+/// (the kernel's backward), and inference agree with the layer built for
+/// [`ComputePath::DeviceGeneric`] (candle's `mean`), for `f32` and `f16` inputs.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn global_average_pool_cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
+    let gpu = crate::devices::cuda(0)?;
+    for (i, shape) in [[2, 3, 5, 7], [1, 4, 8, 8]].into_iter().enumerate() {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::F16, 1e-2)] {
+            let what =
+                |part: &str| format!("global average pool on {shape:?} in {dtype:?}: {part}");
+            let build = |path| -> anyhow::Result<Box<dyn FastPath>> {
+                let mut ctx = BuildContext::new(&gpu, 0).with_compute_path(path);
+                Ok(GlobalAveragePooling2D.build(&mut ctx, &shape[1..])?.layer)
+            };
+            let (kernel, generic) = (
+                build(ComputePath::Auto)?,
+                build(ComputePath::DeviceGeneric)?,
+            );
+            let x = random(&shape, 40 + i as u64, 0.0)?
+                .to_device(&gpu)?
+                .to_dtype(dtype)?;
+            let x = Var::from_tensor(&x)?;
+            let dy = random(&shape[..2], 8, 0.0)?
+                .to_device(&gpu)?
+                .to_dtype(dtype)?;
+            let pass = |layer: &dyn FastPath| -> anyhow::Result<(Tensor, Tensor)> {
+                let y = layer.forward_t(x.as_tensor(), true)?;
+                let dx = gradients(&(&y * &dy)?.sum_all()?, &[x.as_tensor()])?;
+                Ok((y, dx[0].clone()))
+            };
+            let (y, dx) = pass(kernel.as_ref())?;
+            let (want_y, want_dx) = pass(generic.as_ref())?;
+            assert_eq!(y.dtype(), dtype, "{}", what("output dtype"));
+            assert_close(&what("y"), &y, &want_y, tol)?;
+            assert_close(&what("dx"), &dx, &want_dx, tol)?;
+            let recorded = kernel.forward_recorded(x.as_tensor(), RecordRequest::output())?;
+            let recorded_dx = recorded
+                .backward
+                .backward(dy, &mut ParamGrads::new(), true)?
+                .ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+            assert_close(&what("recorded y"), &recorded.output, &want_y, tol)?;
+            assert_close(&what("recorded dx"), &recorded_dx, &want_dx, tol)?;
+            let inference = kernel.forward_t(x.as_tensor(), false)?;
+            assert_close(&what("inference"), &inference, &want_y, tol)?;
+        }
+    }
     Ok(())
 }

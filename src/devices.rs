@@ -1,4 +1,10 @@
-//! Devices: the CPU and CUDA GPUs, with clear errors for devices that do not exist.
+//! Devices: the CPU and CUDA GPUs, with clear errors for devices that do not exist; a CUDA
+//! device kandle opens keeps its freed memory in its pool (`cuda_settings`).
+
+#[cfg(feature = "cuda")]
+mod cuda_settings;
+#[cfg(feature = "cuda")]
+pub use cuda_settings::SETTINGS_VAR;
 
 use candle_core::Device;
 
@@ -7,7 +13,9 @@ use crate::{Error, Result};
 /// CUDA device `index`. Indices follow `CUDA_VISIBLE_DEVICES`, as the CUDA driver numbers them.
 ///
 /// Fails with [`Error::Device`] when kandle was built without the `cuda` feature, when the CUDA
-/// driver cannot be initialised, or when there is no GPU `index`.
+/// driver cannot be initialised, or when there is no GPU `index`. The device's memory pool keeps
+/// the memory freed on it for later allocations instead of handing it back to the driver at
+/// each synchronisation (unless `KANDLE_CUDA_SETTINGS=default`).
 pub fn cuda(index: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
         return Err(Error::Device(format!(
@@ -21,7 +29,11 @@ pub fn cuda(index: usize) -> Result<Device> {
             visible_devices_note()
         )));
     }
-    Device::new_cuda(index).map_err(|e| Error::Device(format!("cannot open cuda:{index}: {e}")))
+    let device = Device::new_cuda(index)
+        .map_err(|e| Error::Device(format!("cannot open cuda:{index}: {e}")))?;
+    #[cfg(feature = "cuda")]
+    cuda_settings::apply(&device)?;
+    Ok(device)
 }
 
 /// All visible CUDA GPUs (honouring `CUDA_VISIBLE_DEVICES`); empty without the `cuda` feature
@@ -98,5 +110,33 @@ mod tests {
             Err(Error::Device(reason)) => assert!(reason.contains("CUDA driver"), "{reason}"),
             Err(other) => panic!("expected Error::Device, got {other}"),
         }
+    }
+
+    /// A device kandle opens keeps freed memory in its pool: the release threshold is the
+    /// largest value, a freed buffer's memory is still the pool's after a synchronisation
+    /// (where the driver's default threshold, zero, hands it back), and made again it takes no
+    /// new memory from the driver.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_cuda_device_keeps_freed_memory_in_its_pool() -> Result<()> {
+        let gpu = cuda(0)?;
+        assert_eq!(cuda_settings::release_threshold(&gpu)?, u64::MAX);
+        let make = || -> Result<()> {
+            let t = candle_core::Tensor::zeros((64, 1 << 20), candle_core::DType::F32, &gpu)?;
+            t.sum_all()?.to_scalar::<f32>()?;
+            Ok(())
+        };
+        make()?;
+        gpu.synchronize()?;
+        let reserved = cuda_settings::reserved_bytes(&gpu)?;
+        assert!(
+            reserved >= 256 << 20,
+            "{reserved} bytes reserved after a 256 MiB buffer"
+        );
+        make()?;
+        gpu.synchronize()?;
+        assert_eq!(cuda_settings::reserved_bytes(&gpu)?, reserved);
+        Ok(())
     }
 }

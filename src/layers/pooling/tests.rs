@@ -276,29 +276,8 @@ fn cuda_kernels_match_the_device_generic_path() -> anyhow::Result<()> {
                 let dy = random(&out_dims, 7, 0.0)?
                     .to_device(&gpu)?
                     .to_dtype(dtype)?;
-                let pass = |layer: &dyn FastPath| -> anyhow::Result<(Tensor, Tensor)> {
-                    let y = layer.forward_t(x.as_tensor(), true)?;
-                    let dx = gradients(&(&y * &dy)?.sum_all()?, &[x.as_tensor()])?;
-                    Ok((y, dx[0].clone()))
-                };
-                let (y, dx) = pass(kernel.as_ref())?;
-                let (want_y, want_dx) = pass(generic.as_ref())?;
-                assert_eq!(y.dtype(), dtype, "{}", what("output dtype"));
-                assert_close(&what("y"), &y, &want_y, tol)?;
-                assert_close(&what("dx"), &dx, &want_dx, tol)?;
-
-                let recorded = kernel.forward_recorded(x.as_tensor(), RecordRequest::output())?;
-                let recorded_dx = recorded
-                    .backward
-                    .backward(dy, &mut ParamGrads::new(), true)?;
-                let recorded_dx =
-                    recorded_dx.ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
-                assert_close(&what("recorded y"), &recorded.output, &want_y, tol)?;
-                assert_close(&what("recorded dx"), &recorded_dx, &want_dx, tol)?;
-
-                let inference = kernel.forward_t(x.as_tensor(), false)?;
-                let want_inference = generic.forward_t(x.as_tensor(), false)?;
-                assert_close(&what("inference"), &inference, &want_inference, tol)?;
+                let layers = (kernel.as_ref(), generic.as_ref());
+                let (y, want_y) = match_generic(&what, layers, &x, dy, (dtype, tol))?;
 
                 let pool = PoolWindow {
                     window,
@@ -350,26 +329,46 @@ fn global_average_pool_cuda_kernels_match_the_device_generic_path() -> anyhow::R
             let dy = random(&shape[..2], 8, 0.0)?
                 .to_device(&gpu)?
                 .to_dtype(dtype)?;
-            let pass = |layer: &dyn FastPath| -> anyhow::Result<(Tensor, Tensor)> {
-                let y = layer.forward_t(x.as_tensor(), true)?;
-                let dx = gradients(&(&y * &dy)?.sum_all()?, &[x.as_tensor()])?;
-                Ok((y, dx[0].clone()))
-            };
-            let (y, dx) = pass(kernel.as_ref())?;
-            let (want_y, want_dx) = pass(generic.as_ref())?;
-            assert_eq!(y.dtype(), dtype, "{}", what("output dtype"));
-            assert_close(&what("y"), &y, &want_y, tol)?;
-            assert_close(&what("dx"), &dx, &want_dx, tol)?;
-            let recorded = kernel.forward_recorded(x.as_tensor(), RecordRequest::output())?;
-            let recorded_dx = recorded
-                .backward
-                .backward(dy, &mut ParamGrads::new(), true)?
-                .ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
-            assert_close(&what("recorded y"), &recorded.output, &want_y, tol)?;
-            assert_close(&what("recorded dx"), &recorded_dx, &want_dx, tol)?;
-            let inference = kernel.forward_t(x.as_tensor(), false)?;
-            assert_close(&what("inference"), &inference, &want_y, tol)?;
+            let layers = (kernel.as_ref(), generic.as_ref());
+            match_generic(&what, layers, &x, dy, (dtype, tol))?;
         }
     }
     Ok(())
+}
+
+/// Checks the layer `kernel` (built on the CUDA kernels) against `generic` (the same layer built
+/// device-generic) on the input `x` with the output gradient `dy`: the output (of `dtype`) and
+/// the input's gradient through candle's autograd, the recorded pass's output and gradient, and
+/// inference, each within `tol`. Returns the kernel's training output and the generic one's.
+#[cfg(feature = "cuda")]
+fn match_generic(
+    what: &dyn Fn(&str) -> String,
+    (kernel, generic): (&dyn FastPath, &dyn FastPath),
+    x: &Var,
+    dy: Tensor,
+    (dtype, tol): (DType, f32),
+) -> anyhow::Result<(Tensor, Tensor)> {
+    let pass = |layer: &dyn FastPath| -> anyhow::Result<(Tensor, Tensor)> {
+        let y = layer.forward_t(x.as_tensor(), true)?;
+        let dx = gradients(&(&y * &dy)?.sum_all()?, &[x.as_tensor()])?;
+        Ok((y, dx[0].clone()))
+    };
+    let (y, dx) = pass(kernel)?;
+    let (want_y, want_dx) = pass(generic)?;
+    assert_eq!(y.dtype(), dtype, "{}", what("output dtype"));
+    assert_close(&what("y"), &y, &want_y, tol)?;
+    assert_close(&what("dx"), &dx, &want_dx, tol)?;
+
+    let recorded = kernel.forward_recorded(x.as_tensor(), RecordRequest::output())?;
+    let recorded_dx = recorded
+        .backward
+        .backward(dy, &mut ParamGrads::new(), true)?
+        .ok_or_else(|| anyhow::anyhow!("no input gradient"))?;
+    assert_close(&what("recorded y"), &recorded.output, &want_y, tol)?;
+    assert_close(&what("recorded dx"), &recorded_dx, &want_dx, tol)?;
+
+    let inference = kernel.forward_t(x.as_tensor(), false)?;
+    let want_inference = generic.forward_t(x.as_tensor(), false)?;
+    assert_close(&what("inference"), &inference, &want_inference, tol)?;
+    Ok((y, want_y))
 }

@@ -16,11 +16,14 @@ times the individual ops listed in a JSON file (or `-` for stdin) written by `be
 forward, backward-input and backward-weight, batch-norm, pooling and concatenation, measured the
 same way kandle's are (forward alone, then forward and backward with the input's gradient off and
 on, the passes taken as differences; the fastest of the timed runs, where whole steps report the
-median). With `--epoch-images N`, it also times N images of training steps (an epoch of random
-images already on the device, no input pipeline) in the configuration whose step was fastest.
+median), on the CPU or on `--device`'s GPU. With `--epoch-images N`, it also times N images of
+training steps (an epoch of random images already on the device, no input pipeline) in the
+configuration whose step was fastest.
 
 On a GPU every timed call ends with the device synchronised: the training step reads the loss and
-the accuracy back, and inference copies the probabilities to the host, as kandle's side does.
+the accuracy back, inference copies the probabilities to the host, as kandle's side does, and each
+op's run ends with torch.cuda.synchronize(); cuDNN runs in benchmark mode (its algorithm search
+falls in the warm-up runs) and float32 without TF32.
 
 Prints one JSON object on stdout; progress goes to stderr.
 
@@ -421,7 +424,20 @@ def time_model(args):
     }
 
 
-def passes(forward, make_inputs, params, warmup, iters, split=False):
+def synchronized(fn, device):
+    """`fn`, then waiting for `device`'s queued work (on a GPU), so that a run's time is the
+    device's."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize(device)
+
+    return run
+
+
+def passes(forward, make_inputs, params, warmup, iters, device, split=False):
     """Forward alone, forward+backward with the inputs' gradients on and, with `split`, off.
 
     `forward(inputs)` runs the op; `make_inputs(requires_grad)` gives its input tensors. The
@@ -440,18 +456,21 @@ def passes(forward, make_inputs, params, warmup, iters, split=False):
             t.grad = None
         forward(inputs).backward(ones)
 
-    fwd = fastest_time(lambda: forward(plain), warmup, iters)
-    with_input = fastest_time(lambda: backward(tracked), warmup, iters)
-    without_input = fastest_time(lambda: backward(plain), warmup, iters) if split else None
+    def timed(fn):
+        return fastest_time(synchronized(fn, device), warmup, iters)
+
+    fwd = timed(lambda: forward(plain))
+    with_input = timed(lambda: backward(tracked))
+    without_input = timed(lambda: backward(plain)) if split else None
     return fwd, with_input, without_input
 
 
-def time_op(op, batch, warmup, iters):
+def time_op(op, batch, warmup, iters, device):
     kind = op["kind"]
     shape = [batch] + op["input"] if "input" in op else None
 
     def one(requires_grad, dims=None):
-        return [torch.randn(*(dims or shape)).requires_grad_(requires_grad)]
+        return [torch.randn(*(dims or shape), device=device).requires_grad_(requires_grad)]
 
     if kind == "conv":
         pt, pb, pl, pr = op["pad"]
@@ -462,36 +481,36 @@ def time_op(op, batch, warmup, iters):
             tuple(op["kernel"]),
             stride=(sh, sw),
             bias=op.get("bias", True),
-        )
+        ).to(device)
         if pt == pb and pl == pr:
             conv.padding = (pt, pl)
             forward = lambda xs: conv(xs[0])  # noqa: E731
         else:
             forward = lambda xs: conv(F.pad(xs[0], (pl, pr, pt, pb)))  # noqa: E731
         fwd, both, weight = passes(
-            forward, one, list(conv.parameters()), warmup, iters, split=True
+            forward, one, list(conv.parameters()), warmup, iters, device, split=True
         )
         return {"fwd": fwd, "bwd_weight": weight - fwd, "bwd_input": both - weight}
     if kind == "batch_norm":
-        bn = nn.BatchNorm2d(op["input"][0], eps=BN_EPS, momentum=BN_MOMENTUM).train()
+        bn = nn.BatchNorm2d(op["input"][0], eps=BN_EPS, momentum=BN_MOMENTUM).to(device).train()
         forward = lambda xs: bn(xs[0])  # noqa: E731
-        fwd, both, _ = passes(forward, one, list(bn.parameters()), warmup, iters)
+        fwd, both, _ = passes(forward, one, list(bn.parameters()), warmup, iters, device)
         return {"fwd": fwd, "bwd": both - fwd}
     if kind in ("max_pool", "avg_pool"):
         window, stride = tuple(op["window"]), tuple(op["stride"])
         pad = tuple(op.get("pad", [0, 0]))
         pool = F.max_pool2d if kind == "max_pool" else F.avg_pool2d
         forward = lambda xs: pool(xs[0], window, stride, pad)  # noqa: E731
-        fwd, both, _ = passes(forward, one, [], warmup, iters)
+        fwd, both, _ = passes(forward, one, [], warmup, iters, device)
         return {"fwd": fwd, "bwd": both - fwd}
     if kind == "concat":
         parts = [[batch] + p for p in op["parts"]]
 
         def inputs(requires_grad):
-            return [torch.randn(*p).requires_grad_(requires_grad) for p in parts]
+            return [torch.randn(*p, device=device).requires_grad_(requires_grad) for p in parts]
 
         forward = lambda xs: torch.cat(xs, 1)  # noqa: E731
-        fwd, both, _ = passes(forward, inputs, [], warmup, iters)
+        fwd, both, _ = passes(forward, inputs, [], warmup, iters, device)
         return {"fwd": fwd, "bwd": both - fwd}
     raise SystemExit(f"unknown op kind {kind!r}")
 
@@ -562,15 +581,14 @@ def main():
         if args.epoch_images and timed:
             fastest = min(timed, key=lambda c: c["train_step_s"])["name"]
             result["epoch"] = time_epoch(args, fastest)
-    if args.ops and args.device.type != "cpu":
-        raise SystemExit("--ops times the CPU's ops only")
     if args.ops:
         ops = json.load(sys.stdin if args.ops == "-" else open(args.ops))
         timed = []
         for op in ops:
             log(f"pytorch: {op['name']}")
             torch.manual_seed(0)
-            timed.append({"name": op["name"], **time_op(op, args.batch, args.warmup, args.iters)})
+            times = time_op(op, args.batch, args.warmup, args.iters, args.device)
+            timed.append({"name": op["name"], **times})
         result["ops"] = timed
     json.dump(result, sys.stdout)
     print()

@@ -4,7 +4,7 @@
 # One command, about 4 minutes on an H100:
 #
 #   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
-#                                # bench-*.json (6), epoch.json
+#                                # bench-*.json (10), epoch.json
 #
 # In order, each step under its own time limit, every step run whatever the ones before did:
 #   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
@@ -33,7 +33,10 @@
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
 #   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
-#      inference with cuDNN convolutions.
+#      inference with cuDNN convolutions;
+#   9. MiniGoogLeNet's per-op tables on the GPU at batch 64 (each distinct convolution, batch
+#      norm, pooling and concatenation shape, kandle against PyTorch): candle's convolutions
+#      (bench-ops-64) and, when a minute is left, cuDNN's (bench-ops-64-cudnn).
 # results.json lists each step with its exit status and seconds; the script exits non-zero when
 # any step failed.
 set -uo pipefail
@@ -155,10 +158,11 @@ step parity 180 env KANDLE_TORCHVISION_PARITY="$PARITY" KANDLE_PARITY_DEVICE=cud
   PYTHON="$PYTHON" bash gpu/parity.sh \
   "$BIN/models-parity" --ignored --exact resnet18_matches_torchvision --nocapture
 
+# The model's step and inference (the per-op tables have their own steps, bench-ops-*).
 bench() { # bench NAME LIMIT BINARY ARGS...
   local name=$1 limit=$2 binary=$3
   shift 3
-  step "$name" "$limit" "$BIN/$binary" --device cuda:0 --warmup 3 --iters 10 \
+  step "$name" "$limit" "$BIN/$binary" --device cuda:0 --warmup 3 --iters 10 --no-ops \
     --pytorch-script bench/pytorch_minigooglenet.py --python "$PYTHON" \
     --json "$OUT/$name.json" "$@"
 }
@@ -191,12 +195,25 @@ bench bench-64-compile 180 bench --batch 64 --pytorch-configs channels_last+comp
 if command -v ncu >/dev/null; then
   step ncu-profile 90 ncu --clock-control none --metrics gpu__time_duration.sum \
     --launch-count 1500 --print-summary per-kernel --csv "$BIN/bench" --device cuda:0 \
-    --batch 64 --warmup 0 --iters 1 --no-pytorch
+    --batch 64 --warmup 0 --iters 1 --no-pytorch --no-ops
 fi
 
 # candle's convolutions through cuDNN.
 bench bench-64-cudnn 60 bench-cudnn --batch 64 --no-pytorch
 bench bench-256-cudnn 60 bench-cudnn --batch 256 --no-pytorch
+
+# The per-op tables on the GPU (each op timed alone, the device synchronised after every run):
+# kandle's CUDA kernels and candle's convolutions, then cuDNN's when a minute is left.
+ops() { # ops NAME BINARY
+  step "$1" 60 "$BIN/$2" --device cuda:0 --ops-only --batch 64 --warmup 3 --iters 5 \
+    --pytorch-script bench/pytorch_minigooglenet.py --python "$PYTHON" --json "$OUT/$1.json"
+}
+ops bench-ops-64 bench
+if ((DEADLINE - SECONDS >= 60)); then
+  ops bench-ops-64-cudnn bench-cudnn
+else
+  echo "=== bench-ops-64-cudnn: left out, $((DEADLINE - SECONDS)) s left"
+fi
 
 "$PYTHON" - "$STEPS" "$OUT/results.json" <<'PY'
 import json, sys

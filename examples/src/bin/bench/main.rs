@@ -9,15 +9,18 @@
 //! iterations. `--threads-study` adds two CPU replicas against one device, with and without a
 //! per-replica thread budget.
 //!
-//! `--device cuda:0` (a build with the `cuda` feature) times the training step and inference on
-//! that GPU instead, PyTorch's too; `--epoch-images 50000` adds PyTorch's epoch of training steps.
-//! The per-op tables, the backward-pass comparison and the threads study are the CPU's only.
+//! `--device cuda:0` (a build with the `cuda` feature) times the training step, inference and
+//! the per-op tables on that GPU instead, PyTorch's too (kandle's ops through its CUDA kernels,
+//! and its convolutions through cuDNN in a build with the `cudnn` feature, candle's otherwise);
+//! `--epoch-images 50000` adds PyTorch's epoch of training steps. The backward-pass comparison
+//! and the threads study are the CPU's only.
 //!
 //! ```text
 //! cargo run --release -p kandle-examples --bin bench
 //! cargo run --release -p kandle-examples --bin bench -- --no-ops --threads-study --json bench.json
 //! cargo run --release -p kandle-examples --bin bench -- --model resnet50 --image-size 224 --batch 16 --frozen-base
 //! cargo run --release -p kandle-examples --features cuda --bin bench -- --device cuda:0 --batch 256
+//! cargo run --release -p kandle-examples --features cudnn --bin bench -- --device cuda:0 --ops-only
 //! ```
 //!
 //! Whole steps report the median of the timed runs, single ops the fastest (see `timing`); they
@@ -63,7 +66,7 @@ struct Args {
     #[arg(long, value_parser = kandle_examples::at_least_one())]
     image_size: Option<usize>,
     /// Where both sides run: cpu, or cuda:N (a build with the cuda feature; the model's
-    /// step and inference only).
+    /// step and inference, and the per-op tables).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// kandle's dtype policy: float32, mixed_float16 or mixed_bfloat16 (half precision on the
@@ -102,7 +105,8 @@ struct Args {
     /// Only the threads study.
     #[arg(long)]
     threads_study_only: bool,
-    /// The machine's fp32 peak in GFLOP/s, instead of the estimate from its CPU features.
+    /// The machine's fp32 peak in GFLOP/s, instead of the estimate from its CPU features (with
+    /// --device cuda:N, the GPU's: its per-op tables give a fraction of the peak only with it).
     #[arg(long)]
     peak_gflops: Option<f64>,
     /// Also time the training step with every layer frozen but the classifier (transfer
@@ -135,8 +139,8 @@ impl Args {
     fn sections(&self) -> Sections {
         if self.device != "cpu" {
             return Sections {
-                model: true,
-                ops: false,
+                model: !self.ops_only,
+                ops: !self.no_ops,
                 threads_study: false,
             };
         }
@@ -187,14 +191,21 @@ fn main() -> Result<()> {
     let sections = args.sections();
     let device = parse_device(&args.device)?;
     let on_cpu = device.is_cpu();
-    if !on_cpu && (args.ops_only || args.threads_study || args.threads_study_only) {
-        bail!("--ops-only and the threads study time the CPU: leave out --device");
+    if !on_cpu && (args.threads_study || args.threads_study_only) {
+        bail!("the threads study times the CPU: leave out --device");
     }
     let timer = Timer {
         warmup: args.warmup,
         iters: args.iters,
     };
+    // The estimate from the CPU's features is no GPU's: there only --peak-gflops gives one.
     let peak = machine::peak(threads, args.peak_gflops);
+    let ops_peak = if on_cpu {
+        peak.gflops
+    } else {
+        args.peak_gflops
+    };
+    let kandle_path = kandle_ops::KandlePath::on(&device);
     let load_at_start = load_line();
     println!(
         "# kandle vs PyTorch: {} on {}",
@@ -261,9 +272,13 @@ fn main() -> Result<()> {
         }
     }
     let mut kandle_ops = Vec::with_capacity(ops.len());
+    let op_timer = kandle_ops::OpTimer {
+        device: &device,
+        timer,
+    };
     for op in &ops {
         eprintln!("kandle: {} {}", op.label(), op.shape());
-        kandle_ops.push(kandle_ops::time_op(op, args.batch, timer)?);
+        kandle_ops.push(kandle_ops::time_op(op, args.batch, op_timer)?);
     }
     let torch = if args.no_pytorch || !(sections.model || sections.ops) {
         None
@@ -307,11 +322,15 @@ fn main() -> Result<()> {
     }
     if sections.ops {
         let rows = op_rows(&ops, &kandle_ops, torch.as_ref());
+        if !on_cpu {
+            print_ops_device(&device, kandle_path, torch.as_ref());
+            out["ops_kandle_path"] = json!(kandle_path.name());
+        }
         print_ops(
             &rows,
             &workload,
             args.batch,
-            peak.gflops,
+            ops_peak,
             kandle_model.map(|m| m.0),
             torch.as_ref(),
         );
@@ -530,6 +549,35 @@ fn print_model(
     json!({"training": versus(best_train, train), "inference": versus(best_infer, infer)})
 }
 
+/// Which device, and which of kandle's code, the per-op tables measured (a GPU's only: the
+/// CPU's tables are kandle's CPU kernels).
+fn print_ops_device(device: &Device, path: kandle_ops::KandlePath, torch: Option<&Value>) {
+    println!(
+        "## The per-op tables below: {}",
+        kandle::devices::label(device)
+    );
+    println!();
+    println!("- kandle: {}, in float32.", path.describe());
+    if let Some(torch) = torch {
+        let name = torch
+            .get("device_name")
+            .and_then(Value::as_str)
+            .unwrap_or("?");
+        println!("- PyTorch: {name}, eager, cuDNN benchmark mode, float32 without TF32.");
+    }
+    println!(
+        "- Every timed run ends with the device synchronised; cuDNN's algorithm search falls in \
+         the warm-up runs."
+    );
+    if path == kandle_ops::KandlePath::CudaKernelsCudnn {
+        println!(
+            "- kandle's cuDNN convolution computes both gradients in one backward: its rows give \
+             the whole backward (bwd), PyTorch's its two gradients summed."
+        );
+    }
+    println!();
+}
+
 fn op_rows<'a>(
     ops: &'a [inventory::OpShape],
     kandle: &[Passes],
@@ -568,10 +616,17 @@ fn print_ops(
     println!();
     report::print_conv_totals(rows, batch, peak);
     println!();
-    println!(
-        "The first convolution's bwd-input is left out of the totals: training never needs the \
-         gradient of the images."
-    );
+    if report::convs_split(rows) {
+        println!(
+            "The first convolution's bwd-input is left out of the totals: training never needs \
+             the gradient of the images."
+        );
+    } else {
+        println!(
+            "bwd is each convolution's whole backward, both gradients (the first convolution's \
+             input gradient included), kandle's and PyTorch's alike."
+        );
+    }
     println!();
     println!("## {title}'s other ops (batch norm, pooling, concatenation), batch {batch}");
     println!();

@@ -18,6 +18,28 @@ impl OpTimes<'_> {
     fn is_conv(&self) -> bool {
         matches!(self.op.kind, OpKind::Conv { .. })
     }
+
+    /// A convolution's rows: the backward split into its two gradients, or whole where kandle's
+    /// backward could not be split (kandle's cuDNN convolution).
+    fn conv_passes(&self) -> &'static [Pass] {
+        if self.kandle.split.is_some() {
+            &SPLIT_PASSES
+        } else {
+            &WHOLE_PASSES
+        }
+    }
+}
+
+/// A convolution's passes with its backward split.
+const SPLIT_PASSES: [Pass; 3] = [Pass::Fwd, Pass::BwdInput, Pass::BwdWeight];
+/// A convolution's passes with its backward whole.
+const WHOLE_PASSES: [Pass; 2] = [Pass::Fwd, Pass::Bwd];
+
+/// Whether every convolution's backward was split (else the totals sum whole backwards).
+pub fn convs_split(rows: &[OpTimes<'_>]) -> bool {
+    rows.iter()
+        .filter(|r| r.is_conv())
+        .all(|r| r.kandle.split.is_some())
 }
 
 /// Milliseconds, `-` when unknown, and `~0` for a pass timed as a difference that came out
@@ -45,6 +67,13 @@ fn gflops(flops: f64, seconds: Option<f64>) -> String {
     }
 }
 
+/// A convolution pass's FLOPs: two per multiply-add, twice that for a whole backward (both
+/// gradients).
+fn pass_flops(pass: Pass, macs: u64) -> f64 {
+    let gradients = if pass == Pass::Bwd { 2.0 } else { 1.0 };
+    gradients * 2.0 * macs as f64
+}
+
 /// One row per convolution and pass.
 pub fn print_convs(rows: &[OpTimes<'_>], batch: usize) {
     println!(
@@ -54,8 +83,8 @@ pub fn print_convs(rows: &[OpTimes<'_>], batch: usize) {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut candle_ops = false;
     for r in rows.iter().filter(|r| r.is_conv()) {
-        let flops = 2.0 * r.op.conv_macs(batch) as f64;
-        for pass in [Pass::Fwd, Pass::BwdInput, Pass::BwdWeight] {
+        for &pass in r.conv_passes() {
+            let flops = pass_flops(pass, r.op.conv_macs(batch));
             let k = r.kandle.get(pass);
             let t = r.torch.and_then(|t| t.get(pass));
             let mark = match r.kandle.split {
@@ -116,7 +145,8 @@ pub fn print_others(rows: &[OpTimes<'_>]) {
 
 /// Per-step sums over every convolution of the network (each shape times its occurrences),
 /// per pass, as GFLOP/s and the fraction of `peak`. The first convolution's input gradient is
-/// left out: training never needs it.
+/// left out (training never needs it) where the backward is split; where kandle's is not (see
+/// [`convs_split`]), the totals sum whole backwards.
 pub fn print_conv_totals(rows: &[OpTimes<'_>], batch: usize, peak: Option<f64>) {
     println!(
         "| pass | GFLOP per step | kandle ms | kandle GFLOP/s | kandle % of peak | PyTorch ms | \
@@ -128,14 +158,19 @@ pub fn print_conv_totals(rows: &[OpTimes<'_>], batch: usize, peak: Option<f64>) 
         _ => "-".into(),
     };
     let mut all = (0.0, Some(0.0), Some(0.0));
-    for pass in [Pass::Fwd, Pass::BwdInput, Pass::BwdWeight] {
+    let passes: &[Pass] = if convs_split(rows) {
+        &SPLIT_PASSES
+    } else {
+        &WHOLE_PASSES
+    };
+    for &pass in passes {
         let (mut flops, mut k, mut t) = (0.0, Some(0.0), Some(0.0));
         for r in rows.iter().filter(|r| r.is_conv()) {
             if pass == Pass::BwdInput && r.op.on_network_input {
                 continue;
             }
             let n = r.op.count() as f64;
-            flops += n * 2.0 * r.op.conv_macs(batch) as f64;
+            flops += n * pass_flops(pass, r.op.conv_macs(batch));
             k = k.zip(r.kandle.get(pass)).map(|(a, b)| a + n * b);
             t = t
                 .zip(r.torch.and_then(|p| p.get(pass)))

@@ -151,18 +151,22 @@ struct SparseXent {
     bad: Arc<OnceLock<Tensor>>,
 }
 
-impl SparseXent {
-    fn check(&self, op: &str, what: &str, l: &Layout, dims: &[usize]) -> candle_core::Result<()> {
-        if l.dims() != dims {
-            candle_core::bail!(
-                "{op}: the {what} is {:?}, where logits ({}, {}) need {dims:?}",
-                l.dims(),
-                self.rows,
-                self.classes
-            );
-        }
-        Ok(())
+/// Checks that the operand `what` of `op`, laid out as `l`, has the `dims` that logits of
+/// `rows x classes` need.
+fn check_dims(
+    op: &str,
+    what: &str,
+    l: &Layout,
+    dims: &[usize],
+    (rows, classes): (usize, usize),
+) -> candle_core::Result<()> {
+    if l.dims() != dims {
+        candle_core::bail!(
+            "{op}: the {what} is {:?}, where logits ({rows}, {classes}) need {dims:?}",
+            l.dims()
+        );
     }
+    Ok(())
 }
 
 impl CustomOp2 for SparseXent {
@@ -188,8 +192,8 @@ impl CustomOp2 for SparseXent {
         ll: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let (rows, classes) = (self.rows, self.classes);
-        self.check(OP, "logits", xl, &[rows, classes])?;
-        self.check(OP, "labels", ll, &[rows])?;
+        check_dims(OP, "logits", xl, &[rows, classes], (rows, classes))?;
+        check_dims(OP, "labels", ll, &[rows], (rows, classes))?;
         if labels.dtype() != DType::U32 {
             candle_core::bail!("{OP}: the labels are {:?}", labels.dtype());
         }
@@ -288,11 +292,8 @@ impl CustomOp3 for SparseXentGrad {
     ) -> candle_core::Result<(CudaStorage, Shape)> {
         let (rows, classes) = (self.rows, self.classes);
         let dims = [rows, classes];
-        for (what, l, want) in [("logits", xl, &dims[..]), ("labels", ll, &dims[..1])] {
-            if l.dims() != want {
-                candle_core::bail!("{GRAD_OP}: the {what} are {:?}, not {want:?}", l.dims());
-            }
-        }
+        check_dims(GRAD_OP, "logits", xl, &dims, (rows, classes))?;
+        check_dims(GRAD_OP, "labels", ll, &[rows], (rows, classes))?;
         if dl.dims() != [rows] || dloss.dtype() != x.dtype() {
             candle_core::bail!(
                 "{GRAD_OP}: the loss's gradient is {:?} {:?}, where the logits {dims:?} {:?} \

@@ -9,7 +9,9 @@
 //!
 //! Images of one tile too small for the micro-kernel's blocks (4x4 and 7x7 planes) go several
 //! to a GEMM in the forward pass and a unit-stride input gradient: each GEMM's operand is
-//! written for all of them side by side, so its columns fill the blocks.
+//! written for all of them side by side, so its columns fill the blocks. The kernel gradient
+//! reads the same operands along its depth, so its accumulator is read and written once per
+//! group rather than once per image.
 //!
 //! The forward pass (`forward`), the input gradient (`input_grad`) and the kernel gradient
 //! (`kernel_grad`, its Winograd pass in `winograd_kernel_grad`) each have a module, and

@@ -12,7 +12,18 @@ const BLOCK: usize = 8;
 
 /// Writes the `cols x rows` transpose of the row-major `rows x cols` matrix `src` into `dst`.
 pub(crate) fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    transpose_with(src, (rows, cols), &mut dst[..rows * cols], |c, r| {
+    transpose_part(src, (rows, cols), cols, dst);
+}
+
+/// Writes the `cols x rows` transpose of the `rows x cols` matrix whose rows start `ld` apart
+/// in `src` (the first `cols` columns of a wider matrix) into `dst`, row-major.
+pub(crate) fn transpose_part(
+    src: &[f32],
+    (rows, cols): (usize, usize),
+    ld: usize,
+    dst: &mut [f32],
+) {
+    transpose_with((src, ld), (rows, cols), &mut dst[..rows * cols], |c, r| {
         c * rows + r
     });
 }
@@ -22,33 +33,43 @@ pub(crate) fn strips_len(rows: usize, cols: usize, nr: usize) -> usize {
     rows.div_ceil(nr) * nr * cols
 }
 
-/// Writes the transpose of the row-major `rows x cols` matrix `src` (a `cols x rows` matrix)
-/// into `dst` as strips of `nr` (a multiple of 8) of its columns: strip `s` holds, at
-/// `s * cols * nr`, `cols` rows of `nr` values, `dst[s * cols * nr + j * nr + i] =
-/// src[(s * nr + i) * cols + j]`, zero where `s * nr + i` is past `rows`.
+/// Writes the transposes of the `images` row-major `rows x cols` matrices of `src` (back to
+/// back), one under the other (an `(images * cols) x rows` matrix), into `dst` as strips of
+/// `nr` (a multiple of 8) of its columns: strip `s` holds, at `s * images * cols * nr`,
+/// `images * cols` rows of `nr` values, `dst[(s * images * cols + i * cols + j) * nr + l] =
+/// src[i * rows * cols + (s * nr + l) * cols + j]`, zero where `s * nr + l` is past `rows`.
 pub(crate) fn transpose_to_strips(
     src: &[f32],
-    rows: usize,
-    cols: usize,
+    images: usize,
+    (rows, cols): (usize, usize),
     nr: usize,
     dst: &mut [f32],
 ) {
     debug_assert_eq!(nr % BLOCK, 0);
-    let at = |c: usize, r: usize| r / nr * cols * nr + c * nr + r % nr;
-    let dst = &mut dst[..strips_len(rows, cols, nr)];
-    transpose_with(src, (rows, cols), dst, at);
+    let k = images * cols;
+    let dst = &mut dst[..strips_len(rows, k, nr)];
+    for (i, image) in src
+        .chunks_exact((rows * cols).max(1))
+        .take(images)
+        .enumerate()
+    {
+        let at = |c: usize, r: usize| r / nr * k * nr + (i * cols + c) * nr + r % nr;
+        transpose_with((image, cols), (rows, cols), dst, at);
+    }
     // The last strip's lanes past `rows`.
+    let at = |j: usize, r: usize| r / nr * k * nr + j * nr + r % nr;
     for r in rows..rows.next_multiple_of(nr) {
-        for c in 0..cols {
-            dst[at(c, r)] = 0.0;
+        for j in 0..k {
+            dst[at(j, r)] = 0.0;
         }
     }
 }
 
-/// `dst[at(c, r)] = src[r * cols + c]` for the row-major `rows x cols` matrix `src`, where
-/// `at(c, r + i) = at(c, r) + i` within each run of eight rows from a multiple of eight.
+/// `dst[at(c, r)] = src[r * ld + c]` for the `rows x cols` matrix `src` whose rows start `ld`
+/// apart, where `at(c, r + i) = at(c, r) + i` within each run of eight rows from a multiple of
+/// eight.
 fn transpose_with(
-    src: &[f32],
+    (src, ld): (&[f32], usize),
     (rows, cols): (usize, usize),
     dst: &mut [f32],
     at: impl Fn(usize, usize) -> usize,
@@ -63,7 +84,7 @@ fn transpose_with(
             #[cfg(target_arch = "x86_64")]
             if in_registers {
                 let rows_in: [&[f32]; BLOCK] =
-                    std::array::from_fn(|i| &src[(r0 + i) * cols + c0..][..BLOCK]);
+                    std::array::from_fn(|i| &src[(r0 + i) * ld + c0..][..BLOCK]);
                 let mut block = [[0f32; BLOCK]; BLOCK];
                 // SAFETY: AVX2 is in use, so the CPU has AVX.
                 unsafe { block_avx(rows_in, &mut block) };
@@ -74,7 +95,7 @@ fn transpose_with(
             }
             for r in r0..r0 + BLOCK {
                 for c in c0..c0 + BLOCK {
-                    dst[at(c, r)] = src[r * cols + c];
+                    dst[at(c, r)] = src[r * ld + c];
                 }
             }
         }
@@ -82,12 +103,12 @@ fn transpose_with(
     // The edges: the last rows, then the last columns of the others.
     for r in full_rows..rows {
         for c in 0..cols {
-            dst[at(c, r)] = src[r * cols + c];
+            dst[at(c, r)] = src[r * ld + c];
         }
     }
     for r in 0..full_rows {
         for c in full_cols..cols {
-            dst[at(c, r)] = src[r * cols + c];
+            dst[at(c, r)] = src[r * ld + c];
         }
     }
 }
@@ -165,28 +186,49 @@ mod tests {
     }
 
     #[test]
+    fn transposes_the_first_columns_of_a_wider_matrix() {
+        for (rows, cols, ld) in [(16, 16, 40), (20, 13, 21), (9, 8, 8), (33, 17, 64)] {
+            let src: Vec<f32> = (0..rows * ld).map(|v| v as f32).collect();
+            let mut dst = vec![f32::NAN; rows * cols];
+            transpose_part(&src, (rows, cols), ld, &mut dst);
+            for r in 0..rows {
+                for c in 0..cols {
+                    assert_eq!(dst[c * rows + r], src[r * ld + c], "{rows}x{cols} of {ld}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn transposes_into_strips_padded_with_zeros() {
         // Rows filling strips exactly, ending inside a block, and leaving a strip's last
-        // blocks empty (at 32 and 64 wide strips).
-        for (rows, cols, nr) in [
-            (32, 5, 16),
-            (20, 37, 16),
-            (35, 16, 32),
-            (3, 50, 32),
-            (80, 9, 64),
+        // blocks empty (at 32 and 64 wide strips); one image and several under one another.
+        for (images, rows, cols, nr) in [
+            (1, 32, 5, 16),
+            (1, 20, 37, 16),
+            (1, 35, 16, 32),
+            (1, 3, 50, 32),
+            (1, 80, 9, 64),
+            (3, 20, 7, 16),
+            (4, 40, 49, 32),
         ] {
-            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32 + 1.0).collect();
-            let mut dst = vec![f32::NAN; strips_len(rows, cols, nr)];
-            transpose_to_strips(&src, rows, cols, nr, &mut dst);
+            let src: Vec<f32> = (0..images * rows * cols).map(|v| v as f32 + 1.0).collect();
+            let k = images * cols;
+            let mut dst = vec![f32::NAN; strips_len(rows, k, nr)];
+            transpose_to_strips(&src, images, (rows, cols), nr, &mut dst);
             for s in 0..rows.div_ceil(nr) {
-                for j in 0..cols {
-                    for i in 0..nr {
-                        let r = s * nr + i;
-                        let want = if r < rows { src[r * cols + j] } else { 0.0 };
+                for (i, j) in (0..images).flat_map(|i| (0..cols).map(move |j| (i, j))) {
+                    for l in 0..nr {
+                        let r = s * nr + l;
+                        let want = match r < rows {
+                            true => src[(i * rows + r) * cols + j],
+                            false => 0.0,
+                        };
                         assert_eq!(
-                            dst[(s * cols + j) * nr + i],
+                            dst[(s * k + i * cols + j) * nr + l],
                             want,
-                            "{rows}x{cols} in strips of {nr}: strip {s}, column {j}, lane {i}"
+                            "{images} of {rows}x{cols} in strips of {nr}: strip {s}, image {i}, \
+                             column {j}, lane {l}"
                         );
                     }
                 }

@@ -1,11 +1,13 @@
 //! The kernel gradient ([`weight_grad`]), with the bias gradient beside it: each task sums a
 //! contiguous run of images into an accumulator of its own, `E dY^T` for each GEMM of each tile
-//! (in the micro-kernel, the output gradient transposed into its strips once per image, or in
-//! the `gemm` crate), or the transformed kernel's gradient through Winograd's transforms; the
-//! accumulators are added in a fixed order (`winograd_kernel_grad` holds the Winograd pass).
+//! (in the micro-kernel, the output gradient transposed into its strips once per image, small
+//! images several to a GEMM; or in the `gemm` crate), or the transformed kernel's gradient
+//! through Winograd's transforms; the accumulators are added in a fixed order
+//! (`winograd_kernel_grad` holds the Winograd pass).
 
 use rayon::prelude::*;
 
+use super::side_by_side::side_by_side;
 use super::winograd_kernel_grad;
 use super::{
     at_least, for_each_tile_gemm, gemm_parallelism, split_images, with_scratch, Conv, Scratch,
@@ -13,7 +15,7 @@ use super::{
 use crate::conv2d::gemm::{matmul, Parallelism, Product, View, ViewMut};
 use crate::conv2d::microkernel::{self, Panels, Start, Strips, Write};
 use crate::conv2d::plan::Plan;
-use crate::conv2d::transpose::{strips_len, transpose, transpose_to_strips};
+use crate::conv2d::transpose::{strips_len, transpose, transpose_part, transpose_to_strips};
 use crate::conv2d::winograd::Winograd;
 use crate::SimdLevel;
 
@@ -26,6 +28,16 @@ pub(crate) fn weight_grad(
     x: &[f32],
     dy: &[f32],
     with_bias: bool,
+) -> candle_core::Result<Vec<f32>> {
+    weight_grad_in_groups(conv, (x, dy), with_bias, true)
+}
+
+/// [`weight_grad`], small images several to a GEMM only when `grouped` (see [`image_group`]).
+fn weight_grad_in_groups(
+    conv: &Conv,
+    (x, dy): (&[f32], &[f32]),
+    with_bias: bool,
+    grouped: bool,
 ) -> candle_core::Result<Vec<f32>> {
     let plan = conv.forward_plan();
     if let Some(wino) = Winograd::for_kernel_grad(&plan) {
@@ -41,27 +53,57 @@ pub(crate) fn weight_grad(
     let per_task = conv.n.div_ceil(tasks).max(1);
     let par = gemm_parallelism(conv.n);
     let (in_len, dy_len) = (plan.input_len(), plan.output_len());
+    let group = if grouped {
+        image_group(&plan, per_task, par)
+    } else {
+        1
+    };
     let run = |t: usize| -> candle_core::Result<Vec<f32>> {
         let mut acc = vec![0f32; acc_len];
         let (packed, bias) = acc.split_at_mut(packed_len);
-        let images = t * per_task..((t + 1) * per_task).min(conv.n);
+        let end = ((t + 1) * per_task).min(conv.n);
         with_scratch(|s| {
-            images.into_iter().try_for_each(|i| {
-                let xi = &x[i * in_len..(i + 1) * in_len];
-                let dyi = &dy[i * dy_len..(i + 1) * dy_len];
+            (t * per_task..end).step_by(group).try_for_each(|first| {
+                let images = first..(first + group).min(end);
+                let xs = &x[images.start * in_len..images.end * in_len];
+                let dys = &dy[images.start * dy_len..images.end * dy_len];
                 if with_bias {
-                    add_channel_sums(dyi, bias);
+                    dys.chunks_exact(dy_len.max(1))
+                        .for_each(|dyi| add_channel_sums(dyi, bias));
                 }
-                weight_grad_image(&plan, xi, dyi, packed, s, par)
+                if images.len() > 1 {
+                    weight_grad_group(&plan, xs, dys, packed, s)
+                } else {
+                    weight_grad_image(&plan, xs, dys, packed, s, par)
+                }
             })
         })?;
         Ok(acc)
     };
-    let partials = each_task(tasks, run)?;
+    let mut partials = each_task(tasks, run)?;
+    let total = sum_partials(&mut partials);
     let mut dw = vec![0f32; conv.o * plan.taps()];
-    unpack_sum(&plan, &partials, &mut dw);
-    dw.extend((packed_len..acc_len).map(|i| partials.iter().map(|p| p[i]).sum::<f32>()));
+    unpack(&plan, &total[..packed_len], &mut dw);
+    dw.extend_from_slice(&total[packed_len..]);
     Ok(dw)
+}
+
+/// Positions of the images one kernel-gradient GEMM of the micro-kernel aims to run along its
+/// depth: small images go several to a GEMM, so the accumulator (megabytes for the last stages'
+/// layers) is read and written once per group rather than once per image of 49 positions.
+const GROUP_POSITIONS: usize = 256;
+
+/// Images per kernel-gradient GEMM out of a task's `images`: one, unless the micro-kernel runs
+/// the products on one thread and an image is one tile of fewer than [`GROUP_POSITIONS`]
+/// positions; then about enough images for that many.
+fn image_group(plan: &Plan, images: usize, parallelism: Parallelism) -> usize {
+    let positions = plan.ho * plan.wo;
+    let one_tile = plan.tile_rows() >= plan.ho;
+    let microkernel = matches!(parallelism, Parallelism::None) && microkernel::supported();
+    if !microkernel || !one_tile || positions == 0 || positions >= GROUP_POSITIONS {
+        return 1;
+    }
+    GROUP_POSITIONS.div_ceil(positions).clamp(1, images.max(1))
 }
 
 /// The sum of equal-length `partials` in the first one's memory, added in order (so the result
@@ -99,22 +141,35 @@ pub(super) fn each_task(
     }
 }
 
-/// Writes the sum of the packed `[call][depth][o]` kernel gradients `partials` (added in
-/// order) into `dw`, laid out `(o, c, kh, kw)`, a group of output channels per task so each
-/// task reads whole cache lines.
-fn unpack_sum(plan: &Plan, partials: &[Vec<f32>], dw: &mut [f32]) {
+/// Writes the packed `[call][depth][o]` kernel gradient `packed` into `dw`, laid out
+/// `(o, c, kh, kw)`, a group of output channels per task: each GEMM's `depth x o` block
+/// transposed 8x8 blocks at a time (in registers where the kernels use AVX2), straight into
+/// `dw` where the packed depth is the kernel's own order (one GEMM of `c * kh * kw`, as a 1x1
+/// kernel's), otherwise through a buffer whose rows then go to their taps.
+fn unpack(plan: &Plan, packed: &[f32], dw: &mut [f32]) {
+    /// Output channels per task: two blocks of the transpose.
     const GROUP: usize = 16;
-    let (o, taps, depth) = (plan.o, plan.taps(), plan.depth());
-    dw.par_chunks_mut(GROUP * taps)
+    let (o, taps, depth, calls) = (plan.o, plan.taps(), plan.depth(), plan.calls());
+    let at: Vec<usize> = (0..calls * depth)
+        .map(|i| plan.unpacked_index(i / depth, i % depth))
+        .collect();
+    let in_order = at.iter().enumerate().all(|(i, &a)| i == a);
+    dw.par_chunks_mut((GROUP * taps).max(1))
         .enumerate()
         .for_each(|(g, block)| {
             let o0 = g * GROUP;
-            let channels = block.len() / taps;
-            for i in 0..plan.calls() * depth {
-                let at = plan.unpacked_index(i / depth, i % depth);
-                for j in 0..channels {
-                    let sum: f32 = partials.iter().map(|p| p[i * o + o0 + j]).sum();
-                    block[j * taps + at] = sum;
+            let channels = block.len() / taps.max(1);
+            let from = |call: usize| &packed[call * depth * o + o0..];
+            if in_order {
+                transpose_part(from(0), (depth, channels), o, block);
+                return;
+            }
+            let mut rows = vec![0f32; channels * depth];
+            for call in 0..calls {
+                transpose_part(from(call), (depth, channels), o, &mut rows);
+                let at = &at[call * depth..(call + 1) * depth];
+                for (dst, row) in block.chunks_exact_mut(taps).zip(rows.chunks_exact(depth)) {
+                    at.iter().zip(row).for_each(|(&a, v)| dst[a] = *v);
                 }
             }
         });
@@ -161,7 +216,7 @@ fn weight_grad_image(
     if matches!(parallelism, Parallelism::None) && microkernel::supported() {
         let nr = microkernel::block_columns(SimdLevel::in_use());
         let dyt = at_least(transposed, strips_len(plan.o, positions, nr));
-        transpose_to_strips(dy, plan.o, positions, nr, dyt);
+        transpose_to_strips(dy, 1, (plan.o, positions), nr, dyt);
         let dyt = &*dyt;
         return for_each_tile_gemm(plan, x, expanded, |t| {
             // The operand read as (depth x positions).
@@ -220,4 +275,121 @@ fn weight_grad_image(
             t.operand,
         )
     })
+}
+
+/// Adds the kernel gradient of the one-tile images `x` (several, back to back, and their output
+/// gradients `dy`) to `acc`, as [`weight_grad_image`] does one after another, in one product per
+/// GEMM: their operands side by side ([`side_by_side`], `depth x (images * positions)`) and
+/// their output gradients transposed under one another into strips, so each product's depth
+/// runs over every position of the group. The micro-kernel adds along the depth in order, so
+/// the sums are those of one image after another, rounding included.
+fn weight_grad_group(
+    plan: &Plan,
+    x: &[f32],
+    dy: &[f32],
+    acc: &mut [f32],
+    scratch: &mut Scratch,
+) -> candle_core::Result<()> {
+    let positions = plan.ho * plan.wo;
+    let images = dy.len() / (plan.o * positions).max(1);
+    let (depth, columns) = (plan.depth(), images * positions);
+    let nr = microkernel::block_columns(SimdLevel::in_use());
+    let Scratch {
+        expanded,
+        grouped,
+        transposed,
+        ..
+    } = scratch;
+    let grouped = side_by_side(plan, x, expanded, grouped);
+    let dyt = at_least(transposed, strips_len(plan.o, columns, nr));
+    transpose_to_strips(dy, images, (plan.o, positions), nr, dyt);
+    let dyt = &*dyt;
+    for call in 0..plan.calls() {
+        let lhs = View {
+            data: grouped,
+            offset: call * depth * columns,
+            rs: columns,
+            cs: 1,
+        };
+        microkernel::product(
+            Panels::in_place(lhs, depth, columns),
+            Strips {
+                data: dyt,
+                offset: 0,
+                stride: columns * nr,
+                nr,
+            },
+            plan.o,
+            ViewMut {
+                data: acc,
+                offset: call * plan.o * depth,
+                rs: plan.o,
+                cs: 1,
+            },
+            Write {
+                start: Start::Dst,
+                relu: false,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Small planes of one tile go several images to a GEMM, and the gradient is the one of an
+    /// image at a time bit for bit: 1x1 and stride-2 3x3 layers into 7x7 and 4x4 planes, a
+    /// batch that leaves a last group short, one thread and two.
+    #[test]
+    fn small_images_several_to_a_gemm_give_the_gradient_of_one_at_a_time() -> anyhow::Result<()> {
+        let value = |i: usize| ((i * 7919 % 409) as f32 - 204.0) / 97.0;
+        for (n, c, h, o, k, s) in [
+            (9, 40, 7, 24, 1, 1),
+            (7, 24, 14, 40, 3, 2),
+            (6, 16, 8, 20, 3, 2),
+            (5, 8, 4, 9, 1, 1),
+        ] {
+            let ho = (h + 2 * (k / 2) - k) / s + 1;
+            let conv = Conv {
+                n,
+                c,
+                h,
+                w: h,
+                o,
+                kh: k,
+                kw: k,
+                stride: (s, s),
+                pad: (k / 2, k / 2, k / 2, k / 2),
+                ho,
+                wo: ho,
+            };
+            let plan = conv.forward_plan();
+            assert!(
+                image_group(&plan, n, Parallelism::None) > 1 || !microkernel::supported(),
+                "{conv:?}: one image per GEMM"
+            );
+            let x: Vec<f32> = (0..n * c * h * h).map(value).collect();
+            let dy: Vec<f32> = (0..n * o * ho * ho).map(|i| value(3 * i + 1)).collect();
+            for threads in [1, 2] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()?;
+                let (grouped, single) = pool.install(|| -> candle_core::Result<_> {
+                    let grouped = weight_grad_in_groups(&conv, (&x, &dy), true, true)?;
+                    let single = weight_grad_in_groups(&conv, (&x, &dy), true, false)?;
+                    Ok((grouped, single))
+                })?;
+                assert_eq!(grouped.len(), o * c * k * k + o);
+                let differ = grouped
+                    .iter()
+                    .zip(&single)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{conv:?} on {threads} threads");
+            }
+        }
+        Ok(())
+    }
 }

@@ -3,7 +3,7 @@
 //! copied for a group of images side by side, with no column between two images and the row
 //! shifts of the stride phases taken as they are copied ([`side_by_side`]), so one product per
 //! GEMM covers the group ([`correlate_group`]). The forward pass and a unit-stride input
-//! gradient run it.
+//! gradient run it; the kernel gradient reads the same operands along its depth.
 
 use super::{at_least, Scratch};
 use crate::conv2d::epilogue::Epilogue;
@@ -40,7 +40,7 @@ pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize
 /// operand at `call * depth * images * positions`, with no column between two images. Each
 /// image is expanded in `expanded` (or read in place), then each GEMM's rows are copied out
 /// of it: the row shifts of the stride phases are taken as they are copied.
-fn side_by_side<'a>(
+pub(super) fn side_by_side<'a>(
     plan: &Plan,
     x: &[f32],
     expanded: &mut Vec<f32>,

@@ -1,6 +1,6 @@
 //! A register-blocked matrix product for CPUs with AVX2 and FMA, or AVX-512: `dst (+)= lhs *
-//! rhs` with the left operand packed once ([`PackedLhs`]) and the right one copied a chunk at
-//! a time into strips.
+//! rhs` with the left operand packed once ([`PackedStack`]) and the right one copied a chunk
+//! at a time into strips.
 //!
 //! Each call of the inner kernel keeps an `MR x NR` block of `dst` in registers: six rows of
 //! two vectors, twelve registers, sixteen columns with AVX2 (`avx2`) and thirty-two with
@@ -43,7 +43,9 @@ mod avx512;
 mod driver;
 mod panels;
 
-pub(crate) use panels::{PackedLhs, PackedStack, Panels};
+#[cfg(test)]
+pub(crate) use panels::PackedLhs;
+pub(crate) use panels::{PackedStack, Panels};
 
 /// Rows of `dst` per kernel call (the last panel of a product may hold fewer), at every width.
 pub(crate) const MR: usize = 6;

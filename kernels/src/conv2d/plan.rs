@@ -176,7 +176,7 @@ impl Plan {
     /// Packs a kernel for the GEMMs: `packed[call][o][k] = tap(o, c, ky, kx)` for the tap
     /// `(c, ky, kx)` at depth `k` of `call`, where `tap` reads the source weights (so a caller
     /// can transpose, flip or subsample them while packing). The rows `(call, o)` are filled in
-    /// parallel, each in depth order.
+    /// parallel, each in depth order ([`Plan::pack_row`]).
     pub(crate) fn pack(&self, tap: impl Fn(usize, usize, usize, usize) -> f32 + Sync) -> Vec<f32> {
         /// Rows per rayon task, so a small kernel is packed in one.
         const MIN_ROWS: usize = 64;
@@ -185,30 +185,37 @@ impl Plan {
         if depth == 0 {
             return packed;
         }
-        let folded = self.folded();
         packed
             .par_chunks_mut(depth)
             .with_min_len(MIN_ROWS)
             .enumerate()
-            .for_each(|(row, dst)| {
-                let (call, o) = (row / self.o, row % self.o);
-                // Depth order (see `tap`): channel, kernel column, then (folded) kernel row.
-                let mut k = 0;
-                for c in 0..self.c {
-                    for kx in 0..self.kw {
-                        if folded {
-                            for ky in 0..self.kh {
-                                dst[k] = tap(o, c, ky, kx);
-                                k += 1;
-                            }
-                        } else {
-                            dst[k] = tap(o, c, call, kx);
-                            k += 1;
+            .for_each(|(row, dst)| self.pack_row((row / self.o, row % self.o), &tap, dst));
+        packed
+    }
+
+    /// Writes row `o` of GEMM `call` of the packed kernel (see [`Plan::pack`]) into `dst`,
+    /// [`Plan::depth`] values in depth order: channel, kernel column, then (folded) kernel row.
+    pub(crate) fn pack_row(
+        &self,
+        (call, o): (usize, usize),
+        tap: &impl Fn(usize, usize, usize, usize) -> f32,
+        dst: &mut [f32],
+    ) {
+        let folded = self.folded();
+        let mut slots = dst.iter_mut();
+        for c in 0..self.c {
+            for kx in 0..self.kw {
+                if folded {
+                    for ky in 0..self.kh {
+                        if let Some(slot) = slots.next() {
+                            *slot = tap(o, c, ky, kx);
                         }
                     }
+                } else if let Some(slot) = slots.next() {
+                    *slot = tap(o, c, call, kx);
                 }
-            });
-        packed
+            }
+        }
     }
 
     /// Kernel-gradient entries per output channel: `c * kh * kw`.

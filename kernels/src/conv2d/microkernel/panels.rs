@@ -1,7 +1,7 @@
-//! The left operand of a product as the micro-kernel reads it, in panels of [`MR`] rows: a
-//! matrix packed once ([`PackedLhs`]: a layer's kernel), matrices packed panel by panel into
-//! one stack ([`PackedStack`]: Winograd's 36 transformed kernels), or rows read where they lie
-//! ([`Panels::in_place`]). Nothing here needs `unsafe`, so the module denies it again under
+//! The left operand of a product as the micro-kernel reads it, in panels of [`MR`] rows:
+//! matrices packed panel by panel into one stack ([`PackedStack`]: a layer's kernel, one
+//! matrix per GEMM, or Winograd's 36 transformed kernels), or rows read where they lie
+//! ([`Panels::in_place`]); the tests pack one matrix from a view (`PackedLhs`). Nothing here needs `unsafe`, so the module denies it again under
 //! `microkernel`'s allowance.
 
 #![deny(unsafe_code)]
@@ -13,6 +13,7 @@ use crate::output;
 /// An `m x k` row-major matrix packed into panels of [`MR`] rows (the last one may be
 /// shorter), each laid out `[k][rows]`, so the kernel reads a panel's column as consecutive
 /// values.
+#[cfg(test)]
 #[derive(Debug, Clone, Default)]
 pub(crate) struct PackedLhs {
     pub(super) data: Vec<f32>,
@@ -20,6 +21,7 @@ pub(crate) struct PackedLhs {
     k: usize,
 }
 
+#[cfg(test)]
 impl PackedLhs {
     /// Packs the row-major `m x k` matrix `lhs`.
     pub(crate) fn new(lhs: &[f32], m: usize, k: usize) -> candle_core::Result<Self> {
@@ -115,6 +117,11 @@ impl PackedStack {
                 matrix: i.min(self.count.saturating_sub(1)),
             },
         }
+    }
+
+    /// How many matrices the stack holds.
+    pub(crate) fn count(&self) -> usize {
+        self.count
     }
 
     /// The matrices unpacked, row-major, one after the other: `[matrix][m][k]`.

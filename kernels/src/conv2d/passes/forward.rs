@@ -32,7 +32,7 @@ pub(super) fn correlate_image(
     let mut unfinished = false;
     for_each_tile_gemm(plan, x, expanded, |t| {
         let tile = t.i0 * plan.wo..(t.i0 + t.rows) * plan.wo;
-        let panels = match (kernel.panels.get(t.call), parallelism) {
+        let panels = match (kernel.panels(t.call), parallelism) {
             (Some(panels), Parallelism::None) if microkernel::fills_blocks(tile.len()) => {
                 Some(panels)
             }
@@ -60,7 +60,7 @@ pub(super) fn correlate_image(
         match panels {
             Some(panels) => {
                 microkernel::product(
-                    panels.panels(),
+                    panels,
                     // The operand read as (depth x positions).
                     View {
                         rs: t.operand.cs,
@@ -95,7 +95,7 @@ pub(super) fn correlate_image(
                     },
                     t.operand,
                     View {
-                        data: &kernel.gemm,
+                        data: kernel.gemm(),
                         offset: t.call * plan.o * depth,
                         rs: 1,
                         cs: depth,

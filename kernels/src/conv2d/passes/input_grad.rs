@@ -12,6 +12,7 @@ use super::{at_least, map_groups, Conv};
 use crate::conv2d::epilogue::Epilogue;
 use crate::conv2d::lowered::PackedKernel;
 use crate::conv2d::plan::Plan;
+use crate::conv2d::transpose::transpose;
 use crate::conv2d::winograd::Winograd;
 
 /// A new output of the 3x3, stride-1 correlation of the `n` images of `x` through
@@ -121,7 +122,7 @@ impl Conv {
                 let winograd = Winograd::new(&plan, tap);
                 let kernel = match winograd {
                     Some(_) => PackedKernel::none(),
-                    None => PackedKernel::new(&plan, tap)?,
+                    None => PackedKernel::new(&plan, tap),
                 };
                 phases.push(Phase {
                     plan,
@@ -141,6 +142,11 @@ impl Conv {
 fn transpose_channels(w: &[f32], o: usize, c: usize, taps: usize) -> Vec<f32> {
     const BLOCK: usize = 16;
     let mut wt = vec![0f32; w.len()];
+    if taps == 1 {
+        // A 1x1 kernel: a plain transpose, 8x8 blocks at a time.
+        transpose(w, o, c, &mut wt);
+        return wt;
+    }
     for o0 in (0..o).step_by(BLOCK) {
         let o1 = (o0 + BLOCK).min(o);
         for ci in 0..c {
@@ -316,13 +322,14 @@ mod tests {
 
     #[test]
     fn swaps_kernel_channel_axes() {
-        let (o, c, taps) = (35, 6, 9);
-        let w: Vec<f32> = (0..o * c * taps).map(|v| v as f32).collect();
-        let wt = transpose_channels(&w, o, c, taps);
-        for oi in 0..o {
-            for ci in 0..c {
-                for t in 0..taps {
-                    assert_eq!(wt[(ci * o + oi) * taps + t], w[(oi * c + ci) * taps + t]);
+        for (o, c, taps) in [(35, 6, 9), (40, 17, 1)] {
+            let w: Vec<f32> = (0..o * c * taps).map(|v| v as f32).collect();
+            let wt = transpose_channels(&w, o, c, taps);
+            for oi in 0..o {
+                for ci in 0..c {
+                    for t in 0..taps {
+                        assert_eq!(wt[(ci * o + oi) * taps + t], w[(oi * c + ci) * taps + t]);
+                    }
                 }
             }
         }

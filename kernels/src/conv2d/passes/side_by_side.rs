@@ -24,7 +24,7 @@ const GROUP_COLUMNS: usize = 256;
 /// [`GROUP_COLUMNS`] columns, in groups that keep every thread busy ([`balanced_group`]).
 pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
     let positions = plan.ho * plan.wo;
-    if kernel.panels.is_empty()
+    if !kernel.has_panels()
         || microkernel::fills_blocks(positions)
         || plan.tile_rows() < plan.ho
         || positions == 0
@@ -90,7 +90,10 @@ pub(super) fn correlate_group(
     } = scratch;
     let grouped = side_by_side(plan, &x[..g * plan.input_len()], expanded, grouped);
     let products = at_least(products, plan.o * columns);
-    for (call, panels) in kernel.panels.iter().enumerate() {
+    for call in 0..plan.calls() {
+        let Some(panels) = kernel.panels(call) else {
+            candle_core::bail!("conv2d: no micro-kernel panels for GEMM {call} of a group");
+        };
         // The first product starts from the bias, in the micro-kernel's registers.
         let start = match (call, bias) {
             (0, Some(bias)) => Start::Rows(bias),
@@ -98,7 +101,7 @@ pub(super) fn correlate_group(
             _ => Start::Dst,
         };
         microkernel::product(
-            panels.panels(),
+            panels,
             View {
                 data: grouped,
                 offset: call * depth * columns,
@@ -114,7 +117,7 @@ pub(super) fn correlate_group(
             },
             Write {
                 start,
-                relu: epilogue.relu && call + 1 == kernel.panels.len(),
+                relu: epilogue.relu && call + 1 == plan.calls(),
             },
         )?;
     }

@@ -139,7 +139,6 @@ pub(crate) struct ImagesMut<'a> {
 
 impl<'a> ImagesMut<'a> {
     /// Runs of images given as slices (a test's, or a caller's own buffers).
-    #[cfg(test)]
     pub(crate) fn new(images: Vec<&'a mut [f32]>) -> Self {
         Self { images }
     }

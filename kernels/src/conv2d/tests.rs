@@ -181,6 +181,11 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         case((7, 24, 8, 8), (40, 1, 1), (2, 2), (0, 0, 0, 0)),
         case((6, 5, 5, 6), (8, 3, 3), (1, 1), (1, 1, 1, 1)),
         case((7, 20, 6, 5), (9, 3, 1), (1, 1), (0, 0, 0, 0)),
+        // Stride-2 layers into 7x7 planes (ResNet-50's last stage): every stride phase of the
+        // input gradient is 7x7, several images to a GEMM; a 1x1 kernel leaves three phases
+        // without taps.
+        case((7, 24, 14, 14), (20, 3, 3), (2, 2), (1, 1, 1, 1)),
+        case((7, 24, 14, 14), (40, 1, 1), (2, 2), (0, 0, 0, 0)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

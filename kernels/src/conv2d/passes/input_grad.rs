@@ -14,6 +14,7 @@ use crate::conv2d::lowered::PackedKernel;
 use crate::conv2d::plan::Plan;
 use crate::conv2d::transpose::transpose;
 use crate::conv2d::winograd::Winograd;
+use crate::output::ImagesMut;
 
 /// A new output of the 3x3, stride-1 correlation of the `n` images of `x` through
 /// [`Winograd`], a group of images per task.
@@ -192,7 +193,7 @@ pub(crate) fn input_grad(
             Some(start)
         })
         .collect();
-    let phase_total = phases.iter().map(|p| p.plan.output_len()).sum();
+    let phase_total: usize = phases.iter().map(|p| p.plan.output_len()).sum();
     let mut row_groups: Vec<std::ops::Range<usize>> = Vec::new();
     for (i, p) in phases.iter().enumerate() {
         match row_groups.last_mut() {
@@ -224,11 +225,21 @@ pub(crate) fn input_grad(
             });
         }
     }
-    map_groups(conv.n, 1, (dy, dy_len), dx_len, |dy, mut dx, s, par| {
-        let Some(dx) = dx.each().next() else {
-            return Ok(());
-        };
+    // Strided: small phases go several images to a GEMM when every phase with taps can.
+    let group = match direct {
+        true => 1,
+        false => phases
+            .iter()
+            .filter(|p| p.plan.kh > 0 && p.plan.kw > 0)
+            .map(|p| image_group(&p.plan, &p.kernel, conv.n))
+            .min()
+            .unwrap_or(1),
+    };
+    map_groups(conv.n, group, (dy, dy_len), dx_len, |dy, mut dx, s, par| {
         if direct {
+            let Some(dx) = dx.each().next() else {
+                return Ok(());
+            };
             // One phase covering the whole image, in place (phases is never empty here: a
             // stride-1 convolution reads every input position).
             return phases.iter().try_for_each(|p| {
@@ -237,50 +248,59 @@ pub(crate) fn input_grad(
                 correlate_image(&p.plan, dy, kernel, dx, &mut s.expanded, par)
             });
         }
-        // Every phase into its own part of one buffer, then `dx` a row at a time, each row
-        // gathered from the phases of its row residue, so its cache lines are written at once.
-        let z = at_least(&mut s.phase, phase_total);
+        // Every phase of every image of the group into its own part of one buffer
+        // (`[phase][image][values]`), then `dx` a row at a time, each row gathered from the
+        // phases of its row residue, so its cache lines are written at once.
+        let g = dx.count();
+        let mut buffer = std::mem::take(&mut s.phase);
+        let z = at_least(&mut buffer, g * phase_total);
         for (p, &at) in phases.iter().zip(&phase_offsets) {
-            let zp = &mut z[at..at + p.plan.output_len()];
+            let len = p.plan.output_len();
+            let zp = &mut z[g * at..g * (at + len)];
+            let kernel = (&p.kernel, Epilogue::default());
             if p.plan.kh == 0 || p.plan.kw == 0 {
                 // No kernel tap lands on these positions: their gradient is zero.
                 zp.fill(0.0);
+            } else if g > 1 {
+                let mut images = ImagesMut::new(zp.chunks_exact_mut(len.max(1)).collect());
+                correlate_group(&p.plan, dy, kernel, (&mut images, false), s)?;
             } else {
-                let zp = (zp, false);
-                let kernel = (&p.kernel, Epilogue::default());
-                correlate_image(&p.plan, dy, kernel, zp, &mut s.expanded, par)?;
+                correlate_image(&p.plan, dy, kernel, (zp, false), &mut s.expanded, par)?;
             }
         }
         let z = &*z;
         let (h, w) = (conv.h, conv.w);
-        for (ci, dxc) in dx.chunks_exact_mut(h * w).enumerate() {
-            for group in row_groups.iter() {
-                let (group, offsets) = (&phases[group.clone()], &phase_offsets[group.clone()]);
-                let (first, rows) = (&group[0], group[0].plan.ho);
-                for a in 0..rows {
-                    let row = &mut dxc[(first.y0 + sh * a) * w..][..w];
-                    let z_row = |k: usize| {
-                        let wb = group[k].plan.wo;
-                        &z[offsets[k] + (ci * rows + a) * wb..][..wb]
-                    };
-                    match group {
-                        // Two column phases at stride 2 side by side: one interleaving pass.
-                        [p, q] if sw == 2 && q.x0 == p.x0 + 1 => {
-                            interleave(&mut row[p.x0..], (z_row(0), z_row(1)), into);
-                        }
-                        [p, q] if sw == 2 && p.x0 == q.x0 + 1 => {
-                            interleave(&mut row[q.x0..], (z_row(1), z_row(0)), into);
-                        }
-                        _ => {
-                            for (k, p) in group.iter().enumerate() {
-                                let columns = row[p.x0..].iter_mut().step_by(sw);
-                                write_or_add(columns.zip(z_row(k)), into);
+        for (i, dx) in dx.each().enumerate() {
+            for (ci, dxc) in dx.chunks_exact_mut(h * w).enumerate() {
+                for group in row_groups.iter() {
+                    let (group, offsets) = (&phases[group.clone()], &phase_offsets[group.clone()]);
+                    let (first, rows) = (&group[0], group[0].plan.ho);
+                    for a in 0..rows {
+                        let row = &mut dxc[(first.y0 + sh * a) * w..][..w];
+                        let z_row = |k: usize| {
+                            let (wb, len) = (group[k].plan.wo, group[k].plan.output_len());
+                            &z[g * offsets[k] + i * len + (ci * rows + a) * wb..][..wb]
+                        };
+                        match group {
+                            // Two column phases at stride 2 side by side: one interleaving pass.
+                            [p, q] if sw == 2 && q.x0 == p.x0 + 1 => {
+                                interleave(&mut row[p.x0..], (z_row(0), z_row(1)), into);
+                            }
+                            [p, q] if sw == 2 && p.x0 == q.x0 + 1 => {
+                                interleave(&mut row[q.x0..], (z_row(1), z_row(0)), into);
+                            }
+                            _ => {
+                                for (k, p) in group.iter().enumerate() {
+                                    let columns = row[p.x0..].iter_mut().step_by(sw);
+                                    write_or_add(columns.zip(z_row(k)), into);
+                                }
                             }
                         }
                     }
                 }
             }
         }
+        s.phase = buffer;
         Ok(())
     })
 }

@@ -7,7 +7,7 @@
 //! images run one after the other and each GEMM is split across the pool instead. Each thread
 //! keeps its expansion buffers between calls.
 //!
-//! Images of one tile too small for the micro-kernel's blocks (4x4 and 7x7 planes) go several
+//! Images too small for the micro-kernel's blocks (4x4 and 7x7 planes) go several
 //! to a GEMM in the forward pass and a unit-stride input gradient: each GEMM's operand is
 //! written for all of them side by side, so its columns fill the blocks. The kernel gradient
 //! reads the same operands along its depth, so its accumulator is read and written once per

@@ -186,6 +186,9 @@ fn chosen_shapes_match_candle() -> anyhow::Result<()> {
         // without taps.
         case((7, 24, 14, 14), (20, 3, 3), (2, 2), (1, 1, 1, 1)),
         case((7, 24, 14, 14), (40, 1, 1), (2, 2), (0, 0, 0, 0)),
+        // Deep enough that an image's expansion passes a tile's budget (two tiles of rows
+        // image by image), yet several images to a GEMM.
+        case((4, 400, 14, 14), (8, 3, 3), (2, 2), (1, 1, 1, 1)),
     ];
     for (i, c) in cases.into_iter().enumerate() {
         check(c, i as u64)?;

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::side_by_side::side_by_side;
+use super::side_by_side::{fits_side_by_side, side_by_side};
 use super::winograd_kernel_grad;
 use super::{
     at_least, for_each_tile_gemm, gemm_parallelism, split_images, with_scratch, Conv, Scratch,
@@ -94,13 +94,12 @@ fn weight_grad_in_groups(
 const GROUP_POSITIONS: usize = 256;
 
 /// Images per kernel-gradient GEMM out of a task's `images`: one, unless the micro-kernel runs
-/// the products on one thread and an image is one tile of fewer than [`GROUP_POSITIONS`]
-/// positions; then about enough images for that many.
+/// the products on one thread and an image of fewer than [`GROUP_POSITIONS`] positions goes to
+/// [`side_by_side`] ([`fits_side_by_side`]); then about enough images for that many.
 fn image_group(plan: &Plan, images: usize, parallelism: Parallelism) -> usize {
     let positions = plan.ho * plan.wo;
-    let one_tile = plan.tile_rows() >= plan.ho;
     let microkernel = matches!(parallelism, Parallelism::None) && microkernel::supported();
-    if !microkernel || !one_tile || positions == 0 || positions >= GROUP_POSITIONS {
+    if !microkernel || !fits_side_by_side(plan) || positions == 0 || positions >= GROUP_POSITIONS {
         return 1;
     }
     GROUP_POSITIONS.div_ceil(positions).clamp(1, images.max(1))
@@ -277,7 +276,7 @@ fn weight_grad_image(
     })
 }
 
-/// Adds the kernel gradient of the one-tile images `x` (several, back to back, and their output
+/// Adds the kernel gradient of the small images `x` (several, back to back, and their output
 /// gradients `dy`) to `acc`, as [`weight_grad_image`] does one after another, in one product per
 /// GEMM: their operands side by side ([`side_by_side`], `depth x (images * positions)`) and
 /// their output gradients transposed under one another into strips, so each product's depth
@@ -339,7 +338,7 @@ fn weight_grad_group(
 mod tests {
     use super::*;
 
-    /// Small planes of one tile go several images to a GEMM, and the gradient is the one of an
+    /// Small planes go several images to a GEMM, and the gradient is the one of an
     /// image at a time bit for bit: 1x1 and stride-2 3x3 layers into 7x7 and 4x4 planes, a
     /// batch that leaves a last group short, one thread and two.
     #[test]

@@ -1,9 +1,10 @@
-//! Small images several to a GEMM: where an image is one tile whose positions would leave much
-//! of the micro-kernel's last column block empty ([`image_group`]), each GEMM's operand is
-//! copied for a group of images side by side, with no column between two images and the row
-//! shifts of the stride phases taken as they are copied ([`side_by_side`]), so one product per
-//! GEMM covers the group ([`correlate_group`]). The forward pass and a unit-stride input
-//! gradient run it; the kernel gradient reads the same operands along its depth.
+//! Small images several to a GEMM: where an image's positions would leave much of the
+//! micro-kernel's last column block empty and its whole expansion fits a budget
+//! ([`image_group`]), each GEMM's operand is copied for a group of images side by side, with no
+//! column between two images and the row shifts of the stride phases taken as they are copied
+//! ([`side_by_side`]), so one product per GEMM covers the group ([`correlate_group`]). The
+//! forward pass and the input gradient (each stride phase) run it; the kernel gradient reads
+//! the same operands along its depth.
 
 use super::{at_least, Scratch};
 use crate::conv2d::epilogue::Epilogue;
@@ -19,14 +20,14 @@ use crate::output::ImagesMut;
 const GROUP_COLUMNS: usize = 256;
 
 /// Images per GEMM for `plan` out of `n`: one, unless an image's positions would leave much of
-/// the micro-kernel's last column block empty (7x7 planes fill 49 of 64 columns), the image is
-/// one tile, and the micro-kernel runs the products; then about enough images for
+/// the micro-kernel's last column block empty (7x7 planes fill 49 of 64 columns), its whole
+/// expansion fits [`fits_side_by_side`], and the micro-kernel runs the products; then about enough images for
 /// [`GROUP_COLUMNS`] columns, in groups that keep every thread busy ([`balanced_group`]).
 pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize {
     let positions = plan.ho * plan.wo;
     if !kernel.has_panels()
         || microkernel::fills_blocks(positions)
-        || plan.tile_rows() < plan.ho
+        || !fits_side_by_side(plan)
         || positions == 0
     {
         return 1;
@@ -35,7 +36,18 @@ pub(super) fn image_group(plan: &Plan, kernel: &PackedKernel, n: usize) -> usize
     balanced_group(n, GROUP_COLUMNS.div_ceil(positions), threads)
 }
 
-/// The GEMM operands of the one-tile images `x` (whole images, back to back) side by side:
+/// The most `f32`s one image's whole expansion may take for [`side_by_side`] (2 MiB): more
+/// than a tile's budget ([`Plan::tile_rows`]), so a deep layer's small images (ResNet-50's
+/// 512-channel 3x3 stride-2 layer into 7x7 planes, 688 KiB) still go several to a GEMM.
+const IMAGE_EXPANSION_BUDGET: usize = 512 * 1024;
+
+/// Whether an image of `plan` goes to [`side_by_side`]: its whole expansion within
+/// [`IMAGE_EXPANSION_BUDGET`].
+pub(super) fn fits_side_by_side(plan: &Plan) -> bool {
+    plan.expanded_len(plan.ho) <= IMAGE_EXPANSION_BUDGET
+}
+
+/// The GEMM operands of the small images `x` (whole images, back to back) side by side:
 /// `[call][depth][image][position]`, so GEMM `call` reads its `depth x (images * positions)`
 /// operand at `call * depth * images * positions`, with no column between two images. Each
 /// image is expanded in `expanded` (or read in place), then each GEMM's rows are copied out

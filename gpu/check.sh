@@ -4,7 +4,7 @@
 # One command, at most 7 minutes (the later benchmarks are skipped when time runs out):
 #
 #   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
-#                                # bench-*.json (10), epoch.json
+#                                # bench-*.json (10), epoch.json, timeline.md
 #
 # In order, each step under its own time limit, every step run whatever the ones before did:
 #   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
@@ -28,7 +28,8 @@
 #   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the
 #      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images; kandle's steps
 #      with the driver's default memory pool (KANDLE_CUDA_SETTINGS=default), what the pool's
-#      setting buys; under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
+#      setting buys; a timeline of kandle's steps when the machine has Nsight Systems
+#      (timeline.md: GPU-busy time against the gaps, gpu/timeline_summary.py); under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
 #      batch 256;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
@@ -171,6 +172,25 @@ bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
 # What the memory pool's setting buys: kandle's steps with the driver's default pool.
 step bench-64-default-pool 60 env KANDLE_CUDA_SETTINGS=default "$BIN/bench" --device cuda:0 \
   --warmup 3 --iters 10 --batch 64 --no-pytorch --no-ops --json "$OUT/bench-64-default-pool.json"
+
+# Where the step's time goes on the GPU: an Nsight Systems trace of kandle's training steps and
+# inference at batch 64, summarised as GPU-busy time against the gaps between operations (the
+# host's time the GPU waits for), by gap size, and the operations by total time (timeline.md;
+# the report itself when it is under 32 MB).
+if command -v nsys >/dev/null; then
+  step timeline 60 bash -c '
+    nsys profile --trace=cuda --sample=none --cpuctxsw=none --force-overwrite true \
+      --output /tmp/kandle-timeline "$1/bench" --device cuda:0 --batch 64 --warmup 2 --iters 5 \
+      --no-pytorch --no-ops &&
+    nsys stats --report cuda_gpu_trace --format csv --force-overwrite true \
+      --output /tmp/kandle-timeline /tmp/kandle-timeline.nsys-rep >/dev/null &&
+    "$2" gpu/timeline_summary.py /tmp/kandle-timeline_cuda_gpu_trace.csv "$3/timeline.md" &&
+    if (($(stat -c %s /tmp/kandle-timeline.nsys-rep) < 32000000)); then
+      cp /tmp/kandle-timeline.nsys-rep "$3/"
+    fi' _ "$BIN" "$PYTHON" "$OUT"
+else
+  echo "=== timeline: left out, no nsys on this machine"
+fi
 
 # Mixed precision: kandle's policies against PyTorch's autocast (float16 with a GradScaler, and
 # bfloat16) and float32, on the same GPU.

@@ -48,15 +48,18 @@ elapsed
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/cuda-check"
 export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
 # One build of everything with cuDNN too (`cudnn` adds code and removes none), then
-# kandle-kernels alone with `cuda` only, the one crate whose code differs without cuDNN: candle
-# and kandle-kernels are checked again, not the rest.
+# kandle-kernels alone without its `cudnn` feature, the one crate whose code differs without
+# cuDNN. Its dependencies keep the first build's features (candle-core's `cudnn` and `nccl`
+# named on the command line; kandle-kernels' own code does not see them), so they are not
+# checked again.
 echo "== cargo clippy --features cuda,nccl,kandle/cudnn (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
 cargo clippy --locked --all-targets -p kandle -p kandle-kernels -p kandle-strategies \
   -p kandle-examples --features cuda,nccl,kandle/cudnn -- -D warnings
 elapsed
 
 echo "== cargo clippy -p kandle-kernels --features cuda,test-support (its CUDA kernels without cuDNN)"
-cargo clippy --locked --all-targets -p kandle-kernels --features cuda,test-support -- -D warnings
+cargo clippy --locked --all-targets -p kandle-kernels \
+  --features cuda,test-support,candle-core/cudnn,candle-core/nccl -- -D warnings
 elapsed
 
 if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CI: compile-check the GPU code (`--features cuda,nccl` with cuDNN, then kandle-kernels with
-# `cuda` alone, then `cuda,nccl,mpi` for the NCCL path of MultiWorkerMirroredStrategy) on a
+# CI: compile-check the GPU code (`--features cuda,nccl` with cuDNN, then without it, then
+# `cuda,nccl,mpi` for the NCCL path of MultiWorkerMirroredStrategy) on a
 # machine with no GPU and no driver, so that it cannot rot. Needs crates.io and PyPI (for the
 # CUDA 13.0 toolchain wheels), and for the last check Open MPI (`libopenmpi-dev`) and
 # `libclang-dev`, which .ci/run installs before it runs this script.
@@ -47,19 +47,20 @@ elapsed
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/cuda-check"
 export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
-# One build of everything with cuDNN too (`cudnn` adds code and removes none), then
-# kandle-kernels alone without its `cudnn` feature, the one crate whose code differs without
-# cuDNN. Its dependencies keep the first build's features (candle-core's `cudnn` and `nccl`
-# named on the command line; kandle-kernels' own code does not see them), so they are not
-# checked again.
+# One build of everything with cuDNN too (`cudnn` adds code and removes none), then the same
+# crates without cuDNN (kandle-kernels' and kandle's code differs there), with kandle-kernels'
+# CUDA tests (`test-support`). The second build selects the same packages as the first, so the
+# shared dependencies keep their features and only cudarc, candle and kandle's crates are
+# checked again (a build of kandle-kernels alone unified its dependencies' features otherwise
+# and rebuilt them, candle's kernels through nvcc included: 5 min of a fresh clone's check).
 echo "== cargo clippy --features cuda,nccl,kandle/cudnn (target dir $CARGO_TARGET_DIR, NVCC_APPEND_FLAGS='$NVCC_APPEND_FLAGS')"
 cargo clippy --locked --all-targets -p kandle -p kandle-kernels -p kandle-strategies \
   -p kandle-examples --features cuda,nccl,kandle/cudnn -- -D warnings
 elapsed
 
-echo "== cargo clippy -p kandle-kernels --features cuda,test-support (its CUDA kernels without cuDNN)"
-cargo clippy --locked --all-targets -p kandle-kernels \
-  --features cuda,test-support,candle-core/cudnn,candle-core/nccl -- -D warnings
+echo "== cargo clippy --features cuda,nccl,kandle-kernels/test-support (without cuDNN)"
+cargo clippy --locked --all-targets -p kandle -p kandle-kernels -p kandle-strategies \
+  -p kandle-examples --features cuda,nccl,kandle-kernels/test-support -- -D warnings
 elapsed
 
 if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then

@@ -17,6 +17,8 @@
 //!   same for every strategy;
 //! - [`fused`] flattens many tensors into one buffer and back, so a step crosses devices and
 //!   processes in one transfer;
+//! - [`buckets`] cuts the gradients into buckets summed across replicas while the backward
+//!   pass goes on ([`Replica::set_buckets`]), as PyTorch DDP overlaps its all-reduce;
 //! - [`ReplicaGroup`] and [`ReplicaHandle`] let batch normalisation sum its statistics across
 //!   replicas inside the forward pass (`SyncBatchNorm`).
 //!
@@ -38,7 +40,7 @@ pub use crate::cross_replica::{ReplicaGroup, ReplicaHandle};
 pub use crate::error::panic_message;
 pub use crate::layers::StagePlacement;
 pub use crate::replica::step::StepStats;
-pub use crate::replica::{fused, step};
+pub use crate::replica::{buckets, fused, step};
 pub use crate::replica::{ModelSpec, Replica, StageStep, StepBuffer};
 
 use candle_core::Tensor;

@@ -21,6 +21,7 @@ use std::collections::HashMap;
 use candle_core::{Tensor, TensorId, Var};
 
 use super::Layer;
+use crate::replica::buckets::BucketWatch;
 use crate::Result;
 
 /// A layer's training forward pass: its output and how to run it backward.
@@ -113,6 +114,8 @@ where
 #[derive(Debug, Default)]
 pub struct ParamGrads {
     grads: HashMap<TensorId, Tensor>,
+    /// Told of every gradient added, to hand in gradient buckets during the backward pass.
+    watch: Option<BucketWatch>,
 }
 
 impl ParamGrads {
@@ -136,7 +139,23 @@ impl ParamGrads {
                 slot.insert(sum);
             }
         }
-        Ok(())
+        match &mut self.watch {
+            Some(watch) => watch.added(id, &self.grads),
+            None => Ok(()),
+        }
+    }
+
+    /// An empty store whose gradients `watch` follows as they arrive.
+    pub(crate) fn watched(watch: BucketWatch) -> Self {
+        Self {
+            grads: HashMap::new(),
+            watch: Some(watch),
+        }
+    }
+
+    /// The watch given to [`Self::watched`], if any.
+    pub(crate) fn take_watch(&mut self) -> Option<BucketWatch> {
+        self.watch.take()
     }
 
     /// Removes and returns the gradient of the variable whose tensor is `param`, if it got one.

@@ -6,6 +6,7 @@
 //! ([`Replica::finish_step`]). Strategies decide only where replicas live and how their buffers
 //! are summed between those two calls (see [`crate::strategy::step`]).
 
+pub mod buckets;
 pub mod fused;
 mod stage;
 pub mod step;
@@ -31,6 +32,7 @@ use crate::params::BuildContext;
 use crate::params::ParamStore;
 use crate::timeline;
 use crate::{ComputePath, Result};
+use buckets::{BucketPlan, BucketReducer, BucketWatch, ReplicaBuckets};
 use fused::{fuse, FusedLayout};
 use step::{StepLayout, StepTotals};
 
@@ -113,6 +115,10 @@ impl Gradients {
     }
 }
 
+/// The recorded backward pass's gradients (in trainable order), the summed loss, the outputs
+/// and the bucket watch that followed the gradients.
+type RecordedGradients = (Vec<Tensor>, Tensor, Vec<Tensor>, Option<BucketWatch>);
+
 /// A loss computed from a recorded forward's heads (its outputs, or its only output's logits),
 /// each head a variable of its own so that candle's autograd differentiates the loss alone.
 struct LossHeads {
@@ -149,6 +155,9 @@ impl LossHeads {
 pub struct StepBuffer {
     /// `[gradients..., sums..., sample count, statistics x samples...]` on the replica's device.
     pub fused: Tensor,
+    /// Whether the gradients in `fused` are already summed over the replicas (by gradient
+    /// buckets, [`Replica::set_buckets`]): then only the rest of the buffer is to be summed.
+    pub grads_reduced: bool,
     /// The moving statistics before the forward pass, for [`Replica::finish_step`].
     pub statistics_before: Vec<Tensor>,
 }
@@ -177,6 +186,8 @@ pub struct Replica {
     accumulated: Mutex<Option<Gradients>>,
     /// Which part of the network it holds: the whole, or a pipeline's stage.
     position: StagePosition,
+    /// The gradient buckets its step buffers sum with the other replicas', when set.
+    buckets: Option<ReplicaBuckets>,
 }
 
 impl Replica {
@@ -261,6 +272,7 @@ impl Replica {
             device,
             accumulated: Mutex::new(None),
             position,
+            buckets: None,
         })
     }
 
@@ -273,6 +285,22 @@ impl Replica {
     pub(crate) fn recording_backward(mut self, on: bool) -> Self {
         self.records_backward = on;
         self
+    }
+
+    /// Sums this replica's gradients with the other replicas' in the buckets of `plan`
+    /// through `reducer`, as replica `index` (see [`buckets`]): each bucket is handed in as
+    /// soon as the backward pass has finished its gradients, and every step buffer then holds
+    /// the gradients summed over the replicas ([`StepBuffer::grads_reduced`]). Every replica
+    /// of the strategy must get the same plan and reducer. Fails when `plan` does not cover
+    /// exactly the trainable variables.
+    pub fn set_buckets(
+        &mut self,
+        reducer: Arc<dyn BucketReducer>,
+        index: usize,
+        plan: Arc<BucketPlan>,
+    ) -> Result<()> {
+        self.buckets = Some(ReplicaBuckets::new(reducer, index, plan, &self.trainable)?);
+        Ok(())
     }
 
     /// The device this replica runs on.
@@ -333,23 +361,35 @@ impl Replica {
     /// by its weight when given. The gradients are those of the weighted loss *sum*; the final
     /// phase of the step divides them by the global batch's sample count.
     fn compute_gradients(&self, part: &Batch) -> Result<Gradients> {
+        Ok(self.compute_watched(part, None)?.0)
+    }
+
+    /// [`Self::compute_gradients`], the recorded backward pass's gradients followed by `watch`
+    /// as they arrive; returns the watch after the pass (none when the pass did not run).
+    fn compute_watched(
+        &self,
+        part: &Batch,
+        watch: Option<BucketWatch>,
+    ) -> Result<(Gradients, Option<BucketWatch>)> {
         let samples = part.len();
         if samples == 0 {
-            return self.zero_gradients();
+            return Ok((self.zero_gradients()?, None));
         }
         let statistics_before = self.statistics_snapshot()?;
-        let (grads, loss_sum, outputs) = if self.records_backward {
-            self.recorded_backward(part)?
+        let (grads, loss_sum, outputs, watch) = if self.records_backward {
+            self.recorded_backward(part, watch)?
         } else {
-            self.candle_backward(part)?
+            let (grads, loss_sum, outputs) = self.candle_backward(part)?;
+            (grads, loss_sum, outputs, None)
         };
         let stats = self.stats(&loss_sum, &outputs, &part.targets)?;
-        Ok(Gradients {
+        let gradients = Gradients {
             grads,
             stats,
             samples,
             statistics_before,
-        })
+        };
+        Ok((gradients, watch))
     }
 
     /// This replica's share of a step on `part` (on the CPU): its gradients and sums, fused
@@ -358,30 +398,76 @@ impl Replica {
     /// The micro-batches [`Self::accumulate`] took since the last buffer are part of it: their
     /// gradients and sums are added to this part's, and the buffer's moving statistics, those
     /// after the last forward pass, are weighted by the sample count of them all.
+    ///
+    /// With gradient buckets ([`Self::set_buckets`]) the buffer's gradients are already summed
+    /// over the replicas.
     pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
-        let g = self.compute_gradients(&part.to_device(&self.device)?)?;
-        self.buffer_of(g)
+        let part = part.to_device(&self.device)?;
+        let Some(buckets) = &self.buckets else {
+            return self.buffer_of(self.compute_gradients(&part)?);
+        };
+        let result = self.bucketed_buffer(&part, buckets);
+        if let Err(error) = &result {
+            buckets.abort(error);
+        }
+        result
+    }
+
+    /// [`Self::step_buffer`] through gradient buckets: handed in during the recorded backward
+    /// pass when it runs alone (no micro-batch accumulated before), after it otherwise.
+    fn bucketed_buffer(&self, part: &Batch, buckets: &ReplicaBuckets) -> Result<StepBuffer> {
+        let watch = match self.records_backward && self.accumulated_slot()?.is_none() {
+            true => Some(buckets.watch(&self.trainable, self.loss_scale_value()?)?),
+            false => None,
+        };
+        let (g, watch) = self.compute_watched(part, watch)?;
+        let g = self.with_accumulated(g)?;
+        let summed = {
+            let _reduce = timeline::span("gradient buckets");
+            buckets.finish(watch, &g.grads)?
+        };
+        let tail = self.buffer_tail(&g)?;
+        let mut parts = vec![&summed];
+        parts.extend(tail.iter());
+        Ok(StepBuffer {
+            fused: fuse(&parts)?,
+            grads_reduced: true,
+            statistics_before: g.statistics_before,
+        })
+    }
+
+    /// `g` plus the gradients accumulated since the last buffer.
+    fn with_accumulated(&self, g: Gradients) -> Result<Gradients> {
+        match self.take_accumulated()? {
+            Some(earlier) => earlier.plus(g),
+            None => Ok(g),
+        }
     }
 
     /// The step buffer of `g` plus the gradients accumulated since the last buffer.
-    fn buffer_of(&self, mut g: Gradients) -> Result<StepBuffer> {
-        if let Some(earlier) = self.take_accumulated()? {
-            g = earlier.plus(g)?;
-        }
-        let samples = Tensor::new(&[g.samples as f32], &self.device)?;
-        let statistics = self
-            .statistics
-            .iter()
-            .map(|v| Ok((v.as_tensor() * g.samples as f64)?))
-            .collect::<Result<Vec<_>>>()?;
+    fn buffer_of(&self, g: Gradients) -> Result<StepBuffer> {
+        let g = self.with_accumulated(g)?;
+        let tail = self.buffer_tail(&g)?;
         let mut parts: Vec<&Tensor> = g.grads.iter().collect();
-        parts.push(&g.stats);
-        parts.push(&samples);
-        parts.extend(statistics.iter());
+        parts.extend(tail.iter());
         Ok(StepBuffer {
             fused: fuse(&parts)?,
+            grads_reduced: false,
             statistics_before: g.statistics_before,
         })
+    }
+
+    /// What a step buffer holds after the gradients: the sums, the sample count, and the
+    /// moving statistics multiplied by it.
+    fn buffer_tail(&self, g: &Gradients) -> Result<Vec<Tensor>> {
+        let mut tail = vec![
+            g.stats.clone(),
+            Tensor::new(&[g.samples as f32], &self.device)?,
+        ];
+        for v in &self.statistics {
+            tail.push((v.as_tensor() * g.samples as f64)?);
+        }
+        Ok(tail)
     }
 
     /// Gradient accumulation: computes the gradients and sums of `part` (on the CPU) and keeps
@@ -468,12 +554,19 @@ impl Replica {
         Ok(var.as_tensor().narrow(0, 0, 1)?.squeeze(0)?.detach())
     }
 
+    /// The loss scale's value, when there is one.
+    fn loss_scale_value(&self) -> Result<Option<Tensor>> {
+        self.loss_scale
+            .as_ref()
+            .map(|(_, var)| self.scale_of(var))
+            .transpose()
+    }
+
     /// Gradients of the scaled objective divided back by the scale.
     fn unscaled(&self, grads: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let Some((_, var)) = &self.loss_scale else {
+        let Some(scale) = self.loss_scale_value()? else {
             return Ok(grads);
         };
-        let scale = self.scale_of(var)?;
         grads
             .into_iter()
             .map(|g| Ok(g.broadcast_div(&scale)?))
@@ -554,17 +647,25 @@ impl Replica {
     /// [`Self::candle_backward`] through the network's recorded backward pass: candle's
     /// autograd differentiates only the loss, with respect to the network's outputs (or the
     /// only output's logits), and the layers' recorded passes take it from there.
-    fn recorded_backward(&self, part: &Batch) -> Result<(Vec<Tensor>, Tensor, Vec<Tensor>)> {
+    fn recorded_backward(
+        &self,
+        part: &Batch,
+        watch: Option<BucketWatch>,
+    ) -> Result<RecordedGradients> {
         let forward = timeline::span("forward");
         let recorded = self.net.record(&part.inputs)?;
         let heads = self.loss_heads(recorded.outputs, recorded.logits, part)?;
         drop(forward);
         let _backward = timeline::span("backward");
         let dheads = heads.gradients(self)?;
-        let mut store = ParamGrads::new();
+        let mut store = match watch {
+            Some(watch) => ParamGrads::watched(watch),
+            None => ParamGrads::new(),
+        };
         (recorded.backward)(dheads, &mut store)?;
+        let watch = store.take_watch();
         let grads = self.gradients_from(&mut store)?;
-        Ok((grads, heads.loss_sum, heads.outputs))
+        Ok((grads, heads.loss_sum, heads.outputs, watch))
     }
 
     /// The loss of a recorded forward's `outputs` (or its only output's `logits`) on `part`'s

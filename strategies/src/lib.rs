@@ -39,6 +39,7 @@
 //! # Ok::<(), kandle::Error>(())
 //! ```
 
+mod bucket_exchange;
 mod central_storage;
 mod cross_device_ops;
 mod mirrored;
@@ -64,4 +65,4 @@ pub use multi_worker::{CommunicationImplementation, MultiWorkerMirroredStrategy}
 pub use parameter_server::ParameterServerStrategy;
 pub use pipeline::PipelineStrategy;
 pub use replica_pool::ReplicaThreads;
-pub use replica_set::ReplicaOptions;
+pub use replica_set::{ReplicaOptions, DEFAULT_BUCKET_BYTES};

@@ -83,8 +83,12 @@ impl Strategy for MirroredStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
+        let mut set = ReplicaSet::build(spec, &self.devices, &self.options)?;
+        if let Some(bytes) = self.options.gradient_buckets {
+            set.use_buckets(self.ops, bytes, self.options.timeout)?;
+        }
         Ok(Box::new(ReplicaModel {
-            set: ReplicaSet::build(spec, &self.devices, &self.options)?,
+            set,
             reduce: self.ops,
         }))
     }
@@ -261,6 +265,87 @@ mod tests {
         };
         assert!(scale < 2f32.powi(20), "{scale}");
         assert!(applied > 0 && good as usize == applied, "{good} {applied}");
+        Ok(())
+    }
+
+    /// Two convolutions with batch norm and a dense layer: in buckets of 1 KiB, five buckets.
+    fn deep_spec(policy: kandle::DTypePolicy) -> ModelSpec {
+        ModelSpec {
+            network: Sequential::new()
+                .add(Conv2D::new(4, 3))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Conv2D::new(8, 3))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Flatten)
+                .add(Dense::new(10))
+                .add(Activation::Softmax)
+                .into(),
+            optimizer: Box::new(Sgd::new(0.1).momentum(0.9)),
+            ..bn_spec(kandle::ComputePath::Auto, policy)
+        }
+    }
+
+    /// Trains `spec` on three replicas, its gradients summed in buckets of `bucket_bytes`
+    /// (whole buffers for `None`) with `ops`: steps of 20 samples (parts of 7, 7 and 6), one of
+    /// 2 (a replica without samples), and one update over two accumulated micro-batches.
+    /// Returns the weights and the buckets handed in during backward passes.
+    fn train_in_buckets(
+        spec: &ModelSpec,
+        ops: CrossDeviceOps,
+        bucket_bytes: Option<usize>,
+    ) -> Result<(Vec<Vec<f32>>, usize)> {
+        let options = ReplicaOptions::default().gradient_buckets(bucket_bytes);
+        let mut set = ReplicaSet::build(spec, &[Device::Cpu, Device::Cpu, Device::Cpu], &options)?;
+        if let Some(bytes) = bucket_bytes {
+            set.use_buckets(ops, bytes, options.timeout)?;
+        }
+        let mut model = ReplicaModel { set, reduce: ops };
+        let data = kandle::data::digits::load()?;
+        let (x, y) = data.to_tensors()?;
+        let batch = |start: usize, len: usize| -> Result<Batch> {
+            Ok(Batch::new(
+                x.narrow(0, start, len)?,
+                y.narrow(0, start, len)?,
+            ))
+        };
+        for step in 0..4 {
+            assert!(model.train_step(&batch(step * 20, 20)?, 0.05)?.applied);
+        }
+        assert!(model.train_step(&batch(100, 2)?, 0.05)?.applied);
+        model.accumulate(&batch(120, 10)?)?;
+        assert!(model.train_step(&batch(130, 11)?, 0.05)?.applied);
+        let weights = model.weights()?;
+        let values = weights
+            .values()
+            .map(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((values, model.set.buckets_during_backward()))
+    }
+
+    #[test]
+    fn gradient_buckets_train_as_whole_buffers_bit_for_bit() -> Result<()> {
+        let scaled =
+            kandle::DTypePolicy::mixed_float16().with_loss_scale(Some(kandle::LossScale {
+                initial: 2f64.powi(10),
+                growth_steps: 2000,
+            }));
+        for policy in [kandle::DTypePolicy::default(), scaled] {
+            let spec = deep_spec(policy);
+            for ops in [
+                CrossDeviceOps::ReductionToOneDevice,
+                CrossDeviceOps::HierarchicalCopy,
+            ] {
+                let (whole, none) = train_in_buckets(&spec, ops, None)?;
+                assert_eq!(none, 0);
+                let (bucketed, early) = train_in_buckets(&spec, ops, Some(1024))?;
+                assert_eq!(bucketed, whole, "{ops:?} under {policy:?}");
+                // Five buckets on three replicas from the second step on, but for the replica
+                // without samples and the update after an accumulated micro-batch.
+                assert_eq!(early, 5 * (3 * 3 + 2), "{ops:?} under {policy:?}");
+            }
+        }
         Ok(())
     }
 

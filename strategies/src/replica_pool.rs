@@ -87,6 +87,8 @@ pub struct ReplicaPool {
     workers: Vec<Worker>,
     timeout: Duration,
     broken: Option<String>,
+    /// Whether a replica is waiting on the others (in a gradient bucket exchange).
+    waiting: Option<Arc<dyn Fn(usize) -> bool + Send + Sync>>,
 }
 
 impl ReplicaPool {
@@ -144,6 +146,7 @@ impl ReplicaPool {
             workers,
             timeout,
             broken: None,
+            waiting: None,
         })
     }
 
@@ -198,7 +201,7 @@ impl ReplicaPool {
                     return Err(self.fail(i, format!("panicked: {msg}")));
                 }
                 Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                    let silent = results.iter().position(Option::is_none).unwrap_or_default();
+                    let silent = self.silent(&results);
                     let secs = self.timeout.as_secs_f64();
                     return Err(self.fail(silent, format!("did not answer within {secs:.0} s")));
                 }
@@ -208,6 +211,25 @@ impl ReplicaPool {
             return Err(e);
         }
         Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Tells the pool which replicas are waiting on the others (`waiting(i)`), so that a step
+    /// that times out names a replica that is not.
+    pub(crate) fn set_waiting(&mut self, waiting: Arc<dyn Fn(usize) -> bool + Send + Sync>) {
+        self.waiting = Some(waiting);
+    }
+
+    /// The replica a timed-out step names: the first without a result that is not waiting on
+    /// the others, else the first without a result.
+    fn silent<R>(&self, results: &[Option<R>]) -> usize {
+        let without: Vec<usize> = (0..results.len())
+            .filter(|&i| results[i].is_none())
+            .collect();
+        let busy = without
+            .iter()
+            .copied()
+            .find(|&i| self.waiting.as_ref().is_none_or(|waiting| !waiting(i)));
+        busy.or(without.first().copied()).unwrap_or_default()
     }
 
     fn fail(&mut self, replica: usize, reason: String) -> Error {

@@ -13,6 +13,7 @@ use kandle::data::{shard_range, Batch};
 use kandle::layers::Summary;
 use kandle::optimizers::NamedOptimizerState;
 use kandle::params::{ParamStore, Weights};
+use kandle::strategy::buckets::{BucketPlan, BucketReducer};
 use kandle::strategy::fused::{fuse, FusedLayout};
 use kandle::strategy::step::{StepLayout, StepTotals};
 use kandle::strategy::{
@@ -21,6 +22,7 @@ use kandle::strategy::{
 };
 use kandle::Result;
 
+use crate::bucket_exchange::BucketExchange;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::rendezvous::Rendezvous;
 use crate::replica_pool::{ReplicaPool, ReplicaThreads};
@@ -65,7 +67,21 @@ pub struct ReplicaOptions {
     /// [`ReplicaThreads::Auto`], divides the cores evenly among this process's CPU replicas, so
     /// replicas sharing the CPU do not oversubscribe it.
     pub threads_per_replica: ReplicaThreads,
+    /// [`MirroredStrategy`](crate::MirroredStrategy): the gradients are cut into buckets of at
+    /// most this many bytes (the first, of the last layers, at most 1 MiB), each summed across
+    /// the replicas as soon as every replica's backward pass has finished it, while the passes
+    /// go on (PyTorch DDP's `bucket_cap_mb`); `None` sums the whole step buffer after every
+    /// backward pass has ended. The sums are the same either way, bit for bit with
+    /// [`CrossDeviceOps::ReductionToOneDevice`] and [`CrossDeviceOps::HierarchicalCopy`].
+    /// Default 25 MiB.
+    pub gradient_buckets: Option<usize>,
 }
+
+/// The default size of a gradient bucket, PyTorch DDP's.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+/// The most the first gradient bucket holds, so that the first sum starts early.
+const FIRST_BUCKET_BYTES: usize = 1 << 20;
 
 impl Default for ReplicaOptions {
     fn default() -> Self {
@@ -73,6 +89,7 @@ impl Default for ReplicaOptions {
             sync_batch_norm: false,
             timeout: DEFAULT_TIMEOUT,
             threads_per_replica: ReplicaThreads::default(),
+            gradient_buckets: Some(DEFAULT_BUCKET_BYTES),
         }
     }
 }
@@ -101,6 +118,16 @@ impl ReplicaOptions {
     pub fn threads_per_replica(self, threads: impl Into<ReplicaThreads>) -> Self {
         Self {
             threads_per_replica: threads.into(),
+            ..self
+        }
+    }
+
+    /// Gradient buckets of at most `bytes` bytes summed while the backward passes go on, or
+    /// `None` for one sum after them (default [`DEFAULT_BUCKET_BYTES`]). See
+    /// [`gradient_buckets`](Self#structfield.gradient_buckets).
+    pub fn gradient_buckets(self, bytes: Option<usize>) -> Self {
+        Self {
+            gradient_buckets: bytes,
             ..self
         }
     }
@@ -139,6 +166,8 @@ pub(crate) struct ReplicaSet {
     pub(crate) layout: Arc<StepLayout>,
     summary: Summary,
     rendezvous: Option<Arc<Rendezvous>>,
+    /// The exchange of gradient buckets, when the replicas sum their gradients in buckets.
+    buckets: Option<Arc<BucketExchange>>,
 }
 
 /// Human-readable replica labels for errors: `replica 1 (cuda:1)`.
@@ -207,7 +236,54 @@ impl ReplicaSet {
             layout,
             summary,
             rendezvous,
+            buckets: None,
         })
+    }
+
+    /// Has the replicas sum their gradients with `ops` in buckets of at most `bytes` bytes
+    /// while their backward passes go on ([`ReplicaOptions::gradient_buckets`]), each wait
+    /// bounded by `timeout`.
+    pub(crate) fn use_buckets(
+        &mut self,
+        ops: CrossDeviceOps,
+        bytes: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let sizes: Vec<usize> = self.stores[0]
+            .trainable_vars()
+            .iter()
+            .map(|v| v.elem_count())
+            .collect();
+        let plan = Arc::new(BucketPlan::new(
+            &sizes,
+            FIRST_BUCKET_BYTES.min(bytes),
+            bytes,
+        ));
+        let exchange = Arc::new(BucketExchange::new(
+            self.devices.clone(),
+            labels(&self.devices),
+            ops,
+            timeout,
+        ));
+        let reducer = Arc::clone(&exchange) as Arc<dyn BucketReducer>;
+        let inputs = vec![(reducer, plan); self.len()];
+        self.pool.run(inputs, |i, replica, (reducer, plan)| {
+            replica.set_buckets(reducer, i, plan)
+        })?;
+        let waiting = Arc::clone(&exchange);
+        self.pool
+            .set_waiting(Arc::new(move |i| waiting.is_waiting(i)));
+        self.buckets = Some(exchange);
+        Ok(())
+    }
+
+    /// Buckets handed in while a backward pass was running, over all steps (0 without
+    /// buckets).
+    #[cfg(test)]
+    pub(crate) fn buckets_during_backward(&self) -> usize {
+        self.buckets
+            .as_ref()
+            .map_or(0, |b| b.handed_in_during_backward())
     }
 
     /// Number of replicas.
@@ -275,6 +351,9 @@ impl ReplicaSet {
             let active: Vec<bool> = parts.iter().map(|p| !p.is_empty()).collect();
             group.set_active(&active)?;
         }
+        if let Some(buckets) = &self.buckets {
+            buckets.begin_step()?;
+        }
         let inputs: Vec<(Batch, Option<Tensor>)> =
             parts.into_iter().map(|p| (p, weights.clone())).collect();
         self.pool.run(inputs, move |_, replica, (part, weights)| {
@@ -292,9 +371,34 @@ impl ReplicaSet {
         batch: &Batch,
         ops: CrossDeviceOps,
     ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
-        let (fused, before) = unzip(self.compute(batch, None)?);
+        let buffers = self.compute(batch, None)?;
+        let reduced = buffers.iter().filter(|b| b.grads_reduced).count();
+        let (fused, before) = unzip(buffers);
         let _reduce = kandle::timeline::span("all-reduce");
-        Ok((ops.all_reduce(fused, &self.devices)?, before))
+        if reduced == 0 {
+            return Ok((ops.all_reduce(fused, &self.devices)?, before));
+        }
+        if reduced != fused.len() {
+            return Err(kandle::Error::invalid(format!(
+                "{reduced} of {} replicas summed their gradients in buckets",
+                fused.len()
+            )));
+        }
+        // The gradients are summed already: only the sums and statistics after them are left.
+        let grads = self.layout.grads.len();
+        let tails = fused
+            .iter()
+            .map(|f| Ok(f.narrow(0, grads, f.dim(0)? - grads)?))
+            .collect::<Result<Vec<_>>>()?;
+        let totals = fused
+            .iter()
+            .zip(ops.all_reduce(tails, &self.devices)?)
+            .map(|(f, tail)| {
+                let summed = f.narrow(0, 0, grads)?;
+                Ok(Tensor::cat(&[&summed, &tail.to_device(f.device())?], 0)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((totals, before))
     }
 
     /// The step's final phase on every replica, in parallel: replica `i` finishes with

@@ -1,8 +1,9 @@
 //! Measures the distribution machinery side by side in one run and prints ratios:
 //! - the in-process reduction of a fused gradient buffer (each `CrossDeviceOps`) against
 //!   `memcpy` of the same bytes;
-//! - training-step time for 1, 2 and 4 replicas under each strategy, as images/s and scaling
-//!   efficiency against one replica.
+//! - training-step time for 1, 2 and 4 replicas under each strategy (Mirrored with its
+//!   gradients in buckets during the backward passes, and as one sum after them), as images/s
+//!   and scaling efficiency against one replica.
 //!
 //! ```text
 //! cargo run --release -p kandle-examples --bin bench_strategies -- --model digits-cnn
@@ -19,7 +20,7 @@ use kandle::data::Batch;
 use kandle::prelude::*;
 use kandle::strategy::ModelSpec;
 use kandle_examples::throughput::median;
-use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy};
+use kandle_strategies::{CentralStorageStrategy, CrossDeviceOps, MirroredStrategy, ReplicaOptions};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum ModelKind {
@@ -159,16 +160,20 @@ fn step_benchmark(args: &Args) -> Result<()> {
         per_replica / one
     );
     for n in [1usize, 2, 4] {
-        let strategies: Vec<Box<dyn Strategy>> = vec![
-            Box::new(MirroredStrategy::cpu(n)?),
-            Box::new(CentralStorageStrategy::cpu(n)?),
+        let whole_buffer = ReplicaOptions::default().gradient_buckets(None);
+        let strategies: Vec<(&str, Box<dyn Strategy>)> = vec![
+            ("mirrored", Box::new(MirroredStrategy::cpu(n)?)),
+            (
+                "mirrored, one sum after backward",
+                Box::new(MirroredStrategy::cpu(n)?.with_options(whole_buffer)),
+            ),
+            ("central_storage", Box::new(CentralStorageStrategy::cpu(n)?)),
         ];
-        for strategy in strategies {
+        for (name, strategy) in strategies {
             let t = step_time(strategy.as_ref(), args)?;
             let images = per_replica * n as f64 / t;
             println!(
-                "| {} | {n} | {:.1} | {images:.0} | {:.2} |",
-                strategy.name(),
+                "| {name} | {n} | {:.1} | {images:.0} | {:.2} |",
                 t * 1e3,
                 images / (per_replica / one) / n as f64
             );

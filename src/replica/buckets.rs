@@ -62,6 +62,16 @@ impl BucketPlan {
     /// Buckets of variables with `sizes` elements (of 4 bytes, the step buffer's `f32`), in
     /// variable order: the first bucket (the last variables) holds at most `first_bytes`,
     /// the others at most `bytes`, and a variable larger than that has a bucket of its own.
+    ///
+    /// ```
+    /// use kandle::strategy::buckets::BucketPlan;
+    ///
+    /// // Variables of 300, 100 and 50 floats in buckets of at most 1,000 bytes (250 floats).
+    /// let plan = BucketPlan::new(&[300, 100, 50], 1000, 1000);
+    /// assert_eq!(plan.len(), 2);
+    /// assert_eq!(plan.range(0), 1..3); // the last variables, which the backward pass reaches first
+    /// assert_eq!(plan.range(1), 0..1); // larger than a bucket: a bucket of its own
+    /// ```
     pub fn new(sizes: &[usize], first_bytes: usize, bytes: usize) -> Self {
         let mut ranges = Vec::new();
         let mut end = sizes.len();

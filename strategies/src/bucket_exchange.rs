@@ -1,19 +1,28 @@
 //! `BucketExchange`: gradient buckets summed across the replicas of one process while their
-//! backward passes go on (kandle's [`BucketReducer`]), each bucket as soon as every replica has
-//! handed it in, by the replica that hands it in last, with the strategy's [`CrossDeviceOps`].
+//! backward passes go on (kandle's [`BucketReducer`]), with the strategy's [`CrossDeviceOps`].
 //!
-//! One bucket is summed at a time: NCCL's collectives must reach every device's stream in the
-//! same order, or two of them would wait on each other across devices.
+//! Buckets are summed one at a time and in order (bucket 0, of the last layers, first), by the
+//! replica that hands in the last part of the next bucket, which goes on with any later bucket
+//! already complete; no replica waits to hand a bucket in. The order is the same on every
+//! device and every worker: NCCL's collectives must reach every device's stream in the same
+//! order, and MPI's every worker, or two of them would wait on each other.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use kandle::strategy::buckets::BucketReducer;
 use kandle::{Error, Result};
 
 use crate::cross_device_ops::CrossDeviceOps;
+
+/// A bucket's sum beyond this process (over the workers), after its replicas' sum; called in
+/// bucket order, one bucket at a time.
+pub(crate) trait OuterBucketSum: Send + Sync {
+    /// Sums `values`, this process's total of bucket `bucket`, over the workers, in place.
+    fn all_reduce_sum(&self, bucket: usize, values: &mut Vec<f32>) -> Result<()>;
+}
 
 /// The in-process reducer of gradient buckets (see [`kandle::strategy::buckets`]).
 pub(crate) struct BucketExchange {
@@ -28,14 +37,18 @@ pub(crate) struct BucketExchange {
     during_backward: AtomicUsize,
     /// Per replica, whether it is waiting for a bucket's total.
     waiting: Vec<AtomicBool>,
-    /// Held while a bucket is summed.
-    summing: Mutex<()>,
+    /// The sum over the workers, when there are several.
+    outer: Option<Arc<dyn OuterBucketSum>>,
 }
 
 /// One step's buckets.
 #[derive(Default)]
 struct Exchange {
     buckets: Vec<Round>,
+    /// The bucket to sum next: buckets are summed in order.
+    next: usize,
+    /// Whether a replica is summing buckets now.
+    summing: bool,
     /// Why the step failed, once a replica said so.
     failed: Option<String>,
 }
@@ -47,6 +60,13 @@ struct Round {
     totals: Option<std::result::Result<Vec<Tensor>, String>>,
     /// Replicas that took their total.
     taken: usize,
+}
+
+impl Round {
+    /// Whether all `replicas` replicas handed their parts in.
+    fn is_complete(&self, replicas: usize) -> bool {
+        self.parts.len() == replicas && self.parts.iter().all(Option::is_some)
+    }
 }
 
 impl BucketExchange {
@@ -68,8 +88,39 @@ impl BucketExchange {
             timeout,
             during_backward: AtomicUsize::new(0),
             waiting: (0..n).map(|_| AtomicBool::new(false)).collect(),
-            summing: Mutex::new(()),
+            outer: None,
         }
+    }
+
+    /// This exchange, each bucket's sum then summed over the workers by `outer`.
+    pub(crate) fn with_outer(self, outer: Arc<dyn OuterBucketSum>) -> Self {
+        Self {
+            outer: Some(outer),
+            ..self
+        }
+    }
+
+    /// `parts` (one per replica) summed over the replicas and, with an outer sum, over the
+    /// workers: the total on each replica's device.
+    fn sum(&self, bucket: usize, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let local = self.ops.all_reduce(parts, &self.devices)?;
+        let Some(outer) = &self.outer else {
+            return Ok(local);
+        };
+        let first = local
+            .first()
+            .ok_or_else(|| Error::invalid("a gradient bucket exchange without replicas"))?;
+        let mut host = first
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        outer.all_reduce_sum(bucket, &mut host)?;
+        let len = host.len();
+        let total = Tensor::from_vec(host, len, &Device::Cpu)?;
+        self.devices
+            .iter()
+            .map(|d| Ok(total.to_device(d)?))
+            .collect()
     }
 
     /// Forgets what a step left behind (the parts of a step that failed), before the next.
@@ -108,6 +159,42 @@ impl BucketExchange {
         Error::Replica {
             replica: self.label(replica),
             reason: format!("gradient buckets: {reason}"),
+        }
+    }
+
+    /// Sums, in order, every bucket from the next one that every replica has handed in, then
+    /// gives up the summing; `exchange` is locked with `summing` set by the caller.
+    fn sum_ready<'a>(&'a self, mut exchange: MutexGuard<'a, Exchange>) -> Result<()> {
+        let n = self.devices.len();
+        loop {
+            let bucket = exchange.next;
+            let complete = exchange
+                .buckets
+                .get(bucket)
+                .is_some_and(|r| r.totals.is_none() && r.is_complete(n));
+            if !complete || exchange.failed.is_some() {
+                exchange.summing = false;
+                return Ok(());
+            }
+            let round = Self::round(&mut exchange, bucket, n);
+            let parts: Vec<Tensor> = round.parts.iter_mut().filter_map(Option::take).collect();
+            drop(exchange);
+            let summed = {
+                let _reduce = kandle::timeline::span("bucket all-reduce");
+                self.sum(bucket, parts)
+            };
+            exchange = self.lock()?;
+            exchange.next += 1;
+            let round = Self::round(&mut exchange, bucket, n);
+            round.totals = Some(match &summed {
+                Ok(totals) => Ok(totals.clone()),
+                Err(e) => Err(format!("summing bucket {bucket} failed: {e}")),
+            });
+            self.ready.notify_all();
+            if let Err(e) = summed {
+                exchange.summing = false;
+                return Err(e);
+            }
         }
     }
 
@@ -151,30 +238,14 @@ impl BucketReducer for BucketExchange {
             ));
         }
         round.parts[replica] = Some(values);
-        if round.parts.iter().any(Option::is_none) {
+        if exchange.summing {
+            // The replica summing now takes this bucket too when its turn comes.
             return Ok(());
         }
-        let parts: Vec<Tensor> = round.parts.iter_mut().filter_map(Option::take).collect();
-        // The last replica to hand the bucket in sums it; the others go on meanwhile.
-        drop(exchange);
-        let summed = {
-            let _one_at_a_time = self.summing.lock().map_err(|_| {
-                Error::invalid("the gradient bucket exchange was poisoned by a panic")
-            })?;
-            let _reduce = kandle::timeline::span("bucket all-reduce");
-            self.ops.all_reduce(parts, &self.devices)
-        };
-        let mut exchange = self.lock()?;
-        let round = Self::round(&mut exchange, bucket, n);
-        round.totals = Some(match &summed {
-            Ok(totals) => Ok(totals.clone()),
-            Err(e) => Err(format!(
-                "summing bucket {bucket} failed on {}: {e}",
-                self.label(replica)
-            )),
-        });
-        self.ready.notify_all();
-        summed.map(|_| ())
+        // Buckets are summed in order, each by the replica that completes it or the one that
+        // summed the bucket before; the others go on with their backward passes meanwhile.
+        exchange.summing = true;
+        self.sum_ready(exchange)
     }
 
     fn total(&self, replica: usize, bucket: usize) -> Result<Tensor> {
@@ -280,6 +351,47 @@ mod tests {
             }
         }
         assert_eq!(x.handed_in_during_backward(), 9);
+        Ok(())
+    }
+
+    /// Records the buckets it sums over "workers" (adds 100 to each value).
+    #[derive(Default)]
+    struct RecordingOuter(Mutex<Vec<usize>>);
+
+    impl OuterBucketSum for RecordingOuter {
+        fn all_reduce_sum(&self, bucket: usize, values: &mut Vec<f32>) -> Result<()> {
+            self.0.lock().expect("not poisoned").push(bucket);
+            values.iter_mut().for_each(|v| *v += 100.0);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn buckets_cross_workers_in_order_whatever_order_they_complete_in() -> Result<()> {
+        let outer = Arc::new(RecordingOuter::default());
+        let x = Arc::new(
+            BucketExchange::new(
+                vec![Device::Cpu; 2],
+                vec!["replica 0 (cpu)".into(), "replica 1 (cpu)".into()],
+                CrossDeviceOps::ReductionToOneDevice,
+                Duration::from_secs(20),
+            )
+            .with_outer(Arc::clone(&outer) as Arc<dyn OuterBucketSum>),
+        );
+        x.begin_step()?;
+        // Bucket 2 completes first, then 1, then 0: they are summed 0, 1, 2.
+        for (r, b) in [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0)] {
+            x.submit(r, b, Tensor::new(&[b as f32], &Device::Cpu)?, true)?;
+        }
+        assert!(outer.0.lock().expect("not poisoned").is_empty());
+        x.submit(1, 0, Tensor::new(&[0f32], &Device::Cpu)?, true)?;
+        assert_eq!(*outer.0.lock().expect("not poisoned"), vec![0, 1, 2]);
+        for r in 0..2 {
+            for b in 0..3 {
+                let want = 2.0 * b as f32 + 100.0;
+                assert_eq!(x.total(r, b)?.to_vec1::<f32>()?, vec![want]);
+            }
+        }
         Ok(())
     }
 

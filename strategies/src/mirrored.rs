@@ -85,7 +85,7 @@ impl Strategy for MirroredStrategy {
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         let mut set = ReplicaSet::build(spec, &self.devices, &self.options)?;
         if let Some(bytes) = self.options.gradient_buckets {
-            set.use_buckets(self.ops, bytes, self.options.timeout)?;
+            set.use_buckets(self.ops, bytes, self.options.timeout, None)?;
         }
         Ok(Box::new(ReplicaModel {
             set,
@@ -299,7 +299,7 @@ mod tests {
         let options = ReplicaOptions::default().gradient_buckets(bucket_bytes);
         let mut set = ReplicaSet::build(spec, &[Device::Cpu, Device::Cpu, Device::Cpu], &options)?;
         if let Some(bytes) = bucket_bytes {
-            set.use_buckets(ops, bytes, options.timeout)?;
+            set.use_buckets(ops, bytes, options.timeout, None)?;
         }
         let mut model = ReplicaModel { set, reduce: ops };
         let data = kandle::data::digits::load()?;

@@ -22,7 +22,7 @@ use kandle::strategy::{
 };
 use kandle::Result;
 
-use crate::bucket_exchange::BucketExchange;
+use crate::bucket_exchange::{BucketExchange, OuterBucketSum};
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::rendezvous::Rendezvous;
 use crate::replica_pool::{ReplicaPool, ReplicaThreads};
@@ -67,13 +67,14 @@ pub struct ReplicaOptions {
     /// [`ReplicaThreads::Auto`], divides the cores evenly among this process's CPU replicas, so
     /// replicas sharing the CPU do not oversubscribe it.
     pub threads_per_replica: ReplicaThreads,
-    /// [`MirroredStrategy`](crate::MirroredStrategy): the gradients are cut into buckets of at
-    /// most this many bytes (the first, of the last layers, at most 1 MiB), each summed across
-    /// the replicas as soon as every replica's backward pass has finished it, while the passes
-    /// go on (PyTorch DDP's `bucket_cap_mb`); `None` sums the whole step buffer after every
-    /// backward pass has ended. The sums are the same either way, bit for bit with
-    /// [`CrossDeviceOps::ReductionToOneDevice`] and [`CrossDeviceOps::HierarchicalCopy`].
-    /// Default 25 MiB.
+    /// [`MirroredStrategy`](crate::MirroredStrategy), and `MultiWorkerMirroredStrategy` over
+    /// MPI without SyncBatchNorm: the gradients are cut into buckets of at most this many bytes
+    /// (the first, of the last layers, at most 1 MiB), each summed across the replicas (and the
+    /// workers) as soon as every replica's backward pass has finished it, while the passes go
+    /// on (PyTorch DDP's `bucket_cap_mb`, Horovod's overlap); `None` sums the whole step buffer
+    /// after every backward pass has ended. The sums are the same either way, bit for bit in
+    /// one process with [`CrossDeviceOps::ReductionToOneDevice`] and
+    /// [`CrossDeviceOps::HierarchicalCopy`]. Default 25 MiB.
     pub gradient_buckets: Option<usize>,
 }
 
@@ -241,13 +242,14 @@ impl ReplicaSet {
     }
 
     /// Has the replicas sum their gradients with `ops` in buckets of at most `bytes` bytes
-    /// while their backward passes go on ([`ReplicaOptions::gradient_buckets`]), each wait
-    /// bounded by `timeout`.
+    /// while their backward passes go on ([`ReplicaOptions::gradient_buckets`]), each bucket
+    /// then summed over the workers by `outer` when given, each wait bounded by `timeout`.
     pub(crate) fn use_buckets(
         &mut self,
         ops: CrossDeviceOps,
         bytes: usize,
         timeout: Duration,
+        outer: Option<Arc<dyn OuterBucketSum>>,
     ) -> Result<()> {
         let sizes: Vec<usize> = self.stores[0]
             .trainable_vars()
@@ -259,12 +261,12 @@ impl ReplicaSet {
             FIRST_BUCKET_BYTES.min(bytes),
             bytes,
         ));
-        let exchange = Arc::new(BucketExchange::new(
-            self.devices.clone(),
-            labels(&self.devices),
-            ops,
-            timeout,
-        ));
+        let exchange =
+            BucketExchange::new(self.devices.clone(), labels(&self.devices), ops, timeout);
+        let exchange = Arc::new(match outer {
+            Some(outer) => exchange.with_outer(outer),
+            None => exchange,
+        });
         let reducer = Arc::clone(&exchange) as Arc<dyn BucketReducer>;
         let inputs = vec![(reducer, plan); self.len()];
         self.pool.run(inputs, |i, replica, (reducer, plan)| {
@@ -275,6 +277,15 @@ impl ReplicaSet {
             .set_waiting(Arc::new(move |i| waiting.is_waiting(i)));
         self.buckets = Some(exchange);
         Ok(())
+    }
+
+    /// Whether the replicas sum their gradients in buckets.
+    #[cfg_attr(
+        not(feature = "mpi"),
+        expect(dead_code, reason = "used by the multi-worker strategy")
+    )]
+    pub(crate) fn has_buckets(&self) -> bool {
+        self.buckets.is_some()
     }
 
     /// Buckets handed in while a backward pass was running, over all steps (0 without

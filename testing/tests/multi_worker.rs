@@ -91,6 +91,28 @@ fn two_workers_train_as_one_device() -> anyhow::Result<()> {
                 &["--hierarchical"],
                 "2 workers x 2 replicas, hierarchical copy",
             ),
+            (
+                "2",
+                &["--whole-buffer"],
+                "2 workers x 2 replicas, one sum after the backward pass",
+            ),
+        ],
+    )
+}
+
+/// The gradients cross workers in buckets during the backward pass (by default): a worker
+/// without samples in the last step hands in zeros for every bucket and joins the same sums.
+#[test]
+fn an_empty_worker_joins_the_gradient_buckets_of_the_last_step() -> anyhow::Result<()> {
+    let samples = SAMPLES + 1;
+    let reference = one_device_weights("plain", samples)?;
+    let samples = samples.to_string();
+    check_equivalence(
+        &reference,
+        &["--samples", &samples],
+        &[
+            ("1", &[], "2 workers x 1 replica, a last batch of 1"),
+            ("2", &[], "2 workers x 2 replicas, a last batch of 1"),
         ],
     )
 }
@@ -286,15 +308,19 @@ fn workers_see_the_world_mpirun_made() -> anyhow::Result<()> {
 
 #[test]
 fn a_stalled_worker_is_named_by_the_chief_within_the_timeout() -> anyhow::Result<()> {
-    let want =
-        format!("worker 0/2: worker 1: did not reach training step 4 within {TIMEOUT_SECS} s");
+    // The gradients cross workers in buckets during the backward pass: the first bucket's sum
+    // of step 4 is where worker 1 is missed.
+    let want = format!(
+        "worker 1: did not reach the sum of gradient bucket 0 of training step 4 within \
+         {TIMEOUT_SECS} s"
+    );
     stalled_run(|args| mpirun(2, args), (1, 3), &want, 1)?;
     Ok(())
 }
 
 #[test]
 fn a_stalled_chief_is_named_by_the_workers() -> anyhow::Result<()> {
-    let want = "worker 1/2: worker 0 (chief): did not reach training step 3";
+    let want = "worker 0 (chief): did not reach the sum of gradient bucket 0 of training step 3";
     stalled_run(|args| mpirun(2, args), (0, 2), want, 2)?;
     Ok(())
 }
@@ -331,12 +357,16 @@ fn a_stopped_worker_is_named_within_the_timeout() -> anyhow::Result<()> {
     // Where the signal lands decides who notices: the chief's rendezvous (before or after the
     // go-ahead: an error returned from the step), or, in the short window inside the
     // collective, the all-reduce's deadline (a ping, then MPI_Abort). All name worker 1.
+    // The phase is a training step's end, or the sum of one of its gradient buckets (which
+    // cross workers during the backward pass).
     let named = outcome.output.lines().any(|l| {
-        l.starts_with("kandle-mpi-check: worker 0/2: worker 1: did not reach training step")
-            || (l.starts_with("kandle-mpi-check: worker 0/2: worker 1: reached training step")
+        let chief = l.starts_with("kandle-mpi-check: worker 0/2: ");
+        (chief && l.contains("worker 1: did not reach "))
+            || (chief
+                && l.contains("worker 1: reached ")
                 && l.contains("did not join its collective"))
-            || ((l.starts_with("kandle: worker 0: the all-reduce of training step")
-                || l.starts_with("[ERROR] worker 0: the all-reduce of training step"))
+            || ((l.starts_with("kandle: worker 0: the all-reduce of ")
+                || l.starts_with("[ERROR] worker 0: the all-reduce of "))
                 && l.contains("worker 1 stopped answering"))
     });
     assert!(named, "{}", outcome.output);

@@ -75,6 +75,13 @@ pub(crate) enum Phase {
         /// The exchange within the step, from 1.
         round: u32,
     },
+    /// The sum across workers of gradient bucket `bucket` (from 0) within training step `step`.
+    Bucket {
+        /// The training step, from 1.
+        step: u64,
+        /// The bucket, from 0 (the last layers' first).
+        bucket: u32,
+    },
     /// Evaluation step `n` of a model, from 1.
     Test(u64),
     /// The check, when `fit` starts, that every worker resumes from the same backup.
@@ -85,7 +92,8 @@ pub(crate) enum Phase {
     Direct,
 }
 
-/// Phase kinds in the first word of an encoded phase; a batch-norm round sits above the low byte.
+/// Phase kinds in the first word of an encoded phase; a batch-norm round or a gradient bucket
+/// sits above the low byte.
 const KIND_BITS: u32 = 8;
 
 impl Phase {
@@ -98,6 +106,7 @@ impl Phase {
             Phase::BatchNorm { step, round } => [4 | (u64::from(round) << KIND_BITS), step],
             Phase::NcclSetup => [5, 0],
             Phase::Resume => [6, 0],
+            Phase::Bucket { step, bucket } => [7 | (u64::from(bucket) << KIND_BITS), step],
         }
     }
 
@@ -111,6 +120,10 @@ impl Phase {
             (4, step) => Some(Phase::BatchNorm { step, round }),
             (5, _) => Some(Phase::NcclSetup),
             (6, _) => Some(Phase::Resume),
+            (7, step) => Some(Phase::Bucket {
+                step,
+                bucket: round,
+            }),
             _ => None,
         }
     }
@@ -124,6 +137,12 @@ impl fmt::Display for Phase {
             Phase::Train(n) => write!(f, "training step {n}"),
             Phase::BatchNorm { step, round } => {
                 write!(f, "batch-norm exchange {round} of training step {step}")
+            }
+            Phase::Bucket { step, bucket } => {
+                write!(
+                    f,
+                    "the sum of gradient bucket {bucket} of training step {step}"
+                )
             }
             Phase::Test(n) => write!(f, "evaluation step {n}"),
             Phase::Direct => f.write_str("a direct all-reduce"),
@@ -546,6 +565,7 @@ mod tests {
             Phase::Test(3),
             Phase::Direct,
             Phase::Resume,
+            Phase::Bucket { step: 9, bucket: 4 },
         ] {
             assert_eq!(Phase::decode(p.encode()), Some(p));
         }
@@ -554,6 +574,10 @@ mod tests {
         assert_eq!(
             Phase::BatchNorm { step: 4, round: 2 }.to_string(),
             "batch-norm exchange 2 of training step 4"
+        );
+        assert_eq!(
+            Phase::Bucket { step: 9, bucket: 4 }.to_string(),
+            "the sum of gradient bucket 4 of training step 9"
         );
         assert_eq!(worker_label(0), "worker 0 (chief)");
         assert_eq!(worker_label(1), "worker 1");

@@ -14,12 +14,15 @@
 //! - [`communication`]: which library carries the fused buffer between workers;
 //! - `nccl` (feature `nccl`): the NCCL communicators that join every GPU of every worker, with
 //!   the unique id broadcast over MPI as Horovod does, and the guarded all-reduce over them;
-//! - [`sync_batch_norm`]: SyncBatchNorm's statistics summed across workers over MPI.
+//! - [`sync_batch_norm`]: SyncBatchNorm's statistics summed across workers over MPI;
+//! - [`gradient_buckets`]: over MPI, the gradients summed across workers in buckets while the
+//!   backward passes go on.
 //!
 //! CPU tensors cross processes through MPI on the host; GPU replicas in a build with `nccl` sum
 //! their buffers with one NCCL all-reduce on the GPUs, with no host staging.
 
 mod communication;
+mod gradient_buckets;
 #[cfg(feature = "nccl")]
 mod nccl;
 mod strategy;

@@ -1,6 +1,7 @@
 //! `MultiWorkerMirroredStrategy` and the model it distributes: Mirrored inside each worker
 //! process, then one guarded all-reduce of the fused step buffer across workers, over MPI on the
-//! host or over NCCL on the GPUs.
+//! host or over NCCL on the GPUs; over MPI the gradients cross workers in buckets during the
+//! backward pass instead (`gradient_buckets.rs`), and the all-reduce at the end sums the rest.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,9 +13,11 @@ use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerI
 use kandle::{Error, Result};
 
 use super::communication::CommunicationImplementation;
+use super::gradient_buckets::CrossWorkerBuckets;
 #[cfg(feature = "nccl")]
 use super::nccl::Clique;
 use super::sync_batch_norm::CrossWorkerSum;
+use crate::bucket_exchange::OuterBucketSum;
 use crate::cross_device_ops::CrossDeviceOps;
 use crate::mpi::watchdog::Phase;
 use crate::mpi::world::World;
@@ -221,22 +224,32 @@ impl Strategy for MultiWorkerMirroredStrategy {
             let outer = Arc::clone(sum) as Arc<dyn OuterSum>;
             Arc::new(Rendezvous::new(devices.len(), timeout).with_outer(outer))
         });
+        let bucket_bytes = self.bucket_bytes(nccl);
         // A replica's share of a step then includes guarded exchanges across workers: it gets as
         // long as the rendezvous, so that the watchdog's error, which names a late worker,
         // arrives first.
-        let replica_timeout = if cross_worker_bn.is_some() {
+        let replica_timeout = if cross_worker_bn.is_some() || bucket_bytes.is_some() {
             timeout * OUTER_PATIENCE
         } else {
             timeout
         };
-        let set = ReplicaSet::new(
+        let mut set = ReplicaSet::new(
             spec,
             devices,
             rendezvous,
             replica_timeout,
             self.options.threads_per_replica,
         )?;
-        self.check_agreement(&set.layout, nccl)?;
+        self.check_agreement(&set.layout, nccl, bucket_bytes)?;
+        let buckets = match bucket_bytes {
+            Some(bytes) => {
+                let sum = Arc::new(CrossWorkerBuckets::new(Arc::clone(&self.world), timeout));
+                let outer = Arc::clone(&sum) as Arc<dyn OuterBucketSum>;
+                set.use_buckets(self.ops, bytes, replica_timeout, Some(outer))?;
+                Some(sum)
+            }
+            None => None,
+        };
         // Every worker built the same seeded model; the chief's weights make sure of it.
         let mut weights = host_vec(&fuse_store(&set.stores[0])?)?;
         self.world
@@ -258,6 +271,7 @@ impl Strategy for MultiWorkerMirroredStrategy {
                 ops: self.ops,
                 transport,
                 cross_worker_bn,
+                buckets,
                 timeout,
                 train_steps: 0,
                 test_steps: 0,
@@ -269,15 +283,31 @@ impl Strategy for MultiWorkerMirroredStrategy {
 }
 
 impl MultiWorkerMirroredStrategy {
+    /// The size of the gradient buckets summed across workers during the backward passes, when
+    /// they are: over MPI ([`ReplicaOptions::gradient_buckets`], not with NCCL across workers)
+    /// and without SyncBatchNorm, whose exchanges across workers in the backward pass would
+    /// otherwise interleave with the buckets' differently on different workers.
+    fn bucket_bytes(&self, nccl: bool) -> Option<usize> {
+        self.options
+            .gradient_buckets
+            .filter(|_| !nccl && !self.options.sync_batch_norm)
+    }
+
     /// Fails, on every worker alike, unless every worker runs as many local replicas, the same
     /// step buffer, the same library across workers and the same batch normalisation: otherwise
     /// their collectives would not match.
-    fn check_agreement(&self, layout: &StepLayout, nccl: bool) -> Result<()> {
+    fn check_agreement(
+        &self,
+        layout: &StepLayout,
+        nccl: bool,
+        bucket_bytes: Option<usize>,
+    ) -> Result<()> {
         let mine = [
             self.devices.len() as u64,
             layout.len() as u64,
             u64::from(nccl),
             u64::from(self.options.sync_batch_norm),
+            bucket_bytes.unwrap_or(0) as u64,
         ];
         let all = self
             .world
@@ -300,7 +330,8 @@ impl MultiWorkerMirroredStrategy {
     }
 }
 
-/// A worker's `[local replicas, step buffer length, NCCL, SyncBatchNorm]`, for messages.
+/// A worker's `[local replicas, step buffer length, NCCL, SyncBatchNorm, gradient bucket
+/// bytes]`, for messages.
 fn describe_worker(w: &[u64]) -> String {
     let across = if w[2] == 1 { "NCCL" } else { "MPI" };
     let norm = if w[3] == 1 {
@@ -308,9 +339,13 @@ fn describe_worker(w: &[u64]) -> String {
     } else {
         "per-replica"
     };
+    let buckets = match w[4] {
+        0 => "one sum of the gradients after the backward pass".to_string(),
+        bytes => format!("gradient buckets of {bytes} bytes"),
+    };
     format!(
-        "{} local replica(s), a step buffer of {} values, {across} across workers and {norm} \
-         batch norm",
+        "{} local replica(s), a step buffer of {} values, {across} across workers, {norm} \
+         batch norm and {buckets}",
         w[0], w[1]
     )
 }
@@ -345,6 +380,8 @@ struct CrossWorker {
     transport: Transport,
     /// SyncBatchNorm's sums across workers, when batch norm is synchronised.
     cross_worker_bn: Option<Arc<CrossWorkerSum>>,
+    /// The gradient buckets' sums across workers, when the gradients cross in buckets.
+    buckets: Option<Arc<CrossWorkerBuckets>>,
     timeout: Duration,
     train_steps: u64,
     test_steps: u64,
@@ -380,6 +417,9 @@ impl Reduce for CrossWorker {
         if let Some(bn) = &self.cross_worker_bn {
             bn.begin_step(step, !batch.is_empty())?;
         }
+        if let Some(buckets) = &self.buckets {
+            buckets.begin_step(step);
+        }
         let phase = Phase::Train(step);
         match &mut self.transport {
             Transport::Mpi => {
@@ -390,8 +430,14 @@ impl Reduce for CrossWorker {
                     .ok_or_else(|| Error::invalid("a worker with no replica"))?;
                 let _reduce = kandle::timeline::span("all-reduce across workers");
                 copy_to_host(first, &mut self.host)?;
-                self.world
-                    .all_reduce_sum(&mut self.host, phase, self.timeout)?;
+                // Gradients summed in buckets have crossed the workers already.
+                let summed = match set.has_buckets() {
+                    true => set.layout.grads.len(),
+                    false => 0,
+                };
+                let mut rest = self.host.split_off(summed);
+                self.world.all_reduce_sum(&mut rest, phase, self.timeout)?;
+                self.host.extend(rest);
                 let total = Tensor::from_slice(&self.host, self.host.len(), &Device::Cpu)?;
                 Ok((vec![total; before.len()], before))
             }

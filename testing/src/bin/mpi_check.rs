@@ -4,7 +4,7 @@
 //! ```text
 //! mpirun -n 2 kandle-mpi-check [--expect-world-size N] [--local-replicas L]
 //!        [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm]
-//!        [--communication auto|mpi|nccl] [--timeout-secs T]
+//!        [--whole-buffer] [--communication auto|mpi|nccl] [--timeout-secs T]
 //!        <world | equivalence --out FILE [--model plain|bn|graph|three-in-two-out] [--samples S] [--accumulate K] [--dtype-policy P]
 //!         | digits [--epochs E] [--min-accuracy A]
 //!         | train [--epochs E] [--stall-worker R --stall-after-steps K [--fail]]
@@ -51,6 +51,8 @@ struct Args {
     replicas_on_worker: Option<(usize, usize)>,
     hierarchical: bool,
     sync_batch_norm: bool,
+    /// The gradients summed after the backward pass instead of in buckets during it.
+    whole_buffer: bool,
     communication: CommunicationImplementation,
 }
 
@@ -71,6 +73,7 @@ fn parse_args() -> Result<Args> {
                 }
                 "--hierarchical" => args.hierarchical = true,
                 "--sync-batch-norm" => args.sync_batch_norm = true,
+                "--whole-buffer" => args.whole_buffer = true,
                 "--communication" => {
                     args.communication = match value()?.as_str() {
                         "auto" => CommunicationImplementation::Auto,
@@ -87,7 +90,7 @@ fn parse_args() -> Result<Args> {
                     return Err(Error::invalid(
                         "usage: kandle-mpi-check [--expect-world-size N] [--local-replicas L] \
                          [--replicas-on-worker R L] [--hierarchical] [--sync-batch-norm] \
-                         [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
+                         [--whole-buffer] [--communication auto|mpi|nccl] [--timeout-secs T] <world | \
                          equivalence --out FILE [--model plain|bn|graph|three-in-two-out] [--samples S] \
                          [--accumulate K] [--dtype-policy P] | digits [--epochs E] \
                          [--min-accuracy A] | train [--epochs E] [--stall-worker R \
@@ -118,6 +121,9 @@ fn strategy(args: &Args) -> Result<MultiWorkerMirroredStrategy> {
         strategy = strategy.cross_device_ops(CrossDeviceOps::HierarchicalCopy);
     }
     let mut options = ReplicaOptions::default().sync_batch_norm(args.sync_batch_norm);
+    if args.whole_buffer {
+        options = options.gradient_buckets(None);
+    }
     if let Some(secs) = args.common.timeout_secs {
         options = options.timeout(worker_program::timeout(secs)?);
     }

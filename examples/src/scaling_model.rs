@@ -13,7 +13,10 @@
 //! the buffer however large `N` grows, while the latency term grows with `N` (Patarasuk and
 //! Yuan, 2009; Sergeev and Del Balso, *Horovod*, 2018). The overlapped form is an upper bound:
 //! a real step can only hide the all-reduce behind the part of the backward pass that follows
-//! each gradient.
+//! each gradient. kandle's Mirrored strategy, and the multi-worker one over MPI, sum their
+//! gradients in buckets while the backward pass goes on (`ReplicaOptions::gradient_buckets`):
+//! only the last bucket's sum (the first layers') follows the pass, so their steps sit between
+//! the two forms.
 //!
 //! The constants hold the reference figures the `scaling` binary plots: the Keras multi-GPU
 //! tutorial's epoch times for MiniGoogLeNet on CIFAR-10 and Horovod's published efficiency.

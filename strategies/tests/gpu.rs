@@ -2,7 +2,8 @@
 //! training under `OneDeviceStrategy::gpu(0)` reaches 97% test accuracy (also under the
 //! `mixed_float16` and `mixed_bfloat16` policies, and an overflow skips a step and halves the
 //! loss scale), gradient accumulation gives the weights of whole batches, and the equivalence
-//! run's 20 steps on the GPU match the CPU's; two Mirrored replicas sharing the one GPU,
+//! run's 20 steps on the GPU match the CPU's; two Mirrored replicas sharing the one GPU (their
+//! gradients in buckets summed during the backward passes, and as one sum after them),
 //! CentralStorage (variables on the CPU, compute on the GPU), and a pipeline of two stages on
 //! the GPU (or on the GPU and the CPU) match one GPU; a training state
 //! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces.
@@ -239,6 +240,24 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
         &reference,
         &weights(plain_cnn(), &MirroredStrategy::new(two.clone())?)?,
         "mirrored, two replicas on cuda:0",
+    )?;
+    let small_buckets = ReplicaOptions::default().gradient_buckets(Some(1024));
+    assert_matches(
+        &reference,
+        &weights(
+            plain_cnn(),
+            &MirroredStrategy::new(two.clone())?.with_options(small_buckets),
+        )?,
+        "mirrored, two replicas on cuda:0, gradients in buckets of 1 KiB",
+    )?;
+    let whole_buffer = ReplicaOptions::default().gradient_buckets(None);
+    assert_matches(
+        &reference,
+        &weights(
+            plain_cnn(),
+            &MirroredStrategy::new(two.clone())?.with_options(whole_buffer),
+        )?,
+        "mirrored, two replicas on cuda:0, one sum after the backward pass",
     )?;
     assert_matches(
         &reference,

@@ -117,7 +117,7 @@ type Span = (String, u64, f64, f64, u64);
 
 /// The lanes (thread id to name) and the spans of the Chrome trace at `path`.
 fn read_trace(path: &std::path::Path) -> Result<(BTreeMap<u64, String>, Vec<Span>)> {
-    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(path)?)?;
     let events = trace["traceEvents"].as_array().context("no traceEvents")?;
     let lanes: BTreeMap<u64, String> = events
         .iter()

@@ -121,14 +121,22 @@ impl BucketPlan {
     }
 }
 
-/// A replica's part in a strategy's gradient buckets: the plan, the shared reducer, and the
-/// number of gradients each variable received in the first step.
-pub(crate) struct ReplicaBuckets {
+/// What a replica's buckets and each of its watches share: the reducer, the replica's index,
+/// the plan, and where each variable sits in it.
+struct Placement {
     reducer: Arc<dyn BucketReducer>,
     index: usize,
     plan: Arc<BucketPlan>,
-    bucket_of: Arc<Vec<usize>>,
-    ids: Arc<HashMap<TensorId, usize>>,
+    /// The bucket of each trainable variable, by index.
+    bucket_of: Vec<usize>,
+    /// The index of each trainable variable, by tensor id.
+    ids: HashMap<TensorId, usize>,
+}
+
+/// A replica's part in a strategy's gradient buckets: where its variables sit, and the number
+/// of gradients each variable received in the first step.
+pub(crate) struct ReplicaBuckets {
+    placement: Arc<Placement>,
     /// Gradients per variable in one backward pass, learned in the first.
     expected: Mutex<Option<Vec<usize>>>,
 }
@@ -148,18 +156,19 @@ impl ReplicaBuckets {
                 trainable.len()
             )));
         }
-        Ok(Self {
+        let placement = Placement {
             reducer,
             index,
-            bucket_of: Arc::new(plan.bucket_of()),
+            bucket_of: plan.bucket_of(),
             plan,
-            ids: Arc::new(
-                trainable
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| (v.as_tensor().id(), i))
-                    .collect(),
-            ),
+            ids: trainable
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (v.as_tensor().id(), i))
+                .collect(),
+        };
+        Ok(Self {
+            placement: Arc::new(placement),
             expected: Mutex::new(None),
         })
     }
@@ -168,26 +177,23 @@ impl ReplicaBuckets {
     /// are divided by `scale` (the loss scale) before they are fused.
     pub(crate) fn watch(&self, vars: &[Var], scale: Option<Tensor>) -> Result<BucketWatch> {
         let expected = self.expected_lock()?.clone();
-        let mut pending = vec![0; self.plan.len()];
+        let place = &self.placement;
+        let mut pending = vec![0; place.plan.len()];
         if let Some(expected) = &expected {
             for (i, &count) in expected.iter().enumerate() {
                 if count > 0 {
-                    pending[self.bucket_of[i]] += 1;
+                    pending[place.bucket_of[i]] += 1;
                 }
             }
         }
         Ok(BucketWatch {
-            reducer: Arc::clone(&self.reducer),
-            index: self.index,
-            plan: Arc::clone(&self.plan),
-            bucket_of: Arc::clone(&self.bucket_of),
-            ids: Arc::clone(&self.ids),
+            placement: Arc::clone(place),
             vars: vars.to_vec(),
             scale,
             adds: vec![0; vars.len()],
             expected,
             pending,
-            submitted: vec![false; self.plan.len()],
+            submitted: vec![false; place.plan.len()],
         })
     }
 
@@ -196,6 +202,7 @@ impl ReplicaBuckets {
     /// scale), learns the gradient counts from the first watch, and returns the sums of all
     /// buckets fused in trainable order, on this replica's device.
     pub(crate) fn finish(&self, watch: Option<BucketWatch>, grads: &[Tensor]) -> Result<Tensor> {
+        let place = &self.placement;
         let submitted = match watch {
             Some(watch) => {
                 let mut expected = self.expected_lock()?;
@@ -204,17 +211,18 @@ impl ReplicaBuckets {
                 }
                 watch.submitted
             }
-            None => vec![false; self.plan.len()],
+            None => vec![false; place.plan.len()],
         };
         for (bucket, done) in submitted.into_iter().enumerate() {
             if !done {
-                let parts: Vec<&Tensor> = grads[self.plan.range(bucket)].iter().collect();
-                self.reducer
-                    .submit(self.index, bucket, fuse(&parts)?, false)?;
+                let parts: Vec<&Tensor> = grads[place.plan.range(bucket)].iter().collect();
+                place
+                    .reducer
+                    .submit(place.index, bucket, fuse(&parts)?, false)?;
             }
         }
-        let mut totals = (0..self.plan.len())
-            .map(|bucket| self.reducer.total(self.index, bucket))
+        let mut totals = (0..place.plan.len())
+            .map(|bucket| place.reducer.total(place.index, bucket))
             .collect::<Result<Vec<_>>>()?;
         // Bucket 0 holds the last variables: trainable order is the reverse.
         totals.reverse();
@@ -223,7 +231,8 @@ impl ReplicaBuckets {
 
     /// Tells the other replicas that this one's step failed.
     pub(crate) fn abort(&self, error: &Error) {
-        self.reducer.abort(self.index, &error.to_string());
+        let place = &self.placement;
+        place.reducer.abort(place.index, &error.to_string());
     }
 
     fn expected_lock(&self) -> Result<std::sync::MutexGuard<'_, Option<Vec<usize>>>> {
@@ -236,11 +245,7 @@ impl ReplicaBuckets {
 /// Watches one backward pass's gradients arrive and hands in each bucket once all its
 /// variables have received theirs ([`crate::layers::ParamGrads`] calls [`Self::added`]).
 pub(crate) struct BucketWatch {
-    reducer: Arc<dyn BucketReducer>,
-    index: usize,
-    plan: Arc<BucketPlan>,
-    bucket_of: Arc<Vec<usize>>,
-    ids: Arc<HashMap<TensorId, usize>>,
+    placement: Arc<Placement>,
     vars: Vec<Var>,
     scale: Option<Tensor>,
     /// Gradients received per variable so far.
@@ -255,7 +260,7 @@ pub(crate) struct BucketWatch {
 impl std::fmt::Debug for BucketWatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BucketWatch")
-            .field("index", &self.index)
+            .field("index", &self.placement.index)
             .field("adds", &self.adds)
             .field("submitted", &self.submitted)
             .finish_non_exhaustive()
@@ -265,14 +270,14 @@ impl std::fmt::Debug for BucketWatch {
 impl BucketWatch {
     /// A gradient of the variable whose tensor id is `id` was added to `grads`.
     pub(crate) fn added(&mut self, id: TensorId, grads: &HashMap<TensorId, Tensor>) -> Result<()> {
-        let Some(&i) = self.ids.get(&id) else {
+        let Some(&i) = self.placement.ids.get(&id) else {
             return Ok(());
         };
         self.adds[i] += 1;
         let Some(expected) = &self.expected else {
             return Ok(());
         };
-        let bucket = self.bucket_of[i];
+        let bucket = self.placement.bucket_of[i];
         if self.submitted[bucket] || self.adds[i] > expected[i] {
             return Err(Error::invalid(format!(
                 "trainable variable {i} received gradient {} after its bucket was summed \
@@ -292,7 +297,8 @@ impl BucketWatch {
     /// Fuses bucket `bucket`'s gradients from `grads` (zeros for a variable without one),
     /// divided by the loss scale, and hands them in.
     fn submit(&mut self, bucket: usize, grads: &HashMap<TensorId, Tensor>) -> Result<()> {
-        let parts = self
+        let place = Arc::clone(&self.placement);
+        let parts = place
             .plan
             .range(bucket)
             .map(|i| {
@@ -309,7 +315,7 @@ impl BucketWatch {
             .collect::<Result<Vec<_>>>()?;
         let fused = fuse(&parts.iter().collect::<Vec<_>>())?;
         self.submitted[bucket] = true;
-        self.reducer.submit(self.index, bucket, fused, true)
+        place.reducer.submit(place.index, bucket, fused, true)
     }
 }
 

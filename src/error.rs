@@ -80,6 +80,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// A device ran out of memory during a step: the batch does not fit it.
+    #[error(
+        "out of memory on {device} with a batch of {samples} samples on it ({reason}): train \
+         with a smaller batch_size_per_replica, under mixed precision, or on more replicas"
+    )]
+    OutOfMemory {
+        /// The device, e.g. `cuda:0`.
+        device: String,
+        /// The samples of the batch (or of the replica's part of it) on that device.
+        samples: usize,
+        /// The failure as the device's library reported it.
+        reason: String,
+    },
+
     /// The model was used before it was built or compiled.
     #[error("model not ready: {0}")]
     NotReady(String),
@@ -107,6 +121,39 @@ impl Error {
     /// An [`Error::InvalidInput`] from anything printable.
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidInput(msg.into())
+    }
+
+    /// Whether this is a device's memory running out: CUDA's `OUT_OF_MEMORY`, an allocation
+    /// that cuDNN or cuBLAS reports failed (`ALLOC_FAILED`), or an [`Error::OutOfMemory`].
+    pub fn is_out_of_memory(&self) -> bool {
+        if matches!(self, Error::OutOfMemory { .. }) {
+            return true;
+        }
+        let text = self.to_string();
+        ["OUT_OF_MEMORY", "ALLOC_FAILED", "cudaErrorMemoryAllocation"]
+            .iter()
+            .any(|mark| text.contains(mark))
+    }
+
+    /// This error as an [`Error::OutOfMemory`] on `device` with a batch of `samples` when it is
+    /// a device's memory running out ([`Self::is_out_of_memory`]); otherwise itself.
+    ///
+    /// ```
+    /// let oom = candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+    /// let err = kandle::Error::from(oom).out_of_memory_on("cuda:0", 256);
+    /// assert!(err.to_string().starts_with("out of memory on cuda:0 with a batch of 256 samples"));
+    /// let other = kandle::Error::invalid("no labels").out_of_memory_on("cuda:0", 256);
+    /// assert_eq!(other.to_string(), "invalid input: no labels");
+    /// ```
+    pub fn out_of_memory_on(self, device: &str, samples: usize) -> Self {
+        if matches!(self, Error::OutOfMemory { .. }) || !self.is_out_of_memory() {
+            return self;
+        }
+        Error::OutOfMemory {
+            device: device.to_string(),
+            samples,
+            reason: self.to_string(),
+        }
     }
 
     /// An [`Error::Io`] for `path`.
@@ -153,6 +200,36 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CUDA's, cuDNN's and cuBLAS's allocation failures read as a device's memory running out;
+    /// other errors, and errors about memory that are not allocation failures, do not.
+    #[test]
+    fn allocation_failures_are_out_of_memory_and_name_the_batch() {
+        for text in [
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "cuDNN: CUDNN_STATUS_ALLOC_FAILED",
+            "cublas error: CUBLAS_STATUS_ALLOC_FAILED",
+        ] {
+            let err = Error::from(candle_core::Error::Msg(text.into()));
+            assert!(err.is_out_of_memory(), "{text}");
+            let named = err.out_of_memory_on("cuda:1", 512);
+            assert!(matches!(
+                &named,
+                Error::OutOfMemory { device, samples: 512, reason } if device == "cuda:1" && reason.contains(text)
+            ));
+            // Naming it again keeps the first device and batch.
+            let again = named.clone().out_of_memory_on("cuda:0", 256);
+            assert_eq!(again.to_string(), named.to_string());
+        }
+        for text in ["CUDA_ERROR_ILLEGAL_ADDRESS", "misaligned memory access"] {
+            let err = Error::from(candle_core::Error::Msg(text.into()));
+            assert!(!err.is_out_of_memory(), "{text}");
+            assert!(matches!(
+                err.out_of_memory_on("cuda:0", 8),
+                Error::Candle(_)
+            ));
+        }
+    }
 
     /// A copy keeps the variant and the message; the sources shared behind an `Arc` read as
     /// before.

@@ -402,15 +402,26 @@ impl Replica {
     /// With gradient buckets ([`Self::set_buckets`]) the buffer's gradients are already summed
     /// over the replicas.
     pub fn step_buffer(&self, part: &Batch) -> Result<StepBuffer> {
-        let part = part.to_device(&self.device)?;
-        let Some(buckets) = &self.buckets else {
-            return self.buffer_of(self.compute_gradients(&part)?);
-        };
-        let result = self.bucketed_buffer(&part, buckets);
-        if let Err(error) = &result {
+        let result = self.reporting_oom(part.len(), || {
+            let part = part.to_device(&self.device)?;
+            match &self.buckets {
+                Some(buckets) => self.bucketed_buffer(&part, buckets),
+                None => self.buffer_of(self.compute_gradients(&part)?),
+            }
+        });
+        if let (Err(error), Some(buckets)) = (&result, &self.buckets) {
             buckets.abort(error);
         }
         result
+    }
+
+    /// `f`'s result, a device's memory running out as [`crate::Error::OutOfMemory`] naming this
+    /// device and the `samples` of the batch on it.
+    fn reporting_oom<T>(&self, samples: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        f().map_err(|e| match self.device.is_cpu() {
+            true => e,
+            false => e.out_of_memory_on(&crate::devices::label(&self.device), samples),
+        })
     }
 
     /// [`Self::step_buffer`] through gradient buckets: handed in during the recorded backward
@@ -476,8 +487,10 @@ impl Replica {
     /// pass updates as in any training step (each micro-batch normalises with its own batch
     /// statistics). Returns the part's sample count and its `[loss_sum, metric states...]`.
     pub fn accumulate(&self, part: &Batch) -> Result<(usize, Vec<f64>)> {
-        let g = self.compute_gradients(&part.to_device(&self.device)?)?;
-        self.keep(g)
+        self.reporting_oom(part.len(), || {
+            let g = self.compute_gradients(&part.to_device(&self.device)?)?;
+            self.keep(g)
+        })
     }
 
     /// Keeps `g`, added to the gradients accumulated before, for the next step buffer; returns
@@ -757,18 +770,23 @@ impl Replica {
         if part.is_empty() {
             return self.zero_stats();
         }
-        let part = part.to_device(&self.device)?;
-        let (outputs, loss_sum) = self.forward_loss(&part, false)?;
-        self.stats(&loss_sum, &outputs, &part.targets)
+        self.reporting_oom(part.len(), || {
+            let part = part.to_device(&self.device)?;
+            let (outputs, loss_sum) = self.forward_loss(&part, false)?;
+            self.stats(&loss_sum, &outputs, &part.targets)
+        })
     }
 
     /// The model's outputs for `inputs` (one tensor per input, any device) in inference mode,
     /// one `f32` tensor per output on this device.
     pub fn predict(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let inputs = inputs
-            .iter()
-            .map(|x| Ok(x.to_device(&self.device)?))
-            .collect::<Result<Vec<_>>>()?;
-        self.net.predict(&inputs)
+        let samples = inputs.first().map_or(Ok(0), |x| x.dim(0))?;
+        self.reporting_oom(samples, || {
+            let inputs = inputs
+                .iter()
+                .map(|x| Ok(x.to_device(&self.device)?))
+                .collect::<Result<Vec<_>>>()?;
+            self.net.predict(&inputs)
+        })
     }
 }

@@ -6,7 +6,8 @@
 //! gradients in buckets summed during the backward passes, and as one sum after them),
 //! CentralStorage (variables on the CPU, compute on the GPU), and a pipeline of two stages on
 //! the GPU (or on the GPU and the CPU) match one GPU; a training state
-//! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces.
+//! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces; running
+//! out of GPU memory is an error naming the batch.
 //!
 //! Built with `--features cuda` (and `nccl` for the NCCL tests). Every test needs a GPU, so each
 //! is `#[ignore]`d and run by `gpu/check.sh` on a GPU machine with `--include-ignored`.
@@ -281,6 +282,44 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
         &weights(bn_cnn(), &synced)?,
         "mirrored sync bn, two replicas on cuda:0",
     )?;
+    Ok(())
+}
+
+/// A convolution of 4,096 filters over 256x256 images writes 1 GiB per sample: at 160 samples
+/// more than any GPU holds. The step fails with an error naming the device and the batch, not a
+/// panic, and the model still trains at a size that fits.
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn running_out_of_gpu_memory_is_an_error_naming_the_batch() -> anyhow::Result<()> {
+    let net = Sequential::new()
+        .input_shape(&[3, 256, 256])
+        .add(Conv2D::new(4096, 3).padding(Padding::Same))
+        .add(GlobalAveragePooling2D)
+        .add(Dense::new(2))
+        .add(Activation::Softmax);
+    let mut model = net.compile(
+        Sgd::new(0.01),
+        SparseCategoricalCrossentropy::new(),
+        (),
+        &OneDeviceStrategy::new(gpu()?),
+    )?;
+    let batch = |n: usize| -> anyhow::Result<(Tensor, Tensor)> {
+        let x = Tensor::zeros((n, 3, 256, 256), candle_core::DType::F32, &Device::Cpu)?;
+        let y = Tensor::zeros(n, candle_core::DType::U32, &Device::Cpu)?;
+        Ok((x, y))
+    };
+    let (x, y) = batch(160)?;
+    let err = model
+        .train_on_batch(&x, &y, None)
+        .expect_err("160 GiB of activations cannot fit");
+    let msg = err.to_string();
+    assert!(err.is_out_of_memory(), "{msg}");
+    assert!(
+        msg.contains("out of memory on cuda:0 with a batch of 160 samples"),
+        "{msg}"
+    );
+    let (x, y) = batch(2)?;
+    model.train_on_batch(&x, &y, None)?;
     Ok(())
 }
 

@@ -349,6 +349,26 @@ mod tests {
         Ok(())
     }
 
+    /// A model without trainable variables has no gradient to put in buckets: its steps run.
+    #[test]
+    fn a_model_without_trainable_variables_trains_under_buckets() -> Result<()> {
+        let spec = ModelSpec {
+            network: Sequential::new()
+                .add(Flatten)
+                .add(Activation::Softmax)
+                .into(),
+            input_shapes: vec![vec![10]],
+            ..bn_spec(kandle::ComputePath::Auto, kandle::DTypePolicy::default())
+        };
+        let mut model = MirroredStrategy::cpu(2)?.distribute(&spec)?;
+        let x = candle_core::Tensor::randn(0f32, 1., (6, 10), &Device::Cpu)?;
+        let y = candle_core::Tensor::new(&[0u32, 1, 2, 3, 4, 5], &Device::Cpu)?;
+        let stats = model.train_step(&Batch::new(x, y), 0.1)?;
+        assert_eq!(stats.samples, 6);
+        assert!(stats.applied && stats.sums[0].is_finite());
+        Ok(())
+    }
+
     /// Counts the reductions of a [`ReplicaModel`]'s steps.
     struct CountingOps(
         CrossDeviceOps,

@@ -256,6 +256,10 @@ impl ReplicaSet {
             .iter()
             .map(|v| v.elem_count())
             .collect();
+        if sizes.is_empty() {
+            // Nothing to sum during the backward pass: the step buffer holds no gradient.
+            return Ok(());
+        }
         let plan = Arc::new(BucketPlan::new(
             &sizes,
             FIRST_BUCKET_BYTES.min(bytes),

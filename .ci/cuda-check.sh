@@ -45,6 +45,20 @@ nvcc --version | tail -n 2
 echo "   CUDA_HOME=$CUDA_HOME CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION"
 elapsed
 
+# kandle's own CUDA C modules, which NVRTC compiles at run time on the GPU machine: each is its
+# `.cu` file after the shared `common.cuh`, as `kernels/src/cuda/program.rs` hands it to NVRTC,
+# compiled to PTX here so that a syntax or type error fails CI, not a rare GPU session.
+echo "== kandle's CUDA C modules (nvcc --ptx)"
+ptx_dir=$(mktemp -d)
+for cu in kernels/src/cuda/*.cu; do
+  module=$(basename "$cu" .cu)
+  cat kernels/src/cuda/common.cuh "$cu" >"$ptx_dir/$module.cu"
+  nvcc --ptx -arch=compute_75 -o "$ptx_dir/$module.ptx" "$ptx_dir/$module.cu"
+  echo "   $module: $(grep -c '^.visible .entry' "$ptx_dir/$module.ptx") kernels"
+done
+rm -rf "$ptx_dir"
+elapsed
+
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/cuda-check"
 export NVCC_APPEND_FLAGS="${CUDA_CHECK_NVCC_FLAGS--Xcicc -O1 -Xptxas -O0}"
 # One build of everything with cuDNN too (`cudnn` adds code and removes none), then the same

@@ -1,6 +1,6 @@
 //! Mixed precision on the CPU: `mixed_float16` trains the digits as `float32` does (kandle's
 //! kernels stay `float32`; the loss scale runs: 98.3% test accuracy, as `float32`'s), and on
-//! the device-generic path candle's ops compute in `float16` (98.6%); a loss scale too large
+//! the device-generic path candle's ops compute in `float16` (95.8% after half the epochs); a loss scale too large
 //! for the gradients skips the step, leaves the weights as they were and halves; the scale is
 //! saved with the training state; `bfloat16`, which candle cannot run on the CPU, is refused
 //! when the model is built.
@@ -73,13 +73,16 @@ fn mixed_float16_trains_digits_on_the_cpu_kernels() -> Result<()> {
     Ok(())
 }
 
-/// candle's `float16` ops on the CPU are slow: half the recipe's epochs (98.6% measured).
+/// candle's `float16` ops on the CPU are slow: half the recipe's epochs. After six epochs the
+/// test accuracy depends on the seed: 95.0% to 98.6% measured over model seeds 1 to 4 and two
+/// dropout generators (95.8% with this one at seed 1), where the whole recipe's twelve reach
+/// 96.7% to 98.9%; `float32` on the same path after six epochs, 94.2% to 98.6%.
 #[test]
 fn mixed_float16_trains_digits_in_float16_on_the_device_generic_path() -> Result<()> {
     let mut m = model(DTypePolicy::mixed_float16(), ComputePath::DeviceGeneric)?;
     let (accuracy, logs) = train(&mut m, EPOCHS / 2)?;
     eprintln!("mixed_float16, device-generic: test accuracy {accuracy:.4}, logs {logs:?}");
-    ensure!(accuracy >= 0.97, "{accuracy}");
+    ensure!(accuracy >= 0.94, "{accuracy}");
     // The variables stay float32, and predictions come back in float32.
     ensure!(m
         .get_weights()?

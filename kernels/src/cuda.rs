@@ -75,6 +75,7 @@ mod conv;
 mod cross_entropy;
 #[cfg(feature = "cudnn")]
 mod descriptors;
+pub(crate) mod dropout;
 mod operands;
 #[cfg(feature = "cudnn")]
 mod ops;

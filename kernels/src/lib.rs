@@ -35,6 +35,7 @@ pub mod concat;
 pub mod conv2d;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 mod error;
 pub mod optimizer;
 pub mod pooling;
@@ -42,6 +43,7 @@ pub mod relu;
 pub mod replay;
 
 mod output;
+mod philox;
 mod planes;
 mod simd;
 #[cfg(any(test, feature = "test-support"))]

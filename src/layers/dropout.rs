@@ -2,11 +2,12 @@
 //! `1 / (1 - rate)`; in inference, and inside `.inference_mode()` (Keras's `training=False`),
 //! the identity.
 //!
-//! Masks come from the layer's [`RandomStream`]: a seeded run is repeatable on any device, and a
-//! run resumed from a backup draws the masks an uninterrupted one would.
+//! Masks come from the layer's [`RandomStream`], drawn on the input's device by kandle-kernels'
+//! counter-based generator ([`crate::kernels::dropout::draw_mask`]): a step on a GPU never waits
+//! for the host to draw one, a seeded run draws the same masks on the CPU and on a GPU, and a run
+//! resumed from a backup draws the masks an uninterrupted one would.
 
-use candle_core::{Device, Tensor};
-use rand::Rng;
+use candle_core::Tensor;
 
 use super::random_stream::RandomStream;
 use super::{
@@ -68,23 +69,21 @@ struct DropoutLayer {
 
 impl DropoutLayer {
     /// A fresh mask for `x`: `1 / (1 - rate)` where an element is kept, zero where it is
-    /// dropped.
+    /// dropped. It is drawn where the layer's generator lives (the input's device, unless a
+    /// strategy keeps the variables elsewhere) and moved to `x`'s device.
     fn mask(&self, x: &Tensor) -> Result<Tensor> {
-        let keep = 1.0 - self.rate;
-        let scale = (1.0 / keep) as f32;
-        let mut rng = self.stream.next()?;
-        let mask: Vec<f32> = (0..x.elem_count())
-            .map(|_| {
-                if rng.random::<f64>() < keep {
-                    scale
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        Ok(Tensor::from_vec(mask, x.dims(), &Device::Cpu)?
-            .to_dtype(x.dtype())?
-            .to_device(x.device())?)
+        let position = self.stream.position();
+        let mask = crate::kernels::dropout::draw_mask(
+            position.as_tensor(),
+            self.stream.seed(),
+            self.rate,
+            x.dims(),
+            x.dtype(),
+        )?;
+        match mask.device().same_device(x.device()) {
+            true => Ok(mask),
+            false => Ok(mask.to_device(x.device())?),
+        }
     }
 }
 
@@ -127,7 +126,7 @@ impl FastPath for DropoutLayer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::DType;
+    use candle_core::{DType, Device};
 
     #[test]
     fn inside_inference_mode_it_drops_nothing_in_training() -> Result<()> {

@@ -1,8 +1,11 @@
 //! The random stream of a layer that draws in training (dropout masks, augmentations): draw `k`
-//! comes from a generator seeded with the layer's seed (drawn at build time from the model's
-//! seed) and `k`, the layer's position, which lives in a variable saved with the weights
-//! ([`BuildContext::generator_position`]). A seeded run is repeatable on any device, and a run
-//! resumed from a backup draws what an uninterrupted one would.
+//! comes from the layer's seed (drawn at build time from the model's seed) and `k`, the layer's
+//! position, which lives in a variable on the layer's device saved with the weights
+//! ([`BuildContext::generator_position`]). Dropout draws its masks where the position lives,
+//! from Philox at counter `k` ([`crate::kernels::dropout`]); the augmentations, which run on the
+//! host, seed a host generator with the seed and `k` ([`RandomStream::next`]). Either way a
+//! seeded run is repeatable on any device, and a run resumed from a backup draws what an
+//! uninterrupted one would.
 
 use candle_core::{Tensor, Var};
 use rand::rngs::StdRng;
@@ -40,7 +43,19 @@ impl RandomStream {
         })
     }
 
-    /// The next generator of the sequence; moves the layer to the one after.
+    /// The layer's seed: the key of the masks [`kernels::dropout::draw_mask`] draws.
+    ///
+    /// [`kernels::dropout::draw_mask`]: crate::kernels::dropout::draw_mask
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The layer's position, on its device: where the next draw starts.
+    pub(crate) fn position(&self) -> &Var {
+        &self.position
+    }
+
+    /// The next generator of the sequence, on the host; moves the layer to the one after.
     pub(crate) fn next(&self) -> Result<StdRng> {
         let parts = self.position.as_tensor().to_vec1::<f32>()?;
         let (high, low) = match parts.as_slice() {

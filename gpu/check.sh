@@ -14,12 +14,14 @@
 #      the fused ReLU) and max and average pooling, outputs and gradients against the CPU
 #      kernels (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs); its CUDA optimizer updates
 #      (SGD, Adam, AdamW over several steps) against the CPU kernels and its softmax
-#      cross-entropy (loss and gradient) against the CPU path (cuda_optimizer.rs,
-#      cuda_softmax_cross_entropy.rs, when gpu-bin/ has them);
+#      cross-entropy (loss and gradient) against the CPU path and its dropout masks against the
+#      CPU's, bit for bit (cuda_optimizer.rs, cuda_softmax_cross_entropy.rs, cuda_dropout.rs,
+#      when gpu-bin/ has them);
 #   2. the GPU is found, and hidden by CUDA_VISIBLE_DEVICES= (tests/gpu.rs);
 #   3. every layer's outputs and gradients on CUDA against the CPU (kandle's unit tests, the
 #      ignored CUDA test included; again with cudnn, Conv2D on kandle's cuDNN ops), the recorded
-#      backward pass on the GPU against candle's autograd (replica::tests, also with cudnn) and
+#      backward pass on the GPU against candle's autograd (replica::tests, also with cudnn), the
+#      step captured as a CUDA graph against the eager step, bit for bit (also with cudnn), and
 #      the rest of kandle's unit tests on this machine;
 #   4. digits to 97% on the GPU (also under mixed_float16 and mixed_bfloat16), 20 steps against
 #      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage,
@@ -28,7 +30,8 @@
 #   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the
 #      same GPU (eager, channels_last), and PyTorch's epoch of 50,000 images; kandle's steps
 #      with the driver's default memory pool (KANDLE_CUDA_SETTINGS=default), what the pool's
-#      setting buys; a timeline of kandle's steps when the machine has Nsight Systems
+#      setting buys; kandle's steps as CUDA graphs (KANDLE_CUDA_GRAPHS=1, batch 64 and 256,
+#      candle's and cuDNN's convolutions), what graphs buy; a timeline of kandle's steps when the machine has Nsight Systems
 #      (timeline.md: GPU-busy time against the gaps, gpu/timeline_summary.py); under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
 #      batch 256;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
@@ -113,12 +116,13 @@ if [[ -x $BIN/kernels-cuda-bn && -x $BIN/kernels-cuda-pool ]]; then
     '"$1" --include-ignored; bn=$?; "$2" --include-ignored; pool=$?; exit $((bn || pool))' _ \
     "$BIN/kernels-cuda-bn" "$BIN/kernels-cuda-pool"
 fi
-# kandle's CUDA optimizer updates and softmax cross-entropy against the CPU kernels and the CPU
-# path (seconds; each optimizer test says whether its values were the CPU's bit for bit).
+# kandle's CUDA optimizer updates, softmax cross-entropy and dropout masks against the CPU
+# kernels and the CPU path (seconds; each optimizer test says whether its values were the CPU's
+# bit for bit; the masks must be).
 if [[ -x $BIN/kernels-cuda-opt && -x $BIN/kernels-cuda-xent ]]; then
   step kernels-cuda-opt-xent 60 bash -c \
-    '"$1" --include-ignored --nocapture; opt=$?; "$2" --include-ignored; xent=$?; exit $((opt || xent))' _ \
-    "$BIN/kernels-cuda-opt" "$BIN/kernels-cuda-xent"
+    'rc=0; for t in "$@"; do [[ -x $t ]] || continue; "$t" --include-ignored --nocapture || rc=1; done; exit $rc' _ \
+    "$BIN/kernels-cuda-opt" "$BIN/kernels-cuda-xent" "$BIN/kernels-cuda-dropout"
 fi
 step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible
@@ -136,6 +140,11 @@ step layers-cuda-kernels 60 "$BIN/kandle-lib" --include-ignored \
 # mixed_bfloat16 (seconds).
 step replica-recorded-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
   replica::tests::recorded_steps_on_cuda_match_autograd --nocapture
+# The training step captured as a CUDA graph and replayed (KANDLE_CUDA_GRAPHS=1) against the
+# eager step, bit for bit with candle's convolutions (seconds; names the reason when the step
+# could not be captured).
+step replica-graphs-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
+  replica::tests::cuda_graph_steps_are_the_eager_steps --nocapture
 # A device kandle opens keeps the memory freed on it in its pool across synchronisations.
 step cuda-memory-pool 30 "$BIN/kandle-lib" --include-ignored --exact \
   devices::tests::a_cuda_device_keeps_freed_memory_in_its_pool
@@ -145,6 +154,8 @@ if [[ -x $BIN/kandle-lib-cudnn ]]; then
   # The same recorded steps with Conv2D on cuDNN, its gradients called by the recorded pass.
   step replica-recorded-cudnn 60 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
     replica::tests::recorded_steps_on_cuda_match_autograd --nocapture
+  step replica-graphs-cudnn 60 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
+    replica::tests::cuda_graph_steps_are_the_eager_steps --nocapture
 fi
 step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture
@@ -172,6 +183,17 @@ bench bench-256 120 bench --batch 256 --pytorch-configs eager,channels_last
 # What the memory pool's setting buys: kandle's steps with the driver's default pool.
 step bench-64-default-pool 60 env KANDLE_CUDA_SETTINGS=default "$BIN/bench" --device cuda:0 \
   --warmup 3 --iters 10 --batch 64 --no-pytorch --no-ops --json "$OUT/bench-64-default-pool.json"
+# What CUDA graphs buy: kandle's steps captured after two warm-up steps and replayed (the third
+# warm-up step captures), with candle's convolutions and with cuDNN's.
+for graphed in bench-64 bench-256 bench-64-cudnn bench-256-cudnn; do
+  binary=bench
+  [[ $graphed == *-cudnn ]] && binary=bench-cudnn
+  [[ -x $BIN/$binary ]] || continue
+  batch=${graphed#bench-}
+  batch=${batch%-cudnn}
+  step "$graphed-graphs" 60 env KANDLE_CUDA_GRAPHS=1 "$BIN/$binary" --device cuda:0 --warmup 3 \
+    --iters 10 --batch "$batch" --no-pytorch --no-ops --json "$OUT/$graphed-graphs.json"
+done
 
 # Where the step's time goes on the GPU: an Nsight Systems trace of kandle's training steps and
 # inference at batch 64, summarised as GPU-busy time against the gaps between operations (the

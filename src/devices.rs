@@ -1,8 +1,11 @@
 //! Devices: the CPU and CUDA GPUs, with clear errors for devices that do not exist; a CUDA
-//! device kandle opens keeps its freed memory in its pool (`cuda_settings`).
+//! device kandle opens keeps its freed memory in its pool (`cuda_settings`); training steps on
+//! CUDA devices captured as CUDA graphs when asked for ([`set_cuda_graphs`]).
 
+mod cuda_graphs;
 #[cfg(feature = "cuda")]
 mod cuda_settings;
+pub use cuda_graphs::{cuda_graphs, set_cuda_graphs, GRAPHS_VAR};
 #[cfg(feature = "cuda")]
 pub use cuda_settings::SETTINGS_VAR;
 

@@ -8,6 +8,10 @@
 
 pub mod buckets;
 pub mod fused;
+#[cfg(feature = "cuda")]
+mod graph;
+#[cfg(any(test, feature = "cuda"))]
+mod graph_schedule;
 mod stage;
 pub mod step;
 #[cfg(test)]
@@ -188,6 +192,9 @@ pub struct Replica {
     position: StagePosition,
     /// The gradient buckets its step buffers sum with the other replicas', when set.
     buckets: Option<ReplicaBuckets>,
+    /// Its training steps as CUDA graphs, when asked for on a CUDA device.
+    #[cfg(feature = "cuda")]
+    graphs: Option<graph_schedule::GraphSchedule<graph::CudaCapture>>,
 }
 
 impl Replica {
@@ -208,8 +215,17 @@ impl Replica {
 
     /// Like [`Replica::new`], as member `handle` of a group whose batch normalisation uses
     /// global batch statistics.
+    ///
+    /// Its steps are never captured as CUDA graphs: the group's exchanges in the forward and
+    /// backward passes wait for the other replicas.
     pub fn in_group(spec: &ModelSpec, device: &Device, handle: ReplicaHandle) -> Result<Self> {
-        Self::build(spec, Self::context(spec, device).with_replica_group(handle))
+        let replica = Self::build(spec, Self::context(spec, device).with_replica_group(handle))?;
+        #[cfg(feature = "cuda")]
+        let replica = Self {
+            graphs: None,
+            ..replica
+        };
+        Ok(replica)
     }
 
     fn build(spec: &ModelSpec, ctx: BuildContext) -> Result<Self> {
@@ -255,7 +271,20 @@ impl Replica {
             num_stats: spec.num_stats(),
             statistics: FusedLayout::from_shapes(statistics.iter().map(|v| v.shape().clone())),
         });
+        #[cfg(feature = "cuda")]
+        let graphs = match &device {
+            candle_core::Device::Cuda(cuda)
+                if crate::devices::cuda_graphs() && position == StagePosition::WHOLE =>
+            {
+                Some(graph_schedule::GraphSchedule::new(graph::CudaCapture::new(
+                    cuda,
+                )))
+            }
+            _ => None,
+        };
         Ok(Self {
+            #[cfg(feature = "cuda")]
+            graphs,
             net,
             store,
             trainable,
@@ -285,6 +314,25 @@ impl Replica {
     pub(crate) fn recording_backward(mut self, on: bool) -> Self {
         self.records_backward = on;
         self
+    }
+
+    /// This replica, its training steps captured as CUDA graphs when `on` (on a CUDA device),
+    /// whatever [`crate::devices::cuda_graphs`] says.
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn with_cuda_graphs(mut self, on: bool) -> Self {
+        self.graphs = match (&self.device, on) {
+            (Device::Cuda(cuda), true) => Some(graph_schedule::GraphSchedule::new(
+                graph::CudaCapture::new(cuda),
+            )),
+            _ => None,
+        };
+        self
+    }
+
+    /// Where its CUDA graphs stand, if it has them.
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn cuda_graphs(&self) -> Option<String> {
+        self.graphs.as_ref().map(|g| g.describe())
     }
 
     /// Sums this replica's gradients with the other replicas' in the buckets of `plan`
@@ -406,13 +454,26 @@ impl Replica {
             let part = part.to_device(&self.device)?;
             match &self.buckets {
                 Some(buckets) => self.bucketed_buffer(&part, buckets),
-                None => self.buffer_of(self.compute_gradients(&part)?),
+                None => self.whole_buffer(&part),
             }
         });
         if let (Err(error), Some(buckets)) = (&result, &self.buckets) {
             buckets.abort(error);
         }
         result
+    }
+
+    /// [`Self::step_buffer`] without gradient buckets: through a CUDA graph of the step where
+    /// the replica has one ([`graph`]) and no micro-batch was accumulated before.
+    fn whole_buffer(&self, part: &Batch) -> Result<StepBuffer> {
+        let eager = |p: &Batch| self.buffer_of(self.compute_gradients(p)?);
+        #[cfg(feature = "cuda")]
+        if let Some(graphs) = &self.graphs {
+            if self.accumulated_slot()?.is_none() {
+                return graphs.step(part, &eager);
+            }
+        }
+        eager(part)
     }
 
     /// `f`'s result, a device's memory running out as [`crate::Error::OutOfMemory`] naming this

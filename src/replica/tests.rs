@@ -143,6 +143,15 @@ fn weights_difference(ours: &Replica, theirs: &Replica) -> Result<(f32, String)>
     Ok(worst)
 }
 
+/// One training step of `replica` on `batch` (the step buffer, then the final phase at a
+/// learning rate of 0.05); its step buffer.
+fn train_step(replica: &mut Replica, batch: &Batch) -> Result<Tensor> {
+    let buffer = replica.step_buffer(batch)?;
+    let totals = replica.layout().read(&buffer.fused)?;
+    replica.finish_step(&buffer.fused, &totals, &buffer.statistics_before, 0.05)?;
+    Ok(buffer.fused)
+}
+
 /// Trains `recorded` (through the recorded backward pass) and `autograd` (through candle's)
 /// from the same weights for `steps` steps of the same batches, and returns the largest
 /// relative difference of any gradient at any step, and of any trainable variable after the
@@ -161,10 +170,7 @@ fn train_both(
         let batch = batch(6, step + 1)?;
         let mut buffers = Vec::new();
         for replica in &mut replicas {
-            let buffer = replica.step_buffer(&batch)?;
-            let totals = replica.layout().read(&buffer.fused)?;
-            replica.finish_step(&buffer.fused, &totals, &buffer.statistics_before, 0.05)?;
-            buffers.push(buffer.fused);
+            buffers.push(train_step(replica, &batch)?);
         }
         let layout = replicas[0].layout().clone();
         let ours = layout.grads.split(&buffers[0], 0)?;
@@ -316,10 +322,7 @@ fn cuda_graph_steps_are_the_eager_steps() -> Result<()> {
                 let batch = batch(if step == 8 { 5 } else { 6 }, step + 1)?;
                 let mut buffers = Vec::new();
                 for replica in &mut replicas {
-                    let buffer = replica.step_buffer(&batch)?;
-                    let totals = replica.layout().read(&buffer.fused)?;
-                    replica.finish_step(&buffer.fused, &totals, &buffer.statistics_before, 0.05)?;
-                    buffers.push(buffer.fused);
+                    buffers.push(train_step(replica, &batch)?);
                 }
                 assert!(
                     same(&buffers[0], &buffers[1], tolerance)?,

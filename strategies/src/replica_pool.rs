@@ -191,10 +191,7 @@ impl ReplicaPool {
             match rx.recv_timeout(wait) {
                 Ok((i, Ok(Ok(r)))) => results[i] = Some(r),
                 Ok((i, Ok(Err(e)))) => {
-                    first_error.get_or_insert(Error::Replica {
-                        replica: self.workers[i].label.clone(),
-                        reason: e.to_string(),
-                    });
+                    first_error.get_or_insert(self.labelled(i, e));
                 }
                 Ok((i, Err(panic))) => {
                     let msg = kandle::strategy::panic_message(panic.as_ref());
@@ -230,6 +227,21 @@ impl ReplicaPool {
             .copied()
             .find(|&i| self.waiting.as_ref().is_none_or(|waiting| !waiting(i)));
         busy.or(without.first().copied()).unwrap_or_default()
+    }
+
+    /// `e`, a replica's error, naming the replica: as it is when it names it already (an
+    /// exchange between the replicas reports its failures so), wrapped otherwise.
+    fn labelled(&self, replica: usize, e: Error) -> Error {
+        let label = &self.workers[replica].label;
+        match e {
+            Error::Replica {
+                replica: ref named, ..
+            } if named == label => e,
+            other => Error::Replica {
+                replica: label.clone(),
+                reason: other.to_string(),
+            },
+        }
     }
 
     fn fail(&mut self, replica: usize, reason: String) -> Error {
@@ -292,6 +304,32 @@ mod tests {
         pool.run(vec![(); threads.len()], |_, _, ()| {
             Ok(rayon::current_num_threads())
         })
+    }
+
+    #[test]
+    fn an_error_names_its_replica_once() -> Result<()> {
+        let labels = vec!["replica 0 (cpu)".to_string(), "replica 1 (cpu)".to_string()];
+        let mut pool = ReplicaPool::new(replicas(2)?, labels, Duration::from_secs(30), &[])?;
+        let named = pool.run(vec![(); 2], |i, _, ()| match i {
+            0 => Err::<(), _>(Error::Replica {
+                replica: "replica 0 (cpu)".into(),
+                reason: "gradient buckets: replica 1 (cpu) failed: no data".into(),
+            }),
+            _ => Ok(()),
+        });
+        let message = named.err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            message,
+            "replica 0 (cpu): gradient buckets: replica 1 (cpu) failed: no data"
+        );
+        let plain = pool.run(vec![(); 2], |i, _, ()| match i {
+            1 => Err::<(), _>(Error::invalid("bad batch")),
+            _ => Ok(()),
+        });
+        let message = plain.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(message.starts_with("replica 1 (cpu): "), "{message}");
+        assert!(message.contains("bad batch"), "{message}");
+        Ok(())
     }
 
     #[test]

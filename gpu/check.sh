@@ -24,7 +24,8 @@
 #      step captured as a CUDA graph against the eager step, bit for bit (also with cudnn), and
 #      the rest of kandle's unit tests on this machine;
 #   4. digits to 97% on the GPU (also under mixed_float16 and mixed_bfloat16), 20 steps against
-#      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage,
+#      the CPU, gradient accumulation, Mirrored with two replicas on the GPU, CentralStorage (and
+#      both with their steps as CUDA graphs),
 #      training states between GPU and CPU, NCCL with one rank (tests/gpu.rs); ResNet-18 against
 #      PyTorch's float64 step on torchvision's weights (parity-files, parity);
 #   5. MiniGoogLeNet's training step and inference at batch 64 and 256 against PyTorch on the

@@ -84,7 +84,10 @@ impl Strategy for MirroredStrategy {
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
         let mut set = ReplicaSet::build(spec, &self.devices, &self.options)?;
-        if let Some(bytes) = self.options.gradient_buckets {
+        // Replicas whose steps are captured as CUDA graphs sum their step buffers after the
+        // passes: a captured step cannot hand buckets in midway.
+        let graphed = kandle::devices::cuda_graphs() && self.devices.iter().all(Device::is_cuda);
+        if let Some(bytes) = self.options.gradient_buckets.filter(|_| !graphed) {
             set.use_buckets(self.ops, bytes, self.options.timeout, None)?;
         }
         Ok(Box::new(ReplicaModel {

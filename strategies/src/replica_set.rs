@@ -74,7 +74,9 @@ pub struct ReplicaOptions {
     /// on (PyTorch DDP's `bucket_cap_mb`, Horovod's overlap); `None` sums the whole step buffer
     /// after every backward pass has ended. The sums are the same either way, bit for bit in
     /// one process with [`CrossDeviceOps::ReductionToOneDevice`] and
-    /// [`CrossDeviceOps::HierarchicalCopy`]. Default 25 MiB.
+    /// [`CrossDeviceOps::HierarchicalCopy`]. Default 25 MiB. Mirrored replicas on CUDA devices
+    /// whose steps are captured as CUDA graphs ([`kandle::devices::set_cuda_graphs`]) sum after
+    /// the passes whatever this says: a captured step cannot hand buckets in midway.
     pub gradient_buckets: Option<usize>,
 }
 

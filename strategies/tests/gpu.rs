@@ -285,6 +285,56 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
     Ok(())
 }
 
+/// Turns CUDA graphs on until dropped (the tests run one at a time: `--test-threads 1`).
+struct GraphsOn;
+
+impl GraphsOn {
+    fn new() -> Self {
+        kandle::devices::set_cuda_graphs(true);
+        Self
+    }
+}
+
+impl Drop for GraphsOn {
+    fn drop(&mut self) {
+        kandle::devices::set_cuda_graphs(false);
+    }
+}
+
+/// With the training steps captured as CUDA graphs (two warm-up steps, then one launch per
+/// step), one GPU, Mirrored with two replicas on it (which then sums after the passes) and
+/// CentralStorage train as one GPU without graphs does, with and without batch
+/// normalisation.
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn strategies_through_cuda_graphs_match_one_gpu_without() -> anyhow::Result<()> {
+    let gpu = gpu()?;
+    let two = vec![gpu.clone(), gpu.clone()];
+    for (net, name) in [
+        (plain_cnn as fn() -> Sequential, "plain"),
+        (bn_cnn, "batch norm"),
+    ] {
+        let reference = weights(net(), &OneDeviceStrategy::new(gpu.clone()))?;
+        let _graphs = GraphsOn::new();
+        assert_matches(
+            &reference,
+            &weights(net(), &OneDeviceStrategy::new(gpu.clone()))?,
+            &format!("{name}: one GPU, steps as CUDA graphs"),
+        )?;
+        assert_matches(
+            &reference,
+            &weights(net(), &MirroredStrategy::new(two.clone())?)?,
+            &format!("{name}: mirrored, two replicas on cuda:0, steps as CUDA graphs"),
+        )?;
+        assert_matches(
+            &reference,
+            &weights(net(), &CentralStorageStrategy::new(two.clone())?)?,
+            &format!("{name}: central storage, two replicas on cuda:0, steps as CUDA graphs"),
+        )?;
+    }
+    Ok(())
+}
+
 /// A convolution of 4,096 filters over 256x256 images writes 1 GiB per sample: at 160 samples
 /// more than any GPU holds. The step fails with an error naming the device and the batch, not a
 /// panic, and the model still trains at a size that fits.

@@ -1,8 +1,11 @@
-//! A replica's training step as a CUDA graph ([`crate::devices::set_cuda_graphs`], or
-//! `KANDLE_CUDA_GRAPHS=1`): the forward pass, the loss, the recorded backward pass and the step
-//! buffer, captured once the batch's shapes have repeated and replayed as one launch per step,
-//! as PyTorch's `torch.cuda.graphs` and `torch.compile(mode="reduce-overhead")` do. A step of
-//! hundreds of small kernels costs the host one launch instead of hundreds.
+//! A replica's steps as CUDA graphs ([`crate::devices::set_cuda_graphs`], or
+//! `KANDLE_CUDA_GRAPHS=1`): the training step (the forward pass, the loss, the recorded
+//! backward pass and the step buffer), an evaluation (the forward pass in inference mode, the
+//! loss and metric sums) and a prediction, each captured once its batch's shapes have repeated
+//! and replayed as one launch per step, as PyTorch's `torch.cuda.graphs` and
+//! `torch.compile(mode="reduce-overhead")` do ([`Graphs`]). A step of hundreds of small kernels
+//! costs the host one launch instead of hundreds; a captured step keeps the memory of its
+//! intermediate tensors for its replays.
 //!
 //! When a step is warmed up, captured, replayed or run eagerly is `graph_schedule.rs`'s
 //! [`GraphSchedule`]; this is how, on CUDA ([`CudaCapture`]):
@@ -15,8 +18,10 @@
 //! - **Capture**: the next step of the same shapes copies its batch into tensors kept for the
 //!   graph, runs eagerly on them under stream capture (thread-local mode), instantiates the
 //!   graph (its memory freed and mapped again at each launch, at the same addresses) and
-//!   launches it. The step's outputs (the fused buffer, the moving statistics before the pass)
-//!   stay the graph's: each replay writes them again.
+//!   launches it. The step's outputs (a training step's fused buffer and moving statistics
+//!   before the pass, an evaluation's sums, a prediction's outputs) stay the graph's, written
+//!   again by each replay; the caller gets copies of them ([`GraphOutput`]), which it may keep
+//!   across steps.
 //! - **Replay**: a step of the captured shapes copies its batch into the kept tensors and
 //!   launches the graph; one of other shapes (the short last batch of an epoch) runs eagerly.
 //!   Everything a step changes lives on the device and is changed in place (the moving
@@ -39,34 +44,80 @@ use candle_core::cuda_backend::cudarc::driver::CudaGraph;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor, Var};
 
-use super::graph_schedule::{batch_like, tensors, StepCapture};
 #[cfg(doc)]
-use super::graph_schedule::{GraphSchedule, WARMUP_STEPS};
+use super::graph_schedule::WARMUP_STEPS;
+use super::graph_schedule::{batch_like, tensors, GraphSchedule, StepCapture};
 use super::StepBuffer;
 use crate::data::Batch;
 use crate::{Error, Result};
 
-/// Captures a replica's steps on a CUDA device as CUDA graphs.
-pub(crate) struct CudaCapture {
-    device: CudaDevice,
+/// What a captured step makes: tensors the graph writes again at each replay, handed out as
+/// copies.
+pub(crate) trait GraphOutput: Sized {
+    /// A copy of every tensor, in new memory.
+    fn copied(&self) -> candle_core::Result<Self>;
 }
 
-impl CudaCapture {
-    /// Captures on `device`, candle's stream of the calling thread.
+impl GraphOutput for Tensor {
+    fn copied(&self) -> candle_core::Result<Self> {
+        self.copy()
+    }
+}
+
+impl GraphOutput for Vec<Tensor> {
+    fn copied(&self) -> candle_core::Result<Self> {
+        self.iter().map(Tensor::copy).collect()
+    }
+}
+
+impl GraphOutput for StepBuffer {
+    fn copied(&self) -> candle_core::Result<Self> {
+        Ok(StepBuffer {
+            fused: self.fused.copy()?,
+            grads_reduced: self.grads_reduced,
+            statistics_before: self.statistics_before.copied()?,
+        })
+    }
+}
+
+/// A replica's steps on a CUDA device, each kind captured as its own graph.
+pub(crate) struct Graphs {
+    /// Training steps: the step buffer.
+    pub(crate) train: GraphSchedule<StepBuffer, CudaCapture>,
+    /// Evaluations: the loss and metric sums.
+    pub(crate) evaluate: GraphSchedule<Tensor, CudaCapture>,
+    /// Predictions: the outputs.
+    pub(crate) predict: GraphSchedule<Vec<Tensor>, CudaCapture>,
+}
+
+impl Graphs {
+    /// The graphs of a replica on `device`, none captured yet.
     pub(crate) fn new(device: &CudaDevice) -> Self {
-        Self {
+        let on = |what| CudaCapture {
             device: device.clone(),
+            what,
+        };
+        Self {
+            train: GraphSchedule::new(on("training step")),
+            evaluate: GraphSchedule::new(on("evaluation")),
+            predict: GraphSchedule::new(on("prediction")),
         }
     }
 }
 
-/// A captured step: the graph, the batch it reads and the outputs it writes.
-pub(crate) struct CapturedStep {
+/// Captures one kind of a replica's steps on a CUDA device as CUDA graphs.
+pub(crate) struct CudaCapture {
+    device: CudaDevice,
+    /// What the steps are, for the log.
+    what: &'static str,
+}
+
+/// A captured step: the graph, the batch it reads and the output it writes.
+pub(crate) struct CapturedStep<O> {
     /// The batch the graph reads, each step's copied in.
     batch: Vec<Var>,
-    /// What the graph writes: the step's outputs of the capture, at the graph's addresses.
-    fused: Tensor,
-    statistics_before: Vec<Tensor>,
+    /// What the graph writes: the step's output of the capture, at the graph's addresses.
+    output: O,
     graph: Graph,
 }
 
@@ -78,25 +129,10 @@ struct Graph(CudaGraph);
 // one thread at a time launches it, and it is dropped by whichever thread drops the replica.
 unsafe impl Send for Graph {}
 
-impl CapturedStep {
-    /// The step buffer the last launch wrote.
-    fn buffer(&self) -> StepBuffer {
-        StepBuffer {
-            fused: self.fused.clone(),
-            grads_reduced: false,
-            statistics_before: self.statistics_before.clone(),
-        }
-    }
-}
+impl<O: GraphOutput> StepCapture<O> for CudaCapture {
+    type Captured = CapturedStep<O>;
 
-impl StepCapture for CudaCapture {
-    type Captured = CapturedStep;
-
-    fn warm_up(
-        &self,
-        batch: &Batch,
-        eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-    ) -> Result<StepBuffer> {
+    fn warm_up(&self, batch: &Batch, eager: &dyn Fn(&Batch) -> Result<O>) -> Result<O> {
         let _cache = self.device.enable_cuda_graph_htod_cache();
         eager(batch)
     }
@@ -104,8 +140,8 @@ impl StepCapture for CudaCapture {
     fn capture(
         &self,
         batch: &Batch,
-        eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-    ) -> std::result::Result<(CapturedStep, StepBuffer), String> {
+        eager: &dyn Fn(&Batch) -> Result<O>,
+    ) -> std::result::Result<(CapturedStep<O>, O), String> {
         let kept: Vec<Var> = tensors(batch)
             .map(|t| {
                 let kept = Var::zeros(t.shape(), t.dtype(), t.device())?;
@@ -127,18 +163,18 @@ impl StepCapture for CudaCapture {
         // Errors cudarc keeps for calls that could not return one (frees, event records).
         let kept_error = context.check_err();
         let failure = match (traced, ended, kept_error) {
-            (Ok(buffer), Ok(Some(graph)), Ok(())) => {
+            (Ok(output), Ok(Some(graph)), Ok(())) => {
                 let captured = CapturedStep {
                     batch: kept,
-                    fused: buffer.fused,
-                    statistics_before: buffer.statistics_before,
+                    output,
                     graph: Graph(graph),
                 };
-                return match captured.graph.0.launch() {
-                    Ok(()) => {
-                        let buffer = captured.buffer();
-                        Ok((captured, buffer))
-                    }
+                let launched = captured.graph.0.launch();
+                return match launched.map_err(|e| e.to_string()) {
+                    Ok(()) => match captured.output.copied() {
+                        Ok(output) => Ok((captured, output)),
+                        Err(e) => Err(format!("copying the first launch's output: {e}")),
+                    },
                     Err(e) => Err(format!("the first launch failed: {e}")),
                 };
             }
@@ -152,22 +188,24 @@ impl StepCapture for CudaCapture {
         Err(failure)
     }
 
-    fn replay(&self, captured: &CapturedStep, batch: &Batch) -> Result<StepBuffer> {
+    fn replay(&self, captured: &CapturedStep<O>, batch: &Batch) -> Result<O> {
         for (kept, t) in captured.batch.iter().zip(tensors(batch)) {
             kept.set(t)?;
         }
         captured.graph.0.launch().map_err(|e| {
             Error::Device(format!(
-                "the launch of a training step's CUDA graph failed: {e}"
+                "the launch of a {}'s CUDA graph failed: {e}",
+                self.what
             ))
         })?;
-        Ok(captured.buffer())
+        Ok(captured.output.copied()?)
     }
 
     fn fell_back(&self, reason: &str) {
         log::warn!(
-            "the training step on {} could not be captured as a CUDA graph, so it runs without \
-             one: {reason}",
+            "the {} on {} could not be captured as a CUDA graph, so it runs without one: \
+             {reason}",
+            self.what,
             crate::devices::label(&Device::Cuda(self.device.clone()))
         );
     }

@@ -1,51 +1,49 @@
-//! When a replica's training step runs eagerly, is captured as a graph, or replays one
-//! ([`GraphSchedule`]), whatever captures it (`graph.rs`'s CUDA graphs): the first
-//! [`WARMUP_STEPS`] steps of a batch shape run eagerly as warm-up, the next one of the same
-//! shape is captured, and later steps of that shape replay the capture; a step of another shape
-//! (an epoch's short last batch) runs eagerly, as does every step once a capture has failed.
+//! When a replica's step (a training step, an evaluation, a prediction) runs eagerly, is
+//! captured as a graph, or replays one ([`GraphSchedule`]), whatever captures it (`graph.rs`'s
+//! CUDA graphs): the first [`WARMUP_STEPS`] steps of a batch shape run eagerly as warm-up, the
+//! next one of the same shape is captured, and later steps of that shape replay the capture; a
+//! step of another shape (an epoch's short last batch) runs eagerly, as does every step once a
+//! capture has failed.
 
+use std::marker::PhantomData;
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 
-use super::StepBuffer;
 use crate::data::Batch;
 use crate::{Error, Result};
 
 /// Eager steps of a shape before its capture.
 pub(crate) const WARMUP_STEPS: usize = 2;
 
-/// What captures a step and replays it.
-pub(crate) trait StepCapture {
+/// What captures a step making an `O` and replays it.
+pub(crate) trait StepCapture<O> {
     /// A captured step.
     type Captured;
 
     /// A warm-up step: `eager` on `batch`, with whatever the capture needs prepared meanwhile.
-    fn warm_up(
-        &self,
-        batch: &Batch,
-        eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-    ) -> Result<StepBuffer>;
+    fn warm_up(&self, batch: &Batch, eager: &dyn Fn(&Batch) -> Result<O>) -> Result<O>;
 
     /// The step `eager` makes on `batch`, captured and run once; on failure, why, with nothing
     /// run.
     fn capture(
         &self,
         batch: &Batch,
-        eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-    ) -> std::result::Result<(Self::Captured, StepBuffer), String>;
+        eager: &dyn Fn(&Batch) -> Result<O>,
+    ) -> std::result::Result<(Self::Captured, O), String>;
 
     /// The captured step on `batch`, of the shapes it was captured for.
-    fn replay(&self, captured: &Self::Captured, batch: &Batch) -> Result<StepBuffer>;
+    fn replay(&self, captured: &Self::Captured, batch: &Batch) -> Result<O>;
 
     /// Says that the step could not be captured and why; steps run eagerly from now on.
     fn fell_back(&self, reason: &str);
 }
 
-/// A replica's steps through `C`: warmed up, captured, replayed, or eager.
-pub(crate) struct GraphSchedule<C: StepCapture> {
+/// A replica's steps making an `O` through `C`: warmed up, captured, replayed, or eager.
+pub(crate) struct GraphSchedule<O, C: StepCapture<O>> {
     capture: C,
     state: Mutex<State<C::Captured>>,
+    output: PhantomData<fn() -> O>,
 }
 
 enum State<G> {
@@ -88,7 +86,7 @@ pub(crate) fn batch_like(like: &Batch, tensors: Vec<Tensor>) -> Batch {
     }
 }
 
-impl<C: StepCapture> GraphSchedule<C> {
+impl<O, C: StepCapture<O>> GraphSchedule<O, C> {
     /// Steps captured by `capture`, none warmed up yet.
     pub(crate) fn new(capture: C) -> Self {
         Self {
@@ -97,16 +95,13 @@ impl<C: StepCapture> GraphSchedule<C> {
                 shapes: BatchShapes::default(),
                 steps: 0,
             }),
+            output: PhantomData,
         }
     }
 
-    /// The step buffer of `batch`: a replay where a step of its shapes was captured, a warm-up
-    /// or the capture itself while its shapes repeat, `eager` otherwise.
-    pub(crate) fn step(
-        &self,
-        batch: &Batch,
-        eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-    ) -> Result<StepBuffer> {
+    /// The step's output for `batch`: a replay where a step of its shapes was captured, a
+    /// warm-up or the capture itself while its shapes repeat, `eager` otherwise.
+    pub(crate) fn step(&self, batch: &Batch, eager: &dyn Fn(&Batch) -> Result<O>) -> Result<O> {
         let mut state = self
             .state
             .lock()
@@ -174,14 +169,14 @@ mod tests {
         fail: bool,
     }
 
-    impl StepCapture for Recorder {
+    impl StepCapture<Tensor> for Recorder {
         type Captured = usize;
 
         fn warm_up(
             &self,
             batch: &Batch,
-            eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-        ) -> Result<StepBuffer> {
+            eager: &dyn Fn(&Batch) -> Result<Tensor>,
+        ) -> Result<Tensor> {
             self.calls.borrow_mut().push(Call::WarmUp(batch.len()));
             eager(batch)
         }
@@ -189,8 +184,8 @@ mod tests {
         fn capture(
             &self,
             batch: &Batch,
-            eager: &dyn Fn(&Batch) -> Result<StepBuffer>,
-        ) -> std::result::Result<(usize, StepBuffer), String> {
+            eager: &dyn Fn(&Batch) -> Result<Tensor>,
+        ) -> std::result::Result<(usize, Tensor), String> {
             self.calls.borrow_mut().push(Call::Capture(batch.len()));
             if self.fail {
                 return Err("a value read back".to_string());
@@ -198,7 +193,7 @@ mod tests {
             Ok((batch.len(), eager(batch).map_err(|e| e.to_string())?))
         }
 
-        fn replay(&self, captured: &usize, batch: &Batch) -> Result<StepBuffer> {
+        fn replay(&self, captured: &usize, batch: &Batch) -> Result<Tensor> {
             assert_eq!(*captured, batch.len(), "a replay of another shape");
             self.calls.borrow_mut().push(Call::Replay(batch.len()));
             buffer(batch)
@@ -216,13 +211,9 @@ mod tests {
         ))
     }
 
-    /// A step buffer holding the batch's size.
-    fn buffer(batch: &Batch) -> Result<StepBuffer> {
-        Ok(StepBuffer {
-            fused: Tensor::new(&[batch.len() as f32], &Device::Cpu)?,
-            grads_reduced: false,
-            statistics_before: Vec::new(),
-        })
+    /// A step's output: the batch's size.
+    fn buffer(batch: &Batch) -> Result<Tensor> {
+        Ok(Tensor::new(&[batch.len() as f32], &Device::Cpu)?)
     }
 
     /// Runs steps of `sizes` and returns the calls the schedule made, the eager steps noted.
@@ -238,7 +229,7 @@ mod tests {
                 buffer(b)
             };
             let out = schedule.step(&batch(n)?, &eager)?;
-            assert_eq!(out.fused.to_vec1::<f32>()?, [n as f32], "the step of {n}");
+            assert_eq!(out.to_vec1::<f32>()?, [n as f32], "the step of {n}");
         }
         let calls = schedule.capture.calls.borrow().clone();
         Ok((calls, schedule.describe()))

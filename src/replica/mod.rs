@@ -194,7 +194,7 @@ pub struct Replica {
     buckets: Option<ReplicaBuckets>,
     /// Its training steps as CUDA graphs, when asked for on a CUDA device.
     #[cfg(feature = "cuda")]
-    graphs: Option<graph_schedule::GraphSchedule<graph::CudaCapture>>,
+    graphs: Option<graph::Graphs>,
 }
 
 impl Replica {
@@ -276,9 +276,7 @@ impl Replica {
             candle_core::Device::Cuda(cuda)
                 if crate::devices::cuda_graphs() && position == StagePosition::WHOLE =>
             {
-                Some(graph_schedule::GraphSchedule::new(graph::CudaCapture::new(
-                    cuda,
-                )))
+                Some(graph::Graphs::new(cuda))
             }
             _ => None,
         };
@@ -321,9 +319,7 @@ impl Replica {
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn with_cuda_graphs(mut self, on: bool) -> Self {
         self.graphs = match (&self.device, on) {
-            (Device::Cuda(cuda), true) => Some(graph_schedule::GraphSchedule::new(
-                graph::CudaCapture::new(cuda),
-            )),
+            (Device::Cuda(cuda), true) => Some(graph::Graphs::new(cuda)),
             _ => None,
         };
         self
@@ -332,7 +328,7 @@ impl Replica {
     /// Where its CUDA graphs stand, if it has them.
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn cuda_graphs(&self) -> Option<String> {
-        self.graphs.as_ref().map(|g| g.describe())
+        self.graphs.as_ref().map(|g| g.train.describe())
     }
 
     /// Sums this replica's gradients with the other replicas' in the buckets of `plan`
@@ -470,7 +466,7 @@ impl Replica {
         #[cfg(feature = "cuda")]
         if let Some(graphs) = &self.graphs {
             if self.accumulated_slot()?.is_none() {
-                return graphs.step(part, &eager);
+                return graphs.train.step(part, &eager);
             }
         }
         eager(part)
@@ -833,8 +829,15 @@ impl Replica {
         }
         self.reporting_oom(part.len(), || {
             let part = part.to_device(&self.device)?;
-            let (outputs, loss_sum) = self.forward_loss(&part, false)?;
-            self.stats(&loss_sum, &outputs, &part.targets)
+            let eager = |p: &Batch| {
+                let (outputs, loss_sum) = self.forward_loss(p, false)?;
+                self.stats(&loss_sum, &outputs, &p.targets)
+            };
+            #[cfg(feature = "cuda")]
+            if let Some(graphs) = &self.graphs {
+                return graphs.evaluate.step(&part, &eager);
+            }
+            eager(&part)
         })
     }
 
@@ -847,6 +850,17 @@ impl Replica {
                 .iter()
                 .map(|x| Ok(x.to_device(&self.device)?))
                 .collect::<Result<Vec<_>>>()?;
+            #[cfg(feature = "cuda")]
+            if let Some(graphs) = &self.graphs {
+                let batch = Batch {
+                    inputs,
+                    targets: Vec::new(),
+                    weights: None,
+                };
+                return graphs
+                    .predict
+                    .step(&batch, &|b| self.net.predict(&b.inputs));
+            }
             self.net.predict(&inputs)
         })
     }

@@ -283,7 +283,9 @@ fn recorded_steps_on_cuda_match_autograd() -> Result<()> {
 /// (dropout's masks drawn on the device, batch normalisation's moving statistics moved in
 /// place) and the functional graph, in `float32` and `mixed_float16`, trained for eight steps of
 /// one shape (two warm-up steps, the capture, five replays) and a short batch (eager) by a
-/// replica with graphs and one without, from the same weights. With candle's convolutions every
+/// replica with graphs and one without, from the same weights; then six evaluations and
+/// predictions (the last of another batch size), every output compared again after the last
+/// call. With candle's convolutions every
 /// kernel is deterministic, so every step buffer and every variable (weights, moving
 /// statistics, generators' positions) must be the same bits; with cuDNN's, whose default
 /// algorithms may add in any order, within the bounds of `recorded_steps_on_cuda_match_autograd`
@@ -347,7 +349,31 @@ fn cuda_graph_steps_are_the_eager_steps() -> Result<()> {
                     "{policy}, {name}: {key} differs"
                 );
             }
-            eprintln!("cuda graphs, {policy}, {name}: nine steps as the eager steps");
+            // Evaluations and predictions through their own graphs, each output kept across the
+            // later calls (a replay writes new memory for the caller).
+            let mut kept = Vec::new();
+            for call in 0..6u64 {
+                let batch = batch(if call == 5 { 3 } else { 4 }, 100 + call)?;
+                let x = batch.inputs.clone();
+                let [graphed, eager] = &replicas;
+                let pairs = [
+                    (graphed.evaluate(&batch)?, eager.evaluate(&batch)?),
+                    (graphed.predict(&x)?.remove(0), eager.predict(&x)?.remove(0)),
+                ];
+                for (a, b) in &pairs {
+                    assert!(same(a, b, tolerance)?, "{policy}, {name}: call {call}");
+                }
+                kept.push(pairs);
+            }
+            for (call, pairs) in kept.iter().enumerate() {
+                for (a, b) in pairs {
+                    assert!(
+                        same(a, b, tolerance)?,
+                        "{policy}, {name}: call {call}, kept"
+                    );
+                }
+            }
+            eprintln!("cuda graphs, {policy}, {name}: nine steps, six evaluations and predictions as the eager ones");
         }
     }
     Ok(())

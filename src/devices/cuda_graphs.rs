@@ -1,8 +1,9 @@
-//! The switch that captures training steps on CUDA devices as CUDA graphs
+//! The switch that captures a model's steps on CUDA devices as CUDA graphs
 //! ([`set_cuda_graphs`], or `KANDLE_CUDA_GRAPHS=1`): a replica built while it is on captures its
-//! step after two eager warm-up steps of a batch shape and replays it, one launch per step,
-//! falling back to eager steps, with a warning naming the reason, for a model whose step cannot
-//! be captured. Off by default; it does nothing on the CPU.
+//! training step, its evaluation and its prediction, each after two eager warm-up steps of a
+//! batch shape, and replays them, one launch per step, falling back to eager steps, with a
+//! warning naming the reason, for a model whose step cannot be captured. Off by default; it
+//! does nothing on the CPU.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -16,8 +17,8 @@ const UNSET: u8 = 0;
 const OFF: u8 = 1;
 const ON: u8 = 2;
 
-/// Turns the capture of training steps as CUDA graphs on or off for the models built from now
-/// on in this process, whatever [`GRAPHS_VAR`] says.
+/// Turns the capture of steps (training, evaluation, prediction) as CUDA graphs on or off for
+/// the models built from now on in this process, whatever [`GRAPHS_VAR`] says.
 ///
 /// ```
 /// kandle::devices::set_cuda_graphs(false);
@@ -27,7 +28,7 @@ pub fn set_cuda_graphs(on: bool) {
     CHOICE.store(if on { ON } else { OFF }, Ordering::Relaxed);
 }
 
-/// Whether models built now capture their training steps on CUDA devices as graphs: what
+/// Whether models built now capture their steps on CUDA devices as graphs: what
 /// [`set_cuda_graphs`] chose, else what [`GRAPHS_VAR`] says, else off.
 pub fn cuda_graphs() -> bool {
     match CHOICE.load(Ordering::Relaxed) {

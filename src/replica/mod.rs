@@ -192,7 +192,8 @@ pub struct Replica {
     position: StagePosition,
     /// The gradient buckets its step buffers sum with the other replicas', when set.
     buckets: Option<ReplicaBuckets>,
-    /// Its training steps as CUDA graphs, when asked for on a CUDA device.
+    /// Its steps (training, evaluation, prediction) as CUDA graphs, when asked for on a CUDA
+    /// device.
     #[cfg(feature = "cuda")]
     graphs: Option<graph::Graphs>,
 }
@@ -314,7 +315,7 @@ impl Replica {
         self
     }
 
-    /// This replica, its training steps captured as CUDA graphs when `on` (on a CUDA device),
+    /// This replica, its steps captured as CUDA graphs when `on` (on a CUDA device),
     /// whatever [`crate::devices::cuda_graphs`] says.
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn with_cuda_graphs(mut self, on: bool) -> Self {

@@ -157,9 +157,18 @@ impl<O: GraphOutput> StepCapture<O> for CudaCapture {
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("beginning the capture: {e}"))?;
-        let traced = eager(&on_kept);
+        // A panic in the step still ends the capture, so that this thread's stream stays usable.
+        let traced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| eager(&on_kept)));
         let ended = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        let traced = match traced {
+            Ok(traced) => traced,
+            Err(panic) => {
+                drop(ended);
+                let _ = context.check_err();
+                std::panic::resume_unwind(panic)
+            }
+        };
         // Errors cudarc keeps for calls that could not return one (frees, event records).
         let kept_error = context.check_err();
         let failure = match (traced, ended, kept_error) {

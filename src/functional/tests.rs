@@ -119,7 +119,7 @@ fn the_graph_gives_what_its_layers_give_one_after_the_other() -> Result<()> {
         .var
         .as_tensor()
         .clone();
-    let input = Tensor::randn(0f32, 1., (3, 4), &Device::Cpu)?;
+    let input = kandle_testing::random::seeded_normal(&[3, 4], 1.0, 1)?;
     let layer =
         |h: &Tensor| -> Result<Tensor> { Ok(h.matmul(&kernel.t()?)?.broadcast_add(&bias)?) };
     let want = (&input + layer(&layer(&input)?)?)?;
@@ -312,15 +312,15 @@ fn assert_graph_recorded_matches_autograd(graph: &Functional, seed: u64) -> Resu
         .map(|(shape, seed)| {
             let mut dims = vec![3];
             dims.extend(shape);
-            crate::layers::seeded_uniform(&dims, seed)
+            kandle_testing::random::seeded_uniform(&dims, seed)
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<candle_core::Result<Vec<_>>>()?;
     let (outputs, _, backward) = recorded.record(&xs, false, true)?;
     let dys = outputs
         .iter()
         .zip(10..)
-        .map(|(y, seed)| crate::layers::seeded_uniform(y.dims(), seed))
-        .collect::<Result<Vec<_>>>()?;
+        .map(|(y, seed)| kandle_testing::random::seeded_uniform(y.dims(), seed))
+        .collect::<candle_core::Result<Vec<_>>>()?;
     let mut grads = crate::layers::ParamGrads::new();
     let dxs = backward.backward(dys.clone(), &mut grads, true)?;
 
@@ -373,11 +373,11 @@ fn calls_the_encoder(encoder: &Functional) -> Result<Functional> {
     Functional::new([&x, &y], [&head, &parts[1]])
 }
 
-/// The inputs of `encoder` for `n` samples.
-fn encoder_inputs(n: usize) -> Result<[Tensor; 2]> {
+/// The inputs of `encoder` for `n` samples, drawn from `seed`.
+fn encoder_inputs(n: usize, seed: u64) -> Result<[Tensor; 2]> {
     Ok([
-        Tensor::randn(0f32, 1., (n, 2, 4, 4), &Device::Cpu)?,
-        Tensor::randn(0f32, 1., (n, 5), &Device::Cpu)?,
+        kandle_testing::random::seeded_normal(&[n, 2, 4, 4], 1.0, 2 * seed)?,
+        kandle_testing::random::seeded_normal(&[n, 5], 1.0, 2 * seed + 1)?,
     ])
 }
 
@@ -424,7 +424,7 @@ fn a_model_of_several_inputs_and_outputs_is_called_like_a_layer() -> Result<()> 
         }
         inner_store.assign(&inner_weights)?;
 
-        let xs = encoder_inputs(3)?;
+        let xs = encoder_inputs(3, 1)?;
         let (outputs, _) = net.run(&xs, false, false)?;
         let (direct, _) = inner_net.run(&xs, false, false)?;
         let diff = |a: &Tensor, b: &Tensor| -> Result<f32> {
@@ -456,7 +456,7 @@ fn an_outer_model_trains_saves_and_loads_the_called_models_variables() -> Result
     let parts = inner.call_on(&[&x, &y])?;
     let out = Dense::new(1).named("out").call(&parts[0])?;
     let outer = Functional::new([&x, &y], [&out])?;
-    let xs = encoder_inputs(32)?;
+    let xs = encoder_inputs(32, 2)?;
     let target = xs[1].sum_keepdim(1)?;
     let data = crate::data::InMemoryDataset::from_parts(&xs, &[target])?;
     let dir = tempfile::tempdir().map_err(|e| crate::Error::io("cannot create", "tempdir", e))?;
@@ -470,10 +470,12 @@ fn an_outer_model_trains_saves_and_loads_the_called_models_variables() -> Result
                 &crate::OneDeviceStrategy::cpu(),
             )?
             .with_compute_path(path)?;
+        // Over 16 draws of the data, 16 epochs left 0.08 to 0.38 of the first epoch's loss
+        // (8 epochs left up to 0.53): halving it is learning on any draw, not on this one.
         let history = model.fit(
             &data,
             crate::FitOptions {
-                epochs: 8,
+                epochs: 16,
                 batch_size_per_replica: 8,
                 verbosity: crate::callbacks::Verbosity::Silent,
                 ..Default::default()
@@ -496,7 +498,7 @@ fn an_outer_model_trains_saves_and_loads_the_called_models_variables() -> Result
             .with_compute_path(path)?
             .with_seed(7)?;
         fresh.load_weights(&file)?;
-        let probe = encoder_inputs(4)?;
+        let probe = encoder_inputs(4, 3)?;
         let (a, b) = (
             model.predict_outputs(&probe, 4)?,
             fresh.predict_outputs(&probe, 4)?,
@@ -601,8 +603,8 @@ fn a_shared_model_called_twice_has_one_set_of_variables() -> Result<()> {
         *value = weights[&format!("encoder.{name}")].clone();
     }
     inner_store.assign(&inner_weights)?;
-    let [a1, b1] = encoder_inputs(3)?;
-    let [a2, b2] = encoder_inputs(3)?;
+    let [a1, b1] = encoder_inputs(3, 4)?;
+    let [a2, b2] = encoder_inputs(3, 5)?;
     let (outputs, _) = net.run(
         &[a1.clone(), b1.clone(), a2.clone(), b2.clone()],
         false,

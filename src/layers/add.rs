@@ -151,7 +151,7 @@ impl FastPath for AddLayer {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     use crate::layers::{
         Activation, Add, BatchNormalization, BuildContext, Conv2D, FastPath, Identity, Layer,
@@ -202,7 +202,7 @@ mod tests {
         assert_eq!(names, ["add_1", "relu_1", "add_2", "relu_2"]);
         assert_eq!(net.passing_through(), [false, true, false, true]);
         let (apart, _) = build(ComputePath::DeviceGeneric)?;
-        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[2, INPUT[0], INPUT[1], INPUT[2]], 1.0, 1)?;
         for net in [&net, &apart] {
             let y = net.forward_t(&x, false)?;
             assert_eq!(
@@ -218,10 +218,10 @@ mod tests {
     fn an_identity_shortcut_passes_the_gradient_itself() -> Result<()> {
         let ctx = BuildContext::new(&Device::Cpu, 0);
         let (net, _, _) = Sequential::new().add(Identity).build_in(ctx, &[4])?;
-        let x = Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[2, 4], 1.0, 2)?;
         let run = net.forward_recorded(&x, RecordRequest::output())?;
         assert_eq!(run.output.id(), x.id(), "the output is the input");
-        let dy = Tensor::randn(0f32, 1., (2, 4), &Device::Cpu)?;
+        let dy = kandle_testing::random::seeded_normal(&[2, 4], 1.0, 3)?;
         let dx = run
             .backward
             .backward(dy.clone(), &mut ParamGrads::new(), true)?;

@@ -180,10 +180,10 @@ pub(crate) fn assert_recorded_matches_autograd(
     generic_store.assign(&store.weights()?)?;
     let mut dims = vec![3];
     dims.extend(input);
-    let x = seeded_uniform(&dims, 1)?;
+    let x = kandle_testing::random::seeded_uniform(&dims, 1)?;
 
     let run = recorded.forward_recorded(&x, RecordRequest::output())?;
-    let dy = seeded_uniform(run.output.dims(), 2)?;
+    let dy = kandle_testing::random::seeded_uniform(run.output.dims(), 2)?;
     let mut grads = ParamGrads::new();
     let dx = run.backward.backward(dy.clone(), &mut grads, true)?;
     let dx = dx.ok_or_else(|| crate::Error::invalid("no input gradient"))?;
@@ -233,14 +233,4 @@ pub(crate) fn assert_param_grads_match(
         assert!(err < 1e-4, "{}: relative error {err}", p.name);
     }
     Ok(())
-}
-
-/// A tensor of `dims` uniform on `[-1, 1)`, drawn from `seed`.
-#[cfg(test)]
-pub(crate) fn seeded_uniform(dims: &[usize], seed: u64) -> Result<Tensor> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let n: usize = dims.iter().product();
-    let values: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
-    Ok(Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?)
 }

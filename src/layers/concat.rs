@@ -245,7 +245,7 @@ mod tests {
         let (in_place, store) = build(ComputePath::Auto)?;
         let (apart, apart_store) = build(ComputePath::DeviceGeneric)?;
         crate::layers::fold::move_variables(&store, &apart_store)?;
-        let x = Tensor::randn(0f32, 1., (3, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[3, INPUT[0], INPUT[1], INPUT[2]], 1.0, 1)?;
         let got = in_place.forward_t(&x, false)?;
         let want = apart.forward_t(&x, false)?;
         assert_eq!(got.dims(), &[3, 10 + 5 + 16 + 12 + 16 + 5, 4, 4]);
@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn only_direct_convolutions_add_in_place() -> Result<()> {
-        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[2, INPUT[0], INPUT[1], INPUT[2]], 1.0, 2)?;
         let adds = |conv: Conv2D| -> Result<bool> {
             let ctx = BuildContext::new(&Device::Cpu, 0);
             let (net, _, _) = module(conv).build_in(ctx, &INPUT)?;
@@ -278,7 +278,7 @@ mod tests {
     /// BatchNorm get a copy.
     #[test]
     fn batch_norm_branches_take_their_gradient_in_place() -> Result<()> {
-        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[2, INPUT[0], INPUT[1], INPUT[2]], 1.0, 3)?;
         let takes = |branch: Sequential, path: ComputePath| -> Result<bool> {
             let ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);
             let (net, _, _) = branch.build_in(ctx, &INPUT)?;

@@ -156,7 +156,8 @@ pub(crate) fn move_variables(
     other: &crate::params::ParamStore,
 ) -> Result<()> {
     for (i, p) in store.iter().enumerate() {
-        let noise = Tensor::randn(0f32, 0.5, p.var.dims(), p.var.device())?;
+        let noise = kandle_testing::random::seeded_normal(p.var.dims(), 0.5, i as u64)?
+            .to_device(p.var.device())?;
         let value = if p.name.ends_with("running_var") {
             (noise.abs()? + 0.5)?
         } else {
@@ -204,7 +205,7 @@ mod tests {
         let (folded, store) = build(ComputePath::Auto)?;
         let (apart, apart_store) = build(ComputePath::DeviceGeneric)?;
         super::move_variables(&store, &apart_store)?;
-        let x = Tensor::randn(0f32, 1., (5, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[5, INPUT[0], INPUT[1], INPUT[2]], 1.0, 2)?;
         let got = folded.forward_t(&x, false)?;
         let want = apart.forward_t(&x, false)?;
         assert_eq!(got.dims(), want.dims());
@@ -235,7 +236,7 @@ mod tests {
         let (net, store) = build_frozen(ComputePath::Auto)?;
         let (apart, apart_store) = build_frozen(ComputePath::DeviceGeneric)?;
         super::move_variables(&store, &apart_store)?;
-        let x = Tensor::randn(0f32, 1., (4, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[4, INPUT[0], INPUT[1], INPUT[2]], 1.0, 3)?;
         let bits = |t: &Tensor| -> crate::Result<Vec<u32>> {
             let v = t.flatten_all()?.to_vec1::<f32>()?;
             Ok(v.iter().map(|f| f.to_bits()).collect())
@@ -258,7 +259,7 @@ mod tests {
 
     #[test]
     fn only_a_kernel_convolution_folds() -> crate::Result<()> {
-        let x = Tensor::randn(0f32, 1., (2, INPUT[0], INPUT[1], INPUT[2]), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[2, INPUT[0], INPUT[1], INPUT[2]], 1.0, 4)?;
         let conv = |path, activation| -> crate::Result<Box<dyn FastPath>> {
             let spec = Conv2D::new(4, 3).activation(activation);
             let ctx = BuildContext::new(&Device::Cpu, 0).with_compute_path(path);

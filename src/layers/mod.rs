@@ -63,7 +63,7 @@ pub use add::Add;
 pub use batch_norm::BatchNormalization;
 #[cfg(test)]
 pub(crate) use branches::{
-    assert_param_grads_match, assert_recorded_matches_autograd, relative_difference, seeded_uniform,
+    assert_param_grads_match, assert_recorded_matches_autograd, relative_difference,
 };
 pub use candle_adapter::CandleLayer;
 pub use concat::Concat;

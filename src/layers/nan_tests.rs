@@ -42,7 +42,7 @@ fn nan_at(dims: &[usize]) -> Vec<usize> {
 
 /// A seeded input of `dims` with a NaN at [`nan_at`].
 fn input_with_nan(dims: &[usize]) -> Result<Tensor> {
-    let x = super::seeded_uniform(dims, 7)?;
+    let x = kandle_testing::random::seeded_uniform(dims, 7)?;
     let at = nan_at(dims);
     let flat = at.iter().zip(dims).fold(0, |i, (&a, &d)| i * d + a);
     let mut values = x.flatten_all()?.to_vec1::<f32>()?;

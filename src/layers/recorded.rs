@@ -252,7 +252,7 @@ pub(crate) fn missing_input_grad(layer: &str) -> crate::Error {
 #[cfg(test)]
 mod tests {
     use crate::layers::{FastPath, RecordRequest};
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     use super::ParamGrads;
     use crate::layers::{CandleLayer, Layer, LayerSpecExt, Sequential};
@@ -267,8 +267,8 @@ mod tests {
             .add(linear(4, 3).named("first"))
             .add(linear(3, 2).named("second"));
         let (net, store, _) = net.build_network(&Device::Cpu, &[4], 0)?;
-        let x = Tensor::randn(0f32, 1., (5, 4), &Device::Cpu)?;
-        let dy = Tensor::randn(0f32, 1., (5, 2), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[5, 4], 1.0, 1)?;
+        let dy = kandle_testing::random::seeded_normal(&[5, 2], 1.0, 2)?;
         let recorded = net.forward_recorded(&x, RecordRequest::output())?;
         let mut ours = ParamGrads::new();
         recorded.backward.backward(dy.clone(), &mut ours, false)?;

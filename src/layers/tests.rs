@@ -175,7 +175,11 @@ fn build_on(device: &Device, path: ComputePath) -> crate::Result<(SequentialNet,
 
 fn batch(n: usize, seed: u32) -> crate::Result<(Tensor, Tensor)> {
     let dev = Device::Cpu;
-    let x = Tensor::randn(0f32, 1., (n, INPUT[0], INPUT[1], INPUT[2]), &dev)?;
+    let x = kandle_testing::random::seeded_normal(
+        &[n, INPUT[0], INPUT[1], INPUT[2]],
+        1.0,
+        seed.into(),
+    )?;
     let labels: Vec<u32> = (0..n as u32)
         .map(|i| (i * 3 + seed) % CLASSES as u32)
         .collect();

@@ -102,7 +102,7 @@ fn spec(network: Network, compute_path: ComputePath, dtype_policy: DTypePolicy) 
 
 /// A batch of `n` images (on the CPU) with one-hot labels, drawn from `seed`.
 fn batch(n: usize, seed: u64) -> Result<Batch> {
-    let x = crate::layers::seeded_uniform(&[n, INPUT[0], INPUT[1], INPUT[2]], seed)?;
+    let x = kandle_testing::random::seeded_uniform(&[n, INPUT[0], INPUT[1], INPUT[2]], seed)?;
     let labels: Vec<u32> = (0..n as u32)
         .map(|i| (i * 3 + seed as u32) % CLASSES as u32)
         .collect();

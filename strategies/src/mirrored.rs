@@ -364,7 +364,7 @@ mod tests {
             ..bn_spec(kandle::ComputePath::Auto, kandle::DTypePolicy::default())
         };
         let mut model = MirroredStrategy::cpu(2)?.distribute(&spec)?;
-        let x = candle_core::Tensor::randn(0f32, 1., (6, 10), &Device::Cpu)?;
+        let x = kandle_testing::random::seeded_normal(&[6, 10], 1.0, 1)?;
         let y = candle_core::Tensor::new(&[0u32, 1, 2, 3, 4, 5], &Device::Cpu)?;
         let stats = model.train_step(&Batch::new(x, y), 0.1)?;
         assert_eq!(stats.samples, 6);

@@ -5,6 +5,7 @@
 //! - [`crash`]: callbacks that fail one training step or raise a stop signal at one, for the
 //!   tests of `BackupAndRestore` and preemption;
 //! - [`launch`]: running programs under `mpirun` with deadlines, and reading what they print;
+//! - [`random`]: seeded random tensors, the same on every run and machine;
 //! - [`strategies`]: the strategy tests' equivalence run, the steps of a resumed run, and
 //!   comparing weights with one device's within the float32 spread of an equivalent ordering;
 //! - [`tensorboard`]: reading TensorBoard event files back, independently of kandle's writer;
@@ -20,6 +21,7 @@
 pub mod cifar10_fixture;
 pub mod crash;
 pub mod launch;
+pub mod random;
 pub mod strategies;
 pub mod tensorboard;
 pub mod webp;

@@ -229,14 +229,19 @@ impl ReplicaPool {
         busy.or(without.first().copied()).unwrap_or_default()
     }
 
-    /// `e`, a replica's error, naming the replica: as it is when it names it already (an
-    /// exchange between the replicas reports its failures so), wrapped otherwise.
+    /// `e`, a replica's error, naming the replica once: an error that names it already (an
+    /// exchange between the replicas reports its failures so, the batch-norm rendezvous by its
+    /// index alone, as `replica 0`) takes the pool's label, any other is wrapped in it.
     fn labelled(&self, replica: usize, e: Error) -> Error {
         let label = &self.workers[replica].label;
         match e {
             Error::Replica {
-                replica: ref named, ..
-            } if named == label => e,
+                replica: named,
+                reason,
+            } if named == *label || label.starts_with(&format!("{named} (")) => Error::Replica {
+                replica: label.clone(),
+                reason,
+            },
             other => Error::Replica {
                 replica: label.clone(),
                 reason: other.to_string(),
@@ -321,6 +326,19 @@ mod tests {
         assert_eq!(
             message,
             "replica 0 (cpu): gradient buckets: replica 1 (cpu) failed: no data"
+        );
+        // The batch-norm rendezvous names a replica by its index alone.
+        let by_index = pool.run(vec![(); 2], |i, _, ()| match i {
+            1 => Err::<(), _>(Error::Replica {
+                replica: "replica 1".into(),
+                reason: "the other replicas did not reach the batch-norm synchronisation".into(),
+            }),
+            _ => Ok(()),
+        });
+        let message = by_index.err().map(|e| e.to_string()).unwrap_or_default();
+        assert_eq!(
+            message,
+            "replica 1 (cpu): the other replicas did not reach the batch-norm synchronisation"
         );
         let plain = pool.run(vec![(); 2], |i, _, ()| match i {
             1 => Err::<(), _>(Error::invalid("bad batch")),

@@ -95,7 +95,9 @@ pub use conv::{conv2d, conv2d_input_grad, conv2d_kernel_grad};
 pub use cross_entropy::{
     sparse_softmax_cross_entropy, sparse_softmax_cross_entropy_with, LabelCheck,
 };
-pub use optimizer::{adam_step, sgd_step, MomentumBuffers};
+pub use optimizer::{
+    adam_step, adam_step_live, sgd_step, sgd_step_live, LiveRates, MomentumBuffers,
+};
 #[cfg(feature = "cudnn")]
 pub use params::{AlgoSearch, Algorithms, Conv2dParams};
 pub use pooling::{avg_pool2d, avg_pool2d_replay, max_pool2d, max_pool2d_replay};

@@ -29,6 +29,7 @@ use std::marker::PhantomData;
 
 use candle_core::{Tensor, Var};
 
+use super::gated::{self, LiveRates};
 use super::{
     check_grads, check_lr, check_non_negative, check_unit, Optimizer, OptimizerConfig,
     OptimizerState,
@@ -309,7 +310,7 @@ impl AdamState {
     /// Updates the variables kandle's CUDA kernels take (those of the first variable's CUDA
     /// device) in one launch; returns which it updated. `rates` as [`update_in_place`]'s.
     #[cfg(feature = "cuda")]
-    fn update_on_cuda(&self, grads: &[Tensor], rates: (f64, f64, f64)) -> Result<Vec<bool>> {
+    fn update_on_cuda(&self, grads: &[Tensor], rates: Rates) -> Result<Vec<bool>> {
         if !self.cuda_kernels {
             return Ok(vec![false; self.params.len()]);
         }
@@ -324,9 +325,32 @@ impl AdamState {
 
     /// Without the `cuda` feature, none.
     #[cfg(not(feature = "cuda"))]
-    fn update_on_cuda(&self, _grads: &[Tensor], _rates: (f64, f64, f64)) -> Result<Vec<bool>> {
+    fn update_on_cuda(&self, _grads: &[Tensor], _rates: Rates) -> Result<Vec<bool>> {
         Ok(vec![false; self.params.len()])
     }
+
+    /// The rates of step `t` (from 1) at learning rate `lr`.
+    fn rates(&self, lr: f64, t: u64) -> Rates {
+        let h = self.hyper;
+        // Written as torch does: `step_size = lr / bc1`, `denom = sqrt(v) / sqrt(bc2) + eps`.
+        let bias_correction_1 = 1.0 - h.beta_1.powf(t as f64);
+        let bias_correction_2 = 1.0 - h.beta_2.powf(t as f64);
+        Rates {
+            step_size: lr / bias_correction_1,
+            inv_sqrt_bc2: 1.0 / bias_correction_2.sqrt(),
+            decay_factor: 1.0 - lr * h.weight_decay,
+        }
+    }
+}
+
+/// What a step's update takes from its learning rate and its count: the step size
+/// `lr / (1 - beta_1^t)`, `1 / sqrt(1 - beta_2^t)` and AdamW's factor `1 - lr * wd` on the
+/// variables (not read by Adam).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Rates {
+    step_size: f64,
+    inv_sqrt_bc2: f64,
+    decay_factor: f64,
 }
 
 impl Optimizer for AdamState {
@@ -335,12 +359,13 @@ impl Optimizer for AdamState {
         check_grads(h.name, &self.params, grads)?;
         check_lr(h.name, lr)?;
         let t = self.t + 1;
-        // Written as torch does: `step_size = lr / bc1`, `denom = sqrt(v) / sqrt(bc2) + eps`.
-        let bias_correction_1 = 1.0 - h.beta_1.powf(t as f64);
-        let bias_correction_2 = 1.0 - h.beta_2.powf(t as f64);
-        let step_size = lr / bias_correction_1;
-        let inv_sqrt_bc2 = 1.0 / bias_correction_2.sqrt();
-        let on_cuda = self.update_on_cuda(grads, (lr, step_size, inv_sqrt_bc2))?;
+        let rates = self.rates(lr, t);
+        let Rates {
+            step_size,
+            inv_sqrt_bc2,
+            decay_factor,
+        } = rates;
+        let on_cuda = self.update_on_cuda(grads, rates)?;
         let params = self.params.iter().zip(grads).zip(on_cuda);
         for (((param, grad), done), (m, v)) in params.zip(self.m.iter_mut().zip(self.v.iter_mut()))
         {
@@ -348,14 +373,14 @@ impl Optimizer for AdamState {
                 continue;
             }
             let (p, moments) = (param.as_tensor(), (&*m, &*v));
-            if update_in_place(p, grad, moments, h, (lr, step_size, inv_sqrt_bc2))? {
+            if update_in_place(p, grad, moments, h, rates)? {
                 continue;
             }
             let mut p = param.as_tensor().detach();
             let mut g = grad.detach();
             if h.weight_decay != 0.0 {
                 if h.decoupled {
-                    p = (p * (1.0 - lr * h.weight_decay))?;
+                    p = (p * decay_factor)?;
                 } else {
                     g = ((&p * h.weight_decay)? + g)?;
                 }
@@ -403,6 +428,77 @@ impl Optimizer for AdamState {
         self.t = t;
         Ok(())
     }
+
+    /// Yes for `f32` contiguous variables all on the CPU, or all on one CUDA device updated by
+    /// kandle's kernels.
+    fn prepare_gated(&mut self) -> Result<bool> {
+        let Some(device) = self.params.first().map(|p| p.device().clone()) else {
+            return Ok(false);
+        };
+        let on_kernels = device.is_cpu() || (device.is_cuda() && self.cuda_kernels);
+        let tensors = self
+            .params
+            .iter()
+            .map(|p| p.as_tensor())
+            .chain(&self.m)
+            .chain(&self.v);
+        Ok(on_kernels && gated::all_fit(tensors, &device))
+    }
+
+    /// `[step_size, inv_sqrt_bc2, decay_factor]` of the next step counted.
+    fn gated_rates(&self, lr: f64) -> Result<Vec<f64>> {
+        check_lr(self.hyper.name, lr)?;
+        let r = self.rates(lr, self.t + 1);
+        Ok(vec![r.step_size, r.inv_sqrt_bc2, r.decay_factor])
+    }
+
+    fn step_gated(&self, grads: &[Tensor], live: &LiveRates<'_>) -> Result<()> {
+        let h = self.hyper;
+        check_grads(h.name, &self.params, grads)?;
+        #[cfg(feature = "cuda")]
+        if self.params.first().is_some_and(|p| p.device().is_cuda()) {
+            // The rates are read on the device; these are placeholders.
+            let (first, second, step) = kernel_ops(h, self.rates(0.0, 1));
+            return super::cuda::adam_gated(
+                &self.params,
+                grads,
+                (&self.m, &self.v),
+                (&first, &second, &step),
+                live,
+            );
+        }
+        let Some(rates) = live.read(h.name, 3)? else {
+            return Ok(());
+        };
+        let rates = Rates {
+            step_size: rates[0],
+            inv_sqrt_bc2: rates[1],
+            decay_factor: rates[2],
+        };
+        for (i, ((param, grad), (m, v))) in self
+            .params
+            .iter()
+            .zip(grads)
+            .zip(self.m.iter().zip(&self.v))
+            .enumerate()
+        {
+            if !update_in_place(param.as_tensor(), grad, (m, v), h, rates)? {
+                return Err(Error::invalid(format!(
+                    "{}: variable {i} ({:?} {:?}) cannot take a gated update on the CPU",
+                    h.name,
+                    param.dtype(),
+                    param.dims()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts the step when it applied.
+    fn settle_gated(&mut self, applied: bool) -> Result<()> {
+        self.t += u64::from(applied);
+        Ok(())
+    }
 }
 
 /// Deep copies of `tensors`.
@@ -416,14 +512,13 @@ fn copies(tensors: &[Tensor]) -> Result<Vec<Tensor>> {
 /// One variable's update through `kandle_kernels::optimizer::adam`, in place, where it applies:
 /// an `f32` CPU variable, gradient and moments, all contiguous. Returns `false`, touching
 /// nothing, elsewhere (other devices and dtypes), where candle's ops run the same update; both
-/// give the same values bit for bit. `rates` holds the learning rate, the step size and
-/// `1 / sqrt(bc2)`.
+/// give the same values bit for bit.
 fn update_in_place(
     p: &Tensor,
     grad: &Tensor,
     (m, v): (&Tensor, &Tensor),
     h: Hyper,
-    (lr, step_size, inv_sqrt_bc2): (f64, f64, f64),
+    rates: Rates,
 ) -> Result<bool> {
     let fits = |t: &Tensor| {
         t.device().is_cpu() && t.dtype() == candle_core::DType::F32 && t.is_contiguous()
@@ -431,18 +526,18 @@ fn update_in_place(
     if ![p, grad, m, v].into_iter().all(fits) {
         return Ok(false);
     }
-    let (first, second, step) = kernel_ops(h, (lr, step_size, inv_sqrt_bc2));
+    let (first, second, step) = kernel_ops(h, rates);
     m.inplace_op3(grad, p, &first)?;
     v.inplace_op3(grad, p, &second)?;
     p.inplace_op3(m, v, &step)?;
     Ok(true)
 }
 
-/// The kernels' three ops of a step (the moments' and the variable's) for `h` at `rates` (the
-/// learning rate, the step size and `1 / sqrt(bc2)`), on the CPU and on CUDA devices alike.
+/// The kernels' three ops of a step (the moments' and the variable's) for `h` at `rates`, on
+/// the CPU and on CUDA devices alike.
 fn kernel_ops(
     h: Hyper,
-    (lr, step_size, inv_sqrt_bc2): (f64, f64, f64),
+    rates: Rates,
 ) -> (kernel::FirstMoment, kernel::SecondMoment, kernel::AdamStep) {
     let decay = match (h.weight_decay != 0.0, h.decoupled) {
         (true, false) => kernel::WeightDecay::L2(h.weight_decay),
@@ -457,10 +552,10 @@ fn kernel_ops(
         decay,
     };
     let step = kernel::AdamStep {
-        step_size,
-        inv_sqrt_bc2,
+        step_size: rates.step_size,
+        inv_sqrt_bc2: rates.inv_sqrt_bc2,
         epsilon: h.epsilon,
-        decay_factor: (h.weight_decay != 0.0 && h.decoupled).then_some(1.0 - lr * h.weight_decay),
+        decay_factor: (h.weight_decay != 0.0 && h.decoupled).then_some(rates.decay_factor),
     };
     (first, second, step)
 }

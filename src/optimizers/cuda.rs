@@ -9,8 +9,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use super::gated::LiveRates;
 use super::sgd::Sgd;
-use crate::kernels::cuda::{adam_step, sgd_step, MomentumBuffers};
+use crate::kernels::cuda::{adam_step, adam_step_live, sgd_step, sgd_step_live, MomentumBuffers};
 use crate::kernels::optimizer::adam::{AdamStep, FirstMoment, SecondMoment};
 use crate::kernels::optimizer::sgd::Descent;
 use crate::Result;
@@ -130,6 +131,56 @@ pub(super) fn adam(
         done[i] = true;
     }
     Ok(done)
+}
+
+/// SGD's gated update ([`crate::optimizers::gated`]) of `params`, all of them on one CUDA
+/// device (`prepare_gated` checked), with their momentum `buffers` (none without momentum): one
+/// launch that reads the gate and the rates on the device.
+pub(super) fn sgd_gated(
+    params: &[Var],
+    grads: &[Tensor],
+    buffers: &[&Tensor],
+    config: Sgd,
+    live: &LiveRates<'_>,
+) -> Result<()> {
+    let descent = Descent {
+        learning_rate: 0.0,
+        momentum: config.momentum,
+        nesterov: config.nesterov,
+        weight_decay: config.weight_decay,
+    };
+    let state = match config.momentum != 0.0 {
+        true => MomentumBuffers::Update(buffers),
+        false => MomentumBuffers::None,
+    };
+    let p: Vec<&Tensor> = params.iter().map(|p| p.as_tensor()).collect();
+    let g: Vec<&Tensor> = grads.iter().collect();
+    sgd_step_live(&p, &g, state, &descent, &live.for_kernels())?;
+    Ok(())
+}
+
+/// Adam's or AdamW's gated update of `params`, all of them on one CUDA device, with their
+/// moments `(m, v)` and the kernels' ops (whose rates the launch reads on the device instead).
+pub(super) fn adam_gated(
+    params: &[Var],
+    grads: &[Tensor],
+    (m, v): (&[Tensor], &[Tensor]),
+    ops: (&FirstMoment, &SecondMoment, &AdamStep),
+    live: &LiveRates<'_>,
+) -> Result<()> {
+    let p: Vec<&Tensor> = params.iter().map(|p| p.as_tensor()).collect();
+    let all: Vec<usize> = (0..params.len()).collect();
+    let (g, mg, vg) = (pick(grads, &all), pick(m, &all), pick(v, &all));
+    let (first, second, step) = ops;
+    adam_step_live(
+        &p,
+        &g,
+        (&mg, &vg),
+        (first, second),
+        step,
+        &live.for_kernels(),
+    )?;
+    Ok(())
 }
 
 /// The tensors of `list` at `indices`.

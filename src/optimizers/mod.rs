@@ -6,15 +6,18 @@
 //! without touching optimizer state. Update rules follow PyTorch's `torch.optim`, and the tests
 //! check them against values PyTorch computed. An optimizer exports and imports its state
 //! ([`Optimizer::state`], [`Optimizer::load_state`]) as an [`OptimizerState`], so training can
-//! stop and resume exactly.
+//! stop and resume exactly. An optimizer may also make gated updates ([`gated`]), which a
+//! CUDA graph of a whole training step replays.
 
 mod adam;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod gated;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamFamily, AdamW, DecoupledDecay, L2Penalty, WeightDecay};
+pub use gated::LiveRates;
 pub use sgd::Sgd;
 pub(crate) use state::{check_slot_name, describe_kind};
 pub use state::{NamedOptimizerState, OptimizerState};
@@ -100,6 +103,37 @@ pub trait Optimizer: Send {
                 state::describe_kind(&state.kind)
             )))
         }
+    }
+
+    /// Gets ready for gated updates ([`gated`]: the state they update in place is made) and
+    /// says whether this optimizer makes them for its variables as they are; the other gated
+    /// methods are called only after it said yes. kandle's optimizers make them for `f32`
+    /// variables all on the CPU, or all on one CUDA device through kandle's kernels. The
+    /// default, for an optimizer without gated updates: no (its steps are host-decided).
+    fn prepare_gated(&mut self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The rates the next gated update reads at learning rate `lr`: the values that change
+    /// from step to step, given the steps this optimizer has counted.
+    fn gated_rates(&self, lr: f64) -> Result<Vec<f64>> {
+        let _ = lr;
+        Err(gated::not_gated("gated_rates"))
+    }
+
+    /// One update, the same as [`Self::step`] at the rates' learning rate when `live`'s gate
+    /// is open (0) and nothing when it is not, deciding nothing on the host: no state but the
+    /// tensors on the device changes (see [`Self::settle_gated`]).
+    fn step_gated(&self, grads: &[Tensor], live: &LiveRates<'_>) -> Result<()> {
+        let _ = (grads, live);
+        Err(gated::not_gated("step_gated"))
+    }
+
+    /// Moves what the host keeps on after a gated update, once the host has read whether it
+    /// applied (its gate was open).
+    fn settle_gated(&mut self, applied: bool) -> Result<()> {
+        let _ = applied;
+        Err(gated::not_gated("settle_gated"))
     }
 }
 

@@ -20,6 +20,7 @@
 
 use candle_core::{Tensor, Var};
 
+use super::gated::{self, LiveRates};
 use super::{
     check_accumulation, check_grads, check_lr, check_non_negative, check_unit, Optimizer,
     OptimizerConfig, OptimizerState,
@@ -111,6 +112,7 @@ impl Sgd {
             config: *self,
             params,
             buffers,
+            pending: Vec::new(),
             cuda_kernels,
         }))
     }
@@ -166,6 +168,10 @@ struct SgdState {
     params: Vec<Var>,
     /// Detached momentum buffers; `None` before the first step or without momentum.
     buffers: Vec<Option<Tensor>>,
+    /// The buffers of gated updates before one of them applied: made (zeros) by
+    /// `prepare_gated`, they become `buffers` when the first gated update applies (the first
+    /// step writes them whole). Empty otherwise.
+    pending: Vec<Tensor>,
     /// Whether the variables on a CUDA device are updated by kandle's CUDA kernels (not on the
     /// device-generic path).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -187,6 +193,59 @@ impl SgdState {
     #[cfg(not(feature = "cuda"))]
     fn update_on_cuda(&mut self, _grads: &[Tensor], _lr: f64) -> Result<Vec<bool>> {
         Ok(vec![false; self.params.len()])
+    }
+
+    /// Whether the momentum buffers have taken a step (always, without momentum).
+    fn started(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// The buffers a gated update writes: the pending ones until one applied.
+    fn gated_buffers(&self) -> Vec<&Tensor> {
+        match self.started() {
+            true => self.buffers.iter().flatten().collect(),
+            false => self.pending.iter().collect(),
+        }
+    }
+
+    /// A gated update of CPU variables (`prepare_gated` checked them), reading the gate and the
+    /// learning rate here.
+    fn step_gated_on_cpu(&self, grads: &[Tensor], live: &LiveRates<'_>) -> Result<()> {
+        let Some(rates) = live.read("SGD", 2)? else {
+            return Ok(());
+        };
+        let (lr, started) = (rates[0], rates[1] != 0.0);
+        let buffers = self.gated_buffers();
+        for (i, (param, grad)) in self.params.iter().zip(grads).enumerate() {
+            let p = param.as_tensor();
+            let buffer = buffers.get(i).copied();
+            if let (Some(buf), false) = (buffer, started) {
+                // The first step: the buffer takes the decayed gradient, as `step`'s copy.
+                let wd = self.config.weight_decay;
+                let g = if wd == 0.0 {
+                    grad.clone()
+                } else {
+                    ((p * wd)? + grad)?
+                };
+                buf.slice_set(&g, 0, 0)?;
+                let step = crate::kernels::optimizer::sgd::Descent {
+                    learning_rate: lr,
+                    momentum: self.config.momentum,
+                    nesterov: self.config.nesterov,
+                    weight_decay: self.config.weight_decay,
+                };
+                p.inplace_op3(buf, grad, &step)?;
+                continue;
+            }
+            if !update_in_place(p, grad, buffer, self.config, lr)? {
+                return Err(Error::invalid(format!(
+                    "SGD: variable {i} ({:?} {:?}) cannot take a gated update on the CPU",
+                    p.dtype(),
+                    p.dims()
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -261,6 +320,70 @@ impl Optimizer for SgdState {
                 .collect::<Result<_>>()?,
             None => vec![None; self.params.len()],
         };
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Yes for `f32` contiguous variables all on the CPU, or all on one CUDA device updated by
+    /// kandle's kernels; with a momentum, the buffers of the first steps are made here.
+    fn prepare_gated(&mut self) -> Result<bool> {
+        let Some(device) = self.params.first().map(|p| p.device().clone()) else {
+            return Ok(false);
+        };
+        let on_kernels = device.is_cpu() || (device.is_cuda() && self.cuda_kernels);
+        let buffers_fit = self
+            .buffers
+            .iter()
+            .all(|b| b.as_ref().is_none_or(|b| gated::all_fit([b], &device)));
+        if !(on_kernels
+            && buffers_fit
+            && gated::all_fit(self.params.iter().map(|p| p.as_tensor()), &device))
+        {
+            return Ok(false);
+        }
+        if self.config.momentum != 0.0 && self.buffers.iter().any(Option::is_none) {
+            if self.buffers.iter().any(Option::is_some) {
+                // Some buffers without the others: only host-decided steps take them.
+                return Ok(false);
+            }
+            if self.pending.is_empty() {
+                self.pending = self
+                    .params
+                    .iter()
+                    .map(|p| p.as_tensor().zeros_like())
+                    .collect::<candle_core::Result<_>>()?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// `[lr, started]`: `started` is 1 once the momentum buffers have taken a step.
+    fn gated_rates(&self, lr: f64) -> Result<Vec<f64>> {
+        check_lr("SGD", lr)?;
+        Ok(vec![lr, f64::from(u8::from(self.started()))])
+    }
+
+    fn step_gated(&self, grads: &[Tensor], live: &LiveRates<'_>) -> Result<()> {
+        check_grads("SGD", &self.params, grads)?;
+        match self.params.first().map(|p| p.device()) {
+            #[cfg(feature = "cuda")]
+            Some(candle_core::Device::Cuda(_)) => super::cuda::sgd_gated(
+                &self.params,
+                grads,
+                &self.gated_buffers(),
+                self.config,
+                live,
+            ),
+            Some(_) => self.step_gated_on_cpu(grads, live),
+            None => Ok(()),
+        }
+    }
+
+    /// The pending buffers become the buffers once a gated update applied.
+    fn settle_gated(&mut self, applied: bool) -> Result<()> {
+        if applied && !self.pending.is_empty() {
+            self.buffers = self.pending.drain(..).map(Some).collect();
+        }
         Ok(())
     }
 }

@@ -82,8 +82,11 @@ impl GraphOutput for StepBuffer {
 
 /// A replica's steps on a CUDA device, each kind captured as its own graph.
 pub(crate) struct Graphs {
+    device: CudaDevice,
     /// Training steps: the step buffer.
     pub(crate) train: GraphSchedule<StepBuffer, CudaCapture>,
+    /// Whole training steps, the update included ([`super::whole_step`]): the step's summary.
+    pub(crate) whole: GraphSchedule<Tensor, CudaCapture>,
     /// Evaluations: the loss and metric sums.
     pub(crate) evaluate: GraphSchedule<Tensor, CudaCapture>,
     /// Predictions: the outputs.
@@ -98,12 +101,26 @@ impl Graphs {
             what,
         };
         Self {
+            device: device.clone(),
             train: GraphSchedule::new(on("training step")),
+            whole: GraphSchedule::new(on(WHOLE_STEP)),
             evaluate: GraphSchedule::new(on("evaluation")),
             predict: GraphSchedule::new(on("prediction")),
         }
     }
+
+    /// Drops the graphs of whole steps, which the next steps warm up and capture again: for
+    /// when the optimizer's state moved to new tensors.
+    pub(crate) fn restart_whole_steps(&mut self) {
+        self.whole = GraphSchedule::new(CudaCapture {
+            device: self.device.clone(),
+            what: WHOLE_STEP,
+        });
+    }
 }
+
+/// What whole steps are, for the log.
+const WHOLE_STEP: &str = "training step with its update";
 
 /// Captures one kind of a replica's steps on a CUDA device as CUDA graphs.
 pub(crate) struct CudaCapture {

@@ -4,7 +4,9 @@
 //! variables and its optimizer, turns its part of a batch into a step buffer
 //! ([`Replica::step_buffer`]) and runs the step's final phase on the buffers' sum
 //! ([`Replica::finish_step`]). Strategies decide only where replicas live and how their buffers
-//! are summed between those two calls (see [`crate::strategy::step`]).
+//! are summed between those two calls (see [`crate::strategy::step`]). A replica that alone
+//! holds its steps (one device) runs both at once ([`Replica::train_alone`]), with CUDA graphs
+//! as one replayed launch ([`whole_step`]).
 
 pub mod buckets;
 pub mod fused;
@@ -16,6 +18,7 @@ mod stage;
 pub mod step;
 #[cfg(test)]
 mod tests;
+mod whole_step;
 
 use stage::StagePosition;
 pub use stage::StageStep;
@@ -196,6 +199,11 @@ pub struct Replica {
     /// device.
     #[cfg(feature = "cuda")]
     graphs: Option<graph::Graphs>,
+    /// Whether [`Replica::train_alone`] runs whole steps (gated updates, see [`whole_step`])
+    /// where it can: with CUDA graphs, whose replays then hold the update too.
+    whole_steps: bool,
+    /// The buffers of whole steps, made by the first.
+    whole: Option<whole_step::WholeBuffers>,
 }
 
 impl Replica {
@@ -224,6 +232,7 @@ impl Replica {
         #[cfg(feature = "cuda")]
         let replica = Self {
             graphs: None,
+            whole_steps: false,
             ..replica
         };
         Ok(replica)
@@ -281,9 +290,15 @@ impl Replica {
             }
             _ => None,
         };
+        #[cfg(feature = "cuda")]
+        let whole_steps = graphs.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let whole_steps = false;
         Ok(Self {
             #[cfg(feature = "cuda")]
             graphs,
+            whole_steps,
+            whole: None,
             net,
             store,
             trainable,
@@ -323,6 +338,15 @@ impl Replica {
             (Device::Cuda(cuda), true) => Some(graph::Graphs::new(cuda)),
             _ => None,
         };
+        self.whole_steps = self.graphs.is_some();
+        self
+    }
+
+    /// This replica, [`Self::train_alone`] running whole steps (gated updates) when `on`,
+    /// whether or not it has CUDA graphs.
+    #[cfg(test)]
+    pub(crate) fn with_whole_steps(mut self, on: bool) -> Self {
+        self.whole_steps = on;
         self
     }
 
@@ -379,7 +403,13 @@ impl Replica {
     /// the optimizer's; otherwise nothing changes and the error says what differs.
     pub fn load_optimizer_state(&mut self, state: &NamedOptimizerState) -> Result<()> {
         let positional = state.to_positional(&self.trainable_names, &self.trainable)?;
-        self.optimizer.load_state(&positional)
+        self.optimizer.load_state(&positional)?;
+        // The optimizer's state is in new tensors, which a captured whole step does not update.
+        #[cfg(feature = "cuda")]
+        if let Some(graphs) = &mut self.graphs {
+            graphs.restart_whole_steps();
+        }
+        Ok(())
     }
 
     /// The moving statistics (batch-norm running means and variances), in creation order.

@@ -19,7 +19,7 @@
 use candle_core::{DType, Tensor, Var};
 
 use super::fused::FusedLayout;
-use crate::optimizers::Optimizer;
+use crate::optimizers::{LiveRates, Optimizer};
 use crate::Result;
 
 /// How a step buffer is laid out: `[gradients..., sums..., sample count, statistics...]`.
@@ -61,12 +61,30 @@ impl StepLayout {
     /// Reads a (summed) step buffer's loss and metric sums and its sample count to the host
     /// with one transfer, and whether every gradient and sum in it is finite.
     pub fn read(&self, buffer: &Tensor) -> Result<StepTotals> {
+        self.read_summary(&self.summary(buffer)?)
+    }
+
+    /// What [`Self::read`] reads of `buffer`, on its device: `[sums..., sample count, probe]`,
+    /// the probe 0 when every gradient and sum is finite and NaN otherwise (the gate of a
+    /// gated update, [`crate::optimizers::gated`]).
+    pub fn summary(&self, buffer: &Tensor) -> Result<Tensor> {
         let stats = buffer.narrow(0, self.stats_offset(), self.num_stats + 1)?;
         let grads = buffer.narrow(0, 0, self.grads.len())?;
         let probe = finite_probe(&stats, &[grads])?;
-        let host = Tensor::cat(&[&stats, &probe.reshape(1)?], 0)?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
+        Ok(Tensor::cat(
+            &[&stats.to_dtype(DType::F32)?, &probe.reshape(1)?],
+            0,
+        )?)
+    }
+
+    /// The probe of a [`Self::summary`], on its device.
+    pub fn gate(&self, summary: &Tensor) -> Result<Tensor> {
+        Ok(summary.narrow(0, self.num_stats + 1, 1)?)
+    }
+
+    /// Reads a [`Self::summary`] to the host.
+    pub fn read_summary(&self, summary: &Tensor) -> Result<StepTotals> {
+        let host = summary.to_dtype(DType::F64)?.to_vec1::<f64>()?;
         let finite = host.last().is_some_and(|p| p.is_finite());
         Ok(StepTotals {
             sums: host[..self.num_stats].to_vec(),
@@ -152,6 +170,41 @@ pub fn finish(
         let means = layout.statistics.split(&(summed * per_sample)?, 0)?;
         for (var, mean) in statistics.iter().zip(means) {
             var.set(&mean)?;
+        }
+    }
+    Ok(())
+}
+
+/// The final phase of one replica's step decided on its device, for a whole step
+/// ([`Replica::train_alone`](super::Replica::train_alone)): what [`finish`] does with the
+/// buffer `total` of `samples` samples (not 0) and its [`StepLayout::summary`], the update
+/// gated by the summary's probe and reading its rates from `rates`
+/// ([`Optimizer::step_gated`]), the moving statistics set to their means or put back to
+/// `statistics_before` by the same probe. Nothing is read to the host. The gradients go through
+/// `grads`, a buffer kept across steps, so that the update lists the same tensors each time.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn finish_gated(
+    optimizer: &dyn Optimizer,
+    statistics: &[Var],
+    layout: &StepLayout,
+    (total, summary): (&Tensor, &Tensor),
+    statistics_before: &[Tensor],
+    samples: usize,
+    grads: &Var,
+    rates: &Tensor,
+) -> Result<()> {
+    let per_sample = 1.0 / samples as f64;
+    grads.set(&(total.narrow(0, 0, layout.grads.len())? * per_sample)?)?;
+    let gate = layout.gate(summary)?;
+    let live = LiveRates { rates, gate: &gate };
+    optimizer.step_gated(&layout.grads.split(grads.as_tensor(), 0)?, &live)?;
+    if !statistics.is_empty() {
+        let summed = total.narrow(0, layout.statistics_offset(), layout.statistics.len())?;
+        let means = layout.statistics.split(&(summed * per_sample)?, 0)?;
+        let open = gate.eq(0f32)?.reshape(())?;
+        for ((var, mean), before) in statistics.iter().zip(means).zip(statistics_before) {
+            let keep = open.broadcast_as(mean.shape())?;
+            var.set(&keep.where_cond(&mean, before)?)?;
         }
     }
     Ok(())

@@ -378,3 +378,159 @@ fn cuda_graph_steps_are_the_eager_steps() -> Result<()> {
     }
     Ok(())
 }
+
+/// Trains a replica running whole steps (`whole`) and one deciding each step's final phase on
+/// the host (`host`) from the same weights through [`Replica::train_alone`]: seven steps at
+/// falling learning rates, the fifth of a batch holding a NaN (a step that must not apply: the
+/// moving statistics go back, the loss scale halves, Adam does not count it; with CUDA graphs,
+/// a replay), the last a short batch. Asserts that both read the same sums and that every
+/// variable (weights, moving statistics, generators' positions, the loss scale) and the
+/// optimizer's state end the same, by `same`; returns `whole`.
+fn assert_whole_steps_train_as_host_steps(
+    mut whole: Replica,
+    mut host: Replica,
+    same: &dyn Fn(&Tensor, &Tensor) -> Result<bool>,
+    what: &str,
+) -> Result<Replica> {
+    host.store().assign(&whole.store().weights()?)?;
+    for step in 0..7u64 {
+        let mut batch = batch(if step == 6 { 5 } else { 6 }, step + 1)?;
+        if step == NAN_STEP {
+            let mut x = batch.inputs[0].flatten_all()?.to_vec1::<f32>()?;
+            x[7] = f32::NAN;
+            batch.inputs[0] = Tensor::from_vec(x, batch.inputs[0].dims(), &Device::Cpu)?;
+        }
+        let lr = 0.05 / (step + 1) as f64;
+        let a = whole.train_alone(&batch, lr)?;
+        let b = host.train_alone(&batch, lr)?;
+        // Debug-printed, so that NaN sums compare equal.
+        assert_eq!(format!("{a:?}"), format!("{b:?}"), "{what}: step {step}");
+        assert_eq!(a.applies(), step != NAN_STEP, "{what}: step {step}");
+    }
+    let (a, b) = (whole.store().weights()?, host.store().weights()?);
+    assert_eq!(a.len(), b.len());
+    for (key, value) in &a {
+        let other = b
+            .get(key)
+            .ok_or_else(|| crate::Error::invalid(key.clone()))?;
+        assert!(same(value, other)?, "{what}: {key} differs");
+    }
+    let (a, b) = (whole.optimizer_state()?, host.optimizer_state()?);
+    assert_eq!(a.scalars, b.scalars, "{what}: optimizer scalars");
+    for (slot, tensors) in &a.slots {
+        for (name, tensor) in tensors {
+            assert!(
+                same(tensor, &b.slots[slot][name])?,
+                "{what}: {slot} of {name}"
+            );
+        }
+    }
+    Ok(whole)
+}
+
+/// The step of [`assert_whole_steps_train_as_host_steps`] whose batch holds a NaN.
+const NAN_STEP: u64 = 4;
+
+/// The optimizers of the whole-step tests: SGD with Nesterov momentum and weight decay (its
+/// buffers start at the first applied step), and AdamW (its step count).
+fn whole_step_optimizers() -> [(&'static str, Box<dyn crate::optimizers::OptimizerConfig>); 2] {
+    [
+        (
+            "SGD",
+            Box::new(
+                Sgd::new(0.1)
+                    .momentum(0.9)
+                    .nesterov(true)
+                    .weight_decay(1e-3),
+            ),
+        ),
+        (
+            "AdamW",
+            Box::new(crate::optimizers::AdamW::new(1e-2).weight_decay(1e-2)),
+        ),
+    ]
+}
+
+/// Bit for bit equality of two tensors, on any device.
+fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v.to_bits())
+            .collect())
+    };
+    Ok(bits(a)? == bits(b)?)
+}
+
+/// On the CPU, whole steps (the update gated on the step's finite-ness probe and reading its
+/// rates from a buffer, the moving statistics chosen by the same probe) train as host-decided
+/// steps bit for bit: both networks, SGD and AdamW, in `float32` and in `mixed_float16` on the
+/// device-generic path (with a loss scale).
+#[test]
+fn whole_steps_train_as_host_decided_steps() -> Result<()> {
+    for (policy, path) in [
+        (DTypePolicy::float32(), ComputePath::Auto),
+        (
+            mixed(DTypePolicy::mixed_float16()),
+            ComputePath::DeviceGeneric,
+        ),
+    ] {
+        for (optimizer, config) in whole_step_optimizers() {
+            for (name, network) in networks()? {
+                let spec = ModelSpec {
+                    optimizer: config.clone_config(),
+                    ..spec(network, path, policy)
+                };
+                let whole = Replica::new(&spec, &Device::Cpu)?.with_whole_steps(true);
+                let host = Replica::new(&spec, &Device::Cpu)?.with_whole_steps(false);
+                let what = format!("{policy}, {optimizer}, {name}");
+                assert_whole_steps_train_as_host_steps(whole, host, &same_bits, &what)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// On a CUDA device with CUDA graphs, whole steps are captured (the update's kernels reading
+/// the gate and the learning rate on the device) and replayed, and train as host-decided steps
+/// without graphs: bit for bit with candle's convolutions, within
+/// `recorded_steps_on_cuda_match_autograd`'s bounds with cuDNN's. Fails, naming the reason,
+/// when the whole step could not be captured.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_graphs_of_whole_steps_train_as_host_decided_steps() -> Result<()> {
+    let gpu = Device::new_cuda(0)?;
+    for (policy, tolerance) in [
+        (DTypePolicy::float32(), 1e-4),
+        (mixed(DTypePolicy::mixed_float16()), 1e-2),
+    ] {
+        let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+            match cfg!(feature = "cudnn") {
+                true => Ok(relative_difference(a, b)? <= tolerance),
+                false => same_bits(a, b),
+            }
+        };
+        for (optimizer, config) in whole_step_optimizers() {
+            for (name, network) in networks()? {
+                let spec = ModelSpec {
+                    optimizer: config.clone_config(),
+                    ..spec(network, ComputePath::Auto, policy)
+                };
+                let whole = Replica::new(&spec, &gpu)?.with_cuda_graphs(true);
+                let host = Replica::new(&spec, &gpu)?.with_cuda_graphs(false);
+                let what = format!("cuda, {policy}, {optimizer}, {name}");
+                let whole = assert_whole_steps_train_as_host_steps(whole, host, &same, &what)?;
+                let described = whole
+                    .graphs
+                    .as_ref()
+                    .map(|g| g.whole.describe())
+                    .unwrap_or_default();
+                assert!(described.starts_with("captured"), "{what}: {described}");
+            }
+        }
+    }
+    Ok(())
+}

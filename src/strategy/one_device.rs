@@ -62,11 +62,7 @@ impl WorkerHooks for OneDeviceModel {}
 
 impl DistributedModel for OneDeviceModel {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
-        let step = self.replica.step_buffer(batch)?;
-        let totals = self.replica.layout().read(&step.fused)?;
-        self.replica
-            .finish_step(&step.fused, &totals, &step.statistics_before, lr)?;
-        Ok(totals.into_stats())
+        Ok(self.replica.train_alone(batch, lr)?.into_stats())
     }
 
     fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {

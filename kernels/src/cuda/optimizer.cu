@@ -8,8 +8,19 @@
 // `OPT_CHUNK` values; a block takes a chunk at a time, finds its tensor by a binary search of the
 // first chunks, and its threads take the chunk's values. Every value is read and written by one
 // thread, so the operands of one tensor may be the same buffer, but not overlap otherwise.
+//
+// A gated update (what a CUDA graph replays) reads its step's scalars from device memory:
+// `rates`, when not null, replaces the scalar arguments that change from step to step (each
+// kernel says which), and `gate`, when not null, holds one value that is 0 when the step may
+// be applied and NaN when it may not (something in it was not finite): every thread returns
+// before writing anything unless it is 0.
 
 #define OPT_CHUNK 4096u
+
+// Whether a gated update is skipped: its gate is not 0 (NaN).
+__device__ __forceinline__ bool gate_closed(const float *gate) {
+  return gate != 0 && !(*gate == 0.0f);
+}
 
 // The tensor that chunk `chunk` belongs to: the last one whose first chunk is at most `chunk`
 // (tensors are never empty, so their first chunks increase).
@@ -46,11 +57,22 @@ __device__ __forceinline__ float decayed(float g, float p, float wd, bool decay)
 
 // SGD: operands `(p, g, buf)`. `buffers` is 0 without momentum (no buffer), 1 on the first step
 // (the buffer takes the decayed gradient, torch's `clone`), 2 after (`buf = mu * buf + g`).
-// `d` is the gradient, the buffer, or `g + mu * buf` (Nesterov); `p -= lr * d`.
+// `d` is the gradient, the buffer, or `g + mu * buf` (Nesterov); `p -= lr * d`. `rates`:
+// `[learning_rate, started]`, `started` not 0 once the buffers have taken a step (then
+// `buffers` is 2 where it is not 0, 1 where it is).
 extern "C" __global__ void sgd_step_f32(const unsigned long long *table, unsigned tensors,
                                         unsigned chunks, double learning_rate,
                                         double momentum, double weight_decay, int nesterov,
-                                        int buffers) {
+                                        int buffers, const double *rates, const float *gate) {
+  if (gate_closed(gate)) {
+    return;
+  }
+  if (rates != 0) {
+    learning_rate = rates[0];
+    if (buffers != 0) {
+      buffers = rates[1] != 0.0 ? 2 : 1;
+    }
+  }
   const float lr = (float)learning_rate, mu = (float)momentum, wd = (float)weight_decay;
   const bool decay = wd != 0.0f;
   const unsigned long long *lengths = table + 3ull * tensors;
@@ -80,13 +102,22 @@ extern "C" __global__ void sgd_step_f32(const unsigned long long *table, unsigne
 // and `wd_2 * p` (second) added where `l2_1` and `l2_2` (Adam's L2 penalty):
 // `m = beta_1 * m + rest_1 * g`, `v = beta_2 * v + rest_2 * g * g`; then
 // `p = p' - m / (sqrt(v) * inv_sqrt_bc2 + eps) * step_size`, `p'` being `p * decay_factor`
-// (AdamW's) where `decoupled`, else `p`.
+// (AdamW's) where `decoupled`, else `p`. `rates`: `[step_size, inv_sqrt_bc2, decay_factor]`.
 extern "C" __global__ void adam_step_f32(const unsigned long long *table, unsigned tensors,
                                          unsigned chunks, double beta_1, double rest_1,
                                          double wd_1, int l2_1, double beta_2, double rest_2,
                                          double wd_2, int l2_2, double step_size,
                                          double inv_sqrt_bc2, double epsilon, int decoupled,
-                                         double decay_factor) {
+                                         double decay_factor, const double *rates,
+                                         const float *gate) {
+  if (gate_closed(gate)) {
+    return;
+  }
+  if (rates != 0) {
+    step_size = rates[0];
+    inv_sqrt_bc2 = rates[1];
+    decay_factor = rates[2];
+  }
   const float b1 = (float)beta_1, r1 = (float)rest_1, w1 = (float)wd_1;
   const float b2 = (float)beta_2, r2 = (float)rest_2, w2 = (float)wd_2;
   const float step = (float)step_size, inv = (float)inv_sqrt_bc2, eps = (float)epsilon;

@@ -10,6 +10,13 @@
 //! learning rate and the step's scalars are the kernel's arguments, so a schedule costs nothing.
 //! A network of a hundred variables takes one launch per step where candle's ops take a
 //! thousand.
+//!
+//! The gated forms ([`sgd_step_live`], [`adam_step_live`]) read the scalars that change from
+//! step to step from device memory ([`LiveRates`]) and apply only when the step's finite-ness
+//! probe says so, deciding nothing on the host: the update a CUDA graph of a whole training step
+//! replays, with each step's learning rate written into the rates before the launch. Their
+//! table of addresses goes through candle's upload cache, so a capture that lists the tensors
+//! its warm-up listed uploads nothing.
 
 #![allow(unsafe_code)]
 
@@ -47,6 +54,19 @@ pub enum MomentumBuffers<'a> {
     Start(&'a [&'a Tensor]),
     /// Later steps: `buf = mu * buf + g` ([`crate::optimizer::sgd::Momentum`]).
     Update(&'a [&'a Tensor]),
+}
+
+/// The scalars of a gated update ([`sgd_step_live`], [`adam_step_live`]) that it reads from
+/// device memory when it runs, and whether it applies.
+#[derive(Debug, Clone, Copy)]
+pub struct LiveRates<'a> {
+    /// `f64` values on the update's device: SGD's `[learning_rate, started]` (`started` not 0
+    /// once the momentum buffers have taken a step), Adam's `[step_size, inv_sqrt_bc2,
+    /// decay_factor]` (the last 1 for Adam).
+    pub rates: &'a Tensor,
+    /// One `f32` value on the device: the update applies when it is 0 and changes nothing
+    /// otherwise (a step's finite-ness probe, NaN when something in the step was not finite).
+    pub gate: &'a Tensor,
 }
 
 /// SGD's update of the `f32` variables `params` on one CUDA device with their gradients
@@ -98,6 +118,44 @@ pub fn sgd_step(
             )))
         }
     };
+    sgd_launch(params, grads, buffers, mode, step, None)
+}
+
+/// [`sgd_step`] gated and reading its learning rate from `live` ([`LiveRates`]): with a
+/// momentum the buffers are [`MomentumBuffers::Update`]'s, and `live`'s `started` says whether
+/// they take the first step's copy of the gradient or the running update. `step`'s learning
+/// rate is not read. Errors as [`sgd_step`]'s, and for rates or a gate of another kind.
+pub fn sgd_step_live(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    buffers: MomentumBuffers<'_>,
+    step: &Descent,
+    live: &LiveRates<'_>,
+) -> Result<()> {
+    let (buffers, mode) = match (buffers, step.momentum != 0.0) {
+        (MomentumBuffers::None, false) => (None, 0),
+        (MomentumBuffers::Update(b), true) => (Some(b), 2),
+        _ => {
+            return Err(Error::invalid(format!(
+                "{SGD_OP}: a gated update takes momentum buffers (as updates) exactly when it has \
+                 a momentum, here {}",
+                step.momentum
+            )))
+        }
+    };
+    sgd_launch(params, grads, buffers, mode, step, Some((live, 2)))
+}
+
+/// Launches SGD's kernel in `mode` (its `buffers` argument), gated by `live` (with the number
+/// of rates it reads) when given.
+fn sgd_launch(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    buffers: Option<&[&Tensor]>,
+    mode: i32,
+    step: &Descent,
+    live: Option<(&LiveRates<'_>, usize)>,
+) -> Result<()> {
     let mut operands = vec![params, grads];
     operands.extend(buffers);
     let scalars = [
@@ -108,7 +166,7 @@ pub fn sgd_step(
         Arg::I32(mode),
     ];
     // The kernel's table has a row for the buffers even without them (it never reads it).
-    update(SGD_OP, "sgd_step_f32", &operands, 3, &scalars)
+    update(SGD_OP, "sgd_step_f32", &operands, 3, &scalars, live)
 }
 
 /// Adam's or AdamW's update of the `f32` variables `params` on one CUDA device with their
@@ -123,6 +181,39 @@ pub fn adam_step(
     (m, v): (&[&Tensor], &[&Tensor]),
     (first, second): (&FirstMoment, &SecondMoment),
     step: &AdamStep,
+) -> Result<()> {
+    adam_launch(params, grads, (m, v), (first, second), step, None)
+}
+
+/// [`adam_step`] gated and reading its step size, bias correction and decay factor from `live`
+/// ([`LiveRates`]); `step`'s are not read, its epsilon and whether it decays the variables
+/// are. Errors as [`adam_step`]'s, and for rates or a gate of another kind.
+pub fn adam_step_live(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    (m, v): (&[&Tensor], &[&Tensor]),
+    (first, second): (&FirstMoment, &SecondMoment),
+    step: &AdamStep,
+    live: &LiveRates<'_>,
+) -> Result<()> {
+    adam_launch(
+        params,
+        grads,
+        (m, v),
+        (first, second),
+        step,
+        Some((live, 3)),
+    )
+}
+
+/// Launches Adam's kernel, gated by `live` (with the number of rates it reads) when given.
+fn adam_launch(
+    params: &[&Tensor],
+    grads: &[&Tensor],
+    (m, v): (&[&Tensor], &[&Tensor]),
+    (first, second): (&FirstMoment, &SecondMoment),
+    step: &AdamStep,
+    live: Option<(&LiveRates<'_>, usize)>,
 ) -> Result<()> {
     let l2 = |decay: WeightDecay| match decay {
         WeightDecay::None => (0.0, 0),
@@ -150,22 +241,30 @@ pub fn adam_step(
         &[params, grads, m, v],
         4,
         &scalars,
+        live,
     )
 }
 
 /// Launches `kernel` over the variables `operands[0]` with their other operands (one list
 /// each, in the kernel's order), its table holding `rows` rows of addresses (unused rows null),
-/// and then `scalars`.
+/// then `scalars`, then the addresses of `live`'s rates and gate (null when not gated; the
+/// kernel reads the given number of rates).
 fn update(
     op: &str,
     kernel: &str,
     operands: &[&[&Tensor]],
     rows: usize,
     scalars: &[Arg],
+    live: Option<(&LiveRates<'_>, usize)>,
 ) -> Result<()> {
     let Some(dev) = check(op, operands)? else {
         return Ok(());
     };
+    if let Some((live, rates)) = live {
+        check_live(op, live, rates, &dev)?;
+    }
+    let live_locked =
+        live.map(|(l, _)| (l.rates.storage_and_layout(), l.gate.storage_and_layout()));
     // The read locks of every operand, held until the kernel is queued: no candle op replaces
     // their storage meanwhile.
     let locked: Vec<Vec<_>> = operands
@@ -220,6 +319,22 @@ fn update(
         Arg::U32(chunks32),
     ];
     args.extend_from_slice(scalars);
+    let mut live_guards = Vec::with_capacity(2);
+    match &live_locked {
+        Some(((rates, rates_layout), (gate, gate_layout))) => {
+            for (storage, layout) in [(rates, rates_layout), (gate, gate_layout)] {
+                let Storage::Cuda(s) = &**storage else {
+                    return Err(Error::invalid(format!(
+                        "{op}: the gated update's rates or gate left the CUDA device"
+                    )));
+                };
+                let (ptr, guard) = address(op, s, layout, &stream)?;
+                args.push(Arg::Ptr(ptr));
+                live_guards.push(guard);
+            }
+        }
+        None => args.extend([Arg::Ptr(0), Arg::Ptr(0)]),
+    }
     let blocks = (chunks32 as usize).min(MAX_BLOCKS) as u32;
     // SAFETY: the table holds, for each of `tensors` variables, the addresses of its contiguous
     // `f32` operands on `dev` (checked by `check`, each of the variable's length, or null in a
@@ -229,7 +344,30 @@ fn update(
     // addresses of the variables and their state: candle's ops on them are queued on the same
     // stream, before or after it.
     unsafe { PROGRAM.launch(&dev, kernel, blocks_of((blocks, 1)), &args) }?;
-    drop((read_table, guards));
+    drop((read_table, guards, live_guards));
+    Ok(())
+}
+
+/// Checks that `live` holds at least `rates` contiguous `f64` rates and one `f32` gate on
+/// `dev`.
+fn check_live(op: &str, live: &LiveRates<'_>, rates: usize, dev: &CudaDevice) -> Result<()> {
+    let device = Device::Cuda(dev.clone());
+    let fits = |t: &Tensor, dtype: DType, len: usize| {
+        t.device().same_device(&device)
+            && t.dtype() == dtype
+            && t.is_contiguous()
+            && t.elem_count() >= len
+    };
+    if !fits(live.rates, DType::F64, rates) || !fits(live.gate, DType::F32, 1) {
+        return Err(Error::invalid(format!(
+            "{op}: a gated update reads {rates} contiguous f64 rates and one f32 gate on the \
+             variables' device, given {:?} {:?} and {:?} {:?}",
+            live.rates.dtype(),
+            live.rates.dims(),
+            live.gate.dtype(),
+            live.gate.dims()
+        )));
+    }
     Ok(())
 }
 

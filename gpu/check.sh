@@ -146,6 +146,11 @@ step replica-recorded-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
 # could not be captured).
 step replica-graphs-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
   replica::tests::cuda_graph_steps_are_the_eager_steps --nocapture
+# Whole steps (OneDevice's, with CUDA graphs): forward, backward and the gated update (SGD,
+# AdamW) captured as one graph, a NaN step skipped by the gate in a replay, against host-decided
+# steps without graphs; and the gated updates' kernels against the host-decided ones.
+step whole-steps-cuda 90 "$BIN/kandle-lib" --include-ignored \
+  _host_decided_steps --nocapture
 # A device kandle opens keeps the memory freed on it in its pool across synchronisations.
 step cuda-memory-pool 30 "$BIN/kandle-lib" --include-ignored --exact \
   devices::tests::a_cuda_device_keeps_freed_memory_in_its_pool
@@ -157,6 +162,8 @@ if [[ -x $BIN/kandle-lib-cudnn ]]; then
     replica::tests::recorded_steps_on_cuda_match_autograd --nocapture
   step replica-graphs-cudnn 60 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
     replica::tests::cuda_graph_steps_are_the_eager_steps --nocapture
+  step whole-steps-cudnn 90 "$BIN/kandle-lib-cudnn" --include-ignored --exact \
+    replica::tests::cuda_graphs_of_whole_steps_train_as_host_decided_steps --nocapture
 fi
 step gpu-training-and-strategies 240 "$BIN/strategies-gpu" --include-ignored \
   --skip the_expected_gpus_are_visible --test-threads 1 --nocapture

@@ -26,8 +26,10 @@
 //!   launches the graph; one of other shapes (the short last batch of an epoch) runs eagerly.
 //!   Everything a step changes lives on the device and is changed in place (the moving
 //!   statistics, dropout's generator position), so each replay is the next step; the loss
-//!   scale is read from its variable on the device, and the learning rate only by the final
-//!   phase (the optimizer's update), which runs outside the graph.
+//!   scale is read from its variable on the device. A training step's final phase (the
+//!   optimizer's update) runs outside the graph, after the strategy summed the replicas'
+//!   buffers, except in a whole step ([`super::whole_step`], a replica alone on its device),
+//!   whose graph holds the gated update, reading the learning rate from device memory.
 //! - **Fallback**: a step that cannot be captured (one that reads a value back to the host, as
 //!   an `Embedding`'s index check or an augmentation layer's draw does; an upload the warm-up
 //!   did not cache) fails the capture, which is dropped: the replica says why once

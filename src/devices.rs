@@ -5,6 +5,7 @@
 mod cuda_graphs;
 #[cfg(feature = "cuda")]
 mod cuda_settings;
+pub(crate) mod stream_capture;
 pub use cuda_graphs::{cuda_graphs, set_cuda_graphs, GRAPHS_VAR};
 #[cfg(feature = "cuda")]
 pub use cuda_settings::SETTINGS_VAR;

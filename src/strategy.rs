@@ -43,7 +43,7 @@ pub use crate::replica::step::StepStats;
 pub use crate::replica::{buckets, fused, step};
 pub use crate::replica::{ModelSpec, Replica, StageStep, StepBuffer};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::data::Batch;
 use crate::layers::Summary;
@@ -173,8 +173,17 @@ pub trait WorkerHooks {
 /// processes keep in step with each other is [`WorkerHooks`], which a model of one process
 /// implements with no method (`impl WorkerHooks for MyModel {}`).
 pub trait DistributedModel: WorkerHooks + Send {
-    /// One training step on this worker's part of a global batch (CPU tensors), at `lr`.
+    /// One training step on this worker's part of a global batch (CPU tensors, or on
+    /// [`Self::input_device`]), at `lr`.
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats>;
+
+    /// Where the steps want their batches: a device the loader's prefetch thread copies each
+    /// batch to ahead of its step ([`LoaderOptions::device`](crate::data::LoaderOptions::device)),
+    /// so that the copy runs while the step before it does. The default, `None`: batches come in
+    /// host memory, and the model moves (or splits) them itself.
+    fn input_device(&self) -> Option<Device> {
+        None
+    }
 
     /// Gradient accumulation: this worker's part of a global micro-batch (CPU tensors), whose
     /// gradients and sums each replica keeps (see [`Replica::accumulate`]) for the next

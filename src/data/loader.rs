@@ -82,6 +82,11 @@ pub struct LoaderOptions {
     /// `Some(order)`: a batch's input `i` is the dataset's input `order[i]` (a model takes a
     /// dataset's named inputs in its own order). Default `None`: the dataset's order.
     pub input_order: Option<Arc<[usize]>>,
+    /// `Some(device)`: each batch is copied to `device` once assembled, by the prefetch thread
+    /// under [`Loader::spawn`], so that on a CUDA device the copy from host memory runs while
+    /// the step before it does. `fit` and `evaluate` set it where their strategy trains on one
+    /// CUDA device. Default `None`: batches stay in host memory.
+    pub device: Option<Device>,
 }
 
 /// Equal when every field is equal and both `augment`s are absent or the same object.
@@ -102,6 +107,11 @@ impl PartialEq for LoaderOptions {
             && self.class_weight == other.class_weight
             && self.input_order == other.input_order
             && same_augment
+            && match (&self.device, &other.device) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.same_device(b),
+                _ => false,
+            }
     }
 }
 
@@ -120,6 +130,7 @@ impl Default for LoaderOptions {
             sample_weight: None,
             class_weight: None,
             input_order: None,
+            device: None,
         }
     }
 }
@@ -354,7 +365,15 @@ impl<'d> Loader<'d> {
         let global = self.global_range(step);
         let shard = self.shard_range(global.len());
         let first = global.start + shard.start;
-        self.assemble(epoch, first, &order[first..global.start + shard.end])
+        let batch = self.assemble(epoch, first, &order[first..global.start + shard.end])?;
+        match &self.options.device {
+            Some(device) if !device.is_cpu() => {
+                // Queued beside the training thread's steps, never into a capture.
+                let _beside = crate::devices::stream_capture::beside_the_steps();
+                batch.to_device(device)
+            }
+            _ => Ok(batch),
+        }
     }
 
     /// Reads the samples at `indices`, which sit at positions `first..` of epoch `epoch`'s
@@ -832,6 +851,35 @@ mod tests {
             });
             assert_eq!(prefetched, direct);
         }
+    }
+
+    /// With a CUDA device in the options, the prefetch thread hands over batches on it, the
+    /// same as those in host memory.
+    #[cfg(feature = "cuda")]
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn batches_copied_to_a_gpu_are_the_host_batches() -> Result<()> {
+        let gpu = crate::devices::cuda(0)?;
+        let ds = counting(23);
+        let direct = epoch(&Loader::new(&ds, options(5, true))?, 1);
+        let loader = Loader::new(
+            &ds,
+            LoaderOptions {
+                device: Some(gpu),
+                ..options(5, true)
+            },
+        )?;
+        let copied = std::thread::scope(|s| -> Result<Vec<Vec<usize>>> {
+            let mut seen = Vec::new();
+            for batch in loader.spawn(s, 1) {
+                let batch = batch?;
+                assert!(batch.inputs[0].device().is_cuda() && batch.targets[0].device().is_cuda());
+                seen.push(ids(&batch.to_device(&Device::Cpu)?));
+            }
+            Ok(seen)
+        })?;
+        assert_eq!(copied, direct);
+        Ok(())
     }
 
     #[test]

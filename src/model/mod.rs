@@ -571,6 +571,7 @@ impl Model {
                 batch_size: batch_size_per_replica * self.strategy.num_replicas_in_sync(),
                 shard: self.strategy.data_shard(),
                 input_order: order.map(Arc::from),
+                device: self.built.as_ref().and_then(|b| b.replicas.input_device()),
                 ..options
             },
         )

@@ -173,6 +173,8 @@ impl<O: GraphOutput> StepCapture<O> for CudaCapture {
         let stream = self.device.cuda_stream();
         let context = stream.context().clone();
         let _cache = self.device.enable_cuda_graph_htod_cache();
+        // No other thread queues work on the stream while it is captured (the loader's copies).
+        let _alone = crate::devices::stream_capture::capturing();
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("beginning the capture: {e}"))?;

@@ -65,6 +65,12 @@ impl DistributedModel for OneDeviceModel {
         Ok(self.replica.train_alone(batch, lr)?.into_stats())
     }
 
+    /// Its CUDA device: batches copied there by the prefetch thread. On the CPU, none.
+    fn input_device(&self) -> Option<Device> {
+        let device = self.replica.device();
+        device.is_cuda().then(|| device.clone())
+    }
+
     fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {
         let (samples, sums) = self.replica.accumulate(batch)?;
         Ok(StepStats {

@@ -565,6 +565,12 @@ pub(crate) trait Reduce: Send {
         Ok(values.to_vec())
     }
 
+    /// Whether the reduction reaches only this process's replicas. The default, for one
+    /// process: yes.
+    fn within_process(&self) -> bool {
+        true
+    }
+
     /// Told that a step or a gather failed. The default does nothing.
     fn failed(&self) {}
 
@@ -605,7 +611,26 @@ impl<R: Reduce> ReplicaModel<R> {
         result
     }
 
+    /// Whether the one replica of this process is the only one: its steps have nothing to sum
+    /// and run whole ([`Replica::train_alone`]).
+    fn alone(&self) -> bool {
+        self.set.len() == 1 && self.reduce.within_process()
+    }
+
     fn train(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
+        if self.alone() {
+            let totals = self
+                .set
+                .pool
+                .run(vec![batch.clone()], move |_, replica, part| {
+                    replica.train_alone(&part, lr)
+                })?;
+            return totals
+                .into_iter()
+                .next()
+                .map(StepTotals::into_stats)
+                .ok_or_else(|| kandle::Error::invalid("the replica returned no step totals"));
+        }
         let (totals, before) = self.reduce.reduce_step(&mut self.set, batch)?;
         // Every replica (of every worker) holds the same sum, so all decide alike.
         let read = self.set.layout.read(&totals[0])?;
@@ -639,6 +664,12 @@ impl<R: Reduce> DistributedModel for ReplicaModel<R> {
     fn train_step(&mut self, batch: &Batch, lr: f64) -> Result<StepStats> {
         let result = self.train(batch, lr);
         self.checked(result)
+    }
+
+    /// The CUDA device of a replica that is the only one.
+    fn input_device(&self) -> Option<Device> {
+        let device = self.set.devices.first()?;
+        (self.alone() && device.is_cuda()).then(|| device.clone())
     }
 
     fn accumulate(&mut self, batch: &Batch) -> Result<StepStats> {

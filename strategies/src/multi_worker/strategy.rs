@@ -404,6 +404,10 @@ impl Drop for CrossWorker {
 }
 
 impl Reduce for CrossWorker {
+    fn within_process(&self) -> bool {
+        false
+    }
+
     /// Computes this worker's step buffers and sums the buffers of every replica of every
     /// worker. Returns the sum for each local replica (on the host or on its device) and each
     /// local replica's moving statistics from before the step.

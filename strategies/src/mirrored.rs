@@ -352,6 +352,55 @@ mod tests {
         Ok(())
     }
 
+    /// Mirrored with one replica trains as one device does (through `Replica::train_alone`,
+    /// nothing to sum): the same weights after two epochs of digits with batch normalisation,
+    /// gradient accumulation and a momentum, and the same history.
+    #[test]
+    fn one_replica_trains_as_one_device() -> Result<()> {
+        fn run<S: Strategy + Clone + 'static>(
+            strategy: &S,
+        ) -> Result<(kandle::params::Weights, Vec<f64>)> {
+            let net = Sequential::new()
+                .add(Flatten)
+                .add(Dense::new(16))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu)
+                .add(Dense::new(10))
+                .add(Activation::Softmax);
+            let data = kandle::data::digits::load()?.subset(&(0..96).collect::<Vec<_>>())?;
+            let sgd = Sgd::new(0.05).momentum(0.9).gradient_accumulation_steps(2);
+            let mut model = net
+                .compile(
+                    sgd,
+                    SparseCategoricalCrossentropy::new(),
+                    [Accuracy],
+                    strategy,
+                )?
+                .with_seed(3)?;
+            let history = model.fit(
+                &data,
+                kandle::FitOptions {
+                    epochs: 2,
+                    batch_size_per_replica: 8,
+                    verbosity: kandle::callbacks::Verbosity::Silent,
+                    ..Default::default()
+                },
+            )?;
+            Ok((model.get_weights()?, history.series("loss")))
+        }
+        let (one, one_loss) = run(&kandle::OneDeviceStrategy::cpu())?;
+        let (mirrored, mirrored_loss) = run(&MirroredStrategy::cpu(1)?)?;
+        assert_eq!(one_loss, mirrored_loss);
+        let bits = |t: &candle_core::Tensor| -> Result<Vec<u32>> {
+            let v = t.flatten_all()?.to_vec1::<f32>()?;
+            Ok(v.iter().map(|x| x.to_bits()).collect())
+        };
+        for (name, value) in &one {
+            assert_eq!(bits(value)?, bits(&mirrored[name])?, "{name}");
+        }
+        Ok(())
+    }
+
     /// A model without trainable variables has no gradient to put in buckets: its steps run.
     #[test]
     fn a_model_without_trainable_variables_trains_under_buckets() -> Result<()> {

@@ -302,9 +302,10 @@ impl Drop for GraphsOn {
 }
 
 /// With the training steps captured as CUDA graphs (two warm-up steps, then one launch per
-/// step), one GPU, Mirrored with two replicas on it (which then sums after the passes) and
-/// CentralStorage train as one GPU without graphs does, with and without batch
-/// normalisation.
+/// step), one GPU and Mirrored with one replica (whole steps, the update in the graph, batches
+/// copied to the GPU by the loader's thread), Mirrored with two replicas on it (which then sums
+/// after the passes) and CentralStorage train as one GPU without graphs does, with and without
+/// batch normalisation.
 #[test]
 #[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
 fn strategies_through_cuda_graphs_match_one_gpu_without() -> anyhow::Result<()> {
@@ -320,6 +321,11 @@ fn strategies_through_cuda_graphs_match_one_gpu_without() -> anyhow::Result<()> 
             &reference,
             &weights(net(), &OneDeviceStrategy::new(gpu.clone()))?,
             &format!("{name}: one GPU, steps as CUDA graphs"),
+        )?;
+        assert_matches(
+            &reference,
+            &weights(net(), &MirroredStrategy::new(vec![gpu.clone()])?)?,
+            &format!("{name}: mirrored, one replica (whole steps), steps as CUDA graphs"),
         )?;
         assert_matches(
             &reference,

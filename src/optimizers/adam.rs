@@ -432,17 +432,16 @@ impl Optimizer for AdamState {
     /// Yes for `f32` contiguous variables all on the CPU, or all on one CUDA device updated by
     /// kandle's kernels.
     fn prepare_gated(&mut self) -> Result<bool> {
-        let Some(device) = self.params.first().map(|p| p.device().clone()) else {
+        let Some(device) = gated::kernel_device(&self.params, self.cuda_kernels) else {
             return Ok(false);
         };
-        let on_kernels = device.is_cpu() || (device.is_cuda() && self.cuda_kernels);
         let tensors = self
             .params
             .iter()
             .map(|p| p.as_tensor())
             .chain(&self.m)
             .chain(&self.v);
-        Ok(on_kernels && gated::all_fit(tensors, &device))
+        Ok(gated::all_fit(tensors, &device))
     }
 
     /// `[step_size, inv_sqrt_bc2, decay_factor]` of the next step counted.

@@ -78,6 +78,17 @@ pub(crate) fn not_gated(what: &str) -> Error {
     ))
 }
 
+/// The device of `params` where kandle's kernels can make their gated updates: the CPU, or a
+/// CUDA device when `cuda_kernels` (the optimizer was not built for the device-generic path);
+/// `None` elsewhere and without variables.
+pub(crate) fn kernel_device(
+    params: &[candle_core::Var],
+    cuda_kernels: bool,
+) -> Option<candle_core::Device> {
+    let device = params.first()?.device();
+    (device.is_cpu() || (device.is_cuda() && cuda_kernels)).then(|| device.clone())
+}
+
 /// Whether every tensor is a contiguous `f32` tensor on `device`: what the kernels of a gated
 /// update take.
 pub(crate) fn all_fit<'a>(

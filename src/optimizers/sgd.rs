@@ -327,18 +327,14 @@ impl Optimizer for SgdState {
     /// Yes for `f32` contiguous variables all on the CPU, or all on one CUDA device updated by
     /// kandle's kernels; with a momentum, the buffers of the first steps are made here.
     fn prepare_gated(&mut self) -> Result<bool> {
-        let Some(device) = self.params.first().map(|p| p.device().clone()) else {
+        let Some(device) = gated::kernel_device(&self.params, self.cuda_kernels) else {
             return Ok(false);
         };
-        let on_kernels = device.is_cpu() || (device.is_cuda() && self.cuda_kernels);
         let buffers_fit = self
             .buffers
             .iter()
             .all(|b| b.as_ref().is_none_or(|b| gated::all_fit([b], &device)));
-        if !(on_kernels
-            && buffers_fit
-            && gated::all_fit(self.params.iter().map(|p| p.as_tensor()), &device))
-        {
+        if !(buffers_fit && gated::all_fit(self.params.iter().map(|p| p.as_tensor()), &device)) {
             return Ok(false);
         }
         if self.config.momentum != 0.0 && self.buffers.iter().any(Option::is_none) {

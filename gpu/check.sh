@@ -151,6 +151,9 @@ step replica-graphs-cuda 60 "$BIN/kandle-lib" --include-ignored --exact \
 # steps without graphs; and the gated updates' kernels against the host-decided ones.
 step whole-steps-cuda 90 "$BIN/kandle-lib" --include-ignored \
   _host_decided_steps --nocapture
+# The loader's prefetch thread hands over batches copied to the GPU, the host batches' values.
+step loader-to-gpu 30 "$BIN/kandle-lib" --include-ignored --exact \
+  data::loader::tests::batches_copied_to_a_gpu_are_the_host_batches
 # A device kandle opens keeps the memory freed on it in its pool across synchronisations.
 step cuda-memory-pool 30 "$BIN/kandle-lib" --include-ignored --exact \
   devices::tests::a_cuda_device_keeps_freed_memory_in_its_pool

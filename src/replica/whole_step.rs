@@ -22,7 +22,7 @@ use candle_core::{DType, Tensor, Var};
 use super::step::{self, StepTotals};
 use super::Replica;
 use crate::data::Batch;
-use crate::Result;
+use crate::{timeline, Result};
 
 /// What whole steps keep on the device across steps.
 pub(super) struct WholeBuffers {
@@ -100,6 +100,7 @@ impl Replica {
     fn whole_step(&self, part: &Batch, whole: &WholeBuffers) -> Result<Tensor> {
         let buffer = self.buffer_of(self.compute_gradients(part)?)?;
         let summary = self.layout.summary(&buffer.fused)?;
+        let _update = timeline::span("optimizer update");
         step::finish_gated(
             self.optimizer.as_ref(),
             &self.statistics,

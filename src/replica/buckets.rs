@@ -5,7 +5,7 @@
 //! A [`BucketPlan`] cuts the trainable variables, in their order, into contiguous runs of at
 //! most a given size, numbered from the last variables to the first: the backward pass reaches
 //! the last layers first, so bucket 0 fills first. A strategy gives every replica the same plan
-//! and a shared [`BucketReducer`] ([`Replica::with_buckets`](super::Replica::with_buckets)).
+//! and a shared [`BucketReducer`] ([`Replica::set_buckets`](super::Replica::set_buckets)).
 //!
 //! During the recorded backward pass, the replica counts the gradients each variable receives
 //! (a variable used twice receives two); once every variable of a bucket has received as many

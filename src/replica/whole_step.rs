@@ -36,8 +36,9 @@ impl Replica {
     /// One training step on `part` at learning rate `lr` for a replica that alone holds the
     /// step: [`Self::step_buffer`], [`StepLayout::read`](super::step::StepLayout::read) and
     /// [`Self::finish_step`] in one call, with the same results; returns what the step read.
-    /// Where it can, the step is whole ([`whole_step`](self)): decided on the device and, with
-    /// CUDA graphs, replayed as one launch.
+    /// With CUDA graphs ([`crate::devices::set_cuda_graphs`]) the step is whole where it can
+    /// be: its update gated by a finite-ness probe on the device and reading its learning rate
+    /// there, the forward pass, backward pass and update replayed as one launch.
     pub fn train_alone(&mut self, part: &Batch, lr: f64) -> Result<StepTotals> {
         if !self.takes_whole_step(part)? {
             let step = self.step_buffer(part)?;

@@ -185,9 +185,17 @@ impl StateServer {
             .name("kandle-pipeline-state".into())
             .spawn(move || {
                 while !stopped.load(Ordering::Relaxed) {
-                    if let Ok(stage) = replica.try_lock() {
-                        let answered =
-                            serving.point_to_point(|comm| answer_requests(comm, &stage, timeout));
+                    // The MPI lock first, then the stage if no step holds it: the order of
+                    // the side duty above, which runs under the MPI lock. Holding the stage
+                    // while waiting for the MPI lock left a rank waiting at a rendezvous
+                    // unable to answer (its side duty could not take the stage), and the
+                    // chief waiting for the state until its time-out. (The first look at the
+                    // stage, let go at once, keeps this thread off the MPI lock during steps.)
+                    if replica.try_lock().is_ok() {
+                        let answered = serving.point_to_point(|comm| match replica.try_lock() {
+                            Ok(stage) => answer_requests(comm, &stage, timeout),
+                            Err(_) => Ok(()),
+                        });
                         if let Err(e) = answered {
                             log::warn!("pipeline stage state: {e}");
                             return;

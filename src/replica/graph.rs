@@ -16,7 +16,8 @@
 //!   such a copy is not allowed; they also load every kernel module, search cuDNN's algorithms
 //!   and grow its workspace.
 //! - **Capture**: the next step of the same shapes copies its batch into tensors kept for the
-//!   graph, runs eagerly on them under stream capture (thread-local mode), instantiates the
+//!   graph, runs eagerly on them under stream capture (thread-local mode, cudarc's per-buffer
+//!   event tracking paused: [`TrackingPaused`]), instantiates the
 //!   graph (its memory freed and mapped again at each launch, at the same addresses) and
 //!   launches it. The step's outputs (a training step's fused buffer and moving statistics
 //!   before the pass, an evaluation's sums, a prediction's outputs) stay the graph's, written
@@ -42,7 +43,7 @@
 use candle_core::cuda_backend::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use candle_core::cuda_backend::cudarc::driver::CudaGraph;
+use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaGraph};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{Device, Tensor, Var};
 
@@ -131,6 +132,51 @@ pub(crate) struct CudaCapture {
     what: &'static str,
 }
 
+/// cudarc's event tracking paused on a device's context while a step is captured, and resumed
+/// after, however the capture ends.
+///
+/// With tracking on (candle's default, as each device has a stream of its own), every use of a
+/// buffer first makes the stream wait on the event of the buffer's last write, and records an
+/// event after it. Inside a capture, the wait is on an event recorded before the capture began:
+/// a dependency across the capture's boundary, which the driver refuses
+/// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`), failing every capture; and an event recorded inside
+/// the capture belongs to the graph, so an eager step after it could not wait on it. A capture
+/// records the work of one thread on one stream, which orders it: the events are not needed.
+/// Buffers allocated under capture (the graph's) carry no events; they are used on this
+/// stream only, and the graph's outputs reach other devices through copies made after it.
+struct TrackingPaused {
+    context: std::sync::Arc<CudaContext>,
+    /// Whether tracking was on, so that it is turned back on.
+    was_on: bool,
+}
+
+impl TrackingPaused {
+    fn on(context: &std::sync::Arc<CudaContext>) -> Self {
+        let was_on = context.is_event_tracking();
+        if was_on {
+            // SAFETY: while paused, only this thread queues work on the context's stream (the
+            // capture lock keeps the loader's copies off it), so stream order alone orders every
+            // use of a buffer; the flag is read at each use, so buffers made before the pause
+            // resume their tracking after it.
+            unsafe { context.disable_event_tracking() };
+        }
+        Self {
+            context: std::sync::Arc::clone(context),
+            was_on,
+        }
+    }
+}
+
+impl Drop for TrackingPaused {
+    fn drop(&mut self) {
+        if self.was_on {
+            // SAFETY: turns back on what `on` turned off; buffers allocated meanwhile stay
+            // untracked, which their single-stream use allows (see the type's documentation).
+            unsafe { self.context.enable_event_tracking() };
+        }
+    }
+}
+
 /// A captured step: the graph, the batch it reads and the output it writes.
 pub(crate) struct CapturedStep<O> {
     /// The batch the graph reads, each step's copied in.
@@ -175,6 +221,7 @@ impl<O: GraphOutput> StepCapture<O> for CudaCapture {
         let _cache = self.device.enable_cuda_graph_htod_cache();
         // No other thread queues work on the stream while it is captured (the loader's copies).
         let _alone = crate::devices::stream_capture::capturing();
+        let untracked = TrackingPaused::on(&context);
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| format!("beginning the capture: {e}"))?;
@@ -182,6 +229,9 @@ impl<O: GraphOutput> StepCapture<O> for CudaCapture {
         let traced = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| eager(&on_kept)));
         let ended = stream
             .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        // Tracked again before anything is made outside the graph (the output's copies, which
+        // may go to other devices).
+        drop(untracked);
         let traced = match traced {
             Ok(traced) => traced,
             Err(panic) => {

@@ -84,7 +84,9 @@ if [[ "${CUDA_CHECK_MPI:-1}" != 0 ]]; then
     exit 1
   fi
   echo "== cargo clippy --features cuda,nccl,mpi (NCCL across workers)"
-  cargo clippy --locked --all-targets -p kandle-strategies -p kandle-examples \
-    --features cuda,nccl,mpi -- -D warnings
+  # The packages and features of the check before it, plus MPI: only the crates MPI changes are
+  # checked again.
+  cargo clippy --locked --all-targets -p kandle -p kandle-kernels -p kandle-strategies \
+    -p kandle-examples --features cuda,nccl,kandle-kernels/test-support,mpi -- -D warnings
 fi
 echo "== cuda check passed in $((SECONDS - t0)) s"

@@ -154,6 +154,9 @@ step whole-steps-cuda 90 "$BIN/kandle-lib" --include-ignored \
 # The loader's prefetch thread hands over batches copied to the GPU, the host batches' values.
 step loader-to-gpu 30 "$BIN/kandle-lib" --include-ignored --exact \
   data::loader::tests::batches_copied_to_a_gpu_are_the_host_batches
+# Pinned staging buffers and the copy stream: every dtype, both buffers, a short and an empty batch.
+step batch-upload 30 "$BIN/kandle-lib" --include-ignored --exact \
+  devices::batch_upload::cuda::tests::batches_arrive_on_the_gpu_as_they_left
 # A device kandle opens keeps the memory freed on it in its pool across synchronisations.
 step cuda-memory-pool 30 "$BIN/kandle-lib" --include-ignored --exact \
   devices::tests::a_cuda_device_keeps_freed_memory_in_its_pool

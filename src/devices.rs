@@ -1,7 +1,9 @@
 //! Devices: the CPU and CUDA GPUs, with clear errors for devices that do not exist; a CUDA
 //! device kandle opens keeps its freed memory in its pool (`cuda_settings`); training steps on
-//! CUDA devices captured as CUDA graphs when asked for ([`set_cuda_graphs`]).
+//! CUDA devices captured as CUDA graphs when asked for ([`set_cuda_graphs`]); batches copied to
+//! a CUDA device from pinned memory on a stream of their own (`batch_upload`).
 
+pub(crate) mod batch_upload;
 mod cuda_graphs;
 #[cfg(feature = "cuda")]
 mod cuda_settings;

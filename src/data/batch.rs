@@ -110,16 +110,23 @@ impl Batch {
 
     /// Every part moved to `device`.
     pub fn to_device(&self, device: &Device) -> Result<Self> {
-        let moved = |parts: &[Tensor]| -> Result<Vec<Tensor>> {
-            parts.iter().map(|t| Ok(t.to_device(device)?)).collect()
+        self.map_parts(|t| Ok(t.to_device(device)?))
+    }
+
+    /// The batch with `f` applied to each of its tensors (inputs, targets, weights).
+    pub(crate) fn map_parts(&self, mut f: impl FnMut(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        let mut moved =
+            |parts: &[Tensor]| -> Result<Vec<Tensor>> { parts.iter().map(&mut f).collect() };
+        let inputs = moved(&self.inputs)?;
+        let targets = moved(&self.targets)?;
+        let weights = match &self.weights {
+            Some(w) => Some(f(w)?),
+            None => None,
         };
         Ok(Self {
-            inputs: moved(&self.inputs)?,
-            targets: moved(&self.targets)?,
-            weights: match &self.weights {
-                Some(w) => Some(w.to_device(device)?),
-                None => None,
-            },
+            inputs,
+            targets,
+            weights,
         })
     }
 }

@@ -38,6 +38,7 @@ use rand::SeedableRng;
 use rayon::prelude::*;
 
 use super::{weighting, Augment, Batch, Dataset, InputSpec, PartBuffer, PartMut, Targets};
+use crate::devices::batch_upload::BatchUpload;
 use crate::{Error, Result};
 
 /// How a [`Loader`] cuts an epoch into batches.
@@ -83,8 +84,8 @@ pub struct LoaderOptions {
     /// dataset's named inputs in its own order). Default `None`: the dataset's order.
     pub input_order: Option<Arc<[usize]>>,
     /// `Some(device)`: each batch is copied to `device` once assembled, by the prefetch thread
-    /// under [`Loader::spawn`], so that on a CUDA device the copy from host memory runs while
-    /// the step before it does. `fit` and `evaluate` set it where their strategy trains on one
+    /// under [`Loader::spawn`], so that on a CUDA device the copy runs while the step before it
+    /// does (from pinned host memory, on a copy stream of the device's own). `fit` and `evaluate` set it where their strategy trains on one
     /// CUDA device. Default `None`: batches stay in host memory.
     pub device: Option<Device>,
 }
@@ -164,6 +165,8 @@ pub struct Loader<'d> {
     inputs: Vec<InputSpec>,
     targets: Targets,
     width: usize,
+    /// The copies of batches to [`LoaderOptions::device`].
+    upload: BatchUpload,
 }
 
 impl<'d> Loader<'d> {
@@ -226,6 +229,7 @@ impl<'d> Loader<'d> {
             inputs,
             targets,
             width,
+            upload: BatchUpload::default(),
         })
     }
 
@@ -370,7 +374,7 @@ impl<'d> Loader<'d> {
             Some(device) if !device.is_cpu() => {
                 // Queued beside the training thread's steps, never into a capture.
                 let _beside = crate::devices::stream_capture::beside_the_steps();
-                batch.to_device(device)
+                batch.map_parts(|part| self.upload.upload(part, device))
             }
             _ => Ok(batch),
         }

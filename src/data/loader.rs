@@ -85,8 +85,9 @@ pub struct LoaderOptions {
     pub input_order: Option<Arc<[usize]>>,
     /// `Some(device)`: each batch is copied to `device` once assembled, by the prefetch thread
     /// under [`Loader::spawn`], so that on a CUDA device the copy runs while the step before it
-    /// does (from pinned host memory, on a copy stream of the device's own). `fit` and `evaluate` set it where their strategy trains on one
-    /// CUDA device. Default `None`: batches stay in host memory.
+    /// does (from pinned host memory, on a copy stream of the device's own). `fit` and
+    /// `evaluate` set it where their strategy trains on one CUDA device. Default `None`:
+    /// batches stay in host memory.
     pub device: Option<Device>,
 }
 

@@ -143,8 +143,16 @@ mod cuda {
             T: WithDType + CudaDType + DeviceRepr + ValidAsZeroBits,
         {
             let host = tensor.contiguous()?;
-            let values = host.flatten_all()?.to_vec1::<T>()?;
-            let n = values.len();
+            let n = host.elem_count();
+            let (storage, layout) = host.storage_and_layout();
+            let Storage::Cpu(cpu) = &*storage else {
+                return Err(Error::Device(
+                    "a batch to copy is not in host memory".into(),
+                ));
+            };
+            // The host values, read in place: the staging buffer is their only copy.
+            let start = layout.start_offset();
+            let values = &cpu.as_slice::<T>()?[start..start + n];
             let failed =
                 |what: &str, e: &dyn std::fmt::Display| Error::Device(format!("{what}: {e}"));
             let stream = Arc::clone(&self.stream);
@@ -153,7 +161,7 @@ mod cuda {
             staging
                 .as_mut_slice()
                 .map_err(|e| failed("waiting for a staging buffer", &e))?
-                .copy_from_slice(&values);
+                .copy_from_slice(values);
             let slice = stream
                 .clone_htod(&*staging)
                 .map_err(|e| failed("copying a batch to the GPU", &e))?;

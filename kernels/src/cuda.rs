@@ -70,6 +70,7 @@ mod algorithms;
 mod batch_norm;
 #[cfg(feature = "cudnn")]
 mod cache;
+mod channel_views;
 #[cfg(feature = "cudnn")]
 mod conv;
 mod cross_entropy;
@@ -87,9 +88,13 @@ mod program;
 
 use candle_core::Tensor;
 
-pub use batch_norm::{batch_norm_train, batch_norm_train_replay, channel_affine};
+pub use batch_norm::{
+    batch_norm_train, batch_norm_train_into, batch_norm_train_replay, channel_affine,
+    channel_affine_into, BatchNormBackward,
+};
 #[cfg(feature = "cudnn")]
 pub use cache::{cache_stats, clear_caches, CacheStats};
+pub use channel_views::channel_buffer;
 #[cfg(feature = "cudnn")]
 pub use conv::{conv2d, conv2d_input_grad, conv2d_kernel_grad};
 pub use cross_entropy::{

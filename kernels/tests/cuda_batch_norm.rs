@@ -3,7 +3,10 @@
 //! the batch statistics, and the gradients of the input, weight and bias through candle's
 //! autograd and through the kept op, with and without the fused ReLU, on MiniGoogLeNet's and
 //! ResNet's shapes and odd ones, within 1e-4 of the largest magnitude in `f32`; `f64`, `f16` and
-//! `bf16`; NaN propagation; strided inputs; and errors for inputs the kernels cannot take.
+//! `bf16`; NaN propagation; strided inputs; and errors for inputs the kernels cannot take. The
+//! outputs written into a range of a larger tensor's channels (`batch_norm_train_into`,
+//! `channel_affine_into`) and the gradients read from such a range, bit for bit against the
+//! same kernels on tensors of their own.
 //!
 //! Built with `cuda` and `test-support`. The GPU tests are `#[ignore]`d (`gpu/check.sh` runs
 //! them with `--include-ignored`); the test of a CPU tensor's error runs anywhere the binary
@@ -11,7 +14,7 @@
 
 mod cuda_support;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use cuda_support::{assert_invalid, assert_matches, gpu, gradients, weighted_sum};
 use kandle_kernels::test_support::random;
@@ -353,4 +356,126 @@ fn a_cpu_tensor_is_an_error_pointing_to_the_cpu_kernel() -> Result<()> {
             "kandle_kernels::batch_norm::channel_affine",
         ],
     )
+}
+
+/// Channels `2..5` of a tensor of 7 channels otherwise holding 7.0, in `dtype`: what a
+/// concatenation hands a branch of 3 channels of `dims`.
+fn channel_range(dims: &[usize], dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let mut whole_dims = dims.to_vec();
+    whole_dims[1] = 7;
+    let whole = Tensor::full(7f32, whole_dims, dev)?.to_dtype(dtype)?;
+    let part = whole.narrow(1, 2, 3)?;
+    Ok((whole, part))
+}
+
+/// Fails unless every channel of `whole` outside `2..5` still holds 7.0.
+fn assert_rest_untouched(what: &str, whole: &Tensor) -> Result<()> {
+    for (start, len) in [(0, 2), (5, 2)] {
+        let rest = whole.narrow(1, start, len)?;
+        let sevens = rest.ones_like()?.affine(7.0, 0.0)?;
+        assert_matches(&format!("{what}: channels {start}.."), &rest, &sevens, 0.0)?;
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_range_of_channels_is_written_and_read_in_place() -> Result<()> {
+    // A concatenation's branch writes its channels of the joined output and reads its channels
+    // of the joined gradient where they lie: the same kernels as on a tensor of its own, so the
+    // same bits.
+    let dev = gpu()?;
+    for dtype in [DType::F32, DType::F16] {
+        for dims in [&[8, 3, 5, 5][..], &[2, 3, 7], &[1, 3, 4, 4]] {
+            for relu in [false, true] {
+                let what = format!("{dtype:?} {dims:?} relu {relu}");
+                let [x, w, b] = operands(dims, 40, 0.5)?;
+                let x = x.to_dtype(dtype)?.to_device(&dev)?;
+                let (w, b) = (w.to_device(&dev)?, b.to_device(&dev)?);
+                let (whole, part) = channel_range(dims, dtype, &dev)?;
+                let (backward, stats) =
+                    cuda::batch_norm_train_into(&x, Some(&w), Some(&b), EPSILON, relu, &part)?;
+                let (replay, want) =
+                    cuda::batch_norm_train_replay(&x, Some(&w), Some(&b), EPSILON, relu)?;
+                assert_matches(&format!("{what}: y"), &part, replay.output(), 0.0)?;
+                assert_matches(&format!("{what}: mean"), &stats.mean, &want.mean, 0.0)?;
+                assert_matches(&format!("{what}: var"), &stats.var, &want.var, 0.0)?;
+                assert_rest_untouched(&what, &whole)?;
+
+                let (_, joined_dy) = channel_range(dims, dtype, &dev)?;
+                let dy_whole = random(joined_dy.dims(), 41, 0.0)?.to_dtype(dtype)?;
+                let dy = dy_whole.to_device(&dev)?.narrow(1, 2, 3)?;
+                let (dx, dweight, dbias) = backward.backward(&dy)?;
+                let copied = replay.backward(&dy.contiguous()?)?;
+                let viewed = replay.backward(&dy)?;
+                for (name, got, want, kept) in [
+                    ("dx", dx, copied.0, viewed.0),
+                    ("dweight", dweight, copied.1, viewed.1),
+                    ("dbias", dbias, copied.2, viewed.2),
+                ] {
+                    let want = want.context("a gradient of the kept op is missing")?;
+                    let kept = kept.context("a gradient of the kept op is missing")?;
+                    assert_matches(&format!("{what}: {name}"), &got, &want, 0.0)?;
+                    assert_matches(&format!("{what}: {name} (kept op)"), &kept, &want, 0.0)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_inference_affine_writes_a_range_of_channels() -> Result<()> {
+    let dev = gpu()?;
+    for relu in [false, true] {
+        let what = format!("relu {relu}");
+        let dims = [4, 3, 6, 6];
+        let [x, scale, shift] = operands(&dims, 42, 0.0)?.map(|t| t.to_device(&dev));
+        let (x, scale, shift) = (x?, scale?, shift?);
+        let (whole, part) = channel_range(&dims, DType::F32, &dev)?;
+        let backward = cuda::channel_affine_into(&x, &scale, &shift, relu, &part)?;
+        let vars = [&x, &scale, &shift].map(Var::from_tensor);
+        let [xv, av, bv] = vars;
+        let (xv, av, bv) = (xv?, av?, bv?);
+        let y = cuda::channel_affine(xv.as_tensor(), av.as_tensor(), bv.as_tensor(), relu)?;
+        assert_matches(&format!("{what}: y"), &part, &y, 0.0)?;
+        assert_rest_untouched(&what, &whole)?;
+
+        let dy = random(&[4, 7, 6, 6], 43, 0.0)?.to_device(&dev)?;
+        let dy = dy.narrow(1, 2, 3)?;
+        let (dx, dscale, dshift) = backward.backward(&dy)?;
+        let grads = (y * &dy.contiguous()?)?.sum_all()?.backward()?;
+        for (name, got, var) in [
+            ("dx", dx, &xv),
+            ("dscale", dscale, &av),
+            ("dshift", dshift, &bv),
+        ] {
+            let want = grads.get(var).context("no autograd gradient")?;
+            assert_matches(&format!("{what}: {name}"), &got, want, 0.0)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_output_that_cannot_take_the_result_is_an_error() -> Result<()> {
+    let dev = gpu()?;
+    let [x, w, b] = operands(&[2, 3, 4, 4], 44, 0.0)?.map(|t| t.to_device(&dev));
+    let (x, w, b) = (x?, w?, b?);
+    let wrong_shape = Tensor::zeros((2, 4, 4, 4), DType::F32, &dev)?;
+    let wrong_dtype = Tensor::zeros((2, 3, 4, 4), DType::F16, &dev)?;
+    // Rows of a transposed tensor: no image is contiguous.
+    let scattered = Tensor::zeros((2, 4, 4, 3), DType::F32, &dev)?.permute((0, 3, 1, 2))?;
+    for out in [wrong_shape, wrong_dtype, scattered] {
+        let result = cuda::batch_norm_train_into(&x, Some(&w), Some(&b), EPSILON, true, &out);
+        assert_invalid(
+            result,
+            &["cuda_channel_affine_into", "cannot take the output"],
+        )?;
+    }
+    let buffer = cuda::channel_buffer(&[2, 5], DType::U8, &dev);
+    assert_invalid(buffer, &["channel_buffer", "U8"])?;
+    Ok(())
 }

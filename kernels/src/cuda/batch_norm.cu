@@ -28,11 +28,29 @@
 #define GROW_SHIFT 5
 #define GROW_MEAN 6
 
+// An output, or an output gradient, may be a range of a larger tensor's channels (a branch's
+// part of a concatenation): its images are each contiguous, `stride` values apart (`channels *
+// plane` for a tensor of its own).
+
+// The index, in an (N, C, ...) tensor whose images lie `stride` values apart, of value `j` of
+// channel `c`.
+__device__ __forceinline__ size_t strided_channel_value(unsigned j, unsigned c, unsigned plane,
+                                                        size_t stride) {
+  const unsigned n = j / plane, i = j - n * plane;
+  return (size_t)n * stride + (size_t)c * plane + i;
+}
+
 // The index in the (N, C, ...) tensor of value `j` of channel `c`.
 __device__ __forceinline__ size_t channel_value(unsigned j, unsigned c, unsigned channels,
                                                 unsigned plane) {
-  const unsigned n = j / plane, i = j - n * plane;
-  return ((size_t)n * channels + c) * plane + i;
+  return strided_channel_value(j, c, plane, (size_t)channels * plane);
+}
+
+// The index, in a tensor whose images lie `stride` values apart, of value `i` of the contiguous
+// (N, C, ...) tensor of `image = C * plane` values per image.
+__device__ __forceinline__ size_t strided_value(unsigned i, unsigned image, size_t stride) {
+  const unsigned n = i / image;
+  return (size_t)n * stride + (i - n * image);
 }
 
 // The block's sums of `a` and `b` over its threads into its pair of `partials`. Every thread of
@@ -109,11 +127,12 @@ __device__ void bn_stats_finalize(const double *partials, unsigned splits, const
   table[ROW_SHIFT * channels + c] = (S)shift;
 }
 
-// `y = x * scale[c] + shift[c]`, then `max(y, 0)` when `relu` (a NaN stays NaN).
+// `y = x * scale[c] + shift[c]`, then `max(y, 0)` when `relu` (a NaN stays NaN); `y`'s images
+// lie `y_stride` values apart.
 template <typename T>
 __device__ void bn_forward_apply(const T *x, const typename Num<T>::C *scale,
                                  const typename Num<T>::C *shift, T *y, unsigned total,
-                                 unsigned channels, unsigned plane, int relu) {
+                                 unsigned channels, unsigned plane, int relu, size_t y_stride) {
   typedef typename Num<T>::C C;
   KANDLE_FOR_EACH(i, total) {
     const unsigned c = (i / plane) % channels;
@@ -121,16 +140,17 @@ __device__ void bn_forward_apply(const T *x, const typename Num<T>::C *scale,
     if (relu && z < (C)0) {
       z = 0;
     }
-    y[i] = store<T>(z);
+    y[strided_value(i, channels * plane, y_stride)] = store<T>(z);
   }
 }
 
 // Per block (as `bn_stats_partial`): the sums of `dy'` and `dy' * (x - mean)`, where `dy'` is
-// `dy` where the ReLU (when `relu`) passes it and zero elsewhere, from the (5, C) `table`.
+// `dy` where the ReLU (when `relu`) passes it and zero elsewhere, from the (5, C) `table`;
+// `dy`'s images lie `dy_stride` values apart.
 template <typename T>
 __device__ void bn_grad_partial(const T *x, const T *dy, const typename Num<T>::C *table,
                                 double *partials, unsigned channels, unsigned plane,
-                                unsigned count, unsigned chunk, int relu) {
+                                unsigned count, unsigned chunk, int relu, size_t dy_stride) {
   typedef typename Num<T>::C C;
   const unsigned c = blockIdx.y;
   const unsigned begin = blockIdx.x * chunk;
@@ -140,9 +160,8 @@ __device__ void bn_grad_partial(const T *x, const T *dy, const typename Num<T>::
   const C b = table[ROW_SHIFT * channels + c];
   C sum_dy = 0, sum_centered = 0;
   for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const size_t at = channel_value(j, c, channels, plane);
-    const C v = load(x[at]);
-    const C g = load(dy[at]);
+    const C v = load(x[channel_value(j, c, channels, plane)]);
+    const C g = load(dy[strided_channel_value(j, c, plane, dy_stride)]);
     if (!relu || relu_passes(v, a, b)) {
       sum_dy += g;
       sum_centered += mul_rn(g, v - mean);
@@ -186,11 +205,12 @@ __device__ void bn_grad_finalize(const double *partials, unsigned splits,
 
 // The input gradient from the (7, C) `grads` table: `rest = p * (x - mean) + q` (`q` alone
 // without `centered`, so that a NaN in `x` leaves an affine's gradient finite), then
-// `dx = rest + k * dy` where the ReLU passes the gradient and `rest` elsewhere.
+// `dx = rest + k * dy` where the ReLU passes the gradient and `rest` elsewhere; `dy`'s images lie
+// `dy_stride` values apart.
 template <typename T>
 __device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C *grads, T *dx,
                               unsigned total, unsigned channels, unsigned plane, int relu,
-                              int centered) {
+                              int centered, size_t dy_stride) {
   typedef typename Num<T>::C C;
   KANDLE_FOR_EACH(i, total) {
     const unsigned c = (i / plane) % channels;
@@ -203,7 +223,8 @@ __device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C 
       rest = add_rn(centred, q);
     }
     const bool passes = !relu || relu_passes(v, k, grads[GROW_SHIFT * channels + c]);
-    dx[i] = store<T>(passes ? add_rn(rest, mul_rn(k, load(dy[i]))) : rest);
+    const C g = load(dy[strided_value(i, channels * plane, dy_stride)]);
+    dx[i] = store<T>(passes ? add_rn(rest, mul_rn(k, g)) : rest);
   }
 }
 
@@ -224,13 +245,14 @@ __device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C 
   extern "C" __global__ void bn_forward_apply_##NAME(const T *x, const Num<T>::C *scale,       \
                                                       const Num<T>::C *shift, T *y,            \
                                                       unsigned total, unsigned channels,       \
-                                                      unsigned plane, int relu) {              \
-    bn_forward_apply<T>(x, scale, shift, y, total, channels, plane, relu);                     \
+                                                      unsigned plane, int relu,                \
+                                                      unsigned long long y_stride) {           \
+    bn_forward_apply<T>(x, scale, shift, y, total, channels, plane, relu, y_stride);           \
   }                                                                                            \
   extern "C" __global__ void bn_grad_partial_##NAME(                                           \
       const T *x, const T *dy, const Num<T>::C *table, double *partials, unsigned channels,     \
-      unsigned plane, unsigned count, unsigned chunk, int relu) {                              \
-    bn_grad_partial<T>(x, dy, table, partials, channels, plane, count, chunk, relu);           \
+      unsigned plane, unsigned count, unsigned chunk, int relu, unsigned long long dy_stride) { \
+    bn_grad_partial<T>(x, dy, table, partials, channels, plane, count, chunk, relu, dy_stride);\
   }                                                                                            \
   extern "C" __global__ void bn_grad_finalize_##NAME(const double *partials, unsigned splits,  \
                                                       const Num<T>::C *table,                  \
@@ -241,8 +263,9 @@ __device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C 
   extern "C" __global__ void bn_grad_apply_##NAME(const T *x, const T *dy,                     \
                                                    const Num<T>::C *grads, T *dx,              \
                                                    unsigned total, unsigned channels,          \
-                                                   unsigned plane, int relu, int centered) {   \
-    bn_grad_apply<T>(x, dy, grads, dx, total, channels, plane, relu, centered);                \
+                                                   unsigned plane, int relu, int centered,     \
+                                                   unsigned long long dy_stride) {             \
+    bn_grad_apply<T>(x, dy, grads, dx, total, channels, plane, relu, centered, dy_stride);     \
   }
 
 BN_KERNELS(float, f32)

@@ -16,6 +16,11 @@
 //! [`channel_affine`] is inference's `y = x * scale + shift` (then the ReLU), differentiable in
 //! all three, its backward pass the same three kernels without the centred term.
 //!
+//! A concatenation's branch writes its output into its range of the concatenation's channels
+//! ([`batch_norm_train_into`], [`channel_affine_into`]: the last kernel writes there), and the
+//! backward kernels read an output gradient that is such a range where it lies
+//! (`channel_views`), so neither pass copies a branch's channels.
+//!
 //! NaNs propagate as in PyTorch and the CPU kernels: a NaN in a channel of a training batch
 //! makes the channel's statistics and outputs NaN; in inference only its own output is NaN.
 
@@ -28,8 +33,9 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
-use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CudaStorage, CustomOp3, DType, InplaceOp3, Layout, Shape, Tensor};
 
+use super::channel_views::{images_contiguous, strided_address, strided_address_mut};
 use super::operands::{
     address_mut, addresses, check_input, companion, kernel, on_cpu, stats_dtype, storage, tensor,
     uninit,
@@ -40,6 +46,8 @@ use crate::replay::Replay3;
 use crate::{Error, Result};
 
 const TRAIN_OP: &str = "cuda_batch_norm";
+const STATS_OP: &str = "cuda_batch_norm_statistics";
+const APPLY_OP: &str = "cuda_channel_affine_into";
 const AFFINE_OP: &str = "cuda_channel_affine";
 const GRAD_SUMS_OP: &str = "cuda_batch_norm_grad_sums";
 const GRAD_OP: &str = "cuda_batch_norm_input_grad";
@@ -129,6 +137,151 @@ pub fn batch_norm_train_replay(
     Ok((replay, stats))
 }
 
+/// [`batch_norm_train`] with its output written into `out`, a tensor of `x`'s shape and dtype
+/// whose images are each contiguous: a range of a larger tensor's channels (`narrow` on axis 1
+/// of a [`channel_buffer`](super::channel_buffer)), as a concatenation hands its branches.
+/// Returns what the backward pass needs and the batch statistics; nothing is recorded for
+/// candle's autograd.
+///
+/// Errors as [`batch_norm_train`], and for an `out` of another shape, dtype or device, or
+/// whose images are not contiguous.
+///
+/// ```no_run
+/// use candle_core::{DType, Device, Tensor};
+/// use kandle_kernels::cuda::{batch_norm_train_into, channel_buffer};
+///
+/// let dev = Device::new_cuda(0)?;
+/// let x = Tensor::randn(0f32, 1., (8, 3, 4, 4), &dev)?;
+/// let joined = channel_buffer(&[8, 5, 4, 4], DType::F32, &dev)?;
+/// let part = joined.narrow(1, 2, 3)?; // channels 2..5 of the joined tensor
+/// let (backward, stats) = batch_norm_train_into(&x, None, None, 1e-3, true, &part)?;
+/// let (dx, dweight, dbias) = backward.backward(&part.ones_like()?)?;
+/// assert_eq!((dx.dims(), dweight.dims(), stats.mean.dims()), (x.dims(), &[3][..], &[3][..]));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn batch_norm_train_into(
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    epsilon: f64,
+    relu: bool,
+    out: &Tensor,
+) -> Result<(BatchNormBackward, BatchStats)> {
+    let c = check_x(STATS_OP, CPU_TRAIN, x)?;
+    check_out(APPLY_OP, x, out)?;
+    if epsilon.is_nan() || epsilon < 0.0 {
+        return Err(Error::invalid(format!(
+            "{STATS_OP}: epsilon must be non-negative, got {epsilon}"
+        )));
+    }
+    let stats = stats_dtype(x.dtype());
+    let weight = match weight {
+        Some(w) => companion(STATS_OP, "weight", w, x, stats, &[c])?,
+        None => Tensor::ones(c, stats, x.device())?,
+    };
+    let bias = match bias {
+        Some(b) => companion(STATS_OP, "bias", b, x, stats, &[c])?,
+        None => Tensor::zeros(c, stats, x.device())?,
+    };
+    let x = x.contiguous()?;
+    let table = x.apply_op3_no_bwd(&weight, &bias, &StatsOp { epsilon })?;
+    let apply = ApplyInto {
+        relu,
+        rows: (TABLE_ROWS, ROW_SCALE, ROW_SHIFT),
+    };
+    out.inplace_op3(&x, &table, &apply)?;
+    let stats = BatchStats {
+        mean: table.get(ROW_MEAN)?,
+        var: table.get(ROW_VAR)?,
+    };
+    let backward = BatchNormBackward {
+        x,
+        table,
+        relu,
+        centered: true,
+    };
+    Ok((backward, stats))
+}
+
+/// [`channel_affine`] with its output written into `out`, as [`batch_norm_train_into`] writes
+/// its own; returns what the backward pass needs (the gradients of `x`, `scale` and `shift`).
+///
+/// Errors as [`channel_affine`], and for an `out` as [`batch_norm_train_into`]'s.
+pub fn channel_affine_into(
+    x: &Tensor,
+    scale: &Tensor,
+    shift: &Tensor,
+    relu: bool,
+    out: &Tensor,
+) -> Result<BatchNormBackward> {
+    let c = check_x(AFFINE_OP, CPU_AFFINE, x)?;
+    check_out(APPLY_OP, x, out)?;
+    let stats = stats_dtype(x.dtype());
+    let scale = companion(AFFINE_OP, "scale", scale, x, stats, &[c])?.detach();
+    let shift = companion(AFFINE_OP, "shift", shift, x, stats, &[c])?.detach();
+    let x = x.contiguous()?;
+    // The statistics table of a map of `x` itself (mean 0, invstd 1), as `AffineOp`'s backward
+    // builds it.
+    let (zeros, ones) = (scale.zeros_like()?, scale.ones_like()?);
+    let table = Tensor::stack(&[&zeros, &zeros, &ones, &scale, &shift], 0)?;
+    let apply = ApplyInto {
+        relu,
+        rows: (TABLE_ROWS, ROW_SCALE, ROW_SHIFT),
+    };
+    out.inplace_op3(&x, &table, &apply)?;
+    Ok(BatchNormBackward {
+        x,
+        table,
+        relu,
+        centered: false,
+    })
+}
+
+/// What the backward pass of [`batch_norm_train_into`] or [`channel_affine_into`] reads: the
+/// input and the forward pass's statistics table.
+#[derive(Debug, Clone)]
+pub struct BatchNormBackward {
+    x: Tensor,
+    table: Tensor,
+    relu: bool,
+    centered: bool,
+}
+
+impl BatchNormBackward {
+    /// The gradients of the input, the weight (or scale) and the bias (or shift) from the
+    /// output gradient `dy`, which may be a range of a larger tensor's channels (read where it
+    /// lies, as the output was written).
+    pub fn backward(&self, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (dx, dweight, dbias) = backward(&self.x, dy, &self.table, self.relu, self.centered)?;
+        match (dx, dweight, dbias) {
+            (Some(dx), Some(dweight), Some(dbias)) => Ok((dx, dweight, dbias)),
+            _ => Err(Error::invalid(format!("{GRAD_OP}: a gradient is missing"))),
+        }
+    }
+}
+
+/// An error unless `out` can take the output for `x`: its shape, dtype and device, its images
+/// each contiguous.
+fn check_out(op: &str, x: &Tensor, out: &Tensor) -> Result<()> {
+    let fits = out.dims() == x.dims()
+        && out.dtype() == x.dtype()
+        && out.device().same_device(x.device())
+        && images_contiguous(out);
+    if !fits {
+        return Err(Error::invalid(format!(
+            "{op}: the output {:?} {:?} with strides {:?} on {:?} cannot take the output for the              input {:?} {:?} on {:?} (same shape, dtype and device, each image contiguous)",
+            out.dtype(),
+            out.dims(),
+            out.stride(),
+            out.device(),
+            x.dtype(),
+            x.dims(),
+            x.device()
+        )));
+    }
+    Ok(())
+}
+
 /// `y = x * scale[c] + shift[c]` over the channels of the `(N, C, ...)` tensor `x` on a CUDA
 /// device, then `max(y, 0)` when `relu`, as [`crate::batch_norm::channel_affine`] on the CPU;
 /// differentiable in `x`, `scale` and `shift`. Inference-mode batch normalisation is this with
@@ -193,6 +346,11 @@ impl Extent {
             count: narrow(n * plane),
             total: narrow(total),
         })
+    }
+
+    /// Values per image, the distance between the images of a tensor of its own.
+    fn image(&self) -> u64 {
+        u64::from(self.channels) * u64::from(self.plane)
     }
 
     /// The blocks of a channel's partial sums.
@@ -284,17 +442,35 @@ fn apply(
     // SAFETY: the kernel writes every value.
     let mut out = unsafe { uninit(dev, dtype, e.total as usize) }?;
     let (po, written) = address_mut(&mut out, stream)?;
+    // SAFETY: the output holds `e.total` values of `dtype`; the rest is the caller's contract.
+    unsafe { launch_apply(op, kernel_name, dev, dtype, e, (inputs, po, rest)) }?;
+    drop(written);
+    Ok(out)
+}
+
+/// Launches `kernel_name` over the extent `e` of `dtype`, a thread per value: its arguments
+/// `inputs`, the output `out`, the extent's total, channels and plane, then `rest`.
+///
+/// # Safety
+///
+/// `inputs` are the kernel's inputs in its order: those of the input's shape `e.total` values of
+/// `dtype`, the per-channel ones of the statistics' dtype; `out` holds the kernel's output for
+/// the extent `e` (as laid out by the strides in `rest`, if any).
+unsafe fn launch_apply(
+    op: &str,
+    kernel_name: &str,
+    dev: &CudaDevice,
+    dtype: DType,
+    e: Extent,
+    (inputs, out, rest): (&[Arg], u64, &[Arg]),
+) -> candle_core::Result<()> {
     let mut args = inputs.to_vec();
-    args.extend([Arg::Ptr(po), Arg::U32(e.total)]);
+    args.extend([Arg::Ptr(out), Arg::U32(e.total)]);
     args.extend(e.dims_args());
     args.extend_from_slice(rest);
     let name = kernel(op, kernel_name, dtype)?;
-    // SAFETY: the callers pass the kernel's inputs in its order: those of the input's shape
-    // `e.total` values of `dtype` (checked), the per-channel ones (checked) of the statistics'
-    // dtype; the output holds `e.total` values of `dtype`.
-    unsafe { PROGRAM.launch(dev, &name, per_item(e.total as usize), &args) }?;
-    drop(written);
-    Ok(out)
+    // SAFETY: the caller's contract.
+    unsafe { PROGRAM.launch(dev, &name, per_item(e.total as usize), &args) }
 }
 
 /// Launches `y = x * scale + shift` (then the ReLU) over the extent `e` of `dtype` and returns
@@ -309,7 +485,7 @@ fn forward_apply(
     relu: bool,
 ) -> candle_core::Result<CudaStorageSlice> {
     let inputs = [Arg::Ptr(x), Arg::Ptr(scale), Arg::Ptr(shift)];
-    let rest = [Arg::I32(relu.into())];
+    let rest = [Arg::I32(relu.into()), Arg::U64(e.image())];
     apply(op, "bn_forward_apply", ctx, dtype, e, (&inputs, &rest))
 }
 
@@ -322,29 +498,54 @@ enum Companions {
     Gradient(&'static str, usize),
 }
 
+/// The device addresses of an op's three operands, and what the kernels need to read them.
+struct Operands<'a> {
+    /// The extent of the input `x`, the first operand.
+    e: Extent,
+    pointers: [u64; 3],
+    /// The distance between the images of the second operand when it is an output gradient,
+    /// which may be a range of a larger tensor's channels.
+    dy_stride: u64,
+    /// The guards to hold until the kernels that read the operands are queued.
+    _guards: Vec<SyncOnDrop<'a>>,
+}
+
 /// What each op's CUDA forward pass starts with: the extent of its input `x` (the first
-/// operand), the checks of the other two (`companions`), and the device addresses of all three,
-/// with their guards to hold until the kernels that read them are queued.
+/// operand), the checks of the other two (`companions`), and the device addresses of all three.
 fn operands<'a>(
     op: &str,
     [x, a, b]: [(&'a CudaStorage, &Layout); 3],
     companions: Companions,
     stream: &'a CudaStream,
-) -> candle_core::Result<(Extent, [u64; 3], Vec<SyncOnDrop<'a>>)> {
+) -> candle_core::Result<Operands<'a>> {
     let e = Extent::of(op, x.1.dims()).map_err(candle_core::Error::Msg)?;
     let dtype = x.0.dtype();
     match companions {
         Companions::Vectors(first, second) => {
             check_table(op, first, a, dtype, None, e.channels)?;
             check_table(op, second, b, dtype, None, e.channels)?;
+            let (pointers, guards) = addresses(op, [x, a, b], stream)?;
+            Ok(Operands {
+                e,
+                pointers,
+                dy_stride: e.image(),
+                _guards: guards,
+            })
         }
         Companions::Gradient(what, rows) => {
             check_gradient(op, x, a)?;
             check_table(op, what, b, dtype, Some(rows), e.channels)?;
+            let ([px, pb], mut guards) = addresses(op, [x, b], stream)?;
+            let (pa, dy_stride, read) = strided_address(op, "output gradient", a, stream)?;
+            guards.push(read);
+            Ok(Operands {
+                e,
+                pointers: [px, pa, pb],
+                dy_stride,
+                _guards: guards,
+            })
         }
     }
-    let (pointers, guards) = addresses(op, [x, a, b], stream)?;
-    Ok((e, pointers, guards))
 }
 
 /// An error unless the per-channel operand `(s, l)` `what` has `rows` rows of `channels`
@@ -406,36 +607,16 @@ impl CustomOp3 for TrainOp {
         let (dev, dtype) = (&x.device, x.dtype());
         let stream = dev.cuda_stream();
         let params = Companions::Vectors("weight", "bias");
-        let (e, [px, pw, pb], read) =
-            operands(TRAIN_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
-        let name = kernel(TRAIN_OP, "bn_stats_partial", dtype)?;
-        let partials = partial_sums(dev, &stream, &name, e, &[Arg::Ptr(px)], &[])?;
-        let c = e.channels as usize;
-        let row = stats_dtype(dtype).size_in_bytes() * c;
-        let [channels, plane] = e.dims_args();
-        let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
-        let rest = [
-            channels,
-            plane,
-            Arg::F64(e.count.into()),
-            Arg::F64(self.epsilon),
-        ];
+        let operands = operands(TRAIN_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
+        let (e, px) = (operands.e, operands.pointers[0]);
+        let row = stats_dtype(dtype).size_in_bytes() * e.channels as usize;
         let ctx = (dev, &*stream);
-        let (table, y) = finalize(
-            TRAIN_OP,
-            "bn_stats_finalize",
-            ctx,
-            dtype,
-            e,
-            (&partials, TABLE_ROWS),
-            (&inputs, &rest),
-            |pt| {
-                let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
-                forward_apply(TRAIN_OP, ctx, dtype, e, px, map, self.relu)
-            },
-        )?;
-        drop(read);
-        let table = tensor(table, dev, &[TABLE_ROWS, c]);
+        let (table, y) = statistics(TRAIN_OP, ctx, dtype, &operands, self.epsilon, |pt| {
+            let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
+            forward_apply(TRAIN_OP, ctx, dtype, e, px, map, self.relu)
+        })?;
+        drop(operands);
+        let table = tensor(table, dev, &[TABLE_ROWS, e.channels as usize]);
         self.saved
             .set(table)
             .map_err(|_| candle_core::Error::Msg(format!("{TRAIN_OP}: op applied twice")))?;
@@ -454,6 +635,161 @@ impl CustomOp3 for TrainOp {
             candle_core::Error::Msg(format!("{TRAIN_OP}: backward before forward"))
         })?;
         backward(x, grad, table, self.relu, true)
+    }
+}
+
+/// The batch statistics of the operands `(x, weight, bias)` of `operands` into a new table
+/// (`TABLE_ROWS` rows, a value per channel) and the map they give; `then` runs with the table's
+/// address once the kernel that writes it is queued, and its result is returned with the table.
+fn statistics<R>(
+    op: &str,
+    ctx: (&CudaDevice, &CudaStream),
+    dtype: DType,
+    operands: &Operands<'_>,
+    epsilon: f64,
+    then: impl FnOnce(u64) -> candle_core::Result<R>,
+) -> candle_core::Result<(CudaStorageSlice, R)> {
+    let (dev, stream) = ctx;
+    let (e, [px, pw, pb]) = (operands.e, operands.pointers);
+    let name = kernel(op, "bn_stats_partial", dtype)?;
+    let partials = partial_sums(dev, stream, &name, e, &[Arg::Ptr(px)], &[])?;
+    let [channels, plane] = e.dims_args();
+    let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
+    let rest = [channels, plane, Arg::F64(e.count.into()), Arg::F64(epsilon)];
+    finalize(
+        op,
+        "bn_stats_finalize",
+        ctx,
+        dtype,
+        e,
+        (&partials, TABLE_ROWS),
+        (&inputs, &rest),
+        then,
+    )
+}
+
+/// The batch statistics alone: operands `(x, weight, bias)`, the output the statistics table
+/// (`TABLE_ROWS` rows), for [`ApplyInto`] to apply.
+struct StatsOp {
+    epsilon: f64,
+}
+
+impl CustomOp3 for StatsOp {
+    fn name(&self) -> &'static str {
+        STATS_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(on_cpu(STATS_OP, CPU_TRAIN))
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+        b: &CudaStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        let (dev, dtype) = (&x.device, x.dtype());
+        let stream = dev.cuda_stream();
+        let params = Companions::Vectors("weight", "bias");
+        let operands = operands(STATS_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
+        let ctx = (dev, &*stream);
+        let (table, ()) = statistics(STATS_OP, ctx, dtype, &operands, self.epsilon, |_| Ok(()))?;
+        let c = operands.e.channels as usize;
+        drop(operands);
+        Ok((storage(table, dev), Shape::from((TABLE_ROWS, c))))
+    }
+}
+
+/// `y = x * scale + shift` (then the ReLU) written into the destination, whose images may lie
+/// apart (a range of a larger tensor's channels): sources `(x, table)`, the map's scale and
+/// shift the rows `rows.1` and `rows.2` of the table of `rows.0` rows.
+struct ApplyInto {
+    relu: bool,
+    rows: (usize, usize, usize),
+}
+
+impl InplaceOp3 for ApplyInto {
+    fn name(&self) -> &'static str {
+        APPLY_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(on_cpu(APPLY_OP, CPU_AFFINE))
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+        t: &CudaStorage,
+        tl: &Layout,
+    ) -> candle_core::Result<()> {
+        let (dev, dtype) = (x.device.clone(), x.dtype());
+        let stream = dev.cuda_stream();
+        let e = Extent::of(APPLY_OP, xl.dims()).map_err(candle_core::Error::Msg)?;
+        let (rows, scale_row, shift_row) = self.rows;
+        check_table(
+            APPLY_OP,
+            "statistics",
+            (t, tl),
+            dtype,
+            Some(rows),
+            e.channels,
+        )?;
+        if dst.dtype() != dtype || dst_l.dims() != xl.dims() {
+            candle_core::bail!(
+                "{APPLY_OP}: the output {:?} {:?} for an input {:?} {:?}",
+                dst.dtype(),
+                dst_l.dims(),
+                dtype,
+                xl.dims()
+            );
+        }
+        let ([px, pt], read) = addresses(APPLY_OP, [(x, xl), (t, tl)], &stream)?;
+        let (py, y_stride, written) =
+            strided_address_mut(APPLY_OP, "output", (dst, dst_l), &stream)?;
+        let row = (stats_dtype(dtype).size_in_bytes() * e.channels as usize) as u64;
+        let (scale, shift) = (pt + scale_row as u64 * row, pt + shift_row as u64 * row);
+        let inputs = [Arg::Ptr(px), Arg::Ptr(scale), Arg::Ptr(shift)];
+        let rest = [Arg::I32(self.relu.into()), Arg::U64(y_stride)];
+        // SAFETY: `x` holds the extent's values of `dtype` (contiguous, checked by `addresses`),
+        // the table `rows` rows of a value per channel of the statistics' dtype (checked); the
+        // destination has `x`'s shape and dtype, its images contiguous and `y_stride` apart
+        // within its storage (checked by `strided_address_mut`).
+        unsafe {
+            launch_apply(
+                APPLY_OP,
+                "bn_forward_apply",
+                &dev,
+                dtype,
+                e,
+                (&inputs, py, &rest),
+            )
+        }?;
+        drop((read, written));
+        Ok(())
     }
 }
 
@@ -491,11 +827,11 @@ impl CustomOp3 for AffineOp {
         let (dev, dtype) = (&x.device, x.dtype());
         let stream = dev.cuda_stream();
         let map = Companions::Vectors("scale", "shift");
-        let (e, [px, pa, pb], read) =
-            operands(AFFINE_OP, [(x, xl), (a, al), (b, bl)], map, &stream)?;
+        let operands = operands(AFFINE_OP, [(x, xl), (a, al), (b, bl)], map, &stream)?;
+        let [px, pa, pb] = operands.pointers;
         let ctx = (dev, &*stream);
-        let y = forward_apply(AFFINE_OP, ctx, dtype, e, px, (pa, pb), self.relu)?;
-        drop(read);
+        let y = forward_apply(AFFINE_OP, ctx, dtype, operands.e, px, (pa, pb), self.relu)?;
+        drop(operands);
         Ok((storage(y, dev), xl.shape().clone()))
     }
 
@@ -535,7 +871,12 @@ fn backward(
             x.dims()
         );
     }
-    let (x, grad) = (x.contiguous()?, grad.contiguous()?);
+    // An output gradient that is a range of a larger tensor's channels is read where it lies.
+    let x = x.contiguous()?;
+    let grad = match images_contiguous(grad) {
+        true => grad.clone(),
+        false => grad.contiguous()?,
+    };
     let grads = x.apply_op3_no_bwd(&grad, table, &GradSums { relu, centered })?;
     let dx = x.apply_op3_no_bwd(&grad, &grads, &InputGrad { relu, centered })?;
     Ok((
@@ -581,12 +922,12 @@ impl CustomOp3 for GradSums {
         let (dev, dtype) = (&x.device, x.dtype());
         let stream = dev.cuda_stream();
         let table = Companions::Gradient("statistics", TABLE_ROWS);
-        let (e, [px, pdy, pt], read) =
-            operands(GRAD_SUMS_OP, [(x, xl), (dy, dyl), (t, tl)], table, &stream)?;
+        let operands = operands(GRAD_SUMS_OP, [(x, xl), (dy, dyl), (t, tl)], table, &stream)?;
+        let (e, [px, pdy, pt]) = (operands.e, operands.pointers);
         let name = kernel(GRAD_SUMS_OP, "bn_grad_partial", dtype)?;
         let inputs = [Arg::Ptr(px), Arg::Ptr(pdy), Arg::Ptr(pt)];
-        let relu = [Arg::I32(self.relu.into())];
-        let partials = partial_sums(dev, &stream, &name, e, &inputs, &relu)?;
+        let rest = [Arg::I32(self.relu.into()), Arg::U64(operands.dy_stride)];
+        let partials = partial_sums(dev, &stream, &name, e, &inputs, &rest)?;
         let rest = [
             Arg::U32(e.channels),
             Arg::F64(e.count.into()),
@@ -602,7 +943,7 @@ impl CustomOp3 for GradSums {
             (&[Arg::Ptr(pt)], &rest),
             |_| Ok(()),
         )?;
-        drop(read);
+        drop(operands);
         let c = e.channels as usize;
         Ok((storage(grads, dev), Shape::from((GRAD_ROWS, c))))
     }
@@ -643,19 +984,23 @@ impl CustomOp3 for InputGrad {
         let (dev, dtype) = (&x.device, x.dtype());
         let stream = dev.cuda_stream();
         let table = Companions::Gradient("backward table", GRAD_ROWS);
-        let (e, [px, pdy, pg], read) =
-            operands(GRAD_OP, [(x, xl), (dy, dyl), (g, gl)], table, &stream)?;
+        let operands = operands(GRAD_OP, [(x, xl), (dy, dyl), (g, gl)], table, &stream)?;
+        let [px, pdy, pg] = operands.pointers;
         let inputs = [Arg::Ptr(px), Arg::Ptr(pdy), Arg::Ptr(pg)];
-        let rest = [Arg::I32(self.relu.into()), Arg::I32(self.centered.into())];
+        let rest = [
+            Arg::I32(self.relu.into()),
+            Arg::I32(self.centered.into()),
+            Arg::U64(operands.dy_stride),
+        ];
         let dx = apply(
             GRAD_OP,
             "bn_grad_apply",
             (dev, &stream),
             dtype,
-            e,
+            operands.e,
             (&inputs, &rest),
         )?;
-        drop(read);
+        drop(operands);
         Ok((storage(dx, dev), xl.shape().clone()))
     }
 }

@@ -155,7 +155,7 @@ pub(crate) fn addresses<'a, const N: usize>(
 }
 
 /// The address of value `start` of `v`, its read guard and `v`'s length.
-fn read<'a, T>(
+pub(crate) fn read<'a, T>(
     v: &'a CudaSlice<T>,
     start: usize,
     stream: &'a CudaStream,
@@ -205,6 +205,17 @@ fn write<'a, T: DeviceRepr>(
     stream: &'a CudaStream,
 ) -> (u64, SyncOnDrop<'a>) {
     v.device_ptr_mut(stream)
+}
+
+/// The address of value `start` of `v`, its write guard and `v`'s length.
+pub(crate) fn write_at<'a, T: DeviceRepr>(
+    v: &'a mut CudaSlice<T>,
+    start: usize,
+    stream: &'a CudaStream,
+) -> (u64, SyncOnDrop<'a>, usize) {
+    let len = v.len();
+    let (ptr, guard) = v.device_ptr_mut(stream);
+    (ptr + (start * size_of::<T>()) as u64, guard, len)
 }
 
 /// A new output over `slice` on `dev`, as candle's storage.

@@ -31,6 +31,8 @@ pub(crate) enum Arg {
     Ptr(u64),
     /// An `unsigned`.
     U32(u32),
+    /// An `unsigned long long`.
+    U64(u64),
     /// An `int`.
     I32(i32),
     /// A `double`.
@@ -92,6 +94,7 @@ impl Program {
             match arg {
                 Arg::Ptr(v) => builder.arg(v),
                 Arg::U32(v) => builder.arg(v),
+                Arg::U64(v) => builder.arg(v),
                 Arg::I32(v) => builder.arg(v),
                 Arg::F64(v) => builder.arg(v),
             };

@@ -22,8 +22,9 @@
 use candle_core::{DType, Tensor, Var};
 
 use super::{
-    record_with_candle, relu, shape_error, Backward, BuildContext, Built, ChannelAffine, FastPath,
-    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded, ReluRecord,
+    record_into_by_copy, record_with_candle, relu, shape_error, Backward, BuildContext, Built,
+    ChannelAffine, ChannelPart, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
+    ReluRecord,
 };
 use crate::cross_replica::{all_reduce_sum, ReplicaHandle};
 use crate::kernels::batch_norm::{self as kernels, BatchStats};
@@ -439,11 +440,20 @@ impl Layer for BatchNormLayer {
     }
 }
 
-/// The training pass's backward through kandle's kernel: the input's gradient and the
-/// weight's and bias's, from an output gradient the CPU kernel reads in place even when it is a
-/// range of a concatenation's gradient (the CUDA kernels copy such a range first).
+/// What the backward pass of a training pass through kandle's kernels runs.
+enum KernelPass {
+    /// The kept op of `batch_norm_train_replay` (CPU or CUDA).
+    Replay(Replay3),
+    /// The CUDA kernels' pass that wrote its output into a concatenation's channels.
+    #[cfg(feature = "cuda")]
+    Into(crate::kernels::cuda::BatchNormBackward),
+}
+
+/// The training pass's backward through kandle's kernels: the input's gradient and the
+/// weight's and bias's, from an output gradient the kernels (CPU and CUDA) read in place even
+/// when it is a range of a concatenation's gradient.
 struct KernelBackward {
-    replay: Replay3,
+    pass: KernelPass,
     weight: Option<Tensor>,
     bias: Option<Tensor>,
 }
@@ -455,7 +465,14 @@ impl Backward for KernelBackward {
         grads: &mut ParamGrads,
         input_grad: bool,
     ) -> Result<Option<Tensor>> {
-        let (dx, dweight, dbias) = self.replay.backward(&dy)?;
+        let (dx, dweight, dbias) = match &self.pass {
+            KernelPass::Replay(replay) => replay.backward(&dy)?,
+            #[cfg(feature = "cuda")]
+            KernelPass::Into(pass) => {
+                let (dx, dweight, dbias) = pass.backward(&dy)?;
+                (Some(dx), Some(dweight), Some(dbias))
+            }
+        };
         for (param, grad) in [(self.weight, dweight), (self.bias, dbias)] {
             if let (Some(param), Some(grad)) = (param, grad) {
                 grads.add(&param, grad)?;
@@ -465,7 +482,38 @@ impl Backward for KernelBackward {
     }
 
     fn takes_channel_views(&self) -> bool {
-        self.replay.output().device().is_cpu()
+        true
+    }
+}
+
+impl BatchNormLayer {
+    /// The recorded training pass on a CUDA device with its output written into `part` by the
+    /// CUDA kernels, or `None` where they do not train on `x` (or `part` has another dtype).
+    #[cfg(feature = "cuda")]
+    fn record_into_on_cuda(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Recorded>> {
+        let cuda = matches!(self.fused(x), Some(BnKernels::Cuda));
+        if !cuda || self.inference || self.sync.is_some() {
+            return Ok(None);
+        }
+        let out = part.view()?;
+        if out.dtype() != x.dtype() {
+            return Ok(None);
+        }
+        let (pass, stats) = crate::kernels::cuda::batch_norm_train_into(
+            x,
+            self.weight.as_ref().map(Tensor::detach).as_ref(),
+            self.bias.as_ref().map(Tensor::detach).as_ref(),
+            self.epsilon,
+            self.relu,
+            &out,
+        )?;
+        self.update_moving(&stats.mean, &stats.var)?;
+        let backward = KernelBackward {
+            pass: KernelPass::Into(pass),
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        };
+        Ok(Some(Recorded::new(out, backward)))
     }
 }
 
@@ -495,11 +543,33 @@ impl FastPath for BatchNormLayer {
         self.update_moving(&stats.mean, &stats.var)?;
         let y = replay.output().clone();
         let backward = KernelBackward {
-            replay,
+            pass: KernelPass::Replay(replay),
             weight: self.weight.clone(),
             bias: self.bias.clone(),
         };
         Ok(Recorded::new(y, backward))
+    }
+
+    fn forward_inference_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if matches!(self.fused(x), Some(BnKernels::Cuda)) {
+            let out = part.view()?;
+            if out.dtype() == x.dtype() {
+                let (scale, shift) = self.running_affine()?;
+                crate::kernels::cuda::channel_affine_into(x, &scale, &shift, self.relu, &out)?;
+                return Ok(Some(out));
+            }
+        }
+        let _ = (x, part);
+        Ok(None)
+    }
+
+    fn forward_recorded_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Recorded> {
+        #[cfg(feature = "cuda")]
+        if let Some(recorded) = self.record_into_on_cuda(x, part)? {
+            return Ok(recorded);
+        }
+        record_into_by_copy(self, x, part)
     }
 
     fn fuse_relu(&mut self) -> bool {

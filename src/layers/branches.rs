@@ -10,8 +10,8 @@
 use candle_core::Tensor;
 
 use super::{
-    build_child, missing_input_grad, Backward, BuildContext, FastPath, LayerSpec, ParamGrads,
-    RecordRequest, SummaryRow,
+    build_child, missing_input_grad, Backward, BuildContext, ChannelPart, FastPath, LayerSpec,
+    ParamGrads, RecordRequest, SummaryRow,
 };
 use crate::Result;
 
@@ -96,6 +96,11 @@ impl Branches {
         self.layers.iter().map(|b| b.forward_t(x, train)).collect()
     }
 
+    /// The full name of the layer the branches belong to.
+    pub(crate) fn path(&self) -> &str {
+        &self.path
+    }
+
     /// Every branch's recorded training forward for `x`: the outputs, and the backward pass.
     pub(crate) fn record(&self, x: &Tensor) -> Result<(Vec<Tensor>, BranchesBackward)> {
         let mut outputs = Vec::with_capacity(self.layers.len());
@@ -105,11 +110,30 @@ impl Branches {
             outputs.push(recorded.output);
             backwards.push(recorded.backward);
         }
-        let backward = BranchesBackward {
+        Ok((outputs, self.backward_of(backwards)))
+    }
+
+    /// Every branch's recorded training forward for `x`, each writing its output into its
+    /// part of `parts` (one per branch, in order); the backward pass.
+    pub(crate) fn record_into(
+        &self,
+        x: &Tensor,
+        parts: &[ChannelPart<'_>],
+    ) -> Result<BranchesBackward> {
+        let backwards = self
+            .layers
+            .iter()
+            .zip(parts)
+            .map(|(branch, part)| Ok(branch.forward_recorded_into(x, part)?.backward))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.backward_of(backwards))
+    }
+
+    fn backward_of(&self, backwards: Vec<Box<dyn Backward>>) -> BranchesBackward {
+        BranchesBackward {
             path: self.path.clone(),
             backwards,
-        };
-        Ok((outputs, backward))
+        }
     }
 }
 

@@ -1,12 +1,19 @@
 //! `Concat`: parallel branches over the same input, joined on the channel axis. Inception and
 //! downsample modules are built from it.
+//!
+//! On the CPU, inference writes each branch's channels straight into the joined output and
+//! training joins the branches' outputs with kandle's parallel copy. On a CUDA device, training
+//! and inference allocate the joined output first and each branch writes its range of channels
+//! there ([`ChannelPart`]; a fused BatchNorm's last kernel in place, other branches' outputs
+//! copied in); either way, a branch whose backward pass reads a range of channels where it lies
+//! gets its range of the joined gradient without a copy.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
-use super::branches::{boxed_specs, branch_name, Branches};
+use super::branches::{boxed_specs, branch_name, Branches, BranchesBackward};
 use super::{
-    record_with_candle, BuildContext, Built, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest,
-    Recorded,
+    record_with_candle, BuildContext, Built, ChannelPart, FastPath, Layer, LayerSpec, ParamGrads,
+    RecordRequest, Recorded,
 };
 use crate::kernels::concat::{self, ConcatOutput};
 use crate::Result;
@@ -66,6 +73,7 @@ impl LayerSpec for Concat {
             channels: built.shapes.iter().map(|s| s[0]).collect(),
             output_shape: output_shape.clone(),
             kernels: ctx.compute_path().uses_kernels(),
+            compute: ctx.compute_dtype(),
         };
         Ok(Built::fast(layer, output_shape, built.rows))
     }
@@ -84,6 +92,8 @@ struct ConcatLayer {
     /// Whether two `f32` CPU parts are joined (and their gradients cut) by
     /// [`crate::kernels::concat`] rather than candle's single-threaded copies.
     kernels: bool,
+    /// The dtype the layers compute in, which branches over an input of that dtype give.
+    compute: DType,
 }
 
 /// The branches' outputs joined along channels, by kandle's kernel when `kernels` allows and
@@ -108,7 +118,93 @@ pub(crate) fn channel_part(
     Ok(dy.narrow(1, offset, channels)?.contiguous()?)
 }
 
+/// A new joined output of `dims` on `device`, for branches to write their channels into: on a
+/// CUDA device not filled first.
+fn joined_output(dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return Ok(crate::kernels::cuda::channel_buffer(dims, dtype, device)?);
+    }
+    Ok(Tensor::zeros(dims, dtype, device)?)
+}
+
 impl ConcatLayer {
+    /// The offset of each branch's channels in the joined output.
+    fn offsets(&self) -> Vec<usize> {
+        self.channels
+            .iter()
+            .scan(0, |offset, &channels| {
+                *offset += channels;
+                Some(*offset - channels)
+            })
+            .collect()
+    }
+
+    /// Whether each branch writes its channels into the joined output allocated first, in
+    /// training and inference (on a CUDA device, branches computing in the input's dtype),
+    /// rather than the branches' outputs being joined.
+    fn joins_in_place_on_device(&self, x: &Tensor) -> bool {
+        self.kernels && x.device().is_cuda() && x.dtype() == self.compute
+    }
+
+    /// A new joined output for the input `x`, not filled on a CUDA device.
+    fn joined_output(&self, x: &Tensor) -> Result<Tensor> {
+        let mut dims = vec![x.dim(0)?];
+        dims.extend(&self.output_shape);
+        joined_output(&dims, x.dtype(), x.device())
+    }
+
+    /// Each branch's range of channels of `joined`.
+    fn parts<'a>(&'a self, joined: &'a Tensor) -> Vec<ChannelPart<'a>> {
+        let layer = self.branches.path();
+        self.offsets()
+            .into_iter()
+            .zip(&self.channels)
+            .map(|(offset, &channels)| ChannelPart::new(joined, offset, channels, layer))
+            .collect()
+    }
+
+    /// The recorded training forward with the joined output allocated first and each branch
+    /// writing its channels into it ([`FastPath::forward_recorded_into`]).
+    fn record_in_place(&self, x: &Tensor) -> Result<Recorded> {
+        let joined = self.joined_output(x)?;
+        let backward = self.branches.record_into(x, &self.parts(&joined))?;
+        Ok(self.recorded(joined, backward))
+    }
+
+    /// Inference's forward pass with the joined output allocated first and each branch
+    /// writing its channels into it ([`FastPath::forward_inference_into`]), or its output
+    /// copied there where it cannot.
+    fn infer_in_place(&self, x: &Tensor) -> Result<Tensor> {
+        let joined = self.joined_output(x)?;
+        for (branch, part) in self.branches.layers().iter().zip(self.parts(&joined)) {
+            if branch.forward_inference_into(x, &part)?.is_none() {
+                part.write(&branch.forward_t(x, false)?)?;
+            }
+        }
+        Ok(joined)
+    }
+
+    /// The joined output `y` with the backward pass that cuts its gradient into the branches'
+    /// parts.
+    fn recorded(&self, y: Tensor, backward: BranchesBackward) -> Recorded {
+        let kernels = self.kernels;
+        let offsets = self.offsets();
+        let channels = self.channels.clone();
+        Recorded::new(
+            y,
+            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
+                // Each branch gets its channels of the gradient: a view where the branch
+                // reads it in place, a copy otherwise.
+                let part = |i: usize, view: bool| match view {
+                    true => Ok(dy.narrow(1, offsets[i], channels[i])?),
+                    false => channel_part(&dy, offsets[i], channels[i], kernels),
+                };
+                backward.backward(part, grads, input_grad)
+            },
+        )
+    }
+
     /// Inference's forward pass on the CPU: the output allocated first, and each branch
     /// writing its channels straight into it (or its output copied there, where it cannot).
     fn forward_in_place(&self, x: &Tensor) -> Result<Tensor> {
@@ -133,6 +229,9 @@ impl Layer for ConcatLayer {
         if !train && in_place && self.channels.len() > 1 {
             return self.forward_in_place(x);
         }
+        if !train && self.joins_in_place_on_device(x) {
+            return self.infer_in_place(x);
+        }
         join_channels(&self.branches.forward_t(x, train)?, self.kernels)
     }
 }
@@ -142,30 +241,12 @@ impl FastPath for ConcatLayer {
         if request.logits {
             return record_with_candle(self, x, true);
         }
+        if self.joins_in_place_on_device(x) {
+            return self.record_in_place(x);
+        }
         let (outs, backward) = self.branches.record(x)?;
         let y = join_channels(&outs, self.kernels)?;
-        let kernels = self.kernels;
-        let offsets: Vec<usize> = self
-            .channels
-            .iter()
-            .scan(0, |offset, &channels| {
-                *offset += channels;
-                Some(*offset - channels)
-            })
-            .collect();
-        let channels = self.channels.clone();
-        Ok(Recorded::new(
-            y,
-            move |dy: Tensor, grads: &mut ParamGrads, input_grad: bool| {
-                // Each branch gets its channels of the gradient: a view where the branch
-                // reads it in place, a copy otherwise.
-                let part = |i: usize, view: bool| match view {
-                    true => Ok(dy.narrow(1, offsets[i], channels[i])?),
-                    false => channel_part(&dy, offsets[i], channels[i], kernels),
-                };
-                backward.backward(part, grads, input_grad)
-            },
-        ))
+        Ok(self.recorded(y, backward))
     }
 }
 
@@ -210,6 +291,73 @@ mod tests {
     fn relative_difference(a: &Tensor, b: &Tensor) -> Result<f32> {
         let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
         Ok((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale)
+    }
+
+    #[test]
+    fn branches_written_into_the_joined_output_train_as_joined_branches() -> Result<()> {
+        // What a CUDA device runs (the joined output allocated first, each branch writing its
+        // channels), here with every branch copying its output in: a module whose ReLU the
+        // BatchNorm absorbed (an identity after the writer), a module ending in a dropout that
+        // changes the written output again, a max pool, and a bare convolution. The output and
+        // every gradient are those of the branches joined after the fact, bit for bit.
+        use super::{Branches, ConcatLayer};
+        use crate::layers::{Dropout, LayerSpec, ParamGrads};
+
+        let specs: Vec<Box<dyn LayerSpec>> = vec![
+            module(Conv2D::new(6, 1)).boxed(),
+            module(Conv2D::new(5, 3).padding(Padding::Same))
+                .add(Dropout::new(0.5))
+                .boxed(),
+            MaxPooling2D::new(3)
+                .stride(1)
+                .padding(Padding::Same)
+                .boxed(),
+            Conv2D::new(4, 1).boxed(),
+        ];
+        let mut ctx = BuildContext::new(&Device::Cpu, 5);
+        let built = Branches::build(&specs, &mut ctx, &INPUT)?;
+        let channels: Vec<usize> = built.shapes.iter().map(|s| s[0]).collect();
+        let mut output_shape = built.shapes[0].clone();
+        output_shape[0] = channels.iter().sum();
+        let layer = ConcatLayer {
+            branches: built.branches,
+            channels,
+            output_shape,
+            kernels: true,
+            compute: candle_core::DType::F32,
+        };
+        let store = ctx.into_store();
+        let (vars, start) = (store.trainable_vars(), store.weights()?);
+        let x = kandle_testing::random::seeded_uniform(&[3, 16, 9, 9], 6)?;
+        let dy = kandle_testing::random::seeded_uniform(&[3, 31, 9, 9], 7)?;
+        let mut runs = Vec::new();
+        for in_place in [false, true] {
+            // The dropout draws the same mask in both runs, from the same position.
+            store.assign(&start)?;
+            let recorded = match in_place {
+                false => layer.forward_recorded(&x, RecordRequest::output())?,
+                true => layer.record_in_place(&x)?,
+            };
+            let mut grads = ParamGrads::new();
+            let dx = recorded.backward.backward(dy.clone(), &mut grads, true)?;
+            let mut all = vec![recorded.output, dx.expect("an input gradient")];
+            for var in &vars {
+                all.push(grads.take(var.as_tensor()).expect("a variable's gradient"));
+            }
+            runs.push(all);
+        }
+        // Inference: the branches' outputs (a BatchNorm folded into the convolution before it
+        // on the CPU) joined after the fact.
+        runs[0].push(super::join_channels(
+            &layer.branches.forward_t(&x, false)?,
+            false,
+        )?);
+        runs[1].push(layer.infer_in_place(&x)?);
+        for (i, (got, want)) in runs[1].iter().zip(&runs[0]).enumerate() {
+            let (got, want) = (got.flatten_all()?, want.flatten_all()?);
+            assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?, "tensor {i}");
+        }
+        Ok(())
     }
 
     #[test]

@@ -10,7 +10,7 @@
 
 use candle_core::Tensor;
 
-use super::{record_with_candle, ChannelAffine, ChannelSlot, Layer, Recorded};
+use super::{record_with_candle, ChannelAffine, ChannelPart, ChannelSlot, Layer, Recorded};
 use crate::Result;
 
 /// What kandle's own layers add to [`Layer`]: a recorded training forward for kandle's backward
@@ -34,6 +34,25 @@ pub(crate) trait FastPath: Layer + AsLayer {
     /// candle's autograd over [`Layer::forward_t`].
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         record_with_candle(self, x, request.logits)
+    }
+
+    /// The recorded training forward pass ([`Self::forward_recorded`] with
+    /// [`RecordRequest::output`]) with the output written into `part`, the layer's range of a
+    /// concatenation's output allocated once; the recorded output is the range's view. By
+    /// default the layer records as usual and its output is copied there
+    /// ([`record_into_by_copy`]); a layer whose last kernel can write such a range (a fused
+    /// BatchNorm on CUDA) writes it in place.
+    fn forward_recorded_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Recorded> {
+        record_into_by_copy(self, x, part)
+    }
+
+    /// Writes this layer's inference output straight into `part`, its range of a
+    /// concatenation's output on a CUDA device, and returns the range's view; or returns `None`
+    /// having written nothing, when it cannot (the default), and the caller copies the output
+    /// [`Layer::forward_t`] gives. ([`Self::forward_into`] is the CPU's.)
+    fn forward_inference_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Tensor>> {
+        let _ = (x, part);
+        Ok(None)
     }
 
     /// Whether the layer is exactly `max(x, 0)`, which the layer before it may absorb.
@@ -109,6 +128,20 @@ pub(crate) trait FastPath: Layer + AsLayer {
     fn foreign(&self) -> bool {
         false
     }
+}
+
+/// [`FastPath::forward_recorded_into`] by a copy: `layer` records as usual, and its output is
+/// copied into `part`.
+pub(crate) fn record_into_by_copy(
+    layer: &(impl FastPath + ?Sized),
+    x: &Tensor,
+    part: &ChannelPart<'_>,
+) -> Result<Recorded> {
+    let recorded = layer.forward_recorded(x, RecordRequest::output())?;
+    Ok(Recorded {
+        output: part.write(&recorded.output)?,
+        ..recorded
+    })
 }
 
 /// What a recorded forward pass is asked for ([`FastPath::forward_recorded`]).

@@ -11,7 +11,7 @@
 
 use candle_core::Tensor;
 
-use super::{ChannelSlot, FastPath};
+use super::{ChannelPart, ChannelSlot, FastPath};
 use crate::Result;
 
 /// A per-channel affine map and an optional ReLU after it: `max(scale[c] * x + shift[c], 0)`
@@ -69,24 +69,66 @@ pub(crate) fn run_layers(layers: &[Named], x: &Tensor, pass: Pass) -> Result<Ten
 }
 
 /// Runs `layers` in inference on `x` with the output written into `slot` (its channels of a
-/// concatenation's output): by the last step itself where it can write there, otherwise
-/// copied.
+/// concatenation's output on the CPU): by the last step itself where it can write there,
+/// otherwise copied.
 pub(crate) fn run_layers_into(
     layers: &[Named],
     x: &Tensor,
     slot: &mut ChannelSlot<'_>,
 ) -> Result<()> {
+    run_layers_writing(
+        layers,
+        x,
+        slot,
+        |layer, h, affine, slot| Ok(layer.forward_into(h, affine, slot)?.then_some(())),
+        |slot, h| Ok(slot.copy_from(h)?),
+    )
+}
+
+/// Runs `layers` in inference on `x` with the output written into `part` (its channels of a
+/// concatenation's output on a CUDA device) and returns the part's view: by the last step
+/// itself where it can write there, otherwise copied.
+pub(crate) fn run_layers_into_part(
+    layers: &[Named],
+    x: &Tensor,
+    part: &ChannelPart<'_>,
+) -> Result<Tensor> {
+    run_layers_writing(
+        layers,
+        x,
+        &mut &*part,
+        |layer, h, affine, part| match affine {
+            Some(_) => Ok(None),
+            None => layer.forward_inference_into(h, part),
+        },
+        |part, h| part.write(h),
+    )
+}
+
+/// Runs `layers` in inference on `x` into `target`: the last step (the layers after it hand
+/// their input on) through `write(layer, h, affine, target)`, which writes the layer's output
+/// with the map folded in and returns what it gives, or `None` having written nothing; then,
+/// or when there is no step, `copy(target, output)`.
+fn run_layers_writing<T: ?Sized, R>(
+    layers: &[Named],
+    x: &Tensor,
+    target: &mut T,
+    write: impl Fn(&dyn FastPath, &Tensor, Option<&ChannelAffine>, &mut T) -> Result<Option<R>>,
+    copy: impl FnOnce(&mut T, &Tensor) -> Result<R>,
+) -> Result<R> {
     let mut h = x.clone();
     let mut rest = layers;
     while let Some((step, after)) = next_step(rest, &h, Pass::Inference)? {
         rest = after;
         let last = after.iter().all(|(_, layer)| layer.passes_through());
-        if last && step.layer.forward_into(&h, step.affine(), slot)? {
-            return Ok(());
+        if last {
+            if let Some(written) = write(step.layer, &h, step.affine(), target)? {
+                return Ok(written);
+            }
         }
         h = step.run(&h, Pass::Inference)?;
     }
-    Ok(slot.copy_from(&h)?)
+    copy(target, &h)
 }
 
 /// A layer of a stack, with its name.

@@ -34,6 +34,7 @@ mod add;
 mod batch_norm;
 mod branches;
 mod candle_adapter;
+mod channel_part;
 mod concat;
 mod conv2d;
 mod dense;
@@ -66,6 +67,7 @@ pub(crate) use branches::{
     assert_param_grads_match, assert_recorded_matches_autograd, relative_difference,
 };
 pub use candle_adapter::CandleLayer;
+pub(crate) use channel_part::ChannelPart;
 pub use concat::Concat;
 pub(crate) use concat::{channel_part, join_channels};
 pub use conv2d::Conv2D;
@@ -73,10 +75,10 @@ pub use dense::Dense;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 use fast_path::Foreign;
-pub(crate) use fast_path::{FastPath, RecordRequest};
+pub(crate) use fast_path::{record_into_by_copy, FastPath, RecordRequest};
 pub use flatten::Flatten;
 pub(crate) use fold::ChannelAffine;
-pub(crate) use fold::{run_layers, run_layers_into, Pass};
+pub(crate) use fold::{run_layers, run_layers_into, run_layers_into_part, Pass};
 pub use identity::Identity;
 pub use pooling::{
     Average, AveragePooling2D, GlobalAveragePooling2D, Max, MaxPooling2D, Pooling2D, Reduction,

@@ -10,8 +10,9 @@ use candle_core::{Device, Tensor};
 
 use super::{
     build_child, check_input, child_names, missing_input_grad, run_layers, run_layers_into,
-    Backward, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath, Identity, Layer,
-    LayerSpec, ParamGrads, Pass, RecordRequest, Recorded, Summary, SummaryRow,
+    run_layers_into_part, Backward, BuildContext, Built, ChannelAffine, ChannelPart, ChannelSlot,
+    FastPath, Identity, Layer, LayerSpec, ParamGrads, Pass, RecordRequest, Recorded, Summary,
+    SummaryRow,
 };
 use crate::params::ParamStore;
 use crate::Result;
@@ -250,7 +251,16 @@ impl SequentialNet {
     /// The recorded forward pass through every layer, as `request` asks (see
     /// [`FastPath::forward_recorded`]): with its logits, the last layer may give logits;
     /// without its input's gradient, the layers below the lowest that trains run unrecorded.
-    fn record(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
+    /// `into` is a range of a concatenation's output for the stack's output: the last layer that
+    /// can change its input writes there ([`FastPath::forward_recorded_into`]), and if a layer
+    /// after it changes the output after all (a dropout in training), that output is copied
+    /// there.
+    fn record(
+        &self,
+        x: &Tensor,
+        request: RecordRequest,
+        into: Option<&ChannelPart<'_>>,
+    ) -> Result<Recorded> {
         check_input(&self.path, x, &self.input_shape)?;
         let RecordRequest {
             logits: with_logits,
@@ -269,15 +279,27 @@ impl SequentialNet {
         let mut h = run_layers(&self.layers[..first], x, Pass::FrozenTraining)?;
         let mut logits = None;
         let mut steps = Vec::with_capacity(self.layers.len() - first);
+        let writer = into.and(self.layers.iter().rposition(|(_, l)| !l.passes_through()));
+        let mut written = None;
         for (i, (name, layer)) in self.layers.iter().enumerate().skip(first) {
             let request = RecordRequest {
                 logits: with_logits && i == last,
                 input_grad: input_grad || i != first,
             };
-            let recorded = layer.forward_recorded(&h, request)?;
+            let recorded = match into.filter(|_| writer == Some(i)) {
+                Some(part) => {
+                    let recorded = layer.forward_recorded_into(&h, part)?;
+                    written = Some(recorded.output.id());
+                    recorded
+                }
+                None => layer.forward_recorded(&h, request)?,
+            };
             h = recorded.output;
             logits = recorded.logits;
             steps.push((name.clone(), recorded.backward));
+        }
+        if let Some(part) = into.filter(|_| written != Some(h.id())) {
+            h = part.write(&h)?;
         }
         Ok(Recorded {
             output: h,
@@ -413,7 +435,16 @@ impl FastPath for SequentialNet {
     }
 
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
-        self.record(x, request)
+        self.record(x, request, None)
+    }
+
+    fn forward_recorded_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Recorded> {
+        self.record(x, RecordRequest::output(), Some(part))
+    }
+
+    fn forward_inference_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Tensor>> {
+        check_input(&self.path, x, &self.input_shape)?;
+        Ok(Some(run_layers_into_part(&self.layers, x, part)?))
     }
 
     fn forward_frozen(&self, x: &Tensor) -> Result<Tensor> {

@@ -131,8 +131,15 @@ fn network() -> Sequential {
             Sequential::new()
                 .add(AveragePooling2D::new(3).stride(2))
                 .add(BatchNormalization::new().trainable(false)),
+            // A module whose BatchNorm absorbs the ReLU: on a CUDA device in training it
+            // writes its channels of the joined output in place, and reads its channels of the
+            // joined gradient where they lie.
+            Sequential::new()
+                .add(Conv2D::new(3, 3).stride(2).use_bias(false))
+                .add(BatchNormalization::new())
+                .add(Activation::Relu),
         ]))
-        // `same` padding with different strides and no bias: 16x5x5 -> 8x3x5.
+        // `same` padding with different strides and no bias: 19x5x5 -> 8x3x5.
         .add(
             Conv2D::new(8, 3)
                 .strides(2, 1)

@@ -4,7 +4,7 @@
 # One command, at most 7 minutes (the later benchmarks are skipped when time runs out):
 #
 #   bash gpu/check.sh            # results under $OUT (or ./gpu-out): check.log, results.json,
-#                                # bench-*.json (10), epoch.json, timeline.md
+#                                # bench-*.json (12), epoch.json, timeline.md
 #
 # In order, each step under its own time limit, every step run whatever the ones before did:
 #   1. nvidia-smi; kandle-kernels' cuDNN convolutions (forward, input and kernel gradients)
@@ -12,7 +12,8 @@
 #      algorithms (kernels/tests/cuda_conv.rs; when gpu-bin/ has it, built with cudnn);
 #      kandle-kernels' own CUDA batch norm (training with its statistics, inference's affine,
 #      the fused ReLU) and max and average pooling, outputs and gradients against the CPU
-#      kernels (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs); its CUDA optimizer updates
+#      kernels, also written into and read from a range of a concatenation's channels
+#      (kernels/tests/cuda_batch_norm.rs, cuda_pooling.rs); its CUDA optimizer updates
 #      (SGD, Adam, AdamW over several steps) against the CPU kernels and its softmax
 #      cross-entropy (loss and gradient) against the CPU path and its dropout masks against the
 #      CPU's, bit for bit (cuda_optimizer.rs, cuda_softmax_cross_entropy.rs, cuda_dropout.rs,
@@ -34,7 +35,7 @@
 #      setting buys; kandle's steps as CUDA graphs (KANDLE_CUDA_GRAPHS=1, batch 64 and 256,
 #      candle's and cuDNN's convolutions), what graphs buy; a timeline of kandle's steps when the machine has Nsight Systems
 #      (timeline.md: GPU-busy time against the gaps, gpu/timeline_summary.py); under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
-#      batch 256;
+#      batch 256; ResNet-18 (small-image stem) at batch 64 and 256 against PyTorch;
 #   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
 #   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
@@ -234,6 +235,15 @@ bench bench-256-mixed-float16 120 bench --batch 256 --dtype-policy mixed_float16
   --pytorch-configs channels_last,channels_last+amp
 bench bench-256-mixed-bfloat16 120 bench --batch 256 --dtype-policy mixed_bfloat16 \
   --pytorch-configs channels_last+bf16
+
+# ResNet-18 with the small-image stem (the other network of the targets) against PyTorch, on
+# kandle's cuDNN convolutions where gpu-bin/ has them.
+resnet_bench=bench
+[[ -x $BIN/bench-cudnn ]] && resnet_bench=bench-cudnn
+bench bench-resnet18-64 90 "$resnet_bench" --model resnet18 --batch 64 \
+  --pytorch-configs eager,channels_last
+bench bench-resnet18-256 90 "$resnet_bench" --model resnet18 --batch 256 \
+  --pytorch-configs eager,channels_last
 
 # One epoch through train_cifar10 (candle's own convolutions: its cuDNN build's training step is
 # several times slower, see bench-*-cudnn).

@@ -19,7 +19,7 @@
 #     the CPU kernels), in the same cargo run, so candle is not compiled again, and likewise
 #     kernels-cuda-opt, kernels-cuda-xent and kernels-cuda-dropout (its optimizer updates,
 #     softmax cross-entropy and dropout masks);
-#   - bench, train_cifar10: the example binaries with `cuda,nccl`;
+#   - bench, train_cifar10, scaling: the example binaries with `cuda,nccl`;
 #   - kernels-cuda-conv: kandle-kernels' `tests/cuda_conv.rs` with `cudnn` (its cuDNN
 #     convolutions against the CPU kernels);
 #   - kandle-lib-cudnn: kandle's unit tests with `cudnn` (Conv2D on kandle-kernels' cuDNN ops);
@@ -88,9 +88,10 @@ pack kernels-cuda-opt "$(awk '$1 == "kandle-kernels:cuda_optimizer" { print $2 }
 pack kernels-cuda-xent "$(awk '$1 == "kandle-kernels:cuda_softmax_cross_entropy" { print $2 }' <<<"$built")"
 pack kernels-cuda-dropout "$(awk '$1 == "kandle-kernels:cuda_dropout" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,nccl \
-  --bin bench --bin train_cifar10 >/dev/null
+  --bin bench --bin train_cifar10 --bin scaling >/dev/null
 pack bench "$CARGO_TARGET_DIR/release/bench"
 pack train_cifar10 "$CARGO_TARGET_DIR/release/train_cifar10"
+pack scaling "$CARGO_TARGET_DIR/release/scaling"
 
 if [[ ${KANDLE_GPU_CUDNN:-1} == 0 ]]; then
   du -ch gpu-bin/*.xz | tail -n 1

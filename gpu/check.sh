@@ -36,7 +36,9 @@
 #      candle's and cuDNN's convolutions), what graphs buy; a timeline of kandle's steps when the machine has Nsight Systems
 #      (timeline.md: GPU-busy time against the gaps, gpu/timeline_summary.py); under mixed_float16 and mixed_bfloat16 against PyTorch's autocast at
 #      batch 256; ResNet-18 (small-image stem) at batch 64 and 256 against PyTorch;
-#   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10;
+#   6. one epoch of 50,000 CIFAR-format images (noise, made here) through train_cifar10; the
+#      expected scaling on 2, 4 and 8 GPUs from the one-device step measured here and a ring
+#      all-reduce of the gradients over NVLink (scaling: scaling.csv, scaling.png);
 #   7. PyTorch channels_last + torch.compile at batch 64 (it compiles for a minute or two);
 #   8. an Nsight Compute profile of kandle's training step, per kernel; kandle's step and
 #      inference with cuDNN convolutions;
@@ -252,6 +254,13 @@ step cifar-fixture 60 "$PYTHON" gpu/cifar_fixture.py "$FIXTURE"
 step epoch 150 "$BIN/train_cifar10" --epochs 1 --data-dir "$FIXTURE" \
   --output /tmp/kandle-epoch/epoch.png --title "one epoch of noise" &&
   cp /tmp/kandle-epoch/epoch.json "$OUT/epoch.json"
+
+# The expected scaling of data parallelism on 2, 4 and 8 GPUs of this kind: MiniGoogLeNet's
+# one-device step (batch 64 per GPU, through fit) measured here, each step then followed by a
+# ring all-reduce of its gradients at NVLink's rate (about 3,000 Gbit/s per GPU, 10 us per
+# message), without overlap (the `projected_measured_step` rows of scaling.csv).
+step scaling 90 "$BIN/scaling" --gpus --replicas 1 --strategies one-device --warmup 2 \
+  --steps 10 --bandwidth-gbit 3000 --latency-us 10 --output "$OUT/scaling.png"
 
 # PyTorch's best-known GPU configuration; it compiles for a minute or two.
 bench bench-64-compile 180 bench --batch 64 --pytorch-configs channels_last+compile

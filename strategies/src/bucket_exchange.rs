@@ -17,11 +17,49 @@ use kandle::{Error, Result};
 
 use crate::cross_device_ops::CrossDeviceOps;
 
-/// A bucket's sum beyond this process (over the workers), after its replicas' sum; called in
-/// bucket order, one bucket at a time.
+/// A bucket's sum beyond this process (over the workers); called in bucket order, one bucket at
+/// a time.
 pub(crate) trait OuterBucketSum: Send + Sync {
-    /// Sums `values`, this process's total of bucket `bucket`, over the workers, in place.
-    fn all_reduce_sum(&self, bucket: usize, values: &mut Vec<f32>) -> Result<()>;
+    /// Bucket `bucket`'s total over every replica of every worker, on each local replica's
+    /// device, from this process's `parts` (one per replica, in replica order). `local` sums
+    /// parts over this process's replicas (the exchange's [`CrossDeviceOps`]), for a sum that
+    /// crosses workers from the process's total ([`across_hosts`]); a collective over every
+    /// device of every worker (NCCL) takes the parts as they are.
+    fn all_reduce(
+        &self,
+        bucket: usize,
+        parts: Vec<Tensor>,
+        local: &dyn Fn(Vec<Tensor>) -> Result<Vec<Tensor>>,
+    ) -> Result<Vec<Tensor>>;
+}
+
+/// A bucket's total through the host: `parts` summed over this process by `local`, that total
+/// copied to the host and summed over the workers in place by `sum`, then copied to each
+/// replica's device.
+#[cfg_attr(
+    not(any(feature = "mpi", test)),
+    expect(dead_code, reason = "used by the multi-worker strategy")
+)]
+pub(crate) fn across_hosts(
+    parts: Vec<Tensor>,
+    local: &dyn Fn(Vec<Tensor>) -> Result<Vec<Tensor>>,
+    sum: impl FnOnce(&mut Vec<f32>) -> Result<()>,
+) -> Result<Vec<Tensor>> {
+    let local = local(parts)?;
+    let first = local
+        .first()
+        .ok_or_else(|| Error::invalid("a gradient bucket exchange without replicas"))?;
+    let mut host = first
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    sum(&mut host)?;
+    let len = host.len();
+    let total = Tensor::from_vec(host, len, &Device::Cpu)?;
+    local
+        .iter()
+        .map(|t| Ok(total.to_device(t.device())?))
+        .collect()
 }
 
 /// The in-process reducer of gradient buckets (see [`kandle::strategy::buckets`]).
@@ -103,24 +141,11 @@ impl BucketExchange {
     /// `parts` (one per replica) summed over the replicas and, with an outer sum, over the
     /// workers: the total on each replica's device.
     fn sum(&self, bucket: usize, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        let local = self.ops.all_reduce(parts, &self.devices)?;
-        let Some(outer) = &self.outer else {
-            return Ok(local);
-        };
-        let first = local
-            .first()
-            .ok_or_else(|| Error::invalid("a gradient bucket exchange without replicas"))?;
-        let mut host = first
-            .to_device(&Device::Cpu)?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?;
-        outer.all_reduce_sum(bucket, &mut host)?;
-        let len = host.len();
-        let total = Tensor::from_vec(host, len, &Device::Cpu)?;
-        self.devices
-            .iter()
-            .map(|d| Ok(total.to_device(d)?))
-            .collect()
+        let local = |parts: Vec<Tensor>| self.ops.all_reduce(parts, &self.devices);
+        match &self.outer {
+            Some(outer) => outer.all_reduce(bucket, parts, &local),
+            None => local(parts),
+        }
     }
 
     /// Forgets what a step left behind (the parts of a step that failed), before the next.
@@ -359,10 +384,17 @@ mod tests {
     struct RecordingOuter(Mutex<Vec<usize>>);
 
     impl OuterBucketSum for RecordingOuter {
-        fn all_reduce_sum(&self, bucket: usize, values: &mut Vec<f32>) -> Result<()> {
+        fn all_reduce(
+            &self,
+            bucket: usize,
+            parts: Vec<Tensor>,
+            local: &dyn Fn(Vec<Tensor>) -> Result<Vec<Tensor>>,
+        ) -> Result<Vec<Tensor>> {
             self.0.lock().expect("not poisoned").push(bucket);
-            values.iter_mut().for_each(|v| *v += 100.0);
-            Ok(())
+            super::across_hosts(parts, local, |values| {
+                values.iter_mut().for_each(|v| *v += 100.0);
+                Ok(())
+            })
         }
     }
 

@@ -67,8 +67,8 @@ pub struct ReplicaOptions {
     /// [`ReplicaThreads::Auto`], divides the cores evenly among this process's CPU replicas, so
     /// replicas sharing the CPU do not oversubscribe it.
     pub threads_per_replica: ReplicaThreads,
-    /// [`MirroredStrategy`](crate::MirroredStrategy), and `MultiWorkerMirroredStrategy` over
-    /// MPI without SyncBatchNorm: the gradients are cut into buckets of at most this many bytes
+    /// [`MirroredStrategy`](crate::MirroredStrategy), and `MultiWorkerMirroredStrategy` (over
+    /// MPI or NCCL) without SyncBatchNorm: the gradients are cut into buckets of at most this many bytes
     /// (the first, of the last layers, at most 1 MiB), each summed across the replicas (and the
     /// workers) as soon as every replica's backward pass has finished it, while the passes go
     /// on (PyTorch DDP's `bucket_cap_mb`, Horovod's overlap); `None` sums the whole step buffer
@@ -389,11 +389,23 @@ impl ReplicaSet {
         ops: CrossDeviceOps,
     ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
         let buffers = self.compute(batch, None)?;
+        let _reduce = kandle::timeline::span("all-reduce");
+        self.reduce_remaining(buffers, |fused| ops.all_reduce(fused, &self.devices))
+    }
+
+    /// The replicas' step `buffers` summed by `sum` (one tensor per replica in, the total on
+    /// each replica's device out): whole, or only the sums and statistics after the gradients
+    /// when the gradients were summed in buckets during the backward passes already. Returns the
+    /// totals and each replica's moving statistics from before the step.
+    pub(crate) fn reduce_remaining(
+        &self,
+        buffers: Vec<StepBuffer>,
+        sum: impl FnOnce(Vec<Tensor>) -> Result<Vec<Tensor>>,
+    ) -> Result<(Vec<Tensor>, Vec<Vec<Tensor>>)> {
         let reduced = buffers.iter().filter(|b| b.grads_reduced).count();
         let (fused, before) = unzip(buffers);
-        let _reduce = kandle::timeline::span("all-reduce");
         if reduced == 0 {
-            return Ok((ops.all_reduce(fused, &self.devices)?, before));
+            return Ok((sum(fused)?, before));
         }
         if reduced != fused.len() {
             return Err(kandle::Error::invalid(format!(
@@ -409,7 +421,7 @@ impl ReplicaSet {
             .collect::<Result<Vec<_>>>()?;
         let totals = fused
             .iter()
-            .zip(ops.all_reduce(tails, &self.devices)?)
+            .zip(sum(tails)?)
             .map(|(f, tail)| {
                 let summed = f.narrow(0, 0, grads)?;
                 Ok(Tensor::cat(&[&summed, &tail.to_device(f.device())?], 0)?)

@@ -1,9 +1,12 @@
 //! `MultiWorkerMirroredStrategy` and the model it distributes: Mirrored inside each worker
 //! process, then one guarded all-reduce of the fused step buffer across workers, over MPI on the
-//! host or over NCCL on the GPUs; over MPI the gradients cross workers in buckets during the
-//! backward pass instead (`gradient_buckets.rs`), and the all-reduce at the end sums the rest.
+//! host or over NCCL on the GPUs; with gradient buckets the gradients cross workers in buckets
+//! during the backward pass instead (`gradient_buckets.rs`, over either), and the all-reduce at
+//! the end sums the rest.
 
 use std::sync::Arc;
+#[cfg(feature = "nccl")]
+use std::sync::Mutex;
 use std::time::Duration;
 
 use candle_core::{Device, Storage, Tensor};
@@ -13,7 +16,7 @@ use kandle::strategy::{DistributedModel, ModelSpec, StepStats, Strategy, WorkerI
 use kandle::{Error, Result};
 
 use super::communication::CommunicationImplementation;
-use super::gradient_buckets::CrossWorkerBuckets;
+use super::gradient_buckets::{CrossWorkerBuckets, Route};
 #[cfg(feature = "nccl")]
 use super::nccl::Clique;
 use super::sync_batch_norm::CrossWorkerSum;
@@ -22,11 +25,11 @@ use crate::cross_device_ops::CrossDeviceOps;
 use crate::mpi::watchdog::Phase;
 use crate::mpi::world::World;
 use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
-#[cfg(feature = "nccl")]
-use crate::replica_set::unzip;
 use crate::replica_set::{
     fuse_store, load_fused, replica_devices, Reduce, ReplicaModel, ReplicaOptions, ReplicaSet,
 };
+#[cfg(feature = "nccl")]
+use std::sync::Mutex;
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.
@@ -47,6 +50,11 @@ use crate::replica_set::{
 ///   once, with no host staging (worker `w` of `L` GPUs holds NCCL ranks `w * L ..`). The chief
 ///   creates NCCL's unique id and broadcasts it through MPI. The initial weight broadcast and
 ///   the evaluation sums still go through MPI, as do SyncBatchNorm's exchanges.
+///
+/// Either way, with [`gradient_buckets`](ReplicaOptions::gradient_buckets) (the default) and
+/// without SyncBatchNorm, the gradients cross workers in buckets while the backward passes go
+/// on, each bucket one guarded all-reduce of the same library (PyTorch DDP's overlap), and the
+/// all-reduce at the end of the step sums the rest of the buffer.
 ///
 /// **Batch normalisation** uses each replica's part of the batch by default, and the moving
 /// statistics are averaged over every replica of every worker. With
@@ -224,7 +232,7 @@ impl Strategy for MultiWorkerMirroredStrategy {
             let outer = Arc::clone(sum) as Arc<dyn OuterSum>;
             Arc::new(Rendezvous::new(devices.len(), timeout).with_outer(outer))
         });
-        let bucket_bytes = self.bucket_bytes(nccl);
+        let bucket_bytes = self.bucket_bytes();
         // A replica's share of a step then includes guarded exchanges across workers: it gets as
         // long as the rendezvous, so that the watchdog's error, which names a late worker,
         // arrives first.
@@ -241,9 +249,16 @@ impl Strategy for MultiWorkerMirroredStrategy {
             self.options.threads_per_replica,
         )?;
         self.check_agreement(&set.layout, nccl, bucket_bytes)?;
+        let transport = if nccl {
+            nccl_transport(&self.world, devices, timeout)?
+        } else {
+            Transport::Mpi
+        };
         let buckets = match bucket_bytes {
             Some(bytes) => {
-                let sum = Arc::new(CrossWorkerBuckets::new(Arc::clone(&self.world), timeout));
+                let route = transport.bucket_route();
+                let world = Arc::clone(&self.world);
+                let sum = Arc::new(CrossWorkerBuckets::new(world, timeout, route));
                 let outer = Arc::clone(&sum) as Arc<dyn OuterBucketSum>;
                 set.use_buckets(self.ops, bytes, replica_timeout, Some(outer))?;
                 Some(sum)
@@ -259,11 +274,6 @@ impl Strategy for MultiWorkerMirroredStrategy {
         for store in &set.stores {
             load_fused(store, &weights)?;
         }
-        let transport = if nccl {
-            nccl_transport(&self.world, devices, timeout)?
-        } else {
-            Transport::Mpi
-        };
         Ok(Box::new(ReplicaModel {
             set,
             reduce: CrossWorker {
@@ -284,13 +294,13 @@ impl Strategy for MultiWorkerMirroredStrategy {
 
 impl MultiWorkerMirroredStrategy {
     /// The size of the gradient buckets summed across workers during the backward passes, when
-    /// they are: over MPI ([`ReplicaOptions::gradient_buckets`], not with NCCL across workers)
-    /// and without SyncBatchNorm, whose exchanges across workers in the backward pass would
-    /// otherwise interleave with the buckets' differently on different workers.
-    fn bucket_bytes(&self, nccl: bool) -> Option<usize> {
+    /// they are: [`ReplicaOptions::gradient_buckets`] without SyncBatchNorm, whose exchanges
+    /// across workers in the backward pass would otherwise interleave with the buckets'
+    /// differently on different workers.
+    fn bucket_bytes(&self) -> Option<usize> {
         self.options
             .gradient_buckets
-            .filter(|_| !nccl && !self.options.sync_batch_norm)
+            .filter(|_| !self.options.sync_batch_norm)
     }
 
     /// Fails, on every worker alike, unless every worker runs as many local replicas, the same
@@ -354,14 +364,27 @@ fn describe_worker(w: &[u64]) -> String {
 enum Transport {
     /// The local replicas' sum is copied to the host and summed with MPI.
     Mpi,
-    /// One NCCL all-reduce over every GPU of every worker.
+    /// One NCCL all-reduce over every GPU of every worker (the clique shared with the gradient
+    /// buckets).
     #[cfg(feature = "nccl")]
-    Nccl(Clique),
+    Nccl(Arc<Mutex<Clique>>),
+}
+
+impl Transport {
+    /// The route of the gradient buckets: the same library.
+    fn bucket_route(&self) -> Route {
+        match self {
+            Transport::Mpi => Route::Mpi,
+            #[cfg(feature = "nccl")]
+            Transport::Nccl(clique) => Route::Nccl(Arc::clone(clique)),
+        }
+    }
 }
 
 #[cfg(feature = "nccl")]
 fn nccl_transport(world: &World, devices: &[Device], timeout: Duration) -> Result<Transport> {
-    Ok(Transport::Nccl(Clique::new(world, devices, timeout)?))
+    let clique = Clique::new(world, devices, timeout)?;
+    Ok(Transport::Nccl(Arc::new(Mutex::new(clique))))
 }
 
 #[cfg(not(feature = "nccl"))]
@@ -447,13 +470,18 @@ impl Reduce for CrossWorker {
             }
             #[cfg(feature = "nccl")]
             Transport::Nccl(clique) => {
-                let (fused, before) = unzip(set.compute(batch, None)?);
+                let buffers = set.compute(batch, None)?;
                 stand_in(self.cross_worker_bn.as_deref(), batch)?;
                 let _reduce = kandle::timeline::span("all-reduce across workers");
-                let reduced = self.world.guarded_external(phase, self.timeout, |vigil| {
-                    clique.all_reduce(&fused, vigil, phase)
+                let mut clique = clique.lock().map_err(|_| {
+                    Error::invalid("the NCCL communicators were poisoned by a panic")
                 })?;
-                Ok((reduced, before))
+                // Gradients summed in buckets have crossed the workers already.
+                set.reduce_remaining(buffers, |fused| {
+                    self.world.guarded_external(phase, self.timeout, |vigil| {
+                        clique.all_reduce(&fused, vigil, phase)
+                    })
+                })
             }
         }
     }

@@ -105,21 +105,7 @@ pub fn batch_norm_train_replay(
     epsilon: f64,
     relu: bool,
 ) -> Result<(Replay3, BatchStats)> {
-    let c = check_x(TRAIN_OP, CPU_TRAIN, x)?;
-    if epsilon.is_nan() || epsilon < 0.0 {
-        return Err(Error::invalid(format!(
-            "{TRAIN_OP}: epsilon must be non-negative, got {epsilon}"
-        )));
-    }
-    let stats = stats_dtype(x.dtype());
-    let weight = match weight {
-        Some(w) => companion(TRAIN_OP, "weight", w, x, stats, &[c])?,
-        None => Tensor::ones(c, stats, x.device())?,
-    };
-    let bias = match bias {
-        Some(b) => companion(TRAIN_OP, "bias", b, x, stats, &[c])?,
-        None => Tensor::zeros(c, stats, x.device())?,
-    };
+    let (weight, bias) = training_operands(TRAIN_OP, x, weight, bias, epsilon)?;
     let saved = Arc::new(OnceLock::new());
     let op = TrainOp {
         epsilon,
@@ -167,22 +153,8 @@ pub fn batch_norm_train_into(
     relu: bool,
     out: &Tensor,
 ) -> Result<(BatchNormBackward, BatchStats)> {
-    let c = check_x(STATS_OP, CPU_TRAIN, x)?;
+    let (weight, bias) = training_operands(STATS_OP, x, weight, bias, epsilon)?;
     check_out(APPLY_OP, x, out)?;
-    if epsilon.is_nan() || epsilon < 0.0 {
-        return Err(Error::invalid(format!(
-            "{STATS_OP}: epsilon must be non-negative, got {epsilon}"
-        )));
-    }
-    let stats = stats_dtype(x.dtype());
-    let weight = match weight {
-        Some(w) => companion(STATS_OP, "weight", w, x, stats, &[c])?,
-        None => Tensor::ones(c, stats, x.device())?,
-    };
-    let bias = match bias {
-        Some(b) => companion(STATS_OP, "bias", b, x, stats, &[c])?,
-        None => Tensor::zeros(c, stats, x.device())?,
-    };
     let x = x.contiguous()?;
     let table = x.apply_op3_no_bwd(&weight, &bias, &StatsOp { epsilon })?;
     let apply = ApplyInto {
@@ -220,10 +192,7 @@ pub fn channel_affine_into(
     let scale = companion(AFFINE_OP, "scale", scale, x, stats, &[c])?.detach();
     let shift = companion(AFFINE_OP, "shift", shift, x, stats, &[c])?.detach();
     let x = x.contiguous()?;
-    // The statistics table of a map of `x` itself (mean 0, invstd 1), as `AffineOp`'s backward
-    // builds it.
-    let (zeros, ones) = (scale.zeros_like()?, scale.ones_like()?);
-    let table = Tensor::stack(&[&zeros, &zeros, &ones, &scale, &shift], 0)?;
+    let table = affine_table(&scale, &shift)?;
     let apply = ApplyInto {
         relu,
         rows: (TABLE_ROWS, ROW_SCALE, ROW_SHIFT),
@@ -258,6 +227,41 @@ impl BatchNormBackward {
             _ => Err(Error::invalid(format!("{GRAD_OP}: a gradient is missing"))),
         }
     }
+}
+
+/// The checks of a training pass's operands, made by the op `op`: `x` the kernels take, and a
+/// non-negative `epsilon`; returns the weight and bias (ones and zeros when missing) as the
+/// kernels take them.
+fn training_operands(
+    op: &str,
+    x: &Tensor,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    epsilon: f64,
+) -> Result<(Tensor, Tensor)> {
+    let c = check_x(op, CPU_TRAIN, x)?;
+    if epsilon.is_nan() || epsilon < 0.0 {
+        return Err(Error::invalid(format!(
+            "{op}: epsilon must be non-negative, got {epsilon}"
+        )));
+    }
+    let stats = stats_dtype(x.dtype());
+    let weight = match weight {
+        Some(w) => companion(op, "weight", w, x, stats, &[c])?,
+        None => Tensor::ones(c, stats, x.device())?,
+    };
+    let bias = match bias {
+        Some(b) => companion(op, "bias", b, x, stats, &[c])?,
+        None => Tensor::zeros(c, stats, x.device())?,
+    };
+    Ok((weight, bias))
+}
+
+/// The statistics table (mean, variance, invstd, scale, shift) of the map `x * scale + shift`
+/// of `x` itself: mean 0 (no centring), invstd 1.
+fn affine_table(scale: &Tensor, shift: &Tensor) -> candle_core::Result<Tensor> {
+    let (zeros, ones) = (scale.zeros_like()?, scale.ones_like()?);
+    Tensor::stack(&[&zeros, &zeros, &ones, scale, shift], 0)
 }
 
 /// An error unless `out` can take the output for `x`: its shape, dtype and device, its images
@@ -843,11 +847,7 @@ impl CustomOp3 for AffineOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        // The statistics table (mean, variance, invstd, scale, shift) of a map of `x` itself:
-        // mean 0 (no centring), invstd 1.
-        let (scale, shift) = (scale.detach(), shift.detach());
-        let (zeros, ones) = (scale.zeros_like()?, scale.ones_like()?);
-        let table = Tensor::stack(&[&zeros, &zeros, &ones, &scale, &shift], 0)?;
+        let table = affine_table(&scale.detach(), &shift.detach())?;
         backward(x, grad, &table, self.relu, false)
     }
 }

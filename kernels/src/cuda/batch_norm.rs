@@ -109,8 +109,10 @@ pub fn batch_norm_train_replay(
     let saved = Arc::new(OnceLock::new());
     let op = TrainOp {
         epsilon,
-        relu,
-        saved: Arc::clone(&saved),
+        output: TrainOutput::Normalized {
+            relu,
+            saved: Arc::clone(&saved),
+        },
     };
     let replay = Replay3::apply((&x.contiguous()?, &weight, &bias), op)?;
     let table: &Tensor = saved
@@ -156,7 +158,11 @@ pub fn batch_norm_train_into(
     let (weight, bias) = training_operands(STATS_OP, x, weight, bias, epsilon)?;
     check_out(APPLY_OP, x, out)?;
     let x = x.contiguous()?;
-    let table = x.apply_op3_no_bwd(&weight, &bias, &StatsOp { epsilon })?;
+    let stats_op = TrainOp {
+        epsilon,
+        output: TrainOutput::Statistics,
+    };
+    let table = x.apply_op3_no_bwd(&weight, &bias, &stats_op)?;
     let apply = ApplyInto {
         relu,
         rows: (TABLE_ROWS, ROW_SCALE, ROW_SHIFT),
@@ -574,17 +580,31 @@ fn check_table(
     Ok(())
 }
 
-/// The training forward pass: operands `(x, weight, bias)`; keeps its statistics table for the
-/// backward pass and the caller.
+/// The training forward pass: operands `(x, weight, bias)`.
 struct TrainOp {
     epsilon: f64,
-    relu: bool,
-    saved: Arc<OnceLock<Tensor>>,
+    output: TrainOutput,
+}
+
+/// What a [`TrainOp`] gives.
+enum TrainOutput {
+    /// The normalised input (then the ReLU), the statistics table kept in `saved` for the
+    /// backward pass and the caller.
+    Normalized {
+        relu: bool,
+        saved: Arc<OnceLock<Tensor>>,
+    },
+    /// The statistics table alone (`TABLE_ROWS` rows), for [`ApplyInto`] to apply; no backward
+    /// pass.
+    Statistics,
 }
 
 impl CustomOp3 for TrainOp {
     fn name(&self) -> &'static str {
-        TRAIN_OP
+        match self.output {
+            TrainOutput::Normalized { .. } => TRAIN_OP,
+            TrainOutput::Statistics => STATS_OP,
+        }
     }
 
     fn cpu_fwd(
@@ -596,7 +616,7 @@ impl CustomOp3 for TrainOp {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(on_cpu(TRAIN_OP, CPU_TRAIN))
+        Err(on_cpu(self.name(), CPU_TRAIN))
     }
 
     fn cuda_fwd(
@@ -608,23 +628,50 @@ impl CustomOp3 for TrainOp {
         b: &CudaStorage,
         bl: &Layout,
     ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (dev, dtype) = (&x.device, x.dtype());
+        let (op, dev, dtype) = (self.name(), &x.device, x.dtype());
         let stream = dev.cuda_stream();
         let params = Companions::Vectors("weight", "bias");
-        let operands = operands(TRAIN_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
-        let (e, px) = (operands.e, operands.pointers[0]);
-        let row = stats_dtype(dtype).size_in_bytes() * e.channels as usize;
+        let operands = operands(op, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
+        let (e, [px, pw, pb]) = (operands.e, operands.pointers);
+        let c = e.channels as usize;
+        let name = kernel(op, "bn_stats_partial", dtype)?;
+        let partials = partial_sums(dev, &stream, &name, e, &[Arg::Ptr(px)], &[])?;
+        let [channels, plane] = e.dims_args();
+        let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
+        let rest = [
+            channels,
+            plane,
+            Arg::F64(e.count.into()),
+            Arg::F64(self.epsilon),
+        ];
+        let row = stats_dtype(dtype).size_in_bytes() * c;
         let ctx = (dev, &*stream);
-        let (table, y) = statistics(TRAIN_OP, ctx, dtype, &operands, self.epsilon, |pt| {
-            let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
-            forward_apply(TRAIN_OP, ctx, dtype, e, px, map, self.relu)
-        })?;
+        let (table, y) = finalize(
+            op,
+            "bn_stats_finalize",
+            ctx,
+            dtype,
+            e,
+            (&partials, TABLE_ROWS),
+            (&inputs, &rest),
+            |pt| match &self.output {
+                TrainOutput::Normalized { relu, .. } => {
+                    let map = (pt + (ROW_SCALE * row) as u64, pt + (ROW_SHIFT * row) as u64);
+                    forward_apply(op, ctx, dtype, e, px, map, *relu).map(Some)
+                }
+                TrainOutput::Statistics => Ok(None),
+            },
+        )?;
         drop(operands);
-        let table = tensor(table, dev, &[TABLE_ROWS, e.channels as usize]);
-        self.saved
-            .set(table)
-            .map_err(|_| candle_core::Error::Msg(format!("{TRAIN_OP}: op applied twice")))?;
-        Ok((storage(y, dev), xl.shape().clone()))
+        match (&self.output, y) {
+            (TrainOutput::Normalized { saved, .. }, Some(y)) => {
+                saved
+                    .set(tensor(table, dev, &[TABLE_ROWS, c]))
+                    .map_err(|_| candle_core::Error::Msg(format!("{op}: op applied twice")))?;
+                Ok((storage(y, dev), xl.shape().clone()))
+            }
+            _ => Ok((storage(table, dev), Shape::from((TABLE_ROWS, c)))),
+        }
     }
 
     fn bwd(
@@ -635,84 +682,13 @@ impl CustomOp3 for TrainOp {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let table = self.saved.get().ok_or_else(|| {
+        let TrainOutput::Normalized { relu, saved } = &self.output else {
+            candle_core::bail!("{STATS_OP}: the statistics have no backward pass");
+        };
+        let table = saved.get().ok_or_else(|| {
             candle_core::Error::Msg(format!("{TRAIN_OP}: backward before forward"))
         })?;
-        backward(x, grad, table, self.relu, true)
-    }
-}
-
-/// The batch statistics of the operands `(x, weight, bias)` of `operands` into a new table
-/// (`TABLE_ROWS` rows, a value per channel) and the map they give; `then` runs with the table's
-/// address once the kernel that writes it is queued, and its result is returned with the table.
-fn statistics<R>(
-    op: &str,
-    ctx: (&CudaDevice, &CudaStream),
-    dtype: DType,
-    operands: &Operands<'_>,
-    epsilon: f64,
-    then: impl FnOnce(u64) -> candle_core::Result<R>,
-) -> candle_core::Result<(CudaStorageSlice, R)> {
-    let (dev, stream) = ctx;
-    let (e, [px, pw, pb]) = (operands.e, operands.pointers);
-    let name = kernel(op, "bn_stats_partial", dtype)?;
-    let partials = partial_sums(dev, stream, &name, e, &[Arg::Ptr(px)], &[])?;
-    let [channels, plane] = e.dims_args();
-    let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
-    let rest = [channels, plane, Arg::F64(e.count.into()), Arg::F64(epsilon)];
-    finalize(
-        op,
-        "bn_stats_finalize",
-        ctx,
-        dtype,
-        e,
-        (&partials, TABLE_ROWS),
-        (&inputs, &rest),
-        then,
-    )
-}
-
-/// The batch statistics alone: operands `(x, weight, bias)`, the output the statistics table
-/// (`TABLE_ROWS` rows), for [`ApplyInto`] to apply.
-struct StatsOp {
-    epsilon: f64,
-}
-
-impl CustomOp3 for StatsOp {
-    fn name(&self) -> &'static str {
-        STATS_OP
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(on_cpu(STATS_OP, CPU_TRAIN))
-    }
-
-    fn cuda_fwd(
-        &self,
-        x: &CudaStorage,
-        xl: &Layout,
-        w: &CudaStorage,
-        wl: &Layout,
-        b: &CudaStorage,
-        bl: &Layout,
-    ) -> candle_core::Result<(CudaStorage, Shape)> {
-        let (dev, dtype) = (&x.device, x.dtype());
-        let stream = dev.cuda_stream();
-        let params = Companions::Vectors("weight", "bias");
-        let operands = operands(STATS_OP, [(x, xl), (w, wl), (b, bl)], params, &stream)?;
-        let ctx = (dev, &*stream);
-        let (table, ()) = statistics(STATS_OP, ctx, dtype, &operands, self.epsilon, |_| Ok(()))?;
-        let c = operands.e.channels as usize;
-        drop(operands);
-        Ok((storage(table, dev), Shape::from((TABLE_ROWS, c))))
+        backward(x, grad, table, *relu, true)
     }
 }
 

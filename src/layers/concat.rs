@@ -144,7 +144,7 @@ impl ConcatLayer {
     /// training and inference (on a CUDA device, branches computing in the input's dtype),
     /// rather than the branches' outputs being joined.
     fn joins_in_place_on_device(&self, x: &Tensor) -> bool {
-        self.kernels && x.device().is_cuda() && x.dtype() == self.compute
+        self.kernels && self.channels.len() > 1 && x.device().is_cuda() && x.dtype() == self.compute
     }
 
     /// A new joined output for the input `x`, not filled on a CUDA device.

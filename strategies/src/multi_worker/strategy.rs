@@ -58,14 +58,14 @@ use std::sync::Mutex;
 ///
 /// **Batch normalisation** uses each replica's part of the batch by default, and the moving
 /// statistics are averaged over every replica of every worker. With
-/// [`sync_batch_norm`](Self::sync_batch_norm), it normalises with the statistics of the whole
-/// global batch, and its backward pass sums their gradients the same way: the local replicas
-/// meet in process, and their total crosses workers with one small MPI all-reduce per exchange
-/// (two per batch-norm layer in the forward pass, and as many in the backward pass), on the
-/// host. The model then trains as one device would, batch norm included.
+/// [`sync_batch_norm`](ReplicaOptions::sync_batch_norm), it normalises with the statistics of
+/// the whole global batch, and its backward pass sums their gradients the same way: the local
+/// replicas meet in process, and their total crosses workers with one small MPI all-reduce per
+/// exchange (two per batch-norm layer in the forward pass, and as many in the backward pass), on
+/// the host. The model then trains as one device would, batch norm included.
 ///
 /// **Failures.** A worker that dies or stalls makes the others fail within the
-/// [timeout](Self::timeout) with an error naming it ([`kandle::Error::Replica`], e.g.
+/// [timeout](ReplicaOptions::timeout) with an error naming it ([`kandle::Error::Replica`], e.g.
 /// `worker 1: did not reach training step 57 within 60 s`), before a collective starts or, if it
 /// stops inside one, when the collective's deadline passes: an MPI collective cannot be
 /// cancelled, so that ends the job with `MPI_Abort`, while NCCL's communicators are aborted and

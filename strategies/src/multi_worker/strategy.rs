@@ -181,9 +181,10 @@ impl MultiWorkerMirroredStrategy {
 
     /// Sums `buffer` element-wise over all workers, in place, by exactly the guarded path that
     /// every training step takes with its fused buffer: the watchdog's heartbeat rendezvous
-    /// (every worker proves it reached this call, within the [timeout](Self::timeout)), then a
-    /// non-blocking `MPI_Iallreduce` polled against the same deadline. Every worker must call it,
-    /// with buffers of the same length, in the same order as its other collectives.
+    /// (every worker proves it reached this call, within the
+    /// [timeout](ReplicaOptions::timeout)), then a non-blocking `MPI_Iallreduce` polled against
+    /// the same deadline. Every worker must call it, with buffers of the same length, in the same
+    /// order as its other collectives.
     ///
     /// It is there for measuring that path against a raw `MPI_Allreduce` (the
     /// `bench_allreduce` example) and for custom reductions between steps. The buffer's

@@ -28,8 +28,6 @@ use crate::rendezvous::{OuterSum, Rendezvous, OUTER_PATIENCE};
 use crate::replica_set::{
     fuse_store, load_fused, replica_devices, Reduce, ReplicaModel, ReplicaOptions, ReplicaSet,
 };
-#[cfg(feature = "nccl")]
-use std::sync::Mutex;
 
 /// Synchronous data parallelism across worker processes launched by `mpirun`, each with one or
 /// more local replicas.

@@ -279,7 +279,7 @@ impl SequentialNet {
         let mut h = run_layers(&self.layers[..first], x, Pass::FrozenTraining)?;
         let mut logits = None;
         let mut steps = Vec::with_capacity(self.layers.len() - first);
-        let writer = into.and(self.layers.iter().rposition(|(_, l)| !l.passes_through()));
+        let writer = into.and_then(|_| self.layers.iter().rposition(|(_, l)| !l.passes_through()));
         let mut written = None;
         for (i, (name, layer)) in self.layers.iter().enumerate().skip(first) {
             let request = RecordRequest {

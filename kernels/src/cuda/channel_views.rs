@@ -10,12 +10,10 @@
 
 #![allow(unsafe_code)]
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, SyncOnDrop};
-use candle_core::cuda_backend::CudaStorageSlice as S;
 use candle_core::{CudaStorage, DType, Device, Layout, Tensor};
 
-use super::operands::{read, supported_dtype, write_at};
+use super::operands::{read_span, supported_dtype, write_span};
 use crate::{Error, Result};
 
 /// The distance in values between the images of an `(N, C, ...)` operand laid out as `l`, when
@@ -76,16 +74,7 @@ pub(crate) fn strided_address<'a>(
     stream: &'a CudaStream,
 ) -> candle_core::Result<(u64, u64, SyncOnDrop<'a>)> {
     let (start, end, stride) = span(op, what, l)?;
-    let (ptr, guard, len) = match &s.slice {
-        S::F32(v) => read(v, start, stream),
-        S::F64(v) => read(v, start, stream),
-        S::F16(v) => read(v, start, stream),
-        S::BF16(v) => read(v, start, stream),
-        _ => candle_core::bail!("{op}: no CUDA kernel for {:?}", s.dtype()),
-    };
-    if end > len {
-        candle_core::bail!("{op}: the {what} {:?} lies outside its storage", l.dims());
-    }
+    let (ptr, guard) = read_span(op, what, s, l, (start, end), stream)?;
     Ok((ptr, stride as u64, guard))
 }
 
@@ -97,17 +86,7 @@ pub(crate) fn strided_address_mut<'a>(
     stream: &'a CudaStream,
 ) -> candle_core::Result<(u64, u64, SyncOnDrop<'a>)> {
     let (start, end, stride) = span(op, what, l)?;
-    let dtype = s.dtype();
-    let (ptr, guard, len) = match &mut s.slice {
-        S::F32(v) => write_at(v, start, stream),
-        S::F64(v) => write_at(v, start, stream),
-        S::F16(v) => write_at(v, start, stream),
-        S::BF16(v) => write_at(v, start, stream),
-        _ => candle_core::bail!("{op}: no CUDA kernel for {dtype:?}"),
-    };
-    if end > len {
-        candle_core::bail!("{op}: the {what} {:?} lies outside its storage", l.dims());
-    }
+    let (ptr, guard) = write_span(op, what, s, l, (start, end), stream)?;
     Ok((ptr, stride as u64, guard))
 }
 

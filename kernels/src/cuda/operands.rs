@@ -123,6 +123,20 @@ pub(crate) fn address<'a>(
             l.stride()
         )
     };
+    read_span(op, "operand", s, l, (start, end), stream)
+}
+
+/// The device address of value `start` of `s` (of one of the kernels' dtypes, or `u32`) and the
+/// guard to hold until the kernels that read it are queued; an error unless the values up to
+/// `end` lie in the storage. `what` and `l` name the operand in the error.
+pub(crate) fn read_span<'a>(
+    op: &str,
+    what: &str,
+    s: &'a CudaStorage,
+    l: &Layout,
+    (start, end): (usize, usize),
+    stream: &'a CudaStream,
+) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
     let (ptr, guard, len) = match &s.slice {
         S::F32(v) => read(v, start, stream),
         S::F64(v) => read(v, start, stream),
@@ -132,7 +146,31 @@ pub(crate) fn address<'a>(
         _ => candle_core::bail!("{op}: no CUDA kernel for {:?}", s.dtype()),
     };
     if end > len {
-        candle_core::bail!("{op}: the operand {:?} lies outside its storage", l.dims());
+        candle_core::bail!("{op}: the {what} {:?} lies outside its storage", l.dims());
+    }
+    Ok((ptr, guard))
+}
+
+/// [`read_span`] of a storage the kernels write, with its write guard.
+pub(crate) fn write_span<'a>(
+    op: &str,
+    what: &str,
+    s: &'a mut CudaStorage,
+    l: &Layout,
+    (start, end): (usize, usize),
+    stream: &'a CudaStream,
+) -> candle_core::Result<(u64, SyncOnDrop<'a>)> {
+    let dtype = s.dtype();
+    let (ptr, guard, len) = match &mut s.slice {
+        S::F32(v) => write_at(v, start, stream),
+        S::F64(v) => write_at(v, start, stream),
+        S::F16(v) => write_at(v, start, stream),
+        S::BF16(v) => write_at(v, start, stream),
+        S::U32(v) => write_at(v, start, stream),
+        _ => candle_core::bail!("{op}: no CUDA kernel for {dtype:?}"),
+    };
+    if end > len {
+        candle_core::bail!("{op}: the {what} {:?} lies outside its storage", l.dims());
     }
     Ok((ptr, guard))
 }
@@ -155,7 +193,7 @@ pub(crate) fn addresses<'a, const N: usize>(
 }
 
 /// The address of value `start` of `v`, its read guard and `v`'s length.
-pub(crate) fn read<'a, T>(
+fn read<'a, T>(
     v: &'a CudaSlice<T>,
     start: usize,
     stream: &'a CudaStream,
@@ -208,7 +246,7 @@ fn write<'a, T: DeviceRepr>(
 }
 
 /// The address of value `start` of `v`, its write guard and `v`'s length.
-pub(crate) fn write_at<'a, T: DeviceRepr>(
+fn write_at<'a, T: DeviceRepr>(
     v: &'a mut CudaSlice<T>,
     start: usize,
     stream: &'a CudaStream,

@@ -4,10 +4,15 @@
 //! shared [`ReplicaGroup`]. Batch normalisation then sums its per-channel statistics over the
 //! group with [`all_reduce_sum`], which is differentiable: its backward pass sums the incoming
 //! gradients over the group too, so the gradients equal those of one device on the global batch.
+//!
+//! A group sums either vectors on the host ([`ReplicaGroup::all_reduce_sum`]) or, where it can,
+//! tensors where they lie ([`ReplicaGroup::all_reduce_sum_tensor`]: NCCL between GPUs, or a sum
+//! on the device that replicas share), so that a CUDA step does not wait for a copy to the host
+//! and back at every exchange.
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor};
 
 use crate::Result;
 
@@ -17,6 +22,25 @@ pub trait ReplicaGroup: Send + Sync {
     /// the total to each of them. Blocks until all have contributed. Within a step, every
     /// participating replica calls it the same number of times with vectors of the same length.
     fn all_reduce_sum(&self, replica: usize, values: Vec<f32>) -> Result<Vec<f32>>;
+
+    /// Whether the group sums tensors where they lie, with
+    /// [`all_reduce_sum_tensor`](Self::all_reduce_sum_tensor); default `false`, and batch
+    /// normalisation then sums on the host with [`all_reduce_sum`](Self::all_reduce_sum).
+    fn sums_tensors(&self) -> bool {
+        false
+    }
+
+    /// Sums `x` (a contiguous `f32` tensor on the replica's device) element-wise over the
+    /// replicas taking part in the current step, like
+    /// [`all_reduce_sum`](Self::all_reduce_sum), and returns the total as a new contiguous
+    /// tensor of `x`'s shape on `x`'s device. Called only when
+    /// [`sums_tensors`](Self::sums_tensors) is `true`; the default is an error.
+    fn all_reduce_sum_tensor(&self, replica: usize, x: &Tensor) -> Result<Tensor> {
+        let _ = (replica, x);
+        Err(crate::Error::invalid(
+            "this replica group sums vectors on the host only",
+        ))
+    }
 }
 
 /// One replica's place in a [`ReplicaGroup`].
@@ -40,6 +64,21 @@ impl ReplicaHandle {
     fn sum(&self, values: Vec<f32>) -> Result<Vec<f32>> {
         self.group.all_reduce_sum(self.index, values)
     }
+
+    fn sum_tensor(&self, x: &Tensor) -> Result<Tensor> {
+        let total = self.group.all_reduce_sum_tensor(self.index, x)?;
+        if total.dims() != x.dims() || !total.device().same_device(x.device()) {
+            return Err(crate::Error::invalid(format!(
+                "replica {}: the group's sum of a {:?} tensor on {:?} is {:?} on {:?}",
+                self.index,
+                x.dims(),
+                x.device(),
+                total.dims(),
+                total.device()
+            )));
+        }
+        Ok(total)
+    }
 }
 
 impl std::fmt::Debug for ReplicaHandle {
@@ -48,9 +87,19 @@ impl std::fmt::Debug for ReplicaHandle {
     }
 }
 
-/// The sum of `x` over the group, differentiable. The exchange happens on the CPU, so it suits
-/// small tensors such as per-channel statistics.
+/// The sum of `x` over the group, differentiable, in `f32`. Where the group sums tensors, they
+/// stay on their devices; otherwise the exchange happens on the host, which suits small tensors
+/// such as per-channel statistics.
 pub fn all_reduce_sum(x: &Tensor, handle: &ReplicaHandle) -> Result<Tensor> {
+    if handle.group.sums_tensors() {
+        let local = x.to_dtype(DType::F32)?.contiguous()?;
+        let total = handle.sum_tensor(&local.detach())?;
+        let summed = local.apply_op1(Summed {
+            handle: handle.clone(),
+            total,
+        })?;
+        return Ok(summed.to_dtype(x.dtype())?);
+    }
     let cpu = x
         .to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?
@@ -91,6 +140,82 @@ impl CustomOp1 for AllReduceSum {
         // d(sum over replicas)/d(local) is the identity; each replica's output feeds every
         // replica's loss, so the local gradient is the sum of all replicas' output gradients.
         all_reduce_sum(grad_res, &self.0)
+            .map(Some)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+/// The group's sum of a tensor, found before the op ran: its forward pass gives `total`, its
+/// backward pass sums the output's gradient over the group, as [`AllReduceSum`]'s does.
+struct Summed {
+    handle: ReplicaHandle,
+    total: Tensor,
+}
+
+impl Summed {
+    /// The span of `total` in its storage.
+    fn span(&self, layout: &Layout) -> candle_core::Result<(usize, usize)> {
+        let span = layout.contiguous_offsets();
+        match span {
+            Some(span) if layout.shape() == self.total.shape() => Ok(span),
+            _ => candle_core::bail!(
+                "cross-replica sum: the total {:?} does not match the input {:?}",
+                self.total.dims(),
+                layout.dims()
+            ),
+        }
+    }
+}
+
+impl CustomOp1 for Summed {
+    fn name(&self) -> &'static str {
+        "cross-replica-sum"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (storage, total) = self.total.storage_and_layout();
+        let (start, end) = self.span(total)?;
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(values)) => Ok((
+                CpuStorage::F32(values[start..end].to_vec()),
+                layout.shape().clone(),
+            )),
+            _ => candle_core::bail!("cross-replica sum: the total is not f32 on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (storage, total) = self.total.storage_and_layout();
+        let (start, end) = self.span(total)?;
+        match &*storage {
+            Storage::Cuda(cuda) => {
+                let values = cuda.as_cuda_slice::<f32>()?.slice(start..end);
+                let copy = cuda
+                    .device
+                    .cuda_stream()
+                    .clone_dtod(&values)
+                    .map_err(|e| candle_core::Error::Cuda(Box::new(e)))?;
+                Ok((
+                    candle_core::CudaStorage::wrap_cuda_slice(copy, cuda.device.clone()),
+                    layout.shape().clone(),
+                ))
+            }
+            _ => candle_core::bail!("cross-replica sum: the total is not on a CUDA device"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        _arg: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        all_reduce_sum(grad_res, &self.handle)
             .map(Some)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))
     }

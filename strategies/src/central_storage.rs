@@ -11,6 +11,7 @@ use kandle::params::{ParamStore, Weights};
 use kandle::strategy::{DistributedModel, ModelSpec, Replica, StepStats, Strategy, WorkerHooks};
 use kandle::{Error, Result};
 
+use crate::cross_device_ops::CrossDeviceOps;
 use crate::replica_set::{
     all_gpus, cpu_weights, fuse_store, replica_devices, unzip, ReplicaOptions, ReplicaSet,
 };
@@ -76,7 +77,13 @@ impl Strategy for CentralStorageStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let set = ReplicaSet::build(spec, &self.devices, &self.options)?;
+        // SyncBatchNorm's sums meet on the first compute device.
+        let set = ReplicaSet::build(
+            spec,
+            &self.devices,
+            &self.options,
+            CrossDeviceOps::ReductionToOneDevice,
+        )?;
         // The central replica never computes: its network is built in float32 wherever the
         // compute devices run a mixed policy, and it keeps the policy's loss scale, which its
         // final phase moves on and the compute replicas load with the variables.

@@ -8,18 +8,42 @@ use kandle::Result;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CrossDeviceOps {
     /// Copy every buffer to the first replica's device, sum there, copy the total back.
-    /// The default for CPU replicas.
+    /// The default for CPU replicas and for replicas sharing a GPU.
     #[default]
     ReductionToOneDevice,
     /// Sum pairwise in a tree (replica 1 into 0, 3 into 2, then 2 into 0, ...), each sum on the
     /// receiving replica's device, then copy the total back down the tree. Spreads the copies
     /// over devices instead of funnelling them through one.
     HierarchicalCopy,
-    /// NCCL all-reduce between CUDA devices (the `nccl` feature).
+    /// NCCL all-reduce between CUDA devices (the `nccl` feature). The default for replicas on
+    /// distinct GPUs when kandle-strategies is built with `nccl`.
     NcclAllReduce,
 }
 
 impl CrossDeviceOps {
+    /// The ops for replicas on `devices`: [`NcclAllReduce`](Self::NcclAllReduce) for several
+    /// distinct CUDA devices when built with the `nccl` feature, otherwise
+    /// [`ReductionToOneDevice`](Self::ReductionToOneDevice).
+    ///
+    /// ```
+    /// use candle_core::Device;
+    /// use kandle_strategies::CrossDeviceOps;
+    ///
+    /// let cpu = CrossDeviceOps::default_for(&[Device::Cpu, Device::Cpu]);
+    /// assert_eq!(cpu, CrossDeviceOps::ReductionToOneDevice);
+    /// ```
+    pub fn default_for(devices: &[Device]) -> Self {
+        let distinct_gpus = devices.len() > 1
+            && devices.iter().enumerate().all(|(i, d)| {
+                d.is_cuda() && devices[..i].iter().all(|e| e.location() != d.location())
+            });
+        if cfg!(feature = "nccl") && distinct_gpus {
+            CrossDeviceOps::NcclAllReduce
+        } else {
+            CrossDeviceOps::ReductionToOneDevice
+        }
+    }
+
     /// Sums `buffers` (one per replica, each on its replica's device) and returns the total on
     /// each replica's device, in order.
     pub fn all_reduce(self, buffers: Vec<Tensor>, devices: &[Device]) -> Result<Vec<Tensor>> {

@@ -26,7 +26,8 @@ const NAME: &str = "MirroredStrategy";
 pub struct MirroredStrategy {
     devices: Vec<Device>,
     options: ReplicaOptions,
-    ops: CrossDeviceOps,
+    /// `None`: [`CrossDeviceOps::default_for`] the devices.
+    ops: Option<CrossDeviceOps>,
 }
 
 impl MirroredStrategy {
@@ -35,7 +36,7 @@ impl MirroredStrategy {
         Ok(Self {
             devices: replica_devices(devices, NAME)?,
             options: ReplicaOptions::default(),
-            ops: CrossDeviceOps::default(),
+            ops: None,
         })
     }
 
@@ -50,10 +51,20 @@ impl MirroredStrategy {
         Self::new(vec![Device::Cpu; replicas])
     }
 
-    /// How replicas sum their step buffers (default [`CrossDeviceOps::ReductionToOneDevice`]).
+    /// How replicas sum their step buffers and their `SyncBatchNorm` statistics (default
+    /// [`CrossDeviceOps::default_for`] the devices: NCCL between distinct GPUs when built with
+    /// the `nccl` feature, as TensorFlow's `MirroredStrategy` does, otherwise
+    /// [`CrossDeviceOps::ReductionToOneDevice`]).
     pub fn cross_device_ops(mut self, ops: CrossDeviceOps) -> Self {
-        self.ops = ops;
+        self.ops = Some(ops);
         self
+    }
+
+    /// How the replicas sum: the ops set with [`cross_device_ops`](Self::cross_device_ops), or
+    /// the devices' default.
+    pub fn ops(&self) -> CrossDeviceOps {
+        self.ops
+            .unwrap_or_else(|| CrossDeviceOps::default_for(&self.devices))
     }
 
     /// How the replicas run: SyncBatchNorm, the timeout, threads per replica (default
@@ -83,17 +94,15 @@ impl Strategy for MirroredStrategy {
     }
 
     fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
-        let mut set = ReplicaSet::build(spec, &self.devices, &self.options)?;
+        let ops = self.ops();
+        let mut set = ReplicaSet::build(spec, &self.devices, &self.options, ops)?;
         // Replicas whose steps are captured as CUDA graphs sum their step buffers after the
         // passes: a captured step cannot hand buckets in midway.
         let graphed = kandle::devices::cuda_graphs() && self.devices.iter().all(Device::is_cuda);
         if let Some(bytes) = self.options.gradient_buckets.filter(|_| !graphed) {
-            set.use_buckets(self.ops, bytes, self.options.timeout, None)?;
+            set.use_buckets(ops, bytes, self.options.timeout, None)?;
         }
-        Ok(Box::new(ReplicaModel {
-            set,
-            reduce: self.ops,
-        }))
+        Ok(Box::new(ReplicaModel { set, reduce: ops }))
     }
 }
 
@@ -116,6 +125,7 @@ mod tests {
                 spec,
                 &[Device::Cpu, Device::Cpu, Device::Cpu],
                 &ReplicaOptions::default(),
+                CrossDeviceOps::default(),
             )?,
             reduce: CrossDeviceOps::default(),
         })
@@ -300,7 +310,12 @@ mod tests {
         bucket_bytes: Option<usize>,
     ) -> Result<(Vec<Vec<f32>>, usize)> {
         let options = ReplicaOptions::default().gradient_buckets(bucket_bytes);
-        let mut set = ReplicaSet::build(spec, &[Device::Cpu, Device::Cpu, Device::Cpu], &options)?;
+        let mut set = ReplicaSet::build(
+            spec,
+            &[Device::Cpu, Device::Cpu, Device::Cpu],
+            &options,
+            ops,
+        )?;
         if let Some(bytes) = bucket_bytes {
             set.use_buckets(ops, bytes, options.timeout, None)?;
         }
@@ -454,7 +469,12 @@ mod tests {
         fn distribute(&self, spec: &ModelSpec) -> Result<Box<dyn DistributedModel>> {
             let devices = [Device::Cpu, Device::Cpu];
             Ok(Box::new(ReplicaModel {
-                set: ReplicaSet::build(spec, &devices, &ReplicaOptions::default())?,
+                set: ReplicaSet::build(
+                    spec,
+                    &devices,
+                    &ReplicaOptions::default(),
+                    CrossDeviceOps::default(),
+                )?,
                 reduce: CountingOps(CrossDeviceOps::default(), std::sync::Arc::clone(&self.0)),
             }))
         }

@@ -1,7 +1,9 @@
 //! NCCL all-reduce between CUDA replicas of one process (the `nccl` feature).
 //!
-//! One thread drives every GPU: one NCCL communicator per device, created together with
-//! `ncclCommInitAll` the first time a set of devices reduces, and kept for the next steps. The
+//! One thread drives every GPU at a time: one NCCL communicator per device, created together
+//! with `ncclCommInitAll` the first time a set of devices reduces, and kept for the next steps
+//! by the process, whichever thread calls next (the step's, the bucket exchange's, or the last
+//! replica at a `SyncBatchNorm` round), so one set of devices has one set of communicators. The
 //! per-device `all_reduce` calls sit between `ncclGroupStart` and `ncclGroupEnd`, as NCCL
 //! requires when one thread drives several ranks, and run on each device's candle stream, so they
 //! follow the replica's backward pass and precede whatever reads the result. Each replica gets
@@ -32,7 +34,7 @@ pub(crate) use imp::{check_buffers, cuda_devices, nccl_error, sum_into_new};
 
 #[cfg(feature = "nccl")]
 mod imp {
-    use std::cell::RefCell;
+    use std::sync::Mutex;
 
     use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
     use candle_core::cuda_backend::cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
@@ -49,12 +51,16 @@ mod imp {
         comms: Vec<Comm>,
     }
 
-    thread_local! {
-        // NCCL communicators are not `Send`, and one thread must drive all ranks of an
-        // `ncclCommInitAll` clique, so the cache is per thread. It holds the last device set
-        // only: a new set (another strategy, or fresh devices) replaces it.
-        static CACHE: RefCell<Option<Communicators>> = const { RefCell::new(None) };
-    }
+    // SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not
+    // overlap. `Communicators` live only in `CACHE`, whose lock is held for every call on them
+    // (one thread then drives every rank of the clique, between a group's start and end), so
+    // calls never overlap, and moving them to another thread is sound.
+    #[allow(unsafe_code)]
+    unsafe impl Send for Communicators {}
+
+    /// The communicators of the last set of devices that reduced: a new set (another strategy,
+    /// or fresh devices) replaces them. Locked for the whole of each all-reduce.
+    static CACHE: Mutex<Option<Communicators>> = Mutex::new(None);
 
     /// An NCCL failure as a kandle error.
     pub(crate) fn nccl_error(what: &str, e: ncclResult_t) -> Error {
@@ -86,7 +92,10 @@ mod imp {
         let cuda = cuda_devices(devices)?;
         check_buffers(&buffers, devices)?;
         let ids: Vec<DeviceId> = cuda.iter().map(|d| d.id()).collect();
-        let comms = match CACHE.with(|c| c.borrow_mut().take()) {
+        let mut cache = CACHE
+            .lock()
+            .map_err(|_| Error::Device("the NCCL communicators were poisoned by a panic".into()))?;
+        let comms = match cache.take() {
             Some(cached) if cached.devices == ids => cached,
             stale => {
                 drop(stale); // release the old communicators before creating new ones
@@ -96,7 +105,7 @@ mod imp {
         let reduced = reduce(&buffers, &cuda, &comms.comms)?;
         // Only communicators that just succeeded go back to the cache: after an NCCL error
         // they are dropped, and the next call creates new ones.
-        CACHE.with(|c| *c.borrow_mut() = Some(comms));
+        *cache = Some(comms);
         Ok(reduced)
     }
 

@@ -58,7 +58,9 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct ReplicaOptions {
     /// Batch normalisation with the statistics of the whole global batch, over every replica
     /// (and worker), instead of each replica's part (`SyncBatchNorm`). Either way the moving
-    /// statistics agree on every replica. Default false.
+    /// statistics agree on every replica. In one process the statistics are summed where they
+    /// lie, with the strategy's cross-device ops (NCCL between GPUs); across workers, on the
+    /// host through MPI. Default false.
     pub sync_batch_norm: bool,
     /// How long a step waits for a replica (or a worker) before failing with an error that
     /// names it. Default 60 s.
@@ -184,15 +186,16 @@ fn labels(devices: &[Device]) -> Vec<String> {
 
 impl ReplicaSet {
     /// Builds one replica of `spec` per device as `options` say, with an in-process rendezvous
-    /// for `SyncBatchNorm` when asked.
+    /// for `SyncBatchNorm` when asked, which sums the statistics where they lie with `ops`.
     pub(crate) fn build(
         spec: &ModelSpec,
         devices: &[Device],
         options: &ReplicaOptions,
+        ops: CrossDeviceOps,
     ) -> Result<Self> {
-        let rendezvous = options
-            .sync_batch_norm
-            .then(|| Arc::new(Rendezvous::new(devices.len(), options.timeout)));
+        let rendezvous = options.sync_batch_norm.then(|| {
+            Arc::new(Rendezvous::new(devices.len(), options.timeout).summing_tensors(ops, devices))
+        });
         Self::new(
             spec,
             devices,

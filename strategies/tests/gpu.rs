@@ -6,7 +6,8 @@
 //! gradients in buckets summed during the backward passes, and as one sum after them),
 //! CentralStorage (variables on the CPU, compute on the GPU), and a pipeline of two stages on
 //! the GPU (or on the GPU and the CPU) match one GPU; a training state
-//! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces; running
+//! saved from the GPU loads on the CPU and the reverse; NCCL with one rank all-reduces (a
+//! buffer, a step buffer, SyncBatchNorm's statistics on the GPU); running
 //! out of GPU memory is an error naming the batch.
 //!
 //! Built with `--features cuda` (and `nccl` for the NCCL tests). Every test needs a GPU, so each
@@ -280,7 +281,7 @@ fn mirrored_on_one_gpu_and_central_storage_match_one_gpu() -> anyhow::Result<()>
     assert_matches(
         &reference,
         &weights(bn_cnn(), &synced)?,
-        "mirrored sync bn, two replicas on cuda:0",
+        "mirrored sync bn, two replicas on cuda:0, statistics summed on the GPU",
     )?;
     Ok(())
 }
@@ -446,6 +447,17 @@ fn nccl_with_one_rank() -> anyhow::Result<()> {
         &weights(plain_cnn(), &nccl)?,
         1e-6,
         "nccl, one rank",
+    )?;
+
+    // SyncBatchNorm's statistics summed by NCCL on the GPU, with one rank, as one GPU.
+    let reference = weights(bn_cnn(), &OneDeviceStrategy::new(gpu.clone()))?;
+    let synced = MirroredStrategy::new(vec![gpu.clone()])?
+        .cross_device_ops(CrossDeviceOps::NcclAllReduce)
+        .with_options(ReplicaOptions::default().sync_batch_norm(true));
+    assert_matches(
+        &reference,
+        &weights(bn_cnn(), &synced)?,
+        "sync bn through nccl, one rank",
     )?;
 
     // Two replicas on one GPU cannot be two NCCL ranks: a clear error, not a hang.

@@ -17,8 +17,8 @@
 #   - kernels-cuda-bn, kernels-cuda-pool: kandle-kernels' `tests/cuda_batch_norm.rs` and
 #     `tests/cuda_pooling.rs` with `cuda` (kandle's own CUDA batch norm and pooling kernels against
 #     the CPU kernels), in the same cargo run, so candle is not compiled again, and likewise
-#     kernels-cuda-opt, kernels-cuda-xent and kernels-cuda-dropout (its optimizer updates,
-#     softmax cross-entropy and dropout masks);
+#     kernels-cuda-opt, kernels-cuda-xent, kernels-cuda-dropout and kernels-cuda-dense (its
+#     optimizer updates, softmax cross-entropy, dropout masks and cuBLASLt Dense product);
 #   - bench, train_cifar10, scaling: the example binaries with `cuda,nccl`;
 #   - kernels-cuda-conv: kandle-kernels' `tests/cuda_conv.rs` with `cudnn` (its cuDNN
 #     convolutions against the CPU kernels);
@@ -71,13 +71,13 @@ pack() { # pack NAME PATH
 
 echo "== tests and binaries with cuda,nccl"
 # One feature set for all of them (candle-core with cuda and nccl), so it is compiled once.
-# kandle-kernels' CUDA batch norm, pooling, optimizer, cross-entropy and dropout tests come in the same run (their `test-support`
+# kandle-kernels' CUDA batch norm, pooling, optimizer, cross-entropy, dropout and Dense tests come in the same run (their `test-support`
 # is on already, through kandle's dev-dependency); `--lib` builds its unit tests too, unpacked.
 built=$(executables test --profile release --locked --no-run -p kandle -p kandle-strategies \
   -p kandle-models -p kandle-kernels \
   --features kandle/cuda,kandle-strategies/nccl,kandle-kernels/test-support --lib --test gpu \
   --test torchvision_weights --test cuda_batch_norm --test cuda_pooling --test cuda_optimizer \
-  --test cuda_softmax_cross_entropy --test cuda_dropout)
+  --test cuda_softmax_cross_entropy --test cuda_dropout --test cuda_dense)
 echo "$built"
 pack kandle-lib "$(awk '$1 == "kandle:kandle" { print $2 }' <<<"$built")"
 pack strategies-gpu "$(awk '$1 == "kandle-strategies:gpu" { print $2 }' <<<"$built")"
@@ -87,6 +87,7 @@ pack kernels-cuda-pool "$(awk '$1 == "kandle-kernels:cuda_pooling" { print $2 }'
 pack kernels-cuda-opt "$(awk '$1 == "kandle-kernels:cuda_optimizer" { print $2 }' <<<"$built")"
 pack kernels-cuda-xent "$(awk '$1 == "kandle-kernels:cuda_softmax_cross_entropy" { print $2 }' <<<"$built")"
 pack kernels-cuda-dropout "$(awk '$1 == "kandle-kernels:cuda_dropout" { print $2 }' <<<"$built")"
+pack kernels-cuda-dense "$(awk '$1 == "kandle-kernels:cuda_dense" { print $2 }' <<<"$built")"
 executables build --release --locked -p kandle-examples --features cuda,nccl \
   --bin bench --bin train_cifar10 --bin scaling >/dev/null
 pack bench "$CARGO_TARGET_DIR/release/bench"

@@ -120,13 +120,14 @@ if [[ -x $BIN/kernels-cuda-bn && -x $BIN/kernels-cuda-pool ]]; then
     '"$1" --include-ignored; bn=$?; "$2" --include-ignored; pool=$?; exit $((bn || pool))' _ \
     "$BIN/kernels-cuda-bn" "$BIN/kernels-cuda-pool"
 fi
-# kandle's CUDA optimizer updates, softmax cross-entropy and dropout masks against the CPU
-# kernels and the CPU path (seconds; each optimizer test says whether its values were the CPU's
-# bit for bit; the masks must be).
+# kandle's CUDA optimizer updates, softmax cross-entropy, dropout masks and cuBLASLt Dense
+# product against the CPU kernels, the CPU path or a float64 reference (seconds; each optimizer
+# test says whether its values were the CPU's bit for bit; the masks must be).
 if [[ -x $BIN/kernels-cuda-opt && -x $BIN/kernels-cuda-xent ]]; then
   step kernels-cuda-opt-xent 60 bash -c \
     'rc=0; for t in "$@"; do [[ -x $t ]] || continue; "$t" --include-ignored --nocapture || rc=1; done; exit $rc' _ \
-    "$BIN/kernels-cuda-opt" "$BIN/kernels-cuda-xent" "$BIN/kernels-cuda-dropout"
+    "$BIN/kernels-cuda-opt" "$BIN/kernels-cuda-xent" "$BIN/kernels-cuda-dropout" \
+    "$BIN/kernels-cuda-dense"
 fi
 step gpu-visible 60 env KANDLE_EXPECT_GPUS="${KANDLE_EXPECT_GPUS:-1}" \
   "$BIN/strategies-gpu" --include-ignored --exact the_expected_gpus_are_visible

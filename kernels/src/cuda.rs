@@ -20,6 +20,11 @@
 //! two kernels; NaNs propagate as in PyTorch, and a label outside the classes is an error, as
 //! on the CPU.
 //!
+//! **Dense layers' products** ([`dense`]) are `x W^T + b` in one cuBLASLt matmul, the bias in
+//! its epilogue, its plan (descriptor, layouts, algorithm) made once per device and shape,
+//! `f32` with FMA math (no TF32), `f16` and `bf16` accumulating in `f32`; its backward pass is
+//! candle's GEMMs.
+//!
 //! **The optimizers' updates** ([`sgd_step`], [`adam_step`]) write every `f32` variable of a
 //! device and its state in place in one launch, with the arithmetic of the CPU kernels of
 //! [`crate::optimizer`], bit for bit.
@@ -74,9 +79,11 @@ mod channel_views;
 #[cfg(feature = "cudnn")]
 mod conv;
 mod cross_entropy;
+mod dense;
 #[cfg(feature = "cudnn")]
 mod descriptors;
 pub(crate) mod dropout;
+mod matmul_plans;
 mod operands;
 #[cfg(feature = "cudnn")]
 mod ops;
@@ -85,6 +92,7 @@ mod optimizer;
 mod params;
 mod pooling;
 mod program;
+mod stream_key;
 
 use candle_core::Tensor;
 
@@ -100,6 +108,7 @@ pub use conv::{conv2d, conv2d_input_grad, conv2d_kernel_grad};
 pub use cross_entropy::{
     sparse_softmax_cross_entropy, sparse_softmax_cross_entropy_with, LabelCheck,
 };
+pub use dense::{dense, dense_supported};
 pub use optimizer::{
     adam_step, adam_step_live, sgd_step, sgd_step_live, LiveRates, MomentumBuffers,
 };

@@ -103,6 +103,8 @@ impl LayerSpec for Dense {
                 .activation
                 .with_kernels(ctx.compute_path().uses_kernels()),
             compute: ctx.compute_dtype(),
+            #[cfg(feature = "cuda")]
+            kernels: ctx.compute_path().uses_kernels(),
         };
         Ok(Built::fast(layer, vec![self.units], Vec::new()))
     }
@@ -121,11 +123,23 @@ struct DenseLayer {
     /// The dtype the product computes in (mixed precision): the input and the variables are
     /// cast to it.
     compute: candle_core::DType,
+    /// Whether the product may run on kandle's kernels (see
+    /// [`crate::ComputePath::uses_kernels`]): on a CUDA device, one cuBLASLt matmul with the
+    /// bias in its epilogue.
+    #[cfg(feature = "cuda")]
+    kernels: bool,
 }
 
 impl DenseLayer {
-    /// `x W^T + b` with the given weight and bias.
-    fn affine(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    /// `x W^T + b` with the given weight and bias: on kandle's kernels on a CUDA device, one
+    /// cuBLASLt matmul with the bias in its epilogue (differentiable, as candle's ops are);
+    /// elsewhere candle's matmul and broadcast add.
+    fn affine(&self, x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.kernels && x.device().is_cuda() && crate::kernels::cuda::dense_supported(x.dtype())
+        {
+            return Ok(crate::kernels::cuda::dense(x, weight, bias)?);
+        }
         let y = x.matmul(&weight.t()?)?;
         Ok(match bias {
             Some(b) => y.broadcast_add(b)?,
@@ -142,7 +156,7 @@ impl DenseLayer {
         let weight = cast(&self.weight.detach())?;
         let input = cast(x)?;
         let bias = self.bias.as_ref().map(|b| cast(&b.detach())).transpose()?;
-        let y = Self::affine(&input, &weight, bias.as_ref())?;
+        let y = self.affine(&input, &weight, bias.as_ref())?;
         let input_dtype = x.dtype();
         let params = self
             .trainable
@@ -172,7 +186,7 @@ impl DenseLayer {
     fn compute_affine(&self, x: &Tensor) -> Result<Tensor> {
         let cast = |t: &Tensor| t.to_dtype(self.compute);
         let bias = self.bias.as_ref().map(cast).transpose()?;
-        Self::affine(&cast(x)?, &cast(&self.weight)?, bias.as_ref())
+        self.affine(&cast(x)?, &cast(&self.weight)?, bias.as_ref())
     }
 }
 

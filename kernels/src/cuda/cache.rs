@@ -19,15 +19,15 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
-use std::thread::ThreadId;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut};
-use candle_core::cuda_backend::{CudaDevice, DeviceId};
+use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Device};
 
 use super::algorithms::{self, Algo, Buffers, Candidate, Kind, Workspace};
 use super::descriptors::{ConvDescriptors, Handle};
 use super::params::{AlgoSearch, Geometry, Window};
+use super::stream_key::StreamKey;
 use crate::{Error, Result};
 
 /// What one convolution's plan is searched for and looked up by.
@@ -57,28 +57,6 @@ pub struct CacheStats {
     pub plans: usize,
     /// Bytes of the device's workspaces (one per stream).
     pub workspace_bytes: usize,
-}
-
-/// Which state a call uses: candle's id of the device (one per `CudaDevice`), and the calling
-/// thread when the device's stream is CUDA's per-thread default stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct StreamKey {
-    device: DeviceId,
-    thread: Option<ThreadId>,
-}
-
-/// `CU_STREAM_PER_THREAD`: the handle of the calling thread's own default stream, which
-/// candle's `Device::new_cuda` uses.
-const PER_THREAD_STREAM: usize = 0x2;
-
-impl StreamKey {
-    fn of(dev: &CudaDevice) -> Self {
-        let per_thread = dev.cuda_stream().cu_stream() as usize == PER_THREAD_STREAM;
-        Self {
-            device: dev.id(),
-            thread: per_thread.then(|| std::thread::current().id()),
-        }
-    }
 }
 
 /// One device's (and stream's) handle, plans and workspace.

@@ -120,8 +120,8 @@ fn half_precision_products_and_gradients_match_float64() -> Result<()> {
 }
 
 /// The same call twice gives the same bits (the plan is made once, then looked up); an input
-/// that starts 4 bytes into its buffer (a row of a larger tensor) is multiplied as a tensor of
-/// its own is.
+/// and a bias that start 4 bytes into their buffers (parts of larger tensors) give what tensors
+/// of their own give.
 #[test]
 #[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
 fn repeated_calls_agree_bit_for_bit_and_unaligned_inputs_are_taken() -> Result<()> {
@@ -137,12 +137,22 @@ fn repeated_calls_agree_bit_for_bit_and_unaligned_inputs_are_taken() -> Result<(
     let flat = random(&[1 + 63 * 255], 5, 0.0)?.to_device(&gpu()?)?;
     let shifted = flat.narrow(0, 1, 63 * 255)?.reshape((63, 255))?;
     let w = w.narrow(1, 0, 255)?.contiguous()?;
-    let own = shifted.affine(1.0, 0.0)?; // a buffer of its own
+    let own = shifted.force_contiguous()?; // a buffer of its own
     assert_matches(
         "an input 4 bytes into its buffer",
         &cuda::dense(&shifted, &w, Some(&b))?,
         &cuda::dense(&own, &w, Some(&b))?,
         1e-5,
+    )?;
+
+    // A bias 4 bytes into its buffer is copied to a start the epilogue takes.
+    let biases = random(&[11], 6, 0.0)?.to_device(&gpu()?)?;
+    let shifted = biases.narrow(0, 1, 10)?;
+    assert_matches(
+        "a bias 4 bytes into its buffer",
+        &cuda::dense(&own, &w, Some(&shifted))?,
+        &cuda::dense(&own, &w, Some(&shifted.force_contiguous()?))?,
+        0.0,
     )?;
     Ok(())
 }

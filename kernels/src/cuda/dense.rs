@@ -60,8 +60,20 @@ pub fn dense(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let op = Dense;
     let (x, w) = (x.contiguous()?, w.contiguous()?);
     Ok(match bias {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, op)?,
+        Some(b) => x.apply_op3(&w, &aligned(b)?, op)?,
         None => x.apply_op2(&w, op)?,
+    })
+}
+
+/// The bias contiguous and starting on 16 bytes, as the epilogue reads it (cuBLASLt's
+/// preferences give the matrices' alignments, not the bias's): a copy of a bias that starts
+/// elsewhere in its buffer.
+fn aligned(b: &Tensor) -> Result<Tensor> {
+    let b = b.contiguous()?;
+    let offset = b.layout().start_offset() * b.dtype().size_in_bytes();
+    Ok(match offset % 16 {
+        0 => b,
+        _ => b.force_contiguous()?,
     })
 }
 

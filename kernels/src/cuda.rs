@@ -20,6 +20,12 @@
 //! two kernels; NaNs propagate as in PyTorch, and a label outside the classes is an error, as
 //! on the CPU.
 //!
+//! **SyncBatchNorm** ([`sync_batch_norm_sums`], [`sync_batch_norm_apply`],
+//! [`SyncBatchNormBackward`]) is the same training pass with the statistics, and the backward
+//! pass's sums, of every replica's batch: each side computes this replica's per-channel sums as
+//! one small `f32` vector, which the caller sums over the replicas on the devices (NCCL), and
+//! the kernels go on from the total.
+//!
 //! **Dense layers' products** ([`dense`]) are `x W^T + b` in one cuBLASLt matmul, the bias in
 //! its epilogue, its plan (descriptor, layouts, algorithm) made once per device and shape,
 //! `f32` with FMA math (no TF32), `f16` and `bf16` accumulating in `f32`; its backward pass is
@@ -73,6 +79,7 @@ the input as zeros first (one copy of the input).
 #[cfg(feature = "cudnn")]
 mod algorithms;
 mod batch_norm;
+mod batch_norm_sync;
 #[cfg(feature = "cudnn")]
 mod cache;
 mod channel_views;
@@ -100,6 +107,7 @@ pub use batch_norm::{
     batch_norm_train, batch_norm_train_into, batch_norm_train_replay, channel_affine,
     channel_affine_into, BatchNormBackward,
 };
+pub use batch_norm_sync::{sync_batch_norm_apply, sync_batch_norm_sums, SyncBatchNormBackward};
 #[cfg(feature = "cudnn")]
 pub use cache::{cache_stats, clear_caches, CacheStats};
 pub use channel_views::channel_buffer;

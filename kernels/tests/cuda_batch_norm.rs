@@ -6,7 +6,8 @@
 //! `bf16`; NaN propagation; strided inputs; and errors for inputs the kernels cannot take. The
 //! outputs written into a range of a larger tensor's channels (`batch_norm_train_into`,
 //! `channel_affine_into`) and the gradients read from such a range, bit for bit against the
-//! same kernels on tensors of their own.
+//! same kernels on tensors of their own. SyncBatchNorm's kernels over parts of a batch, their
+//! sums added as NCCL adds them, against the CPU kernel over the whole batch.
 //!
 //! Built with `cuda` and `test-support`. The GPU tests are `#[ignore]`d (`gpu/check.sh` runs
 //! them with `--include-ignored`); the test of a CPU tensor's error runs anywhere the binary
@@ -477,5 +478,129 @@ fn an_output_that_cannot_take_the_result_is_an_error() -> Result<()> {
     }
     let buffer = cuda::channel_buffer(&[2, 5], DType::U8, &dev);
     assert_invalid(buffer, &["channel_buffer", "U8"])?;
+    Ok(())
+}
+
+/// The sum over "replicas" of their SyncBatchNorm vectors, as NCCL's all-reduce gives it.
+fn replicas_sum(parts: &[Tensor]) -> Result<Tensor> {
+    let mut total = parts[0].clone();
+    for p in &parts[1..] {
+        total = (total + p)?;
+    }
+    Ok(total)
+}
+
+/// SyncBatchNorm's kernels over three replicas (parts of 5, 2 and 1 samples of a batch of 8 on
+/// the GPU, their vectors summed as NCCL sums them) against the CPU kernel's pass over the whole
+/// batch: each part's output and input gradient, the statistics (alike on every part), and the
+/// weight's and bias's gradients summed over the parts, within 1e-4; with the ReLU and without,
+/// the shift (the moving mean) zero against inputs around 0 and around 3, and at the data's
+/// mean.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synchronised_parts_match_one_pass_over_the_whole_batch() -> Result<()> {
+    let dev = gpu()?;
+    let dims = [8, 12, 6, 5];
+    let parts = [(0, 5), (5, 2), (7, 1)];
+    for (relu, offset, shift) in [(true, 0.0, 0.0), (false, 3.0, 0.0), (true, 3.0, 3.0)] {
+        let what = format!("relu {relu}, inputs around {offset}, shift {shift}");
+        let [x, w, b] = operands(&dims, 21, offset)?;
+        let dy = random(&dims, 22, 0.0)?;
+        let (replay, want) = cpu::batch_norm_train_replay(&x, Some(&w), Some(&b), EPSILON, relu)?;
+        let (Some(want_dx), Some(want_dw), Some(want_db)) = replay.backward(&dy)? else {
+            anyhow::bail!("{what}: the CPU kernel gave no gradient");
+        };
+        let on_gpu = |t: &Tensor| t.to_device(&dev);
+        let (w, b) = (on_gpu(&w)?, on_gpu(&b)?);
+        let shift = Tensor::full(shift, 12, &dev)?;
+        let split = |t: &Tensor| -> Result<Vec<Tensor>> {
+            parts
+                .iter()
+                .map(|&(start, n)| Ok(on_gpu(&t.narrow(0, start, n)?)?))
+                .collect()
+        };
+        let (xs, dys) = (split(&x)?, split(&dy)?);
+        let local = xs
+            .iter()
+            .map(|x| Ok(cuda::sync_batch_norm_sums(x, &shift)?))
+            .collect::<Result<Vec<_>>>()?;
+        let total = replicas_sum(&local)?;
+        let (mut ys, mut passes) = (Vec::new(), Vec::new());
+        for x in &xs {
+            let (y, stats, pass) =
+                cuda::sync_batch_norm_apply(x, &total, &shift, Some(&w), Some(&b), EPSILON, relu)?;
+            assert_matches(&format!("{what}: mean"), &stats.mean, &want.mean, 1e-4)?;
+            assert_matches(&format!("{what}: var"), &stats.var, &want.var, 1e-4)?;
+            ys.push(y);
+            passes.push(pass);
+        }
+        assert_matches(
+            &format!("{what}: y"),
+            &Tensor::cat(&ys, 0)?,
+            replay.output(),
+            1e-4,
+        )?;
+        let local = passes
+            .iter()
+            .zip(&dys)
+            .map(|(p, dy)| Ok(p.grad_sums(dy)?))
+            .collect::<Result<Vec<_>>>()?;
+        let total = replicas_sum(&local)?;
+        let (mut dx, mut dw, mut db) = (Vec::new(), Vec::new(), Vec::new());
+        for ((pass, dy), local) in passes.iter().zip(&dys).zip(&local) {
+            let (x_grad, w_grad, b_grad) = pass.backward(dy, local, &total)?;
+            dx.push(x_grad);
+            dw.push(w_grad);
+            db.push(b_grad);
+        }
+        assert_matches(
+            &format!("{what}: dx"),
+            &Tensor::cat(&dx, 0)?,
+            &want_dx,
+            1e-4,
+        )?;
+        assert_matches(
+            &format!("{what}: dweight"),
+            &replicas_sum(&dw)?,
+            &want_dw,
+            1e-4,
+        )?;
+        assert_matches(
+            &format!("{what}: dbias"),
+            &replicas_sum(&db)?,
+            &want_db,
+            1e-4,
+        )?;
+    }
+    Ok(())
+}
+
+/// SyncBatchNorm's kernels refuse an `f64` input (its sums cross replicas in `f32`), summed
+/// sums of another length, and an output gradient of another shape.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synchronised_inputs_the_kernels_cannot_take_are_errors() -> Result<()> {
+    let dev = gpu()?;
+    let x = random(&[4, 3, 2, 2], 1, 0.0)?.to_device(&dev)?;
+    let shift = Tensor::zeros(3, DType::F32, &dev)?;
+    assert_invalid(
+        cuda::sync_batch_norm_sums(&x.to_dtype(DType::F64)?, &shift.to_dtype(DType::F64)?),
+        &["cuda_sync_batch_norm_sums", "f64"],
+    )?;
+    assert_invalid(
+        cuda::sync_batch_norm_sums(&x, &Tensor::zeros(2, DType::F32, &dev)?),
+        &["cuda_sync_batch_norm_sums", "shift"],
+    )?;
+    let sums = cuda::sync_batch_norm_sums(&x, &shift)?;
+    assert_eq!(sums.dims(), &[7]);
+    assert_invalid(
+        cuda::sync_batch_norm_apply(&x, &sums.narrow(0, 0, 6)?, &shift, None, None, 1e-3, false),
+        &["cuda_sync_batch_norm", "summed sums", "[7]"],
+    )?;
+    let (_, _, pass) = cuda::sync_batch_norm_apply(&x, &sums, &shift, None, None, 1e-3, false)?;
+    assert_invalid(
+        pass.grad_sums(&x.narrow(0, 0, 2)?),
+        &["output gradient", "[2, 3, 2, 2]"],
+    )?;
     Ok(())
 }

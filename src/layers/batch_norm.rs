@@ -307,20 +307,37 @@ impl BatchNormLayer {
         Ok((mean, var))
     }
 
-    /// Mean and biased variance per channel over the whole replica group's batch, in two
-    /// differentiable rounds (sums with the count, then centred squares) for accuracy.
+    /// Mean and biased variance per channel over the whole replica group's batch, from one
+    /// exchange of the vector the CUDA kernels exchange (`kandle_kernels::cuda::
+    /// sync_batch_norm_sums`): each channel's sums of `x - shift` and of their squares, then the
+    /// count, `shift` the moving mean (the same on every replica, and near the data's mean once
+    /// training has run a while, which keeps the squares' sum from cancelling). Differentiable:
+    /// the backward pass sums the vector's gradient over the group in one exchange too, so every
+    /// replica, on any device, runs the same exchanges.
     fn global_batch_stats(&self, x: &Tensor, group: &ReplicaHandle) -> Result<(Tensor, Tensor)> {
         let channels = x.dim(1)?;
         let count = (x.elem_count() / channels.max(1)) as f64;
-        let count = Tensor::full(count, 1, x.device())?.to_dtype(x.dtype())?;
-        let sums = Tensor::cat(&[&self.channel_sums(x)?, &count], 0)?;
-        let sums = all_reduce_sum(&sums, group)?;
-        let total = sums.narrow(0, channels, 1)?;
-        let mean = sums.narrow(0, 0, channels)?.broadcast_div(&total)?;
-        let centered = x.broadcast_sub(&self.per_channel(&mean)?)?;
+        let shift = self.running_mean.as_tensor().detach().to_dtype(x.dtype())?;
+        let centered = x.broadcast_sub(&self.per_channel(&shift)?)?;
+        let sums = self.channel_sums(&centered)?;
         let squares = self.channel_sums(&centered.sqr()?)?;
-        let var = all_reduce_sum(&squares, group)?.broadcast_div(&total)?;
-        Ok((mean, var))
+        let pairs = Tensor::stack(&[&sums, &squares], 1)?.flatten_all()?;
+        let count = Tensor::full(count, 1, x.device())?.to_dtype(x.dtype())?;
+        let total = all_reduce_sum(&Tensor::cat(&[&pairs, &count], 0)?, group)?;
+        let pairs = total.narrow(0, 0, 2 * channels)?.reshape((channels, 2))?;
+        let count = total.narrow(0, 2 * channels, 1)?;
+        let shifted_mean = pairs
+            .narrow(1, 0, 1)?
+            .flatten_all()?
+            .broadcast_div(&count)?;
+        let var = (pairs
+            .narrow(1, 1, 1)?
+            .flatten_all()?
+            .broadcast_div(&count)?
+            - shifted_mean.sqr()?)?;
+        // A variance below zero from rounding is zero; a NaN stays NaN.
+        let var = var.lt(0.0)?.where_cond(&var.zeros_like()?, &var)?;
+        Ok(((shifted_mean + shift)?, var))
     }
 
     fn normalize(&self, x: &Tensor, mean: &Tensor, var: &Tensor) -> Result<Tensor> {
@@ -447,6 +464,9 @@ enum KernelPass {
     /// The CUDA kernels' pass that wrote its output into a concatenation's channels.
     #[cfg(feature = "cuda")]
     Into(crate::kernels::cuda::BatchNormBackward),
+    /// The CUDA kernels' SyncBatchNorm pass, whose backward sums go over the group.
+    #[cfg(feature = "cuda")]
+    Synced(crate::kernels::cuda::SyncBatchNormBackward, ReplicaHandle),
 }
 
 /// The training pass's backward through kandle's kernels: the input's gradient and the
@@ -470,6 +490,13 @@ impl Backward for KernelBackward {
             #[cfg(feature = "cuda")]
             KernelPass::Into(pass) => {
                 let (dx, dweight, dbias) = pass.backward(&dy)?;
+                (Some(dx), Some(dweight), Some(dbias))
+            }
+            #[cfg(feature = "cuda")]
+            KernelPass::Synced(pass, group) => {
+                let local = pass.grad_sums(&dy)?;
+                let total = all_reduce_sum(&local, group)?;
+                let (dx, dweight, dbias) = pass.backward(&dy, &local, &total)?;
                 (Some(dx), Some(dweight), Some(dbias))
             }
         };
@@ -517,6 +544,34 @@ impl BatchNormLayer {
     }
 }
 
+impl BatchNormLayer {
+    /// The recorded training pass under SyncBatchNorm on the CUDA kernels: this replica's sums
+    /// summed over the group where they lie, in one exchange each way (as
+    /// [`Self::global_batch_stats`] exchanges them).
+    #[cfg(feature = "cuda")]
+    fn record_synced_on_cuda(&self, x: &Tensor, group: &ReplicaHandle) -> Result<Recorded> {
+        use crate::kernels::cuda::{sync_batch_norm_apply, sync_batch_norm_sums};
+        let shift = self.running_mean.as_tensor().detach();
+        let total = all_reduce_sum(&sync_batch_norm_sums(x, &shift)?, group)?;
+        let (y, stats, pass) = sync_batch_norm_apply(
+            x,
+            &total,
+            &shift,
+            self.weight.as_ref().map(Tensor::detach).as_ref(),
+            self.bias.as_ref().map(Tensor::detach).as_ref(),
+            self.epsilon,
+            self.relu,
+        )?;
+        self.update_moving(&stats.mean, &stats.var)?;
+        let backward = KernelBackward {
+            pass: KernelPass::Synced(pass, group.clone()),
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        };
+        Ok(Recorded::new(y, backward))
+    }
+}
+
 impl FastPath for BatchNormLayer {
     fn forward_recorded(&self, x: &Tensor, request: RecordRequest) -> Result<Recorded> {
         if request.logits {
@@ -529,6 +584,10 @@ impl FastPath for BatchNormLayer {
                 DType::F32 => self.record_inference(x),
                 _ => record_with_candle(self, x, false),
             };
+        }
+        #[cfg(feature = "cuda")]
+        if let (Some(group), Some(BnKernels::Cuda)) = (&self.sync, self.fused(x)) {
+            return self.record_synced_on_cuda(x, group);
         }
         let Some(fused) = self.fused(x).filter(|_| self.sync.is_none()) else {
             return record_with_candle(self, x, false);

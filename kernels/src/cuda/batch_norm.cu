@@ -3,7 +3,7 @@
 // weight and bias, and the per-channel tables.
 //
 // Training forward: `bn_stats_partial` (a block per slice of a channel: sums of the values less
-// the channel's first value, and of their squares), `bn_stats_finalize` (a thread per channel:
+// the channel's first value, or a given shift, and of their squares), `bn_stats_finalize` (a thread per channel:
 // the table below), `bn_forward_apply` (`y = x * scale + shift`, then the ReLU).
 // Backward: `bn_grad_partial` (the sums of `dy'` and `dy' * (x - mean)`, `dy'` the output
 // gradient where the ReLU passes it), `bn_grad_finalize` (the gradients of the weight and bias
@@ -77,15 +77,17 @@ __device__ __forceinline__ void sum_partials(const double *partials, unsigned sp
 }
 
 // Per block (slice `blockIdx.x` of channel `blockIdx.y`, `chunk` values from the channel's
-// `count`): the sums of `x - x[channel's first value]` and of their squares, in `partials`.
+// `count`): the sums of `x - shift[c]` and of their squares, in `partials`; without `shift`
+// (null), the channel's first value is the shift.
 template <typename T>
-__device__ void bn_stats_partial(const T *x, double *partials, unsigned channels, unsigned plane,
+__device__ void bn_stats_partial(const T *x, const typename Num<T>::C *shift_by,
+                                 double *partials, unsigned channels, unsigned plane,
                                  unsigned count, unsigned chunk) {
   typedef typename Num<T>::C C;
   const unsigned c = blockIdx.y;
   const unsigned begin = blockIdx.x * chunk;
   const unsigned end = min(begin + chunk, count);
-  const C shift = load(x[(size_t)c * plane]);
+  const C shift = shift_by ? (C)shift_by[c] : load(x[(size_t)c * plane]);
   C sum = 0, squares = 0;
   for (unsigned j = begin + threadIdx.x; j < end; j += blockDim.x) {
     const C d = load(x[channel_value(j, c, channels, plane)]) - shift;
@@ -228,12 +230,101 @@ __device__ void bn_grad_apply(const T *x, const T *dy, const typename Num<T>::C 
   }
 }
 
+// SyncBatchNorm: each replica's sums go to the other replicas between the kernels, as one
+// `float` vector of `2 * channels + 1` values: the two sums of each channel, then the count.
+// Forward: `bn_stats_partial` (with the replicas' common shift), `bn_sync_pack`, the sum over
+// the replicas, `bn_sync_finalize` (the table from the sums of every replica), `bn_forward_apply`.
+// Backward: `bn_grad_partial`, `bn_sync_pack`, the sum over the replicas,
+// `bn_sync_grad_finalize`, `bn_grad_apply`.
+
+// A thread per channel: channel `c`'s two sums from its `splits` blocks' `partials` into
+// `out[2c]` and `out[2c + 1]`, and `count` into `out[2 * channels]`.
+extern "C" __global__ void bn_sync_pack(const double *partials, unsigned splits, float *out,
+                                        unsigned channels, double count) {
+  const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c == 0) {
+    out[2 * (size_t)channels] = (float)count;
+  }
+  if (c >= channels) {
+    return;
+  }
+  double a, b;
+  sum_partials(partials, splits, c, &a, &b);
+  out[2 * (size_t)c] = (float)a;
+  out[2 * (size_t)c + 1] = (float)b;
+}
+
+// Per channel: the (5, C) `table` from every replica's summed `sums` (of `x - shift` and its
+// squares, and the count), as `bn_stats_finalize` makes it from one replica's partials.
+template <typename T>
+__device__ void bn_sync_finalize(const float *sums, const typename Num<T>::C *shift,
+                                 const typename Num<T>::C *weight,
+                                 const typename Num<T>::C *bias, typename Num<T>::C *table,
+                                 unsigned channels, double epsilon) {
+  typedef typename Num<T>::C S;
+  const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) {
+    return;
+  }
+  const double count = sums[2 * (size_t)channels];
+  const double shifted_mean = (double)sums[2 * (size_t)c] / count;
+  double var = (double)sums[2 * (size_t)c + 1] / count - shifted_mean * shifted_mean;
+  if (var < 0.0) {
+    var = 0.0;
+  }
+  const double mean = (double)shift[c] + shifted_mean;
+  const double invstd = 1.0 / sqrt(var + epsilon);
+  const double scale = (double)weight[c] * invstd;
+  const double shift_c = (double)bias[c] - mean * scale;
+  table[ROW_MEAN * channels + c] = (S)mean;
+  table[ROW_VAR * channels + c] = (S)var;
+  table[ROW_INVSTD * channels + c] = (S)invstd;
+  table[ROW_SCALE * channels + c] = (S)scale;
+  table[ROW_SHIFT * channels + c] = (S)shift_c;
+}
+
+// Per channel: the (7, C) backward `grads` table, as `bn_grad_finalize` makes it for training,
+// with the input gradient's coefficients from every replica's summed `global` sums (of `dy'`
+// and `dy' * (x - mean)`, and the count) and the weight's and bias's gradients from this
+// replica's `local` ones (the step sums those over the replicas with the other gradients).
+template <typename T>
+__device__ void bn_sync_grad_finalize(const float *local, const float *global,
+                                      const typename Num<T>::C *table,
+                                      typename Num<T>::C *grads, unsigned channels) {
+  typedef typename Num<T>::C S;
+  const unsigned c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= channels) {
+    return;
+  }
+  const double count = global[2 * (size_t)channels];
+  const double invstd = (double)table[ROW_INVSTD * channels + c];
+  const double k = (double)table[ROW_SCALE * channels + c];
+  const double sum_dy = global[2 * (size_t)c], sum_centered = global[2 * (size_t)c + 1];
+  grads[GROW_DBIAS * channels + c] = (S)local[2 * (size_t)c];
+  grads[GROW_DWEIGHT * channels + c] = (S)((double)local[2 * (size_t)c + 1] * invstd);
+  grads[GROW_P * channels + c] = (S)(-k * invstd * invstd * sum_centered / count);
+  grads[GROW_Q * channels + c] = (S)(-k * sum_dy / count);
+  grads[GROW_SCALE * channels + c] = table[ROW_SCALE * channels + c];
+  grads[GROW_SHIFT * channels + c] = table[ROW_SHIFT * channels + c];
+  grads[GROW_MEAN * channels + c] = table[ROW_MEAN * channels + c];
+}
+
 // The kernels for each element type, named `<kernel>_<dtype>`.
 #define BN_KERNELS(T, NAME)                                                                    \
-  extern "C" __global__ void bn_stats_partial_##NAME(const T *x, double *partials,             \
-                                                      unsigned channels, unsigned plane,       \
-                                                      unsigned count, unsigned chunk) {        \
-    bn_stats_partial<T>(x, partials, channels, plane, count, chunk);                           \
+  extern "C" __global__ void bn_stats_partial_##NAME(                                           \
+      const T *x, const Num<T>::C *shift, double *partials, unsigned channels, unsigned plane,  \
+      unsigned count, unsigned chunk) {                                                        \
+    bn_stats_partial<T>(x, shift, partials, channels, plane, count, chunk);                    \
+  }                                                                                            \
+  extern "C" __global__ void bn_sync_finalize_##NAME(                                          \
+      const float *sums, const Num<T>::C *shift, const Num<T>::C *weight,                      \
+      const Num<T>::C *bias, Num<T>::C *table, unsigned channels, double epsilon) {            \
+    bn_sync_finalize<T>(sums, shift, weight, bias, table, channels, epsilon);                  \
+  }                                                                                            \
+  extern "C" __global__ void bn_sync_grad_finalize_##NAME(                                     \
+      const float *local, const float *global, const Num<T>::C *table, Num<T>::C *grads,       \
+      unsigned channels) {                                                                     \
+    bn_sync_grad_finalize<T>(local, global, table, grads, channels);                           \
   }                                                                                            \
   extern "C" __global__ void bn_stats_finalize_##NAME(                                         \
       const double *partials, unsigned splits, const T *x, const Num<T>::C *weight,            \

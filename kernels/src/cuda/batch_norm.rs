@@ -50,30 +50,30 @@ const STATS_OP: &str = "cuda_batch_norm_statistics";
 const APPLY_OP: &str = "cuda_channel_affine_into";
 const AFFINE_OP: &str = "cuda_channel_affine";
 const GRAD_SUMS_OP: &str = "cuda_batch_norm_grad_sums";
-const GRAD_OP: &str = "cuda_batch_norm_input_grad";
-const CPU_TRAIN: &str = "kandle_kernels::batch_norm::batch_norm_train";
+pub(super) const GRAD_OP: &str = "cuda_batch_norm_input_grad";
+pub(super) const CPU_TRAIN: &str = "kandle_kernels::batch_norm::batch_norm_train";
 const CPU_AFFINE: &str = "kandle_kernels::batch_norm::channel_affine";
 
-static PROGRAM: Program = Program::new(
+pub(super) static PROGRAM: Program = Program::new(
     "kandle_batch_norm",
     concat!(include_str!("common.cuh"), include_str!("batch_norm.cu")),
 );
 
 /// Values of a channel that one block of the partial sums takes (16 per thread).
-const CHUNK: u32 = 4096;
+pub(super) const CHUNK: u32 = 4096;
 
 /// The statistics table's rows (as `batch_norm.cu`'s `ROW_*`): mean, variance, `invstd`, the
 /// map's scale and shift.
-const ROW_MEAN: usize = 0;
-const ROW_VAR: usize = 1;
-const ROW_SCALE: usize = 3;
-const ROW_SHIFT: usize = 4;
-const TABLE_ROWS: usize = 5;
+pub(super) const ROW_MEAN: usize = 0;
+pub(super) const ROW_VAR: usize = 1;
+pub(super) const ROW_SCALE: usize = 3;
+pub(super) const ROW_SHIFT: usize = 4;
+pub(super) const TABLE_ROWS: usize = 5;
 /// The backward table's rows (as `batch_norm.cu`'s `GROW_*`): the bias's and the weight's
 /// gradients first, then the input gradient's coefficients.
-const GROW_DBIAS: usize = 0;
-const GROW_DWEIGHT: usize = 1;
-const GRAD_ROWS: usize = 7;
+pub(super) const GROW_DBIAS: usize = 0;
+pub(super) const GROW_DWEIGHT: usize = 1;
+pub(super) const GRAD_ROWS: usize = 7;
 
 /// Training-mode batch normalisation of the `(N, C, ...)` tensor `x` on a CUDA device over
 /// every axis but the channels: `y = (x - mean) / sqrt(var + epsilon) * weight + bias`, then
@@ -238,7 +238,7 @@ impl BatchNormBackward {
 /// The checks of a training pass's operands, made by the op `op`: `x` the kernels take, and a
 /// non-negative `epsilon`; returns the weight and bias (ones and zeros when missing) as the
 /// kernels take them.
-fn training_operands(
+pub(super) fn training_operands(
     op: &str,
     x: &Tensor,
     weight: Option<&Tensor>,
@@ -308,7 +308,7 @@ pub fn channel_affine(x: &Tensor, scale: &Tensor, shift: &Tensor, relu: bool) ->
 }
 
 /// Checks that the kernels take `x` and returns its channel count.
-fn check_x(op: &str, cpu_kernel: &str, x: &Tensor) -> Result<usize> {
+pub(super) fn check_x(op: &str, cpu_kernel: &str, x: &Tensor) -> Result<usize> {
     check_input(op, x, cpu_kernel)?;
     let extent = Extent::of(op, x.dims()).map_err(Error::invalid)?;
     Ok(extent.channels as usize)
@@ -316,18 +316,18 @@ fn check_x(op: &str, cpu_kernel: &str, x: &Tensor) -> Result<usize> {
 
 /// An `(N, C, ...)` input's extent, within the kernels' 32-bit indices.
 #[derive(Debug, Clone, Copy)]
-struct Extent {
-    channels: u32,
+pub(super) struct Extent {
+    pub(super) channels: u32,
     /// Values per image and channel.
-    plane: u32,
+    pub(super) plane: u32,
     /// Values per channel, `N * plane`.
-    count: u32,
+    pub(super) count: u32,
     /// Values in all.
-    total: u32,
+    pub(super) total: u32,
 }
 
 impl Extent {
-    fn of(op: &str, dims: &[usize]) -> std::result::Result<Self, String> {
+    pub(super) fn of(op: &str, dims: &[usize]) -> std::result::Result<Self, String> {
         let [n, c, rest @ ..] = dims else {
             return Err(format!(
                 "{op}: expected a tensor of shape (N, C, ...), got {dims:?}"
@@ -364,7 +364,7 @@ impl Extent {
     }
 
     /// The blocks of a channel's partial sums.
-    fn splits(&self) -> u32 {
+    pub(super) fn splits(&self) -> u32 {
         self.count.div_ceil(CHUNK)
     }
 
@@ -376,7 +376,7 @@ impl Extent {
 
 /// The partial sums of `kernel` over the channels of `e`, `[sum, sum]` per block: `inputs` are
 /// its first arguments, then the partials, the extent and [`CHUNK`], then `rest`.
-fn partial_sums(
+pub(super) fn partial_sums(
     dev: &CudaDevice,
     stream: &CudaStream,
     kernel: &str,
@@ -441,7 +441,7 @@ fn finalize<R>(
 /// Launches `kernel_name` over the extent `e` of `dtype`, a thread per value, and returns its
 /// output of `e.total` values of `dtype`: its arguments `inputs`, the output, the extent's total,
 /// channels and plane, then `rest`.
-fn apply(
+pub(super) fn apply(
     op: &str,
     kernel_name: &str,
     (dev, stream): (&CudaDevice, &CudaStream),
@@ -485,7 +485,7 @@ unsafe fn launch_apply(
 
 /// Launches `y = x * scale + shift` (then the ReLU) over the extent `e` of `dtype` and returns
 /// `y`.
-fn forward_apply(
+pub(super) fn forward_apply(
     op: &str,
     ctx: (&CudaDevice, &CudaStream),
     dtype: DType,
@@ -635,7 +635,9 @@ impl CustomOp3 for TrainOp {
         let (e, [px, pw, pb]) = (operands.e, operands.pointers);
         let c = e.channels as usize;
         let name = kernel(op, "bn_stats_partial", dtype)?;
-        let partials = partial_sums(dev, &stream, &name, e, &[Arg::Ptr(px)], &[])?;
+        // No shift: the channel's first value is the shift.
+        let inputs = [Arg::Ptr(px), Arg::Ptr(0)];
+        let partials = partial_sums(dev, &stream, &name, e, &inputs, &[])?;
         let [channels, plane] = e.dims_args();
         let inputs = [Arg::Ptr(px), Arg::Ptr(pw), Arg::Ptr(pb)];
         let rest = [

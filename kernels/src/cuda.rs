@@ -122,7 +122,10 @@ pub use optimizer::{
 };
 #[cfg(feature = "cudnn")]
 pub use params::{AlgoSearch, Algorithms, Conv2dParams};
-pub use pooling::{avg_pool2d, avg_pool2d_replay, max_pool2d, max_pool2d_replay};
+pub use pooling::{
+    avg_pool2d, avg_pool2d_replay, max_pool2d, max_pool2d_into, max_pool2d_replay,
+    max_pool2d_train_into, MaxPoolBackward,
+};
 
 /// Whether the batch normalisation and pooling kernels here take `x`'s device and dtype: a
 /// CUDA device, and `f32`, `f64`, `f16` or `bf16`. (Each function checks the shape: `(N, C,

@@ -3,7 +3,9 @@
 //! gradients through candle's autograd and through the kept op, on MiniGoogLeNet's and ResNet's
 //! pools and odd windows, strides and paddings (windows with no real value among them), within
 //! 1e-4 of the largest magnitude in `f32`; ties (the first maximum takes the gradient); NaNs;
-//! `f64`, `f16` and `bf16`; and errors for inputs the kernels cannot take.
+//! `f64`, `f16` and `bf16`; and errors for inputs the kernels cannot take. The max pool written
+//! into a range of a larger tensor's channels, and its gradient read from such a range, bit for
+//! bit against the same kernels on tensors of their own.
 //!
 //! Built with `cuda` and `test-support`. The GPU tests are `#[ignore]`d (`gpu/check.sh` runs
 //! them with `--include-ignored`); the test of a CPU tensor's error runs anywhere the binary
@@ -232,5 +234,67 @@ fn a_cpu_tensor_is_an_error_pointing_to_the_cpu_kernel() -> Result<()> {
             "CUDA device",
             "kandle_kernels::pooling::avg_pool2d",
         ],
+    )
+}
+
+/// A concatenation's max-pool branch writes its channels of the joined output (channels `2..5`
+/// of 7, the others holding 7.0) and reads its channels of the joined gradient where they lie:
+/// the same kernels as on tensors of their own, so the same bits, in `f32` and `f16`, with
+/// MiniGoogLeNet's downsampling pool and a padded one; the other channels stay untouched; an
+/// output that cannot take the result is an error.
+#[test]
+#[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
+fn a_range_of_channels_is_written_and_read_in_place() -> Result<()> {
+    let dev = gpu()?;
+    let cases = [
+        ([4, 3, 9, 9], window((3, 3), (2, 2), (0, 0, 0, 0))),
+        ([2, 3, 6, 5], window((2, 2), (2, 2), (0, 1, 0, 1))),
+    ];
+    for dtype in [DType::F32, DType::F16] {
+        for (dims, win) in &cases {
+            let what = format!("{dtype:?} {dims:?} {win:?}");
+            let x = random(dims, 50, 0.0)?.to_dtype(dtype)?.to_device(&dev)?;
+            let want = cuda::max_pool2d_replay(&x, win)?;
+            let mut joined = want.output().dims().to_vec();
+            joined[1] = 7;
+            let whole = Tensor::full(7f32, joined.as_slice(), &dev)?.to_dtype(dtype)?;
+            let part = whole.narrow(1, 2, 3)?;
+            let backward = cuda::max_pool2d_train_into(&x, win, &part)?;
+            assert_matches(&format!("{what}: y"), &part, want.output(), 0.0)?;
+            let seven = |t: &Tensor| -> Result<Tensor> { Ok(t.ones_like()?.affine(7.0, 0.0)?) };
+            for (start, len) in [(0, 2), (5, 2)] {
+                let rest = whole.narrow(1, start, len)?;
+                assert_matches(
+                    &format!("{what}: channels {start}.."),
+                    &rest,
+                    &seven(&rest)?,
+                    0.0,
+                )?;
+            }
+            let dy_whole = random(&joined, 51, 0.0)?.to_dtype(dtype)?.to_device(&dev)?;
+            let dy = dy_whole.narrow(1, 2, 3)?;
+            let dx = backward.backward(&dy)?;
+            let dx_want = want
+                .backward(&dy.contiguous()?)?
+                .expect("an input gradient");
+            assert_matches(&format!("{what}: dx"), &dx, &dx_want, 0.0)?;
+
+            // Inference writes the same values, and nothing else.
+            let again = Tensor::full(7f32, joined.as_slice(), &dev)?.to_dtype(dtype)?;
+            cuda::max_pool2d_into(&x, win, &again.narrow(1, 2, 3)?)?;
+            assert_matches(&format!("{what}: inference"), &again, &whole, 0.0)?;
+        }
+    }
+    let x = random(&[2, 3, 4, 4], 52, 0.0)?.to_device(&dev)?;
+    let win = window((2, 2), (2, 2), (0, 0, 0, 0));
+    let wrong = Tensor::zeros((2, 3, 3, 3), DType::F32, &dev)?;
+    assert_invalid(
+        cuda::max_pool2d_into(&x, &win, &wrong),
+        &["cuda_max_pool2d", "[2, 3, 3, 3]", "[2, 3, 2, 2]"],
+    )?;
+    let transposed = Tensor::zeros((2, 2, 3, 2), DType::F32, &dev)?.transpose(1, 2)?;
+    assert_invalid(
+        cuda::max_pool2d_into(&x, &win, &transposed),
+        &["cuda_max_pool2d", "each image contiguous"],
     )
 }

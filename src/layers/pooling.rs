@@ -16,8 +16,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::window::{subsample, Padding, Window};
 use super::{
-    record_with_candle, shape_error, BuildContext, Built, ChannelAffine, ChannelSlot, FastPath,
-    Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
+    record_into_by_copy, record_with_candle, shape_error, BuildContext, Built, ChannelAffine,
+    ChannelPart, ChannelSlot, FastPath, Layer, LayerSpec, ParamGrads, RecordRequest, Recorded,
 };
 use crate::kernels::pooling::{self as kernels, PoolWindow};
 use crate::kernels::replay::Replay1;
@@ -261,6 +261,18 @@ impl PoolKernels {
 }
 
 impl PoolLayer {
+    /// `part`'s view, where this is a max pool whose CUDA kernel writes its output for `x` there
+    /// (the part in `x`'s dtype); `None` otherwise.
+    #[cfg(feature = "cuda")]
+    fn cuda_max_part(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Tensor>> {
+        let cuda = matches!(self.kernels_for(x), Some(PoolKernels::Cuda));
+        if !cuda || self.kind != PoolKind::Max {
+            return Ok(None);
+        }
+        let out = part.view()?;
+        Ok((out.dtype() == x.dtype()).then_some(out))
+    }
+
     /// The kernels that pool `x`, where the layer may call kernels.
     fn kernels_for(&self, x: &Tensor) -> Option<PoolKernels> {
         self.kernels.then(|| PoolKernels::of(x)).flatten()
@@ -269,6 +281,30 @@ impl PoolLayer {
     /// The kernel's pass, kept for calling its backward directly.
     fn replay(&self, ops: PoolKernels, x: &Tensor) -> Result<Replay1> {
         ops.replay(self.kind, x, &self.geometry.kernel_window())
+    }
+}
+
+/// The backward pass of a CUDA max pool that wrote its output into a concatenation's channels:
+/// the output gradient is read where it lies, in the concatenation's gradient.
+#[cfg(feature = "cuda")]
+struct MaxPoolIntoBackward(crate::kernels::cuda::MaxPoolBackward);
+
+#[cfg(feature = "cuda")]
+impl super::Backward for MaxPoolIntoBackward {
+    fn backward(
+        self: Box<Self>,
+        dy: Tensor,
+        _: &mut ParamGrads,
+        input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        match input_grad {
+            true => Ok(Some(self.0.backward(&dy)?)),
+            false => Ok(None),
+        }
+    }
+
+    fn takes_channel_views(&self) -> bool {
+        true
     }
 }
 
@@ -325,6 +361,27 @@ impl FastPath for PoolLayer {
         let replay = self.replay(ops, x)?;
         let y = replay.output().clone();
         Ok(record_replay(replay, y))
+    }
+
+    fn forward_recorded_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Recorded> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.cuda_max_part(x, part)? {
+            let window = self.geometry.kernel_window();
+            let pass = crate::kernels::cuda::max_pool2d_train_into(x, &window, &out)?;
+            return Ok(Recorded::new(out, MaxPoolIntoBackward(pass)));
+        }
+        record_into_by_copy(self, x, part)
+    }
+
+    fn forward_inference_into(&self, x: &Tensor, part: &ChannelPart<'_>) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = self.cuda_max_part(x, part)? {
+            let window = self.geometry.kernel_window();
+            crate::kernels::cuda::max_pool2d_into(x, &window, &out)?;
+            return Ok(Some(out));
+        }
+        let _ = (x, part);
+        Ok(None)
     }
 
     fn forward_into(

@@ -354,10 +354,12 @@ fn device_generic_outputs_and_gradients_match_the_default_path() -> crate::Resul
     Ok(())
 }
 
-/// The network on CUDA (kandle's CUDA batch norm and pooling, candle's ops for the rest, candle's
-/// autograd) against the CPU's default path: the same variables, the outputs and every gradient of two training steps within 1e-4
-/// (float32 in two summation orders: cuBLAS's and the CPU kernels', as the device-generic path
-/// against the kernels above), the moving statistics, and inference.
+/// The network on CUDA (kandle's CUDA batch norm, pooling and cuBLASLt products, candle's ops
+/// for the rest), through candle's autograd and through the recorded pass (the concatenation's
+/// branches writing their channels in place), against the CPU's default path: the same
+/// variables, the outputs and every gradient of two training steps within 1e-4 (float32 in two
+/// summation orders: cuBLAS's and the CPU kernels', as the device-generic path against the
+/// kernels above), the moving statistics, and inference.
 #[cfg(feature = "cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU: run by gpu/check.sh"]
@@ -366,6 +368,10 @@ fn cuda_outputs_and_gradients_match_the_cpu() -> crate::Result<()> {
     let gpu = crate::devices::cuda(0)?;
     let (cpu_net, cpu_store) = build(ComputePath::Auto)?;
     let (gpu_net, gpu_store) = build_on(&gpu, ComputePath::Auto)?;
+    // The same network on the GPU through the recorded pass: the concatenation's branches
+    // write their channels in place (the BatchNorm module and the max pool), the products
+    // run on cuBLASLt, and the backward pass is the layers' own.
+    let (recorded_net, recorded_store) = build_on(&gpu, ComputePath::Auto)?;
     assert_eq!(cpu_store.len(), gpu_store.len());
     for (a, b) in cpu_store.iter().zip(gpu_store.iter()) {
         assert_eq!((&a.name, a.trainable), (&b.name, b.trainable));
@@ -393,6 +399,15 @@ fn cuda_outputs_and_gradients_match_the_cpu() -> crate::Result<()> {
         let label = format!("step {step}, cuda vs cpu");
         assert_steps_agree(&label, &on_gpu, &cpu)?;
         assert_statistics_agree(&label, &gpu_store, &cpu_store)?;
+        let recorded = recorded_step(
+            &recorded_net,
+            &recorded_store,
+            &x.to_device(&gpu)?,
+            &y.to_device(&gpu)?,
+        )?;
+        let label = format!("step {step}, recorded on cuda vs cpu");
+        assert_steps_agree(&label, &recorded, &cpu)?;
+        assert_statistics_agree(&label, &recorded_store, &cpu_store)?;
         let want = cpu_net.forward_t(&x, false)?;
         let got = gpu_net.forward_t(&x.to_device(&gpu)?, false)?;
         assert_close(&format!("step {step}: inference"), &got, &want, 1e-4)?;

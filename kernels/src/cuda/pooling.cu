@@ -72,12 +72,21 @@ __device__ __forceinline__ size_t output_index(unsigned p, unsigned out_plane, i
   return (size_t)p * out_plane + (unsigned)(orow * g.ow + ocol);
 }
 
-// Each window's maximum into `y` and its index in the plane into `argmax`, either of them null to
-// skip it. The window is walked column by column, top to bottom, as the CPU kernel folds it: a
+// The index, in a tensor whose images (of `image` values each) lie `stride` values apart, of value
+// `o` of the contiguous tensor.
+__device__ __forceinline__ size_t strided_output(size_t o, unsigned image, size_t stride) {
+  const size_t n = o / image;
+  return n * stride + (o - n * image);
+}
+
+// Each window's maximum into `y` (whose images of `out_image` values lie `y_stride` values apart:
+// a range of a larger tensor's channels, or a tensor of its own) and its index in the plane into
+// `argmax` (contiguous), either of them null to skip it. The window is walked column by column, top to bottom, as the CPU kernel folds it: a
 // larger value wins, as does a NaN over a number; on a tie the smaller index (the first in
 // row-major order) wins, and of several NaNs the first in that walk.
 template <typename T>
-__device__ void max_pool_forward(const T *x, T *y, unsigned *argmax, Geometry g) {
+__device__ void max_pool_forward(const T *x, T *y, unsigned *argmax, Geometry g, unsigned out_image,
+                                 size_t y_stride) {
   typedef typename Num<T>::C C;
   const unsigned out_plane = (unsigned)(g.oh * g.ow);
   KANDLE_FOR_EACH(o, g.planes * out_plane) {
@@ -97,7 +106,7 @@ __device__ void max_pool_forward(const T *x, T *y, unsigned *argmax, Geometry g)
       }
     }
     if (y) {
-      y[o] = store<T>(best);
+      y[strided_output(o, out_image, y_stride)] = store<T>(best);
     }
     if (argmax) {
       argmax[o] = best_at;
@@ -138,9 +147,11 @@ __device__ void avg_pool_forward(const T *x, T *y, Geometry g) {
 
 // The input gradient of either pool, gathered over the windows that hold each input. `MAX`: each
 // input's sum of the output gradients whose window's maximum it is (`argmax`); otherwise its sum
-// of its windows' output gradients, each divided by its window's count (`argmax` unused).
+// of its windows' output gradients, each divided by its window's count (`argmax` unused). `dy`'s
+// images of `out_image` values lie `dy_stride` values apart.
 template <typename T, bool MAX>
-__device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geometry g) {
+__device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geometry g,
+                              unsigned out_image, size_t dy_stride) {
   typedef typename Num<T>::C C;
   const unsigned in_plane = (unsigned)(g.h * g.w), out_plane = (unsigned)(g.oh * g.ow);
   KANDLE_FOR_EACH(idx, g.planes * in_plane) {
@@ -151,10 +162,11 @@ __device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geomet
         const size_t o = output_index(in.p, out_plane, orow, ocol, g);
         if (MAX) {
           if (argmax[o] == in.i) {
-            sum = add_rn(sum, load(dy[o]));
+            sum = add_rn(sum, load(dy[strided_output(o, out_image, dy_stride)]));
           }
         } else {
-          sum = add_rn(sum, mul_rn(load(dy[o]), inverse_count<C>(orow, ocol, g)));
+          const T g_o = dy[strided_output(o, out_image, dy_stride)];
+          sum = add_rn(sum, mul_rn(load(g_o), inverse_count<C>(orow, ocol, g)));
         }
       }
     }
@@ -168,15 +180,17 @@ __device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geomet
   unsigned planes, int h, int w, int oh, int ow, int kh, int kw, int sh, int sw, int pt, int pl
 #define POOL_GEOMETRY {planes, h, w, oh, ow, kh, kw, sh, sw, pt, pl}
 #define POOL_KERNELS(T, NAME)                                                                  \
-  extern "C" __global__ void max_pool_forward_##NAME(const T *x, T *y, unsigned *argmax,       \
-                                                      POOL_GEOMETRY_PARAMS) {                  \
+  extern "C" __global__ void max_pool_forward_##NAME(                                          \
+      const T *x, T *y, unsigned *argmax, POOL_GEOMETRY_PARAMS, unsigned out_image,             \
+      unsigned long long y_stride) {                                                           \
     const Geometry g = POOL_GEOMETRY;                                                          \
-    max_pool_forward<T>(x, y, argmax, g);                                                      \
+    max_pool_forward<T>(x, y, argmax, g, out_image, y_stride);                                 \
   }                                                                                            \
-  extern "C" __global__ void max_pool_backward_##NAME(const T *dy, const unsigned *argmax,     \
-                                                       T *dx, POOL_GEOMETRY_PARAMS) {          \
+  extern "C" __global__ void max_pool_backward_##NAME(                                         \
+      const T *dy, const unsigned *argmax, T *dx, POOL_GEOMETRY_PARAMS, unsigned out_image,     \
+      unsigned long long dy_stride) {                                                          \
     const Geometry g = POOL_GEOMETRY;                                                          \
-    pool_backward<T, true>(dy, argmax, dx, g);                                                 \
+    pool_backward<T, true>(dy, argmax, dx, g, out_image, dy_stride);                           \
   }                                                                                            \
   extern "C" __global__ void avg_pool_forward_##NAME(const T *x, T *y, POOL_GEOMETRY_PARAMS) { \
     const Geometry g = POOL_GEOMETRY;                                                          \
@@ -185,7 +199,8 @@ __device__ void pool_backward(const T *dy, const unsigned *argmax, T *dx, Geomet
   extern "C" __global__ void avg_pool_backward_##NAME(const T *dy, T *dx,                      \
                                                        POOL_GEOMETRY_PARAMS) {                 \
     const Geometry g = POOL_GEOMETRY;                                                          \
-    pool_backward<T, false>(dy, 0, dx, g);                                                     \
+    const unsigned out_plane = (unsigned)(oh * ow);                                            \
+    pool_backward<T, false>(dy, 0, dx, g, out_plane, out_plane);                               \
   }
 
 POOL_KERNELS(float, f32)

@@ -18,11 +18,12 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice};
-use candle_core::{CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor};
-
-use super::operands::{
-    address, address_mut, addresses, check_input, kernel, on_cpu, storage, tensor, uninit,
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, InplaceOp2, Layout, Shape, Tensor,
 };
+
+use super::channel_views::{images_contiguous, strided_address, strided_address_mut};
+use super::operands::{address, address_mut, check_input, kernel, on_cpu, storage, tensor, uninit};
 use super::program::{per_item, Arg, Program};
 use crate::pooling::PoolWindow;
 use crate::replay::Replay1;
@@ -58,6 +59,116 @@ pub fn max_pool2d(x: &Tensor, window: &PoolWindow) -> Result<Tensor> {
 pub fn max_pool2d_replay(x: &Tensor, window: &PoolWindow) -> Result<Replay1> {
     let g = Geometry::new(MAX_OP, CPU_MAX, x, window)?;
     Ok(Replay1::apply(&x.contiguous()?, MaxPool::new(g, true))?)
+}
+
+/// [`max_pool2d`] with its output written into `out`, a tensor of the output's shape and `x`'s
+/// dtype whose images are each contiguous: a range of a larger tensor's channels (`narrow` on
+/// axis 1 of a [`channel_buffer`](super::channel_buffer)), as a concatenation hands its
+/// branches. For inference: nothing is kept for a backward pass.
+///
+/// Errors as [`max_pool2d`], and for an `out` of another shape, dtype or device, or whose
+/// images are not contiguous.
+pub fn max_pool2d_into(x: &Tensor, window: &PoolWindow, out: &Tensor) -> Result<()> {
+    let g = Geometry::new(MAX_OP, CPU_MAX, x, window)?;
+    check_out(&g, x, out)?;
+    let op = MaxPoolInto { g, argmax: None };
+    Ok(out.inplace_op2(&x.contiguous()?, &op)?)
+}
+
+/// [`max_pool2d_into`] for training: keeps where each maximum is, for the backward pass
+/// ([`MaxPoolBackward`]), which reads its output gradient where it lies when that is a range of
+/// a larger tensor's channels too.
+///
+/// ```no_run
+/// use candle_core::{DType, Device, Tensor};
+/// use kandle_kernels::cuda::{channel_buffer, max_pool2d_train_into};
+/// use kandle_kernels::pooling::PoolWindow;
+///
+/// let dev = Device::new_cuda(0)?;
+/// let x = Tensor::randn(0f32, 1., (8, 3, 8, 8), &dev)?;
+/// let window = PoolWindow { window: (2, 2), stride: (2, 2), pad: (0, 0, 0, 0) };
+/// let joined = channel_buffer(&[8, 5, 4, 4], DType::F32, &dev)?;
+/// let part = joined.narrow(1, 2, 3)?; // channels 2..5 of the joined tensor
+/// let backward = max_pool2d_train_into(&x, &window, &part)?;
+/// let dx = backward.backward(&part.ones_like()?)?;
+/// assert_eq!(dx.dims(), x.dims());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn max_pool2d_train_into(
+    x: &Tensor,
+    window: &PoolWindow,
+    out: &Tensor,
+) -> Result<MaxPoolBackward> {
+    let g = Geometry::new(MAX_OP, CPU_MAX, x, window)?;
+    check_out(&g, x, out)?;
+    let argmax = Arc::new(OnceLock::new());
+    let op = MaxPoolInto {
+        g,
+        argmax: Some(Arc::clone(&argmax)),
+    };
+    out.inplace_op2(&x.contiguous()?, &op)?;
+    let argmax = argmax
+        .get()
+        .cloned()
+        .ok_or_else(|| Error::invalid(format!("{MAX_OP}: the forward pass did not run")))?;
+    Ok(MaxPoolBackward { g, argmax })
+}
+
+/// What the backward pass of [`max_pool2d_train_into`] reads: where each maximum is.
+#[derive(Debug, Clone)]
+pub struct MaxPoolBackward {
+    g: Geometry,
+    argmax: Tensor,
+}
+
+impl MaxPoolBackward {
+    /// The input's gradient from the output gradient `dy`, which may be a range of a larger
+    /// tensor's channels (read where it lies, as the output was written).
+    pub fn backward(&self, dy: &Tensor) -> Result<Tensor> {
+        let dims = self.g.out_dims();
+        if dy.dims() != dims || !dy.device().same_device(self.argmax.device()) {
+            return Err(Error::invalid(format!(
+                "{MAX_GRAD_OP}: an output gradient {:?} on {:?}, where {dims:?} on {:?} is needed",
+                dy.dims(),
+                dy.device(),
+                self.argmax.device()
+            )));
+        }
+        Ok(max_pool_grad(dy, &self.argmax, self.g)?)
+    }
+}
+
+/// The max pool's input gradient from `dy` (read where it lies when its images are each
+/// contiguous) and the maxima's indices.
+fn max_pool_grad(dy: &Tensor, argmax: &Tensor, g: Geometry) -> candle_core::Result<Tensor> {
+    let dy = match images_contiguous(dy) {
+        true => dy.clone(),
+        false => dy.contiguous()?,
+    };
+    dy.apply_op2_no_bwd(argmax, &MaxPoolGrad { g })
+}
+
+/// An error unless `out` can take the max pool's output for `x`: its shape, dtype and device,
+/// its images each contiguous.
+fn check_out(g: &Geometry, x: &Tensor, out: &Tensor) -> Result<()> {
+    let fits = out.dims() == g.out_dims()
+        && out.dtype() == x.dtype()
+        && out.device().same_device(x.device())
+        && images_contiguous(out);
+    if !fits {
+        return Err(Error::invalid(format!(
+            "{MAX_OP}: the output {:?} {:?} with strides {:?} on {:?} cannot take the pooled {:?} \
+             {:?} on {:?} (that shape, dtype and device, each image contiguous)",
+            out.dtype(),
+            out.dims(),
+            out.stride(),
+            out.device(),
+            x.dtype(),
+            g.out_dims(),
+            x.device()
+        )));
+    }
+    Ok(())
 }
 
 /// The mean over each window's real values of the `(N, C, H, W)` tensor `x` on a CUDA device,
@@ -145,6 +256,18 @@ impl Geometry {
         ]
     }
 
+    /// Values per image of the output.
+    fn out_image(&self) -> u64 {
+        (self.c * self.output.0 * self.output.1) as u64
+    }
+
+    /// The max pool kernels' last arguments for an output (or output gradient) whose images lie
+    /// `stride` values apart: the values per image, and the stride.
+    fn image_args(&self, stride: u64) -> [Arg; 2] {
+        // At most the output's values, which `new` checked fit an `int`.
+        [Arg::U32(self.out_image() as u32), Arg::U64(stride)]
+    }
+
     /// An error unless the operand `what` of layout `l` has `dims`.
     fn check(&self, op: &str, what: &str, l: &Layout, dims: [usize; 4]) -> candle_core::Result<()> {
         if l.dims() != dims {
@@ -176,8 +299,9 @@ fn fits_i32(dims: &[usize]) -> bool {
         .is_some_and(|n| n <= i32::MAX as usize)
 }
 
-/// Launches `kernel` of `dtype` with the device addresses `pointers` and `g`'s geometry, a
-/// thread per value of `items`.
+/// Launches `kernel` of `dtype` with the device addresses `pointers`, `g`'s geometry and
+/// `rest`, a thread per value of `items`.
+#[allow(clippy::too_many_arguments)]
 fn launch(
     op: &str,
     dev: &CudaDevice,
@@ -186,11 +310,13 @@ fn launch(
     pointers: &[u64],
     g: &Geometry,
     items: [usize; 4],
+    rest: &[Arg],
 ) -> candle_core::Result<()> {
     let args: Vec<Arg> = pointers
         .iter()
         .map(|&p| Arg::Ptr(p))
         .chain(g.args())
+        .chain(rest.iter().copied())
         .collect();
     let name = kernel(op, kernel_name, dtype)?;
     // SAFETY: the callers pass the kernel's buffers in its order, each of `g`'s input or output
@@ -233,6 +359,7 @@ fn max_forward(
             &pointers,
             g,
             g.out_dims(),
+            &g.image_args(g.out_image()),
         )?;
         drop((read_x, y, at));
     }
@@ -287,10 +414,7 @@ impl CustomOp1 for MaxPool {
                 self.argmax.get_or_init(|| found).clone()
             }
         };
-        let dx = grad
-            .contiguous()?
-            .apply_op2_no_bwd(&argmax, &MaxPoolGrad { g: self.g })?;
-        Ok(Some(dx))
+        Ok(Some(max_pool_grad(grad, &argmax, self.g)?))
     }
 }
 
@@ -317,6 +441,75 @@ impl CustomOp1 for MaxIndices {
             storage(at, &x.device),
             Shape::from(self.g.out_dims().to_vec()),
         ))
+    }
+}
+
+/// The max pool written into the destination, whose images may lie apart (a range of a larger
+/// tensor's channels): source `x`; the maxima's indices kept in `argmax` when given.
+struct MaxPoolInto {
+    g: Geometry,
+    argmax: Option<Arc<OnceLock<Tensor>>>,
+}
+
+impl InplaceOp2 for MaxPoolInto {
+    fn name(&self) -> &'static str {
+        MAX_OP
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        Err(on_cpu(MAX_OP, CPU_MAX))
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+    ) -> candle_core::Result<()> {
+        let g = &self.g;
+        g.check(MAX_OP, "input", xl, g.in_dims())?;
+        g.check(MAX_OP, "output", dst_l, g.out_dims())?;
+        let (dev, dtype) = (x.device.clone(), x.dtype());
+        if dst.dtype() != dtype {
+            candle_core::bail!("{MAX_OP}: a {:?} output for a {dtype:?} input", dst.dtype());
+        }
+        let stream = dev.cuda_stream();
+        let len = g.out_dims().iter().product();
+        // SAFETY: the kernel writes every index it is given room for.
+        let mut at = match self.argmax {
+            Some(_) => Some(unsafe { uninit(&dev, DType::U32, len) }?),
+            None => None,
+        };
+        {
+            let (px, read) = address(MAX_OP, x, xl, &stream)?;
+            let (py, y_stride, written) =
+                strided_address_mut(MAX_OP, "output", (dst, dst_l), &stream)?;
+            let at = at.as_mut().map(|a| address_mut(a, &stream)).transpose()?;
+            let pat = at.as_ref().map_or(0, |(p, _)| *p);
+            launch(
+                MAX_OP,
+                &dev,
+                "max_pool_forward",
+                dtype,
+                &[px, py, pat],
+                g,
+                g.out_dims(),
+                &g.image_args(y_stride),
+            )?;
+            drop((read, written, at));
+        }
+        if let (Some(kept), Some(at)) = (&self.argmax, at) {
+            kept.set(tensor(at, &dev, &g.out_dims()))
+                .map_err(|_| candle_core::Error::Msg(format!("{MAX_OP}: op applied twice")))?;
+        }
+        Ok(())
     }
 }
 
@@ -358,7 +551,10 @@ impl CustomOp2 for MaxPoolGrad {
         // SAFETY: the kernel writes every value.
         let mut dx = unsafe { uninit(dev, dtype, g.in_dims().iter().product()) }?;
         {
-            let ([pdy, pat], read) = addresses(MAX_GRAD_OP, [(dy, dyl), (at, atl)], &stream)?;
+            let (pat, read) = address(MAX_GRAD_OP, at, atl, &stream)?;
+            // The output gradient may be a range of a larger tensor's channels.
+            let (pdy, dy_stride, read_dy) =
+                strided_address(MAX_GRAD_OP, "output gradient", (dy, dyl), &stream)?;
             let (pdx, written) = address_mut(&mut dx, &stream)?;
             let pointers = [pdy, pat, pdx];
             launch(
@@ -369,8 +565,9 @@ impl CustomOp2 for MaxPoolGrad {
                 &pointers,
                 g,
                 g.in_dims(),
+                &g.image_args(dy_stride),
             )?;
-            drop((read, written));
+            drop((read, read_dy, written));
         }
         Ok((storage(dx, dev), Shape::from(g.in_dims().to_vec())))
     }
@@ -450,7 +647,7 @@ fn avg_pass(
     {
         let (pa, read) = address(op, a, al, &stream)?;
         let (po, written) = address_mut(&mut out, &stream)?;
-        launch(op, dev, kernel_name, dtype, &[pa, po], g, dims)?;
+        launch(op, dev, kernel_name, dtype, &[pa, po], g, dims, &[])?;
         drop((read, written));
     }
     Ok((storage(out, dev), Shape::from(dims.to_vec())))

@@ -108,6 +108,15 @@ pub fn all_reduce_sum(x: &Tensor, handle: &ReplicaHandle) -> Result<Tensor> {
     Ok(summed.to_dtype(x.dtype())?.to_device(x.device())?)
 }
 
+/// The backward pass of a sum over the group: d(sum over replicas)/d(local) is the identity,
+/// and each replica's output feeds every replica's loss, so the local gradient is the sum of
+/// all replicas' output gradients.
+fn sum_gradient(grad: &Tensor, handle: &ReplicaHandle) -> candle_core::Result<Option<Tensor>> {
+    all_reduce_sum(grad, handle)
+        .map(Some)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+}
+
 struct AllReduceSum(ReplicaHandle);
 
 impl CustomOp1 for AllReduceSum {
@@ -137,11 +146,7 @@ impl CustomOp1 for AllReduceSum {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        // d(sum over replicas)/d(local) is the identity; each replica's output feeds every
-        // replica's loss, so the local gradient is the sum of all replicas' output gradients.
-        all_reduce_sum(grad_res, &self.0)
-            .map(Some)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        sum_gradient(grad_res, &self.0)
     }
 }
 
@@ -215,8 +220,6 @@ impl CustomOp1 for Summed {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> candle_core::Result<Option<Tensor>> {
-        all_reduce_sum(grad_res, &self.handle)
-            .map(Some)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        sum_gradient(grad_res, &self.handle)
     }
 }

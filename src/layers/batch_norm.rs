@@ -535,16 +535,22 @@ impl BatchNormLayer {
             &out,
         )?;
         self.update_moving(&stats.mean, &stats.var)?;
-        let backward = KernelBackward {
-            pass: KernelPass::Into(pass),
-            weight: self.weight.clone(),
-            bias: self.bias.clone(),
-        };
+        let backward = self.kernel_backward(KernelPass::Into(pass));
         Ok(Some(Recorded::new(out, backward)))
     }
 }
 
 impl BatchNormLayer {
+    /// The backward pass of a training pass through the kernels, `pass`, with the variables
+    /// its gradients go to.
+    fn kernel_backward(&self, pass: KernelPass) -> KernelBackward {
+        KernelBackward {
+            pass,
+            weight: self.weight.clone(),
+            bias: self.bias.clone(),
+        }
+    }
+
     /// The recorded training pass under SyncBatchNorm on the CUDA kernels: this replica's sums
     /// summed over the group where they lie, in one exchange each way (as
     /// [`Self::global_batch_stats`] exchanges them).
@@ -563,11 +569,7 @@ impl BatchNormLayer {
             self.relu,
         )?;
         self.update_moving(&stats.mean, &stats.var)?;
-        let backward = KernelBackward {
-            pass: KernelPass::Synced(pass, group.clone()),
-            weight: self.weight.clone(),
-            bias: self.bias.clone(),
-        };
+        let backward = self.kernel_backward(KernelPass::Synced(pass, group.clone()));
         Ok(Recorded::new(y, backward))
     }
 }
@@ -601,11 +603,7 @@ impl FastPath for BatchNormLayer {
         )?;
         self.update_moving(&stats.mean, &stats.var)?;
         let y = replay.output().clone();
-        let backward = KernelBackward {
-            pass: KernelPass::Replay(replay),
-            weight: self.weight.clone(),
-            bias: self.bias.clone(),
-        };
+        let backward = self.kernel_backward(KernelPass::Replay(replay));
         Ok(Recorded::new(y, backward))
     }
 

@@ -97,6 +97,30 @@ __device__ void bn_stats_partial(const T *x, const typename Num<T>::C *shift_by,
   store_partials(partials, sum, squares);
 }
 
+// Channel `c`'s row of the (5, C) `table` from its sums of `x - shift` (`sum`) and of their
+// squares over `count` values: the mean, the biased variance (zero when rounding makes it
+// negative; a NaN stays NaN), `invstd`, and the map `scale = weight * invstd`,
+// `shift = bias - mean * scale`.
+template <typename S>
+__device__ __forceinline__ void store_statistics(double sum, double squares, double count,
+                                                 double shift, const S *weight, const S *bias,
+                                                 S *table, unsigned channels, unsigned c,
+                                                 double epsilon) {
+  const double shifted_mean = sum / count;
+  double var = squares / count - shifted_mean * shifted_mean;
+  if (var < 0.0) {
+    var = 0.0;
+  }
+  const double mean = shift + shifted_mean;
+  const double invstd = 1.0 / sqrt(var + epsilon);
+  const double scale = (double)weight[c] * invstd;
+  table[ROW_MEAN * channels + c] = (S)mean;
+  table[ROW_VAR * channels + c] = (S)var;
+  table[ROW_INVSTD * channels + c] = (S)invstd;
+  table[ROW_SCALE * channels + c] = (S)scale;
+  table[ROW_SHIFT * channels + c] = (S)((double)bias[c] - mean * scale);
+}
+
 // Per channel: the mean and biased variance from the `splits` partial sums, `invstd`, and the
 // map `scale = weight * invstd`, `shift = bias - mean * scale`, into the (5, C) `table`. A
 // negative variance from rounding is zero; a NaN stays NaN.
@@ -113,20 +137,8 @@ __device__ void bn_stats_finalize(const double *partials, unsigned splits, const
   }
   double sum, squares;
   sum_partials(partials, splits, c, &sum, &squares);
-  const double shifted_mean = sum / count;
-  double var = squares / count - shifted_mean * shifted_mean;
-  if (var < 0.0) {
-    var = 0.0;
-  }
-  const double mean = (double)load(x[(size_t)c * plane]) + shifted_mean;
-  const double invstd = 1.0 / sqrt(var + epsilon);
-  const double scale = (double)weight[c] * invstd;
-  const double shift = (double)bias[c] - mean * scale;
-  table[ROW_MEAN * channels + c] = (S)mean;
-  table[ROW_VAR * channels + c] = (S)var;
-  table[ROW_INVSTD * channels + c] = (S)invstd;
-  table[ROW_SCALE * channels + c] = (S)scale;
-  table[ROW_SHIFT * channels + c] = (S)shift;
+  store_statistics<S>(sum, squares, count, (double)load(x[(size_t)c * plane]), weight, bias,
+                      table, channels, c, epsilon);
 }
 
 // `y = x * scale[c] + shift[c]`, then `max(y, 0)` when `relu` (a NaN stays NaN); `y`'s images
@@ -266,21 +278,8 @@ __device__ void bn_sync_finalize(const float *sums, const typename Num<T>::C *sh
   if (c >= channels) {
     return;
   }
-  const double count = sums[2 * (size_t)channels];
-  const double shifted_mean = (double)sums[2 * (size_t)c] / count;
-  double var = (double)sums[2 * (size_t)c + 1] / count - shifted_mean * shifted_mean;
-  if (var < 0.0) {
-    var = 0.0;
-  }
-  const double mean = (double)shift[c] + shifted_mean;
-  const double invstd = 1.0 / sqrt(var + epsilon);
-  const double scale = (double)weight[c] * invstd;
-  const double shift_c = (double)bias[c] - mean * scale;
-  table[ROW_MEAN * channels + c] = (S)mean;
-  table[ROW_VAR * channels + c] = (S)var;
-  table[ROW_INVSTD * channels + c] = (S)invstd;
-  table[ROW_SCALE * channels + c] = (S)scale;
-  table[ROW_SHIFT * channels + c] = (S)shift_c;
+  store_statistics<S>(sums[2 * (size_t)c], sums[2 * (size_t)c + 1], sums[2 * (size_t)channels],
+                      (double)shift[c], weight, bias, table, channels, c, epsilon);
 }
 
 // Per channel: the (7, C) backward `grads` table, as `bn_grad_finalize` makes it for training,

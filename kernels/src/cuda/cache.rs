@@ -9,16 +9,15 @@
 //!
 //! The state lives behind its own mutex, held for the whole of a call (a search, or only the
 //! launch, which queues work on the stream and returns): cuDNN's handles may be used from any
-//! thread but by one at a time. There is one state per device and stream ([`StreamKey`]):
-//! candle's `Device::new_cuda` queues each thread's work on CUDA's per-thread default stream,
-//! a different stream on every thread, so for such a device the state (and with it the
-//! workspace, which two streams must not share) is per device and thread; a device made with a
-//! stream of its own (`Device::new_cuda_with_stream`) shares one across threads.
+//! thread but by one at a time. There is one state per device and stream
+//! ([`PerStream`](super::stream_key::PerStream)): per device and thread for a device on CUDA's
+//! per-thread default streams (candle's `Device::new_cuda`), per device for one made with a
+//! stream of its own.
 
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut};
 use candle_core::cuda_backend::CudaDevice;
@@ -27,7 +26,7 @@ use candle_core::{DType, Device};
 use super::algorithms::{self, Algo, Buffers, Candidate, Kind, Workspace};
 use super::descriptors::{ConvDescriptors, Handle};
 use super::params::{AlgoSearch, Geometry, Window};
-use super::stream_key::StreamKey;
+use super::stream_key::PerStream;
 use crate::{Error, Result};
 
 /// What one convolution's plan is searched for and looked up by.
@@ -74,25 +73,19 @@ struct DeviceState {
 unsafe impl Send for DeviceState {}
 
 /// Every device's and stream's state.
-static DEVICES: LazyLock<Mutex<HashMap<StreamKey, Arc<Mutex<DeviceState>>>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+static DEVICES: PerStream<DeviceState> = PerStream::new();
 
 /// The state of `dev` (on this thread, for a per-thread stream), made with a new cuDNN handle
 /// on its stream the first time.
 fn state(dev: &CudaDevice) -> candle_core::Result<Arc<Mutex<DeviceState>>> {
-    let key = StreamKey::of(dev);
-    let mut devices = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(state) = devices.get(&key) {
-        return Ok(Arc::clone(state));
-    }
-    let state = Arc::new(Mutex::new(DeviceState {
-        handle: Handle::new(dev.cuda_stream())?,
-        plans: HashMap::new(),
-        workspace: None,
-        stats: CacheStats::default(),
-    }));
-    devices.insert(key, Arc::clone(&state));
-    Ok(state)
+    DEVICES.get(dev, || {
+        Ok(DeviceState {
+            handle: Handle::new(dev.cuda_stream())?,
+            plans: HashMap::new(),
+            workspace: None,
+            stats: CacheStats::default(),
+        })
+    })
 }
 
 /// Runs the convolution `key` on `dev` over `buffers`: its plan looked up, or searched and
@@ -300,9 +293,8 @@ pub fn cache_stats(device: &Device) -> Result<CacheStats> {
             "cuda::cache_stats: {device:?} is not a CUDA device"
         )));
     };
-    let devices = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
     let mut sum = CacheStats::default();
-    for (_, state) in devices.iter().filter(|(key, _)| key.device == dev.id()) {
+    for state in DEVICES.of_device(dev.id()) {
         let state = state.lock().unwrap_or_else(PoisonError::into_inner);
         sum.searches += state.stats.searches;
         sum.hits += state.stats.hits;
@@ -318,12 +310,7 @@ pub fn cache_stats(device: &Device) -> Result<CacheStats> {
 /// searches from zero. Waits for each device's queued work first: a workspace may be in use on
 /// another thread's stream, which this thread's free would not wait for.
 pub fn clear_caches() {
-    let states: Vec<_> = DEVICES
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .drain()
-        .collect();
-    for (_, state) in states {
+    for state in DEVICES.take_all() {
         let state = state.lock().unwrap_or_else(PoisonError::into_inner);
         let context = state.handle.stream().context();
         if let Err(e) = context.synchronize() {

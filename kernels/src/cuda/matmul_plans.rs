@@ -12,20 +12,20 @@
 //! The state lives behind its own mutex, held for the whole of a call (the plan's lookup or
 //! making, then the launch, which queues work on the stream and returns): cuBLASLt's handles may
 //! be used from any thread but by one at a time. There is one state per device and stream
-//! ([`StreamKey`]).
+//! ([`StreamKey`](super::stream_key::StreamKey)).
 
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, LazyLock, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::cuda_backend::cudarc::cublaslt::{result, sys};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::DType;
 
-use super::stream_key::StreamKey;
+use super::stream_key::PerStream;
 
 /// Bytes of each device's cuBLASLt workspace: products of a Dense layer's sizes need far less.
 const WORKSPACE_BYTES: usize = 4 << 20;
@@ -151,29 +151,23 @@ struct DeviceState {
 unsafe impl Send for DeviceState {}
 
 /// Every device's and stream's state.
-static DEVICES: LazyLock<Mutex<HashMap<StreamKey, Arc<Mutex<DeviceState>>>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+static DEVICES: PerStream<DeviceState> = PerStream::new();
 
 /// The state of `dev` (on this thread, for a per-thread stream), made with a new handle and
 /// workspace the first time.
 fn state(dev: &CudaDevice) -> candle_core::Result<Arc<Mutex<DeviceState>>> {
-    let key = StreamKey::of(dev);
-    let mut devices = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(state) = devices.get(&key) {
-        return Ok(Arc::clone(state));
-    }
-    let stream = dev.cuda_stream();
-    bind(&stream)?;
-    let handle = Handle(result::create_handle().map_err(|e| failed("cublasLtCreate", e))?);
-    let workspace = dev.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
-    let state = Arc::new(Mutex::new(DeviceState {
-        handle,
-        stream,
-        workspace,
-        plans: HashMap::new(),
-    }));
-    devices.insert(key, Arc::clone(&state));
-    Ok(state)
+    DEVICES.get(dev, || {
+        let stream = dev.cuda_stream();
+        bind(&stream)?;
+        let handle = Handle(result::create_handle().map_err(|e| failed("cublasLtCreate", e))?);
+        let workspace = dev.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
+        Ok(DeviceState {
+            handle,
+            stream,
+            workspace,
+            plans: HashMap::new(),
+        })
+    })
 }
 
 /// Makes `stream`'s device current on this thread, as cuBLASLt's calls need.

@@ -1,7 +1,7 @@
 //! The ReLU on the CPU as an op of its own, for the ReLUs no other kernel fuses (after a sum of
 //! branches, a dense layer, an activation layer): `x < 0 ? 0 : x` over an `f32` tensor in one
 //! parallel, vectorised pass. A NaN stays NaN, as in PyTorch (candle's `relu`, `max(x, 0)`,
-//! makes it zero), and `-inf` becomes zero; [`scalar`] is the rule the convolution's and
+//! makes it zero), and `-inf` becomes zero; `scalar` is the rule the convolution's and
 //! BatchNorm's fused ReLUs follow too. The backward pass, registered with candle, passes the
 //! output gradient where `x < 0` is false (where `x >= 0`, as candle's ReLU passes it, and at
 //! a NaN, as PyTorch's `threshold_backward` does) and gives zero elsewhere, whatever the output

@@ -61,17 +61,17 @@ fi
 PYTHON=${PYTHON:-python3}
 BIN=${KANDLE_GPU_BIN:-/tmp/kandle-gpu}
 mkdir -p "$BIN"
-for f in gpu-bin/*.xz; do
-  name=$(basename "$f" .xz)
-  if command -v xz >/dev/null; then
-    xz -dc "$f" > "$BIN/$name"
-  else
-    "$PYTHON" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-      "$f" "$BIN/$name"
-  fi
-  chmod +x "$BIN/$name"
-  missing=$(ldd "$BIN/$name" | grep 'not found' || true)
-  [[ -z $missing ]] || echo "$name: missing libraries: $missing"
+# gpu/build.sh packs every binary into one solid archive.
+if command -v xz >/dev/null; then
+  tar -C "$BIN" -xJf gpu-bin/gpu-bin.tar.xz
+else
+  "$PYTHON" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    gpu-bin/gpu-bin.tar.xz "$BIN"
+fi
+for path in "$BIN"/*; do
+  chmod +x "$path"
+  missing=$(ldd "$path" | grep 'not found' || true)
+  [[ -z $missing ]] || echo "$(basename "$path"): missing libraries: $missing"
 done
 
 STEPS="$OUT/steps.tsv"
